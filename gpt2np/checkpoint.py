@@ -1,0 +1,191 @@
+"""llm.c model files (read and write, fp32 v3 and bf16 v5) and gpt2np's training state files.
+
+Model file: a 256 x int32 header [magic 20240326, version, maxT, V, L, NH, C, Vp], then all 16
+parameter tensors in llm.c's order (wte padded to Vp rows), float32 (v3) or bfloat16 (v5).
+State file: what a resumed run needs beside the model: step, AdamW m and v, the data loaders'
+positions and the sampling RNG (a small JSON header, then m and v as float32).
+Every write goes to a temporary file in the same folder and is renamed into place.
+"""
+import glob
+import json
+import os
+import re
+import struct
+import tempfile
+
+import numpy as np
+
+from .config import GPT2Config
+from .tensors import num_parameters
+
+MODEL_MAGIC = 20240326
+VERSION_FP32, VERSION_BF16 = 3, 5
+HEADER_INTS = 256
+STATE_MAGIC = b"GPT2NPST"
+STATE_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A model or state file that cannot be used; the message names the file and the problem."""
+
+
+def _read_header(path, f):
+    raw = f.read(HEADER_INTS * 4)
+    if len(raw) < HEADER_INTS * 4:
+        raise CheckpointError(f"{path}: truncated: {len(raw)} bytes, shorter than the {HEADER_INTS * 4}-byte header")
+    return np.frombuffer(raw, dtype="<i4")
+
+
+def read_model_header(path):
+    """(GPT2Config, version) from a model file's header, with its sizes checked against the file size."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such model file")
+    with open(path, "rb") as f:
+        header = _read_header(path, f)
+    if header[0] != MODEL_MAGIC:
+        raise CheckpointError(f"{path}: bad magic {header[0]} (expected {MODEL_MAGIC}): not an llm.c model file")
+    version = int(header[1])
+    if version not in (VERSION_FP32, VERSION_BF16):
+        raise CheckpointError(f"{path}: unsupported version {version} (expected 3 = fp32 or 5 = bf16)")
+    maxT, V, L, NH, C, Vp = (int(x) for x in header[2:8])
+    try:
+        cfg = GPT2Config(maxT, V, Vp, L, NH, C)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: header describes an impossible model: {e}") from None
+    itemsize = 4 if version == VERSION_FP32 else 2
+    expected = HEADER_INTS * 4 + num_parameters(cfg) * itemsize
+    actual = os.path.getsize(path)
+    if actual < expected:
+        raise CheckpointError(f"{path}: truncated: {actual} bytes, the header's model needs {expected}")
+    if actual > expected:
+        raise CheckpointError(f"{path}: {actual - expected} bytes more than the header's model needs ({expected})")
+    return cfg, version
+
+
+def load_model(path):
+    """(GPT2Config, float32 flat parameters) from an llm.c model file; bf16 is upcast."""
+    cfg, version = read_model_header(path)
+    n = num_parameters(cfg)
+    with open(path, "rb") as f:
+        f.seek(HEADER_INTS * 4)
+        if version == VERSION_FP32:
+            params = np.fromfile(f, dtype="<f4", count=n)
+        else:
+            params = bf16_to_fp32(np.fromfile(f, dtype="<u2", count=n))
+    return cfg, params.astype(np.float32, copy=False)
+
+
+def save_model(path, cfg: GPT2Config, params, dtype="fp32"):
+    """Write an llm.c model file (dtype 'fp32' -> version 3, 'bf16' -> version 5), atomically."""
+    params = np.asarray(params, dtype=np.float32).reshape(-1)
+    if params.size != num_parameters(cfg):
+        raise ValueError(f"{path}: {params.size} parameters do not match the config ({num_parameters(cfg)})")
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"unknown checkpoint dtype {dtype!r} (fp32 or bf16)")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:8] = [MODEL_MAGIC, VERSION_FP32 if dtype == "fp32" else VERSION_BF16, cfg.max_seq_len,
+                  cfg.vocab_size, cfg.num_layers, cfg.num_heads, cfg.channels, cfg.padded_vocab_size]
+    body = params.astype("<f4", copy=False) if dtype == "fp32" else fp32_to_bf16(params)
+    with atomic_write(path) as f:
+        f.write(header.tobytes())
+        body.tofile(f)
+
+
+def bf16_to_fp32(bits):
+    """uint16 bfloat16 bit patterns -> float32 (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def fp32_to_bf16(x):
+    """float32 -> uint16 bfloat16 bit patterns, rounding to nearest even (NaN stays NaN)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded[nan] = 0x7FC0
+    return rounded
+
+
+class atomic_write:
+    """`with atomic_write(path) as f:` writes to a temp file beside path, renamed into place on success."""
+
+    def __init__(self, path, mode="wb"):
+        self.path, self.mode = os.fspath(path), mode
+
+    def __enter__(self):
+        folder = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(folder, exist_ok=True)
+        fd, self.tmp = tempfile.mkstemp(prefix=os.path.basename(self.path) + ".", suffix=".tmp", dir=folder)
+        self.f = os.fdopen(fd, self.mode)
+        return self.f
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc_type is None:
+                self.f.flush()
+                os.fsync(self.f.fileno())
+            self.f.close()
+            if exc_type is None:
+                os.replace(self.tmp, self.path)
+        finally:
+            if os.path.exists(self.tmp):
+                os.unlink(self.tmp)
+        return False
+
+
+# ---- training state -----------------------------------------------------------------------
+def save_state(path, info: dict, m, v):
+    """A resumable training state: JSON `info` (step, loaders, rng...) then AdamW m, v (float32)."""
+    blob = json.dumps(info, sort_keys=True).encode()
+    m = np.asarray(m, np.float32).reshape(-1)
+    v = np.asarray(v, np.float32).reshape(-1)
+    with atomic_write(path) as f:
+        f.write(STATE_MAGIC + struct.pack("<iqq", STATE_VERSION, len(blob), m.size))
+        f.write(blob)
+        m.tofile(f)
+        v.tofile(f)
+
+
+def load_state(path, num_params=None):
+    """(info, m, v) from a state file; checks magic, version, sizes."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such state file")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(len(STATE_MAGIC) + 20)
+        if len(head) < len(STATE_MAGIC) + 20 or head[:len(STATE_MAGIC)] != STATE_MAGIC:
+            raise CheckpointError(f"{path}: not a gpt2np state file (bad magic or truncated header)")
+        version, blob_len, n = struct.unpack("<iqq", head[len(STATE_MAGIC):])
+        if version != STATE_VERSION:
+            raise CheckpointError(f"{path}: unsupported state version {version} (expected {STATE_VERSION})")
+        expected = len(head) + blob_len + 8 * n
+        if size != expected:
+            raise CheckpointError(f"{path}: {size} bytes, the header says {expected}: truncated or corrupt")
+        if num_params is not None and n != num_params:
+            raise CheckpointError(f"{path}: optimizer state for {n} parameters, the model has {num_params}")
+        try:
+            info = json.loads(f.read(blob_len))
+        except ValueError:
+            raise CheckpointError(f"{path}: corrupt JSON header") from None
+        m = np.fromfile(f, dtype="<f4", count=n)
+        v = np.fromfile(f, dtype="<f4", count=n)
+    return info, m, v
+
+
+def model_path(out_dir, step):
+    return os.path.join(out_dir, f"model_{step:08d}.bin")
+
+
+def state_path(out_dir, step, rank=0):
+    return os.path.join(out_dir, f"state_{step:08d}_{rank:05d}.bin")
+
+
+def done_path(out_dir, step):
+    return os.path.join(out_dir, f"DONE_{step:08d}")
+
+
+def latest_checkpoint_step(out_dir):
+    """The highest step with a DONE_ marker in out_dir (written after model and states), or None."""
+    steps = [int(m.group(1)) for p in glob.glob(os.path.join(out_dir, "DONE_*"))
+             if (m := re.fullmatch(r"DONE_(\d+)", os.path.basename(p)))]
+    return max(steps) if steps else None

@@ -1,0 +1,281 @@
+"""GPT-2: the network, written once against a backend's op contract.
+
+The model owns flat buffers in llm.c's discipline: parameters, gradients and the AdamW moments m, v
+are each one buffer with named views (tensors.PARAM_NAMES order); activations are preallocated for
+(B, T). It knows the network, not the device: every op is a call on `backend`.
+"""
+import math
+
+import numpy as np
+
+from . import ranges
+from .config import GPT2Config
+from .tensors import (DECAYED_BY_DEFAULT, PARAM_NAMES, activation_shapes, layout_size, num_parameters,
+                      param_shapes, views)
+
+
+class TokenError(ValueError):
+    """A token id outside [0, V)."""
+
+
+class GPT2:
+    """GPT-2 with preallocated buffers for batches up to (B, T).
+
+    params/grads/m/v: flat (num_parameters,) buffers; `param[name]`, `grad[name]` are shaped views.
+    forward(inputs, targets) -> mean loss; backward(); grad_norm(); update(...).
+    """
+
+    def __init__(self, cfg: GPT2Config, backend, B: int, T: int, seed=None,
+                 decay_tensors=DECAYED_BY_DEFAULT):
+        if not 0 < T <= cfg.max_seq_len:
+            raise ValueError(f"sequence length T={T} must be in 1..{cfg.max_seq_len} (the model's max_seq_len)")
+        if B < 1:
+            raise ValueError(f"batch size B={B} must be positive")
+        self.cfg, self.backend, self.B, self.T = cfg, backend, B, T
+        self.num_parameters = num_parameters(cfg)
+        self.param_shapes = param_shapes(cfg)
+        self.decay_tensors = tuple(decay_tensors)
+        self.params = backend.zeros(self.num_parameters)
+        self.param = views(self.params, self.param_shapes)
+        self.grads = backend.zeros(self.num_parameters)
+        self.grad = views(self.grads, self.param_shapes)
+        self.m = self.v = None                       # AdamW moments, allocated at the first update
+        self.acts = backend.zeros(layout_size(activation_shapes(cfg, B, T)))
+        self.inputs = backend.zeros((B, T), np.int32)
+        self.targets = backend.zeros((B, T), np.int32)
+        C = cfg.channels
+        # gradient scratch, reused by every layer (llm.c's CUDA trainer does the same)
+        self.dresidual = backend.zeros((B, T, C))
+        self.d_btc = backend.zeros((B, T, C))
+        self.d_bt3c = backend.zeros((B, T, 3 * C))
+        self.d_bt4c = backend.zeros((B, T, 4 * C))
+        self.profiler = None                         # set by gpt2np.profiler.Profiler
+        self.mean_loss = None
+        self._shape = None
+        self._set_shape(B, T)
+        self._dlogits_ready = False
+        self._has_targets = False
+        if seed is not None:
+            self.init_random(seed)
+
+    # ---- parameters ---------------------------------------------------------------------
+    def init_random(self, seed: int):
+        """llm.c's init: N(0, 0.02) weights, N(0, 0.02/sqrt(2L)) residual projections, LN weights 1, biases 0.
+
+        The wte padding rows [V, Vp) stay zero.
+        """
+        rng = np.random.default_rng(seed)
+        cfg = self.cfg
+        host = np.zeros(self.num_parameters, np.float32)
+        hv = views(host, self.param_shapes)
+        residual_std = 0.02 / math.sqrt(2 * cfg.num_layers)
+        for name in PARAM_NAMES:
+            if name in ("ln1w", "ln2w", "lnfw"):
+                hv[name][...] = 1.0
+            elif name in ("attprojw", "fcprojw"):
+                hv[name][...] = rng.standard_normal(hv[name].shape, np.float32) * np.float32(residual_std)
+            elif name in ("wte", "wpe", "qkvw", "fcw"):
+                hv[name][...] = rng.standard_normal(hv[name].shape, np.float32) * np.float32(0.02)
+        hv["wte"][cfg.vocab_size:] = 0.0
+        self.load_params(host)
+
+    def load_params(self, flat):
+        """Copy a host (num_parameters,) float array into the parameter buffer."""
+        flat = np.asarray(flat)
+        if flat.shape != (self.num_parameters,):
+            raise ValueError(f"expected {self.num_parameters} parameters, got {flat.shape}")
+        self.backend.copy_(self.params, self.backend.from_host(flat, self.params.dtype))
+
+    def params_host(self):
+        return self.backend.to_host(self.params)
+
+    def grads_host(self):
+        """{name: host copy of the gradient} in llm.c shapes."""
+        return views(self.backend.to_host(self.grads), self.param_shapes)
+
+    def logits_host(self):
+        """(b, t, Vp) host copy of the last forward's logits (invalid after dlogits were written)."""
+        if self._dlogits_ready:
+            raise RuntimeError("logits were overwritten by dlogits in the fused classifier")
+        return self.backend.to_host(self.act["logits"])
+
+    # ---- activations --------------------------------------------------------------------
+    def _set_shape(self, b, t):
+        """Views of the activation buffer for a (b, t) batch (b <= B, t <= T share the buffer)."""
+        if self._shape == (b, t):
+            return
+        self._shape = (b, t)
+        self.act = views(self.acts, activation_shapes(self.cfg, b, t))
+        self.x = self.inputs.reshape(-1)[:b * t].reshape(b, t)
+        self.y = self.targets.reshape(-1)[:b * t].reshape(b, t)
+        C = self.cfg.channels
+        self.dres = self.dresidual.reshape(-1)[:b * t * C].reshape(b, t, C)
+        self.dbtc = self.d_btc.reshape(-1)[:b * t * C].reshape(b, t, C)
+        self.dbt3c = self.d_bt3c.reshape(-1)[:b * t * 3 * C].reshape(b, t, 3 * C)
+        self.dbt4c = self.d_bt4c.reshape(-1)[:b * t * 4 * C].reshape(b, t, 4 * C)
+
+    def _check_tokens(self, tokens, what):
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2 or tokens.shape[0] > self.B or tokens.shape[1] > self.T:
+            raise ValueError(f"{what} must be (b, t) with b <= {self.B}, t <= {self.T}; got {tokens.shape}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
+            bad = int(tokens.max() if tokens.max() >= self.cfg.vocab_size else tokens.min())
+            raise TokenError(f"{what} contain token id {bad} outside [0, {self.cfg.vocab_size})")
+        return tokens.astype(np.int32, copy=False)
+
+    # ---- one op -------------------------------------------------------------------------
+    def _op(self, op, module, fn, *args):
+        """Run one backend op inside its NVTX range; the profiler (if any) attributes it."""
+        with ranges.range(op):
+            if self.profiler is None:
+                fn(*args)
+            else:
+                self.profiler.run_op(op, module, self._direction, self._layer, fn, args)
+
+    # ---- forward ------------------------------------------------------------------------
+    def forward(self, inputs, targets=None, *, for_backward=False, grad_accum_steps=1):
+        """inputs, targets (b, t) token ids -> mean loss (None without targets).
+
+        Logits (b, t, Vp) are in act["logits"]. With for_backward the fused classifier also writes
+        dlogits (scaled by 1/(b*t*grad_accum_steps)) over the logits now, as llm.c's trainer does,
+        so backward() need not recompute the softmax.
+        """
+        be, cfg = self.backend, self.cfg
+        inputs = self._check_tokens(inputs, "inputs")
+        b, t = inputs.shape
+        self._set_shape(b, t)
+        be.copy_(self.x, be.from_host(inputs))
+        if targets is not None:
+            targets = self._check_tokens(targets, "targets")
+            if targets.shape != inputs.shape:
+                raise ValueError(f"targets {targets.shape} and inputs {inputs.shape} differ in shape")
+            be.copy_(self.y, be.from_host(targets))
+        self._has_targets = targets is not None
+        a, p, L = self.act, self.param, cfg.num_layers
+        self._direction, self._layer = "fprop", None
+        with ranges.range("gpt2_forward"):
+            self._op("encoder_forward", "wte", be.encoder_forward, a["encoded"], self.x, p["wte"], p["wpe"])
+            for l in range(L):
+                self._layer = l
+                h = f"h.{l}"
+                residual = a["encoded"] if l == 0 else a["residual3"][l - 1]
+                with ranges.range(f"Layer {l}"):
+                    self._op("layernorm_forward", f"{h}.ln_1", be.layernorm_forward, a["ln1"][l], a["ln1_mean"][l],
+                             a["ln1_rstd"][l], residual, p["ln1w"][l], p["ln1b"][l])
+                    qkv = self.dbt3c                    # the permuted copy in qkvr is what backward keeps
+                    self._op("matmul_forward", f"{h}.attn.c_attn", be.matmul_forward, qkv, a["ln1"][l],
+                             p["qkvw"][l], p["qkvb"][l])
+                    self._op("attention_forward", f"{h}.attn", be.attention_forward, a["atty"][l], a["qkvr"][l],
+                             a["att"][l], qkv)
+                    self._op("matmul_forward", f"{h}.attn.c_proj", be.matmul_forward, a["attproj"][l],
+                             a["atty"][l], p["attprojw"][l], p["attprojb"][l])
+                    self._op("residual_forward", f"{h}.residual", be.residual_forward, a["residual2"][l], residual,
+                             a["attproj"][l])
+                    self._op("layernorm_forward", f"{h}.ln_2", be.layernorm_forward, a["ln2"][l], a["ln2_mean"][l],
+                             a["ln2_rstd"][l], a["residual2"][l], p["ln2w"][l], p["ln2b"][l])
+                    self._op("matmul_forward", f"{h}.mlp.c_fc", be.matmul_forward, a["fch"][l], a["ln2"][l],
+                             p["fcw"][l], p["fcb"][l])
+                    self._op("gelu_forward", f"{h}.mlp.gelu", be.gelu_forward, a["fch_gelu"][l], a["fch"][l])
+                    self._op("matmul_forward", f"{h}.mlp.c_proj", be.matmul_forward, a["fcproj"][l],
+                             a["fch_gelu"][l], p["fcprojw"][l], p["fcprojb"][l])
+                    self._op("residual_forward", f"{h}.residual", be.residual_forward, a["residual3"][l],
+                             a["residual2"][l], a["fcproj"][l])
+            self._layer = None
+            self._op("layernorm_forward", "ln_f", be.layernorm_forward, a["lnf"], a["lnf_mean"], a["lnf_rstd"],
+                     a["residual3"][L - 1], p["lnfw"], p["lnfb"])
+            self._op("matmul_forward", "lm_head", be.matmul_forward, a["logits"], a["lnf"], p["wte"], None)
+            self._dlogits_ready = False
+            self.mean_loss = None
+            if targets is not None:
+                self._classifier(for_backward, grad_accum_steps)
+        return self.mean_loss
+
+    def _classifier(self, write_dlogits, grad_accum_steps):
+        b, t = self._shape
+        dloss = 1.0 / (b * t * grad_accum_steps)
+        self._op("fused_classifier", "lm_head", self.backend.fused_classifier, self.act["logits"],
+                 self.act["losses"], self.y, self.cfg.vocab_size, dloss, write_dlogits)
+        self.mean_loss = float(self.backend.to_host(self.act["losses"]).mean(dtype=np.float64))
+        self._dlogits_ready = write_dlogits
+
+    # ---- backward -----------------------------------------------------------------------
+    def zero_grad(self):
+        self.backend.fill_(self.grads, 0.0)
+
+    def backward(self, grad_accum_steps=1):
+        """Accumulate d(mean loss / grad_accum_steps)/d(params) into grads; needs forward with targets."""
+        if not self._has_targets:
+            raise RuntimeError("backward() needs a forward() with targets first")
+        be, a, p, g, L = self.backend, self.act, self.param, self.grad, self.cfg.num_layers
+        dres, dbtc, dbt3c, dbt4c = self.dres, self.dbtc, self.dbt3c, self.dbt4c
+        self._direction, self._layer = "bprop", None
+        with ranges.range("gpt2_backward"):
+            if not self._dlogits_ready:
+                self._classifier(True, grad_accum_steps)
+            dlogits = a["logits"]
+            be.fill_(dres, 0.0)
+            self._op("matmul_backward", "lm_head", be.matmul_backward, dbtc, g["wte"], None, dlogits, a["lnf"],
+                     p["wte"])
+            self._op("layernorm_backward", "ln_f", be.layernorm_backward, dres, g["lnfw"], g["lnfb"], dbtc,
+                     a["residual3"][L - 1], p["lnfw"], a["lnf_mean"], a["lnf_rstd"])
+            for l in reversed(range(L)):
+                self._layer = l
+                h = f"h.{l}"
+                residual = a["encoded"] if l == 0 else a["residual3"][l - 1]
+                with ranges.range(f"Layer {l}"):
+                    # dres holds d(residual3[l]); the residual's backward is the identity, so it flows on
+                    self._op("matmul_backward", f"{h}.mlp.c_proj", be.matmul_backward, dbt4c, g["fcprojw"][l],
+                             g["fcprojb"][l], dres, a["fch_gelu"][l], p["fcprojw"][l])
+                    self._op("gelu_backward", f"{h}.mlp.gelu", be.gelu_backward, dbt4c, a["fch"][l], dbt4c)
+                    self._op("matmul_backward", f"{h}.mlp.c_fc", be.matmul_backward, dbtc, g["fcw"][l], g["fcb"][l],
+                             dbt4c, a["ln2"][l], p["fcw"][l])
+                    self._op("layernorm_backward", f"{h}.ln_2", be.layernorm_backward, dres, g["ln2w"][l],
+                             g["ln2b"][l], dbtc, a["residual2"][l], p["ln2w"][l], a["ln2_mean"][l], a["ln2_rstd"][l])
+                    # dres now holds d(residual2[l])
+                    self._op("matmul_backward", f"{h}.attn.c_proj", be.matmul_backward, dbtc, g["attprojw"][l],
+                             g["attprojb"][l], dres, a["atty"][l], p["attprojw"][l])
+                    self._op("attention_backward", f"{h}.attn", be.attention_backward, dbt3c, dbtc, a["qkvr"][l],
+                             a["att"][l])
+                    self._op("matmul_backward", f"{h}.attn.c_attn", be.matmul_backward, dbtc, g["qkvw"][l],
+                             g["qkvb"][l], dbt3c, a["ln1"][l], p["qkvw"][l])
+                    self._op("layernorm_backward", f"{h}.ln_1", be.layernorm_backward, dres, g["ln1w"][l],
+                             g["ln1b"][l], dbtc, residual, p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l])
+            self._layer = None
+            self._op("encoder_backward", "wte", be.encoder_backward, g["wte"], g["wpe"], dres, self.x)
+        self._has_targets = False                   # the logits buffer now holds dlogits
+
+    # ---- update -------------------------------------------------------------------------
+    def grad_norm(self):
+        """Global L2 norm of all gradients."""
+        self._direction, self._layer = "update", None
+        with ranges.range("gpt2_calculate_grad_norm"):
+            box = []
+            self._op("global_norm", "optimizer", lambda g: box.append(self.backend.global_norm_squared(g)),
+                     self.grads)
+        return math.sqrt(box[0])
+
+    def update(self, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1, grad_clip=1.0,
+               grad_norm=None):
+        """One AdamW step (t = step >= 1) with global-norm clipping; returns the grad norm used."""
+        if step < 1:
+            raise ValueError("AdamW step t counts from 1")
+        if grad_norm is None:
+            grad_norm = self.grad_norm()
+        grad_scale = 1.0
+        if grad_clip is not None and grad_clip > 0 and grad_norm > grad_clip:
+            grad_scale = grad_clip / grad_norm
+        be = self.backend
+        if self.m is None:
+            self.m = be.zeros(self.num_parameters)
+            self.v = be.zeros(self.num_parameters)
+        self._direction, self._layer = "update", None
+        with ranges.range("gpt2_update"):
+            start = 0
+            for name in PARAM_NAMES:
+                size = int(np.prod(self.param_shapes[name]))
+                sl = slice(start, start + size)
+                wd = weight_decay if name in self.decay_tensors else 0.0
+                self._op("adamw", "optimizer", be.adamw_update, self.params[sl], self.grads[sl], self.m[sl],
+                         self.v[sl], lr, beta1, beta2, eps, wd, step, grad_scale)
+                start += size
+        return grad_norm

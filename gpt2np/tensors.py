@@ -1,0 +1,89 @@
+"""Flat-buffer layouts: the 16 parameter tensors in llm.c's order, and the activations for (B, T).
+
+Parameters, gradients and the AdamW moments m, v are each ONE flat buffer of
+`num_parameters(cfg)` elements; `views(flat, layout)` cuts named, shaped views out of it.
+"""
+import numpy as np
+
+from .config import GPT2Config
+
+# llm.c's parameter order; indices matter (checkpoints store tensors in this order).
+PARAM_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
+               "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")
+
+# The GPT-2 (HuggingFace/PyTorch) name of each tensor, for reports; {l} is the layer.
+PARAM_HF_NAMES = ("transformer.wte.weight", "transformer.wpe.weight",
+                  "transformer.h.{l}.ln_1.weight", "transformer.h.{l}.ln_1.bias",
+                  "transformer.h.{l}.attn.c_attn.weight", "transformer.h.{l}.attn.c_attn.bias",
+                  "transformer.h.{l}.attn.c_proj.weight", "transformer.h.{l}.attn.c_proj.bias",
+                  "transformer.h.{l}.ln_2.weight", "transformer.h.{l}.ln_2.bias",
+                  "transformer.h.{l}.mlp.c_fc.weight", "transformer.h.{l}.mlp.c_fc.bias",
+                  "transformer.h.{l}.mlp.c_proj.weight", "transformer.h.{l}.mlp.c_proj.bias",
+                  "transformer.ln_f.weight", "transformer.ln_f.bias")
+
+
+def param_shapes(cfg: GPT2Config):
+    """{name: shape} in llm.c's order. Weights are (out_features, in_features)."""
+    Vp, maxT, L, C = cfg.padded_vocab_size, cfg.max_seq_len, cfg.num_layers, cfg.channels
+    return {
+        "wte": (Vp, C), "wpe": (maxT, C),
+        "ln1w": (L, C), "ln1b": (L, C),
+        "qkvw": (L, 3 * C, C), "qkvb": (L, 3 * C),
+        "attprojw": (L, C, C), "attprojb": (L, C),
+        "ln2w": (L, C), "ln2b": (L, C),
+        "fcw": (L, 4 * C, C), "fcb": (L, 4 * C),
+        "fcprojw": (L, C, 4 * C), "fcprojb": (L, C),
+        "lnfw": (C,), "lnfb": (C,),
+    }
+
+
+# Tensors that get weight decay by default: the 2-D matrices (llm.c's CUDA trainer's choice).
+DECAYED_BY_DEFAULT = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw")
+
+
+def activation_shapes(cfg: GPT2Config, B: int, T: int):
+    """{name: shape} of every activation kept for the backward pass, for a (B, T) batch.
+
+    encoded (B,T,C) = wte[x] + wpe;  per layer l: ln1, ln1_mean, ln1_rstd, qkvr (3,B,NH,T,HS)
+    q, k, v split per head, att (B,NH,T,T) softmax probabilities, atty (B,T,C) attention output,
+    attproj, residual2, ln2..., fch (B,T,4C) pre-GELU, fch_gelu, fcproj, residual3;
+    lnf, lnf_mean, lnf_rstd; logits (B,T,Vp); losses (B,T).
+    """
+    L, NH, C, Vp = cfg.num_layers, cfg.num_heads, cfg.channels, cfg.padded_vocab_size
+    HS = C // NH
+    return {
+        "encoded": (B, T, C),
+        "ln1": (L, B, T, C), "ln1_mean": (L, B, T), "ln1_rstd": (L, B, T),
+        "qkvr": (L, 3, B, NH, T, HS), "att": (L, B, NH, T, T), "atty": (L, B, T, C),
+        "attproj": (L, B, T, C), "residual2": (L, B, T, C),
+        "ln2": (L, B, T, C), "ln2_mean": (L, B, T), "ln2_rstd": (L, B, T),
+        "fch": (L, B, T, 4 * C), "fch_gelu": (L, B, T, 4 * C),
+        "fcproj": (L, B, T, C), "residual3": (L, B, T, C),
+        "lnf": (B, T, C), "lnf_mean": (B, T), "lnf_rstd": (B, T),
+        "logits": (B, T, Vp), "losses": (B, T),
+    }
+
+
+def layout_size(shapes) -> int:
+    return int(sum(int(np.prod(s)) for s in shapes.values()))
+
+
+def num_parameters(cfg: GPT2Config) -> int:
+    """Total elements of the flat parameter buffer (wte padded to Vp rows)."""
+    return layout_size(param_shapes(cfg))
+
+
+def offsets(shapes):
+    """{name: (offset, size)} for tensors packed one after another in dict order."""
+    out, pos = {}, 0
+    for name, shape in shapes.items():
+        size = int(np.prod(shape))
+        out[name] = (pos, size)
+        pos += size
+    return out
+
+
+def views(flat, shapes):
+    """{name: view of `flat` with that shape}; works for NumPy and CuPy arrays alike."""
+    return {name: flat[off:off + size].reshape(shapes[name])
+            for name, (off, size) in offsets(shapes).items()}
