@@ -245,6 +245,16 @@ class GPT2:
         self._has_targets = False                   # the logits buffer now holds dlogits
 
     # ---- update -------------------------------------------------------------------------
+    def optimizer_state_host(self):
+        """(m, v) host copies; zeros before the first update."""
+        if self.m is None:
+            return np.zeros(self.num_parameters, np.float32), np.zeros(self.num_parameters, np.float32)
+        return self.backend.to_host(self.m), self.backend.to_host(self.v)
+
+    def load_optimizer_state(self, m, v):
+        self.m = self.backend.from_host(np.asarray(m, np.float32))
+        self.v = self.backend.from_host(np.asarray(v, np.float32))
+
     def grad_norm(self):
         """Global L2 norm of all gradients."""
         self._direction, self._layer = "update", None

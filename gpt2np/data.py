@@ -1,0 +1,255 @@
+"""llm.c token shards (.bin files of uint16 GPT-2 token ids) and the DataLoader that cuts them into batches.
+
+Shard layout (llm.c, dev/data/data_common.py): a header of 256 int32 -- [0] = 20240520 (magic),
+[1] = 1 (version), [2] = number of tokens -- followed by the tokens as little-endian uint16.
+
+The DataLoader follows llm.c's dataloader.h: a "sample" is a window of num_processes*B*T+1 tokens
+starting at a multiple of num_processes*B*T inside one shard; rank r takes the B*T+1 tokens starting
+at r*B*T inside it, so the ranks of one step read disjoint slices. A shard holds
+(num_tokens - 1) // (num_processes*B*T) samples; the tail that does not fit is skipped.
+"""
+import contextlib
+import glob
+import os
+import secrets
+from pathlib import Path
+
+import numpy as np
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+TOKEN_DTYPE = np.dtype("<u2")
+
+
+class DataError(ValueError):
+    """A token shard, a file pattern or a loader state is unusable; the message names the file."""
+
+
+@contextlib.contextmanager
+def atomic_write(path, mode="wb"):
+    """Open a temporary file next to `path` for writing; on success os.replace() it onto `path`.
+
+    Readers never see a half-written file: on any exception the temporary file is removed and
+    `path` is left as it was.
+    """
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # the umask applies, unlike mkstemp's 0600
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_shard(path, tokens):
+    """Write `tokens` (1-D integer array-like, values in [0, 65536)) as an llm.c shard, atomically."""
+    toks = np.asarray(tokens)
+    if toks.ndim != 1:
+        raise DataError(f"{path}: tokens must be a 1-D array, got shape {toks.shape}")
+    if toks.size and not np.issubdtype(toks.dtype, np.integer):
+        raise DataError(f"{path}: tokens must be integers, got dtype {toks.dtype}")
+    if toks.size and (toks.min() < 0 or toks.max() >= 2**16):
+        raise DataError(f"{path}: token ids must lie in [0, 65536) to fit uint16, "
+                        f"got range [{toks.min()}, {toks.max()}]")
+    if toks.size >= 2**31:
+        raise DataError(f"{path}: {toks.size} tokens do not fit the int32 count in the header")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, toks.size
+    with atomic_write(path) as f:
+        f.write(header.tobytes())
+        f.write(toks.astype(TOKEN_DTYPE).tobytes())
+
+
+def read_shard_header(path) -> int:
+    """Check a shard's header against its file size; returns the number of tokens it holds."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except FileNotFoundError:
+        raise DataError(f"{path}: token shard not found") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read token shard ({e.strerror or e})") from None
+    if len(raw) < HEADER_BYTES:
+        raise DataError(f"{path}: truncated token shard: {size} bytes, "
+                        f"shorter than the {HEADER_BYTES}-byte header")
+    header = np.frombuffer(raw, dtype="<i4")
+    if header[0] != SHARD_MAGIC:
+        raise DataError(f"{path}: not an llm.c token shard (magic {header[0]}, expected {SHARD_MAGIC})")
+    if header[1] != SHARD_VERSION:
+        raise DataError(f"{path}: unsupported token shard version {header[1]} (expected {SHARD_VERSION})")
+    num_tokens = int(header[2])
+    expected = HEADER_BYTES + 2 * num_tokens
+    if num_tokens < 0 or size != expected:
+        what = "truncated token shard" if size < expected else "token shard size disagrees with header"
+        raise DataError(f"{path}: {what}: header says {num_tokens} tokens ({expected} bytes), "
+                        f"file has {size} bytes")
+    return num_tokens
+
+
+def read_shard(path, mmap=True) -> np.ndarray:
+    """The tokens of a shard as a 1-D np.uint16 array (a read-only np.memmap when mmap=True)."""
+    num_tokens = read_shard_header(path)
+    if num_tokens == 0:
+        return np.zeros(0, dtype=np.uint16)
+    if mmap:
+        return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        return np.fromfile(f, dtype=TOKEN_DTYPE, count=num_tokens)
+
+
+def expand_patterns(pattern_or_patterns):
+    """Sorted, de-duplicated list of files matching one glob pattern or a list of them.
+
+    Every pattern must match at least one file.
+    """
+    patterns = ([pattern_or_patterns] if isinstance(pattern_or_patterns, (str, os.PathLike))
+                else list(pattern_or_patterns))
+    if not patterns:
+        raise DataError("no token shard pattern given")
+    files = set()
+    for pattern in patterns:
+        matches = [m for m in glob.glob(os.fspath(pattern)) if os.path.isfile(m)]
+        if not matches:
+            raise DataError(f"{pattern}: no token shard matches this pattern")
+        files.update(matches)
+    return sorted(files)
+
+
+class DataLoader:
+    """Batches of (inputs, targets), each (B, T) int32 with targets = inputs shifted by one token.
+
+    pattern_or_patterns: glob pattern(s) of shard files, read in sorted order.
+    process_rank / num_processes: this rank's slice of every global batch (see module docstring).
+    shuffle: per epoch, a seeded permutation of the shard order and of the samples inside each
+        shard; every rank computes the same permutations, so ranks still read disjoint slices.
+    vocab_size: if given, token ids >= vocab_size raise DataError naming the file and position.
+
+    The read position is (epoch, shard_position, sample_position); state()/load_state() save and
+    restore it so a resumed run continues with exactly the batches it would have seen.
+    """
+
+    def __init__(self, pattern_or_patterns, B, T, process_rank=0, num_processes=1,
+                 shuffle=False, seed=1337, vocab_size=None):
+        if B <= 0 or T <= 0:
+            raise DataError(f"DataLoader: B and T must be positive, got B={B}, T={T}")
+        if num_processes <= 0 or not 0 <= process_rank < num_processes:
+            raise DataError(f"DataLoader: need 0 <= process_rank < num_processes, "
+                            f"got process_rank={process_rank}, num_processes={num_processes}")
+        if seed < 0:
+            raise DataError(f"DataLoader: seed must be non-negative, got {seed}")
+        self.B, self.T = int(B), int(T)
+        self.process_rank, self.num_processes = int(process_rank), int(num_processes)
+        self.shuffle, self.seed = bool(shuffle), int(seed)
+        self.vocab_size = vocab_size
+        self.files = expand_patterns(pattern_or_patterns)
+        self.sample_tokens = self.num_processes * self.B * self.T   # stride between samples
+        self.shard_num_tokens = [read_shard_header(f) for f in self.files]
+        self.shard_num_samples = []
+        for path, n in zip(self.files, self.shard_num_tokens):
+            samples = max(n - 1, 0) // self.sample_tokens
+            if samples == 0:
+                raise DataError(f"{path}: token shard too small: {n} tokens, need at least "
+                                f"num_processes*B*T+1 = {self.sample_tokens + 1}")
+            self.shard_num_samples.append(samples)
+        self._tokens, self._tokens_index = None, -1
+        self._sample_order_cache = (None, None)
+        self.reset()
+
+    @property
+    def num_batches(self) -> int:
+        """Batches per epoch (the same for every rank)."""
+        return sum(self.shard_num_samples)
+
+    def __len__(self):
+        return self.num_batches
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in all shards together."""
+        return sum(self.shard_num_tokens)
+
+    def reset(self):
+        """Go back to the first batch of epoch 0."""
+        self.epoch, self.shard_position, self.sample_position = 0, 0, 0
+
+    # The seed lists differ at their second entry: SeedSequence pads with zeros, so [s, e] and
+    # [s, e, 0] would give the same stream.
+    def _shard_order(self, epoch):
+        if not self.shuffle:
+            return range(len(self.files))
+        return np.random.default_rng([self.seed, 1, epoch]).permutation(len(self.files))
+
+    def _sample_order(self, epoch, shard_index):
+        n = self.shard_num_samples[shard_index]
+        if not self.shuffle:
+            return range(n)
+        key = (epoch, shard_index)
+        if self._sample_order_cache[0] != key:
+            order = np.random.default_rng([self.seed, 2, epoch, shard_index]).permutation(n)
+            self._sample_order_cache = (key, order)
+        return self._sample_order_cache[1]
+
+    def _shard_tokens(self, shard_index):
+        if self._tokens_index != shard_index:
+            self._tokens = read_shard(self.files[shard_index])
+            self._tokens_index = shard_index
+        return self._tokens
+
+    def next_batch(self):
+        """Returns (inputs, targets), both (B, T) int32, and advances the position."""
+        shard_index = int(self._shard_order(self.epoch)[self.shard_position])
+        if self.sample_position >= self.shard_num_samples[shard_index]:
+            self.shard_position += 1
+            self.sample_position = 0
+            if self.shard_position >= len(self.files):
+                self.shard_position = 0
+                self.epoch += 1
+            shard_index = int(self._shard_order(self.epoch)[self.shard_position])
+        sample = int(self._sample_order(self.epoch, shard_index)[self.sample_position])
+        start = sample * self.sample_tokens + self.process_rank * self.B * self.T
+        window = np.asarray(self._shard_tokens(shard_index)[start:start + self.B * self.T + 1])
+        if self.vocab_size is not None:
+            bad = np.flatnonzero(window >= self.vocab_size)
+            if bad.size:
+                raise DataError(f"{self.files[shard_index]}: token id {window[bad[0]]} at token position "
+                                f"{start + bad[0]} is >= vocab_size {self.vocab_size}")
+        self.sample_position += 1
+        window = window.astype(np.int32)
+        inputs = window[:-1].reshape(self.B, self.T)
+        targets = window[1:].reshape(self.B, self.T)
+        return inputs, targets
+
+    def state(self) -> dict:
+        """The read position and the settings it depends on, as a dict of plain ints."""
+        return {"epoch": self.epoch, "shard_position": self.shard_position,
+                "sample_position": self.sample_position, "B": self.B, "T": self.T,
+                "num_processes": self.num_processes, "num_shards": len(self.files),
+                "num_tokens": self.num_tokens, "shuffle": int(self.shuffle), "seed": self.seed}
+
+    def load_state(self, state: dict):
+        """Continue from a position saved by state() of a loader with the same settings and data."""
+        mine = self.state()
+        for key in ("B", "T", "num_processes", "num_shards", "num_tokens", "shuffle", "seed"):
+            if key not in state:
+                raise DataError(f"DataLoader.load_state: saved state lacks '{key}'")
+            if int(state[key]) != mine[key]:
+                raise DataError(f"DataLoader.load_state: state was saved with {key}={state[key]}, "
+                                f"this loader ({self.files[0]}, ...) has {key}={mine[key]}")
+        epoch, shard_pos, sample_pos = (int(state[k]) for k in ("epoch", "shard_position", "sample_position"))
+        if epoch < 0 or not 0 <= shard_pos < len(self.files) or sample_pos < 0:
+            raise DataError(f"DataLoader.load_state: position out of range: epoch={epoch}, "
+                            f"shard_position={shard_pos}, sample_position={sample_pos}")
+        shard_index = int(self._shard_order(epoch)[shard_pos])
+        if sample_pos > self.shard_num_samples[shard_index]:
+            raise DataError(f"DataLoader.load_state: sample_position {sample_pos} is past the "
+                            f"{self.shard_num_samples[shard_index]} samples of {self.files[shard_index]}")
+        self.epoch, self.shard_position, self.sample_position = epoch, shard_pos, sample_pos

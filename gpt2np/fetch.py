@@ -1,0 +1,147 @@
+"""Downloading the files gpt2np can use: tinyshakespeare, llm.c's starter pack, GPT-2's BPE files.
+
+    python -m gpt2np.fetch [tinyshakespeare|model|tokenizer|debug-state|bpe|all ...] [--dir checkpoints]
+
+download() never hangs: every connect and read has a socket timeout; any failure (offline, timeout,
+HTTP error, short read) raises FetchError with one line. Files are written to a temporary file
+next to the destination and renamed into place only when complete.
+"""
+import argparse
+import http.client
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .data import atomic_write
+
+TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+STARTER_PACK_URL = "https://huggingface.co/datasets/karpathy/llmc-starter-pack/resolve/main/"
+GPT2_BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+
+# local file name -> URL
+KNOWN_FILES = {
+    "tinyshakespeare.txt": TINYSHAKESPEARE_URL,
+    "gpt2_124M.bin": STARTER_PACK_URL + "gpt2_124M.bin",
+    "gpt2_tokenizer.bin": STARTER_PACK_URL + "gpt2_tokenizer.bin",
+    "gpt2_124M_debug_state.bin": STARTER_PACK_URL + "gpt2_124M_debug_state.bin",
+    "gpt2_vocab.bpe": GPT2_BPE_URL + "vocab.bpe",
+    "gpt2_encoder.json": GPT2_BPE_URL + "encoder.json",
+}
+# command-line names -> local file names
+GROUPS = {
+    "tinyshakespeare": ["tinyshakespeare.txt"],
+    "model": ["gpt2_124M.bin"],
+    "tokenizer": ["gpt2_tokenizer.bin"],
+    "debug-state": ["gpt2_124M_debug_state.bin"],
+    "bpe": ["gpt2_vocab.bpe", "gpt2_encoder.json"],
+}
+GROUPS["all"] = [f for files in GROUPS.values() for f in files]
+CHUNK_BYTES = 1 << 16
+
+
+class FetchError(OSError):
+    """A download failed; the message is one line naming the URL and the reason."""
+
+    def __str__(self):
+        return self.args[0] if self.args else ""
+
+
+def _progress_line(name, done, total, started):
+    rate = done / max(time.monotonic() - started, 1e-6) / 1e6
+    if total:
+        width = 30
+        filled = int(width * done / total)
+        return (f"\r{name}: [{'#' * filled}{'.' * (width - filled)}] {100 * done / total:5.1f}% "
+                f"{done / 1e6:.1f}/{total / 1e6:.1f} MB {rate:.1f} MB/s")
+    return f"\r{name}: {done / 1e6:.1f} MB {rate:.1f} MB/s"
+
+
+def download(url, dest, timeout=10, progress=True):
+    """Download `url` to the file `dest` (atomically), with a progress bar on stderr.
+
+    timeout: seconds allowed for the connection and for each read. Returns dest as a Path.
+    """
+    dest = Path(dest)
+    name = dest.name
+    started = time.monotonic()
+    shown = 0.0
+    live = sys.stderr.isatty()   # redraw the bar in place on a terminal; logs get the final line only
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        request = urllib.request.Request(url, headers={"User-Agent": "gpt2np"})
+        with urllib.request.urlopen(request, timeout=timeout) as response, atomic_write(dest) as out:
+            length = response.headers.get("Content-Length")
+            total = int(length) if length and length.isdigit() else None
+            done = 0
+            while True:
+                chunk = response.read(CHUNK_BYTES)
+                if not chunk:
+                    break
+                out.write(chunk)
+                done += len(chunk)
+                now = time.monotonic()
+                if progress and live and now - shown > 0.1:
+                    print(_progress_line(name, done, total, started), end="", file=sys.stderr, flush=True)
+                    shown = now
+            if total is not None and done != total:
+                raise FetchError(f"could not download {url}: connection closed after {done} of {total} bytes")
+        if progress:
+            line = _progress_line(name, done, total, started)
+            print(line if live else line.lstrip("\r"), file=sys.stderr, flush=True)
+    except FetchError:
+        raise
+    except urllib.error.HTTPError as e:
+        raise FetchError(f"could not download {url}: HTTP {e.code} {e.reason}") from None
+    except urllib.error.URLError as e:
+        reason = e.reason
+        if isinstance(reason, (TimeoutError, socket.timeout)):
+            raise FetchError(f"could not download {url}: no answer within {timeout} s") from None
+        raise FetchError(f"could not download {url}: {reason} (offline?)") from None
+    except (TimeoutError, socket.timeout):
+        raise FetchError(f"could not download {url}: no answer within {timeout} s") from None
+    except (http.client.HTTPException, OSError, ValueError) as e:
+        raise FetchError(f"could not download {url}: {type(e).__name__}: {e}") from None
+    return dest
+
+
+def ensure(filename, dest_dir="checkpoints", timeout=10, progress=True):
+    """Path of dest_dir/filename, downloading it from KNOWN_FILES first if it is missing."""
+    path = Path(dest_dir) / filename
+    if path.is_file():
+        return path
+    if filename not in KNOWN_FILES:
+        raise FetchError(f"{path}: missing, and no known URL for {filename}")
+    return download(KNOWN_FILES[filename], path, timeout=timeout, progress=progress)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m gpt2np.fetch", description=__doc__.split("\n")[0])
+    parser.add_argument("what", nargs="*", metavar="WHAT",
+                        help=f"any of {', '.join(sorted(GROUPS))} (default: tinyshakespeare tokenizer model)")
+    parser.add_argument("--dir", default=str(Path(__file__).resolve().parent.parent / "checkpoints"),
+                        help="destination folder (default: <repo>/checkpoints)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="socket timeout in seconds")
+    args = parser.parse_args(argv)
+    unknown = [w for w in args.what if w not in GROUPS]
+    if unknown:
+        parser.error(f"unknown WHAT {unknown[0]!r}; choose from {', '.join(sorted(GROUPS))}")
+    failed = 0
+    for group in args.what or ["tinyshakespeare", "tokenizer", "model"]:
+        for filename in GROUPS[group]:
+            path = Path(args.dir) / filename
+            if path.is_file():
+                print(f"{path}: already present", file=sys.stderr)
+                continue
+            try:
+                ensure(filename, args.dir, timeout=args.timeout)
+            except FetchError as e:
+                print(f"error: {e}", file=sys.stderr)
+                failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

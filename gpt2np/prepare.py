@@ -1,0 +1,116 @@
+"""Tokenize a text file into llm.c token shards: <name>_val.bin (the first val_tokens tokens) and <name>_train.bin.
+
+    python -m gpt2np.prepare [--input FILE | tinyshakespeare] [--output-dir DIR] [--val-tokens 32768] [--bpe-dir DIR]
+
+As llm.c does for tinyshakespeare, the text is cut at blank lines ("\\n\\n") into documents, each document
+is preceded by <|endoftext|>, and every document but the last keeps its trailing "\\n\\n". The GPT-2
+tokenizer file gpt2_tokenizer.bin is written next to the shards if it is not there yet.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from .data import DataError, write_shard
+from .fetch import TINYSHAKESPEARE_URL, FetchError, download
+from .tokenizer import TOKENIZER_BIN, TokenizerError, get_encoding, write_tokenizer_bin
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUTPUT_DIR = REPO_ROOT / "checkpoints" / "data"
+TINYSHAKESPEARE_NAME = "tiny_shakespeare"   # llm.c's shard names: tiny_shakespeare_{val,train}.bin
+DEFAULT_VAL_TOKENS = 32768
+
+
+class Shards(NamedTuple):
+    """Paths written by prepare_text."""
+    val: Path
+    train: Path
+    tokenizer: Path
+
+
+def tokenize_documents(text, encoding):
+    """1-D uint16 token array: eot + tokens of each blank-line-separated document (llm.c's layout)."""
+    sections = text.split("\n\n")
+    docs = [s + "\n\n" for s in sections[:-1]] + sections[-1:]
+    eot = encoding.eot_token
+    tokens = []
+    for doc_tokens in encoding.encode_ordinary_batch(docs, num_threads=os.cpu_count() or 1):
+        tokens.append(eot)
+        tokens.extend(doc_tokens)
+    return np.array(tokens, dtype=np.uint16)
+
+
+def prepare_text(text_path, out_dir, name, val_tokens=DEFAULT_VAL_TOKENS, encoding=None) -> Shards:
+    """Write out_dir/<name>_val.bin and <name>_train.bin from a utf-8 text file; returns their paths."""
+    text_path, out_dir = Path(text_path), Path(out_dir)
+    encoding = encoding or get_encoding()
+    try:
+        text = text_path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DataError(f"{text_path}: text file not found") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{text_path}: not utf-8 text ({e.reason} at byte {e.start})") from None
+    tokens = tokenize_documents(text, encoding)
+    if len(tokens) <= val_tokens + 1:
+        raise DataError(f"{text_path}: only {len(tokens)} tokens, need more than val_tokens+1 = "
+                        f"{val_tokens + 1} to leave a training split")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = Shards(out_dir / f"{name}_val.bin", out_dir / f"{name}_train.bin", out_dir / TOKENIZER_BIN)
+    write_shard(shards.val, tokens[:val_tokens])
+    write_shard(shards.train, tokens[val_tokens:])
+    if not shards.tokenizer.exists():
+        write_tokenizer_bin(shards.tokenizer, encoding)
+    return shards
+
+
+def find_tinyshakespeare():
+    """A local tinyshakespeare.txt, or None."""
+    dirs = [Path(os.environ["GPT2NP_DATA_DIR"])] if os.environ.get("GPT2NP_DATA_DIR") else []
+    dirs += [REPO_ROOT.parent / "shared" / "data", REPO_ROOT / "checkpoints" / "data", REPO_ROOT / "checkpoints"]
+    for d in dirs:
+        if (d / "tinyshakespeare.txt").is_file():
+            return d / "tinyshakespeare.txt"
+    return None
+
+
+def prepare_tinyshakespeare(out_dir=DEFAULT_OUTPUT_DIR, val_tokens=DEFAULT_VAL_TOKENS, encoding=None,
+                            timeout=10) -> Shards:
+    """tiny_shakespeare_{val,train}.bin in out_dir, from a local copy or downloaded into out_dir."""
+    text_path = find_tinyshakespeare()
+    if text_path is None:
+        text_path = download(TINYSHAKESPEARE_URL, Path(out_dir) / "tinyshakespeare.txt", timeout=timeout)
+    return prepare_text(text_path, out_dir, TINYSHAKESPEARE_NAME, val_tokens, encoding)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m gpt2np.prepare", description=__doc__.split("\n")[0])
+    parser.add_argument("dataset", nargs="?", choices=["tinyshakespeare"],
+                        help="a known dataset (default when --input is not given)")
+    parser.add_argument("--input", help="utf-8 text file to tokenize; shards are named after it")
+    parser.add_argument("--output-dir", default=str(DEFAULT_OUTPUT_DIR), help="default: <repo>/checkpoints/data")
+    parser.add_argument("--val-tokens", type=int, default=DEFAULT_VAL_TOKENS, help="tokens in the val split")
+    parser.add_argument("--bpe-dir", help="folder with gpt2_vocab.bpe + gpt2_encoder.json or gpt2_tokenizer.bin")
+    args = parser.parse_args(argv)
+    if args.input and args.dataset:
+        parser.error("give either --input FILE or a dataset name, not both")
+    if args.val_tokens < 0:
+        parser.error("--val-tokens must be >= 0")
+    try:
+        encoding = get_encoding(args.bpe_dir)
+        if args.input:
+            shards = prepare_text(args.input, args.output_dir, Path(args.input).stem, args.val_tokens, encoding)
+        else:
+            shards = prepare_tinyshakespeare(args.output_dir, args.val_tokens, encoding)
+    except (DataError, TokenizerError, FetchError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for path in (shards.val, shards.train):
+        print(f"wrote {path} ({(path.stat().st_size - 1024) // 2:,} tokens)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The training loop behind train.py: llm.c's loop (validate, sample, checkpoint, step) on any backend.
+
+train(args) takes the parsed flags (see train.py); it prints llm.c's header and one line per step, writes
+a log and checkpoints to -o, and resumes bit-identically with -y 1.
+"""
+import os
+import sys
+import time
+
+import numpy as np
+
+from . import ranges
+from .backends import get_backend
+from .checkpoint import (done_path, latest_checkpoint_step, load_model, load_state, model_path, save_model,
+                         save_state, state_path)
+from .data import DataLoader
+from .gpu_specs import flops_per_token, mfu
+from .model import GPT2
+from .sample import generate
+from .schedule import learning_rate
+from .starter import Decoder, resolve_data, resolve_model
+
+# llm.c's defaults differ between its CPU (train_gpt2.c) and GPU (train_gpt2.cu) trainers
+CPU_DEFAULTS = dict(b=4, t=64, x=40, v=10, m=5, s=20)
+GPU_DEFAULTS = dict(b=4, t=1024, x=-1, v=20, m=20, s=20)
+
+
+class SingleProcess:
+    """The data-parallel interface for one process: rank 0 of 1, nothing to reduce."""
+    rank, world_size = 0, 1
+
+    def average_grads(self, model):
+        pass
+
+    def average(self, value):
+        return value
+
+    def barrier(self):
+        pass
+
+
+def resolve_defaults(args, backend_name):
+    defaults = GPU_DEFAULTS if backend_name == "cuda" else CPU_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def header_table(rows):
+    width = max(len(k) for k, _ in rows)
+    line = "+" + "-" * (width + 2) + "+" + "-" * 52 + "+"
+    out = [line, f"| {'Parameter':<{width}} | {'Value':<50} |", line]
+    out += [f"| {k:<{width}} | {str(v):<50} |" for k, v in rows]
+    out.append(line)
+    return "\n".join(out)
+
+
+class Logger:
+    """llm.c's main.log lines (s:STEP trl:LOSS ... / s:STEP tel:LOSS), appended, in -o."""
+
+    def __init__(self, out_dir, rank, resume):
+        self.path = os.path.join(out_dir, "main.log") if out_dir and rank == 0 else None
+        if self.path:
+            os.makedirs(out_dir, exist_ok=True)
+            if not resume:
+                open(self.path, "w").close()
+
+    def log(self, line):
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+
+
+def evaluate(model, loader, max_batches):
+    """Mean loss over up to max_batches validation batches (from the loader's start)."""
+    with ranges.range("validation"):
+        loader.reset()
+        n = min(max_batches, loader.num_batches) if max_batches > 0 else loader.num_batches
+        total = 0.0
+        for _ in range(n):
+            x, y = loader.next_batch()
+            total += model.forward(x, y)
+        return total / max(n, 1)
+
+
+def train(args, dist=None):
+    dist = dist or SingleProcess()
+    rank0 = dist.rank == 0
+    say = print if rank0 else (lambda *a, **k: None)
+    ranges.enable(args.nvtx)
+    backend = get_backend(args.device, **({"tf32": args.tf32} if args.device == "cuda" and args.tf32 else {}))
+    resolve_defaults(args, backend.name)
+    cfg, params, model_desc = resolve_model(args.e)
+    if args.t > cfg.max_seq_len:
+        raise SystemExit(f"error: -t {args.t} is longer than the model's max_seq_len {cfg.max_seq_len}")
+    tokens_per_micro = args.b * args.t * dist.world_size
+    total_batch = args.d if args.d and args.d > 0 else tokens_per_micro
+    if total_batch % tokens_per_micro:
+        raise SystemExit(f"error: total batch -d {total_batch} is not a multiple of B*T*processes = {tokens_per_micro}")
+    accum = total_batch // tokens_per_micro
+
+    train_pattern, val_pattern = resolve_data(args.i, args.j)
+    train_loader = DataLoader(train_pattern, args.b, args.t, dist.rank, dist.world_size, shuffle=args.shuffle,
+                              seed=args.seed, vocab_size=cfg.vocab_size)
+    val_loader = DataLoader(val_pattern, args.b, args.t, dist.rank, dist.world_size,
+                            vocab_size=cfg.vocab_size) if val_pattern and args.v > 0 else None
+    total_steps = args.x if args.x > 0 else max(1, train_loader.num_tokens // total_batch)
+
+    model = GPT2(cfg, backend, args.b, args.t, seed=args.seed if params is None else None)
+    if params is not None:
+        model.load_params(params)
+    rng = np.random.default_rng(args.seed)
+    decoder = Decoder(train_pattern) if args.s > 0 else None
+
+    start_step = 0
+    if args.y:
+        start_step = resume(args, model, train_loader, rng, dist)
+    logger = Logger(args.o, dist.rank, resume=start_step > 0)
+
+    device_name = getattr(backend, "device_name", "cpu")
+    fpt = flops_per_token(model.num_parameters, cfg.num_layers, cfg.channels, args.t)
+    say(header_table([
+        ("train data pattern", train_pattern), ("val data pattern", val_pattern or "-"),
+        ("output log dir", args.o or "NULL"), ("checkpoint every", args.n), ("resume", args.y),
+        ("micro batch size B", args.b), ("sequence length T", args.t), ("total batch size", total_batch),
+        ("LR scheduler", args.k), ("learning rate (LR)", f"{args.l:e}"), ("warmup iterations", args.u),
+        ("final LR fraction", f"{args.q:e}"), ("weight decay", f"{args.c:e}"), ("grad clip", args.grad_clip),
+        ("max_steps", args.x), ("val_loss_every", args.v), ("val_max_steps", args.m),
+        ("sample_every", args.s), ("genT", args.g), ("overfit_single_batch", args.a), ("seed", args.seed),
+        ("device", f"{backend.name} ({device_name})"), ("model", model_desc)]))
+    say(header_table([("max_sequence_length T", cfg.max_seq_len), ("vocab_size V", cfg.vocab_size),
+                      ("padded_vocab_size Vp", cfg.padded_vocab_size), ("num_layers L", cfg.num_layers),
+                      ("num_heads NH", cfg.num_heads), ("channels C", cfg.channels),
+                      ("num_parameters", model.num_parameters)]))
+    say(f"train dataset num_batches: {train_loader.num_batches}")
+    if val_loader:
+        say(f"val dataset num_batches: {val_loader.num_batches}")
+    say(f"batch size: {args.b} x {args.t} x {dist.world_size} processes x {accum} accumulation steps "
+        f"= {total_batch} tokens per step")
+    say(f"training for {total_steps} steps")
+
+    overfit_batch = train_loader.next_batch() if args.a else None
+    step_times = []
+    for step in range(start_step, total_steps + 1):
+        last = step == total_steps
+        resumed_here = step == start_step and start_step > 0
+        if val_loader and (step % args.v == 0 or last) and not resumed_here:
+            val_loss = dist.average(evaluate(model, val_loader, args.m))
+            say(f"val loss {val_loss:.6f}")
+            logger.log(f"s:{step} tel:{val_loss:.6f}")
+        if decoder and rank0 and step > 0 and (step % args.s == 0 or last) and not resumed_here:
+            tokens = generate(model, [decoder.eot_token], args.g, rng, args.temperature, args.top_k)
+            say("generating:\n---\n" + decoder.decode(tokens[1:]) + "\n---")
+        if args.o and args.n > 0 and step > 0 and (step % args.n == 0 or last) and not resumed_here:
+            save_checkpoint(args.o, step, model, train_loader, rng, dist)
+        if last:
+            break
+        lr = learning_rate(step, args.l, total_steps, args.u, args.q, args.k)
+        t0 = time.perf_counter()
+        with ranges.range(f"Train step {step}"):
+            model.zero_grad()
+            loss = 0.0
+            for _ in range(accum):
+                x, y = overfit_batch if args.a else train_loader.next_batch()
+                loss += model.forward(x, y, for_backward=True, grad_accum_steps=accum) / accum
+                model.backward(grad_accum_steps=accum)
+            dist.average_grads(model)
+            loss = dist.average(loss)
+            norm = model.grad_norm()
+            model.update(lr, args.beta1, args.beta2, args.eps, args.c, step + 1, args.grad_clip, grad_norm=norm)
+            backend.synchronize()
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        tok_s = total_batch / dt
+        if backend.name == "cuda":
+            util = mfu(fpt, tok_s, device_name, getattr(backend, "precision", "fp32"))
+            perf = f"{100 * util:.1f}% MFU" if util is not None else "MFU n/a"
+        else:
+            perf = f"{fpt * tok_s / 1e9:.1f} GFLOP/s"
+        say(f"step {step + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | "
+            f"{dt * 1e3:.2f} ms | {perf} | {tok_s:.0f} tok/s", flush=True)
+        logger.log(f"s:{step} trl:{loss:.6f} lr:{lr:.6g} norm:{norm:.4f}")
+    if step_times:
+        timed = step_times[1:] or step_times
+        say(f"total average iteration time: {1e3 * sum(timed) / len(timed):.3f} ms")
+    return model
+
+
+def save_checkpoint(out_dir, step, model, train_loader, rng, dist):
+    """model_STEP.bin (rank 0), state_STEP_RANK.bin (each rank), then DONE_STEP once all are written."""
+    if dist.rank == 0:
+        save_model(model_path(out_dir, step), model.cfg, model.params_host())
+    info = {"step": step, "train_loader": train_loader.state(), "rng": rng.bit_generator.state,
+            "world_size": dist.world_size, "rank": dist.rank}
+    m, v = model.optimizer_state_host()
+    save_state(state_path(out_dir, step, dist.rank), info, m, v)
+    dist.barrier()
+    if dist.rank == 0:
+        with open(done_path(out_dir, step), "w"):
+            pass
+
+
+def resume(args, model, train_loader, rng, dist):
+    """Load the latest complete checkpoint in -o; returns its step (0 when there is none)."""
+    if not args.o:
+        raise SystemExit("error: -y 1 (resume) needs -o, the folder the checkpoints are in")
+    step = latest_checkpoint_step(args.o)
+    if step is None:
+        print(f"note: nothing to resume in {args.o}; starting from scratch", file=sys.stderr)
+        return 0
+    cfg, params = load_model(model_path(args.o, step))
+    if cfg != model.cfg:
+        raise SystemExit(f"error: {model_path(args.o, step)}: model config {cfg} differs from -e's {model.cfg}")
+    model.load_params(params)
+    info, m, v = load_state(state_path(args.o, step, dist.rank), model.num_parameters)
+    if info.get("world_size", 1) != dist.world_size:
+        raise SystemExit(f"error: {state_path(args.o, step, dist.rank)}: written by {info['world_size']} processes; "
+                         f"resume needs the same number, got {dist.world_size}")
+    model.load_optimizer_state(m, v)
+    train_loader.load_state(info["train_loader"])
+    rng.bit_generator.state = info["rng"]
+    if dist.rank == 0:
+        print(f"resuming from step {step} ({model_path(args.o, step)})")
+    return step
+

@@ -1,0 +1,241 @@
+"""Token shards (llm.c format) and the DataLoader: round trips, every bad input, batching semantics."""
+import json
+
+import numpy as np
+import pytest
+
+from gpt2np.data import (HEADER_BYTES, SHARD_MAGIC, DataError, DataLoader, atomic_write, read_shard,
+                         read_shard_header, write_shard)
+
+
+def one_line_error(excinfo, *needles):
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    for needle in needles:
+        assert str(needle) in msg, msg
+
+
+def make_shards(tmp_path, sizes, name="shard"):
+    """Shard i holds i*10000, i*10000+1, ...: every token says where it came from."""
+    paths = []
+    for i, n in enumerate(sizes):
+        p = tmp_path / f"{name}_{i:03d}.bin"
+        write_shard(p, i * 10000 + np.arange(n))
+        paths.append(p)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# shard files
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_shard_round_trip(tmp_path, mmap):
+    tokens = np.array([0, 1, 50256, 65535, 7], dtype=np.int64)
+    path = tmp_path / "a.bin"
+    write_shard(path, tokens)
+    header = np.fromfile(path, dtype="<i4", count=3)
+    assert header.tolist() == [SHARD_MAGIC, 1, 5]
+    assert path.stat().st_size == HEADER_BYTES + 2 * 5
+    got = read_shard(path, mmap=mmap)
+    assert got.dtype == np.uint16 and got.tolist() == tokens.tolist()
+    assert read_shard_header(path) == 5
+
+
+def test_shard_round_trip_list_and_empty(tmp_path):
+    write_shard(tmp_path / "l.bin", [3, 2, 1])
+    assert read_shard(tmp_path / "l.bin").tolist() == [3, 2, 1]
+    write_shard(tmp_path / "e.bin", [])
+    assert read_shard(tmp_path / "e.bin").shape == (0,)
+
+
+@pytest.mark.parametrize("tokens, needle", [
+    (np.array([1, 65536]), "65536"),
+    (np.array([-1, 3]), "-1"),
+    (np.zeros((2, 2), dtype=np.int32), "1-D"),
+    (np.array([1.5, 2.0]), "integers"),
+])
+def test_write_shard_rejects_bad_tokens(tmp_path, tokens, needle):
+    path = tmp_path / "bad.bin"
+    with pytest.raises(DataError) as e:
+        write_shard(path, tokens)
+    one_line_error(e, path, needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path):
+    path = tmp_path / "x.bin"
+    write_shard(path, [1, 2, 3])
+    with pytest.raises(RuntimeError):
+        with atomic_write(path) as f:
+            f.write(b"partial")
+            raise RuntimeError("boom")
+    assert read_shard(path).tolist() == [1, 2, 3]
+    assert [p.name for p in tmp_path.iterdir()] == ["x.bin"]
+
+
+def corrupt(path, mutate):
+    raw = bytearray(path.read_bytes())
+    path.write_bytes(bytes(mutate(raw)))
+
+
+def set_int(raw, index, value):
+    raw[4 * index:4 * index + 4] = np.int32(value).tobytes()
+    return raw
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda raw: set_int(raw, 0, 12345), "magic 12345"),
+    (lambda raw: set_int(raw, 1, 7), "version 7"),
+    (lambda raw: raw[:100], "truncated"),
+    (lambda raw: raw[:-2], "truncated"),
+    (lambda raw: raw + b"\0\0", "disagrees"),
+    (lambda raw: set_int(raw, 2, 4), "disagrees"),
+])
+def test_read_shard_rejects_bad_files(tmp_path, mutate, needle):
+    path = tmp_path / "s.bin"
+    write_shard(path, np.arange(10))
+    corrupt(path, mutate)
+    with pytest.raises(DataError) as e:
+        read_shard(path)
+    one_line_error(e, path, needle)
+
+
+def test_read_shard_missing_file(tmp_path):
+    with pytest.raises(DataError) as e:
+        read_shard(tmp_path / "nope.bin")
+    one_line_error(e, "nope.bin", "not found")
+
+
+# ---------------------------------------------------------------------------------------------
+# DataLoader
+
+def test_loader_pattern_errors(tmp_path):
+    make_shards(tmp_path, [100])
+    with pytest.raises(DataError) as e:
+        DataLoader(str(tmp_path / "missing_*.bin"), 2, 4)
+    one_line_error(e, "missing_*.bin", "no token shard")
+    with pytest.raises(DataError) as e:   # every pattern of a list must match
+        DataLoader([str(tmp_path / "shard_*.bin"), str(tmp_path / "other_*.bin")], 2, 4)
+    one_line_error(e, "other_*.bin")
+
+
+def test_loader_shard_too_small(tmp_path):
+    make_shards(tmp_path, [2 * 4 * 2])   # needs num_processes*B*T + 1 = 17 tokens
+    with pytest.raises(DataError) as e:
+        DataLoader(str(tmp_path / "*.bin"), 4, 2, process_rank=1, num_processes=2)
+    one_line_error(e, "shard_000.bin", "17")
+
+
+def test_loader_bad_arguments(tmp_path):
+    make_shards(tmp_path, [100])
+    for kwargs in ({"B": 0, "T": 4}, {"B": 2, "T": 4, "process_rank": 2, "num_processes": 2}):
+        with pytest.raises(DataError):
+            DataLoader(str(tmp_path / "*.bin"), **kwargs)
+
+
+def test_loader_sequential_windows(tmp_path):
+    B, T = 2, 3
+    make_shards(tmp_path, [20, 14])   # samples: (20-1)//6 = 3 and (14-1)//6 = 2
+    loader = DataLoader(str(tmp_path / "shard_*.bin"), B, T)
+    assert loader.num_batches == len(loader) == 5 and loader.num_tokens == 34
+    starts = [0, 6, 12, 10000, 10006]
+    for epoch in range(2):
+        for s in starts:
+            x, y = loader.next_batch()
+            assert x.dtype == np.int32 and y.dtype == np.int32 and x.shape == y.shape == (B, T)
+            assert x.ravel().tolist() == list(range(s, s + B * T))
+            assert y.ravel().tolist() == list(range(s + 1, s + B * T + 1))   # inputs shifted by one
+            np.testing.assert_array_equal(x.ravel()[1:], y.ravel()[:-1])
+        assert loader.epoch == epoch   # the wrap happens on the next call
+    loader.next_batch()
+    assert loader.epoch == 2
+    loader.reset()
+    assert loader.next_batch()[0].ravel()[0] == 0
+
+
+def collect(loader, n):
+    return [loader.next_batch() for _ in range(n)]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_two_ranks_cover_what_one_rank_with_2B_covers(tmp_path, shuffle):
+    B, T = 2, 4
+    make_shards(tmp_path, [70, 50, 90])
+    pattern = str(tmp_path / "*.bin")
+    ranks = [DataLoader(pattern, B, T, r, 2, shuffle=shuffle, seed=5) for r in range(2)]
+    whole = DataLoader(pattern, 2 * B, T, shuffle=shuffle, seed=5)
+    assert ranks[0].num_batches == ranks[1].num_batches == whole.num_batches == 4 + 3 + 5   # (n-1)//16
+    for _ in range(2 * whole.num_batches + 3):   # over two epochs
+        x0, y0 = ranks[0].next_batch()
+        x1, y1 = ranks[1].next_batch()
+        xw, yw = whole.next_batch()
+        np.testing.assert_array_equal(np.concatenate([x0, x1]), xw)
+        np.testing.assert_array_equal(np.concatenate([y0, y1]), yw)
+        assert not set(x0.ravel()) & set(x1.ravel())   # disjoint
+
+
+def test_shuffle_is_a_seeded_permutation_per_epoch(tmp_path):
+    B, T = 1, 4
+    make_shards(tmp_path, [41, 33, 25])   # 10 + 8 + 6 samples
+    pattern = str(tmp_path / "*.bin")
+    seq = DataLoader(pattern, B, T)
+    n = seq.num_batches
+    in_order = [x.ravel()[0] for x, _ in collect(seq, n)]
+
+    def firsts(loader):
+        return [x.ravel()[0] for x, _ in collect(loader, n)]
+
+    a, b = DataLoader(pattern, B, T, shuffle=True, seed=1), DataLoader(pattern, B, T, shuffle=True, seed=1)
+    a1, b1 = firsts(a), firsts(b)
+    assert a1 == b1                       # same seed, same order
+    assert sorted(a1) == in_order         # an epoch visits every sample once
+    assert a1 != in_order
+    a2 = firsts(a)
+    assert sorted(a2) == in_order and a2 != a1   # a new permutation each epoch
+    c1 = firsts(DataLoader(pattern, B, T, shuffle=True, seed=2))
+    assert c1 != a1
+    for x, y in collect(DataLoader(pattern, B, T, shuffle=True, seed=1), 5):
+        np.testing.assert_array_equal(x.ravel() + 1, y.ravel())
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_state_resume_is_bit_identical(tmp_path, shuffle):
+    make_shards(tmp_path, [60, 45, 80])
+    pattern = str(tmp_path / "*.bin")
+    ref = DataLoader(pattern, 2, 5, shuffle=shuffle, seed=3)
+    expected = collect(ref, 30)   # crosses shards and an epoch boundary
+    for k in (0, 4, 5, 11, 17):
+        run = DataLoader(pattern, 2, 5, shuffle=shuffle, seed=3)
+        collect(run, k)
+        state = json.loads(json.dumps(run.state()))   # plain ints survive JSON
+        assert all(type(v) is int for v in run.state().values())
+        resumed = DataLoader(pattern, 2, 5, shuffle=shuffle, seed=3)
+        resumed.load_state(state)
+        for (x, y), (xe, ye) in zip(collect(resumed, 30 - k), expected[k:]):
+            np.testing.assert_array_equal(x, xe)
+            np.testing.assert_array_equal(y, ye)
+
+
+def test_load_state_rejects_other_settings(tmp_path):
+    make_shards(tmp_path, [60])
+    pattern = str(tmp_path / "*.bin")
+    state = DataLoader(pattern, 2, 5).state()
+    with pytest.raises(DataError) as e:
+        DataLoader(pattern, 3, 5).load_state(state)
+    one_line_error(e, "B=2", "B=3")
+    with pytest.raises(DataError):
+        DataLoader(pattern, 2, 5, shuffle=True).load_state(state)
+    with pytest.raises(DataError):
+        DataLoader(pattern, 2, 5).load_state(dict(state, sample_position=99))
+
+
+def test_token_beyond_vocab_is_an_error(tmp_path):
+    tokens = np.arange(40)
+    tokens[13] = 50300
+    write_shard(tmp_path / "v.bin", tokens)
+    loader = DataLoader(str(tmp_path / "v.bin"), 1, 8, vocab_size=50257)
+    loader.next_batch()   # tokens 0..8 are fine
+    with pytest.raises(DataError) as e:
+        loader.next_batch()
+    one_line_error(e, "v.bin", "50300", "position 13", "50257")
+    DataLoader(str(tmp_path / "v.bin"), 1, 8).next_batch()   # no vocab_size: no check

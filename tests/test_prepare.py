@@ -1,0 +1,206 @@
+"""Downloads (against a local HTTP server, never the network) and text -> token shard preparation."""
+import http.server
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import tiktoken
+
+from gpt2np import fetch, prepare
+from gpt2np.data import DataError, read_shard
+from gpt2np.fetch import FetchError, download
+from gpt2np.tokenizer import EOT_TEXT, GPT2_PAT_STR, get_encoding, load_tokenizer_bin
+
+PAYLOAD = bytes(range(256)) * 1000   # 256 kB: several chunks, so the progress bar moves
+TEXT = "To be, or not to be.\n\nThat is the question.\n" * 100
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path in ("/file.bin", "/input.txt"):
+            body = PAYLOAD if self.path == "/file.bin" else TEXT.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        elif self.path == "/short.bin":   # promises more than it sends
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(PAYLOAD)))
+            self.end_headers()
+            self.wfile.write(PAYLOAD[:1000])
+            self.close_connection = True
+        else:
+            self.send_error(404, "Not Found")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def one_line(excinfo, *needles):
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    for needle in needles:
+        assert str(needle) in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# fetch
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_download_success_with_progress(server, tmp_path, capsys, monkeypatch, terminal):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    dest = download(f"{server}/file.bin", tmp_path / "sub" / "file.bin", timeout=5)
+    assert dest.read_bytes() == PAYLOAD
+    err = capsys.readouterr().err
+    assert err.startswith("\rfile.bin: [" if terminal else "file.bin: [") and err.endswith("MB/s\n")
+    assert "] 100.0% 0.3/0.3 MB" in err
+    if terminal:   # redrawn in place, then the final line
+        assert err.count("\r") >= 2 and err.count("\n") == 1
+    else:          # logs get one line
+        assert "\r" not in err and err.count("\n") == 1
+    assert [p.name for p in dest.parent.iterdir()] == ["file.bin"]   # no temporary file left
+
+
+def test_download_404(server, tmp_path):
+    with pytest.raises(FetchError) as e:
+        download(f"{server}/nothing", tmp_path / "x", timeout=5, progress=False)
+    one_line(e, "/nothing", "404")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_download_short_read(server, tmp_path):
+    with pytest.raises(FetchError) as e:
+        download(f"{server}/short.bin", tmp_path / "x", timeout=5, progress=False)
+    one_line(e, "short.bin")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_download_from_silent_server_times_out_fast(tmp_path):
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)   # connections complete in the backlog, nobody ever answers
+    try:
+        started = time.monotonic()
+        with pytest.raises(FetchError) as e:
+            download(f"http://127.0.0.1:{silent.getsockname()[1]}/f", tmp_path / "x", timeout=0.5)
+        assert time.monotonic() - started < 5
+        one_line(e, "0.5 s")
+    finally:
+        silent.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_download_connection_refused(tmp_path):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()   # nothing listens there now
+    with pytest.raises(FetchError) as e:
+        download(f"http://127.0.0.1:{port}/f", tmp_path / "x", timeout=2)
+    one_line(e, "offline?")
+
+
+def test_ensure_uses_existing_file_and_knows_urls(tmp_path):
+    (tmp_path / "gpt2_tokenizer.bin").write_bytes(b"present")
+    assert fetch.ensure("gpt2_tokenizer.bin", tmp_path) == tmp_path / "gpt2_tokenizer.bin"
+    with pytest.raises(FetchError):
+        fetch.ensure("unknown.bin", tmp_path)
+    assert fetch.KNOWN_FILES["gpt2_124M.bin"].startswith(fetch.STARTER_PACK_URL)
+    assert fetch.STARTER_PACK_URL == "https://huggingface.co/datasets/karpathy/llmc-starter-pack/resolve/main/"
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare
+
+@pytest.fixture(scope="module")
+def bytes_encoding():
+    """A toy byte-level encoding (token = byte, eot = 256): prepare tests without the GPT-2 files."""
+    return tiktoken.Encoding("bytes", pat_str=GPT2_PAT_STR, mergeable_ranks={bytes([b]): b for b in range(256)},
+                             special_tokens={EOT_TEXT: 256})
+
+
+def test_prepare_small_text(tmp_path, bytes_encoding):
+    text = "ab\n\nc d\n\n\nlast"
+    (tmp_path / "small.txt").write_text(text)
+    shards = prepare.prepare_text(tmp_path / "small.txt", tmp_path / "out", "small", 4, bytes_encoding)
+    assert shards.val == tmp_path / "out" / "small_val.bin" and shards.train == tmp_path / "out" / "small_train.bin"
+    # documents "ab\n\n", "c d\n\n", "\nlast", each after an eot (llm.c's tinyshakespeare layout)
+    expected = [256, *b"ab\n\n", 256, *b"c d\n\n", 256, *b"\nlast"]
+    assert read_shard(shards.val).tolist() == expected[:4]
+    assert read_shard(shards.train).tolist() == expected[4:]
+    table = load_tokenizer_bin(shards.tokenizer)
+    assert table.vocab_size == 257 and table.eot_token == 256
+    assert table.decode(expected).replace(EOT_TEXT, "") == text
+
+
+def test_prepare_errors(tmp_path, bytes_encoding):
+    (tmp_path / "tiny.txt").write_text("abc")
+    with pytest.raises(DataError) as e:
+        prepare.prepare_text(tmp_path / "tiny.txt", tmp_path, "tiny", 32768, bytes_encoding)
+    one_line(e, "tiny.txt", "4 tokens")
+    with pytest.raises(DataError) as e:
+        prepare.prepare_text(tmp_path / "absent.txt", tmp_path, "x", 1, bytes_encoding)
+    one_line(e, "absent.txt", "not found")
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(DataError) as e:
+        prepare.prepare_text(tmp_path / "latin1.txt", tmp_path, "x", 1, bytes_encoding)
+    one_line(e, "latin1.txt", "utf-8")
+
+
+def test_prepare_tinyshakespeare_downloads_when_no_local_copy(server, tmp_path, monkeypatch, bytes_encoding):
+    monkeypatch.setattr(prepare, "find_tinyshakespeare", lambda: None)
+    monkeypatch.setattr(prepare, "TINYSHAKESPEARE_URL", f"{server}/input.txt")
+    shards = prepare.prepare_tinyshakespeare(tmp_path, val_tokens=1000, encoding=bytes_encoding)
+    assert (tmp_path / "tinyshakespeare.txt").read_text() == TEXT
+    assert shards.train.name == "tiny_shakespeare_train.bin"
+    assert len(read_shard(shards.val)) == 1000
+
+
+@pytest.fixture(scope="module")
+def gpt2(data_dir):
+    if not (data_dir / "gpt2_vocab.bpe").is_file():
+        pytest.skip(f"GPT-2 BPE files not in {data_dir}")
+    return get_encoding(data_dir)
+
+
+def test_prepare_cli(tmp_path, data_dir, gpt2, capsys):
+    (tmp_path / "doc.txt").write_text("Hello world\n\nHello again, world.\n")
+    rc = prepare.main(["--input", str(tmp_path / "doc.txt"), "--output-dir", str(tmp_path / "o"),
+                       "--val-tokens", "3", "--bpe-dir", str(data_dir)])
+    assert rc == 0
+    assert read_shard(tmp_path / "o" / "doc_val.bin").tolist() == [50256, 15496, 995]
+    assert "doc_train.bin" in capsys.readouterr().out
+    rc = prepare.main(["--input", str(tmp_path / "missing.txt"), "--output-dir", str(tmp_path / "o"),
+                       "--bpe-dir", str(data_dir)])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "missing.txt" in err
+
+
+def test_prepare_tinyshakespeare(tmp_path, data_dir, gpt2, monkeypatch):
+    if not (data_dir / "tinyshakespeare.txt").is_file():
+        pytest.skip(f"tinyshakespeare.txt not in {data_dir}")
+    monkeypatch.setenv("GPT2NP_DATA_DIR", str(data_dir))
+    monkeypatch.setattr(prepare, "download", None)   # must use the local copy
+    started = time.monotonic()
+    shards = prepare.prepare_tinyshakespeare(tmp_path, encoding=gpt2)
+    assert time.monotonic() - started < 10
+    val, train = read_shard(shards.val), read_shard(shards.train)
+    assert len(val) == 32768 and len(train) == 305260   # llm.c's counts for tinyshakespeare
+    assert val[:4].tolist() == [50256, 5962, 22307, 25]   # <|endoftext|>First Citizen:
+    tokens = np.concatenate([val, train])
+    assert (tokens == 50256).sum() == len((data_dir / "tinyshakespeare.txt").read_text().split("\n\n"))
+    decoded = load_tokenizer_bin(shards.tokenizer).decode(tokens)
+    assert decoded.replace(EOT_TEXT, "") == (data_dir / "tinyshakespeare.txt").read_text(encoding="utf-8")
