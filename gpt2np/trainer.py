@@ -93,11 +93,11 @@ def train(args, dist=None):
     resolve_defaults(args, backend.name)
     cfg, params, model_desc = resolve_model(args.e)
     if args.t > cfg.max_seq_len:
-        raise SystemExit(f"error: -t {args.t} is longer than the model's max_seq_len {cfg.max_seq_len}")
+        raise ValueError(f"-t {args.t} is longer than the model's max_seq_len {cfg.max_seq_len}")
     tokens_per_micro = args.b * args.t * dist.world_size
     total_batch = args.d if args.d and args.d > 0 else tokens_per_micro
     if total_batch % tokens_per_micro:
-        raise SystemExit(f"error: total batch -d {total_batch} is not a multiple of B*T*processes = {tokens_per_micro}")
+        raise ValueError(f"total batch -d {total_batch} is not a multiple of B*T*processes = {tokens_per_micro}")
     accum = total_batch // tokens_per_micro
 
     train_pattern, val_pattern = resolve_data(args.i, args.j)
@@ -204,18 +204,18 @@ def save_checkpoint(out_dir, step, model, train_loader, rng, dist):
 def resume(args, model, train_loader, rng, dist):
     """Load the latest complete checkpoint in -o; returns its step (0 when there is none)."""
     if not args.o:
-        raise SystemExit("error: -y 1 (resume) needs -o, the folder the checkpoints are in")
+        raise ValueError("-y 1 (resume) needs -o, the folder the checkpoints are in")
     step = latest_checkpoint_step(args.o)
     if step is None:
         print(f"note: nothing to resume in {args.o}; starting from scratch", file=sys.stderr)
         return 0
     cfg, params = load_model(model_path(args.o, step))
     if cfg != model.cfg:
-        raise SystemExit(f"error: {model_path(args.o, step)}: model config {cfg} differs from -e's {model.cfg}")
+        raise ValueError(f"{model_path(args.o, step)}: model config {cfg} differs from -e's {model.cfg}")
     model.load_params(params)
     info, m, v = load_state(state_path(args.o, step, dist.rank), model.num_parameters)
     if info.get("world_size", 1) != dist.world_size:
-        raise SystemExit(f"error: {state_path(args.o, step, dist.rank)}: written by {info['world_size']} processes; "
+        raise ValueError(f"{state_path(args.o, step, dist.rank)}: written by {info['world_size']} processes; "
                          f"resume needs the same number, got {dist.world_size}")
     model.load_optimizer_state(m, v)
     train_loader.load_state(info["train_loader"])

@@ -1,0 +1,146 @@
+"""train.py end to end on a tiny model: loss falls, resume is bit-identical, bad input gives one error line."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import train
+from gpt2np.checkpoint import load_model, load_state, model_path, save_model, state_path
+from gpt2np.config import GPT2Config
+from gpt2np.data import write_shard
+from gpt2np.model import GPT2
+from gpt2np.backend_numpy import NumpyBackend
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = GPT2Config(max_seq_len=64, vocab_size=50257, padded_vocab_size=50304, num_layers=2, num_heads=2, channels=32)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny.bin"
+    model = GPT2(TINY, NumpyBackend(), 1, 8, seed=3)
+    save_model(path, TINY, model.params_host())
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_shards(tmp_path_factory):
+    """Token shards of a repetitive synthetic 'language' the tiny model can learn fast."""
+    folder = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    phrases = [rng.integers(0, 2000, size=rng.integers(3, 9)) for _ in range(40)]
+    stream = np.concatenate([phrases[i] for i in rng.integers(0, len(phrases), 4000)]).astype(np.uint16)
+    write_shard(folder / "syn_val.bin", stream[:3000])
+    write_shard(folder / "syn_train.bin", stream[3000:])
+    return folder
+
+
+def run(argv, capsys):
+    code = train.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def losses(text):
+    return [float(x) for x in re.findall(r"\| loss ([0-9.]+)", text)]
+
+
+def base_args(tiny_model, tiny_shards):
+    return ["-e", tiny_model, "-i", tiny_shards / "syn_train.bin", "-j", tiny_shards / "syn_val.bin",
+            "-b", 4, "-t", 32, "--device", "cpu", "-s", 0]
+
+
+def test_loss_falls_and_log_written(tiny_model, tiny_shards, tmp_path, capsys):
+    code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", 30, "-l", 3e-3, "-v", 10, "-m", 2,
+                                                              "-o", tmp_path], capsys)
+    assert code == 0, err
+    steps = losses(out)
+    assert len(steps) == 30
+    assert np.mean(steps[-5:]) < np.mean(steps[:5]) - 1.0
+    log = (tmp_path / "main.log").read_text().splitlines()
+    assert sum(1 for line in log if " trl:" in line) == 30
+    vals = [float(line.split("tel:")[1]) for line in log if "tel:" in line]
+    assert len(vals) == 4 and vals[-1] < vals[0]          # steps 0, 10, 20, 30
+    assert "num_parameters" in out and "tok/s" in out
+
+
+def test_resume_is_bit_identical(tiny_model, tiny_shards, tmp_path, capsys):
+    args = base_args(tiny_model, tiny_shards) + ["-x", 6, "-n", 3, "-l", 1e-3, "-q", 0.1, "-u", 2, "-v", 3,
+                                                  "-m", 1, "-s", 3, "-g", 4, "--shuffle", "-c", 0.1]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    code, out_full, err = run(args + ["-o", full], capsys)
+    assert code == 0, err
+    resumed.mkdir()
+    for name in ("model_00000003.bin", "state_00000003_00000.bin", "DONE_00000003"):
+        shutil.copy(full / name, resumed / name)
+    code, out_resumed, err = run(args + ["-o", resumed, "-y", 1], capsys)
+    assert code == 0, err
+    assert "resuming from step 3" in out_resumed
+    assert losses(out_resumed) == losses(out_full)[3:]
+    assert (full / "model_00000006.bin").read_bytes() == (resumed / "model_00000006.bin").read_bytes()
+    info_a, m_a, v_a = load_state(state_path(full, 6))
+    info_b, m_b, v_b = load_state(state_path(resumed, 6))
+    assert info_a == info_b
+    np.testing.assert_array_equal(m_a, m_b)
+    np.testing.assert_array_equal(v_a, v_b)
+    # the samples after the resume point are the same text too
+    assert out_full.split("step    6/6")[1].split("---")[1] == out_resumed.split("step    6/6")[1].split("---")[1]
+
+
+def test_gradient_accumulation_equals_big_batch(tiny_model, tiny_shards, tmp_path, capsys):
+    common = ["-e", tiny_model, "-i", tiny_shards / "syn_train.bin", "-t", 32, "--device", "cpu", "-s", 0,
+              "-v", 0, "-x", 2, "-n", 2]
+    code, _, err = run(common + ["-b", 4, "-o", tmp_path / "big"], capsys)
+    assert code == 0, err
+    code, out, err = run(common + ["-b", 2, "-d", 128, "-o", tmp_path / "accum"], capsys)
+    assert code == 0, err
+    assert "2 accumulation steps" in out
+    _, big = load_model(model_path(tmp_path / "big", 2))
+    _, acc = load_model(model_path(tmp_path / "accum", 2))
+    np.testing.assert_allclose(acc, big, atol=2e-6)
+
+
+@pytest.mark.parametrize("problem", ["missing", "magic", "truncated", "token_range", "bad_total_batch"])
+def test_bad_input_is_one_clear_line(problem, tiny_model, tiny_shards, tmp_path, capsys):
+    args = base_args(tiny_model, tiny_shards) + ["-x", 1, "-v", 0]
+    bad = tmp_path / "bad.bin"
+    if problem == "missing":
+        args[1], expect = tmp_path / "nope.bin", "nope.bin"
+    elif problem == "magic":
+        data = bytearray(Path(tiny_model).read_bytes())
+        data[:4] = (123).to_bytes(4, "little")
+        bad.write_bytes(bytes(data))
+        args[1], expect = bad, "bad magic"
+    elif problem == "truncated":
+        bad.write_bytes(Path(tiny_model).read_bytes()[:5000])
+        args[1], expect = bad, "truncated"
+    elif problem == "token_range":
+        small = GPT2Config(64, 100, 128, 1, 2, 16)
+        save_model(bad, small, GPT2(small, NumpyBackend(), 1, 4, seed=0).params_host())
+        args[1], expect = bad, "syn_train.bin"
+    else:
+        args += ["-d", 100]
+        expect = "not a multiple"
+    code, out, err = run(args, capsys)
+    assert code == 1
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], err
+
+
+def test_readme_main_command_smoke(tmp_path):
+    """The README's main command, shortened to one step: it runs offline with no model file or corpus flags."""
+    readme = (REPO / "README.md").read_text()
+    first = next(line for line in readme.splitlines() if "train.py" in line and line.strip().startswith("pip"))
+    command = first.split("&&")[-1].strip()
+    assert command.startswith("python train.py")
+    argv = command.split()[2:] + ["-x", "1", "-v", "1", "-m", "1", "-s", "1", "-g", "4", "-b", "1", "-t", "16"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    res = subprocess.run([sys.executable, "train.py", *argv], cwd=REPO, capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "step    1/1" in res.stdout and "val loss" in res.stdout and "generating:" in res.stdout
