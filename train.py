@@ -44,6 +44,8 @@ def build_parser():
     a("--beta2", type=float, default=0.95)
     a("--eps", type=float, default=1e-8)
     a("--tf32", action="store_true", help="GPU: TF32 tensor cores for the matmuls (default exact fp32)")
+    a("--profile", type=int, default=0, metavar="N",
+      help="profile N steps after a warm-up step: kernel table, module tree, range summary; files in -o/profile")
     a("--nvtx", type=int, default=1, choices=[0, 1], help="NVTX ranges for nsys (default 1; free without a profiler)")
     return p
 

@@ -14,8 +14,10 @@ from .backends import get_backend
 from .checkpoint import (done_path, latest_checkpoint_step, load_model, load_state, model_path, save_model,
                          save_state, state_path)
 from .data import DataLoader
-from .gpu_specs import flops_per_token, mfu
+from .gpu_specs import UnknownDeviceError, flops_per_token, mfu, roofline
 from .model import GPT2
+from .profiler import Profiler, device_label, write_outputs
+from .report import render
 from .sample import generate
 from .schedule import learning_rate
 from .starter import Decoder, resolve_data, resolve_model
@@ -118,7 +120,7 @@ def train(args, dist=None):
         start_step = resume(args, model, train_loader, rng, dist)
     logger = Logger(args.o, dist.rank, resume=start_step > 0)
 
-    device_name = getattr(backend, "device_name", "cpu")
+    device_name = device_label(backend)
     fpt = flops_per_token(model.num_parameters, cfg.num_layers, cfg.channels, args.t)
     say(header_table([
         ("train data pattern", train_pattern), ("val data pattern", val_pattern or "-"),
@@ -142,6 +144,7 @@ def train(args, dist=None):
 
     overfit_batch = train_loader.next_batch() if args.a else None
     step_times = []
+    profiler = None
     for step in range(start_step, total_steps + 1):
         last = step == total_steps
         resumed_here = step == start_step and start_step > 0
@@ -157,6 +160,8 @@ def train(args, dist=None):
         if last:
             break
         lr = learning_rate(step, args.l, total_steps, args.u, args.q, args.k)
+        if args.profile and step == start_step + 1:           # step start_step is the warm-up
+            profiler = Profiler(model).__enter__()
         t0 = time.perf_counter()
         with ranges.range(f"Train step {step}"):
             model.zero_grad()
@@ -181,10 +186,30 @@ def train(args, dist=None):
         say(f"step {step + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | "
             f"{dt * 1e3:.2f} ms | {perf} | {tok_s:.0f} tok/s", flush=True)
         logger.log(f"s:{step} trl:{loss:.6f} lr:{lr:.6g} norm:{norm:.4f}")
+        if profiler and (step == start_step + args.profile or step == total_steps - 1):
+            profiler.__exit__(None, None, None)
+            if rank0:
+                report_profile(profiler, backend, cfg, args)
+            profiler = None
     if step_times:
         timed = step_times[1:] or step_times
         say(f"total average iteration time: {1e3 * sum(timed) / len(timed):.3f} ms")
     return model
+
+
+def report_profile(profiler, backend, cfg, args):
+    """The built-in profiler's report of the profiled steps, and its files in -o (or ./profile)."""
+    roof = None
+    if backend.name == "cuda":
+        try:
+            roof = roofline(device_label(backend), getattr(backend, "precision", "fp32"))
+        except UnknownDeviceError:
+            pass
+    print(render(profiler.records, roof, step="last", num_layers=cfg.num_layers,
+                 ranges=profiler.ranges))
+    paths = write_outputs(profiler, os.path.join(args.o or ".", "profile"), roof,
+                          title=f"{args.e}, B={args.b}, T={args.t}, {device_label(backend)}")
+    print("profile written: " + ", ".join(paths.values()))
 
 
 def save_checkpoint(out_dir, step, model, train_loader, rng, dist):
