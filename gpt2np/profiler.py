@@ -168,10 +168,8 @@ def write_outputs(profiler, out_dir, roof=None, title=""):
     write_csv(profiler.records, paths["csv"], roof)
     write_json(profiler.records, paths["json"], roof)
     write_chrome_trace(profiler.records, paths["trace.json"], profiler.ranges or ranges_from_records(profiler.records))
-    try:
-        write_png(profiler.records, paths["png"], title=title or "Time by op and direction")
-    except ImportError:
-        print("note: matplotlib is not installed; no PNG chart (pip install matplotlib)", file=sys.stderr)
+    if not write_png(profiler.records, paths["png"], title=title or "Time by op and direction",
+                     log=lambda msg: print(msg, file=sys.stderr)):
         paths.pop("png")
     return paths
 
@@ -228,7 +226,7 @@ def main(argv=None):
     label = device_label(backend)
     if backend.name == "cuda":
         try:
-            roof = roofline(label, getattr(backend, "precision", "fp32"))
+            roof = roofline(label, "fp32", matmul_precision=getattr(backend, "precision", "fp32"))
         except UnknownDeviceError:
             pass
     print(render(prof.records, roof, step=None if args.all_steps else "last", num_layers=cfg.num_layers,

@@ -202,7 +202,7 @@ def report_profile(profiler, backend, cfg, args):
     roof = None
     if backend.name == "cuda":
         try:
-            roof = roofline(device_label(backend), getattr(backend, "precision", "fp32"))
+            roof = roofline(device_label(backend), "fp32", matmul_precision=getattr(backend, "precision", "fp32"))
         except UnknownDeviceError:
             pass
     print(render(profiler.records, roof, step="last", num_layers=cfg.num_layers,

@@ -1,0 +1,439 @@
+"""Attribute every kernel of an Nsight Systems profile to its NVTX range stack.
+
+    nsys profile -t cuda,nvtx -o prof python train.py ...
+    nsys export -t sqlite prof.nsys-rep            (or: nsys stats prof.nsys-rep, which also writes it)
+    python -m gpt2np.nsys prof.sqlite [--step N|last|all] [--csv OUT] [--json OUT] [--device NAME]
+
+How a kernel finds its ranges (the rule of `nsys stats --report nvtx_kern_sum`):
+    CUPTI_ACTIVITY_KIND_KERNEL  (start, end, correlationId, globalPid, demangledName/shortName ->
+                                StringIds.id, gridX..Z, blockX..Z)
+      -> CUPTI_ACTIVITY_KIND_RUNTIME row of the same correlationId (and process): the CPU-side
+         launch call (start, end, globalTid)
+      -> every NVTX push/pop or start/end range (NVTX_EVENTS eventType 59/70 and 60/71; name from
+         `text`, or `textId` -> StringIds for registered strings) of the same globalTid whose
+         [start, end] contains the launch call. Outermost first, that is the range stack.
+From the stack: step ("Train step N"), direction (gpt2_forward -> fprop, gpt2_backward -> bprop,
+gpt2_update -> update), layer ("Layer l"), op (innermost other range, e.g. "matmul_forward")
+and the GPT-2 module (an explicit module-path range such as "h.3.attn.c_attn", else inferred
+from the op and how many ranges of that op came before it in the same layer and direction:
+the 1st..4th matmul_forward of a layer are c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj).
+Nsight records no FLOPs or bytes, so those columns stay empty (0).
+"""
+import argparse
+import os
+import re
+import sqlite3
+import sys
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import report
+from .gpu_specs import UnknownDeviceError, lookup, roofline as make_roofline
+from .report import KernelRecord
+
+# NVTX_EVENTS.eventType values (Nsight Systems export schema)
+NVTX_MARK = 34
+NVTX_PUSHPOP = 59
+NVTX_STARTEND = 60
+NVTXT_PUSHPOP = 70
+NVTXT_STARTEND = 71
+NVTX_DOMAIN_CREATE = 75
+RANGE_EVENT_TYPES = (NVTX_PUSHPOP, NVTX_STARTEND, NVTXT_PUSHPOP, NVTXT_STARTEND)
+
+DIRECTION_RANGES = {"gpt2_forward": "fprop", "gpt2_backward": "bprop", "gpt2_update": "update",
+                    "gpt2_calculate_grad_norm": "update"}
+STEP_RE = re.compile(r"\bstep\s*(\d+)", re.IGNORECASE)
+LAYER_RE = re.compile(r"layer\s*(\d+)", re.IGNORECASE)
+MODULE_RE = re.compile(r"(?:transformer\.)?(wte|wpe|ln_f|lm_head|optimizer|h\.(\d+)(?:\.[A-Za-z_0-9]+)*)")
+
+# llm.c op names (longest first, so 'matmul_forward_cublaslt' canonicalises to 'matmul_forward')
+KNOWN_OPS = sorted(("encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward",
+                    "matmul_forward", "matmul_backward", "attention_forward", "attention_backward",
+                    "gelu_forward", "gelu_backward", "residual_forward", "residual_backward",
+                    "fused_residual_forward", "fused_classifier", "crossentropy_forward",
+                    "softmax_forward", "adamw", "global_norm"), key=len, reverse=True)
+
+# the n-th range of an op inside one layer -> the module it computes (llm.c's call order)
+LAYER_MODULES = {
+    "fprop": {"layernorm_forward": ("ln_1", "ln_2"),
+              "matmul_forward": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
+              "attention_forward": ("attn",), "gelu_forward": ("mlp.gelu",),
+              "residual_forward": ("residual", "residual"),
+              "fused_residual_forward": ("ln_2", "ln_1")},
+    "bprop": {"matmul_backward": ("mlp.c_proj", "mlp.c_fc", "attn.c_proj", "attn.c_attn"),
+              "gelu_backward": ("mlp.gelu",), "layernorm_backward": ("ln_2", "ln_1"),
+              "attention_backward": ("attn",), "residual_backward": ("residual", "residual")},
+}
+OUTSIDE_MODULES = {"encoder_forward": "wte", "encoder_backward": "wte", "layernorm_forward": "ln_f",
+                   "layernorm_backward": "ln_f", "matmul_forward": "lm_head", "matmul_backward": "lm_head",
+                   "fused_classifier": "lm_head", "crossentropy_forward": "lm_head",
+                   "softmax_forward": "lm_head", "adamw": "optimizer", "global_norm": "optimizer",
+                   "fused_residual_forward": "ln_f"}
+
+REQUIRED_TABLES = {
+    "StringIds": "no StringIds table (not an Nsight Systems SQLite export?)",
+    "CUPTI_ACTIVITY_KIND_KERNEL": "no CUDA kernel data (table CUPTI_ACTIVITY_KIND_KERNEL; profile with -t cuda)",
+    "CUPTI_ACTIVITY_KIND_RUNTIME": "no CUDA API data (table CUPTI_ACTIVITY_KIND_RUNTIME; profile with -t cuda)",
+    "NVTX_EVENTS": "no NVTX data (table NVTX_EVENTS; profile with -t cuda,nvtx)",
+}
+
+
+class NsysReportError(ValueError):
+    """An nsys SQLite export that cannot be used; the message names the file and the problem."""
+
+
+class NsysReportMissing(NsysReportError, FileNotFoundError):
+    """The export file does not exist."""
+
+
+@dataclass
+class NvtxRange:
+    """One NVTX range instance: name (domain-prefixed for named domains), [start, end] in ns."""
+    row: int
+    name: str
+    start: int
+    end: int
+    tid: int
+    style: str          # 'PushPop' or 'StartEnd'
+
+
+@dataclass
+class Kernel:
+    """One GPU kernel execution and, when found, the CPU call that launched it."""
+    start: int
+    end: int
+    correlation_id: int
+    name: str
+    params: str
+    launch_start: Optional[int]
+    launch_end: Optional[int]
+    tid: Optional[int]
+    stack: Tuple[NvtxRange, ...] = ()
+
+
+@dataclass
+class Profile:
+    """Everything read from one export."""
+    path: str
+    kernels: List[Kernel]
+    ranges: List[NvtxRange]
+    device: Optional[str]
+
+
+# ---------------------------------------------------------------------------------------------
+# reading the export
+
+def _connect(path: str) -> sqlite3.Connection:
+    if not os.path.isfile(path):
+        raise NsysReportMissing(f"{path}: no such file")
+    try:
+        con = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True)
+        tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.DatabaseError as e:
+        raise NsysReportError(f"{path}: not an SQLite file ({e}); export the report with "
+                              "`nsys export -t sqlite`") from None
+    for table, problem in REQUIRED_TABLES.items():
+        if table not in tables:
+            con.close()
+            raise NsysReportError(f"{path}: {problem}")
+    return con
+
+
+def _columns(con: sqlite3.Connection, table: str) -> set:
+    return {row[1] for row in con.execute(f"PRAGMA table_info({table})")}
+
+
+def _strings(con) -> Dict[int, str]:
+    return dict(con.execute("SELECT id, value FROM StringIds"))
+
+
+def read_ranges(con, strings: Dict[int, str]) -> List[NvtxRange]:
+    """All push/pop and start/end ranges; an unclosed range ends at the last NVTX timestamp."""
+    cols = _columns(con, "NVTX_EVENTS")
+    text_id = "textId" if "textId" in cols else "NULL"
+    domain = "domainId" if "domainId" in cols else "0"
+    end_tid = "endGlobalTid" if "endGlobalTid" in cols else "NULL"
+    domains = {}
+    for dom_id, text, tid in con.execute(
+            f"SELECT {domain}, coalesce(text, ''), {text_id} FROM NVTX_EVENTS WHERE eventType = ?",
+            (NVTX_DOMAIN_CREATE,)):
+        domains.setdefault(dom_id, strings.get(tid, text) if tid is not None else text)
+    last = con.execute("SELECT max(max(coalesce(start, 0)), max(coalesce(end, 0))) FROM NVTX_EVENTS").fetchone()[0] or 0
+    ranges = []
+    query = (f"SELECT rowid, start, end, eventType, text, {text_id}, globalTid, {domain}, {end_tid} "
+             f"FROM NVTX_EVENTS WHERE eventType IN ({','.join('?' * len(RANGE_EVENT_TYPES))}) ORDER BY start, rowid")
+    for row, start, end, etype, text, tid_text, tid, dom, end_tid_value in con.execute(query, RANGE_EVENT_TYPES):
+        name = strings.get(tid_text) if tid_text is not None else None
+        if name is None:
+            name = text or ""
+        if dom and domains.get(dom):
+            name = f"{domains[dom]}:{name}"
+        style = "PushPop" if etype in (NVTX_PUSHPOP, NVTXT_PUSHPOP) else "StartEnd"
+        if style == "StartEnd" and end_tid_value is not None and end_tid_value != tid:
+            tid = None        # ended on another thread: not on any one thread's stack
+        ranges.append(NvtxRange(row, name, start, end if end is not None else last, tid, style))
+    return ranges
+
+
+def read_kernels(con, strings: Dict[int, str], name_column: str = "demangledName") -> List[Kernel]:
+    """Kernels in GPU start order, joined to their launch call by correlationId (same process)."""
+    kcols, rcols = _columns(con, "CUPTI_ACTIVITY_KIND_KERNEL"), _columns(con, "CUPTI_ACTIVITY_KIND_RUNTIME")
+    names = [c for c in (name_column, "demangledName", "shortName") if c in kcols]
+    name_expr = f"coalesce({', '.join('k.' + c for c in names)})" if names else "NULL"
+    if len(names) == 1:
+        name_expr = f"k.{names[0]}"
+    dims = [f"k.{c}" if c in kcols else "1" for c in ("gridX", "gridY", "gridZ", "blockX", "blockY", "blockZ")]
+    same_process = ("AND k.globalPid = ((r.globalTid >> 24) << 24)"
+                    if "globalPid" in kcols and "globalTid" in rcols else "")
+    tid = "r.globalTid" if "globalTid" in rcols else "NULL"
+    query = (f"SELECT k.start, k.end, k.correlationId, {name_expr}, {', '.join(dims)}, r.start, r.end, {tid} "
+             f"FROM CUPTI_ACTIVITY_KIND_KERNEL AS k LEFT JOIN CUPTI_ACTIVITY_KIND_RUNTIME AS r "
+             f"ON k.correlationId = r.correlationId {same_process} ORDER BY k.start, k.correlationId")
+    kernels = []
+    for start, end, corr, name_id, gx, gy, gz, bx, by, bz, rs, re_, thread in con.execute(query):
+        name = strings.get(name_id, f"kernel#{corr}") if name_id is not None else f"kernel#{corr}"
+        params = f"grid=({gx},{gy},{gz}) block=({bx},{by},{bz})"
+        kernels.append(Kernel(start, end, corr, name, params, rs, re_, thread))
+    return kernels
+
+
+def read_device(con) -> Optional[str]:
+    """The first GPU's name from TARGET_INFO_GPU, when the export has it."""
+    try:
+        row = con.execute("SELECT name FROM TARGET_INFO_GPU ORDER BY id LIMIT 1").fetchone()
+    except sqlite3.Error:
+        return None
+    return row[0] if row and row[0] else None
+
+
+def load(path: str, name_column: str = "demangledName") -> Profile:
+    """Read an export and give every kernel its range stack (outermost first)."""
+    con = _connect(path)
+    try:
+        strings = _strings(con)
+        ranges = read_ranges(con, strings)
+        kernels = read_kernels(con, strings, name_column)
+        device = read_device(con)
+    except sqlite3.Error as e:
+        raise NsysReportError(f"{path}: cannot read the export ({e})") from None
+    finally:
+        con.close()
+    assign_stacks(kernels, ranges)
+    return Profile(path, kernels, ranges, device)
+
+
+def assign_stacks(kernels: Sequence[Kernel], ranges: Sequence[NvtxRange]) -> None:
+    """Set kernel.stack to the ranges of the launching thread that contain its launch call.
+
+    A sweep per thread: ranges enter the active set when they start at or before the launch and
+    leave it once they have ended before a launch begins (launches on a thread are sequential).
+    """
+    by_thread: Dict[int, List[NvtxRange]] = {}
+    for rng in ranges:
+        if rng.tid is not None:
+            by_thread.setdefault(rng.tid, []).append(rng)
+    launches: Dict[int, List[Kernel]] = {}
+    for k in kernels:
+        if k.tid is not None and k.launch_start is not None:
+            launches.setdefault(k.tid, []).append(k)
+    for tid, thread_kernels in launches.items():
+        thread_ranges = sorted(by_thread.get(tid, []), key=lambda r: (r.start, r.row))
+        thread_kernels.sort(key=lambda k: (k.launch_start, k.correlation_id))
+        active: List[NvtxRange] = []
+        nxt = 0
+        for k in thread_kernels:
+            while nxt < len(thread_ranges) and thread_ranges[nxt].start <= k.launch_start:
+                active.append(thread_ranges[nxt])
+                nxt += 1
+            active = [r for r in active if r.end >= k.launch_start]
+            inside = [r for r in active if r.end >= k.launch_end]
+            k.stack = tuple(sorted(inside, key=lambda r: (r.start, -r.end, r.row)))
+
+
+# ---------------------------------------------------------------------------------------------
+# from range stacks to records
+
+def canonical_op(name: str) -> str:
+    """'matmul_forward_cublaslt' -> 'matmul_forward'; unknown names are kept as they are."""
+    for op in KNOWN_OPS:
+        if name.startswith(op):
+            return op
+    return name
+
+
+def _direction_of(op: str) -> str:
+    if op.endswith("_forward") or op == "fused_classifier":
+        return "fprop"
+    if op.endswith("_backward"):
+        return "bprop"
+    if op in ("adamw", "global_norm"):
+        return "update"
+    return "other"
+
+
+def parse_stack(names: Sequence[str]):
+    """(step, direction, layer, index of the layer range, index of the op range, explicit module).
+
+    The op is the innermost range deeper than every step/direction/layer/module range, so an
+    enclosing range of the user's own (an 'epoch') is not taken for an op.
+    """
+    step = direction = layer = module = None
+    op_at = layer_at = None
+    for i, full in enumerate(names):
+        name = full.rpartition(":")[2] if ":" in full and not MODULE_RE.fullmatch(full) else full
+        m_step, m_layer, m_module = STEP_RE.search(name), LAYER_RE.fullmatch(name), MODULE_RE.fullmatch(name)
+        if m_step:
+            step = int(m_step.group(1))
+        elif name in DIRECTION_RANGES:
+            direction = DIRECTION_RANGES[name]
+        elif m_layer:
+            layer, layer_at = int(m_layer.group(1)), i
+        elif m_module:
+            module = m_module.group(0).removeprefix("transformer.")
+            if m_module.group(2) is not None:
+                layer = int(m_module.group(2))
+        else:
+            op_at = i
+            continue
+        op_at = None
+    return step, direction, layer, layer_at, op_at, module
+
+
+def to_records(kernels: Sequence[Kernel]) -> List[KernelRecord]:
+    """KernelRecords in GPU order.
+
+    Without an explicit module range, the module of an op inside a layer is told by the op's
+    position: the nth range of that op within the same "Layer l" range instance (so gradient
+    accumulation's repeated forward/backward passes each count from the start).
+    """
+    ordinals: Dict[tuple, Dict[int, int]] = {}
+    attributed = {}
+    for k in sorted(kernels, key=lambda k: (k.launch_start if k.launch_start is not None else k.start,
+                                            k.correlation_id)):
+        names = [r.name for r in k.stack]
+        step, direction, layer, layer_at, op_at, module = parse_stack(names)
+        op = names[op_at].rpartition(":")[2] if op_at is not None else ""
+        canon = canonical_op(op)
+        if direction is None:
+            direction = _direction_of(canon) if op else "other"
+        if module is None:
+            nth = 0
+            if op and layer_at is not None:
+                seen = ordinals.setdefault((k.stack[layer_at].row, canon), {})
+                nth = seen.setdefault(k.stack[op_at].row, len(seen))
+            module = infer_module(canon, direction, layer, nth)
+        attributed[id(k)] = (step, direction, layer, op, module or "")
+    records = []
+    for idx, k in enumerate(kernels):
+        step, direction, layer, op, module = attributed[id(k)]
+        records.append(KernelRecord(idx=idx, step=step, direction=direction, layer=layer, op=op,
+                                    module=module, params=k.params, kernel=k.name, start_ns=k.start,
+                                    duration_ns=k.end - k.start, flops=0, bytes=0,
+                                    range_stack=tuple(r.name for r in k.stack)))
+    return records
+
+
+def infer_module(op: str, direction: str, layer: Optional[int], nth: int) -> str:
+    """The module computed by the nth range of canonical op `op` in a layer (or outside them)."""
+    if layer is None:
+        if direction == "update":
+            return "optimizer"
+        return OUTSIDE_MODULES.get(op, "")
+    names = LAYER_MODULES.get(direction, {}).get(op, ())
+    return f"h.{layer}.{names[nth]}" if nth < len(names) else f"h.{layer}"
+
+
+def gpu_projection(kernels: Sequence[Kernel]) -> List[Tuple[str, int, int]]:
+    """Each range instance that launched kernels, as (name, first kernel start, last kernel end):
+    the range's time on the GPU (what `nsys stats --report nvtx_gpu_proj_sum` measures)."""
+    spans: Dict[int, list] = {}
+    for k in kernels:
+        for rng in k.stack:
+            span = spans.setdefault(rng.row, [rng.name, k.start, k.end, rng.start])
+            span[1], span[2] = min(span[1], k.start), max(span[2], k.end)
+    return [(name, start, end) for name, start, end, _ in sorted(spans.values(), key=lambda s: (s[1], s[3]))]
+
+
+def read_report(path: str, name_column: str = "demangledName"):
+    """(records, ranges as (name, start, end, thread), device name or None, profile) of an export.
+
+    thread: the Linux thread id (low 24 bits of globalTid), None for a start/end range that
+    ended on another thread.
+    """
+    profile = load(path, name_column)
+    ranges = [(r.name, r.start, r.end, None if r.tid is None else r.tid & 0xFFFFFF) for r in profile.ranges]
+    return to_records(profile.kernels), ranges, profile.device, profile
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+def summary_line(profile: Profile) -> str:
+    n = len(profile.kernels)
+    no_launch = sum(1 for k in profile.kernels if k.launch_start is None)
+    inside = sum(1 for k in profile.kernels if k.stack)
+    return (f"{profile.path}: {n} kernels on {profile.device or 'an unknown device'}: {inside} launched "
+            f"inside NVTX ranges, {n - inside - no_launch} outside any range, "
+            f"{no_launch} without a launch record; {len(profile.ranges)} NVTX ranges")
+
+
+def _step_title(what: str, records: Sequence[KernelRecord]) -> str:
+    steps = sorted({r.step for r in records if r.step is not None})
+    return f"{what} of step {steps[0]}" if len(steps) == 1 else what
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gpt2np.nsys",
+                                description="Attribute the kernels of an nsys SQLite export to NVTX ranges "
+                                            "(step, direction, layer, op, GPT-2 module).")
+    p.add_argument("report", help="SQLite export of an Nsight Systems report (nsys export -t sqlite)")
+    p.add_argument("--step", default="last",
+                   help="step for the kernel, module, layer and op tables: a number, 'last' (default) or 'all'")
+    p.add_argument("--csv", help="write every kernel's record to this CSV file")
+    p.add_argument("--json", help="write every kernel's record to this JSON file")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON of kernels and ranges")
+    p.add_argument("--png", help="write a bar chart of time by op and direction")
+    p.add_argument("--device", help="device for the peak numbers (default: the GPU named in the export)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"))
+    p.add_argument("--short-names", action="store_true", help="use the kernels' short (base) names")
+    p.add_argument("--top", type=int, default=20, help="rows in the top-kernels summary (default 20)")
+    args = p.parse_args(argv)
+    try:
+        step = report.parse_step(args.step)
+        records, ranges, device, profile = read_report(args.report, "shortName" if args.short_names else "demangledName")
+        device = args.device or device
+        roof = None
+        if args.device:
+            roof = make_roofline(args.device, args.precision)
+        elif device and lookup(device) is not None:
+            roof = make_roofline(device, args.precision)
+    except (NsysReportError, report.ReportError, UnknownDeviceError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    chosen = report.select_step(records, step)
+    chosen_kernels = [profile.kernels[r.idx] for r in chosen]
+    parts = [summary_line(profile),
+             report.kernel_table(chosen, roof),
+             report.module_tree_table(chosen),
+             report.layer_table(chosen),
+             report.op_table(chosen, roof),
+             report.kernel_summary_table(records, top=args.top, title="Top kernels (whole profile)"),
+             report.range_table(gpu_projection(chosen_kernels),
+                                _step_title("NVTX ranges projected onto the GPU (first kernel start to last kernel end)",
+                                            chosen)),
+             report.range_table(ranges, "NVTX ranges (whole profile, CPU time)")]
+    sys.stdout.write("\n\n".join(parts) + "\n")
+    meta = {"source": os.path.abspath(args.report), "device": device}
+    if args.csv:
+        report.write_csv(records, args.csv, roof)
+    if args.json:
+        report.write_json(records, args.json, roof, meta)
+    if args.trace:
+        report.write_chrome_trace(records, args.trace, ranges, process_name=f"nsys {os.path.basename(args.report)}")
+    if args.png:
+        report.write_png(records, args.png, title=f"{os.path.basename(args.report)}: time by op and direction")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,370 @@
+"""gpt2np.nsys: kernels of a (hand-built) Nsight Systems SQLite export attributed to NVTX ranges."""
+import json
+import sqlite3
+
+import pytest
+
+from gpt2np import nsys, report
+
+# Table layouts as `nsys export -t sqlite` writes them (the columns we read, plus some we do not).
+SCHEMA = """
+CREATE TABLE StringIds (id INTEGER NOT NULL PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE TARGET_INFO_GPU (vmId INTEGER NOT NULL, id INTEGER NOT NULL, name TEXT, busLocation TEXT,
+    totalMemory INTEGER, smCount INTEGER, computeMajor INTEGER, computeMinor INTEGER);
+CREATE TABLE NVTX_EVENTS (start INTEGER NOT NULL, end INTEGER, eventType INTEGER NOT NULL,
+    rangeId INTEGER, category INTEGER, color INTEGER, text TEXT, globalTid INTEGER,
+    endGlobalTid INTEGER, textId INTEGER REFERENCES StringIds (id), domainId INTEGER,
+    uint64Value INTEGER, int64Value INTEGER, doubleValue REAL, uint32Value INTEGER,
+    int32Value INTEGER, floatValue REAL, jsonTextId INTEGER, jsonText TEXT);
+CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME (start INTEGER NOT NULL, end INTEGER NOT NULL,
+    eventClass INTEGER NOT NULL, globalTid INTEGER, correlationId INTEGER,
+    nameId INTEGER NOT NULL REFERENCES StringIds (id), returnValue INTEGER NOT NULL, callchainId INTEGER);
+CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INTEGER NOT NULL, end INTEGER NOT NULL,
+    deviceId INTEGER NOT NULL, contextId INTEGER NOT NULL, streamId INTEGER NOT NULL,
+    correlationId INTEGER, globalPid INTEGER, demangledName INTEGER NOT NULL REFERENCES StringIds (id),
+    shortName INTEGER NOT NULL REFERENCES StringIds (id), mangledName INTEGER, launchType INTEGER,
+    cacheConfig INTEGER, registersPerThread INTEGER NOT NULL, gridX INTEGER NOT NULL,
+    gridY INTEGER NOT NULL, gridZ INTEGER NOT NULL, blockX INTEGER NOT NULL, blockY INTEGER NOT NULL,
+    blockZ INTEGER NOT NULL, staticSharedMemory INTEGER NOT NULL, dynamicSharedMemory INTEGER NOT NULL,
+    localMemoryPerThread INTEGER NOT NULL, localMemoryTotal INTEGER NOT NULL, gridId INTEGER NOT NULL,
+    sharedMemoryExecuted INTEGER, graphNodeId INTEGER, sharedMemoryLimitConfig INTEGER);
+"""
+
+PID, OTHER_PID = 4242, 777
+MAIN = (PID << 24) | 4242          # globalTid of the main thread
+LOADER = (PID << 24) | 4250        # a second thread of the same process
+OTHER = (OTHER_PID << 24) | 777    # a thread of another process
+
+
+class Export:
+    """Builds an export: strings, NVTX ranges, launch calls and kernels."""
+
+    def __init__(self):
+        self.strings = {}
+        self.nvtx, self.runtime, self.kernels = [], [], []
+        self.corr = 100
+
+    def sid(self, text):
+        return self.strings.setdefault(text, len(self.strings) + 1)
+
+    def range(self, name, start, end, tid=MAIN, registered=True, event_type=59, domain=0, end_tid=None):
+        text, text_id = (None, self.sid(name)) if registered else (name, None)
+        self.nvtx.append((start, end, event_type, text, tid, end_tid, text_id, domain))
+
+    def domain(self, domain_id, name, tid=MAIN):
+        self.nvtx.append((0, None, 75, name, tid, None, None, domain_id))
+
+    def launch(self, kernel, at, duration=300, tid=MAIN, short=None, grid=(4, 1, 1), block=(256, 1, 1),
+               with_launch=True, gpu_start=None):
+        """A launch call at `at` (lasting 20 ns) of a kernel that runs `duration` ns."""
+        self.corr += 1
+        if with_launch:
+            self.runtime.append((at, at + 20, 1, tid, self.corr, self.sid("cudaLaunchKernel"), 0))
+        start = gpu_start if gpu_start is not None else at + 50_000
+        self.kernels.append((start, start + duration, 0, 1, 7, self.corr, (tid >> 24) << 24,
+                             self.sid(kernel), self.sid(short or kernel), 32, *grid, *block))
+        return self.corr
+
+    def write(self, path):
+        con = sqlite3.connect(path)
+        con.executescript(SCHEMA)
+        con.executemany("INSERT INTO StringIds VALUES (?, ?)", [(i, s) for s, i in self.strings.items()])
+        con.execute("INSERT INTO TARGET_INFO_GPU VALUES (0, 0, 'NVIDIA H100 80GB HBM3', '0000:01:00.0', 0, 132, 9, 0)")
+        con.executemany("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid, endGlobalTid, textId, "
+                        "domainId) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", self.nvtx)
+        con.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME (start, end, eventClass, globalTid, correlationId, "
+                        "nameId, returnValue) VALUES (?, ?, ?, ?, ?, ?, ?)", self.runtime)
+        con.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL (start, end, deviceId, contextId, streamId, "
+                        "correlationId, globalPid, demangledName, shortName, registersPerThread, gridX, gridY, "
+                        "gridZ, blockX, blockY, blockZ, staticSharedMemory, dynamicSharedMemory, "
+                        "localMemoryPerThread, localMemoryTotal, gridId) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 0, 0, 0, 0)", self.kernels)
+        con.commit()
+        con.close()
+        return str(path)
+
+
+GEMM = "void cutlass::Kernel2<cutlass_80_simt_sgemm_128x64_8x5_nn_align1>(Params)"
+
+
+def training_step_export():
+    """One training step of a 1-layer model on the main thread, plus the awkward cases."""
+    e = Export()
+    e.domain(5, "gpt2np")
+    e.range("epoch", 900, 40_000, event_type=60, domain=5)           # start/end range, named domain
+    e.launch("warmup_kernel", 500)                                    # before any range
+    e.range("Train step 1", 1_000, 30_000)
+    e.range("gpt2_forward", 1_100, 9_000)
+    e.range("encoder_forward", 1_200, 1_300, registered=False)        # plain-text message
+    e.launch("encoder_forward_kernel", 1_250)
+    e.range("Layer 0", 1_400, 8_000)
+    e.range("layernorm_forward", 1_500, 1_600)
+    e.launch("layernorm_forward_kernel", 1_550)
+    e.range("matmul_forward", 1_700, 1_800)
+    e.launch(GEMM, 1_750, short="Kernel2")
+    e.range("attention_forward", 1_900, 2_100)
+    e.launch("permute_kernel", 1_950)
+    e.launch("softmax_forward_kernel", 2_000)
+    e.range("matmul_forward", 2_200, 2_300)
+    e.launch(GEMM, 2_250, short="Kernel2")
+    e.range("layernorm_forward", 8_100, 8_200)                        # ln_f: outside the layers
+    e.launch("layernorm_forward_kernel", 8_150)
+    e.range("gpt2_backward", 9_100, 15_000)
+    e.range("Layer 0", 9_200, 14_000)
+    e.range("matmul_backward", 9_300, 9_600)
+    e.launch(GEMM, 9_350, short="Kernel2")
+    e.launch(GEMM, 9_400, short="Kernel2")
+    e.launch("matmul_backward_bias_kernel", 9_450)
+    e.range("matmul_backward", 9_700, 9_800)
+    e.launch(GEMM, 9_750, short="Kernel2")
+    e.launch("straddling_kernel", 13_990)                             # call ends after Layer 0 ends
+    e.range("gpt2_update", 15_100, 19_000)
+    e.range("adamw", 15_200, 15_300)
+    e.launch("adamw_kernel", 15_250)
+    # a second thread of the process, with its own ranges overlapping the main thread's in time
+    e.range("data_loader", 1_000, 30_000, tid=LOADER)
+    e.range("Layer 7", 1_450, 1_560, tid=LOADER)
+    e.launch("loader_kernel", 1_500, tid=LOADER)
+    # another process reuses a correlation id of ours: it must not be joined to our kernel
+    e.runtime.append((1_760, 1_780, 1, OTHER, e.corr - 1, e.sid("cudaLaunchKernel"), 0))
+    # a kernel with no launch record at all
+    e.corr += 1
+    e.kernels.append((99_000, 99_100, 0, 1, 7, e.corr, PID << 24, e.sid("orphan_kernel"),
+                      e.sid("orphan_kernel"), 32, 1, 1, 1, 32, 1, 1))
+    return e
+
+
+@pytest.fixture
+def step_db(tmp_path):
+    return training_step_export().write(tmp_path / "prof.sqlite")
+
+
+def brief(records):
+    return [(r.kernel if r.kernel != GEMM else "GEMM", r.step, r.direction, r.layer, r.op, r.module,
+             r.range_stack) for r in records]
+
+
+def test_attribution_is_exact(step_db):
+    records, ranges, device, profile = nsys.read_report(step_db)
+    S, E = "Train step 1", "gpt2np:epoch"
+    assert device == "NVIDIA H100 80GB HBM3"
+    assert brief(records) == [
+        ("warmup_kernel", None, "other", None, "", "", ()),
+        ("encoder_forward_kernel", 1, "fprop", None, "encoder_forward", "wte",
+         (E, S, "gpt2_forward", "encoder_forward")),
+        ("loader_kernel", None, "other", 7, "", "h.7", ("data_loader", "Layer 7")),
+        ("layernorm_forward_kernel", 1, "fprop", 0, "layernorm_forward", "h.0.ln_1",
+         (E, S, "gpt2_forward", "Layer 0", "layernorm_forward")),
+        ("GEMM", 1, "fprop", 0, "matmul_forward", "h.0.attn.c_attn",
+         (E, S, "gpt2_forward", "Layer 0", "matmul_forward")),
+        ("permute_kernel", 1, "fprop", 0, "attention_forward", "h.0.attn",
+         (E, S, "gpt2_forward", "Layer 0", "attention_forward")),
+        ("softmax_forward_kernel", 1, "fprop", 0, "attention_forward", "h.0.attn",
+         (E, S, "gpt2_forward", "Layer 0", "attention_forward")),
+        ("GEMM", 1, "fprop", 0, "matmul_forward", "h.0.attn.c_proj",
+         (E, S, "gpt2_forward", "Layer 0", "matmul_forward")),
+        ("layernorm_forward_kernel", 1, "fprop", None, "layernorm_forward", "ln_f",
+         (E, S, "gpt2_forward", "layernorm_forward")),
+        ("GEMM", 1, "bprop", 0, "matmul_backward", "h.0.mlp.c_proj",
+         (E, S, "gpt2_backward", "Layer 0", "matmul_backward")),
+        ("GEMM", 1, "bprop", 0, "matmul_backward", "h.0.mlp.c_proj",
+         (E, S, "gpt2_backward", "Layer 0", "matmul_backward")),
+        ("matmul_backward_bias_kernel", 1, "bprop", 0, "matmul_backward", "h.0.mlp.c_proj",
+         (E, S, "gpt2_backward", "Layer 0", "matmul_backward")),
+        ("GEMM", 1, "bprop", 0, "matmul_backward", "h.0.mlp.c_fc",
+         (E, S, "gpt2_backward", "Layer 0", "matmul_backward")),
+        ("straddling_kernel", 1, "bprop", None, "", "", (E, S, "gpt2_backward")),
+        ("adamw_kernel", 1, "update", None, "adamw", "optimizer", (E, S, "gpt2_update", "adamw")),
+        ("orphan_kernel", None, "other", None, "", "", ()),
+    ]
+    assert [r.idx for r in records] == list(range(len(records)))
+    assert records[4].params == "grid=(4,1,1) block=(256,1,1)"
+    assert records[4].duration_ns == 300 and records[4].start_ns == 1_750 + 50_000
+    assert all(r.flops == 0 and r.bytes == 0 for r in records)
+    assert "16 kernels" in nsys.summary_line(profile)
+    assert "14 launched inside NVTX ranges, 1 outside any range, 1 without a launch record" \
+        in nsys.summary_line(profile)
+
+
+def test_ranges_carry_thread_and_domain(step_db):
+    _, ranges, _, _ = nsys.read_report(step_db)
+    names = sorted(r[0] for r in ranges)
+    assert names.count("Layer 0") == 2 and names.count("matmul_forward") == 2
+    assert ("gpt2np:epoch", 900, 40_000, 4242) in ranges
+    assert ("Layer 7", 1_450, 1_560, 4250) in ranges
+    table = report.range_table(ranges)
+    layer0 = next(line for line in table.splitlines() if line.endswith("Layer 0"))
+    # two instances: 6600 ns and 4800 ns -> total 11400, avg 5700, stddev sqrt(((900)^2*2)/1)
+    assert layer0.split()[1:8] == ["11400", "2", "5700.0", "5700.0", "4800", "6600", "1272.8"]
+
+
+def test_short_names(step_db):
+    records, _, _, _ = nsys.read_report(step_db, "shortName")
+    assert records[4].kernel == "Kernel2"
+
+
+def test_unclosed_range_and_cross_thread_startend(tmp_path):
+    e = Export()
+    e.range("Train step 3", 100, None)                      # never popped: runs to the last timestamp
+    e.range("gpt2_forward", 150, 900)
+    e.range("async_io", 120, 950, event_type=60, end_tid=LOADER)   # ended on another thread
+    e.range("late", 2_000, 2_100)
+    e.launch("k", 200)
+    records, ranges, _, _ = nsys.read_report(e.write(tmp_path / "p.sqlite"))
+    assert records[0].range_stack == ("Train step 3", "gpt2_forward")
+    assert records[0].step == 3 and records[0].direction == "fprop" and records[0].op == ""
+    assert ("Train step 3", 100, 2_100, 4242) in ranges
+    assert ("async_io", 120, 950, None) in ranges
+
+
+def test_explicit_module_ranges(tmp_path):
+    e = Export()
+    e.range("Train step 2", 0, 1_000)
+    e.range("gpt2_backward", 10, 900)
+    e.range("h.5.mlp.c_fc", 20, 100)
+    e.range("matmul_backward_cublaslt", 30, 90)
+    e.launch("k", 40)
+    [rec], _, _, _ = nsys.read_report(e.write(tmp_path / "p.sqlite"))
+    assert (rec.step, rec.direction, rec.layer, rec.op, rec.module) == \
+        (2, "bprop", 5, "matmul_backward_cublaslt", "h.5.mlp.c_fc")
+
+
+def test_cli_prints_tables_and_writes_files(step_db, tmp_path, capsys):
+    out_csv, out_json, out_trace = tmp_path / "k.csv", tmp_path / "k.json", tmp_path / "t.json"
+    assert nsys.main([step_db, "--csv", str(out_csv), "--json", str(out_json), "--trace", str(out_trace)]) == 0
+    text = capsys.readouterr().out
+    for heading in ("Kernels of step 1 on H100 SXM", "Time per GPT-2 module", "Time per layer",
+                    "Time per op", "Top kernels (whole profile)", "NVTX ranges (whole profile"):
+        assert heading in text
+    assert "c_attn" in text and "matmul_backward" in text
+    records, _, meta = report.read_json(str(out_json))
+    assert len(records) == 16 and meta["device"] == "NVIDIA H100 80GB HBM3"
+    assert out_csv.read_text().count("\n") == 17
+    trace = json.loads(out_trace.read_text())
+    assert sum(1 for ev in trace["traceEvents"] if ev.get("cat") == "kernel") == 16
+
+
+def test_cli_step_all_and_device_override(step_db, capsys):
+    assert nsys.main([step_db, "--step", "all", "--device", "A100-SXM4-80GB"]) == 0
+    text = capsys.readouterr().out
+    assert "on A100 80GB SXM" in text and "orphan_kernel" in text and "warmup_kernel" in text
+
+
+def one_error_line(capsys):
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    return err
+
+
+def test_missing_file(tmp_path, capsys):
+    path = str(tmp_path / "nope.sqlite")
+    with pytest.raises(nsys.NsysReportMissing, match="no such file"):
+        nsys.load(path)
+    assert nsys.main([path]) == 1
+    assert path in one_error_line(capsys)
+
+
+def test_not_sqlite(tmp_path, capsys):
+    path = tmp_path / "prof.nsys-rep"
+    path.write_bytes(b"this is not a database" * 100)
+    assert nsys.main([str(path)]) == 1
+    assert "not an SQLite file" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("dropped, problem", [("CUPTI_ACTIVITY_KIND_KERNEL", "no CUDA kernel data"),
+                                              ("NVTX_EVENTS", "no NVTX data"),
+                                              ("CUPTI_ACTIVITY_KIND_RUNTIME", "no CUDA API data")])
+def test_missing_tables(tmp_path, capsys, dropped, problem):
+    path = training_step_export().write(tmp_path / "p.sqlite")
+    con = sqlite3.connect(path)
+    con.execute(f"DROP TABLE {dropped}")
+    con.commit()
+    con.close()
+    with pytest.raises(nsys.NsysReportError, match=problem):
+        nsys.load(path)
+    assert nsys.main([path]) == 1
+    err = one_error_line(capsys)
+    assert path in err and problem in err
+
+
+def test_unknown_device_is_one_line(step_db, capsys):
+    assert nsys.main([step_db, "--device", "Voodoo5"]) == 1
+    assert "unknown device 'Voodoo5'" in one_error_line(capsys)
+
+
+# llm.c's (and gpt2np.model's) op order inside one layer, with the module each call computes
+FORWARD_LAYER = [("layernorm_forward", "ln_1"), ("matmul_forward", "attn.c_attn"), ("attention_forward", "attn"),
+                 ("matmul_forward", "attn.c_proj"), ("residual_forward", "residual"),
+                 ("layernorm_forward", "ln_2"), ("matmul_forward", "mlp.c_fc"), ("gelu_forward", "mlp.gelu"),
+                 ("matmul_forward", "mlp.c_proj"), ("residual_forward", "residual")]
+BACKWARD_LAYER = [("matmul_backward", "mlp.c_proj"), ("gelu_backward", "mlp.gelu"), ("matmul_backward", "mlp.c_fc"),
+                  ("layernorm_backward", "ln_2"), ("matmul_backward", "attn.c_proj"),
+                  ("attention_backward", "attn"), ("matmul_backward", "attn.c_attn"),
+                  ("layernorm_backward", "ln_1")]
+
+
+def test_modules_of_a_full_step_with_gradient_accumulation(tmp_path):
+    """Two micro-batches per step, two layers: every op lands on its module, in both passes."""
+    e, t, expected = Export(), 0, []
+
+    def op(name, module, kernels=1):
+        nonlocal t
+        start = t
+        for _ in range(kernels):
+            e.launch(f"{name}_kernel", t + 10)
+            expected.append(module)
+            t += 100
+        e.range(name, start, t)
+        t += 10
+
+    def scope(name, body):
+        nonlocal t
+        start = t
+        t += 5
+        body()
+        e.range(name, start, t)
+        t += 5
+
+    def forward():
+        op("encoder_forward", "wte")
+        for l in range(2):
+            scope(f"Layer {l}", lambda: [op(n, f"h.{l}.{m}") for n, m in FORWARD_LAYER])
+        op("layernorm_forward", "ln_f")
+        op("matmul_forward", "lm_head")
+        op("fused_classifier", "lm_head")
+
+    def backward():
+        op("matmul_backward", "lm_head", kernels=2)
+        op("layernorm_backward", "ln_f")
+        for l in (1, 0):
+            scope(f"Layer {l}", lambda: [op(n, f"h.{l}.{m}", kernels=3 if n == "matmul_backward" else 1)
+                                         for n, m in BACKWARD_LAYER])
+        op("encoder_backward", "wte")
+
+    def step():
+        for _ in range(2):
+            scope("gpt2_forward", forward)
+            scope("gpt2_backward", backward)
+        scope("gpt2_calculate_grad_norm", lambda: op("global_norm", "optimizer"))
+        scope("gpt2_update", lambda: [op("adamw", "optimizer") for _ in range(16)])
+
+    scope("Train step 0", step)
+    records, _, _, _ = nsys.read_report(e.write(tmp_path / "p.sqlite"))
+    assert [r.module for r in records] == expected
+    assert {r.step for r in records} == {0}
+    assert [r.direction for r in records if r.op == "global_norm"] == ["update"]
+    tree = report.module_tree(records)
+    c_attn = next(n for _, n in tree.walk() if n.path == "h.1.attn.c_attn")
+    assert c_attn.calls == 2 * (1 + 3) and c_attn.time("fprop") == 2 * 300 and c_attn.time("bprop") == 2 * 3 * 300
+
+
+def test_gpu_projection(step_db):
+    profile = nsys.load(step_db)
+    spans = {}
+    for name, start, end in nsys.gpu_projection(profile.kernels):
+        spans.setdefault(name, []).append((start, end))
+    # kernels run 50 us after their launch and last 300 ns
+    assert spans["Layer 0"] == [(51_550, 52_550), (59_350, 60_050)]
+    assert spans["matmul_backward"] == [(59_350, 59_750), (59_750, 60_050)]
+    assert spans["Train step 1"] == [(51_250, 65_550)]
+    assert "data_loader" in spans and "gpt2np:epoch" in spans

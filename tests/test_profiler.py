@@ -1,0 +1,74 @@
+"""The built-in profiler attributes every launch of a step to its layer, direction, op and module."""
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from gpt2np.backend_numpy import NumpyBackend
+from gpt2np.config import GPT2Config
+from gpt2np.model import GPT2
+from gpt2np.profiler import profile_steps, write_outputs
+from gpt2np.report import render
+
+CFG = GPT2Config(32, 100, 128, 2, 2, 16)
+B, T = 2, 8
+
+
+def batches():
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, CFG.vocab_size, (2, B, T + 1)).astype(np.int32)
+    return [(b[:, :-1], b[:, 1:]) for b in raw]
+
+
+@pytest.fixture(scope="module")
+def prof():
+    model = GPT2(CFG, NumpyBackend(threads=1), B, T, seed=0)
+    return profile_steps(model, batches(), steps=2)
+
+
+def test_one_record_per_op_launch_with_attribution(prof):
+    step = [r for r in prof.records if r.step == 2]
+    L = CFG.num_layers
+    # forward: encoder + 10 per layer + ln_f + lm_head + classifier; backward: 2 + 8 per layer + encoder;
+    # update: the norm + one AdamW per tensor
+    assert len(step) == (1 + 10 * L + 3) + (2 + 8 * L + 1) + (1 + 16)
+    assert [r.idx for r in prof.records] == list(range(len(prof.records)))
+    dirs = Counter(r.direction for r in step)
+    assert dirs == {"fprop": 1 + 10 * L + 3, "bprop": 2 + 8 * L + 1, "update": 17}
+    for l in range(L):
+        fwd = [r.op for r in step if r.layer == l and r.direction == "fprop"]
+        assert fwd == ["layernorm_forward", "matmul_forward", "attention_forward", "matmul_forward",
+                       "residual_forward", "layernorm_forward", "matmul_forward", "gelu_forward", "matmul_forward",
+                       "residual_forward"]
+        mods = [r.module for r in step if r.layer == l and r.direction == "bprop"]
+        assert mods == [f"h.{l}.mlp.c_proj", f"h.{l}.mlp.gelu", f"h.{l}.mlp.c_fc", f"h.{l}.ln_2",
+                        f"h.{l}.attn.c_proj", f"h.{l}.attn", f"h.{l}.attn.c_attn", f"h.{l}.ln_1"]
+    qkv = next(r for r in step if r.module == "h.1.attn.c_attn" and r.direction == "fprop")
+    assert qkv.params == f"B={B},T={T},C=16,OC=48,M={B * T},N=48,K=16"
+    assert qkv.flops == 2 * B * T * 16 * 48 + B * T * 48
+    assert qkv.range_stack == ("Train step 2", "gpt2_forward", "Layer 1", "matmul_forward")
+    assert all(r.duration_ns > 0 for r in step)
+
+
+def test_ranges_recorded_like_nvtx(prof):
+    names = Counter(name for name, start, end in prof.ranges)
+    assert names["Train step 1"] == names["Train step 2"] == 1
+    assert names["gpt2_forward"] == names["gpt2_backward"] == 2
+    assert names["Layer 0"] == 4                       # forward and backward, two steps
+    assert all(end >= start for _, start, end in prof.ranges)
+
+
+def test_report_and_files(prof, tmp_path):
+    text = render(prof.records, None, step="last", num_layers=CFG.num_layers, ranges=prof.ranges)
+    for heading in ("Kernels of step 2", "Time per GPT-2 module", "Time per op", "NVTX ranges"):
+        assert heading in text
+    for module in ("h.1", "c_attn", "lm_head", "optimizer"):
+        assert module in text
+    paths = write_outputs(prof, tmp_path)
+    rows = open(paths["csv"]).read().splitlines()
+    assert len(rows) == 1 + len(prof.records)
+    trace = json.load(open(paths["trace.json"]))
+    assert any(e.get("name") == "Layer 1" for e in trace["traceEvents"])
+    if "png" in paths:
+        assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
