@@ -1,0 +1,468 @@
+"""The CUDA backend: the op contract on hand-written kernels (kernels/*.cu) plus cuBLAS GEMMs.
+
+Written once against a small runtime interface, so the same code drives a real GPU
+(runtime_cupy.CupyRuntime: NVRTC + cuBLAS through CuPy) and the CPU emulator used by the tests
+(runtime_emu.EmuRuntime). A runtime provides:
+
+    compile(path) -> module;  module.get_function(name) -> fn(grid, block, args, shared_mem=0)
+    launch(fn, grid, block, args, shared_mem)
+    gemm(transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c, batch)
+        row-major, batched: C[i] = alpha op(A[i]) op(B[i]) + beta C[i]
+    zeros(shape, dtype), empty(shape, dtype), from_host(array), to_host(array), copy(dst, src),
+    fill(array, value), pointer(array) -> int
+    event() -> object with record();  elapsed_ms(start, end);  synchronize();  device_name()
+
+Every kernel launch goes through CudaBackend._launch and every GEMM through CudaBackend._gemm,
+each with a name, a FLOP count and a byte count (the minimum DRAM traffic). Set `on_launch` to
+observe them: on_launch(name, kind, flops, nbytes, run) is called instead of running the work,
+with kind "kernel" or "gemm", and must call run() exactly once (a profiler wraps it in events).
+
+Kernel arguments: arrays are passed as device pointers (they must be C-contiguous), scalars as
+np.int32 / np.float32. Shapes follow the op contract (B, T, C, OC, NH, HS = C/NH, V, Vp).
+Limits checked here, each with a one-line KernelArgumentError (a ValueError): buffers indexed
+with int must have < 2^31 elements; encoder_forward needs C % 4 == 0 and 16-byte alignment.
+"""
+import math
+from pathlib import Path
+
+import numpy as np
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+
+# kernel name -> the kernels/<file>.cu that defines it (every entry point of every file)
+KERNELS = {
+    "encoder_forward": "encoder", "encoder_backward_wte": "encoder", "encoder_backward_wpe": "encoder",
+    "layernorm_forward": "layernorm", "layernorm_backward_dinp": "layernorm",
+    "layernorm_backward_params_partial": "layernorm", "layernorm_backward_params_finish": "layernorm",
+    "add_bias": "matmul", "bias_grad_partial": "matmul", "bias_grad_finish": "matmul",
+    "permute_qkv": "attention", "unpermute": "attention", "unpermute_backward": "attention",
+    "permute_backward": "attention", "causal_softmax_forward": "attention",
+    "causal_softmax_backward": "attention",
+    "gelu_forward": "gelu", "gelu_backward": "gelu",
+    "residual_forward": "residual", "residual_backward": "residual",
+    "fused_classifier": "classifier",
+    "adamw_update": "adamw",
+    "global_norm_squared_partial": "global_norm", "global_norm_squared_finish": "global_norm",
+}
+KERNEL_FILES = tuple(sorted(set(KERNELS.values())))
+
+INT_LIMIT = 2 ** 31 - 1
+F32 = 4  # bytes per float
+
+
+class KernelArgumentError(ValueError):
+    """Arguments a kernel cannot take (size over int range, misalignment, shape mismatch)."""
+
+
+def _i32(x):
+    return np.int32(x)
+
+
+def _f32(x):
+    return np.float32(x)
+
+
+def _blocks(n, threads):
+    return (max(1, -(-n // threads)),)
+
+
+def _threads_for(width, limit):
+    """Threads for a block working on `width` items: a multiple of 32, at most `limit`."""
+    return int(min(limit, max(32, -(-width // 32) * 32)))
+
+
+class CudaBackend:
+    """The op contract on CUDA kernels + cuBLAS. Arrays live in the runtime's memory.
+
+    Launch tuning (attributes, may be changed per instance):
+      elementwise_threads: block size of one-thread-per-element kernels
+      row_warps: rows (one warp each) per block of the row kernels (layernorm, softmax)
+      classifier_threads: maximum block size of fused_classifier (one block per row)
+      reduce_warps, reduce_rows_per_chunk: layout of the column-sum reductions (parameter grads)
+      norm_threads, norm_max_blocks: the global norm's first stage
+    """
+
+    name = "cuda"
+
+    def __init__(self, runtime, dtype=np.float32):
+        if np.dtype(dtype) != np.float32:
+            raise ValueError(f"CudaBackend: only float32 is supported, got {np.dtype(dtype)}")
+        self.rt = runtime
+        self.dtype = np.dtype(np.float32)
+        self.on_launch = None
+        self.elementwise_threads = 256
+        self.row_warps = 8
+        self.classifier_threads = 1024
+        self.reduce_warps = 8
+        self.reduce_rows_per_chunk = 128
+        self.norm_threads = 512
+        self.norm_max_blocks = 1024
+        self._modules = {}
+        self._functions = {}
+        self._scratch = {}
+
+    def device_name(self):
+        return self.rt.device_name()
+
+    @property
+    def precision(self):
+        """Math of the GEMMs: "tf32" when the runtime enables TF32 tensor cores, else "fp32"."""
+        return "tf32" if getattr(self.rt, "tf32", False) else "fp32"
+
+    # ---- memory -------------------------------------------------------------------------
+    def zeros(self, shape, dtype=None):
+        return self.rt.zeros(shape, np.dtype(dtype or self.dtype))
+
+    def empty(self, shape, dtype=None):
+        return self.rt.empty(shape, np.dtype(dtype or self.dtype))
+
+    def from_host(self, array, dtype=None):
+        return self.rt.from_host(np.ascontiguousarray(array, dtype=dtype))
+
+    def to_host(self, array):
+        return self.rt.to_host(array)
+
+    def copy_(self, dst, src):
+        self.rt.copy(dst, src)
+
+    def fill_(self, array, value):
+        self.rt.fill(array, value)
+
+    def synchronize(self):
+        self.rt.synchronize()
+
+    def event(self):
+        return self.rt.event()
+
+    def elapsed_ms(self, start, end):
+        return self.rt.elapsed_ms(start, end)
+
+    def scratch(self, key, shape, dtype=None):
+        """A reusable work buffer (grown on demand), never part of the model's state."""
+        dtype = np.dtype(dtype or self.dtype)
+        size = int(np.prod(shape))
+        buf = self._scratch.get((key, dtype))
+        if buf is None or buf.size < size:
+            buf = self.rt.empty(max(size, 1), dtype)
+            self._scratch[(key, dtype)] = buf
+        return buf[:size].reshape(shape)
+
+    # ---- the two choke points -----------------------------------------------------------
+    def function(self, name):
+        """The compiled kernel `name` (compiles its kernels/<file>.cu on first use)."""
+        fn = self._functions.get(name)
+        if fn is None:
+            if name not in KERNELS:
+                raise KeyError(f"unknown kernel {name!r}")
+            stem = KERNELS[name]
+            module = self._modules.get(stem)
+            if module is None:
+                module = self._modules[stem] = self.rt.compile(KERNEL_DIR / f"{stem}.cu")
+            fn = self._functions[name] = module.get_function(name)
+        return fn
+
+    def _launch(self, name, grid, block, args, *, flops=0, nbytes=0, shared_mem=0):
+        """Launch kernel `name` on (grid, block) with args; the one place kernels are run."""
+        fn = self.function(name)
+        for i, a in enumerate(args):
+            if hasattr(a, "flags") and not a.flags.c_contiguous:
+                raise KernelArgumentError(f"CudaBackend: kernel {name}: argument {i} is not C-contiguous "
+                                          f"(kernels take raw pointers)")
+
+        def run():
+            self.rt.launch(fn, grid, block, args, shared_mem)
+
+        if self.on_launch is None:
+            run()
+        else:
+            self.on_launch(name, "kernel", flops, nbytes, run)
+
+    def _gemm(self, name, transa, transb, m, n, k, a, lda, b, ldb, c, ldc, *, alpha=1.0, beta=0.0,
+              batch=1, stride_a=0, stride_b=0, stride_c=0):
+        """Row-major C[i] (m,n) = alpha op(A[i]) op(B[i]) + beta C[i] via the runtime's cuBLAS/NumPy;
+        the one place GEMMs are run."""
+        flops = 2 * m * n * k * batch
+        nbytes = F32 * batch * (m * k + k * n + m * n * (2 if beta else 1))
+
+        def run():
+            self.rt.gemm(transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc,
+                         stride_c, batch)
+
+        if self.on_launch is None:
+            run()
+        else:
+            self.on_launch(name, "gemm", flops, nbytes, run)
+
+    # ---- checks -------------------------------------------------------------------------
+    @staticmethod
+    def _check_shape(op, what, array, shape):
+        if tuple(array.shape) != tuple(shape):
+            raise KernelArgumentError(f"CudaBackend.{op}: {what} has shape {tuple(array.shape)}, "
+                                      f"expected {tuple(shape)}")
+
+    @staticmethod
+    def _check_int_size(op, what, n):
+        if n > INT_LIMIT:
+            raise KernelArgumentError(f"CudaBackend.{op}: {what} has {n} elements; the kernels index it "
+                                      f"with 32-bit ints (limit {INT_LIMIT}), use a smaller batch")
+
+    def _check_aligned(self, op, what, array, alignment=16):
+        address = self.rt.pointer(array)
+        if address % alignment:
+            raise KernelArgumentError(f"CudaBackend.{op}: {what} is not {alignment}-byte aligned "
+                                      f"(address {address:#x}); the kernel loads float4")
+
+    def _row_launch(self, rows):
+        """(grid, block) for one-warp-per-row kernels."""
+        warps = int(max(1, min(self.row_warps, rows)))
+        return _blocks(rows, warps), (32 * warps,)
+
+    def _elementwise(self, n):
+        return _blocks(n, self.elementwise_threads), (self.elementwise_threads,)
+
+    def _column_sums(self, partial_kernel, finish_kernel, rows, cols, partial_cols, partial_args, finish_outputs):
+        """Two-stage deterministic column reduction over `rows` of a (rows, cols) matrix."""
+        chunk = max(1, int(self.reduce_rows_per_chunk), -(-rows // 65535))   # gridDim.y <= 65535
+        chunks = -(-rows // chunk)
+        partial = self.scratch("column_partial", (chunks, partial_cols, cols))
+        warps = int(max(1, min(self.reduce_warps, chunk)))
+        self._launch(partial_kernel, (-(-cols // 32), chunks), (32 * warps,),
+                     (partial, *partial_args, _i32(rows), _i32(cols), _i32(chunk)),
+                     flops=rows * cols * (3 if partial_cols == 2 else 1), nbytes=F32 * rows * cols * partial_cols)
+        threads = _threads_for(cols, 256)
+        self._launch(finish_kernel, _blocks(cols, threads), (threads,),
+                     (*finish_outputs, partial, _i32(chunks), _i32(cols)),
+                     flops=chunks * cols * partial_cols, nbytes=F32 * (chunks + 2) * cols * partial_cols)
+
+    # ---- encoder ------------------------------------------------------------------------
+    def encoder_forward(self, out, inp, wte, wpe):
+        """out (B,T,C) = wte (Vp,C)[inp (B,T) int32] + wpe (maxT,C)[:T]."""
+        op = "encoder_forward"
+        B, T = inp.shape
+        C = wte.shape[1]
+        self._check_shape(op, "out", out, (B, T, C))
+        if C % 4:
+            raise KernelArgumentError(f"CudaBackend.{op}: channels C={C} must be a multiple of 4 "
+                                      f"(kernels/encoder.cu loads float4)")
+        for what, array in (("out", out), ("wte", wte), ("wpe", wpe)):
+            self._check_aligned(op, what, array)
+        n = B * T * C
+        self._check_int_size(op, "out", n)
+        self._launch(op, *self._elementwise(n // 4), (out, inp, wte, wpe, _i32(B), _i32(T), _i32(C)),
+                     flops=n, nbytes=F32 * 3 * n + 4 * B * T)
+
+    def encoder_backward(self, dwte, dwpe, dout, inp):
+        """dwte[inp[b,t]] += dout[b,t] (atomics); dwpe[t] += sum_b dout[b,t] (deterministic)."""
+        op = "encoder_backward"
+        B, T, C = dout.shape
+        self._check_shape(op, "inp", inp, (B, T))
+        n = B * T * C
+        self._check_int_size(op, "dout", n)
+        self._launch("encoder_backward_wte", *self._elementwise(n), (dwte, dout, inp, _i32(B), _i32(T), _i32(C)),
+                     flops=n, nbytes=F32 * 3 * n + 4 * B * T)
+        self._launch("encoder_backward_wpe", *self._elementwise(T * C), (dwpe, dout, _i32(B), _i32(T), _i32(C)),
+                     flops=n, nbytes=F32 * (n + 2 * T * C))
+
+    # ---- layernorm ----------------------------------------------------------------------
+    def layernorm_forward(self, out, mean, rstd, inp, weight, bias):
+        """out (B,T,C) = (inp - mean) * rstd * weight + bias; saves mean, rstd (B,T)."""
+        op = "layernorm_forward"
+        *lead, C = inp.shape
+        N = int(np.prod(lead))
+        self._check_shape(op, "out", out, inp.shape)
+        self._check_shape(op, "mean", mean, lead)
+        self._check_shape(op, "rstd", rstd, lead)
+        self._check_int_size(op, "inp", N * C)
+        self._launch(op, *self._row_launch(N), (out, mean, rstd, inp, weight, bias, _i32(N), _i32(C)),
+                     flops=8 * N * C, nbytes=F32 * (2 * N * C + 2 * C + 2 * N))
+
+    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+        """dinp (B,T,C) +=, dweight (C) +=, dbias (C) +=, from dout and the saved mean, rstd."""
+        op = "layernorm_backward"
+        *lead, C = inp.shape
+        N = int(np.prod(lead))
+        for what, array in (("dinp", dinp), ("dout", dout)):
+            self._check_shape(op, what, array, inp.shape)
+        self._check_int_size(op, "inp", N * C)
+        self._launch("layernorm_backward_dinp", *self._row_launch(N),
+                     (dinp, dout, inp, weight, mean, rstd, _i32(N), _i32(C)),
+                     flops=14 * N * C, nbytes=F32 * (4 * N * C + C + 2 * N))
+        self._column_sums("layernorm_backward_params_partial", "layernorm_backward_params_finish",
+                          N, C, 2, (dout, inp, mean, rstd), (dweight, dbias))
+
+    # ---- matmul -------------------------------------------------------------------------
+    def matmul_forward(self, out, inp, weight, bias):
+        """out (B,T,OC) = inp (B,T,C) @ weight (OC,C)^T + bias (OC) (bias may be None)."""
+        op = "matmul_forward"
+        OC, C = weight.shape
+        N = inp.size // C
+        self._check_shape(op, "inp", inp, (*inp.shape[:-1], C))
+        self._check_shape(op, "out", out, (*inp.shape[:-1], OC))
+        self._gemm("gemm_" + op, False, True, N, OC, C, inp, C, weight, C, out, OC)
+        if bias is not None:
+            self._check_int_size(op, "out", N * OC)
+            self._launch("add_bias", *self._elementwise(N * OC), (out, bias, _i32(N), _i32(OC)),
+                         flops=N * OC, nbytes=F32 * (2 * N * OC + OC))
+
+    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight):
+        """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp;  dbias (OC) += sum dout."""
+        op = "matmul_backward"
+        OC, C = weight.shape
+        N = inp.size // C
+        self._check_shape(op, "inp", inp, (*inp.shape[:-1], C))
+        self._check_shape(op, "dout", dout, (*inp.shape[:-1], OC))
+        self._check_shape(op, "dinp", dinp, inp.shape)
+        self._check_shape(op, "dweight", dweight, weight.shape)
+        self._gemm("gemm_matmul_backward_dinp", False, False, N, C, OC, dout, OC, weight, C, dinp, C)
+        self._gemm("gemm_matmul_backward_dweight", True, False, OC, C, N, dout, OC, inp, C, dweight, C, beta=1.0)
+        if dbias is not None:
+            self._check_int_size(op, "dout", N * OC)
+            self._column_sums("bias_grad_partial", "bias_grad_finish", N, OC, 1, (dout,), (dbias,))
+
+    # ---- attention ----------------------------------------------------------------------
+    def attention_forward(self, out, qkvr, att, inp):
+        """Causal self-attention: inp (B,T,3C) -> qkvr (3,B,NH,T,HS), att (B,NH,T,T) probs, out (B,T,C)."""
+        op = "attention_forward"
+        B, T, C3 = inp.shape
+        _, _, NH, _, HS = qkvr.shape
+        C = C3 // 3
+        self._check_shape(op, "qkvr", qkvr, (3, B, NH, T, HS))
+        self._check_shape(op, "att", att, (B, NH, T, T))
+        self._check_shape(op, "out", out, (B, T, C))
+        if NH * HS != C:
+            raise KernelArgumentError(f"CudaBackend.{op}: NH*HS={NH}*{HS} != C={C}")
+        self._check_int_size(op, "inp", B * T * C3)
+        self._check_int_size(op, "att", B * NH * T * T)
+        BH, n = B * NH, B * T * C
+        self._launch("permute_qkv", *self._elementwise(3 * n), (qkvr, inp, _i32(B), _i32(T), _i32(NH), _i32(HS)),
+                     nbytes=F32 * 6 * n)
+        q, k, v = qkvr[0], qkvr[1], qkvr[2]
+        self._gemm("gemm_attention_qk", False, True, T, T, HS, q, HS, k, HS, att, T,
+                   batch=BH, stride_a=T * HS, stride_b=T * HS, stride_c=T * T)
+        rows = BH * T
+        self._launch("causal_softmax_forward", *self._row_launch(rows),
+                     (att, _i32(rows), _i32(T), _f32(1 / math.sqrt(HS))),
+                     flops=5 * rows * (T + 1) // 2, nbytes=F32 * 2 * rows * T)
+        y = self.scratch("attention_y", (B, NH, T, HS))
+        self._gemm("gemm_attention_av", False, False, T, HS, T, att, T, v, HS, y, HS,
+                   batch=BH, stride_a=T * T, stride_b=T * HS, stride_c=T * HS)
+        self._launch("unpermute", *self._elementwise(n), (out, y, _i32(B), _i32(T), _i32(NH), _i32(HS)),
+                     nbytes=F32 * 2 * n)
+
+    def attention_backward(self, dinp, dout, qkvr, att):
+        """dinp (B,T,3C) = d[q|k|v] from dout (B,T,C), the saved qkvr (3,B,NH,T,HS) and att (B,NH,T,T)."""
+        op = "attention_backward"
+        B, T, C = dout.shape
+        _, _, NH, _, HS = qkvr.shape
+        self._check_shape(op, "qkvr", qkvr, (3, B, NH, T, HS))
+        self._check_shape(op, "att", att, (B, NH, T, T))
+        self._check_shape(op, "dinp", dinp, (B, T, 3 * C))
+        self._check_int_size(op, "dinp", 3 * B * T * C)
+        self._check_int_size(op, "att", B * NH * T * T)
+        BH, n = B * NH, B * T * C
+        dy = self.scratch("attention_dy", (B, NH, T, HS))
+        self._launch("unpermute_backward", *self._elementwise(n), (dy, dout, _i32(B), _i32(T), _i32(NH), _i32(HS)),
+                     nbytes=F32 * 2 * n)
+        dqkvr = self.scratch("attention_dqkvr", (3, B, NH, T, HS))
+        dq, dk, dv = dqkvr[0], dqkvr[1], dqkvr[2]
+        q, k, v = qkvr[0], qkvr[1], qkvr[2]
+        datt = self.scratch("attention_datt", (B, NH, T, T))
+        mat, head = T * T, T * HS
+        self._gemm("gemm_attention_dv", True, False, T, HS, T, att, T, dy, HS, dv, HS,
+                   batch=BH, stride_a=mat, stride_b=head, stride_c=head)
+        self._gemm("gemm_attention_datt", False, True, T, T, HS, dy, HS, v, HS, datt, T,
+                   batch=BH, stride_a=head, stride_b=head, stride_c=mat)
+        rows = BH * T
+        self._launch("causal_softmax_backward", *self._row_launch(rows),
+                     (datt, datt, att, _i32(rows), _i32(T), _f32(1 / math.sqrt(HS))),
+                     flops=4 * rows * (T + 1) // 2, nbytes=F32 * 3 * rows * T)
+        self._gemm("gemm_attention_dq", False, False, T, HS, T, datt, T, k, HS, dq, HS,
+                   batch=BH, stride_a=mat, stride_b=head, stride_c=head)
+        self._gemm("gemm_attention_dk", True, False, T, HS, T, datt, T, q, HS, dk, HS,
+                   batch=BH, stride_a=mat, stride_b=head, stride_c=head)
+        self._launch("permute_backward", *self._elementwise(3 * n),
+                     (dinp, dqkvr, _i32(B), _i32(T), _i32(NH), _i32(HS)), nbytes=F32 * 6 * n)
+
+    # ---- gelu ---------------------------------------------------------------------------
+    def gelu_forward(self, out, inp):
+        """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+        self._check_shape("gelu_forward", "out", out, inp.shape)
+        n = inp.size
+        self._check_int_size("gelu_forward", "inp", n)
+        self._launch("gelu_forward", *self._elementwise(n), (out, inp, _i32(n)), flops=10 * n, nbytes=F32 * 2 * n)
+
+    def gelu_backward(self, dinp, inp, dout):
+        """dinp = dout * gelu'(inp); dinp may alias dout."""
+        self._check_shape("gelu_backward", "dinp", dinp, inp.shape)
+        self._check_shape("gelu_backward", "dout", dout, inp.shape)
+        n = inp.size
+        self._check_int_size("gelu_backward", "inp", n)
+        self._launch("gelu_backward", *self._elementwise(n), (dinp, inp, dout, _i32(n)),
+                     flops=20 * n, nbytes=F32 * 3 * n)
+
+    # ---- residual -----------------------------------------------------------------------
+    def residual_forward(self, out, inp1, inp2):
+        """out = inp1 + inp2."""
+        self._check_shape("residual_forward", "inp1", inp1, out.shape)
+        self._check_shape("residual_forward", "inp2", inp2, out.shape)
+        n = out.size
+        self._check_int_size("residual_forward", "out", n)
+        self._launch("residual_forward", *self._elementwise(n), (out, inp1, inp2, _i32(n)),
+                     flops=n, nbytes=F32 * 3 * n)
+
+    def residual_backward(self, dinp1, dinp2, dout):
+        """dinp1 += dout; dinp2 += dout."""
+        self._check_shape("residual_backward", "dinp1", dinp1, dout.shape)
+        self._check_shape("residual_backward", "dinp2", dinp2, dout.shape)
+        n = dout.size
+        self._check_int_size("residual_backward", "dout", n)
+        self._launch("residual_backward", *self._elementwise(n), (dinp1, dinp2, dout, _i32(n)),
+                     flops=2 * n, nbytes=F32 * 5 * n)
+
+    # ---- classifier ---------------------------------------------------------------------
+    def fused_classifier(self, logits, losses, targets, V, dloss, write_dlogits):
+        """Per row of logits (B,T,Vp): losses (B,T) = logsumexp(logits[:V]) - logits[target];
+        with write_dlogits, logits becomes (softmax - onehot(target)) * dloss over [:V], 0 over [V:Vp]."""
+        op = "fused_classifier"
+        *lead, Vp = logits.shape
+        N = int(np.prod(lead))
+        self._check_shape(op, "losses", losses, lead)
+        self._check_shape(op, "targets", targets, lead)
+        if not 0 < V <= Vp:
+            raise KernelArgumentError(f"CudaBackend.{op}: V={V} must be in 1..Vp={Vp}")
+        threads = _threads_for(V, self.classifier_threads)
+        self._launch(op, (N,), (threads,),
+                     (logits, losses, targets, _i32(N), _i32(V), _i32(Vp), _f32(dloss), _i32(bool(write_dlogits))),
+                     flops=N * V * (8 if write_dlogits else 4),
+                     nbytes=F32 * N * (V + (Vp if write_dlogits else 0) + 2))
+
+    # ---- optimizer ----------------------------------------------------------------------
+    def adamw_update(self, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
+        """AdamW (decoupled weight decay, bias correction) on flat float32 segments, in place."""
+        op = "adamw_update"
+        n = params.size
+        for what, array in (("grads", grads), ("m", m), ("v", v)):
+            self._check_shape(op, what, array, params.shape)
+        self._check_int_size(op, "params", n)
+        bias_correction1 = 1.0 - beta1 ** t
+        bias_correction2 = 1.0 - beta2 ** t
+        args = (params, grads, m, v, _i32(n), _f32(beta1), _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2),
+                _f32(eps), _f32(lr / bias_correction1), _f32(1.0 / math.sqrt(bias_correction2)),
+                _f32(1.0 - lr * weight_decay), _f32(grad_scale))
+        self._launch(op, *self._elementwise(n), args, flops=14 * n, nbytes=F32 * 7 * n)
+
+    def global_norm_squared(self, grads):
+        """sum(grads^2) of a flat buffer, as a Python float (synchronizes)."""
+        op = "global_norm_squared"
+        n = grads.size
+        self._check_int_size(op, "grads", n)
+        threads = int(self.norm_threads)
+        blocks = int(max(1, min(self.norm_max_blocks, -(-n // threads))))
+        partial = self.scratch("norm_partial", (blocks,))
+        total = self.scratch("norm_total", (1,))
+        self._launch("global_norm_squared_partial", (blocks,), (threads,), (partial, grads, _i32(n)),
+                     flops=2 * n, nbytes=F32 * (n + blocks))
+        finish_threads = _threads_for(blocks, 1024)
+        self._launch("global_norm_squared_finish", (1,), (finish_threads,), (total, partial, _i32(blocks)),
+                     flops=blocks, nbytes=F32 * (blocks + 1))
+        return float(self.rt.to_host(total)[0])

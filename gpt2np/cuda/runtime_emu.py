@@ -1,0 +1,122 @@
+"""The emulator runtime: CudaBackend's kernels on the CPU, for tests without a GPU.
+
+Memory is NumPy arrays; kernels are compiled and run by gpt2np.cuda.emulator.EmuModule (every
+CUDA thread a fiber, `schedule` "forward" or "reverse" picks the order threads are run in, which
+shakes out races); GEMMs are np.matmul over strided views with cuBLAS's semantics; timing is
+time.perf_counter. Same interface as runtime_cupy.CupyRuntime (see gpt2np.cuda.backend).
+"""
+import time
+from pathlib import Path
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+
+class EmuEvent:
+    """A point in time (perf_counter seconds), recorded by record()."""
+
+    def __init__(self):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
+class EmuRuntime:
+    """Runs kernels on the CPU emulator; arrays are NumPy arrays."""
+
+    name = "emulator"
+
+    def __init__(self, schedule=None):
+        """schedule: "forward", "reverse", or None for the emulator's default ($GPT2NP_EMU_SCHEDULE or forward)."""
+        if schedule not in (None, "forward", "reverse"):
+            raise ValueError(f"EmuRuntime: schedule must be 'forward' or 'reverse', got {schedule!r}")
+        self.schedule = schedule
+
+    def device_name(self):
+        return "cpu"
+
+    # ---- kernels --------------------------------------------------------------------------
+    def compile(self, path: Path):
+        """Compile kernels/<file>.cu (its directory is the include path) -> module."""
+        from .emulator import EmuModule
+        path = Path(path)
+        return EmuModule(path.read_text(), include_dirs=(str(path.parent),), schedule=self.schedule, name=path.name)
+
+    def launch(self, function, grid, block, args, shared_mem=0):
+        function(grid, block, args, shared_mem=shared_mem)
+
+    # ---- GEMM -----------------------------------------------------------------------------
+    def gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
+             batch=1):
+        """Row-major, batched: C[i] (m,n) = alpha op(A[i]) @ op(B[i]) + beta C[i], i < batch.
+
+        op(A) is (m,k): A[i] is stored (m,k) with row stride lda, or (k,m) when transa. Likewise
+        op(B) (k,n) from B[i] stored (k,n), or (n,k) when transb. Matrix i starts stride_* elements
+        after matrix i-1 of the same operand.
+        """
+        A = _matrices(a, batch, (k, m) if transa else (m, k), lda, stride_a, "A")
+        B = _matrices(b, batch, (n, k) if transb else (k, n), ldb, stride_b, "B")
+        Cm = _matrices(c, batch, (m, n), ldc, stride_c, "C")
+        if transa:
+            A = A.transpose(0, 2, 1)
+        if transb:
+            B = B.transpose(0, 2, 1)
+        prod = np.matmul(A, B)
+        if alpha != 1.0:
+            prod *= np.float32(alpha)
+        if beta == 0.0:
+            Cm[...] = prod
+        else:
+            if beta != 1.0:
+                Cm *= np.float32(beta)
+            Cm += prod
+
+    # ---- memory ---------------------------------------------------------------------------
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def from_host(self, array):
+        return np.array(array, copy=True, order="C")
+
+    def to_host(self, array):
+        return np.array(array, copy=True)
+
+    def copy(self, dst, src):
+        np.copyto(dst, src)
+
+    def fill(self, array, value):
+        array.fill(value)
+
+    def pointer(self, array):
+        return array.__array_interface__["data"][0]
+
+    # ---- time -----------------------------------------------------------------------------
+    def event(self):
+        return EmuEvent()
+
+    def elapsed_ms(self, start, end):
+        return (end.t - start.t) * 1e3
+
+    def synchronize(self):
+        pass
+
+
+def _matrices(array, batch, shape, ld, stride, what):
+    """(batch, rows, cols) strided view of the float32 memory starting at array's first element."""
+    if array.dtype != np.float32 or not array.flags.c_contiguous:
+        raise ValueError(f"gemm operand {what} must be a contiguous float32 array")
+    rows, cols = shape
+    extent = (batch - 1) * stride + (rows - 1) * ld + cols if batch and rows and cols else 0
+    if extent > array.size or ld < cols:
+        raise ValueError(f"gemm operand {what}: {batch}x({rows},{cols}) with ld={ld}, stride={stride} "
+                         f"needs {extent} elements, the array has {array.size}")
+    flat = array.reshape(-1)
+    item = flat.itemsize
+    return as_strided(flat, shape=(batch, rows, cols), strides=(stride * item, ld * item, item))

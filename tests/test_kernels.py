@@ -1,0 +1,301 @@
+"""Each CUDA kernel (CudaBackend on the CPU emulator) against the NumPy backend's op on small random shapes.
+
+Both emulator schedules run (threads/blocks first-to-last and last-to-first), which exposes
+kernels that read another thread's write without a barrier. Shapes are odd on purpose: T not a
+power of 2 (and above 32, so softmax rows span several lanes), V not a multiple of 32, C=48.
+The launch tuning is shrunk (few threads, many blocks, many reduction chunks) so that every
+grid/chunk loop runs more than once on these tiny shapes. test_gpu.py reruns these tests on CuPy
+by overriding the `cuda` fixture.
+"""
+import zlib
+
+import numpy as np
+import pytest
+
+from gpt2np.backend_numpy import NumpyBackend
+from gpt2np.cuda.backend import CudaBackend, KernelArgumentError
+
+# (B, T, C, NH, V, Vp, maxT)
+SHAPES = {
+    "odd": (2, 5, 48, 3, 37, 64, 7),
+    "long": (1, 35, 8, 2, 70, 128, 40),
+}
+
+REF = NumpyBackend(threads=1)
+
+
+def small_launches(be):
+    """Tiny blocks and chunks so the emulator exercises multi-block / multi-chunk paths quickly."""
+    be.elementwise_threads = 64
+    be.row_warps = 2
+    be.classifier_threads = 64
+    be.reduce_warps = 2
+    be.reduce_rows_per_chunk = 3
+    be.norm_threads = 64
+    be.norm_max_blocks = 3
+    return be
+
+
+@pytest.fixture(scope="module", params=["forward", "reverse"])
+def cuda(request):
+    from gpt2np.cuda.runtime_emu import EmuRuntime
+    return small_launches(CudaBackend(EmuRuntime(schedule=request.param)))
+
+
+@pytest.fixture(params=sorted(SHAPES))
+def shape(request):
+    return SHAPES[request.param]
+
+
+def rng_for(*key):
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def randn(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def dev(be, a):
+    return be.from_host(a)
+
+
+def host(be, a):
+    return be.to_host(a)
+
+
+def close(actual, expected, rtol=1e-5, atol=1e-5):
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
+
+
+# ---- encoder ---------------------------------------------------------------------------------
+def test_encoder(cuda, shape):
+    B, T, C, NH, V, Vp, maxT = shape
+    rng = rng_for("encoder", shape)
+    wte, wpe = randn(rng, Vp, C), randn(rng, maxT, C)
+    inp = rng.integers(0, V, (B, T)).astype(np.int32)
+    inp[0, :3] = 5                                          # repeated tokens: colliding atomics
+    out_ref = np.zeros((B, T, C), np.float32)
+    REF.encoder_forward(out_ref, inp, wte, wpe)
+    out = cuda.zeros((B, T, C))
+    cuda.encoder_forward(out, dev(cuda, inp), dev(cuda, wte), dev(cuda, wpe))
+    close(host(cuda, out), out_ref, rtol=0, atol=0)
+
+    dout = randn(rng, B, T, C)
+    dwte0, dwpe0 = randn(rng, Vp, C), randn(rng, maxT, C)  # accumulate onto existing grads
+    dwte_ref, dwpe_ref = dwte0.copy(), dwpe0.copy()
+    REF.encoder_backward(dwte_ref, dwpe_ref, dout, inp)
+    dwte, dwpe = dev(cuda, dwte0), dev(cuda, dwpe0)
+    cuda.encoder_backward(dwte, dwpe, dev(cuda, dout), dev(cuda, inp))
+    close(host(cuda, dwte), dwte_ref)
+    close(host(cuda, dwpe), dwpe_ref)
+
+
+def test_encoder_needs_c_multiple_of_4(cuda):
+    B, T, C, Vp = 1, 3, 6, 8
+    with pytest.raises(KernelArgumentError, match=r"C=6 must be a multiple of 4.*encoder\.cu"):
+        cuda.encoder_forward(cuda.zeros((B, T, C)), cuda.zeros((B, T), np.int32), cuda.zeros((Vp, C)),
+                             cuda.zeros((4, C)))
+
+
+def test_encoder_needs_16_byte_alignment(cuda):
+    B, T, C, Vp = 1, 3, 8, 8
+    flat = cuda.zeros(Vp * C + 1)
+    misaligned_wte = flat[1:].reshape(Vp, C)
+    with pytest.raises(KernelArgumentError, match=r"wte is not 16-byte aligned"):
+        cuda.encoder_forward(cuda.zeros((B, T, C)), cuda.zeros((B, T), np.int32), misaligned_wte,
+                             cuda.zeros((4, C)))
+
+
+def test_shape_mismatch_is_one_clear_error(cuda):
+    with pytest.raises(KernelArgumentError, match=r"residual_forward: inp2 has shape \(3,\), expected \(4,\)"):
+        cuda.residual_forward(cuda.zeros(4), cuda.zeros(4), cuda.zeros(3))
+
+
+def test_non_contiguous_arguments_are_refused(cuda):
+    x = cuda.zeros((4, 6))
+    with pytest.raises(KernelArgumentError, match="C-contiguous"):
+        cuda.gelu_forward(cuda.zeros((4, 3)), x[:, ::2])
+
+
+# ---- layernorm -------------------------------------------------------------------------------
+def test_layernorm(cuda, shape):
+    B, T, C, *_ = shape
+    rng = rng_for("layernorm", shape)
+    x, w, b = randn(rng, B, T, C, scale=2.0) + 0.5, randn(rng, C), randn(rng, C)
+    out_ref = np.zeros((B, T, C), np.float32)
+    mean_ref, rstd_ref = np.zeros((B, T), np.float32), np.zeros((B, T), np.float32)
+    REF.layernorm_forward(out_ref, mean_ref, rstd_ref, x, w, b)
+    out, mean, rstd = cuda.zeros((B, T, C)), cuda.zeros((B, T)), cuda.zeros((B, T))
+    X, W = dev(cuda, x), dev(cuda, w)
+    cuda.layernorm_forward(out, mean, rstd, X, W, dev(cuda, b))
+    close(host(cuda, out), out_ref, atol=1e-5)
+    close(host(cuda, mean), mean_ref)
+    close(host(cuda, rstd), rstd_ref)
+
+    dout = randn(rng, B, T, C)
+    dinp0, dw0, db0 = randn(rng, B, T, C), randn(rng, C), randn(rng, C)
+    dinp_ref, dw_ref, db_ref = dinp0.copy(), dw0.copy(), db0.copy()
+    REF.layernorm_backward(dinp_ref, dw_ref, db_ref, dout, x, w, mean_ref, rstd_ref)
+    dinp, dw, db = dev(cuda, dinp0), dev(cuda, dw0), dev(cuda, db0)
+    cuda.layernorm_backward(dinp, dw, db, dev(cuda, dout), X, W, mean, rstd)
+    close(host(cuda, dinp), dinp_ref, atol=1e-4)
+    close(host(cuda, dw), dw_ref, atol=1e-4)
+    close(host(cuda, db), db_ref, atol=1e-4)
+
+
+# ---- matmul ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matmul(cuda, shape, with_bias):
+    B, T, C, *_ = shape
+    OC = 3 * C + 5
+    rng = rng_for("matmul", shape, with_bias)
+    x, w, b = randn(rng, B, T, C), randn(rng, OC, C), randn(rng, OC)
+    out_ref = np.zeros((B, T, OC), np.float32)
+    REF.matmul_forward(out_ref, x, w, b if with_bias else None)
+    out = cuda.zeros((B, T, OC))
+    X, Wt = dev(cuda, x), dev(cuda, w)
+    cuda.matmul_forward(out, X, Wt, dev(cuda, b) if with_bias else None)
+    close(host(cuda, out), out_ref, atol=1e-4)
+
+    dout = randn(rng, B, T, OC)
+    dw0, db0 = randn(rng, OC, C), randn(rng, OC)
+    dinp_ref, dw_ref, db_ref = np.full((B, T, C), 7.0, np.float32), dw0.copy(), db0.copy()
+    REF.matmul_backward(dinp_ref, dw_ref, db_ref if with_bias else None, dout, x, w)
+    dinp, dw, db = cuda.from_host(np.full((B, T, C), 7.0, np.float32)), dev(cuda, dw0), dev(cuda, db0)
+    cuda.matmul_backward(dinp, dw, db if with_bias else None, dev(cuda, dout), X, Wt)
+    close(host(cuda, dinp), dinp_ref, atol=1e-4)
+    close(host(cuda, dw), dw_ref, atol=1e-4)
+    close(host(cuda, db), db_ref if with_bias else db0, atol=1e-4)
+
+
+# ---- attention -------------------------------------------------------------------------------
+def test_attention(cuda, shape):
+    B, T, C, NH, *_ = shape
+    HS = C // NH
+    rng = rng_for("attention", shape)
+    inp = randn(rng, B, T, 3 * C)
+    out_ref, qkvr_ref, att_ref = (np.zeros((B, T, C), np.float32), np.zeros((3, B, NH, T, HS), np.float32),
+                                  np.zeros((B, NH, T, T), np.float32))
+    REF.attention_forward(out_ref, qkvr_ref, att_ref, inp)
+    out, qkvr = cuda.zeros((B, T, C)), cuda.zeros((3, B, NH, T, HS))
+    att = cuda.from_host(np.full((B, NH, T, T), 9.0, np.float32))             # stale values must vanish
+    cuda.attention_forward(out, qkvr, att, dev(cuda, inp))
+    close(host(cuda, qkvr), qkvr_ref, rtol=0, atol=0)
+    att_host = host(cuda, att)
+    close(att_host, att_ref, atol=1e-6)
+    assert np.all(att_host[..., np.triu(np.ones((T, T), bool), k=1)] == 0.0)   # exact zeros above the diagonal
+    close(att_host.sum(-1), np.ones((B, NH, T)), atol=1e-5)
+    close(host(cuda, out), out_ref, atol=1e-5)
+
+    dout = randn(rng, B, T, C)
+    dinp_ref = np.zeros((B, T, 3 * C), np.float32)
+    REF.attention_backward(dinp_ref, dout, qkvr_ref, att_ref)
+    dinp = cuda.from_host(np.full((B, T, 3 * C), 3.0, np.float32))            # "=": old contents vanish
+    cuda.attention_backward(dinp, dev(cuda, dout), qkvr, att)
+    close(host(cuda, dinp), dinp_ref, atol=1e-5)
+
+
+# ---- gelu, residual --------------------------------------------------------------------------
+def test_gelu(cuda, shape):
+    B, T, C, *_ = shape
+    rng = rng_for("gelu", shape)
+    x = randn(rng, B, T, 4 * C, scale=3.0)
+    out_ref = np.zeros_like(x)
+    REF.gelu_forward(out_ref, x)
+    out, X = cuda.zeros(x.shape), dev(cuda, x)
+    cuda.gelu_forward(out, X)
+    close(host(cuda, out), out_ref, atol=1e-5)      # 0.5 x (1 + tanh) cancels for x << 0: ulps of |x|
+
+    dout = randn(rng, *x.shape)
+    dinp_ref = np.zeros_like(x)
+    REF.gelu_backward(dinp_ref, x, dout)
+    d = dev(cuda, dout)
+    cuda.gelu_backward(d, X, d)                                   # in place, as the model calls it
+    close(host(cuda, d), dinp_ref, atol=1e-5)
+
+
+def test_residual(cuda, shape):
+    B, T, C, *_ = shape
+    rng = rng_for("residual", shape)
+    a, b, g = randn(rng, B, T, C), randn(rng, B, T, C), randn(rng, B, T, C)
+    out = cuda.zeros((B, T, C))
+    cuda.residual_forward(out, dev(cuda, a), dev(cuda, b))
+    close(host(cuda, out), a + b, rtol=0, atol=0)
+
+    d1_ref, d2_ref = a.copy(), b.copy()
+    REF.residual_backward(d1_ref, d2_ref, g)
+    d1, d2 = dev(cuda, a), dev(cuda, b)
+    cuda.residual_backward(d1, d2, dev(cuda, g))
+    close(host(cuda, d1), d1_ref, rtol=0, atol=0)
+    close(host(cuda, d2), d2_ref, rtol=0, atol=0)
+    same = dev(cuda, a)
+    cuda.residual_backward(same, same, dev(cuda, g))            # aliased: gains 2 * dout
+    close(host(cuda, same), a + g + g, rtol=0, atol=0)
+
+
+# ---- classifier ------------------------------------------------------------------------------
+@pytest.mark.parametrize("write_dlogits", [False, True])
+def test_fused_classifier(cuda, shape, write_dlogits):
+    B, T, C, NH, V, Vp, _ = shape
+    rng = rng_for("classifier", shape, write_dlogits)
+    logits = randn(rng, B, T, Vp, scale=4.0)
+    logits[..., V:] = 123.0                                       # padding must be ignored
+    targets = rng.integers(0, V, (B, T)).astype(np.int32)
+    targets[0, 0] = V - 1
+    dloss = 1.0 / (B * T)
+    logits_ref, losses_ref = logits.copy(), np.zeros((B, T), np.float32)
+    REF.fused_classifier(logits_ref, losses_ref, targets, V, dloss, write_dlogits)
+    lg, losses = dev(cuda, logits), cuda.zeros((B, T))
+    cuda.fused_classifier(lg, losses, dev(cuda, targets), V, dloss, write_dlogits)
+    close(host(cuda, losses), losses_ref, atol=1e-5)
+    got = host(cuda, lg)
+    if write_dlogits:
+        close(got, logits_ref, atol=1e-7)
+        assert np.all(got[..., V:] == 0.0)
+        close(got[..., :V].sum(-1), np.zeros((B, T)), atol=1e-6)
+    else:
+        close(got, logits, rtol=0, atol=0)                       # untouched
+
+
+# ---- optimizer -------------------------------------------------------------------------------
+@pytest.mark.parametrize("t, weight_decay, grad_scale", [(1, 0.0, 1.0), (3, 0.1, 0.5)])
+def test_adamw(cuda, t, weight_decay, grad_scale):
+    n = 203
+    rng = rng_for("adamw", t)
+    p, g = randn(rng, n), randn(rng, n)
+    m0, v0 = randn(rng, n, scale=0.1), np.abs(randn(rng, n, scale=0.1))
+    p_ref, m_ref, v_ref = p.copy(), m0.copy(), v0.copy()
+    lo = 3                                                        # an unaligned segment of flat buffers
+    REF.adamw_update(p_ref[lo:], g[lo:], m_ref[lo:], v_ref[lo:], 1e-3, 0.9, 0.95, 1e-8, weight_decay, t, grad_scale)
+    P, G, M, Vv = dev(cuda, p), dev(cuda, g), dev(cuda, m0), dev(cuda, v0)
+    cuda.adamw_update(P[lo:], G[lo:], M[lo:], Vv[lo:], 1e-3, 0.9, 0.95, 1e-8, weight_decay, t, grad_scale)
+    close(host(cuda, M), m_ref, rtol=1e-6, atol=1e-7)
+    close(host(cuda, Vv), v_ref, rtol=1e-6, atol=1e-7)
+    close(host(cuda, P), p_ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("n", [1, 100, 1000])
+def test_global_norm_squared(cuda, n):
+    g = randn(rng_for("norm", n), n)
+    got = cuda.global_norm_squared(dev(cuda, g))
+    assert isinstance(got, float)
+    assert got == pytest.approx(REF.global_norm_squared(g), rel=1e-5)
+
+
+# ---- backend plumbing ------------------------------------------------------------------------
+def test_every_launch_and_gemm_goes_through_on_launch(cuda):
+    B, T, C, OC = 2, 3, 8, 12
+    seen = []
+
+    def hook(name, kind, flops, nbytes, run):
+        seen.append((name, kind, flops, nbytes))
+        run()
+
+    cuda.on_launch = hook
+    try:
+        out = cuda.zeros((B, T, OC))
+        cuda.matmul_forward(out, cuda.zeros((B, T, C)), cuda.zeros((OC, C)), cuda.zeros(OC))
+    finally:
+        cuda.on_launch = None
+    assert [(n, k) for n, k, *_ in seen] == [("gemm_matmul_forward", "gemm"), ("add_bias", "kernel")]
+    assert seen[0][2] == 2 * B * T * C * OC and seen[1][3] > 0
