@@ -379,3 +379,15 @@ def test_gpt2np_numpy_matches_reference_d12(tmp_path, capsys):
     rc = compare.main(["-e", str(path), "-b", "2", "-t", "32", "--steps", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
+
+
+@needs_model
+def test_gpt2np_cuda_kernels_on_the_emulator_match_reference(small_model, capsys):
+    """The CUDA backend (every kernel, emulated on the CPU) against the PyTorch reference: all tensors, 3 steps."""
+    rc = compare.main(["-e", str(small_model), "--backend", "emu", "-b", "2", "-t", "16", "--steps", "3",
+                       "--weight-decay", "0.1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "backend emu" in out or "emu" in out
+    for name in ("logits", "loss", "wte", "qkvw", "fcprojb", "lnfb"):
+        assert any(line.split()[:1] == [name] and line.rstrip().endswith("ok") for line in out.splitlines()), name

@@ -72,3 +72,21 @@ def test_report_and_files(prof, tmp_path):
     assert any(e.get("name") == "Layer 1" for e in trace["traceEvents"])
     if "png" in paths:
         assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cuda_backend_records_every_kernel_and_gemm_on_the_emulator():
+    from gpt2np.backends import get_backend
+    model = GPT2(CFG, get_backend("emu"), B, T, seed=0)
+    prof = profile_steps(model, batches(), steps=1)
+    step = [r for r in prof.records if r.step == 1]
+    ops = {(r.direction, r.layer, r.op) for r in step}
+    assert ("fprop", 1, "attention_forward") in ops and ("bprop", 0, "layernorm_backward") in ops
+    attn = [r for r in step if r.module == "h.1.attn" and r.direction == "fprop"]
+    kernels = [r.kernel for r in attn]
+    # permute -> cuBLAS QK^T -> causal softmax -> cuBLAS att.V -> unpermute, all attributed to layer 1's attention
+    assert kernels[0] == "permute_qkv" and kernels[-1] == "unpermute"
+    assert sum("cublasSgemm" in k for k in kernels) == 2 and "causal_softmax_forward" in kernels
+    gemm = next(r for r in step if r.module == "h.0.mlp.c_fc" and r.direction == "fprop" and "cublas" in r.kernel)
+    assert gemm.flops == 2 * B * T * 16 * 64
+    assert all(r.duration_ns > 0 for r in step)
+    assert all(r.range_stack[0] == "Train step 1" for r in step)
