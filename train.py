@@ -5,6 +5,7 @@
     python train.py -e d12 -b 4 -t 64 -x 20 -o log124M
     python train.py -e log124M/model_00000020.bin ...      # any llm.c model file
     python train.py -o log124M -y 1                        # resume from the latest checkpoint in -o
+    mpiexec -n 8 python train.py -e d12 -z 1               # data parallel: 8 ranks (one GPU each), ZeRO-1
 """
 import argparse
 import sys
@@ -34,6 +35,10 @@ def build_parser():
     a("-n", type=int, default=0, help="checkpoint every N steps into -o (default 0 = never)")
     a("-y", type=int, default=0, choices=[0, 1], help="1 = resume from the latest checkpoint in -o")
     a("-a", type=int, default=0, choices=[0, 1], help="1 = overfit a single batch (debugging)")
+    a("-z", type=int, default=0, choices=[0, 1],
+      help="ZeRO stage under mpiexec: 0 = plain data parallel, 1 = optimizer state sharded across ranks")
+    a("--dist-timeout", type=float, default=600.0, metavar="SECONDS",
+      help="under mpiexec: abort all ranks when a collective takes longer (a rank died or hangs; 0 = wait forever)")
     a("--device", default="auto", choices=["auto", "cpu", "numpy", "cuda"], help="default auto: cuda if a GPU")
     a("--seed", type=int, default=1337, help="init, shuffling and sampling seed (default 1337)")
     a("--shuffle", action="store_true", help="shuffle shards and samples every epoch")
@@ -57,6 +62,8 @@ def main(argv=None):
         train(args)
     except (ValueError, OSError, RuntimeError) as e:      # bad files and inputs: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
+        from gpt2np.dist import abort_job
+        abort_job(1)                                      # under mpiexec: the other ranks must not wait for us
         return 1
     return 0
 

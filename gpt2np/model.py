@@ -245,13 +245,16 @@ class GPT2:
         self._has_targets = False                   # the logits buffer now holds dlogits
 
     # ---- update -------------------------------------------------------------------------
-    def optimizer_state_host(self):
-        """(m, v) host copies; zeros before the first update."""
+    def optimizer_state_host(self, shard=None):
+        """(m, v) host copies of the AdamW moments over `shard` (lo, hi) (default: all); zeros before the
+        first update. Under ZeRO-1 a process holds the moments of its shard only."""
         if self.m is None:
-            return np.zeros(self.num_parameters, np.float32), np.zeros(self.num_parameters, np.float32)
+            lo, hi = shard or (0, self.num_parameters)
+            return np.zeros(hi - lo, np.float32), np.zeros(hi - lo, np.float32)
         return self.backend.to_host(self.m), self.backend.to_host(self.v)
 
     def load_optimizer_state(self, m, v):
+        """Set m, v (host arrays, (num_parameters,) or, under ZeRO-1, this process's shard's size)."""
         self.m = self.backend.from_host(np.asarray(m, np.float32))
         self.v = self.backend.from_host(np.asarray(v, np.float32))
 
@@ -265,8 +268,13 @@ class GPT2:
         return math.sqrt(box[0])
 
     def update(self, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1, grad_clip=1.0,
-               grad_norm=None):
-        """One AdamW step (t = step >= 1) with global-norm clipping; returns the grad norm used."""
+               grad_norm=None, shard=None):
+        """One AdamW step (t = step >= 1) with global-norm clipping; returns the grad norm used.
+
+        shard: (lo, hi), update only params[lo:hi] (ZeRO-1: each process updates its slice of the flat
+        buffer; m and v then hold that slice only). Each tensor's part of the slice keeps its own weight
+        decay. grad_norm must then be the norm over all processes (the default is this process's).
+        """
         if step < 1:
             raise ValueError("AdamW step t counts from 1")
         if grad_norm is None:
@@ -275,17 +283,24 @@ class GPT2:
         if grad_clip is not None and grad_clip > 0 and grad_norm > grad_clip:
             grad_scale = grad_clip / grad_norm
         be = self.backend
+        lo, hi = shard or (0, self.num_parameters)
+        if not 0 <= lo <= hi <= self.num_parameters:
+            raise ValueError(f"update shard {shard} is not inside [0, {self.num_parameters}]")
         if self.m is None:
-            self.m = be.zeros(self.num_parameters)
-            self.v = be.zeros(self.num_parameters)
+            self.m = be.zeros(hi - lo)
+            self.v = be.zeros(hi - lo)
+        if self.m.size != hi - lo:
+            raise ValueError(f"AdamW state holds {self.m.size} values, the update shard {lo}:{hi} has {hi - lo}")
         self._direction, self._layer = "update", None
         with ranges.range("gpt2_update"):
             start = 0
             for name in PARAM_NAMES:
-                size = int(np.prod(self.param_shapes[name]))
-                sl = slice(start, start + size)
-                wd = weight_decay if name in self.decay_tensors else 0.0
-                self._op("adamw", "optimizer", be.adamw_update, self.params[sl], self.grads[sl], self.m[sl],
-                         self.v[sl], lr, beta1, beta2, eps, wd, step, grad_scale)
-                start += size
+                end = start + int(np.prod(self.param_shapes[name]))
+                a, b = max(start, lo), min(end, hi)          # this tensor's part of the shard
+                if a < b:
+                    wd = weight_decay if name in self.decay_tensors else 0.0
+                    self._op("adamw", "optimizer", be.adamw_update, self.params[a:b], self.grads[a:b],
+                             self.m[a - lo:b - lo], self.v[a - lo:b - lo], lr, beta1, beta2, eps, wd, step,
+                             grad_scale)
+                start = end
         return grad_norm

@@ -14,6 +14,7 @@ from .backends import get_backend
 from .checkpoint import (done_path, latest_checkpoint_step, load_model, load_state, model_path, save_model,
                          save_state, state_path)
 from .data import DataLoader
+from .dist import DEFAULT_TIMEOUT, SingleProcess, make_process_group  # noqa: F401  (SingleProcess: for callers)
 from .gpu_specs import UnknownDeviceError, flops_per_token, mfu, roofline
 from .model import GPT2
 from .profiler import Profiler, device_label, write_outputs
@@ -25,20 +26,6 @@ from .starter import Decoder, resolve_data, resolve_model
 # llm.c's defaults differ between its CPU (train_gpt2.c) and GPU (train_gpt2.cu) trainers
 CPU_DEFAULTS = dict(b=4, t=64, x=40, v=10, m=5, s=20)
 GPU_DEFAULTS = dict(b=4, t=1024, x=-1, v=20, m=20, s=20)
-
-
-class SingleProcess:
-    """The data-parallel interface for one process: rank 0 of 1, nothing to reduce."""
-    rank, world_size = 0, 1
-
-    def average_grads(self, model):
-        pass
-
-    def average(self, value):
-        return value
-
-    def barrier(self):
-        pass
 
 
 def resolve_defaults(args, backend_name):
@@ -87,7 +74,8 @@ def evaluate(model, loader, max_batches):
 
 
 def train(args, dist=None):
-    dist = dist or SingleProcess()
+    dist = dist or make_process_group(args.device, getattr(args, "z", 0),
+                                      getattr(args, "dist_timeout", DEFAULT_TIMEOUT))
     rank0 = dist.rank == 0
     say = print if rank0 else (lambda *a, **k: None)
     ranges.enable(args.nvtx)
@@ -172,8 +160,10 @@ def train(args, dist=None):
                 model.backward(grad_accum_steps=accum)
             dist.average_grads(model)
             loss = dist.average(loss)
-            norm = model.grad_norm()
-            model.update(lr, args.beta1, args.beta2, args.eps, args.c, step + 1, args.grad_clip, grad_norm=norm)
+            norm = dist.grad_norm(model)
+            model.update(lr, args.beta1, args.beta2, args.eps, args.c, step + 1, args.grad_clip, grad_norm=norm,
+                         shard=dist.shard(model.num_parameters))
+            dist.gather_params(model)
             backend.synchronize()
         dt = time.perf_counter() - t0
         step_times.append(dt)
@@ -217,8 +207,9 @@ def save_checkpoint(out_dir, step, model, train_loader, rng, dist):
     if dist.rank == 0:
         save_model(model_path(out_dir, step), model.cfg, model.params_host())
     info = {"step": step, "train_loader": train_loader.state(), "rng": rng.bit_generator.state,
-            "world_size": dist.world_size, "rank": dist.rank}
-    m, v = model.optimizer_state_host()
+            "world_size": dist.world_size, "rank": dist.rank, "zero_stage": dist.zero_stage,
+            "shard": list(dist.shard(model.num_parameters))}
+    m, v = model.optimizer_state_host(dist.shard(model.num_parameters))
     save_state(state_path(out_dir, step, dist.rank), info, m, v)
     dist.barrier()
     if dist.rank == 0:
@@ -238,10 +229,18 @@ def resume(args, model, train_loader, rng, dist):
     if cfg != model.cfg:
         raise ValueError(f"{model_path(args.o, step)}: model config {cfg} differs from -e's {model.cfg}")
     model.load_params(params)
-    info, m, v = load_state(state_path(args.o, step, dist.rank), model.num_parameters)
+    path = state_path(args.o, step, dist.rank)
+    info, m, v = load_state(path)
     if info.get("world_size", 1) != dist.world_size:
-        raise ValueError(f"{state_path(args.o, step, dist.rank)}: written by {info['world_size']} processes; "
+        raise ValueError(f"{path}: written by {info['world_size']} processes; "
                          f"resume needs the same number, got {dist.world_size}")
+    if info.get("zero_stage", 0) != dist.zero_stage:
+        raise ValueError(f"{path}: written with ZeRO stage {info.get('zero_stage', 0)} (-z); "
+                         f"resume needs the same, got -z {dist.zero_stage}")
+    lo, hi = dist.shard(model.num_parameters)
+    if m.size != hi - lo:
+        raise ValueError(f"{path}: optimizer state for {m.size} parameters, this rank's share of the model "
+                         f"has {hi - lo}")
     model.load_optimizer_state(m, v)
     train_loader.load_state(info["train_loader"])
     rng.bit_generator.state = info["rng"]

@@ -1,0 +1,431 @@
+"""Data parallelism across processes, as in llm.c's multi-GPU trainer: one process (rank) per GPU, started
+by an MPI launcher, every rank holding the whole model.
+
+    mpiexec -n 8 python train.py ...           # 8 ranks on this node, one GPU each
+    mpiexec -n 16 -ppn 8 -hosts a,b python train.py ...     # 2 nodes x 8 GPUs
+
+Each rank reads its own slice of every batch (DataLoader's process_rank), runs forward and backward on
+it, and then the ranks average their gradients, so every rank takes the same optimizer step:
+  * on a GPU (cuda backend) with NCCL on the device buffers (cupy.cuda.nccl; rank 0 makes the NCCL
+    unique id and MPI broadcasts it),
+  * on the CPU (numpy backend) with MPI Allreduce on the host buffers.
+Scalars (the loss, the squared grad norm, the val loss) always go through MPI.
+
+ZeRO stage 1 (train.py -z 1): the AdamW moments m, v are sharded. The flat gradient buffer is
+reduce-scattered (rank r receives the average of its shard only), each rank runs AdamW on its shard,
+and the parameters are all-gathered. Shards are contiguous: rank r owns [r*S, (r+1)*S) with
+S = num_parameters // world_size; the last rank also owns the remainder.
+
+A rank that dies or hangs must not leave the others waiting forever. Every collective runs under a
+watchdog: one that has not finished after `timeout` seconds prints which one, on which rank, and
+aborts the whole job (MPI_Abort). An exception on one rank aborts the job too (abort_job, and an
+excepthook for uncaught ones) instead of leaving the other ranks blocked in their next collective.
+
+Test hook: env GPT2NP_TEST_FAULT=RANK:STEP:MODE makes rank RANK fail when averaging the gradients for
+the STEP-th time (0-based) in this process: MODE exit (os._exit(3), a crash), raise (a RuntimeError)
+or hang (sleeps forever).
+"""
+import math
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+from . import ranges
+
+# set by the launchers we know: MPICH/Intel MPI (hydra), Open MPI, PMIx launchers (incl. srun), MVAPICH
+LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+DEFAULT_TIMEOUT = 600.0          # seconds a collective may take before the job is aborted
+ABORT_GRACE = 0.5                # seconds between printing why and MPI_Abort
+FAULT_ENV = "GPT2NP_TEST_FAULT"
+
+
+class DistError(RuntimeError):
+    """Data-parallel training cannot be set up (no MPI, no NCCL, too few GPUs...); the message says why."""
+
+
+def launched_by_mpi(environ=os.environ) -> bool:
+    """Whether this process was started by an MPI launcher (mpiexec, mpirun, srun with PMI/PMIx)."""
+    return any(name in environ for name in LAUNCHER_RANK_VARS)
+
+
+def shard_bounds(n, world_size):
+    """[(lo, hi)] per rank: contiguous shards of n elements; the last rank also takes the n % world rest."""
+    size = n // world_size
+    return [(r * size, (r + 1) * size if r < world_size - 1 else n) for r in range(world_size)]
+
+
+class SingleProcess:
+    """The data-parallel interface for one process: rank 0 of 1, nothing to communicate."""
+    rank, world_size = 0, 1
+
+    def __init__(self, zero_stage=0):
+        self.zero_stage = zero_stage
+
+    def shard(self, n):
+        """(lo, hi) of the flat parameters this process updates: all of them."""
+        return 0, n
+
+    def average_grads(self, model):
+        pass
+
+    def grad_norm(self, model):
+        return model.grad_norm()
+
+    def gather_params(self, model):
+        pass
+
+    def average(self, value):
+        return value
+
+    def barrier(self):
+        pass
+
+
+class Watchdog:
+    """Aborts the job when a guarded section (a collective) outlives `timeout` seconds.
+
+        with watchdog.guard("all-reduce of the gradients"):
+            comm.Allreduce(...)
+
+    One daemon thread sleeps until the current deadline; on_expire(what) is called from it, while the
+    main thread is still blocked inside the collective (MPI and CUDA calls release the GIL).
+    timeout <= 0 or None: no watchdog.
+    """
+
+    def __init__(self, timeout, on_expire):
+        self.timeout = timeout if timeout and timeout > 0 else None
+        self.on_expire = on_expire
+        self._cond = threading.Condition()
+        self._what = self._deadline = None
+        if self.timeout:
+            threading.Thread(target=self._watch, name="gpt2np-watchdog", daemon=True).start()
+
+    def guard(self, what):
+        return _Guard(self, what)
+
+    def _arm(self, what):
+        if self.timeout:
+            with self._cond:
+                self._what, self._deadline = what, time.monotonic() + self.timeout
+                self._cond.notify()
+
+    def _disarm(self):
+        if self.timeout:
+            with self._cond:
+                self._what = self._deadline = None
+
+    def _watch(self):
+        with self._cond:
+            while True:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                what = self._what
+                break
+        self.on_expire(what)
+
+
+class _Guard:
+    def __init__(self, watchdog, what):
+        self.watchdog, self.what = watchdog, what
+
+    def __enter__(self):
+        self.watchdog._arm(self.what)
+
+    def __exit__(self, *exc):
+        self.watchdog._disarm()
+        return False
+
+
+class HostCollectives:
+    """Averaging and gathering float32 host (NumPy) buffers through MPI."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.world_size = comm.Get_size()
+        self._recv = None
+
+    def all_reduce_mean(self, buf):
+        """buf (n,) = the mean of buf over the ranks, in place."""
+        from mpi4py import MPI
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        buf /= self.world_size
+
+    def reduce_scatter_mean(self, buf, bounds):
+        """buf[lo:hi] of this rank's shard = the mean of that slice over the ranks (the rest is left stale)."""
+        from mpi4py import MPI
+        lo, hi = bounds[self.comm.Get_rank()]
+        if self._recv is None or self._recv.size != hi - lo:
+            self._recv = np.empty(hi - lo, buf.dtype)
+        self.comm.Reduce_scatter(buf, self._recv, [b - a for a, b in bounds], op=MPI.SUM)
+        np.divide(self._recv, self.world_size, out=buf[lo:hi])
+
+    def all_gather(self, buf, bounds):
+        """Every rank's shard of buf (n,) from its owner, in place."""
+        from mpi4py import MPI
+        counts = [b - a for a, b in bounds]
+        displs = [a for a, _ in bounds]
+        self.comm.Allgatherv(MPI.IN_PLACE, [buf, counts, displs, MPI.FLOAT])
+
+
+class NcclCollectives:
+    """Averaging and gathering CuPy device buffers with NCCL, on CuPy's current stream.
+
+    The NCCL communicator spans the MPI ranks: rank 0 makes the unique id, MPI broadcasts it. Each call
+    returns after the stream has finished the collective (so the watchdog sees a hang).
+    """
+
+    def __init__(self, comm):
+        import cupy
+        from cupy.cuda import nccl
+        if not nccl.available:
+            raise DistError("NCCL is not available to CuPy (pip install nvidia-nccl-cu13); it is needed to "
+                            "average gradients across GPUs")
+        self.cp, self.nccl = cupy, nccl
+        self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
+        uid = nccl.get_unique_id() if self.rank == 0 else None
+        uid = comm.bcast(uid, root=0)
+        self.comm = nccl.NcclCommunicator(self.world_size, uid, self.rank)
+
+    def _dtype(self, buf):
+        types = {np.dtype(np.float32): self.nccl.NCCL_FLOAT32, np.dtype(np.float16): self.nccl.NCCL_FLOAT16}
+        if buf.dtype not in types:
+            raise DistError(f"NCCL collectives: unsupported buffer dtype {buf.dtype}")
+        return types[buf.dtype]
+
+    def _stream(self):
+        return self.cp.cuda.get_current_stream()
+
+    def all_reduce_mean(self, buf):
+        stream = self._stream()
+        ptr = buf.data.ptr
+        self.comm.allReduce(ptr, ptr, buf.size, self._dtype(buf), self.nccl.NCCL_SUM, stream.ptr)
+        buf /= self.world_size
+        stream.synchronize()
+
+    def reduce_scatter_mean(self, buf, bounds):
+        """In place: NCCL's reduce-scatter takes equal counts, so the ranks' equal parts go through it and
+        the last rank's extra tail (< world_size elements) through an all-reduce."""
+        stream, dtype = self._stream(), self._dtype(buf)
+        ptr, item = buf.data.ptr, buf.dtype.itemsize
+        size = bounds[0][1] - bounds[0][0]
+        tail = buf.size - size * self.world_size
+        self.nccl.groupStart()
+        # in place: rank r's result lands at sendbuff + r * recvcount
+        self.comm.reduceScatter(ptr, ptr + self.rank * size * item, size, dtype, self.nccl.NCCL_SUM, stream.ptr)
+        if tail:
+            end = ptr + size * self.world_size * item
+            self.comm.allReduce(end, end, tail, dtype, self.nccl.NCCL_SUM, stream.ptr)
+        self.nccl.groupEnd()
+        lo, hi = bounds[self.rank]
+        buf[lo:hi] /= self.world_size
+        stream.synchronize()
+
+    def all_gather(self, buf, bounds):
+        stream, dtype = self._stream(), self._dtype(buf)
+        ptr, item = buf.data.ptr, buf.dtype.itemsize
+        size = bounds[0][1] - bounds[0][0]
+        tail = buf.size - size * self.world_size
+        self.nccl.groupStart()
+        # in place: rank r sends from recvbuff + r * sendcount
+        self.comm.allGather(ptr + self.rank * size * item, ptr, size, dtype, stream.ptr)
+        if tail:
+            end = ptr + size * self.world_size * item
+            self.comm.broadcast(end, end, tail, dtype, self.world_size - 1, stream.ptr)
+        self.nccl.groupEnd()
+        stream.synchronize()
+
+
+class MpiProcessGroup:
+    """Rank `rank` of `world_size` MPI processes training one model (see the module docstring).
+
+    The trainer calls, every step: average_grads(model); average(loss); grad_norm(model);
+    model.update(..., shard=shard(n)); gather_params(model).
+    """
+
+    def __init__(self, comm, zero_stage=0, timeout=DEFAULT_TIMEOUT):
+        if zero_stage not in (0, 1):
+            raise DistError(f"ZeRO stage {zero_stage} is not supported (0 or 1)")
+        self.comm = comm
+        self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
+        self.zero_stage = zero_stage
+        self.timeout = timeout
+        self.watchdog = Watchdog(timeout, self._expired)
+        self._collectives = None
+        self._grad_steps = 0
+        self._fault = _parse_fault(os.environ.get(FAULT_ENV))
+
+    def _expired(self, what):
+        _say(f"error: rank {self.rank} of {self.world_size}: {what} did not finish within {self.timeout:g} s; "
+             f"another rank has probably died or hangs (raise --dist-timeout if it is only slow). "
+             f"Aborting all ranks.")
+        self.abort(1)
+
+    def abort(self, code=1):
+        """End every rank of the job now (MPI_Abort); falls back to ending this process."""
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            time.sleep(ABORT_GRACE)          # lets the launcher forward our last lines before it kills us all
+            self.comm.Abort(code)
+        finally:
+            os._exit(code)
+
+    def _device_collectives(self, buf):
+        """MPI for host buffers, NCCL for device ones; made on first use (every rank gets here together)."""
+        if self._collectives is None:
+            if isinstance(buf, np.ndarray):
+                self._collectives = HostCollectives(self.comm)
+            else:
+                with self.watchdog.guard("NCCL communicator setup"), ranges.range("nccl_init"):
+                    self._collectives = NcclCollectives(self.comm)
+        return self._collectives
+
+    def shard(self, n):
+        """(lo, hi) of the flat parameters this rank updates: its ZeRO-1 shard, or all of them."""
+        return shard_bounds(n, self.world_size)[self.rank] if self.zero_stage == 1 else (0, n)
+
+    def average_grads(self, model):
+        """Average model.grads over the ranks: all of them (ZeRO-0) or this rank's shard (ZeRO-1)."""
+        self._inject_fault()
+        coll = self._device_collectives(model.grads)
+        if self.zero_stage == 1:
+            with self.watchdog.guard("reduce-scatter of the gradients"), ranges.range("reduce_scatter_grads"):
+                coll.reduce_scatter_mean(model.grads, shard_bounds(model.num_parameters, self.world_size))
+        else:
+            with self.watchdog.guard("all-reduce of the gradients"), ranges.range("allreduce_grads"):
+                coll.all_reduce_mean(model.grads)
+        self._grad_steps += 1
+
+    def grad_norm(self, model):
+        """Global L2 norm of the averaged gradients (under ZeRO-1: from each rank's shard)."""
+        if self.zero_stage == 0:
+            return model.grad_norm()
+        lo, hi = self.shard(model.num_parameters)
+        with ranges.range("gpt2_calculate_grad_norm"):
+            local = model.backend.global_norm_squared(model.grads[lo:hi])
+        with self.watchdog.guard("all-reduce of the grad norm"), ranges.range("allreduce_grad_norm"):
+            total = self.comm.allreduce(float(local))
+        return math.sqrt(total)
+
+    def gather_params(self, model):
+        """ZeRO-1: every rank's updated shard of the parameters to all ranks."""
+        if self.zero_stage == 1:
+            coll = self._device_collectives(model.params)
+            with self.watchdog.guard("all-gather of the parameters"), ranges.range("allgather_params"):
+                coll.all_gather(model.params, shard_bounds(model.num_parameters, self.world_size))
+
+    def average(self, value):
+        """The mean of a host scalar over the ranks."""
+        with self.watchdog.guard("all-reduce of a scalar (loss)"), ranges.range("allreduce_scalar"):
+            return self.comm.allreduce(float(value)) / self.world_size
+
+    def barrier(self):
+        with self.watchdog.guard("barrier"), ranges.range("barrier"):
+            self.comm.Barrier()
+
+    def _inject_fault(self):
+        if self._fault and self._fault[:2] == (self.rank, self._grad_steps):
+            mode = self._fault[2]
+            _say(f"{FAULT_ENV}: rank {self.rank} fails ({mode}) at gradient averaging {self._grad_steps}")
+            if mode == "exit":
+                os._exit(3)
+            if mode == "raise":
+                raise RuntimeError(f"{FAULT_ENV}: simulated failure on rank {self.rank}")
+            while True:
+                time.sleep(3600)
+
+
+def _parse_fault(spec):
+    if not spec:
+        return None
+    try:
+        rank, step, mode = spec.split(":")
+        if mode not in ("exit", "raise", "hang"):
+            raise ValueError
+        return int(rank), int(step), mode
+    except ValueError:
+        raise DistError(f"{FAULT_ENV}={spec!r}: expected RANK:STEP:exit|raise|hang") from None
+
+
+def _say(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+_group = None       # the MPI group of this process, once made (for abort_job and the excepthook)
+
+
+def make_process_group(device="auto", zero_stage=0, timeout=DEFAULT_TIMEOUT):
+    """SingleProcess when not started by an MPI launcher, else this process's MpiProcessGroup.
+
+    device: the trainer's --device; when it is (or 'auto' resolves to) cuda, each rank selects its GPU
+    (its rank among the ranks on its node) before any CUDA work, so call this before get_backend().
+    """
+    global _group
+    if not launched_by_mpi():
+        return SingleProcess(zero_stage)
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise DistError("started by an MPI launcher but mpi4py is not installed (pip install 'gpt2np[dist]')") \
+            from None
+    first = _group is None
+    _group = MpiProcessGroup(MPI.COMM_WORLD, zero_stage, timeout)
+    if first:
+        _install_excepthook()
+        if _wants_cuda(device):
+            select_gpu(MPI.COMM_WORLD)
+    return _group
+
+
+def _wants_cuda(device):
+    if device == "cuda":
+        return True
+    if device == "auto":
+        from .backends import gpu_available
+        return gpu_available()
+    return False
+
+
+def select_gpu(comm):
+    """Use GPU (rank among this node's ranks); errors when the node has more ranks than GPUs."""
+    import cupy
+    from mpi4py import MPI
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    count = cupy.cuda.runtime.getDeviceCount()
+    if local_size > count:
+        raise DistError(f"{local_size} ranks on this node but {count} GPU(s) visible: "
+                        f"start at most one rank per GPU (e.g. mpiexec -n {count})")
+    cupy.cuda.Device(local_rank).use()
+    return local_rank
+
+
+def abort_job(code=1):
+    """Under MPI with several ranks: end all of them now (after this rank printed its error); else no-op.
+
+    Without it, the other ranks would wait for this one in their next collective."""
+    if _group is not None and _group.world_size > 1:
+        _say(f"rank {_group.rank} of {_group.world_size} failed; aborting all ranks")
+        _group.abort(code)
+
+
+def _install_excepthook():
+    """An uncaught exception on one rank ends the job (the other ranks would wait for it forever)."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        if _group is not None and _group.world_size > 1:
+            _say(f"rank {_group.rank} of {_group.world_size}: uncaught {kind.__name__}; aborting all ranks")
+            _group.abort(1)
+
+    sys.excepthook = hook

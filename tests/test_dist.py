@@ -1,0 +1,232 @@
+"""Data-parallel training on the CPU under mpiexec (MPICH from pip, numpy backend, MPI collectives).
+
+2 ranks x B equals 1 rank x 2B over 5 steps (losses, val loss, weights); ZeRO-1 equals plain data
+parallel, also with 3 ranks whose shards do not divide the parameters evenly; its sharded AdamW state
+concatenates to the unsharded one; resume per rank is bit-identical; a rank that dies, raises or hangs
+ends the job non-zero with a clear message instead of hanging.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpt2np.backend_numpy import NumpyBackend
+from gpt2np.checkpoint import load_model, load_state, model_path, save_model, state_path
+from gpt2np.config import GPT2Config
+from gpt2np.data import write_shard
+from gpt2np.dist import LAUNCHER_RANK_VARS, shard_bounds
+from gpt2np.model import GPT2
+from gpt2np.tensors import num_parameters
+
+REPO = Path(__file__).resolve().parent.parent
+# maxT=17 makes num_parameters = 34208, not a multiple of 3: the 3-rank ZeRO run has an uneven last shard
+TINY = GPT2Config(max_seq_len=17, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=2, channels=32)
+GLOBAL_B, T, STEPS = 6, 16, 5
+RUN_TIMEOUT = 60
+
+
+def find_mpiexec():
+    """mpiexec beside this Python (the mpich wheel installs it there), else on PATH."""
+    here = Path(sysconfig.get_path("scripts")) / "mpiexec"
+    return str(here) if here.is_file() else shutil.which("mpiexec")
+
+
+@pytest.fixture(scope="module")
+def mpiexec():
+    pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install 'gpt2np[dist]')")
+    exe = find_mpiexec()
+    if exe is None:
+        pytest.skip("no mpiexec found (pip install mpich)")
+    probe = subprocess.run([exe, "-n", "2", sys.executable, "-c",
+                            "from mpi4py import MPI; c = MPI.COMM_WORLD; c.Get_rank() or print(c.Get_size())"],
+                           capture_output=True, text=True, timeout=RUN_TIMEOUT, env=clean_env())
+    if probe.returncode != 0 or probe.stdout.split() != ["2"]:
+        pytest.skip(f"{exe} does not start 2 ranks that mpi4py sees as one job: {probe.stdout!r} {probe.stderr!r}")
+    return exe
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_RANK_VARS and not k.startswith(("PMI_", "PMIX_", "OMPI_", "GPT2NP_TEST_"))}
+    env.update(GPT2NP_NVTX="0", PYTHONPATH=str(REPO), **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dist")
+    model = GPT2(TINY, NumpyBackend(), 1, T, seed=5)
+    save_model(folder / "tiny.bin", TINY, model.params_host())
+    rng = np.random.default_rng(0)
+    write_shard(folder / "train.bin", rng.integers(0, TINY.vocab_size, 12000))
+    write_shard(folder / "val.bin", rng.integers(0, TINY.vocab_size, 2000))
+    return folder
+
+
+def train_argv(files, out, ranks, *extra):
+    return [sys.executable, str(REPO / "train.py"), "-e", files / "tiny.bin", "-i", files / "train.bin",
+            "-j", files / "val.bin", "-b", GLOBAL_B // ranks, "-t", T, "-x", STEPS, "-v", STEPS, "-m", 2,
+            "-s", 0, "-l", 3e-3, "-u", 2, "-q", 0.1, "-c", 0.1, "--shuffle", "--device", "cpu",
+            "-n", 3, "-o", out, *extra]
+
+
+def launch(mpiexec, ranks, argv, env=None, launcher_flags=()):
+    """Run argv under `mpiexec -n ranks` (ranks=None: a plain process); (returncode, stdout, stderr, seconds)."""
+    cmd = [str(a) for a in argv]
+    if ranks is not None:
+        cmd = [mpiexec, *launcher_flags, "-n", str(ranks), *cmd]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=env or clean_env())
+    return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0
+
+
+def step_losses(text):
+    return [float(x) for x in re.findall(r"\| loss ([0-9.]+)", text)]
+
+
+def val_losses(text):
+    return [float(x) for x in re.findall(r"val loss ([0-9.]+)", text)]
+
+
+@pytest.fixture(scope="module")
+def runs(mpiexec, files):
+    """The same 5 steps, 6 sequences per step, split four ways: {name: (out_dir, stdout)}."""
+    plans = {"1x6": (None, ()), "2x3": (2, ()), "2x3 zero1": (2, ("-z", 1)), "3x2 zero1": (3, ("-z", 1))}
+    results = {}
+    for name, (ranks, extra) in plans.items():
+        out = files / name.replace(" ", "_")
+        code, stdout, stderr, _ = launch(mpiexec, ranks, train_argv(files, out, ranks or 1, *extra))
+        assert code == 0, f"{name}: {stderr}"
+        assert len(step_losses(stdout)) == STEPS, f"{name}: rank 0 alone prints the steps:\n{stdout}"
+        results[name] = (out, stdout)
+    return results
+
+
+def params_of(out):
+    return load_model(model_path(out, STEPS))[1]
+
+
+def test_two_ranks_equal_one_rank_with_twice_the_batch(runs, files):
+    (one, out1), (two, out2) = runs["1x6"], runs["2x3"]
+    assert "6 x 16 x 1 processes" not in out2 and "3 x 16 x 2 processes" in out2
+    np.testing.assert_allclose(step_losses(out2), step_losses(out1), rtol=1e-5)
+    np.testing.assert_allclose(val_losses(out2), val_losses(out1), rtol=1e-5)
+    np.testing.assert_allclose(params_of(two), params_of(one), rtol=0, atol=2e-5)
+    assert np.abs(params_of(two) - load_model(files / "tiny.bin")[1]).max() > 1e-3     # it did train
+    # every rank wrote its own state, and plain data parallel keeps the ranks' AdamW moments identical
+    _, m0, v0 = load_state(state_path(two, STEPS, 0))
+    info1, m1, v1 = load_state(state_path(two, STEPS, 1))
+    assert info1["rank"] == 1 and info1["world_size"] == 2 and info1["zero_stage"] == 0
+    assert np.array_equal(m0, m1) and np.array_equal(v0, v1)
+
+
+@pytest.mark.parametrize("zero, plain", [("2x3 zero1", "2x3"), ("3x2 zero1", "1x6")])
+def test_zero1_equals_plain_data_parallel(runs, zero, plain):
+    (z_out, z_text), (p_out, p_text) = runs[zero], runs[plain]
+    np.testing.assert_allclose(step_losses(z_text), step_losses(p_text), rtol=1e-5)
+    np.testing.assert_allclose(params_of(z_out), params_of(p_out), rtol=0, atol=2e-5)
+    # each rank holds the AdamW moments of its shard only; together they are the unsharded moments
+    ranks = int(zero[0])
+    bounds = shard_bounds(num_parameters(TINY), ranks)
+    if ranks == 3:
+        assert bounds[2][1] - bounds[2][0] == bounds[0][1] - bounds[0][0] + 2      # the uneven last shard
+    states = [load_state(state_path(z_out, STEPS, r)) for r in range(ranks)]
+    for r, (info, m, _) in enumerate(states):
+        assert info["zero_stage"] == 1 and tuple(info["shard"]) == bounds[r] and m.size == bounds[r][1] - bounds[r][0]
+    _, m_full, v_full = load_state(state_path(p_out, STEPS, 0))
+    np.testing.assert_allclose(np.concatenate([m for _, m, _ in states]), m_full, rtol=1e-3, atol=1e-7)
+    np.testing.assert_allclose(np.concatenate([v for _, _, v in states]), v_full, rtol=1e-3, atol=1e-9)
+
+
+def test_resume_per_rank_is_bit_identical(mpiexec, files, runs, tmp_path):
+    full, _ = runs["2x3 zero1"]
+    for name in ("model_00000003.bin", "state_00000003_00000.bin", "state_00000003_00001.bin", "DONE_00000003"):
+        shutil.copy(full / name, tmp_path / name)
+    code, out, err, _ = launch(mpiexec, 2, train_argv(files, tmp_path, 2, "-z", 1, "-y", 1))
+    assert code == 0, err
+    assert "resuming from step 3" in out and len(step_losses(out)) == 2
+    assert (tmp_path / "model_00000005.bin").read_bytes() == (full / "model_00000005.bin").read_bytes()
+    # another world size or ZeRO stage cannot take over these per-rank states: one clear line
+    code, _, err, _ = launch(mpiexec, None, train_argv(files, tmp_path, 1, "-z", 1, "-y", 1))
+    assert code != 0 and "written by 2 processes; resume needs the same number, got 1" in err
+    code, _, err, _ = launch(mpiexec, 2, train_argv(files, tmp_path, 2, "-y", 1))
+    assert code != 0 and "written with ZeRO stage 1 (-z); resume needs the same, got -z 0" in err
+
+
+# The collectives on their own, on buffers whose size does not divide by the number of ranks. argv[1]:
+# numpy (MPI on host buffers) or cuda (NCCL on CuPy buffers, one GPU per rank; used by test_gpu_dist.py).
+COLLECTIVES_CHECK = """
+import sys
+import numpy as np
+from mpi4py import MPI
+from gpt2np.dist import HostCollectives, NcclCollectives, select_gpu, shard_bounds
+
+comm = MPI.COMM_WORLD
+rank, world = comm.Get_rank(), comm.Get_size()
+if sys.argv[1] == "cuda":
+    import cupy as xp
+    select_gpu(comm)
+    coll, to_host = NcclCollectives(comm), xp.asnumpy
+else:
+    xp, coll, to_host = np, HostCollectives(comm), np.asarray
+n = 1000 * world + world - 1                     # the last rank's shard is world - 1 longer
+grads = [np.random.default_rng(r).standard_normal(n).astype(np.float32) for r in range(world)]
+mean = np.mean(grads, axis=0)
+bounds = shard_bounds(n, world)
+lo, hi = bounds[rank]
+
+buf = xp.asarray(grads[rank])
+coll.all_reduce_mean(buf)
+np.testing.assert_allclose(to_host(buf), mean, rtol=1e-6, atol=1e-6)
+
+buf = xp.asarray(grads[rank])
+coll.reduce_scatter_mean(buf, bounds)
+np.testing.assert_allclose(to_host(buf)[lo:hi], mean[lo:hi], rtol=1e-6, atol=1e-6)
+
+params = np.full(n, -1.0, np.float32)
+params[lo:hi] = np.arange(lo, hi)
+buf = xp.asarray(params)
+coll.all_gather(buf, bounds)
+assert np.array_equal(to_host(buf), np.arange(n, dtype=np.float32)), to_host(buf)
+comm.Barrier()
+print(f"rank {rank} of {world}: collectives ok")
+"""
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_host_collectives_on_uneven_shards(mpiexec, ranks):
+    code, out, err, _ = launch(mpiexec, ranks, [sys.executable, "-c", COLLECTIVES_CHECK, "numpy"])
+    assert code == 0, out + err
+    assert out.count("collectives ok") == ranks
+
+
+FAULTS = [  # (mode, launcher flags, what stderr must say)
+    ("raise", (), ["error: GPT2NP_TEST_FAULT: simulated failure on rank 1", "rank 1 of 2 failed; aborting all ranks"]),
+    ("hang", (), ["error: rank 0 of 2: all-reduce of the gradients did not finish within 3 s"]),
+    # hydra's default: when a rank exits, the launcher itself kills the others at once
+    ("exit", (), []),
+    # a launcher that leaves the other ranks running (as when a node vanishes): our watchdog ends them
+    ("exit", ("-disable-auto-cleanup",), ["error: rank 0 of 2: all-reduce of the gradients did not finish"]),
+]
+
+
+@pytest.mark.parametrize("mode, launcher_flags, expected", FAULTS, ids=["raise", "hang", "exit", "exit-no-cleanup"])
+def test_a_failing_rank_ends_the_job_with_a_clear_error(mpiexec, files, tmp_path, mode, launcher_flags, expected):
+    if launcher_flags and "HYDRA" not in subprocess.run([mpiexec, "--version"], capture_output=True,
+                                                        text=True).stdout:
+        pytest.skip("-disable-auto-cleanup is a flag of MPICH's hydra launcher")
+    env = clean_env(GPT2NP_TEST_FAULT=f"1:2:{mode}")
+    code, out, err, seconds = launch(mpiexec, 2, train_argv(files, tmp_path, 2, "--dist-timeout", 3), env=env,
+                                     launcher_flags=launcher_flags)
+    assert code != 0, out + err
+    assert seconds < 30
+    assert len(step_losses(out)) == 2                 # steps 1 and 2 ran, step 3 never finished
+    for line in expected:
+        assert line in err, err
