@@ -8,6 +8,7 @@ are overwritten except layernorm_backward's dinp, which accumulates into the res
 Shapes: B batch, T time, C channels, OC output channels, NH heads, HS = C/NH, V vocab, Vp padded vocab.
 """
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -18,7 +19,7 @@ GELU_CUBE = 0.044715
 
 # AdamW and the gradient norm stream over hundreds of MB; doing them in cache-sized chunks on
 # all cores keeps them at memory speed (NumPy ufuncs release the GIL).
-CHUNK = 1 << 16
+CHUNK = 1 << 17
 
 
 class NumpyBackend:
@@ -31,6 +32,7 @@ class NumpyBackend:
         self.threads = threads or min(8, _cpu_count())
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         self._scratch = {}
+        self._local = threading.local()
 
     # ---- memory -------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
@@ -111,14 +113,20 @@ class NumpyBackend:
         if bias is not None:
             out += bias
 
-    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight):
-        """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp;  dbias (OC) += sum dout."""
+    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True):
+        """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp;  dbias (OC) += sum dout.
+
+        accumulate=False overwrites dweight instead (the caller knows it holds zeros: one pass less).
+        """
         OC, C = weight.shape
         dout2 = dout.reshape(-1, OC)
         np.matmul(dout2, weight, out=dinp.reshape(-1, C))
-        dw = self.scratch("mm_dweight", weight.shape)
-        np.matmul(dout2.T, inp.reshape(-1, C), out=dw)
-        dweight += dw
+        if accumulate:
+            dw = self.scratch("mm_dweight", weight.shape)
+            np.matmul(dout2.T, inp.reshape(-1, C), out=dw)
+            dweight += dw
+        else:
+            np.matmul(dout2.T, inp.reshape(-1, C), out=dweight)
         if dbias is not None:
             dbias += dout2.sum(axis=0)
 
@@ -136,14 +144,21 @@ class NumpyBackend:
         q, k, v = qkvr
         np.matmul(q, k.transpose(0, 1, 3, 2), out=att)
         att *= 1.0 / math.sqrt(HS)
-        future = np.triu(np.ones((T, T), dtype=bool), k=1)
-        att[..., future] = -np.inf
+        att += self._causal_mask(T)                           # -inf above the diagonal
         att -= att.max(axis=-1, keepdims=True)
         np.exp(att, out=att)
         att /= att.sum(axis=-1, keepdims=True)
         y = self.scratch("att_y", (B, NH, T, HS))
         np.matmul(att, v, out=y)
         out.reshape(B, T, NH, HS)[...] = y.transpose(0, 2, 1, 3)
+
+    def _causal_mask(self, T):
+        """(T, T): 0 where a query may look (t2 <= t), -inf at the future."""
+        mask = self._scratch.get(("causal", T))
+        if mask is None:
+            mask = np.triu(np.full((T, T), -np.inf, self.dtype), k=1)
+            self._scratch[("causal", T)] = mask
+        return mask
 
     def attention_backward(self, dinp, dout, qkvr, att):
         """dinp (B,T,3C) = d[q|k|v] from dout (B,T,C), the saved qkvr (3,B,NH,T,HS) and att (B,NH,T,T)."""
@@ -248,21 +263,23 @@ class NumpyBackend:
 
         def chunk(lo, hi):
             p, g, mm, vv = params[lo:hi], grads[lo:hi], m[lo:hi], v[lo:hi]
-            gs = g * np.float32(grad_scale) if grad_scale != 1.0 else g
+            tmp, upd = self._thread_scratch(hi - lo, params.dtype)
+            np.multiply(g, grad_scale * (1.0 - beta1), out=tmp)
             mm *= beta1
-            mm += (1.0 - beta1) * gs
+            mm += tmp                                         # m = b1 m + (1 - b1) g
+            np.multiply(g, grad_scale, out=tmp)
+            tmp *= tmp
+            tmp *= 1.0 - beta2
             vv *= beta2
-            gg = np.multiply(gs, gs)
-            gg *= 1.0 - beta2
-            vv += gg
-            np.sqrt(vv, out=gg)
-            gg *= inv_sqrt_bc2
-            gg += eps                                         # sqrt(vhat) + eps
-            np.divide(mm, gg, out=gg)
-            gg *= step_size                                   # lr * mhat / (sqrt(vhat) + eps)
+            vv += tmp                                         # v = b2 v + (1 - b2) g^2
+            np.sqrt(vv, out=upd)
+            upd *= inv_sqrt_bc2
+            upd += eps                                        # sqrt(vhat) + eps
+            np.divide(mm, upd, out=upd)
+            upd *= step_size                                  # lr * mhat / (sqrt(vhat) + eps)
             if weight_decay != 0.0:
                 p *= decay                                    # p -= lr * wd * p
-            p -= gg
+            p -= upd
 
         self._chunked(chunk, params.size)
 
@@ -270,6 +287,13 @@ class NumpyBackend:
         """sum(grads^2) of a flat buffer, accumulated per chunk in float64."""
         parts = self._chunked(lambda lo, hi: float(np.dot(grads[lo:hi], grads[lo:hi])), grads.size)
         return math.fsum(parts)
+
+    def _thread_scratch(self, size, dtype):
+        """Two work buffers private to the calling thread (AdamW's temporaries)."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None or bufs[0].size < size or bufs[0].dtype != dtype:
+            bufs = self._local.bufs = (np.empty(size, dtype), np.empty(size, dtype))
+        return bufs[0][:size], bufs[1][:size]
 
     def _chunked(self, fn, n):
         bounds = [(lo, min(lo + CHUNK * 16, n)) for lo in range(0, n, CHUNK * 16)]

@@ -55,6 +55,7 @@ class GPT2:
         self._set_shape(B, T)
         self._dlogits_ready = False
         self._has_targets = False
+        self._grads_zero = True
         if seed is not None:
             self.init_random(seed)
 
@@ -201,6 +202,7 @@ class GPT2:
     # ---- backward -----------------------------------------------------------------------
     def zero_grad(self):
         self.backend.fill_(self.grads, 0.0)
+        self._grads_zero = True
 
     def backward(self, grad_accum_steps=1):
         """Accumulate d(mean loss / grad_accum_steps)/d(params) into grads; needs forward with targets."""
@@ -208,6 +210,7 @@ class GPT2:
             raise RuntimeError("backward() needs a forward() with targets first")
         be, a, p, g, L = self.backend, self.act, self.param, self.grad, self.cfg.num_layers
         dres, dbtc, dbt3c, dbt4c = self.dres, self.dbtc, self.dbt3c, self.dbt4c
+        acc = not self._grads_zero           # right after zero_grad the matmuls may write, not add
         self._direction, self._layer = "bprop", None
         with ranges.range("gpt2_backward"):
             if not self._dlogits_ready:
@@ -215,7 +218,7 @@ class GPT2:
             dlogits = a["logits"]
             be.fill_(dres, 0.0)
             self._op("matmul_backward", "lm_head", be.matmul_backward, dbtc, g["wte"], None, dlogits, a["lnf"],
-                     p["wte"])
+                     p["wte"], acc)
             self._op("layernorm_backward", "ln_f", be.layernorm_backward, dres, g["lnfw"], g["lnfb"], dbtc,
                      a["residual3"][L - 1], p["lnfw"], a["lnf_mean"], a["lnf_rstd"])
             for l in reversed(range(L)):
@@ -225,24 +228,25 @@ class GPT2:
                 with ranges.range(f"Layer {l}"):
                     # dres holds d(residual3[l]); the residual's backward is the identity, so it flows on
                     self._op("matmul_backward", f"{h}.mlp.c_proj", be.matmul_backward, dbt4c, g["fcprojw"][l],
-                             g["fcprojb"][l], dres, a["fch_gelu"][l], p["fcprojw"][l])
+                             g["fcprojb"][l], dres, a["fch_gelu"][l], p["fcprojw"][l], acc)
                     self._op("gelu_backward", f"{h}.mlp.gelu", be.gelu_backward, dbt4c, a["fch"][l], dbt4c)
                     self._op("matmul_backward", f"{h}.mlp.c_fc", be.matmul_backward, dbtc, g["fcw"][l], g["fcb"][l],
-                             dbt4c, a["ln2"][l], p["fcw"][l])
+                             dbt4c, a["ln2"][l], p["fcw"][l], acc)
                     self._op("layernorm_backward", f"{h}.ln_2", be.layernorm_backward, dres, g["ln2w"][l],
                              g["ln2b"][l], dbtc, a["residual2"][l], p["ln2w"][l], a["ln2_mean"][l], a["ln2_rstd"][l])
                     # dres now holds d(residual2[l])
                     self._op("matmul_backward", f"{h}.attn.c_proj", be.matmul_backward, dbtc, g["attprojw"][l],
-                             g["attprojb"][l], dres, a["atty"][l], p["attprojw"][l])
+                             g["attprojb"][l], dres, a["atty"][l], p["attprojw"][l], acc)
                     self._op("attention_backward", f"{h}.attn", be.attention_backward, dbt3c, dbtc, a["qkvr"][l],
                              a["att"][l])
                     self._op("matmul_backward", f"{h}.attn.c_attn", be.matmul_backward, dbtc, g["qkvw"][l],
-                             g["qkvb"][l], dbt3c, a["ln1"][l], p["qkvw"][l])
+                             g["qkvb"][l], dbt3c, a["ln1"][l], p["qkvw"][l], acc)
                     self._op("layernorm_backward", f"{h}.ln_1", be.layernorm_backward, dres, g["ln1w"][l],
                              g["ln1b"][l], dbtc, residual, p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l])
             self._layer = None
             self._op("encoder_backward", "wte", be.encoder_backward, g["wte"], g["wpe"], dres, self.x)
         self._has_targets = False                   # the logits buffer now holds dlogits
+        self._grads_zero = False
 
     # ---- update -------------------------------------------------------------------------
     def optimizer_state_host(self, shard=None):

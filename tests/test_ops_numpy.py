@@ -92,6 +92,9 @@ def test_matmul(with_bias):
     check(dweight - 1, numeric_grad(loss, weight))
     if with_bias:
         check(dbias - 1, numeric_grad(loss, bias))
+    fresh = np.full_like(weight, np.nan)                     # accumulate=False overwrites dweight
+    be.matmul_backward(dx, fresh, None, w, x, weight, accumulate=False)
+    np.testing.assert_allclose(fresh, dweight - 1, rtol=1e-12)
 
 
 def test_attention():

@@ -304,8 +304,9 @@ class CudaBackend:
             self._launch("add_bias", *self._elementwise(N * OC), (out, bias, _i32(N), _i32(OC)),
                          flops=N * OC, nbytes=F32 * (2 * N * OC + OC))
 
-    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight):
-        """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp;  dbias (OC) += sum dout."""
+    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True):
+        """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp (= when not accumulate);
+        dbias (OC) += sum dout."""
         op = "matmul_backward"
         OC, C = weight.shape
         N = inp.size // C
@@ -314,7 +315,8 @@ class CudaBackend:
         self._check_shape(op, "dinp", dinp, inp.shape)
         self._check_shape(op, "dweight", dweight, weight.shape)
         self._gemm("gemm_matmul_backward_dinp", False, False, N, C, OC, dout, OC, weight, C, dinp, C)
-        self._gemm("gemm_matmul_backward_dweight", True, False, OC, C, N, dout, OC, inp, C, dweight, C, beta=1.0)
+        self._gemm("gemm_matmul_backward_dweight", True, False, OC, C, N, dout, OC, inp, C, dweight, C,
+                   beta=1.0 if accumulate else 0.0)
         if dbias is not None:
             self._check_int_size(op, "dout", N * OC)
             self._column_sums("bias_grad_partial", "bias_grad_finish", N, OC, 1, (dout,), (dbias,))
