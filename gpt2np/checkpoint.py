@@ -11,11 +11,11 @@ import json
 import os
 import re
 import struct
-import tempfile
 
 import numpy as np
 
 from .config import GPT2Config
+from .fileio import atomic_write  # noqa: F401  (re-exported)
 from .tensors import num_parameters
 
 MODEL_MAGIC = 20240326
@@ -104,33 +104,6 @@ def fp32_to_bf16(x):
     if nan.any():
         rounded[nan] = 0x7FC0
     return rounded
-
-
-class atomic_write:
-    """`with atomic_write(path) as f:` writes to a temp file beside path, renamed into place on success."""
-
-    def __init__(self, path, mode="wb"):
-        self.path, self.mode = os.fspath(path), mode
-
-    def __enter__(self):
-        folder = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(folder, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(prefix=os.path.basename(self.path) + ".", suffix=".tmp", dir=folder)
-        self.f = os.fdopen(fd, self.mode)
-        return self.f
-
-    def __exit__(self, exc_type, exc, tb):
-        try:
-            if exc_type is None:
-                self.f.flush()
-                os.fsync(self.f.fileno())
-            self.f.close()
-            if exc_type is None:
-                os.replace(self.tmp, self.path)
-        finally:
-            if os.path.exists(self.tmp):
-                os.unlink(self.tmp)
-        return False
 
 
 # ---- training state -----------------------------------------------------------------------

@@ -8,13 +8,13 @@ starting at a multiple of num_processes*B*T inside one shard; rank r takes the B
 at r*B*T inside it, so the ranks of one step read disjoint slices. A shard holds
 (num_tokens - 1) // (num_processes*B*T) samples; the tail that does not fit is skipped.
 """
-import contextlib
 import glob
 import os
-import secrets
 from pathlib import Path
 
 import numpy as np
+
+from .fileio import atomic_write  # noqa: F401  (re-exported)
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -25,26 +25,6 @@ TOKEN_DTYPE = np.dtype("<u2")
 
 class DataError(ValueError):
     """A token shard, a file pattern or a loader state is unusable; the message names the file."""
-
-
-@contextlib.contextmanager
-def atomic_write(path, mode="wb"):
-    """Open a temporary file next to `path` for writing; on success os.replace() it onto `path`.
-
-    Readers never see a half-written file: on any exception the temporary file is removed and
-    `path` is left as it was.
-    """
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # the umask applies, unlike mkstemp's 0600
-    try:
-        with os.fdopen(fd, mode) as f:
-            yield f
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def write_shard(path, tokens):

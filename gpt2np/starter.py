@@ -14,6 +14,7 @@ import numpy as np
 from .checkpoint import load_model
 from .config import PRESETS, preset
 from .data import write_shard
+from .fileio import atomic_write
 from .fetch import KNOWN_FILES, FetchError, ensure
 from .prepare import TINYSHAKESPEARE_NAME, prepare_text, prepare_tinyshakespeare
 from .tokenizer import TOKENIZER_BIN, TokenizerError, TokenizerNotFoundError, get_encoding, load_tokenizer_bin
@@ -117,7 +118,6 @@ def prepare_stdlib_corpus(timeout=10):
 
 def write_byte_tokenizer(path):
     """An llm.c tokenizer file for the byte-level fallback: 256 single bytes + <|endoftext|>."""
-    from .checkpoint import atomic_write
     header = np.zeros(256, "<u4")
     header[:4] = [20240328, 2, 257, BYTE_EOT]
     body = b"".join(bytes([1, b]) for b in range(256)) + bytes([13]) + b"<|endoftext|>"

@@ -14,7 +14,7 @@ from .backends import get_backend
 from .checkpoint import (done_path, latest_checkpoint_step, load_model, load_state, model_path, save_model,
                          save_state, state_path)
 from .data import DataLoader
-from .dist import DEFAULT_TIMEOUT, SingleProcess, make_process_group  # noqa: F401  (SingleProcess: for callers)
+from .dist import DEFAULT_TIMEOUT, make_process_group
 from .gpu_specs import UnknownDeviceError, flops_per_token, mfu, roofline
 from .model import GPT2
 from .profiler import Profiler, device_label, write_outputs
@@ -81,7 +81,12 @@ def train(args, dist=None):
     ranges.enable(args.nvtx)
     backend = get_backend(args.device, **({"tf32": args.tf32} if args.device == "cuda" and args.tf32 else {}))
     resolve_defaults(args, backend.name)
+    if dist.rank != 0:
+        dist.barrier()                # rank 0 fetches and prepares what is missing, alone
     cfg, params, model_desc = resolve_model(args.e)
+    train_pattern, val_pattern = resolve_data(args.i, args.j)
+    if dist.rank == 0:
+        dist.barrier()
     if args.t > cfg.max_seq_len:
         raise ValueError(f"-t {args.t} is longer than the model's max_seq_len {cfg.max_seq_len}")
     tokens_per_micro = args.b * args.t * dist.world_size
@@ -90,7 +95,6 @@ def train(args, dist=None):
         raise ValueError(f"total batch -d {total_batch} is not a multiple of B*T*processes = {tokens_per_micro}")
     accum = total_batch // tokens_per_micro
 
-    train_pattern, val_pattern = resolve_data(args.i, args.j)
     train_loader = DataLoader(train_pattern, args.b, args.t, dist.rank, dist.world_size, shuffle=args.shuffle,
                               seed=args.seed, vocab_size=cfg.vocab_size)
     val_loader = DataLoader(val_pattern, args.b, args.t, dist.rank, dist.world_size,
@@ -118,6 +122,7 @@ def train(args, dist=None):
         ("final LR fraction", f"{args.q:e}"), ("weight decay", f"{args.c:e}"), ("grad clip", args.grad_clip),
         ("max_steps", args.x), ("val_loss_every", args.v), ("val_max_steps", args.m),
         ("sample_every", args.s), ("genT", args.g), ("overfit_single_batch", args.a), ("seed", args.seed),
+        ("processes", dist.world_size), ("zero stage", getattr(dist, "zero_stage", 0)),
         ("device", f"{backend.name} ({device_name})"), ("model", model_desc)]))
     say(header_table([("max_sequence_length T", cfg.max_seq_len), ("vocab_size V", cfg.vocab_size),
                       ("padded_vocab_size Vp", cfg.padded_vocab_size), ("num_layers L", cfg.num_layers),
