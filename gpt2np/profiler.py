@@ -161,6 +161,17 @@ def device_label(backend):
     return name() if callable(name) else (name or "cpu")
 
 
+def device_roofline(backend):
+    """The GPU's roofline (fp32 kernels, GEMMs at the backend's precision), or None on the CPU/unknown GPUs."""
+    from .gpu_specs import UnknownDeviceError, roofline
+    if backend.name != "cuda":
+        return None
+    try:
+        return roofline(device_label(backend), "fp32", matmul_precision=getattr(backend, "precision", "fp32"))
+    except UnknownDeviceError:
+        return None
+
+
 def write_outputs(profiler, out_dir, roof=None, title=""):
     """CSV, JSON, Chrome trace and PNG of the records in out_dir; returns the paths written."""
     os.makedirs(out_dir, exist_ok=True)
@@ -196,7 +207,6 @@ def profile_steps(model, batches, steps, lr=1e-4):
 
 def main(argv=None):
     from .backends import get_backend
-    from .gpu_specs import UnknownDeviceError, roofline
     from .model import GPT2
     from .starter import resolve_model
 
@@ -222,13 +232,8 @@ def main(argv=None):
     except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    roof = None
+    roof = device_roofline(backend)
     label = device_label(backend)
-    if backend.name == "cuda":
-        try:
-            roof = roofline(label, "fp32", matmul_precision=getattr(backend, "precision", "fp32"))
-        except UnknownDeviceError:
-            pass
     print(render(prof.records, roof, step=None if args.all_steps else "last", num_layers=cfg.num_layers,
                  ranges=prof.ranges))
     paths = write_outputs(prof, args.out, roof, title=f"{desc}, B={args.b}, T={args.t}, {label}")

@@ -15,9 +15,9 @@ from .checkpoint import (done_path, latest_checkpoint_step, load_model, load_sta
                          save_state, state_path)
 from .data import DataLoader
 from .dist import DEFAULT_TIMEOUT, make_process_group
-from .gpu_specs import UnknownDeviceError, flops_per_token, mfu, roofline
+from .gpu_specs import flops_per_token, mfu
 from .model import GPT2
-from .profiler import Profiler, device_label, write_outputs
+from .profiler import Profiler, device_label, device_roofline, write_outputs
 from .report import render
 from .sample import generate
 from .schedule import learning_rate
@@ -194,12 +194,7 @@ def train(args, dist=None):
 
 def report_profile(profiler, backend, cfg, args):
     """The built-in profiler's report of the profiled steps, and its files in -o (or ./profile)."""
-    roof = None
-    if backend.name == "cuda":
-        try:
-            roof = roofline(device_label(backend), "fp32", matmul_precision=getattr(backend, "precision", "fp32"))
-        except UnknownDeviceError:
-            pass
+    roof = device_roofline(backend)
     print(render(profiler.records, roof, step="last", num_layers=cfg.num_layers,
                  ranges=profiler.ranges))
     paths = write_outputs(profiler, os.path.join(args.o or ".", "profile"), roof,
