@@ -12,8 +12,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 
 def peak_rss_bytes():
     with open("/proc/self/status") as f:
@@ -24,6 +22,9 @@ def peak_rss_bytes():
 
 
 def bench_gpt2np(args):
+    import gpt2np  # noqa: F401  (first: it sets OpenBLAS's thread timeout before NumPy loads OpenBLAS)
+    import numpy as np
+
     from gpt2np.backend_numpy import NumpyBackend
     from gpt2np.config import preset
     from gpt2np.model import GPT2

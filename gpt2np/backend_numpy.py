@@ -1,11 +1,18 @@
 """The NumPy backend: every layer's forward and backward pass, vectorized, float32.
 
 This is the reference every other backend (and every CUDA kernel) is checked against. Each op writes
-into buffers the caller preallocated; "=" overwrites, "+=" accumulates. Parameter gradients always
-accumulate (gradient accumulation over micro-batches, and wte is used twice); activation gradients
-are overwritten except layernorm_backward's dinp, which accumulates into the residual stream's gradient.
+into buffers the caller preallocated; "=" overwrites, "+=" accumulates. Parameter gradients accumulate
+(gradient accumulation over micro-batches, and wte is used twice) unless the op is called with
+accumulate=False: right after zero_grad() the model has every op overwrite its gradient, so the buffer is
+never filled with zeros. Activation gradients are overwritten except layernorm_backward's dinp, which
+accumulates into the residual stream's gradient.
 
 Shapes: B batch, T time, C channels, OC output channels, NH heads, HS = C/NH, V vocab, Vp padded vocab.
+
+NumPy runs a ufunc on one core, so the ops split their rows (tokens, or batch entries for attention)
+into one contiguous block per thread (ufuncs and BLAS release the GIL). Every row is computed the same
+way whatever the split, and column sums (bias and LayerNorm gradients) run over all rows at once, so
+results do not depend on the thread count.
 """
 import math
 import threading
@@ -20,6 +27,9 @@ GELU_CUBE = 0.044715
 # AdamW and the gradient norm stream over hundreds of MB; doing them in cache-sized chunks on
 # all cores keeps them at memory speed (NumPy ufuncs release the GIL).
 CHUNK = 1 << 17
+# An op that touches fewer elements than this runs on the calling thread: a hand-off costs more
+# (measured on 2 cores: LayerNorm at B*T = 256, C = 768 is faster inline, GELU and attention are not).
+PARALLEL_MIN = 1 << 19
 
 
 class NumpyBackend:
@@ -70,40 +80,67 @@ class NumpyBackend:
         np.take(wte, inp, axis=0, out=out)
         out += wpe[:T]
 
-    def encoder_backward(self, dwte, dwpe, dout, inp):
-        """dwte[inp[b,t]] += dout[b,t];  dwpe[t] += sum_b dout[b,t]."""
+    def encoder_backward(self, dwte, dwpe, dout, inp, accumulate=True):
+        """dwte[inp[b,t]] += dout[b,t];  dwpe[t] += sum_b dout[b,t].
+
+        accumulate=False overwrites dwpe (maxT,C) instead (rows T.. become 0); dwte always accumulates,
+        since the tied lm_head wrote it first.
+        """
         T, C = dout.shape[1], dout.shape[2]
         np.add.at(dwte, inp.reshape(-1), dout.reshape(-1, C))
-        dwpe[:T] += dout.sum(axis=0)
+        if accumulate:
+            dwpe[:T] += dout.sum(axis=0)
+        else:
+            np.sum(dout, axis=0, out=dwpe[:T])
+            dwpe[T:] = 0.0
 
     # ---- layernorm ----------------------------------------------------------------------
     def layernorm_forward(self, out, mean, rstd, inp, weight, bias):
         """out (B,T,C) = (inp - mean) * rstd * weight + bias; saves mean, rstd (B,T)."""
-        np.mean(inp, axis=-1, out=mean)
-        np.subtract(inp, mean[..., None], out=out)            # out holds x - mean
-        var = np.einsum("...c,...c->...", out, out) / inp.shape[-1]
-        np.divide(1.0, np.sqrt(var + LN_EPS), out=rstd, casting="unsafe")
-        out *= rstd[..., None]
-        out *= weight
-        out += bias
-
-    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
-        """dinp (B,T,C) +=, dweight (C) +=, dbias (C) +=, from dout and the saved mean, rstd."""
         C = inp.shape[-1]
-        norm = self.scratch("ln_norm", inp.shape)
-        np.subtract(inp, mean[..., None], out=norm)
-        norm *= rstd[..., None]                                # x_hat
-        dbias += dout.reshape(-1, C).sum(axis=0)
-        dweight += np.einsum("nc,nc->c", dout.reshape(-1, C), norm.reshape(-1, C))
-        dnorm = self.scratch("ln_dnorm", inp.shape)
-        np.multiply(dout, weight, out=dnorm)                   # d x_hat
-        dnorm_mean = dnorm.mean(axis=-1, keepdims=True)
-        dnorm_norm_mean = np.einsum("...c,...c->...", dnorm, norm)[..., None] / C
-        dnorm -= dnorm_mean
-        norm *= dnorm_norm_mean
-        dnorm -= norm
-        dnorm *= rstd[..., None]
-        dinp += dnorm
+        out, mean, rstd, inp = out.reshape(-1, C), mean.reshape(-1), rstd.reshape(-1), inp.reshape(-1, C)
+
+        def rows(lo, hi):                                      # out, mean, rstd, x of rows lo:hi
+            o, mu, rs, x = out[lo:hi], mean[lo:hi], rstd[lo:hi], inp[lo:hi]
+            np.mean(x, axis=-1, out=mu)
+            np.subtract(x, mu[:, None], out=o)                 # o holds x - mean
+            var = np.einsum("nc,nc->n", o, o) / C
+            np.divide(1.0, np.sqrt(var + LN_EPS), out=rs, casting="unsafe")
+            o *= rs[:, None]
+            o *= weight
+            o += bias
+
+        self._parallel(rows, inp.shape[0], 2 * C)
+
+    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
+        """dinp (B,T,C) +=, dweight (C) +=, dbias (C) +=, from dout and the saved mean, rstd.
+
+        accumulate=False overwrites dweight and dbias instead (dinp always accumulates).
+        """
+        C = inp.shape[-1]
+        N = inp.size // C
+        dinp, dout, inp = dinp.reshape(N, C), dout.reshape(N, C), inp.reshape(N, C)
+        mean, rstd = mean.reshape(N, 1), rstd.reshape(N, 1)
+        norm = self.scratch("ln_norm", (N, C))                 # x_hat, kept for dweight
+        dnorm = self.scratch("ln_dnorm", (N, C))
+        work = self.scratch("ln_work", (N, C))
+
+        def rows(lo, hi):
+            xh, dxh, tmp, rs = norm[lo:hi], dnorm[lo:hi], work[lo:hi], rstd[lo:hi]
+            np.subtract(inp[lo:hi], mean[lo:hi], out=xh)
+            xh *= rs                                           # x_hat
+            np.multiply(dout[lo:hi], weight, out=dxh)          # d x_hat
+            dxh_mean = dxh.mean(axis=-1, keepdims=True)
+            dxh_xh_mean = np.einsum("nc,nc->n", dxh, xh)[:, None] / C
+            dxh -= dxh_mean
+            np.multiply(xh, dxh_xh_mean, out=tmp)
+            dxh -= tmp
+            dxh *= rs
+            dinp[lo:hi] += dxh
+
+        self._parallel(rows, N, 3 * C)
+        column_sums(dbias, dout.sum(axis=0), accumulate)
+        column_sums(dweight, np.einsum("nc,nc->c", dout, norm), accumulate)
 
     # ---- matmul -------------------------------------------------------------------------
     def matmul_forward(self, out, inp, weight, bias):
@@ -114,9 +151,9 @@ class NumpyBackend:
             out += bias
 
     def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True):
-        """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp;  dbias (OC) += sum dout.
+        """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp;  dbias (OC) += sum dout over (B,T).
 
-        accumulate=False overwrites dweight instead (the caller knows it holds zeros: one pass less).
+        accumulate=False overwrites dweight and dbias instead (their old contents are ignored).
         """
         OC, C = weight.shape
         dout2 = dout.reshape(-1, OC)
@@ -128,7 +165,7 @@ class NumpyBackend:
         else:
             np.matmul(dout2.T, inp.reshape(-1, C), out=dweight)
         if dbias is not None:
-            dbias += dout2.sum(axis=0)
+            column_sums(dbias, dout2.sum(axis=0), accumulate)
 
     # ---- attention ----------------------------------------------------------------------
     def attention_forward(self, out, qkvr, att, inp):
@@ -140,17 +177,23 @@ class NumpyBackend:
         """
         B, T, C3 = inp.shape
         _, _, NH, _, HS = qkvr.shape
-        qkvr[...] = inp.reshape(B, T, 3, NH, HS).transpose(2, 0, 3, 1, 4)
-        q, k, v = qkvr
-        np.matmul(q, k.transpose(0, 1, 3, 2), out=att)
-        att *= 1.0 / math.sqrt(HS)
-        att += self._causal_mask(T)                           # -inf above the diagonal
-        att -= att.max(axis=-1, keepdims=True)
-        np.exp(att, out=att)
-        att /= att.sum(axis=-1, keepdims=True)
-        y = self.scratch("att_y", (B, NH, T, HS))
-        np.matmul(att, v, out=y)
-        out.reshape(B, T, NH, HS)[...] = y.transpose(0, 2, 1, 3)
+        mask = self._causal_mask(T)                            # -inf above the diagonal
+        y_all = self.scratch("att_y", (B, NH, T, HS))
+
+        def batch(lo, hi):                                     # batch entries lo:hi
+            qkvr[:, lo:hi] = inp[lo:hi].reshape(hi - lo, T, 3, NH, HS).transpose(2, 0, 3, 1, 4)
+            q, k, v = qkvr[:, lo:hi]
+            a, y = att[lo:hi], y_all[lo:hi]
+            np.matmul(q, k.transpose(0, 1, 3, 2), out=a)
+            a *= 1.0 / math.sqrt(HS)
+            a += mask
+            a -= a.max(axis=-1, keepdims=True)
+            np.exp(a, out=a)
+            a /= a.sum(axis=-1, keepdims=True)
+            np.matmul(a, v, out=y)
+            out[lo:hi].reshape(hi - lo, T, NH, HS)[...] = y.transpose(0, 2, 1, 3)
+
+        self._parallel(batch, B, NH * T * (T + 4 * HS))
 
     def _causal_mask(self, T):
         """(T, T): 0 where a query may look (t2 <= t), -inf at the future."""
@@ -164,56 +207,73 @@ class NumpyBackend:
         """dinp (B,T,3C) = d[q|k|v] from dout (B,T,C), the saved qkvr (3,B,NH,T,HS) and att (B,NH,T,T)."""
         B, T, C = dout.shape
         _, _, NH, _, HS = qkvr.shape
-        q, k, v = qkvr
-        dy = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)          # (B,NH,T,HS)
-        dqkvr = self.scratch("att_dqkvr", qkvr.shape)
-        dq, dk, dv = dqkvr
-        np.matmul(att.transpose(0, 1, 3, 2), dy, out=dv)
-        datt = self.scratch("att_datt", att.shape)
-        np.matmul(dy, v.transpose(0, 1, 3, 2), out=datt)
-        # softmax backward: dpre = att * (datt - sum(datt * att)); masked entries have att == 0
-        datt -= np.einsum("bhts,bhts->bht", datt, att)[..., None]
-        datt *= att
-        datt *= 1.0 / math.sqrt(HS)
-        np.matmul(datt, k, out=dq)
-        np.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)
-        dinp.reshape(B, T, 3, NH, HS)[...] = dqkvr.transpose(1, 3, 0, 2, 4)
+        dqkvr_all = self.scratch("att_dqkvr", qkvr.shape)
+        datt_all = self.scratch("att_datt", att.shape)
+
+        def batch(lo, hi):                                     # batch entries lo:hi
+            q, k, v = qkvr[:, lo:hi]
+            a, datt, dqkvr = att[lo:hi], datt_all[lo:hi], dqkvr_all[:, lo:hi]
+            dq, dk, dv = dqkvr
+            dy = dout[lo:hi].reshape(hi - lo, T, NH, HS).transpose(0, 2, 1, 3)   # (b,NH,T,HS)
+            np.matmul(a.transpose(0, 1, 3, 2), dy, out=dv)
+            np.matmul(dy, v.transpose(0, 1, 3, 2), out=datt)
+            # softmax backward: dpre = att * (datt - sum(datt * att)); masked entries have att == 0
+            datt -= np.einsum("bhts,bhts->bht", datt, a)[..., None]
+            datt *= a
+            datt *= 1.0 / math.sqrt(HS)
+            np.matmul(datt, k, out=dq)
+            np.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)
+            dinp[lo:hi].reshape(hi - lo, T, 3, NH, HS)[...] = dqkvr.transpose(1, 3, 0, 2, 4)
+
+        self._parallel(batch, B, NH * T * (2 * T + 6 * HS))
 
     # ---- gelu ---------------------------------------------------------------------------
     def gelu_forward(self, out, inp):
-        """out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-        np.multiply(inp, inp, out=out)
-        out *= GELU_CUBE
-        out += 1.0
-        out *= inp
-        out *= GELU_SCALE
-        np.tanh(out, out=out)
-        out += 1.0
-        out *= inp
-        out *= 0.5
+        """out (B,T,4C) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), x = inp."""
+        out_flat, inp_flat = out.reshape(-1), inp.reshape(-1)
+
+        def part(lo, hi):
+            y, x = out_flat[lo:hi], inp_flat[lo:hi]
+            np.multiply(x, x, out=y)
+            y *= GELU_CUBE
+            y += 1.0
+            y *= x
+            y *= GELU_SCALE
+            np.tanh(y, out=y)
+            y += 1.0
+            y *= x
+            y *= 0.5
+
+        self._parallel(part, inp_flat.size, 2)
 
     def gelu_backward(self, dinp, inp, dout):
-        """dinp = dout * gelu'(inp); dinp may alias dout."""
-        x2 = self.scratch("gelu_x2", inp.shape)
-        np.multiply(inp, inp, out=x2)
-        u = self.scratch("gelu_u", inp.shape)
-        np.multiply(x2, GELU_CUBE, out=u)
-        u += 1.0
-        u *= inp
-        u *= GELU_SCALE                                       # u = s (x + a x^3)
-        th = np.tanh(u, out=u)
-        # gelu' = 0.5 (1 + th) + 0.5 x (1 - th^2) s (1 + 3 a x^2)
-        x2 *= 3.0 * GELU_CUBE
-        x2 += 1.0
-        x2 *= GELU_SCALE * 0.5
-        x2 *= inp
-        sech2 = np.multiply(th, th, out=self.scratch("gelu_sech2", inp.shape))
-        np.subtract(1.0, sech2, out=sech2)
-        x2 *= sech2
-        th += 1.0
-        th *= 0.5
-        x2 += th
-        np.multiply(dout, x2, out=dinp)
+        """dinp (B,T,4C) = dout * gelu'(inp); dinp may alias dout."""
+        dinp_flat, inp_flat, dout_flat = dinp.reshape(-1), inp.reshape(-1), dout.reshape(-1)
+        n = inp_flat.size
+        x2_all, u_all, sech2_all = (self.scratch(key, n) for key in ("gelu_x2", "gelu_u", "gelu_sech2"))
+
+        def part(lo, hi):
+            x, x2, u, sech2 = inp_flat[lo:hi], x2_all[lo:hi], u_all[lo:hi], sech2_all[lo:hi]
+            np.multiply(x, x, out=x2)
+            np.multiply(x2, GELU_CUBE, out=u)
+            u += 1.0
+            u *= x
+            u *= GELU_SCALE                                    # u = s (x + a x^3)
+            th = np.tanh(u, out=u)
+            # gelu' = 0.5 (1 + th) + 0.5 x (1 - th^2) s (1 + 3 a x^2)
+            x2 *= 3.0 * GELU_CUBE
+            x2 += 1.0
+            x2 *= GELU_SCALE * 0.5
+            x2 *= x
+            np.multiply(th, th, out=sech2)
+            np.subtract(1.0, sech2, out=sech2)
+            x2 *= sech2
+            th += 1.0
+            th *= 0.5
+            x2 += th
+            np.multiply(dout_flat[lo:hi], x2, out=dinp_flat[lo:hi])
+
+        self._parallel(part, n, 3)
 
     # ---- residual -----------------------------------------------------------------------
     def residual_forward(self, out, inp1, inp2):
@@ -234,31 +294,35 @@ class NumpyBackend:
         and 0 over the padding [V:Vp].
         """
         B, T, Vp = logits.shape
-        rows = logits.reshape(-1, Vp)
-        flat_targets = targets.reshape(-1)
-        real = rows[:, :V]
-        row_max = real.max(axis=1)
-        target_logit = rows[np.arange(rows.shape[0]), flat_targets]
-        if write_dlogits:
-            probs = real                                      # reuse the logits buffer
-        else:
-            probs = self.scratch("cls_exp", real.shape)
-        np.subtract(real, row_max[:, None], out=probs)
-        np.exp(probs, out=probs)
-        row_sum = probs.sum(axis=1)
-        losses.reshape(-1)[...] = np.log(row_sum) + row_max - target_logit
-        if write_dlogits:
-            probs *= (dloss / row_sum)[:, None]
-            rows[np.arange(rows.shape[0]), flat_targets] -= dloss
-            rows[:, V:] = 0.0
+        all_rows = logits.reshape(-1, Vp)
+        all_targets, all_losses = targets.reshape(-1), losses.reshape(-1)
+        exp_all = None if write_dlogits else self.scratch("cls_exp", (B * T, V))
+
+        def part(lo, hi):                                      # rows (tokens) lo:hi
+            rows, target = all_rows[lo:hi], all_targets[lo:hi]
+            real = rows[:, :V]
+            row_max = real.max(axis=1)
+            target_logit = rows[np.arange(hi - lo), target]
+            probs = real if write_dlogits else exp_all[lo:hi]  # dlogits reuse the logits buffer
+            np.subtract(real, row_max[:, None], out=probs)
+            np.exp(probs, out=probs)
+            row_sum = probs.sum(axis=1)
+            all_losses[lo:hi] = np.log(row_sum) + row_max - target_logit
+            if write_dlogits:
+                probs *= (dloss / row_sum)[:, None]
+                rows[np.arange(hi - lo), target] -= dloss
+                rows[:, V:] = 0.0
+
+        self._parallel(part, B * T, 2 * Vp)
 
     # ---- optimizer ----------------------------------------------------------------------
     def adamw_update(self, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
         """AdamW (decoupled weight decay, bias correction) on flat float32 segments, in place."""
-        bc1 = 1.0 - beta1 ** t
-        bc2 = 1.0 - beta2 ** t
-        step_size = lr / bc1
-        inv_sqrt_bc2 = 1.0 / math.sqrt(bc2)
+        # g = grad_scale * grads.  mhat / (sqrt(vhat) + eps) with mhat = m / bc1, vhat = v / bc2 equals
+        # (sqrt(bc2) / bc1) * m / (sqrt(v) + eps sqrt(bc2)): two passes fewer over each chunk.
+        sqrt_bc2 = math.sqrt(1.0 - beta2 ** t)
+        step_size = lr * sqrt_bc2 / (1.0 - beta1 ** t)
+        eps_v = eps * sqrt_bc2
         decay = 1.0 - lr * weight_decay
 
         def chunk(lo, hi):
@@ -267,14 +331,12 @@ class NumpyBackend:
             np.multiply(g, grad_scale * (1.0 - beta1), out=tmp)
             mm *= beta1
             mm += tmp                                         # m = b1 m + (1 - b1) g
-            np.multiply(g, grad_scale, out=tmp)
-            tmp *= tmp
-            tmp *= 1.0 - beta2
+            np.square(g, out=tmp)
+            tmp *= grad_scale * grad_scale * (1.0 - beta2)
             vv *= beta2
             vv += tmp                                         # v = b2 v + (1 - b2) g^2
             np.sqrt(vv, out=upd)
-            upd *= inv_sqrt_bc2
-            upd += eps                                        # sqrt(vhat) + eps
+            upd += eps_v
             np.divide(mm, upd, out=upd)
             upd *= step_size                                  # lr * mhat / (sqrt(vhat) + eps)
             if weight_decay != 0.0:
@@ -296,14 +358,38 @@ class NumpyBackend:
         return bufs[0][:size], bufs[1][:size]
 
     def _chunked(self, fn, n):
-        bounds = [(lo, min(lo + CHUNK * 16, n)) for lo in range(0, n, CHUNK * 16)]
-
-        def run(span):
-            lo, hi = span
-            return [fn(a, min(a + CHUNK, hi)) for a in range(lo, hi, CHUNK)]
-
-        results = self._pool.map(run, bounds) if self._pool else map(run, bounds)
+        """[fn(lo, hi) for each CHUNK of range(n)]; each thread takes an equal run of chunks in order."""
+        chunks = [(lo, min(lo + CHUNK, n)) for lo in range(0, n, CHUNK)]
+        if self._pool is None or len(chunks) < 2:
+            return [fn(lo, hi) for lo, hi in chunks]
+        parts = min(self.threads, len(chunks))
+        runs = [chunks[len(chunks) * i // parts:len(chunks) * (i + 1) // parts] for i in range(parts)]
+        results = self._pool.map(lambda run: [fn(lo, hi) for lo, hi in run], runs)
         return [r for part in results for r in part]
+
+    def _parallel(self, fn, rows, row_elements):
+        """fn(lo, hi) over [0, rows) in one contiguous block of rows per thread.
+
+        row_elements: how many array elements one row's work reads and writes; an op that touches
+        fewer than PARALLEL_MIN elements in all runs inline.
+        """
+        parts = min(self.threads, rows) if rows * row_elements >= PARALLEL_MIN else 1
+        if parts < 2 or self._pool is None:
+            fn(0, rows)
+            return
+        bounds = [rows * i // parts for i in range(parts + 1)]
+        futures = [self._pool.submit(fn, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+        fn(bounds[0], bounds[1])                              # the calling thread takes the first block
+        for future in futures:
+            future.result()
+
+
+def column_sums(out, sums, accumulate):
+    """out += sums, or out = sums when not accumulate."""
+    if accumulate:
+        out += sums
+    else:
+        out[...] = sums
 
 
 def _cpu_count():

@@ -37,8 +37,8 @@ class GPT2:
         self.decay_tensors = tuple(decay_tensors)
         self.params = backend.zeros(self.num_parameters)
         self.param = views(self.params, self.param_shapes)
-        self.grads = backend.zeros(self.num_parameters)
-        self.grad = views(self.grads, self.param_shapes)
+        self._grads = backend.zeros(self.num_parameters)
+        self._grad = views(self._grads, self.param_shapes)
         self.m = self.v = None                       # AdamW moments, allocated at the first update
         self.acts = backend.zeros(layout_size(activation_shapes(cfg, B, T)))
         self.inputs = backend.zeros((B, T), np.int32)
@@ -55,7 +55,8 @@ class GPT2:
         self._set_shape(B, T)
         self._dlogits_ready = False
         self._has_targets = False
-        self._grads_zero = True
+        self._grads_zero = True                      # grads are logically zero (next backward overwrites)
+        self._zero_fill_pending = False              # ... and the buffer has not been cleared yet
         if seed is not None:
             self.init_random(seed)
 
@@ -89,6 +90,23 @@ class GPT2:
 
     def params_host(self):
         return self.backend.to_host(self.params)
+
+    @property
+    def grads(self):
+        """The flat (num_parameters,) gradient buffer."""
+        self._fill_deferred_zeros()
+        return self._grads
+
+    @property
+    def grad(self):
+        """{name: shaped view of the gradient buffer}."""
+        self._fill_deferred_zeros()
+        return self._grad
+
+    def _fill_deferred_zeros(self):
+        if self._zero_fill_pending:                  # zero_grad() deferred its fill; someone reads first
+            self.backend.fill_(self._grads, 0.0)
+            self._zero_fill_pending = False
 
     def grads_host(self):
         """{name: host copy of the gradient} in llm.c shapes."""
@@ -201,16 +219,18 @@ class GPT2:
 
     # ---- backward -----------------------------------------------------------------------
     def zero_grad(self):
-        self.backend.fill_(self.grads, 0.0)
+        """Gradients := 0. The fill is deferred: the next backward() overwrites every gradient instead of
+        adding to it (one pass less over the 4-bytes-per-parameter buffer); reading `grads` first fills."""
         self._grads_zero = True
+        self._zero_fill_pending = True
 
     def backward(self, grad_accum_steps=1):
         """Accumulate d(mean loss / grad_accum_steps)/d(params) into grads; needs forward with targets."""
         if not self._has_targets:
             raise RuntimeError("backward() needs a forward() with targets first")
-        be, a, p, g, L = self.backend, self.act, self.param, self.grad, self.cfg.num_layers
+        be, a, p, g, L = self.backend, self.act, self.param, self._grad, self.cfg.num_layers
         dres, dbtc, dbt3c, dbt4c = self.dres, self.dbtc, self.dbt3c, self.dbt4c
-        acc = not self._grads_zero           # right after zero_grad the matmuls may write, not add
+        acc = not self._grads_zero           # right after zero_grad every op writes its gradient, not adds
         self._direction, self._layer = "bprop", None
         with ranges.range("gpt2_backward"):
             if not self._dlogits_ready:
@@ -220,7 +240,7 @@ class GPT2:
             self._op("matmul_backward", "lm_head", be.matmul_backward, dbtc, g["wte"], None, dlogits, a["lnf"],
                      p["wte"], acc)
             self._op("layernorm_backward", "ln_f", be.layernorm_backward, dres, g["lnfw"], g["lnfb"], dbtc,
-                     a["residual3"][L - 1], p["lnfw"], a["lnf_mean"], a["lnf_rstd"])
+                     a["residual3"][L - 1], p["lnfw"], a["lnf_mean"], a["lnf_rstd"], acc)
             for l in reversed(range(L)):
                 self._layer = l
                 h = f"h.{l}"
@@ -233,7 +253,8 @@ class GPT2:
                     self._op("matmul_backward", f"{h}.mlp.c_fc", be.matmul_backward, dbtc, g["fcw"][l], g["fcb"][l],
                              dbt4c, a["ln2"][l], p["fcw"][l], acc)
                     self._op("layernorm_backward", f"{h}.ln_2", be.layernorm_backward, dres, g["ln2w"][l],
-                             g["ln2b"][l], dbtc, a["residual2"][l], p["ln2w"][l], a["ln2_mean"][l], a["ln2_rstd"][l])
+                             g["ln2b"][l], dbtc, a["residual2"][l], p["ln2w"][l], a["ln2_mean"][l], a["ln2_rstd"][l],
+                             acc)
                     # dres now holds d(residual2[l])
                     self._op("matmul_backward", f"{h}.attn.c_proj", be.matmul_backward, dbtc, g["attprojw"][l],
                              g["attprojb"][l], dres, a["atty"][l], p["attprojw"][l], acc)
@@ -242,11 +263,11 @@ class GPT2:
                     self._op("matmul_backward", f"{h}.attn.c_attn", be.matmul_backward, dbtc, g["qkvw"][l],
                              g["qkvb"][l], dbt3c, a["ln1"][l], p["qkvw"][l], acc)
                     self._op("layernorm_backward", f"{h}.ln_1", be.layernorm_backward, dres, g["ln1w"][l],
-                             g["ln1b"][l], dbtc, residual, p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l])
+                             g["ln1b"][l], dbtc, residual, p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l], acc)
             self._layer = None
-            self._op("encoder_backward", "wte", be.encoder_backward, g["wte"], g["wpe"], dres, self.x)
+            self._op("encoder_backward", "wte", be.encoder_backward, g["wte"], g["wpe"], dres, self.x, acc)
         self._has_targets = False                   # the logits buffer now holds dlogits
-        self._grads_zero = False
+        self._grads_zero = self._zero_fill_pending = False
 
     # ---- update -------------------------------------------------------------------------
     def optimizer_state_host(self, shard=None):

@@ -2,6 +2,7 @@
 //
 //   forward:  out (B,T,C) = wte (Vp,C)[inp (B,T)] + wpe (maxT,C)[t]
 //   backward: dwte[inp[b,t]] += dout[b,t];  dwpe[t] += sum_b dout[b,t]
+//             (accumulate == 0: dwpe[t] = sum_b dout[b,t], old rows [0,T) not read; dwte always +=)
 //
 // Determinism: dwpe is reduced over b in a fixed order by one thread per (t, c), so it is
 // bitwise reproducible. dwte uses float atomicAdd (a token can occur many times in a batch);
@@ -42,9 +43,10 @@ extern "C" __global__ void encoder_backward_wte(float* dwte, const float* __rest
     atomicAdd(&dwte[(long long)inp[bt] * C + c], dout[idx]);
 }
 
-// dwpe (maxT,C) rows [0,T) += sum over b of dout[b]: one thread per (t, c), b summed in order.
+// dwpe (maxT,C) rows [0,T) += sum over b of dout[b] (= when accumulate == 0; rows [T,maxT) are
+// not touched, the caller zeroes them): one thread per (t, c), b summed in order.
 extern "C" __global__ void encoder_backward_wpe(float* __restrict__ dwpe, const float* __restrict__ dout,
-                                               int B, int T, int C) {
+                                               int B, int T, int C, int accumulate) {
     const long long i = global_thread_index();
     const int n = T * C;
     if (i >= n) {
@@ -55,5 +57,5 @@ extern "C" __global__ void encoder_backward_wpe(float* __restrict__ dwpe, const 
     for (int b = 0; b < B; b++) {
         sum += dout[b * n + idx];
     }
-    dwpe[idx] += sum;
+    dwpe[idx] = accumulate ? dwpe[idx] + sum : sum;
 }

@@ -4,6 +4,7 @@
 //   backward: dinp (N,C) += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)),
 //             with norm = (inp - mean) * rstd and dnorm = dout * weight;
 //             dweight (C) += sum_rows dout * norm;  dbias (C) += sum_rows dout
+//             (accumulate == 0: dweight, dbias = those sums, old contents never read; dinp always +=)
 //
 // N = B*T rows. Row kernels use one warp per row (blockDim.x = 32 * rows per block). The
 // parameter gradients are column sums done in two deterministic stages: per-chunk partial sums
@@ -108,10 +109,11 @@ extern "C" __global__ void layernorm_backward_params_partial(float* __restrict__
     }
 }
 
-// Stage 2: dweight[c] += sum_k partial[k,0,c]; dbias[c] += sum_k partial[k,1,c], k in order.
+// Stage 2: dweight[c] += sum_k partial[k,0,c]; dbias[c] += sum_k partial[k,1,c], k in order
+// (accumulate == 0: = instead of +=, the old dweight/dbias are not read).
 extern "C" __global__ void layernorm_backward_params_finish(float* __restrict__ dweight, float* __restrict__ dbias,
                                                             const float* __restrict__ partial,
-                                                            int num_chunks, int C) {
+                                                            int num_chunks, int C, int accumulate) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) {
         return;
@@ -122,6 +124,6 @@ extern "C" __global__ void layernorm_backward_params_finish(float* __restrict__ 
         dw += partial[((long long)k * 2) * C + c];
         db += partial[((long long)k * 2 + 1) * C + c];
     }
-    dweight[c] += dw;
-    dbias[c] += db;
+    dweight[c] = accumulate ? dweight[c] + dw : dw;
+    dbias[c] = accumulate ? dbias[c] + db : db;
 }

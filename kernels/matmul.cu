@@ -3,6 +3,7 @@
 //   add_bias:          out (N,OC) += bias (OC)   (after the forward GEMM wrote out)
 //   bias_grad_partial: partial (num_chunks, OC) = column sums of dout (N,OC) per chunk of rows
 //   bias_grad_finish:  dbias (OC) += sum over chunks of partial, in chunk order
+//                      (accumulate == 0: dbias = that sum; its old contents are never read)
 //
 // The bias gradient is a two-stage column reduction with a fixed addition order (deterministic).
 #include "common.cuh"
@@ -39,7 +40,7 @@ extern "C" __global__ void bias_grad_partial(float* __restrict__ partial, const 
 }
 
 extern "C" __global__ void bias_grad_finish(float* __restrict__ dbias, const float* __restrict__ partial,
-                                            int num_chunks, int OC) {
+                                            int num_chunks, int OC, int accumulate) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= OC) {
         return;
@@ -48,5 +49,5 @@ extern "C" __global__ void bias_grad_finish(float* __restrict__ dbias, const flo
     for (int k = 0; k < num_chunks; k++) {
         sum += partial[(long long)k * OC + c];
     }
-    dbias[c] += sum;
+    dbias[c] = accumulate ? dbias[c] + sum : sum;
 }

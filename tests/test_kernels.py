@@ -89,6 +89,18 @@ def test_encoder(cuda, shape):
     close(host(cuda, dwte), dwte_ref)
     close(host(cuda, dwpe), dwpe_ref)
 
+    # accumulate=False: dwpe's old contents are garbage (NaN) and must be ignored, rows T.. become 0;
+    # dwte still accumulates (the tied lm_head wrote it first). Reference: the "+=" result from zeros.
+    dwte_ref, dwpe_ref = dwte0.copy(), np.zeros((maxT, C), np.float32)
+    REF.encoder_backward(dwte_ref, dwpe_ref, dout, inp)
+    close(dwpe_ref[:T], dout.sum(axis=0), atol=1e-5)
+    dwte, dwpe = dev(cuda, dwte0), cuda.from_host(np.full((maxT, C), np.nan, np.float32))
+    cuda.encoder_backward(dwte, dwpe, dev(cuda, dout), dev(cuda, inp), accumulate=False)
+    close(host(cuda, dwte), dwte_ref)
+    got = host(cuda, dwpe)
+    close(got, dwpe_ref)
+    assert np.all(got[T:] == 0.0)
+
 
 def test_encoder_needs_c_multiple_of_4(cuda):
     B, T, C, Vp = 1, 3, 6, 8
@@ -142,6 +154,17 @@ def test_layernorm(cuda, shape):
     close(host(cuda, dw), dw_ref, atol=1e-4)
     close(host(cuda, db), db_ref, atol=1e-4)
 
+    # accumulate=False: dweight/dbias start as garbage (NaN) and are overwritten; dinp still accumulates.
+    dinp_ref, dw_ref, db_ref = dinp0.copy(), np.zeros(C, np.float32), np.zeros(C, np.float32)
+    REF.layernorm_backward(dinp_ref, dw_ref, db_ref, dout, x, w, mean_ref, rstd_ref)
+    close(db_ref, dout.reshape(-1, C).sum(axis=0), atol=1e-4)
+    dinp, dw, db = dev(cuda, dinp0), cuda.from_host(np.full(C, np.nan, np.float32)), \
+        cuda.from_host(np.full(C, np.nan, np.float32))
+    cuda.layernorm_backward(dinp, dw, db, dev(cuda, dout), X, W, mean, rstd, accumulate=False)
+    close(host(cuda, dinp), dinp_ref, atol=1e-4)
+    close(host(cuda, dw), dw_ref, atol=1e-4)
+    close(host(cuda, db), db_ref, atol=1e-4)
+
 
 # ---- matmul ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -166,6 +189,21 @@ def test_matmul(cuda, shape, with_bias):
     close(host(cuda, dinp), dinp_ref, atol=1e-4)
     close(host(cuda, dw), dw_ref, atol=1e-4)
     close(host(cuda, db), db_ref if with_bias else db0, atol=1e-4)
+
+    # accumulate=False: dweight and dbias start as garbage (NaN) and are overwritten.
+    dinp_ref, dw_ref, db_ref = np.zeros((B, T, C), np.float32), np.zeros((OC, C), np.float32), np.zeros(OC, np.float32)
+    REF.matmul_backward(dinp_ref, dw_ref, db_ref if with_bias else None, dout, x, w)
+    if with_bias:
+        close(db_ref, dout.reshape(-1, OC).sum(axis=0), atol=1e-4)       # the reference itself, directly
+    dinp = cuda.from_host(np.full((B, T, C), 7.0, np.float32))
+    dw, db = cuda.from_host(np.full((OC, C), np.nan, np.float32)), cuda.from_host(np.full(OC, np.nan, np.float32))
+    cuda.matmul_backward(dinp, dw, db if with_bias else None, dev(cuda, dout), X, Wt, accumulate=False)
+    close(host(cuda, dinp), dinp_ref, atol=1e-4)
+    close(host(cuda, dw), dw_ref, atol=1e-4)
+    if with_bias:
+        close(host(cuda, db), db_ref, atol=1e-4)
+    else:
+        assert np.all(np.isnan(host(cuda, db)))                  # no bias: dbias untouched
 
 
 # ---- attention -------------------------------------------------------------------------------

@@ -205,3 +205,100 @@ def test_global_norm_squared_large_and_threaded():
     g = np.random.default_rng(0).standard_normal(3_000_001).astype(np.float32)
     threaded = NumpyBackend(threads=2)
     assert math.isclose(threaded.global_norm_squared(g), float(np.dot(g.astype(np.float64), g)), rel_tol=1e-6)
+
+
+def test_accumulate_false_overwrites_parameter_gradients():
+    """accumulate=False ignores the old gradient (garbage here) and writes what "+=" onto zeros writes."""
+    Vp, maxT = 7, 6
+    inp = np.array([[1, 3, 3, 0, 6], [2, 1, 5, 5, 5]], np.int32)
+    dout = rand(B, T, C)
+    dwte0 = rand(Vp, C)
+    dwte_ref, dwpe_ref = dwte0.copy(), np.zeros((maxT, C))
+    be.encoder_backward(dwte_ref, dwpe_ref, dout, inp)
+    dwte, dwpe = dwte0.copy(), np.full((maxT, C), np.nan)
+    be.encoder_backward(dwte, dwpe, dout, inp, accumulate=False)
+    np.testing.assert_array_equal(dwte, dwte_ref)              # dwte always accumulates (tied lm_head)
+    np.testing.assert_array_equal(dwpe, dwpe_ref)              # rows T.. are zero, not NaN
+
+    x, weight, mean, rstd = rand(B, T, C), rand(C), rand(B, T), np.abs(rand(B, T)) + 0.5
+    dinp0 = rand(B, T, C)
+    ref = [dinp0.copy(), np.zeros(C), np.zeros(C)]
+    be.layernorm_backward(*ref, dout, x, weight, mean, rstd)
+    got = [dinp0.copy(), np.full(C, np.nan), np.full(C, np.nan)]
+    be.layernorm_backward(*got, dout, x, weight, mean, rstd, accumulate=False)
+    for a, b in zip(got, ref):
+        np.testing.assert_array_equal(a, b)
+
+    w, d = rand(OC, C), rand(B, T, OC)
+    ref = [np.zeros((B, T, C)), np.zeros((OC, C)), np.zeros(OC)]
+    be.matmul_backward(*ref, d, x, w)
+    got = [np.zeros((B, T, C)), np.full((OC, C), np.nan), np.full(OC, np.nan)]
+    be.matmul_backward(*got, d, x, w, accumulate=False)
+    for a, b in zip(got, ref):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_threaded_ops_bitwise_equal_single_thread(monkeypatch):
+    """Splitting rows over threads changes no bit of any op's result (every op, both directions)."""
+    import gpt2np.backend_numpy as backend_numpy
+    monkeypatch.setattr(backend_numpy, "PARALLEL_MIN", 1)      # split even these small shapes
+    monkeypatch.setattr(backend_numpy, "CHUNK", 1000)          # AdamW and the norm: many chunks
+    single, threaded = NumpyBackend(threads=1), NumpyBackend(threads=3)
+    splits = []
+    submit = threaded._pool.submit
+    monkeypatch.setattr(threaded._pool, "submit", lambda *a: splits.append(a) or submit(*a))
+
+    Bt, Tt, Ct, NHt, V, Vp = 5, 7, 16, 2, 37, 40
+    r = np.random.default_rng(3)
+
+    def f32(*shape):
+        return r.standard_normal(shape).astype(np.float32)
+
+    x, w, b, dout = f32(Bt, Tt, Ct), f32(Ct), f32(Ct), f32(Bt, Tt, Ct)
+    h, dh = f32(Bt, Tt, 4 * Ct), f32(Bt, Tt, 4 * Ct)
+    qkv, datt_out = f32(Bt, Tt, 3 * Ct), f32(Bt, Tt, Ct)
+    logits, targets = f32(Bt, Tt, Vp), r.integers(0, V, (Bt, Tt)).astype(np.int32)
+    n = 12_345
+    p, g, m, v = f32(n), f32(n), f32(n), np.abs(f32(n))
+
+    def run(be):
+        out, mean, rstd = (np.zeros(s, np.float32) for s in ((Bt, Tt, Ct), (Bt, Tt), (Bt, Tt)))
+        be.layernorm_forward(out, mean, rstd, x, w, b)
+        dinp, dw, db = np.ones((Bt, Tt, Ct), np.float32), np.ones(Ct, np.float32), np.ones(Ct, np.float32)
+        be.layernorm_backward(dinp, dw, db, dout, x, w, mean, rstd)
+        gelu, dgelu = np.zeros_like(h), np.zeros_like(h)
+        be.gelu_forward(gelu, h)
+        be.gelu_backward(dgelu, h, dh)
+        qkvr, att, y = (np.zeros(s, np.float32) for s in ((3, Bt, NHt, Tt, Ct // NHt), (Bt, NHt, Tt, Tt),
+                                                           (Bt, Tt, Ct)))
+        be.attention_forward(y, qkvr, att, qkv)
+        dqkv = np.zeros_like(qkv)
+        be.attention_backward(dqkv, datt_out, qkvr, att)
+        losses, dlogits = np.zeros((Bt, Tt), np.float32), logits.copy()
+        be.fused_classifier(logits.copy(), losses, targets, V, 0.1, write_dlogits=False)
+        losses2 = np.zeros_like(losses)
+        be.fused_classifier(dlogits, losses2, targets, V, 0.1, write_dlogits=True)
+        state = [p.copy(), g.copy(), m.copy(), v.copy()]
+        be.adamw_update(*state, 1e-3, 0.9, 0.95, 1e-8, 0.1, 2, 0.7)
+        norm = be.global_norm_squared(g)
+        return [out, mean, rstd, dinp, dw, db, gelu, dgelu, qkvr, att, y, dqkv, losses, losses2, dlogits,
+                *state, np.float64(norm)]
+
+    ref = run(single)
+    got = run(threaded)
+    assert splits, "the threaded backend never split an op"
+    for a, b in zip(got, ref):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("preset_value", [None, "9"])
+def test_import_sets_openblas_thread_timeout_unless_the_user_did(preset_value):
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if preset_value:
+        env["OPENBLAS_THREAD_TIMEOUT"] = preset_value
+    code = "import gpt2np, os; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == (preset_value or "4")

@@ -220,8 +220,10 @@ class CudaBackend:
     def _elementwise(self, n):
         return _blocks(n, self.elementwise_threads), (self.elementwise_threads,)
 
-    def _column_sums(self, partial_kernel, finish_kernel, rows, cols, partial_cols, partial_args, finish_outputs):
-        """Two-stage deterministic column reduction over `rows` of a (rows, cols) matrix."""
+    def _column_sums(self, partial_kernel, finish_kernel, rows, cols, partial_cols, partial_args, finish_outputs,
+                     accumulate=True):
+        """Two-stage deterministic column reduction over `rows` of a (rows, cols) matrix; the finish
+        kernel adds the sums into finish_outputs (accumulate) or overwrites them (not accumulate)."""
         chunk = max(1, int(self.reduce_rows_per_chunk), -(-rows // 65535))   # gridDim.y <= 65535
         chunks = -(-rows // chunk)
         partial = self.scratch("column_partial", (chunks, partial_cols, cols))
@@ -231,8 +233,9 @@ class CudaBackend:
                      flops=rows * cols * (3 if partial_cols == 2 else 1), nbytes=F32 * rows * cols * partial_cols)
         threads = _threads_for(cols, 256)
         self._launch(finish_kernel, _blocks(cols, threads), (threads,),
-                     (*finish_outputs, partial, _i32(chunks), _i32(cols)),
-                     flops=chunks * cols * partial_cols, nbytes=F32 * (chunks + 2) * cols * partial_cols)
+                     (*finish_outputs, partial, _i32(chunks), _i32(cols), _i32(bool(accumulate))),
+                     flops=chunks * cols * partial_cols,
+                     nbytes=F32 * (chunks + (2 if accumulate else 1)) * cols * partial_cols)
 
     # ---- encoder ------------------------------------------------------------------------
     def encoder_forward(self, out, inp, wte, wpe):
@@ -251,17 +254,25 @@ class CudaBackend:
         self._launch(op, *self._elementwise(n // 4), (out, inp, wte, wpe, _i32(B), _i32(T), _i32(C)),
                      flops=n, nbytes=F32 * 3 * n + 4 * B * T)
 
-    def encoder_backward(self, dwte, dwpe, dout, inp):
-        """dwte[inp[b,t]] += dout[b,t] (atomics); dwpe[t] += sum_b dout[b,t] (deterministic)."""
+    def encoder_backward(self, dwte, dwpe, dout, inp, accumulate=True):
+        """dwte[inp[b,t]] += dout[b,t] (atomics; always accumulates: the tied lm_head wrote it first);
+        dwpe[t] += sum_b dout[b,t] (deterministic). accumulate=False overwrites dwpe instead (its old
+        contents are ignored): dwpe[:T] = the sums, dwpe[T:] = 0."""
         op = "encoder_backward"
         B, T, C = dout.shape
         self._check_shape(op, "inp", inp, (B, T))
+        if dwpe.ndim != 2 or dwpe.shape[1] != C or dwpe.shape[0] < T:
+            raise KernelArgumentError(f"CudaBackend.{op}: dwpe has shape {tuple(dwpe.shape)}, "
+                                      f"expected (maxT >= {T}, {C})")
         n = B * T * C
         self._check_int_size(op, "dout", n)
         self._launch("encoder_backward_wte", *self._elementwise(n), (dwte, dout, inp, _i32(B), _i32(T), _i32(C)),
                      flops=n, nbytes=F32 * 3 * n + 4 * B * T)
-        self._launch("encoder_backward_wpe", *self._elementwise(T * C), (dwpe, dout, _i32(B), _i32(T), _i32(C)),
-                     flops=n, nbytes=F32 * (n + 2 * T * C))
+        self._launch("encoder_backward_wpe", *self._elementwise(T * C),
+                     (dwpe, dout, _i32(B), _i32(T), _i32(C), _i32(bool(accumulate))),
+                     flops=n, nbytes=F32 * (n + (2 if accumulate else 1) * T * C))
+        if not accumulate and dwpe.shape[0] > T:
+            self.fill_(dwpe[T:], 0.0)
 
     # ---- layernorm ----------------------------------------------------------------------
     def layernorm_forward(self, out, mean, rstd, inp, weight, bias):
@@ -276,8 +287,9 @@ class CudaBackend:
         self._launch(op, *self._row_launch(N), (out, mean, rstd, inp, weight, bias, _i32(N), _i32(C)),
                      flops=8 * N * C, nbytes=F32 * (2 * N * C + 2 * C + 2 * N))
 
-    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
-        """dinp (B,T,C) +=, dweight (C) +=, dbias (C) +=, from dout and the saved mean, rstd."""
+    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
+        """dinp (B,T,C) +=, dweight (C) +=, dbias (C) +=, from dout and the saved mean, rstd.
+        accumulate=False overwrites dweight and dbias (their old contents are ignored); dinp always +=."""
         op = "layernorm_backward"
         *lead, C = inp.shape
         N = int(np.prod(lead))
@@ -288,7 +300,7 @@ class CudaBackend:
                      (dinp, dout, inp, weight, mean, rstd, _i32(N), _i32(C)),
                      flops=14 * N * C, nbytes=F32 * (4 * N * C + C + 2 * N))
         self._column_sums("layernorm_backward_params_partial", "layernorm_backward_params_finish",
-                          N, C, 2, (dout, inp, mean, rstd), (dweight, dbias))
+                          N, C, 2, (dout, inp, mean, rstd), (dweight, dbias), accumulate)
 
     # ---- matmul -------------------------------------------------------------------------
     def matmul_forward(self, out, inp, weight, bias):
@@ -305,8 +317,8 @@ class CudaBackend:
                          flops=N * OC, nbytes=F32 * (2 * N * OC + OC))
 
     def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True):
-        """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp (= when not accumulate);
-        dbias (OC) += sum dout."""
+        """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp;  dbias (OC) += sum dout.
+        accumulate=False overwrites dweight (cuBLAS beta 0) and dbias instead (old contents ignored)."""
         op = "matmul_backward"
         OC, C = weight.shape
         N = inp.size // C
@@ -319,7 +331,7 @@ class CudaBackend:
                    beta=1.0 if accumulate else 0.0)
         if dbias is not None:
             self._check_int_size(op, "dout", N * OC)
-            self._column_sums("bias_grad_partial", "bias_grad_finish", N, OC, 1, (dout,), (dbias,))
+            self._column_sums("bias_grad_partial", "bias_grad_finish", N, OC, 1, (dout,), (dbias,), accumulate)
 
     # ---- attention ----------------------------------------------------------------------
     def attention_forward(self, out, qkvr, att, inp):

@@ -1,0 +1,81 @@
+"""zero_grad() defers its fill: the next backward() overwrites every gradient instead of adding to it.
+
+Checked on the NumPy backend and on the CUDA backend (kernels on the CPU emulator): a gradient buffer
+full of NaN before zero_grad() must leave no trace, including the rows no op writes to at a smaller
+(b, t) (wpe rows t.., the wte padding rows), and reading the gradients before any backward sees zeros.
+"""
+import numpy as np
+import pytest
+
+from gpt2np.backend_numpy import NumpyBackend
+from gpt2np.config import GPT2Config
+from gpt2np.model import GPT2
+
+CFG = GPT2Config(max_seq_len=8, vocab_size=37, padded_vocab_size=40, num_layers=2, num_heads=2, channels=16)
+B, T = 2, 6
+
+
+@pytest.fixture(params=["numpy", "emulated-cuda"])
+def backend(request):
+    if request.param == "numpy":
+        return NumpyBackend(threads=2)
+    from gpt2np.cuda.backend import CudaBackend
+    from gpt2np.cuda.runtime_emu import EmuRuntime
+    be = CudaBackend(EmuRuntime())
+    be.elementwise_threads = 64
+    return be
+
+
+def batch(b, t, seed):
+    tokens = np.random.default_rng(seed).integers(0, CFG.vocab_size, (b, t + 1)).astype(np.int32)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def grads_from_zero(backend, *batches):
+    """Reference: gradients accumulated over `batches` into a buffer that really holds zeros."""
+    model = GPT2(CFG, backend, B, T, seed=0)
+    model.backend.fill_(model.grads, 0.0)
+    model._grads_zero = False                                   # force the "+=" path throughout
+    for x, y in batches:
+        model.forward(x, y, for_backward=True, grad_accum_steps=len(batches))
+        model.backward()
+    return model.backend.to_host(model.grads)
+
+
+def poisoned_model(backend):
+    model = GPT2(CFG, backend, B, T, seed=0)
+    model.backend.fill_(model.grads, float("nan"))
+    return model
+
+
+def test_backward_after_zero_grad_overwrites_everything(backend):
+    x, y = batch(B - 1, T - 2, seed=1)                          # smaller than (B, T): wpe rows t.. unwritten
+    model = poisoned_model(backend)
+    model.zero_grad()
+    model.forward(x, y, for_backward=True)
+    model.backward()
+    got = model.backend.to_host(model.grads)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got, grads_from_zero(backend, (x, y)))
+    grad = model.grads_host()
+    assert np.all(grad["wpe"][T - 2:] == 0.0) and np.all(grad["wte"][CFG.vocab_size:] == 0.0)
+
+
+def test_accumulation_after_zero_grad(backend):
+    batches = [batch(B, T, seed=s) for s in (2, 3)]
+    model = poisoned_model(backend)
+    model.zero_grad()
+    for x, y in batches:
+        model.forward(x, y, for_backward=True, grad_accum_steps=2)
+        model.backward()
+    np.testing.assert_array_equal(model.backend.to_host(model.grads), grads_from_zero(backend, *batches))
+
+
+def test_reading_grads_after_zero_grad_sees_zeros(backend):
+    model = poisoned_model(backend)
+    model.zero_grad()
+    assert model.grad_norm() == 0.0
+    assert np.all(model.backend.to_host(model.grads) == 0.0)
+    model = poisoned_model(backend)
+    model.zero_grad()
+    assert all(np.all(g == 0.0) for g in model.grads_host().values())
