@@ -27,7 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+# kernels/*.cu: beside the package in a source checkout (editable install), inside it in a wheel
+_PACKAGED_KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+KERNEL_DIR = _PACKAGED_KERNELS if _PACKAGED_KERNELS.is_dir() else Path(__file__).resolve().parents[2] / "kernels"
 
 # kernel name -> the kernels/<file>.cu that defines it (every entry point of every file)
 KERNELS = {
