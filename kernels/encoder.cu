@@ -4,10 +4,12 @@
 //   backward: dwte[inp[b,t]] += dout[b,t];  dwpe[t] += sum_b dout[b,t]
 //             (accumulate == 0: dwpe[t] = sum_b dout[b,t], old rows [0,T) not read; dwte always +=)
 //
-// Determinism: dwpe is reduced over b in a fixed order by one thread per (t, c), so it is
-// bitwise reproducible. dwte uses float atomicAdd (a token can occur many times in a batch);
-// the order of those additions is up to the hardware, so dwte can differ from run to run in the
-// last bits when a token repeats within a batch (as in llm.c's first CUDA encoder backward).
+// Determinism: both gradients are bitwise reproducible, whatever the thread/block schedule.
+// dwpe is reduced over b in a fixed order by one thread per (t, c). dwte takes no atomics: the
+// host groups the B*T positions by token id (CSR: the unique tokens, and for each one its
+// positions b*T+t in ascending order) and one thread per (unique token, c) adds that token's
+// dout rows into dwte in that order, i.e. dwte[tok] = ((dwte[tok] + dout[p0]) + dout[p1]) + ...,
+// the same order and rounding as a sequential loop over (b, t) (NumPy's np.add.at, llm.c's CPU code).
 #include "common.cuh"
 
 // One thread per 4 channels, float4 loads/stores: needs C % 4 == 0 and 16-byte aligned
@@ -30,17 +32,28 @@ extern "C" __global__ void encoder_forward(float* __restrict__ out, const int* _
     reinterpret_cast<float4*>(out)[idx] = make_float4(e.x + p.x, e.y + p.y, e.z + p.z, e.w + p.w);
 }
 
-// dwte (Vp,C) += scatter of dout (B,T,C) rows by token id: one thread per element, atomicAdd.
-extern "C" __global__ void encoder_backward_wte(float* dwte, const float* __restrict__ dout,
-                                               const int* __restrict__ inp, int B, int T, int C) {
-    const long long i = global_thread_index();
-    if (i >= (long long)B * T * C) {
+// dwte (Vp,C) += dout (B,T,C) rows grouped by token id, no atomics. Grid (ceil(C / blockDim.x),
+// gridDim.y <= num_unique), 1-D blocks: thread (blockIdx.x, threadIdx.x) owns channel c, block row
+// blockIdx.y the unique tokens u = blockIdx.y, blockIdx.y + gridDim.y, ... < num_unique. Token
+// tokens[u] occurs at the positions positions[offsets[u] .. offsets[u+1]) (ascending b*T+t); each
+// (token, c) is written by exactly one thread, which adds those rows into dwte in that order.
+extern "C" __global__ void encoder_backward_wte_grouped(float* __restrict__ dwte, const float* __restrict__ dout,
+                                                       const int* __restrict__ offsets,
+                                                       const int* __restrict__ positions,
+                                                       const int* __restrict__ tokens, int num_unique, int C) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) {
         return;
     }
-    const int idx = (int)i;
-    const int bt = idx / C;
-    const int c = idx % C;
-    atomicAdd(&dwte[(long long)inp[bt] * C + c], dout[idx]);
+    for (int u = blockIdx.y; u < num_unique; u += gridDim.y) {
+        const int end = offsets[u + 1];
+        float* row = dwte + (long long)tokens[u] * C;
+        float acc = row[c];
+        for (int j = offsets[u]; j < end; j++) {
+            acc += dout[positions[j] * C + c];
+        }
+        row[c] = acc;
+    }
 }
 
 // dwpe (maxT,C) rows [0,T) += sum over b of dout[b] (= when accumulate == 0; rows [T,maxT) are

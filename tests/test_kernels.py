@@ -33,6 +33,7 @@ def small_launches(be):
     be.reduce_rows_per_chunk = 3
     be.norm_threads = 64
     be.norm_max_blocks = 3
+    be.encoder_token_blocks = 2
     return be
 
 
@@ -73,7 +74,7 @@ def test_encoder(cuda, shape):
     rng = rng_for("encoder", shape)
     wte, wpe = randn(rng, Vp, C), randn(rng, maxT, C)
     inp = rng.integers(0, V, (B, T)).astype(np.int32)
-    inp[0, :3] = 5                                          # repeated tokens: colliding atomics
+    inp[0, :3] = 5                                          # repeated tokens: grouped rows
     out_ref = np.zeros((B, T, C), np.float32)
     REF.encoder_forward(out_ref, inp, wte, wpe)
     out = cuda.zeros((B, T, C))
@@ -100,6 +101,73 @@ def test_encoder(cuda, shape):
     got = host(cuda, dwpe)
     close(got, dwpe_ref)
     assert np.all(got[T:] == 0.0)
+
+
+def _repeated_token_case(C):
+    """B=3, T=7 with only 3 distinct ids (one row of dwte gets most positions), odd C."""
+    B, T, Vp, maxT = 3, 7, 11, 9
+    rng = rng_for("encoder_repeated", C)
+    inp = rng.choice(np.array([2, 7, 9], np.int32), size=(B, T), p=[0.6, 0.3, 0.1]).astype(np.int32)
+    inp[0, 0], inp[1, 3], inp[2, 6] = 2, 7, 9                # all three ids occur
+    return inp, randn(rng, B, T, C), randn(rng, Vp, C), randn(rng, maxT, C)
+
+
+def _dwte_in_order(dwte0, dout, inp):
+    """float32 dwte: each token's rows added one by one in ascending (b, t) order onto its prior value."""
+    dwte = dwte0.copy()
+    B, T, C = dout.shape
+    for b in range(B):
+        for t in range(T):
+            row = dwte[inp[b, t]]
+            for c in range(C):
+                row[c] = np.float32(row[c] + dout[b, t, c])
+    return dwte
+
+
+def _encoder_backward_on(be, inp, dout, dwte0, dwpe0, accumulate):
+    dwte, dwpe = dev(be, dwte0), dev(be, dwpe0)
+    be.encoder_backward(dwte, dwpe, dev(be, dout), dev(be, inp), accumulate=accumulate)
+    return host(be, dwte), host(be, dwpe)
+
+
+@pytest.mark.parametrize("C", [13, 67])                      # one / two blocks of channels
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_encoder_backward_repeated_tokens_exact(cuda, C, accumulate):
+    """dwte is the in-order float32 sum, bitwise (no atomics), on either schedule; dwpe as numpy's."""
+    inp, dout, dwte0, dwpe0 = _repeated_token_case(C)
+    dwte_ref, dwpe_ref = dwte0.copy(), dwpe0.copy()
+    REF.encoder_backward(dwte_ref, dwpe_ref, dout, inp, accumulate=accumulate)
+    dwte, dwpe = _encoder_backward_on(cuda, inp, dout, dwte0, dwpe0, accumulate)
+    close(dwte, dwte_ref)
+    close(dwpe, dwpe_ref)
+    assert np.array_equal(dwte, _dwte_in_order(dwte0, dout, inp))
+    untouched = np.setdiff1d(np.arange(dwte0.shape[0]), inp)
+    assert np.array_equal(dwte[untouched], dwte0[untouched])
+
+
+@pytest.mark.parametrize("C", [13, 67])
+def test_encoder_backward_dwte_is_bitwise_the_same_on_both_schedules(C):
+    from gpt2np.cuda.runtime_emu import EmuRuntime
+    inp, dout, dwte0, dwpe0 = _repeated_token_case(C)
+    got = [_encoder_backward_on(small_launches(CudaBackend(EmuRuntime(schedule=s))), inp, dout, dwte0, dwpe0, True)
+           for s in ("forward", "reverse")]
+    assert np.array_equal(got[0][0], got[1][0])               # dwte, bitwise
+    assert np.array_equal(got[0][1], got[1][1])               # dwpe, bitwise
+    assert np.array_equal(got[0][0], _dwte_in_order(dwte0, dout, inp))
+    dwte_ref, dwpe_ref = dwte0.copy(), dwpe0.copy()
+    REF.encoder_backward(dwte_ref, dwpe_ref, dout, inp)
+    close(got[0][0], dwte_ref)
+
+
+def test_encoder_backward_checks_token_ids_and_dwte(cuda):
+    B, T, C, Vp, maxT = 1, 3, 8, 5, 4
+    dout, dwpe = cuda.zeros((B, T, C)), cuda.zeros((maxT, C))
+    for bad in (Vp, -1):
+        inp = dev(cuda, np.array([[0, bad, 1]], np.int32))
+        with pytest.raises(KernelArgumentError, match=rf"token id {bad}, outside \[0, {Vp}\)"):
+            cuda.encoder_backward(cuda.zeros((Vp, C)), dwpe, dout, inp)
+    with pytest.raises(KernelArgumentError, match=r"dwte has shape \(5, 4\), expected \(Vp, 8\)"):
+        cuda.encoder_backward(cuda.zeros((Vp, 4)), dwpe, dout, cuda.zeros((B, T), np.int32))
 
 
 def test_encoder_needs_c_multiple_of_4(cuda):

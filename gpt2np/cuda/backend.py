@@ -20,7 +20,8 @@ with kind "kernel" or "gemm", and must call run() exactly once (a profiler wraps
 Kernel arguments: arrays are passed as device pointers (they must be C-contiguous), scalars as
 np.int32 / np.float32. Shapes follow the op contract (B, T, C, OC, NH, HS = C/NH, V, Vp).
 Limits checked here, each with a one-line KernelArgumentError (a ValueError): buffers indexed
-with int must have < 2^31 elements; encoder_forward needs C % 4 == 0 and 16-byte alignment.
+with int must have < 2^31 elements; encoder_forward needs C % 4 == 0 and 16-byte alignment;
+encoder_backward needs token ids in [0, Vp) (it reads inp on the host, see _group_tokens).
 """
 import math
 from pathlib import Path
@@ -33,7 +34,7 @@ KERNEL_DIR = _PACKAGED_KERNELS if _PACKAGED_KERNELS.is_dir() else Path(__file__)
 
 # kernel name -> the kernels/<file>.cu that defines it (every entry point of every file)
 KERNELS = {
-    "encoder_forward": "encoder", "encoder_backward_wte": "encoder", "encoder_backward_wpe": "encoder",
+    "encoder_forward": "encoder", "encoder_backward_wte_grouped": "encoder", "encoder_backward_wpe": "encoder",
     "layernorm_forward": "layernorm", "layernorm_backward_dinp": "layernorm",
     "layernorm_backward_params_partial": "layernorm", "layernorm_backward_params_finish": "layernorm",
     "add_bias": "matmul", "bias_grad_partial": "matmul", "bias_grad_finish": "matmul",
@@ -49,6 +50,7 @@ KERNELS = {
 KERNEL_FILES = tuple(sorted(set(KERNELS.values())))
 
 INT_LIMIT = 2 ** 31 - 1
+GRID_Y_LIMIT = 65535  # gridDim.y (and .z) maximum
 F32 = 4  # bytes per float
 
 
@@ -82,6 +84,8 @@ class CudaBackend:
       classifier_threads: maximum block size of fused_classifier (one block per row)
       reduce_warps, reduce_rows_per_chunk: layout of the column-sum reductions (parameter grads)
       norm_threads, norm_max_blocks: the global norm's first stage
+      encoder_token_blocks: most block rows (gridDim.y) of encoder_backward_wte_grouped; each row
+        loops over every gridDim.y-th unique token (at most GRID_Y_LIMIT)
     """
 
     name = "cuda"
@@ -99,6 +103,7 @@ class CudaBackend:
         self.reduce_rows_per_chunk = 128
         self.norm_threads = 512
         self.norm_max_blocks = 1024
+        self.encoder_token_blocks = GRID_Y_LIMIT
         self._modules = {}
         self._functions = {}
         self._scratch = {}
@@ -256,20 +261,53 @@ class CudaBackend:
         self._launch(op, *self._elementwise(n // 4), (out, inp, wte, wpe, _i32(B), _i32(T), _i32(C)),
                      flops=n, nbytes=F32 * 3 * n + 4 * B * T)
 
+    @staticmethod
+    def _group_tokens(inp):
+        """The B*T positions of host inp (B,T) grouped by token id, as int32 arrays (tokens, offsets,
+        positions): tokens (U) the distinct ids ascending; positions (B*T) the flat positions b*T+t,
+        those of tokens[u] at positions[offsets[u]:offsets[u+1]], ascending (a stable sort)."""
+        flat = np.ascontiguousarray(inp, dtype=np.int32).reshape(-1)
+        positions = np.argsort(flat, kind="stable").astype(np.int32)
+        tokens, counts = np.unique(flat, return_counts=True)
+        offsets = np.zeros(len(tokens) + 1, np.int32)
+        np.cumsum(counts, out=offsets[1:])
+        return tokens.astype(np.int32), offsets, positions
+
     def encoder_backward(self, dwte, dwpe, dout, inp, accumulate=True):
-        """dwte[inp[b,t]] += dout[b,t] (atomics; always accumulates: the tied lm_head wrote it first);
-        dwpe[t] += sum_b dout[b,t] (deterministic). accumulate=False overwrites dwpe instead (its old
-        contents are ignored): dwpe[:T] = the sums, dwpe[T:] = 0."""
+        """dwte[inp[b,t]] += dout[b,t] (always accumulates: the tied lm_head wrote it first);
+        dwpe[t] += sum_b dout[b,t]. accumulate=False overwrites dwpe instead (its old contents are
+        ignored): dwpe[:T] = the sums, dwpe[T:] = 0.
+
+        Both are deterministic (bitwise, whatever the schedule): dwte without atomics, by copying inp
+        to the host (a sync), grouping the positions by token id there (_group_tokens) and adding each
+        token's dout rows into dwte in ascending (b, t) order, one thread per (token, channel)."""
         op = "encoder_backward"
         B, T, C = dout.shape
         self._check_shape(op, "inp", inp, (B, T))
         if dwpe.ndim != 2 or dwpe.shape[1] != C or dwpe.shape[0] < T:
             raise KernelArgumentError(f"CudaBackend.{op}: dwpe has shape {tuple(dwpe.shape)}, "
                                       f"expected (maxT >= {T}, {C})")
+        if dwte.ndim != 2 or dwte.shape[1] != C:
+            raise KernelArgumentError(f"CudaBackend.{op}: dwte has shape {tuple(dwte.shape)}, "
+                                      f"expected (Vp, {C})")
         n = B * T * C
         self._check_int_size(op, "dout", n)
-        self._launch("encoder_backward_wte", *self._elementwise(n), (dwte, dout, inp, _i32(B), _i32(T), _i32(C)),
-                     flops=n, nbytes=F32 * 3 * n + 4 * B * T)
+        self._check_int_size(op, "dwte", dwte.size)
+        tokens, offsets, positions = self._group_tokens(self.to_host(inp))
+        U = len(tokens)
+        if U and (tokens[0] < 0 or tokens[-1] >= dwte.shape[0]):
+            bad = int(tokens[0] if tokens[0] < 0 else tokens[-1])
+            raise KernelArgumentError(f"CudaBackend.{op}: inp holds token id {bad}, outside [0, {dwte.shape[0]}) "
+                                      f"(the rows of dwte)")
+        if U:
+            # one upload: [offsets (U+1) | positions (B*T) | tokens (U)]
+            groups = self.from_host(np.concatenate((offsets, positions, tokens)))
+            d_offsets, d_positions, d_tokens = groups[:U + 1], groups[U + 1:U + 1 + B * T], groups[U + 1 + B * T:]
+            threads = _threads_for(C, self.elementwise_threads)
+            rows = int(max(1, min(U, self.encoder_token_blocks, GRID_Y_LIMIT)))
+            self._launch("encoder_backward_wte_grouped", (-(-C // threads), rows), (threads,),
+                         (dwte, dout, d_offsets, d_positions, d_tokens, _i32(U), _i32(C)),
+                         flops=n, nbytes=F32 * (n + 2 * U * C) + 4 * (2 * U + 1 + B * T))
         self._launch("encoder_backward_wpe", *self._elementwise(T * C),
                      (dwpe, dout, _i32(B), _i32(T), _i32(C), _i32(bool(accumulate))),
                      flops=n, nbytes=F32 * (n + (2 if accumulate else 1) * T * C))
