@@ -139,8 +139,8 @@ class NumpyBackend:
             dinp[lo:hi] += dxh
 
         self._parallel(rows, N, 3 * C)
-        column_sums(dbias, dout.sum(axis=0), accumulate)
-        column_sums(dweight, np.einsum("nc,nc->c", dout, norm), accumulate)
+        write_or_add(dbias, dout.sum(axis=0), accumulate)
+        write_or_add(dweight, np.einsum("nc,nc->c", dout, norm), accumulate)
 
     # ---- matmul -------------------------------------------------------------------------
     def matmul_forward(self, out, inp, weight, bias):
@@ -165,7 +165,7 @@ class NumpyBackend:
         else:
             np.matmul(dout2.T, inp.reshape(-1, C), out=dweight)
         if dbias is not None:
-            column_sums(dbias, dout2.sum(axis=0), accumulate)
+            write_or_add(dbias, dout2.sum(axis=0), accumulate)
 
     # ---- attention ----------------------------------------------------------------------
     def attention_forward(self, out, qkvr, att, inp):
@@ -384,12 +384,12 @@ class NumpyBackend:
             future.result()
 
 
-def column_sums(out, sums, accumulate):
-    """out += sums, or out = sums when not accumulate."""
+def write_or_add(out, value, accumulate):
+    """out += value, or out = value when not accumulate."""
     if accumulate:
-        out += sums
+        out += value
     else:
-        out[...] = sums
+        out[...] = value
 
 
 def _cpu_count():
