@@ -25,7 +25,7 @@ def bench_gpt2np(args):
     import gpt2np  # noqa: F401  (first: it sets OpenBLAS's thread timeout before NumPy loads OpenBLAS)
     import numpy as np
 
-    from gpt2np.backend_numpy import NumpyBackend
+    from gpt2np.backends.numpy_backend import NumpyBackend
     from gpt2np.config import preset
     from gpt2np.model import GPT2
     from gpt2np.tensors import activation_shapes, layout_size

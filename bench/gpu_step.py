@@ -20,8 +20,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gpt2np.config import GPT2Config, preset  # noqa: E402
-from gpt2np.cuda.backend import CudaBackend  # noqa: E402
-from gpt2np.gpu_specs import flops_per_token, lookup, mfu  # noqa: E402
+from gpt2np.backends.cuda.backend import CudaBackend  # noqa: E402
+from gpt2np.profiling.gpu_specs import flops_per_token, lookup, mfu  # noqa: E402
 from gpt2np.model import GPT2  # noqa: E402
 
 TINY = GPT2Config(max_seq_len=64, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=32)
@@ -29,9 +29,9 @@ TINY = GPT2Config(max_seq_len=64, vocab_size=100, padded_vocab_size=128, num_lay
 
 def make_backend(args):
     if args.runtime == "emu":
-        from gpt2np.cuda.runtime_emu import EmuRuntime
+        from gpt2np.backends.cuda.runtime_emu import EmuRuntime
         return CudaBackend(EmuRuntime())
-    from gpt2np.cuda.runtime_cupy import CupyRuntime
+    from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
     return CudaBackend(CupyRuntime(tf32=args.tf32))
 
 

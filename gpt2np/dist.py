@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from . import ranges
+from .profiling import ranges
 
 # set by the launchers we know: MPICH/Intel MPI (hydra), Open MPI, PMIx launchers (incl. srun), MVAPICH
 LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")

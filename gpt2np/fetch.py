@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from .data import atomic_write
+from .paths import CHECKPOINTS_DIR
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 STARTER_PACK_URL = "https://huggingface.co/datasets/karpathy/llmc-starter-pack/resolve/main/"
@@ -121,7 +122,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m gpt2np.fetch", description=__doc__.split("\n")[0])
     parser.add_argument("what", nargs="*", metavar="WHAT",
                         help=f"any of {', '.join(sorted(GROUPS))} (default: tinyshakespeare tokenizer model)")
-    parser.add_argument("--dir", default=str(Path(__file__).resolve().parent.parent / "checkpoints"),
+    parser.add_argument("--dir", default=str(CHECKPOINTS_DIR),
                         help="destination folder (default: <repo>/checkpoints)")
     parser.add_argument("--timeout", type=float, default=10.0, help="socket timeout in seconds")
     args = parser.parse_args(argv)

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from . import ranges
+from .profiling import ranges
 from .config import GPT2Config
 from .tensors import (DECAYED_BY_DEFAULT, PARAM_NAMES, activation_shapes, layout_size, num_parameters,
                       param_shapes, views)
@@ -49,7 +49,7 @@ class GPT2:
         self.d_btc = backend.zeros((B, T, C))
         self.d_bt3c = backend.zeros((B, T, 3 * C))
         self.d_bt4c = backend.zeros((B, T, 4 * C))
-        self.profiler = None                         # set by gpt2np.profiler.Profiler
+        self.profiler = None                         # set by gpt2np.profiling.profiler.Profiler
         self.mean_loss = None
         self._shape = None
         self._set_shape(B, T)

@@ -15,11 +15,11 @@ from typing import NamedTuple
 import numpy as np
 
 from .data import DataError, write_shard
+from .paths import DATA_DIR, data_search_dirs
 from .fetch import TINYSHAKESPEARE_URL, FetchError, download
 from .tokenizer import TOKENIZER_BIN, TokenizerError, get_encoding, write_tokenizer_bin
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUTPUT_DIR = REPO_ROOT / "checkpoints" / "data"
+DEFAULT_OUTPUT_DIR = DATA_DIR
 TINYSHAKESPEARE_NAME = "tiny_shakespeare"   # llm.c's shard names: tiny_shakespeare_{val,train}.bin
 DEFAULT_VAL_TOKENS = 32768
 
@@ -68,9 +68,7 @@ def prepare_text(text_path, out_dir, name, val_tokens=DEFAULT_VAL_TOKENS, encodi
 
 def find_tinyshakespeare():
     """A local tinyshakespeare.txt, or None."""
-    dirs = [Path(os.environ["GPT2NP_DATA_DIR"])] if os.environ.get("GPT2NP_DATA_DIR") else []
-    dirs += [REPO_ROOT.parent / "shared" / "data", REPO_ROOT / "checkpoints" / "data", REPO_ROOT / "checkpoints"]
-    for d in dirs:
+    for d, _ in data_search_dirs():
         if (d / "tinyshakespeare.txt").is_file():
             return d / "tinyshakespeare.txt"
     return None

@@ -1,7 +1,7 @@
 """Autoregressive sampling from a GPT2 model: temperature and top-k over the real vocabulary."""
 import numpy as np
 
-from . import ranges
+from .profiling import ranges
 
 
 def sample_next(logits, rng, temperature=1.0, top_k=0):

@@ -16,12 +16,11 @@ from .config import PRESETS, preset
 from .data import write_shard
 from .fileio import atomic_write
 from .fetch import KNOWN_FILES, FetchError, ensure
+from .paths import CHECKPOINTS_DIR, DATA_DIR
 from .prepare import TINYSHAKESPEARE_NAME, prepare_text, prepare_tinyshakespeare
 from .tokenizer import TOKENIZER_BIN, TokenizerError, TokenizerNotFoundError, get_encoding, load_tokenizer_bin
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CHECKPOINTS = REPO_ROOT / "checkpoints"
-DATA_DIR = CHECKPOINTS / "data"
+CHECKPOINTS = CHECKPOINTS_DIR
 DEFAULT_MODEL = "gpt2_124M.bin"
 FALLBACK_PRESET = "d12"
 STDLIB_NAME = "python_stdlib"

@@ -23,6 +23,7 @@ import numpy as np
 import tiktoken
 
 from .data import atomic_write
+from .paths import data_search_dirs
 
 TOKENIZER_MAGIC = 20240328
 TOKENIZER_VERSION = 2
@@ -32,7 +33,6 @@ GPT2_EOT_TOKEN = 50256
 GPT2_VOCAB_SIZE = 50257
 TOKENIZER_BIN = "gpt2_tokenizer.bin"
 BPE_FILE_PAIRS = (("gpt2_vocab.bpe", "gpt2_encoder.json"), ("vocab.bpe", "encoder.json"))
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # GPT-2's pre-tokenizer regex (tiktoken's r50k/gpt2 pat_str).
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -58,13 +58,7 @@ def search_dirs(bpe_dir=None):
         return [(Path(bpe_dir), "bpe_dir argument", True)]
     if os.environ.get("GPT2NP_BPE_DIR"):
         return [(Path(os.environ["GPT2NP_BPE_DIR"]), "GPT2NP_BPE_DIR", True)]
-    dirs = []
-    if os.environ.get("GPT2NP_DATA_DIR"):
-        dirs.append((Path(os.environ["GPT2NP_DATA_DIR"]), "GPT2NP_DATA_DIR", False))
-    dirs += [(REPO_ROOT.parent / "shared" / "data", "shared data folder", False),
-             (REPO_ROOT / "checkpoints", "checkpoints", False),
-             (REPO_ROOT / "checkpoints" / "data", "checkpoints/data", False)]
-    return dirs
+    return [(folder, why, False) for folder, why in data_search_dirs()]
 
 
 def find_tokenizer_files(bpe_dir=None):

@@ -9,16 +9,16 @@ import time
 
 import numpy as np
 
-from . import ranges
+from .profiling import ranges
 from .backends import get_backend
 from .checkpoint import (done_path, latest_checkpoint_step, load_model, load_state, model_path, save_model,
                          save_state, state_path)
 from .data import DataLoader
 from .dist import DEFAULT_TIMEOUT, make_process_group
-from .gpu_specs import flops_per_token, mfu
+from .profiling.gpu_specs import flops_per_token, mfu
 from .model import GPT2
-from .profiler import Profiler, device_label, device_roofline, write_outputs
-from .report import render
+from .profiling.profiler import Profiler, device_label, device_roofline, write_outputs
+from .profiling.report import render
 from .sample import generate
 from .schedule import learning_rate
 from .starter import Decoder, resolve_data, resolve_model

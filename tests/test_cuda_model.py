@@ -7,9 +7,9 @@ CuPy by overriding the `cuda_backend` fixture.
 import numpy as np
 import pytest
 
-from gpt2np.backend_numpy import NumpyBackend
+from gpt2np.backends.numpy_backend import NumpyBackend
 from gpt2np.config import GPT2Config
-from gpt2np.cuda.backend import CudaBackend
+from gpt2np.backends.cuda.backend import CudaBackend
 from gpt2np.model import GPT2
 from gpt2np.tensors import PARAM_NAMES
 
@@ -19,7 +19,7 @@ B, T = 2, 5
 
 @pytest.fixture(scope="module", params=["forward", "reverse"])
 def cuda_backend(request):
-    from gpt2np.cuda.runtime_emu import EmuRuntime
+    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
     be = CudaBackend(EmuRuntime(schedule=request.param))
     be.elementwise_threads = 64                     # small blocks: quicker on the emulator
     be.reduce_rows_per_chunk = 4
@@ -80,7 +80,7 @@ def test_three_adamw_steps(cuda_backend):
 def test_gradients_do_not_depend_on_the_thread_schedule():
     """Every reduction is fixed-order (encoder_backward's dwte too: grouped by token, no atomics), so
     every gradient is bitwise identical whichever order the emulator runs threads and blocks in."""
-    from gpt2np.cuda.runtime_emu import EmuRuntime
+    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
     grads = []
     for schedule in ("forward", "reverse"):
         model = GPT2(CFG, CudaBackend(EmuRuntime(schedule=schedule)), B, T, seed=0)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpt2np.backend_numpy import NumpyBackend
+from gpt2np.backends.numpy_backend import NumpyBackend
 from gpt2np.checkpoint import load_model, load_state, model_path, save_model, state_path
 from gpt2np.config import GPT2Config
 from gpt2np.data import write_shard

@@ -1,4 +1,4 @@
-"""The CUDA emulator (gpt2np.cuda.emulator): g++ + shim + fibers run CUDA kernels on the CPU.
+"""The CUDA emulator (gpt2np.backends.cuda.emulator): g++ + shim + fibers run CUDA kernels on the CPU.
 
 Kernels live in tests/emu_kernels/emu_checks.cu (one module, compiled once and cached).
 Results are checked against NumPy; the error paths (partial barrier, partial warp shuffle,
@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpt2np.cuda import emulator
-from gpt2np.cuda.emulator import CompilerNotFoundError, EmuKernelError, EmuModule
+from gpt2np.paths import KERNEL_DIR
+from gpt2np.backends.cuda import emulator
+from gpt2np.backends.cuda.emulator import CompilerNotFoundError, EmuKernelError, EmuModule
 
 HERE = Path(__file__).resolve().parent
-KERNELS_DIR = HERE.parent / "kernels"
+KERNELS_DIR = KERNEL_DIR
 SCHEDULES = ("forward", "reverse")
 
 try:

@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.gpu,
 @pytest.fixture(scope="module")
 def cuda():
     """Kernel tests on CuPy, with the same small launch shapes as on the emulator."""
-    from gpt2np.cuda.backend import CudaBackend
-    from gpt2np.cuda.runtime_cupy import CupyRuntime
+    from gpt2np.backends.cuda.backend import CudaBackend
+    from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
     from test_kernels import small_launches
     return small_launches(CudaBackend(CupyRuntime(tf32=False)))
 
@@ -26,17 +26,17 @@ def cuda():
 @pytest.fixture(scope="module")
 def cuda_backend():
     """Model tests on CuPy with the default (production) launch shapes."""
-    from gpt2np.cuda.backend import CudaBackend
-    from gpt2np.cuda.runtime_cupy import CupyRuntime
+    from gpt2np.backends.cuda.backend import CudaBackend
+    from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
     return CudaBackend(CupyRuntime(tf32=False))
 
 
 def test_default_launch_shapes_match_numpy():
     """The production launch configuration (big blocks, 128-row chunks) on a mid-size problem."""
-    from gpt2np.backend_numpy import NumpyBackend
+    from gpt2np.backends.numpy_backend import NumpyBackend
     from gpt2np.config import GPT2Config
-    from gpt2np.cuda.backend import CudaBackend
-    from gpt2np.cuda.runtime_cupy import CupyRuntime
+    from gpt2np.backends.cuda.backend import CudaBackend
+    from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
     from gpt2np.model import GPT2
     cfg = GPT2Config(max_seq_len=256, vocab_size=1000, padded_vocab_size=1024, num_layers=2, num_heads=4,
                      channels=128)
@@ -58,10 +58,10 @@ def test_default_launch_shapes_match_numpy():
 
 def test_d12_training_smoke():
     """GPT-2 124M at B=4, T=128: the first loss matches NumPy and 20 steps on one batch overfit it."""
-    from gpt2np.backend_numpy import NumpyBackend
+    from gpt2np.backends.numpy_backend import NumpyBackend
     from gpt2np.config import preset
-    from gpt2np.cuda.backend import CudaBackend
-    from gpt2np.cuda.runtime_cupy import CupyRuntime
+    from gpt2np.backends.cuda.backend import CudaBackend
+    from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
     from gpt2np.model import GPT2
     cfg = preset("d12")
     B, T = 4, 128

@@ -12,8 +12,8 @@ import zlib
 import numpy as np
 import pytest
 
-from gpt2np.backend_numpy import NumpyBackend
-from gpt2np.cuda.backend import CudaBackend, KernelArgumentError
+from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.backends.cuda.backend import CudaBackend, KernelArgumentError
 
 # (B, T, C, NH, V, Vp, maxT)
 SHAPES = {
@@ -39,7 +39,7 @@ def small_launches(be):
 
 @pytest.fixture(scope="module", params=["forward", "reverse"])
 def cuda(request):
-    from gpt2np.cuda.runtime_emu import EmuRuntime
+    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
     return small_launches(CudaBackend(EmuRuntime(schedule=request.param)))
 
 
@@ -147,7 +147,7 @@ def test_encoder_backward_repeated_tokens_exact(cuda, C, accumulate):
 
 @pytest.mark.parametrize("C", [13, 67])
 def test_encoder_backward_dwte_is_bitwise_the_same_on_both_schedules(C):
-    from gpt2np.cuda.runtime_emu import EmuRuntime
+    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
     inp, dout, dwte0, dwpe0 = _repeated_token_case(C)
     got = [_encoder_backward_on(small_launches(CudaBackend(EmuRuntime(schedule=s))), inp, dout, dwte0, dwpe0, True)
            for s in ("forward", "reverse")]

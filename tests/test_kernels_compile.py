@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from gpt2np.cuda import nvrtc_check
-from gpt2np.cuda.backend import KERNEL_DIR, KERNEL_FILES, KERNELS
+from gpt2np.backends.cuda import nvrtc_check
+from gpt2np.backends.cuda.backend import KERNEL_DIR, KERNEL_FILES, KERNELS
 
 
 def _nvrtc_usable():
@@ -128,7 +128,7 @@ class _DeviceArray:
                                                     (True, True, 3), (False, True, 4)])
 def test_cupy_gemm_maps_row_major_onto_column_major_cublas(transa, transb, batch):
     import numpy as np
-    from gpt2np.cuda.runtime_cupy import CupyRuntime
+    from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
     rt = object.__new__(CupyRuntime)                     # no GPU: skip __init__, inject the fake
     rt.cublas, rt.handle = _FakeCublas(), 0
     rt._alpha, rt._beta = np.zeros(1, np.float32), np.zeros(1, np.float32)
@@ -144,7 +144,7 @@ def test_cupy_gemm_maps_row_major_onto_column_major_cublas(transa, transb, batch
 
 
 def test_header_hash_in_options_tracks_common_cuh(tmp_path):
-    from gpt2np.cuda.runtime_cupy import nvrtc_options
+    from gpt2np.backends.cuda.runtime_cupy import nvrtc_options
     (tmp_path / "common.cuh").write_text("// v1\n")
     before = nvrtc_options(tmp_path)
     (tmp_path / "common.cuh").write_text("// v2\n")

@@ -7,7 +7,7 @@ full of NaN before zero_grad() must leave no trace, including the rows no op wri
 import numpy as np
 import pytest
 
-from gpt2np.backend_numpy import NumpyBackend
+from gpt2np.backends.numpy_backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 
@@ -19,8 +19,8 @@ B, T = 2, 6
 def backend(request):
     if request.param == "numpy":
         return NumpyBackend(threads=2)
-    from gpt2np.cuda.backend import CudaBackend
-    from gpt2np.cuda.runtime_emu import EmuRuntime
+    from gpt2np.backends.cuda.backend import CudaBackend
+    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
     be = CudaBackend(EmuRuntime())
     be.elementwise_threads = 64
     return be

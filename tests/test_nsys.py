@@ -1,10 +1,10 @@
-"""gpt2np.nsys: kernels of a (hand-built) Nsight Systems SQLite export attributed to NVTX ranges."""
+"""gpt2np.profiling.nsys: kernels of a (hand-built) Nsight Systems SQLite export attributed to NVTX ranges."""
 import json
 import sqlite3
 
 import pytest
 
-from gpt2np import nsys, report
+from gpt2np.profiling import nsys, report
 
 # Table layouts as `nsys export -t sqlite` writes them (the columns we read, plus some we do not).
 SCHEMA = """

@@ -30,7 +30,7 @@ def test_wheel_carries_every_kernel_and_emulator_header(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = sorted(p.name for p in (REPO / "kernels").iterdir() if p.suffix in (".cu", ".cuh"))
     assert sources and all(f"gpt2np/kernels/{name}" in names for name in sources)
-    emu = REPO / "gpt2np" / "cuda" / "emu"
+    emu = REPO / "gpt2np" / "backends" / "cuda" / "emu"
     headers = [p.relative_to(REPO).as_posix() for p in emu.rglob("*") if p.is_file()]
     assert headers and all(h in names for h in headers)
     modules = [p.relative_to(REPO).as_posix() for p in (REPO / "gpt2np").rglob("*.py")]
@@ -43,9 +43,9 @@ def test_unpacked_wheel_runs_a_kernel_without_the_source_tree(wheel, tmp_path):
     code = """
 import numpy as np
 import gpt2np
-from gpt2np.cuda import backend
-from gpt2np.cuda.backend import CudaBackend
-from gpt2np.cuda.runtime_emu import EmuRuntime
+from gpt2np.backends.cuda import backend
+from gpt2np.backends.cuda.backend import CudaBackend
+from gpt2np.backends.cuda.runtime_emu import EmuRuntime
 assert backend.KERNEL_DIR.parent.parent == __import__("pathlib").Path(gpt2np.__file__).parent.parent
 be = CudaBackend(EmuRuntime())
 x = np.linspace(-3, 3, 64, dtype=np.float32)

@@ -5,11 +5,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from gpt2np.backend_numpy import NumpyBackend
+from gpt2np.backends.numpy_backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
-from gpt2np.profiler import profile_steps, write_outputs
-from gpt2np.report import render
+from gpt2np.profiling.profiler import profile_steps, write_outputs
+from gpt2np.profiling.report import render
 
 CFG = GPT2Config(32, 100, 128, 2, 2, 16)
 B, T = 2, 8

@@ -1,4 +1,4 @@
-"""gpt2np.report and gpt2np.gpu_specs: roofline numbers, tables, module tree, range summaries, files."""
+"""gpt2np.profiling.report and gpt2np.profiling.gpu_specs: roofline numbers, tables, module tree, range summaries, files."""
 import builtins
 import csv
 import json
@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from gpt2np import gpu_specs, report
+from gpt2np.profiling import gpu_specs, report
 from gpt2np.config import preset
-from gpt2np.gpu_specs import Roofline
-from gpt2np.report import KernelRecord
+from gpt2np.profiling.gpu_specs import Roofline
+from gpt2np.profiling.report import KernelRecord
 from gpt2np.tensors import num_parameters
 
 # ---------------------------------------------------------------------------------------------

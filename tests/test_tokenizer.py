@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tiktoken
 
+from gpt2np import paths
 from gpt2np import tokenizer as tk
 from gpt2np.tokenizer import (TokenizerError, TokenizerNotFoundError, get_encoding, load_tokenizer_bin,
                               write_tokenizer_bin)
@@ -106,7 +107,7 @@ def test_explicit_folder_without_files_does_not_fall_through(tmp_path):
 def test_search_order_and_not_found_message(tmp_path, monkeypatch):
     fake_repo = tmp_path / "repo"
     fake_repo.mkdir()
-    monkeypatch.setattr(tk, "REPO_ROOT", fake_repo)
+    monkeypatch.setattr(paths, "REPO_ROOT", fake_repo)
     monkeypatch.delenv("GPT2NP_BPE_DIR", raising=False)
     monkeypatch.delenv("GPT2NP_DATA_DIR", raising=False)
     with pytest.raises(TokenizerNotFoundError) as e:

@@ -5,7 +5,7 @@ module, shapes, kernel name, time (CUDA events on a GPU, the clock on the CPU an
 FLOPs and bytes moved. report.py renders the kernel table, the GPT-2 module tree, the range summary
 and the files (CSV, JSON, Chrome trace, PNG).
 
-    python -m gpt2np.profiler -e d12 -b 4 -t 64 --steps 2 [--device cpu|cuda|emu] [--out DIR]
+    python -m gpt2np.profiling.profiler -e d12 -b 4 -t 64 --steps 2 [--device cpu|cuda|emu] [--out DIR]
     python train.py ... --profile 2          # the same, inside a training run
 """
 import argparse
@@ -206,11 +206,11 @@ def profile_steps(model, batches, steps, lr=1e-4):
 
 
 def main(argv=None):
-    from .backends import get_backend
-    from .model import GPT2
-    from .starter import resolve_model
+    from ..backends import get_backend
+    from ..model import GPT2
+    from ..starter import resolve_model
 
-    ap = argparse.ArgumentParser(prog="python -m gpt2np.profiler", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m gpt2np.profiling.profiler", description=__doc__.split("\n")[0])
     ap.add_argument("-e", default="d12", help="llm.c model file or preset (default d12)")
     ap.add_argument("-b", type=int, default=4)
     ap.add_argument("-t", type=int, default=64)

@@ -1,7 +1,7 @@
 """Profiling reports from per-launch kernel records: tables, a GPT-2 module tree, range summaries, files.
 
-One KernelRecord per kernel launch (the model's profiler or gpt2np.nsys produce them). From a
-list of records and a Roofline (gpt2np.gpu_specs) this module renders:
+One KernelRecord per kernel launch (the model's profiler or gpt2np.profiling.nsys produce them). From a
+list of records and a Roofline (gpt2np.profiling.gpu_specs) this module renders:
     kernel_table      every launch of a step: time, FLOPs, bytes, GFLOP/s, GB/s, bound, % of peak
     module_tree       wte, wpe, h.0..h.{L-1} (ln_1, attn (c_attn, core, c_proj), ln_2, mlp (c_fc,
                       gelu, c_proj), residual), ln_f, lm_head, optimizer: forward/backward time, calls
@@ -10,7 +10,7 @@ list of records and a Roofline (gpt2np.gpu_specs) this module renders:
     kernel_summary_table      like `nsys stats --report cuda_gpu_kern_sum`
 and writes CSV, JSON, a Chrome/Perfetto trace and a PNG bar chart (all written atomically).
 
-    python -m gpt2np.report RECORDS.json [--step N] [--device NAME] [--precision fp32]
+    python -m gpt2np.profiling.report RECORDS.json [--step N] [--device NAME] [--precision fp32]
 re-renders the text report from a JSON file written by write_json.
 """
 import argparse
@@ -554,7 +554,7 @@ def read_json(path: str) -> Tuple[List[KernelRecord], Optional[Roofline], Dict]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ReportError(f"{path}: not a JSON records file ({e})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("records"), list):
-        raise ReportError(f"{path}: no 'records' list (expected a file written by gpt2np.report.write_json)")
+        raise ReportError(f"{path}: no 'records' list (expected a file written by gpt2np.profiling.report.write_json)")
     names = [f.name for f in fields(KernelRecord)]
     try:
         records = [KernelRecord(**{**{k: row[k] for k in names if k in row},
@@ -650,9 +650,9 @@ def write_png(records: Sequence[KernelRecord], path: str, title: str = "Time by 
 # command line: re-render a JSON records file
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gpt2np.report",
+    p = argparse.ArgumentParser(prog="python -m gpt2np.profiling.report",
                                 description="Render the profiling report of a JSON records file.")
-    p.add_argument("records", help="JSON file written by gpt2np.report.write_json")
+    p.add_argument("records", help="JSON file written by gpt2np.profiling.report.write_json")
     p.add_argument("--step", default="last", help="step to show: a number, 'last' (default) or 'all'")
     p.add_argument("--device", help="device for the roofline (default: the one in the file)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"))

@@ -1,9 +1,9 @@
 """The emulator runtime: CudaBackend's kernels on the CPU, for tests without a GPU.
 
-Memory is NumPy arrays; kernels are compiled and run by gpt2np.cuda.emulator.EmuModule (every
+Memory is NumPy arrays; kernels are compiled and run by gpt2np.backends.cuda.emulator.EmuModule (every
 CUDA thread a fiber, `schedule` "forward" or "reverse" picks the order threads are run in, which
 shakes out races); GEMMs are np.matmul over strided views with cuBLAS's semantics; timing is
-time.perf_counter. Same interface as runtime_cupy.CupyRuntime (see gpt2np.cuda.backend).
+time.perf_counter. Same interface as runtime_cupy.CupyRuntime (see gpt2np.backends.cuda.backend).
 """
 import time
 from pathlib import Path

@@ -2,7 +2,7 @@
 
     nsys profile -t cuda,nvtx -o prof python train.py ...
     nsys export -t sqlite prof.nsys-rep            (or: nsys stats prof.nsys-rep, which also writes it)
-    python -m gpt2np.nsys prof.sqlite [--step N|last|all] [--csv OUT] [--json OUT] [--device NAME]
+    python -m gpt2np.profiling.nsys prof.sqlite [--step N|last|all] [--csv OUT] [--json OUT] [--device NAME]
 
 How a kernel finds its ranges (the rule of `nsys stats --report nvtx_kern_sum`):
     CUPTI_ACTIVITY_KIND_KERNEL  (start, end, correlationId, globalPid, demangledName/shortName ->
@@ -383,7 +383,7 @@ def _step_title(what: str, records: Sequence[KernelRecord]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gpt2np.nsys",
+    p = argparse.ArgumentParser(prog="python -m gpt2np.profiling.nsys",
                                 description="Attribute the kernels of an nsys SQLite export to NVTX ranges "
                                             "(step, direction, layer, op, GPT-2 module).")
     p.add_argument("report", help="SQLite export of an Nsight Systems report (nsys export -t sqlite)")

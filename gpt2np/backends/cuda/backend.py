@@ -24,29 +24,30 @@ with int must have < 2^31 elements; encoder_forward needs C % 4 == 0 and 16-byte
 encoder_backward needs token ids in [0, Vp) (it reads inp on the host, see _group_tokens).
 """
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 
-# kernels/*.cu: beside the package in a source checkout (editable install), inside it in a wheel
-_PACKAGED_KERNELS = Path(__file__).resolve().parents[1] / "kernels"
-KERNEL_DIR = _PACKAGED_KERNELS if _PACKAGED_KERNELS.is_dir() else Path(__file__).resolve().parents[2] / "kernels"
+from ...paths import KERNEL_DIR
 
-# kernel name -> the kernels/<file>.cu that defines it (every entry point of every file)
-KERNELS = {
-    "encoder_forward": "encoder", "encoder_backward_wte_grouped": "encoder", "encoder_backward_wpe": "encoder",
-    "layernorm_forward": "layernorm", "layernorm_backward_dinp": "layernorm",
-    "layernorm_backward_params_partial": "layernorm", "layernorm_backward_params_finish": "layernorm",
-    "add_bias": "matmul", "bias_grad_partial": "matmul", "bias_grad_finish": "matmul",
-    "permute_qkv": "attention", "unpermute": "attention", "unpermute_backward": "attention",
-    "permute_backward": "attention", "causal_softmax_forward": "attention",
-    "causal_softmax_backward": "attention",
-    "gelu_forward": "gelu", "gelu_backward": "gelu",
-    "residual_forward": "residual", "residual_backward": "residual",
-    "fused_classifier": "classifier",
-    "adamw_update": "adamw",
-    "global_norm_squared_partial": "global_norm", "global_norm_squared_finish": "global_norm",
-}
+
+# An entry point: extern "C" __global__ void [__launch_bounds__(...)] name(
+KERNEL_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
+
+
+def kernel_registry(kernel_dir=KERNEL_DIR):
+    """{kernel name: the stem of the kernels/<stem>.cu that defines it}, read from the files themselves."""
+    registry = {}
+    for path in sorted(Path(kernel_dir).glob("*.cu")):
+        for name in KERNEL_ENTRY.findall(path.read_text()):
+            if name in registry:
+                raise ValueError(f"{path}: kernel {name} is also defined in {registry[name]}.cu")
+            registry[name] = path.stem
+    return registry
+
+
+KERNELS = kernel_registry()
 KERNEL_FILES = tuple(sorted(set(KERNELS.values())))
 
 INT_LIMIT = 2 ** 31 - 1

@@ -11,7 +11,7 @@ machine), so reports show achieved GFLOP/s and GB/s without a % of peak for it.
 
     lookup("NVIDIA H100 80GB HBM3")  -> DeviceSpec for the H100 SXM
     peak_flops("A100-SXM4-80GB", "tf32") -> 156e12
-    roofline("NVIDIA L4", "fp32", matmul_precision="tf32") -> Roofline used by gpt2np.report
+    roofline("NVIDIA L4", "fp32", matmul_precision="tf32") -> Roofline used by gpt2np.profiling.report
 """
 import re
 from dataclasses import dataclass

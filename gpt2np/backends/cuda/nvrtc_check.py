@@ -9,8 +9,8 @@ Two independent compiles per file and architecture:
   nvcc:  nvcc -cubin -arch=sm_XX -Xptxas -v with the same language options.
 ptxas's report gives registers, stack and spill bytes per kernel; a spill is a failure.
 
-    python -m gpt2np.cuda.nvrtc_check                    # every file, sm_75 sm_80 sm_90
-    python -m gpt2np.cuda.nvrtc_check --arch 90 attention --no-nvcc
+    python -m gpt2np.backends.cuda.nvrtc_check                    # every file, sm_75 sm_80 sm_90
+    python -m gpt2np.backends.cuda.nvrtc_check --arch 90 attention --no-nvcc
 """
 import argparse
 import os
@@ -22,7 +22,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .backend import KERNEL_DIR, KERNEL_FILES
+from ...paths import KERNEL_DIR
+from .backend import KERNEL_FILES
 from .runtime_cupy import nvrtc_options
 
 ARCHS = ("75", "80", "90")

@@ -19,7 +19,7 @@ def get_backend(name: str = "numpy", **options):
     if name == "auto":
         name = "cuda" if gpu_available() else "numpy"
     if name in ("numpy", "cpu"):
-        from .backend_numpy import NumpyBackend
+        from .numpy_backend import NumpyBackend
         return NumpyBackend(**options)
     if name == "cuda":
         if not gpu_available():
