@@ -22,6 +22,7 @@ from .profiling.report import render
 from .sample import generate
 from .schedule import learning_rate
 from .starter import Decoder, resolve_data, resolve_model
+from .train_step import AdamW, train_step
 
 # llm.c's defaults differ between its CPU (train_gpt2.c) and GPU (train_gpt2.cu) trainers
 CPU_DEFAULTS = dict(b=4, t=64, x=40, v=10, m=5, s=20)
@@ -136,6 +137,8 @@ def train(args, dist=None):
     say(f"training for {total_steps} steps")
 
     overfit_batch = train_loader.next_batch() if args.a else None
+    next_batch = (lambda: overfit_batch) if args.a else train_loader.next_batch
+    adamw = AdamW(args.beta1, args.beta2, args.eps, args.c, args.grad_clip)
     step_times = []
     profiler = None
     for step in range(start_step, total_steps + 1):
@@ -156,20 +159,7 @@ def train(args, dist=None):
         if args.profile and step == start_step + 1:           # step start_step is the warm-up
             profiler = Profiler(model).__enter__()
         t0 = time.perf_counter()
-        with ranges.range(f"Train step {step}"):
-            model.zero_grad()
-            loss = 0.0
-            for _ in range(accum):
-                x, y = overfit_batch if args.a else train_loader.next_batch()
-                loss += model.forward(x, y, for_backward=True, grad_accum_steps=accum) / accum
-                model.backward(grad_accum_steps=accum)
-            dist.average_grads(model)
-            loss = dist.average(loss)
-            norm = dist.grad_norm(model)
-            model.update(lr, args.beta1, args.beta2, args.eps, args.c, step + 1, args.grad_clip, grad_norm=norm,
-                         shard=dist.shard(model.num_parameters))
-            dist.gather_params(model)
-            backend.synchronize()
+        loss, norm = train_step(model, next_batch, step=step, lr=lr, accum_steps=accum, adamw=adamw, dist=dist)
         dt = time.perf_counter() - t0
         step_times.append(dt)
         tok_s = total_batch / dt
