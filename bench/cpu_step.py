@@ -29,19 +29,18 @@ def bench_gpt2np(args):
     from gpt2np.config import preset
     from gpt2np.model import GPT2
     from gpt2np.tensors import activation_shapes, layout_size
+    from gpt2np.train_step import AdamW, train_step
 
     cfg = preset(args.model)
     model = GPT2(cfg, NumpyBackend(threads=args.threads), args.b, args.t, seed=0)
     rng = np.random.default_rng(0)
     x = rng.integers(0, cfg.vocab_size, (args.b, args.t)).astype(np.int32)
     y = rng.integers(0, cfg.vocab_size, (args.b, args.t)).astype(np.int32)
+    adamw = AdamW(weight_decay=0.1)
     times = []
-    for step in range(1, args.warmup + args.steps + 1):
+    for step in range(args.warmup + args.steps):
         t0 = time.perf_counter()
-        model.forward(x, y, for_backward=True)
-        model.zero_grad()
-        model.backward()
-        model.update(lr=1e-4, weight_decay=0.1, step=step)
+        train_step(model, lambda: (x, y), step=step, lr=1e-4, adamw=adamw)
         times.append(time.perf_counter() - t0)
     n = model.num_parameters
     budget = 4 * (4 * n + layout_size(activation_shapes(cfg, args.b, args.t)))

@@ -17,13 +17,14 @@ from collections import defaultdict
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gpt2np.config import GPT2Config, preset
+from gpt2np.backends.cuda.backend import CudaBackend
+from gpt2np.profiling.gpu_specs import flops_per_token, lookup, mfu
+from gpt2np.model import GPT2
+from gpt2np.profiling.profiler import Profiler
+from gpt2np.train_step import AdamW, train_step
 
-from gpt2np.config import GPT2Config, preset  # noqa: E402
-from gpt2np.backends.cuda.backend import CudaBackend  # noqa: E402
-from gpt2np.profiling.gpu_specs import flops_per_token, lookup, mfu  # noqa: E402
-from gpt2np.model import GPT2  # noqa: E402
-
+ADAMW = AdamW(weight_decay=0.1)
 TINY = GPT2Config(max_seq_len=64, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=32)
 
 
@@ -35,11 +36,9 @@ def make_backend(args):
     return CudaBackend(CupyRuntime(tf32=args.tf32))
 
 
-def train_step(model, x, y, step):
-    model.forward(x, y, for_backward=True)
-    model.zero_grad()
-    model.backward()
-    model.update(3e-4, weight_decay=0.1, step=step)
+def run_step(model, x, y, step):
+    """One training step (gpt2np's train_step): lr 3e-4, weight decay 0.1, clipping at 1.0."""
+    train_step(model, lambda: (x, y), step=step, lr=3e-4, adamw=ADAMW)
 
 
 def time_steps(model, be, x, y, first_step, steps):
@@ -48,36 +47,24 @@ def time_steps(model, be, x, y, first_step, steps):
     be.synchronize()
     start.record()
     for i in range(steps):
-        train_step(model, x, y, first_step + i)
+        run_step(model, x, y, first_step + i)
     end.record()
     return be.elapsed_ms(start, end) / steps
 
 
 def kernel_times(model, be, x, y, step):
-    """One step with every launch bracketed by events -> {name: [kind, calls, ms, flops, bytes]}."""
-    records = []
-
-    def hook(name, kind, flops, nbytes, run):
-        start, end = be.event(), be.event()
-        start.record()
-        run()
-        end.record()
-        records.append((name, kind, flops, nbytes, start, end))
-
-    be.on_launch = hook
-    try:
-        train_step(model, x, y, step)
-    finally:
-        be.on_launch = None
-    be.synchronize()
+    """One step under the built-in profiler -> {kernel: [kind, calls, ms, flops, bytes]} (FLOPs and bytes
+    from the op contract's cost formulas, split over each op's kernels)."""
+    with Profiler(be) as prof:
+        run_step(model, x, y, step)
     table = defaultdict(lambda: [None, 0, 0.0, 0, 0])
-    for name, kind, flops, nbytes, start, end in records:
-        row = table[name]
-        row[0] = kind
+    for r in prof.records:
+        row = table[r.kernel]
+        row[0] = "gemm" if r.is_gemm else "kernel"
         row[1] += 1
-        row[2] += be.elapsed_ms(start, end)
-        row[3] += flops
-        row[4] += nbytes
+        row[2] += r.duration_ns / 1e6
+        row[3] += r.flops
+        row[4] += r.bytes
     return dict(table)
 
 
@@ -120,9 +107,9 @@ def main(argv=None):
     tokens = rng.integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
-    for step in range(1, args.warmup + 1):
-        train_step(model, x, y, step)
-    step_ms = time_steps(model, be, x, y, args.warmup + 1, max(1, args.steps))
+    for step in range(args.warmup):
+        run_step(model, x, y, step)
+    step_ms = time_steps(model, be, x, y, args.warmup, max(1, args.steps))
     tokens_per_s = B * T / (step_ms / 1e3)
     fpt = flops_per_token(model.num_parameters, cfg.num_layers, cfg.channels, T)
     precision = be.precision
@@ -139,7 +126,7 @@ def main(argv=None):
     fmt = (lambda v: "n/a" if v is None else f"{100 * v:.1f}%")
     print(f"MFU: {fmt(mfu_used)} of the {precision} peak, {fmt(mfu_tf32)} of the tf32 peak (llm.c's convention)")
 
-    table = kernel_times(model, be, x, y, args.warmup + args.steps + 1)
+    table = kernel_times(model, be, x, y, args.warmup + args.steps)
     print_kernel_table(table, step_ms, args.top)
     return 0
 

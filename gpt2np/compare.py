@@ -19,6 +19,7 @@ import numpy as np
 from .config import GPT2Config
 from .debug_state import DebugState, read_debug_state, write_debug_state
 from .tensors import DECAYED_BY_DEFAULT, PARAM_NAMES
+from .train_step import AdamW, train_step
 
 # fp32 tolerances. Logits and gradients: max|a-b| / max|b| per tensor. Losses: absolute.
 REL_TOL = 1e-4
@@ -75,31 +76,16 @@ def model_state(model, x, y, vocab_size: int) -> DebugState:
     return DebugState(x, y, logits, float(loss), grads)
 
 
-@dataclass
-class AdamW:
-    """llm.c's optimizer settings for the loss curves."""
-    lr: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-
-    def describe(self) -> str:
-        return (f"lr {self.lr:g}, beta1 {self.beta1:g}, beta2 {self.beta2:g}, eps {self.eps:g}, "
-                f"weight decay {self.weight_decay:g} on {' '.join(DECAYED_BY_DEFAULT)}, "
-                f"grad clip {self.grad_clip:g}")
+def describe_adamw(lr: float, adamw: AdamW) -> str:
+    return (f"lr {lr:g}, beta1 {adamw.beta1:g}, beta2 {adamw.beta2:g}, eps {adamw.eps:g}, "
+            f"weight decay {adamw.weight_decay:g} on {' '.join(DECAYED_BY_DEFAULT)}, "
+            f"grad clip {adamw.grad_clip:g}")
 
 
-def model_step(model, x, y, step: int, opt: AdamW):
-    """One gpt2np training step (llm.c's loop body) -> (loss before the update, grad norm)."""
-    loss = model.forward(x, y)
-    model.zero_grad()
-    model.backward()
-    norm = model.grad_norm()
-    model.update(opt.lr, opt.beta1, opt.beta2, opt.eps, opt.weight_decay, step=step,
-                 grad_clip=opt.grad_clip, grad_norm=norm)
-    return float(loss), float(norm)
+def model_step(model, x, y, step: int, lr: float, adamw: AdamW):
+    """One gpt2np training step (train_step) on (x, y); step counts from 1 (AdamW's t) -> (loss, grad norm)."""
+    loss, norm = train_step(model, lambda: (x, y), step=step - 1, lr=lr, adamw=adamw)
+    return loss, norm
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,17 +252,17 @@ def run(args) -> int:
     failed = [c.name for c in checks if not c.ok]
 
     if args.steps > 0:
-        opt = AdamW(args.lr, args.beta1, args.beta2, args.eps, args.weight_decay, args.grad_clip)
+        adamw = AdamW(args.beta1, args.beta2, args.eps, args.weight_decay, args.grad_clip)
         del ours, ref          # the one-batch tensors (for d12, ~1 GB of gradients)
         if ref_model is None:
             ref_model = TorchGPT2(cfg, params, args.ref_dtype)
         del params
         ours_curve, ref_curve = [], []
         for step in range(1, args.steps + 1):
-            ours_curve.append(model_step(model, x, y, step, opt))
-            ref_curve.append(ref_model.step(x, y, opt.lr, opt.beta1, opt.beta2, opt.eps,
-                                            opt.weight_decay, DECAYED_BY_DEFAULT, opt.grad_clip))
-        print(f"\n{args.steps} AdamW steps on this batch ({opt.describe()}); "
+            ours_curve.append(model_step(model, x, y, step, args.lr, adamw))
+            ref_curve.append(ref_model.step(x, y, args.lr, adamw.beta1, adamw.beta2, adamw.eps,
+                                            adamw.weight_decay, DECAYED_BY_DEFAULT, adamw.grad_clip))
+        print(f"\n{args.steps} AdamW steps on this batch ({describe_adamw(args.lr, adamw)}); "
               f"reference: PyTorch ({args.ref_dtype})")
         print(format_curves(ours_curve, ref_curve, args.loss_tol))
         failed += [f"loss at step {i}" for i, ((la, _), (lb, _)) in

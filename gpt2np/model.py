@@ -49,7 +49,6 @@ class GPT2:
         self.d_btc = backend.zeros((B, T, C))
         self.d_bt3c = backend.zeros((B, T, 3 * C))
         self.d_bt4c = backend.zeros((B, T, 4 * C))
-        self.profiler = None                         # set by gpt2np.profiling.profiler.Profiler
         self.mean_loss = None
         self._shape = None
         self._set_shape(B, T)
@@ -144,12 +143,10 @@ class GPT2:
 
     # ---- one op -------------------------------------------------------------------------
     def _op(self, op, module, fn, *args):
-        """Run one backend op inside its NVTX range; the profiler (if any) attributes it."""
-        with ranges.range(op):
-            if self.profiler is None:
-                fn(*args)
-            else:
-                self.profiler.run_op(op, module, self._direction, self._layer, fn, args)
+        """Run one backend op inside its range, named `op`. The range carries the GPT-2 module and the op's
+        arguments for range listeners (the built-in profiler costs and attributes the op from them)."""
+        with ranges.range(op, (module, args)):
+            fn(*args)
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, inputs, targets=None, *, for_backward=False, grad_accum_steps=1):
@@ -171,11 +168,9 @@ class GPT2:
             be.copy_(self.y, be.from_host(targets))
         self._has_targets = targets is not None
         a, p, L = self.act, self.param, cfg.num_layers
-        self._direction, self._layer = "fprop", None
         with ranges.range("gpt2_forward"):
             self._op("encoder_forward", "wte", be.encoder_forward, a["encoded"], self.x, p["wte"], p["wpe"])
             for l in range(L):
-                self._layer = l
                 h = f"h.{l}"
                 residual = a["encoded"] if l == 0 else a["residual3"][l - 1]
                 with ranges.range(f"Layer {l}"):
@@ -199,7 +194,6 @@ class GPT2:
                              a["fch_gelu"][l], p["fcprojw"][l], p["fcprojb"][l])
                     self._op("residual_forward", f"{h}.residual", be.residual_forward, a["residual3"][l],
                              a["residual2"][l], a["fcproj"][l])
-            self._layer = None
             self._op("layernorm_forward", "ln_f", be.layernorm_forward, a["lnf"], a["lnf_mean"], a["lnf_rstd"],
                      a["residual3"][L - 1], p["lnfw"], p["lnfb"])
             self._op("matmul_forward", "lm_head", be.matmul_forward, a["logits"], a["lnf"], p["wte"], None)
@@ -231,7 +225,6 @@ class GPT2:
         be, a, p, g, L = self.backend, self.act, self.param, self._grad, self.cfg.num_layers
         dres, dbtc, dbt3c, dbt4c = self.dres, self.dbtc, self.dbt3c, self.dbt4c
         acc = not self._grads_zero           # right after zero_grad every op writes its gradient, not adds
-        self._direction, self._layer = "bprop", None
         with ranges.range("gpt2_backward"):
             if not self._dlogits_ready:
                 self._classifier(True, grad_accum_steps)
@@ -242,7 +235,6 @@ class GPT2:
             self._op("layernorm_backward", "ln_f", be.layernorm_backward, dres, g["lnfw"], g["lnfb"], dbtc,
                      a["residual3"][L - 1], p["lnfw"], a["lnf_mean"], a["lnf_rstd"], acc)
             for l in reversed(range(L)):
-                self._layer = l
                 h = f"h.{l}"
                 residual = a["encoded"] if l == 0 else a["residual3"][l - 1]
                 with ranges.range(f"Layer {l}"):
@@ -264,7 +256,6 @@ class GPT2:
                              g["qkvb"][l], dbt3c, a["ln1"][l], p["qkvw"][l], acc)
                     self._op("layernorm_backward", f"{h}.ln_1", be.layernorm_backward, dres, g["ln1w"][l],
                              g["ln1b"][l], dbtc, residual, p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l], acc)
-            self._layer = None
             self._op("encoder_backward", "wte", be.encoder_backward, g["wte"], g["wpe"], dres, self.x, acc)
         self._has_targets = False                   # the logits buffer now holds dlogits
         self._grads_zero = self._zero_fill_pending = False
@@ -285,7 +276,6 @@ class GPT2:
 
     def grad_norm(self):
         """Global L2 norm of all gradients."""
-        self._direction, self._layer = "update", None
         with ranges.range("gpt2_calculate_grad_norm"):
             box = []
             self._op("global_norm", "optimizer", lambda g: box.append(self.backend.global_norm_squared(g)),
@@ -316,7 +306,6 @@ class GPT2:
             self.v = be.zeros(hi - lo)
         if self.m.size != hi - lo:
             raise ValueError(f"AdamW state holds {self.m.size} values, the update shard {lo}:{hi} has {hi - lo}")
-        self._direction, self._layer = "update", None
         with ranges.range("gpt2_update"):
             start = 0
             for name in PARAM_NAMES:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from gpt2np import compare
+from gpt2np.backends.numpy_backend import NumpyBackend
 from gpt2np.config import GPT2Config, preset
 from gpt2np.debug_state import (DebugState, DebugStateError, expected_size, read_debug_state,
                                 write_debug_state)
@@ -235,8 +236,10 @@ class ReferenceAsModel:
     def __init__(self, cfg, params, corrupt=None):
         from gpt2np.reference import TorchGPT2
         self.cfg, self.ref, self.corrupt = cfg, TorchGPT2(cfg, params, "float64"), corrupt
+        self.num_parameters = params.size
+        self.backend = NumpyBackend(threads=1)        # train_step synchronizes it
 
-    def forward(self, x, y):
+    def forward(self, x, y, for_backward=False, grad_accum_steps=1):
         self.logits, self.loss = self.ref.forward(x, y)
         return float(self.loss.detach())
 
@@ -250,7 +253,7 @@ class ReferenceAsModel:
         for p in self.ref.params.values():
             p.grad = None
 
-    def backward(self):
+    def backward(self, grad_accum_steps=1):
         self.loss.backward()
 
     def grads_host(self):
@@ -263,7 +266,7 @@ class ReferenceAsModel:
     def grad_norm(self):
         return self.ref.grad_norm()
 
-    def update(self, lr, beta1, beta2, eps, weight_decay, step, grad_clip=1.0, grad_norm=None):
+    def update(self, lr, beta1, beta2, eps, weight_decay, step, grad_clip=1.0, grad_norm=None, shard=None):
         norm = self.grad_norm() if grad_norm is None else grad_norm
         scale = grad_clip / norm if norm > grad_clip else 1.0
         assert step == self.ref.t + 1

@@ -393,8 +393,8 @@ def test_every_launch_and_gemm_goes_through_on_launch(cuda):
     B, T, C, OC = 2, 3, 8, 12
     seen = []
 
-    def hook(name, kind, flops, nbytes, run):
-        seen.append((name, kind, flops, nbytes))
+    def hook(name, kind, term, run):
+        seen.append((name, kind, term))
         run()
 
     cuda.on_launch = hook
@@ -403,5 +403,5 @@ def test_every_launch_and_gemm_goes_through_on_launch(cuda):
         cuda.matmul_forward(out, cuda.zeros((B, T, C)), cuda.zeros((OC, C)), cuda.zeros(OC))
     finally:
         cuda.on_launch = None
-    assert [(n, k) for n, k, *_ in seen] == [("gemm_matmul_forward", "gemm"), ("add_bias", "kernel")]
-    assert seen[0][2] == 2 * B * T * C * OC and seen[1][3] > 0
+    # each launch names the term of matmul_forward's cost (backends.contract) that it carries
+    assert seen == [("gemm_matmul_forward", "gemm", "gemm"), ("add_bias", "kernel", "bias")]

@@ -262,7 +262,7 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
-    def on_push(self, name):
+    def on_push(self, name, detail=None):
         self.calls.append(("push", name, ranges.current_stack()))
 
     def on_pop(self, name):
@@ -305,7 +305,7 @@ def test_listeners_and_current_stack_without_nvtx():
 
 def test_failing_listener_leaves_no_range_open():
     class Broken:
-        def on_push(self, name):
+        def on_push(self, name, detail=None):
             raise RuntimeError("listener failed")
 
         def on_pop(self, name):

@@ -36,6 +36,9 @@ class NumpyBackend:
     """CPU backend. Arrays are NumPy arrays; `dtype` is the activation/parameter dtype."""
 
     name = "numpy"
+    precision = "fp32"
+    launches_kernels = False      # an op is one unit of work here; on_launch is never called
+    on_launch = None
 
     def __init__(self, dtype=np.float32, threads=None):
         self.dtype = np.dtype(dtype)
@@ -43,6 +46,9 @@ class NumpyBackend:
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         self._scratch = {}
         self._local = threading.local()
+
+    def device_name(self):
+        return "cpu"
 
     # ---- memory -------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):

@@ -15,88 +15,57 @@ import time
 
 import numpy as np
 
+from ..backends.contract import op_cost
 from . import ranges
 from .report import KernelRecord, ranges_from_records, render, write_chrome_trace, write_csv, write_json, \
     write_png
 
-F32 = 4
+DIRECTIONS = {"gpt2_forward": "fprop", "gpt2_backward": "bprop", "gpt2_calculate_grad_norm": "update",
+              "gpt2_update": "update"}
 
 
-def op_cost(op, args):
-    """(params string, FLOPs, bytes) of one NumPy-backend op call, from its arguments' shapes."""
-    def n(a):
-        return int(np.prod(a.shape))
-
-    if op in ("encoder_forward", "encoder_backward"):
-        out = args[0] if op == "encoder_forward" else args[2]
-        B, T, C = out.shape
-        return f"B={B},T={T},C={C}", B * T * C, F32 * 3 * B * T * C + 4 * B * T
-    if op in ("layernorm_forward", "layernorm_backward"):
-        B, T, C = args[0].shape
-        k = 8 if op == "layernorm_forward" else 14
-        return f"B={B},T={T},C={C}", k * B * T * C, F32 * (2 if k == 8 else 4) * B * T * C
-    if op == "matmul_forward":
-        out, inp, w = args[0], args[1], args[2]
-        OC, C = w.shape
-        N = n(inp) // C
-        return (f"B={inp.shape[0]},T={inp.shape[1]},C={C},OC={OC},M={N},N={OC},K={C}",
-                2 * N * C * OC + (N * OC if args[3] is not None else 0), F32 * (N * C + OC * C + N * OC))
-    if op == "matmul_backward":
-        dinp, w = args[0], args[5]
-        OC, C = w.shape
-        N = n(dinp) // C
-        return (f"B={dinp.shape[0]},T={dinp.shape[1]},C={C},OC={OC},M={N},N={OC},K={C}",
-                4 * N * C * OC + N * OC, F32 * (N * OC + 2 * N * C + 3 * OC * C))
-    if op in ("attention_forward", "attention_backward"):
-        qkvr, att = (args[1], args[2]) if op == "attention_forward" else (args[2], args[3])
-        _, B, NH, T, HS = qkvr.shape
-        mm = 4 * B * NH * T * T * HS * (1 if op == "attention_forward" else 2)
-        return (f"B={B},T={T},NH={NH},HS={HS}", mm + 5 * B * NH * T * T,
-                F32 * (2 * 3 * B * T * NH * HS + 2 * B * NH * T * T + B * T * NH * HS))
-    if op in ("gelu_forward", "gelu_backward"):
-        size = n(args[0])
-        return f"N={size}", (10 if op == "gelu_forward" else 20) * size, F32 * (2 if op == "gelu_forward" else 3) * size
-    if op in ("residual_forward", "residual_backward"):
-        size = n(args[0])
-        return f"N={size}", size, F32 * 3 * size
-    if op == "fused_classifier":
-        logits, V = args[0], args[3]
-        B, T, Vp = logits.shape
-        return f"B={B},T={T},V={V},Vp={Vp}", 5 * B * T * V, F32 * 2 * B * T * Vp
-    if op == "adamw":
-        size = n(args[0])
-        return f"N={size}", 12 * size, F32 * 7 * size
-    if op == "global_norm":
-        size = n(args[0])
-        return f"N={size}", 2 * size, F32 * size
-    return "", 0, 0
+def attribution(stack):
+    """(direction, layer) of an op from the ranges open around it: the innermost gpt2_* range gives the
+    direction (fprop, bprop, update; "other" outside them), a "Layer l" range the layer (None outside)."""
+    direction, layer = "other", None
+    for name in stack:
+        if name in DIRECTIONS:
+            direction = DIRECTIONS[name]
+        elif name.startswith("Layer "):
+            layer = int(name[6:])
+    return direction, layer
 
 
 class Profiler:
-    """Records every launch of `model` while attached; `records` and `ranges` hold the results."""
+    """Records every op (NumPy) or kernel launch (CUDA) on `backend` while attached (`with Profiler(be):`);
+    `records` and `ranges` hold the results.
 
-    def __init__(self, model):
-        self.model, self.backend = model, model.backend
+    It attaches through two hooks only: the range stack (ranges.add_listener: the model opens one range per
+    op carrying its module and arguments, and "Train step N", "gpt2_forward", "Layer l" around them) and the
+    backend's launch hook (backend.on_launch, for backends whose ops are kernel launches). Each op is costed
+    once by the contract's formula (contract.op_cost); each kernel record carries the term of that cost its
+    kernel names, so the kernels of an op add up to the op.
+    """
+
+    def __init__(self, backend):
+        self.backend = backend
         self.records, self.ranges = [], []
         self.step = None
         self._open = []
-        self._ctx = ("other", None, "", "", "")
-        self._pending = []                       # CUDA: (record, start event, end event)
+        self._op = None                          # (direction, layer, op, module, Cost) of the op running
+        self._pending = []                       # kernels: (record, start event, end event)
         self._t0 = time.perf_counter_ns()
-        self._runtime = getattr(self.backend, "rt", None)
 
     # ---- attach ---------------------------------------------------------------------------
     def __enter__(self):
-        self.model.profiler = self
         ranges.add_listener(self)
-        if hasattr(self.backend, "on_launch"):
+        if self.backend.launches_kernels:
             self.backend.on_launch = self._on_launch
         return self
 
     def __exit__(self, *exc):
-        self.model.profiler = None
         ranges.remove_listener(self)
-        if hasattr(self.backend, "on_launch"):
+        if self.backend.launches_kernels:
             self.backend.on_launch = None
         self.resolve()
         return False
@@ -105,60 +74,66 @@ class Profiler:
         return time.perf_counter_ns() - self._t0
 
     # ---- ranges.listener ------------------------------------------------------------------
-    def on_push(self, name):
+    def on_push(self, name, detail):
         if name.startswith("Train step "):
             self.step = int(name.rsplit(" ", 1)[1])
-        self._open.append((name, self._now()))
+        now = self._now()
+        self._open.append((name, now, detail))
+        if detail is not None:                   # an op: the model passes (module, arguments)
+            module, args = detail
+            direction, layer = attribution(ranges.current_stack())
+            self._op = (direction, layer, name, module, op_cost(name, args))
 
     def on_pop(self, name):
-        if self._open:
-            opened, start = self._open.pop()
-            self.ranges.append((opened, start, self._now()))
+        if not self._open:
+            return
+        opened, start, detail = self._open.pop()
+        end = self._now()
+        self.ranges.append((opened, start, end))
+        if detail is not None and self._op is not None:
+            if not self.backend.launches_kernels:          # the op is the unit: one record, its whole cost
+                cost = self._op[4]
+                self._add(f"numpy.{opened}", start, end - start, cost.flops, cost.bytes)
+            self._op = None
 
     # ---- launches -------------------------------------------------------------------------
-    def run_op(self, op, module, direction, layer, fn, args):
-        """Called by GPT2._op for every op: time it (NumPy) or let its kernels be recorded (CUDA)."""
-        params, flops, nbytes = op_cost(op, args)
-        self._ctx = (direction, layer, op, module, params)
-        if self._runtime is not None:
-            fn(*args)
-            return
-        start = self._now()
-        fn(*args)
-        self._add(f"numpy.{op}", start, self._now() - start, flops, nbytes)
-
-    def _on_launch(self, name, kind, flops, nbytes, run):
-        """CudaBackend's hook: one kernel or GEMM, bracketed by runtime events."""
-        start, end = self._runtime.event(), self._runtime.event()
+    def _on_launch(self, kernel, kind, term, run):
+        """The backend's launch hook: one kernel or GEMM, bracketed by events; it carries `term` of its op's
+        cost (none for helper kernels such as the finishing stage of a reduction)."""
+        start, end = self.backend.event(), self.backend.event()
         start.record()
         run()
         end.record()
-        kernel = f"cublasSgemm ({name})" if kind == "gemm" else name
-        record = self._add(kernel, self._now(), 0, flops, nbytes)
+        flops, nbytes = (0, 0)
+        if term is not None and self._op is not None:
+            flops, nbytes = self._op[4].terms[term]
+        name = f"cublasSgemm ({kernel})" if kind == "gemm" else kernel
+        record = self._add(name, self._now(), 0, flops, nbytes)
         self._pending.append((record, start, end))
 
     def _add(self, kernel, start_ns, duration_ns, flops, nbytes):
-        direction, layer, op, module, params = self._ctx
+        direction, layer, op, module, cost = self._op or ("other", None, "", "", None)
         record = KernelRecord(idx=len(self.records), step=self.step, direction=direction,
-                              layer=-1 if layer is None else layer, op=op, module=module, params=params,
-                              kernel=kernel, start_ns=int(start_ns), duration_ns=int(duration_ns), flops=int(flops),
-                              bytes=int(nbytes), range_stack=tuple(ranges.current_stack()))
+                              layer=-1 if layer is None else layer, op=op, module=module,
+                              params=cost.params if cost else "", kernel=kernel, start_ns=int(start_ns),
+                              duration_ns=int(duration_ns), flops=int(flops), bytes=int(nbytes),
+                              range_stack=tuple(ranges.current_stack()))
         self.records.append(record)
         return record
 
     def resolve(self):
-        """Turn pending CUDA event pairs into durations (synchronizes once)."""
+        """Turn pending event pairs into durations (synchronizes once)."""
         if not self._pending:
             return
-        self._runtime.synchronize()
+        self.backend.synchronize()
         for record, start, end in self._pending:
-            record.duration_ns = int(self._runtime.elapsed_ms(start, end) * 1e6)
+            record.duration_ns = int(self.backend.elapsed_ms(start, end) * 1e6)
         self._pending.clear()
 
 
 def device_label(backend):
-    name = getattr(backend, "device_name", None)
-    return name() if callable(name) else (name or "cpu")
+    """The backend's device: "cpu" or the GPU's name."""
+    return backend.device_name()
 
 
 def device_roofline(backend):
@@ -167,7 +142,7 @@ def device_roofline(backend):
     if backend.name != "cuda":
         return None
     try:
-        return roofline(device_label(backend), "fp32", matmul_precision=getattr(backend, "precision", "fp32"))
+        return roofline(device_label(backend), "fp32", matmul_precision=backend.precision)
     except UnknownDeviceError:
         return None
 
@@ -186,22 +161,17 @@ def write_outputs(profiler, out_dir, roof=None, title=""):
 
 
 def profile_steps(model, batches, steps, lr=1e-4):
-    """Run `steps` training steps under the profiler (after one unprofiled warm-up step)."""
-    def step(i, x, y):
-        with ranges.range(f"Train step {i}"):
-            model.zero_grad()
-            model.forward(x, y, for_backward=True)
-            model.backward()
-            norm = model.grad_norm()
-            model.update(lr, step=i + 1, grad_norm=norm)
-        model.backend.synchronize()
+    """Run `steps` training steps (train_step, batches in turn) under the profiler, after one unprofiled
+    warm-up step (step 0)."""
+    from ..train_step import train_step
 
-    x, y = batches[0]
-    step(0, x, y)
-    with Profiler(model) as prof:
+    def step(i):
+        train_step(model, lambda: batches[i % len(batches)], step=i, lr=lr)
+
+    step(0)
+    with Profiler(model.backend) as prof:
         for i in range(1, steps + 1):
-            x, y = batches[i % len(batches)]
-            step(i, x, y)
+            step(i)
     return prof
 
 
@@ -211,9 +181,9 @@ def main(argv=None):
     from ..starter import resolve_model
 
     ap = argparse.ArgumentParser(prog="python -m gpt2np.profiling.profiler", description=__doc__.split("\n")[0])
-    ap.add_argument("-e", default="d12", help="llm.c model file or preset (default d12)")
-    ap.add_argument("-b", type=int, default=4)
-    ap.add_argument("-t", type=int, default=64)
+    ap.add_argument("-e", dest="model", default="d12", help="llm.c model file or preset (default d12)")
+    ap.add_argument("-b", dest="batch_size", type=int, default=4, help="batch size B (default 4)")
+    ap.add_argument("-t", dest="seq_len", type=int, default=64, help="sequence length T (default 64)")
     ap.add_argument("--steps", type=int, default=1, help="profiled steps after one warm-up step")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "numpy", "cuda", "emu"])
     ap.add_argument("--out", default="profile", help="folder for CSV, JSON, trace and PNG (default ./profile)")
@@ -221,12 +191,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         backend = get_backend(args.device)
-        cfg, params, desc = resolve_model(args.e)
-        model = GPT2(cfg, backend, args.b, args.t, seed=0 if params is None else None)
+        cfg, params, desc = resolve_model(args.model)
+        model = GPT2(cfg, backend, args.batch_size, args.seq_len, seed=0 if params is None else None)
         if params is not None:
             model.load_params(params)
         rng = np.random.default_rng(0)
-        batch = rng.integers(0, cfg.vocab_size, (2, args.b, args.t + 1)).astype(np.int32)
+        batch = rng.integers(0, cfg.vocab_size, (2, args.batch_size, args.seq_len + 1)).astype(np.int32)
         batches = [(b[:, :-1], b[:, 1:]) for b in batch]
         prof = profile_steps(model, batches, args.steps)
     except (ValueError, OSError, RuntimeError) as e:
@@ -236,7 +206,7 @@ def main(argv=None):
     label = device_label(backend)
     print(render(prof.records, roof, step=None if args.all_steps else "last", num_layers=cfg.num_layers,
                  ranges=prof.ranges))
-    paths = write_outputs(prof, args.out, roof, title=f"{desc}, B={args.b}, T={args.t}, {label}")
+    paths = write_outputs(prof, args.out, roof, title=f"{desc}, B={args.batch_size}, T={args.seq_len}, {label}")
     print("wrote " + ", ".join(paths.values()))
     return 0
 

@@ -9,9 +9,11 @@ Each range goes to two places:
     emitted when the package is missing, when no NVTX tool is attached to the process (nvtx then
     hands out a dummy domain and we stop calling it), or when turned off with enable(False) or the
     env var GPT2NP_NVTX=0.
-  * Listeners registered with add_listener(): objects with on_push(name) and on_pop(name) methods,
-    called on the thread that opens/closes the range. The built-in profiler uses this to attribute
-    time to ranges without NVTX. current_stack() gives the names open on the calling thread.
+  * Listeners registered with add_listener(): objects with on_push(name, detail) and on_pop(name)
+    methods, called on the thread that opens/closes the range. `detail` is what the code that opened
+    the range passed along (None for most; the model passes (module, op arguments) for each op, which
+    is how the built-in profiler attributes work without the model knowing it). current_stack() gives
+    the names open on the calling thread.
 
 Listeners do not depend on the NVTX switch: they are called whenever any are registered. With NVTX
 off and no listeners, range() costs one boolean check and returns a shared do-nothing context.
@@ -47,7 +49,7 @@ def enabled() -> bool:
 
 
 def add_listener(listener) -> None:
-    """Register an object with on_push(name) and on_pop(name) methods; called for every range.
+    """Register an object with on_push(name, detail) and on_pop(name) methods; called for every range.
 
     on_push runs after the name is on current_stack(); on_pop runs before it is removed."""
     global _listeners
@@ -97,10 +99,11 @@ _NULL_RANGE = _NullRange()
 class _Range:
     """One open range. Remembers where its push went (NVTX domain, listeners at the time, this
     thread's stack) so that the pop goes to the same places even if settings change meanwhile."""
-    __slots__ = ("name", "domain", "listeners", "stack")
+    __slots__ = ("name", "detail", "domain", "listeners", "stack")
 
-    def __init__(self, name):
+    def __init__(self, name, detail):
         self.name = name
+        self.detail = detail
         self.domain = None
         self.listeners = _listeners
         self.stack = None
@@ -124,7 +127,7 @@ class _Range:
                     domain.push_range(attributes)
                     self.domain = domain
             for listener in self.listeners:
-                listener.on_push(name)
+                listener.on_push(name, self.detail)
         except BaseException:  # a failing listener must not leave the range open
             self.__exit__(None, None, None)
             raise
@@ -142,8 +145,9 @@ class _Range:
         return False
 
 
-def range(name: str):  # noqa: A001 - read as ranges.range(...), like torch.cuda.nvtx.range
-    """Context manager: a range called `name` around the body (one boolean check when off)."""
+def range(name: str, detail=None):  # noqa: A001 - read as ranges.range(...), like torch.cuda.nvtx.range
+    """Context manager: a range called `name` around the body (one boolean check when off). `detail` goes
+    to the listeners only (NVTX gets the name)."""
     if not _active:
         return _NULL_RANGE
-    return _Range(name)
+    return _Range(name, detail)

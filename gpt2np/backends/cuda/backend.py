@@ -1,21 +1,14 @@
 """The CUDA backend: the op contract on hand-written kernels (kernels/*.cu) plus cuBLAS GEMMs.
 
-Written once against a small runtime interface, so the same code drives a real GPU
-(runtime_cupy.CupyRuntime: NVRTC + cuBLAS through CuPy) and the CPU emulator used by the tests
-(runtime_emu.EmuRuntime). A runtime provides:
-
-    compile(path) -> module;  module.get_function(name) -> fn(grid, block, args, shared_mem=0)
-    launch(fn, grid, block, args, shared_mem)
-    gemm(transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c, batch)
-        row-major, batched: C[i] = alpha op(A[i]) op(B[i]) + beta C[i]
-    zeros(shape, dtype), empty(shape, dtype), from_host(array), to_host(array), copy(dst, src),
-    fill(array, value), pointer(array) -> int
-    event() -> object with record();  elapsed_ms(start, end);  synchronize();  device_name()
+Written once against a small runtime interface (runtime.Runtime: compile, launch, gemm, memory, events),
+so the same code drives a real GPU (runtime_cupy.CupyRuntime: NVRTC + cuBLAS through CuPy) and the CPU
+emulator used by the tests (runtime_emu.EmuRuntime).
 
 Every kernel launch goes through CudaBackend._launch and every GEMM through CudaBackend._gemm,
-each with a name, a FLOP count and a byte count (the minimum DRAM traffic). Set `on_launch` to
-observe them: on_launch(name, kind, flops, nbytes, run) is called instead of running the work,
-with kind "kernel" or "gemm", and must call run() exactly once (a profiler wraps it in events).
+each with a name and the term of its op's cost it carries (backends.contract: the op's cost is one
+formula there, a sum of named terms; helper kernels such as a reduction's finishing stage carry none).
+Set `on_launch` to observe them: on_launch(name, kind, term, run) is called instead of running the
+work, with kind "kernel" or "gemm", and must call run() exactly once (a profiler wraps it in events).
 
 Kernel arguments: arrays are passed as device pointers (they must be C-contiguous), scalars as
 np.int32 / np.float32. Shapes follow the op contract (B, T, C, OC, NH, HS = C/NH, V, Vp).
@@ -30,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ...paths import KERNEL_DIR
+from .runtime import Runtime
 
 
 # An entry point: extern "C" __global__ void [__launch_bounds__(...)] name(
@@ -52,7 +46,6 @@ KERNEL_FILES = tuple(sorted(set(KERNELS.values())))
 
 INT_LIMIT = 2 ** 31 - 1
 GRID_Y_LIMIT = 65535  # gridDim.y (and .z) maximum
-F32 = 4  # bytes per float
 
 
 class KernelArgumentError(ValueError):
@@ -90,8 +83,9 @@ class CudaBackend:
     """
 
     name = "cuda"
+    launches_kernels = True
 
-    def __init__(self, runtime, dtype=np.float32):
+    def __init__(self, runtime: Runtime, dtype=np.float32):
         if np.dtype(dtype) != np.float32:
             raise ValueError(f"CudaBackend: only float32 is supported, got {np.dtype(dtype)}")
         self.rt = runtime
@@ -115,7 +109,7 @@ class CudaBackend:
     @property
     def precision(self):
         """Math of the GEMMs: "tf32" when the runtime enables TF32 tensor cores, else "fp32"."""
-        return "tf32" if getattr(self.rt, "tf32", False) else "fp32"
+        return "tf32" if self.rt.tf32 else "fp32"
 
     # ---- memory -------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
@@ -169,8 +163,9 @@ class CudaBackend:
             fn = self._functions[name] = module.get_function(name)
         return fn
 
-    def _launch(self, name, grid, block, args, *, flops=0, nbytes=0, shared_mem=0):
-        """Launch kernel `name` on (grid, block) with args; the one place kernels are run."""
+    def _launch(self, name, grid, block, args, *, term=None, shared_mem=0):
+        """Launch kernel `name` on (grid, block) with args, carrying `term` of its op's cost; the one place
+        kernels are run."""
         fn = self.function(name)
         for i, a in enumerate(args):
             if hasattr(a, "flags") and not a.flags.c_contiguous:
@@ -183,15 +178,12 @@ class CudaBackend:
         if self.on_launch is None:
             run()
         else:
-            self.on_launch(name, "kernel", flops, nbytes, run)
+            self.on_launch(name, "kernel", term, run)
 
-    def _gemm(self, name, transa, transb, m, n, k, a, lda, b, ldb, c, ldc, *, alpha=1.0, beta=0.0,
+    def _gemm(self, name, transa, transb, m, n, k, a, lda, b, ldb, c, ldc, *, term, alpha=1.0, beta=0.0,
               batch=1, stride_a=0, stride_b=0, stride_c=0):
-        """Row-major C[i] (m,n) = alpha op(A[i]) op(B[i]) + beta C[i] via the runtime's cuBLAS/NumPy;
-        the one place GEMMs are run."""
-        flops = 2 * m * n * k * batch
-        nbytes = F32 * batch * (m * k + k * n + m * n * (2 if beta else 1))
-
+        """Row-major C[i] (m,n) = alpha op(A[i]) op(B[i]) + beta C[i] via the runtime's cuBLAS/NumPy,
+        carrying `term` of its op's cost; the one place GEMMs are run."""
         def run():
             self.rt.gemm(transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc,
                          stride_c, batch)
@@ -199,7 +191,7 @@ class CudaBackend:
         if self.on_launch is None:
             run()
         else:
-            self.on_launch(name, "gemm", flops, nbytes, run)
+            self.on_launch(name, "gemm", term, run)
 
     # ---- checks -------------------------------------------------------------------------
     @staticmethod
@@ -229,21 +221,19 @@ class CudaBackend:
         return _blocks(n, self.elementwise_threads), (self.elementwise_threads,)
 
     def _column_sums(self, partial_kernel, finish_kernel, rows, cols, partial_cols, partial_args, finish_outputs,
-                     accumulate=True):
+                     accumulate, term):
         """Two-stage deterministic column reduction over `rows` of a (rows, cols) matrix; the finish
-        kernel adds the sums into finish_outputs (accumulate) or overwrites them (not accumulate)."""
+        kernel adds the sums into finish_outputs (accumulate) or overwrites them (not accumulate). The
+        partial stage carries the op's cost `term`, the finish is its helper."""
         chunk = max(1, int(self.reduce_rows_per_chunk), -(-rows // 65535))   # gridDim.y <= 65535
         chunks = -(-rows // chunk)
         partial = self.scratch("column_partial", (chunks, partial_cols, cols))
         warps = int(max(1, min(self.reduce_warps, chunk)))
         self._launch(partial_kernel, (-(-cols // 32), chunks), (32 * warps,),
-                     (partial, *partial_args, _i32(rows), _i32(cols), _i32(chunk)),
-                     flops=rows * cols * (3 if partial_cols == 2 else 1), nbytes=F32 * rows * cols * partial_cols)
+                     (partial, *partial_args, _i32(rows), _i32(cols), _i32(chunk)), term=term)
         threads = _threads_for(cols, 256)
         self._launch(finish_kernel, _blocks(cols, threads), (threads,),
-                     (*finish_outputs, partial, _i32(chunks), _i32(cols), _i32(bool(accumulate))),
-                     flops=chunks * cols * partial_cols,
-                     nbytes=F32 * (chunks + (2 if accumulate else 1)) * cols * partial_cols)
+                     (*finish_outputs, partial, _i32(chunks), _i32(cols), _i32(bool(accumulate))))
 
     # ---- encoder ------------------------------------------------------------------------
     def encoder_forward(self, out, inp, wte, wpe):
@@ -260,7 +250,7 @@ class CudaBackend:
         n = B * T * C
         self._check_int_size(op, "out", n)
         self._launch(op, *self._elementwise(n // 4), (out, inp, wte, wpe, _i32(B), _i32(T), _i32(C)),
-                     flops=n, nbytes=F32 * 3 * n + 4 * B * T)
+                     term="encode")
 
     @staticmethod
     def _group_tokens(inp):
@@ -307,11 +297,9 @@ class CudaBackend:
             threads = _threads_for(C, self.elementwise_threads)
             rows = int(max(1, min(U, self.encoder_token_blocks, GRID_Y_LIMIT)))
             self._launch("encoder_backward_wte_grouped", (-(-C // threads), rows), (threads,),
-                         (dwte, dout, d_offsets, d_positions, d_tokens, _i32(U), _i32(C)),
-                         flops=n, nbytes=F32 * (n + 2 * U * C) + 4 * (2 * U + 1 + B * T))
+                         (dwte, dout, d_offsets, d_positions, d_tokens, _i32(U), _i32(C)), term="dwte")
         self._launch("encoder_backward_wpe", *self._elementwise(T * C),
-                     (dwpe, dout, _i32(B), _i32(T), _i32(C), _i32(bool(accumulate))),
-                     flops=n, nbytes=F32 * (n + (2 if accumulate else 1) * T * C))
+                     (dwpe, dout, _i32(B), _i32(T), _i32(C), _i32(bool(accumulate))), term="dwpe")
         if not accumulate and dwpe.shape[0] > T:
             self.fill_(dwpe[T:], 0.0)
 
@@ -326,7 +314,7 @@ class CudaBackend:
         self._check_shape(op, "rstd", rstd, lead)
         self._check_int_size(op, "inp", N * C)
         self._launch(op, *self._row_launch(N), (out, mean, rstd, inp, weight, bias, _i32(N), _i32(C)),
-                     flops=8 * N * C, nbytes=F32 * (2 * N * C + 2 * C + 2 * N))
+                     term="normalize")
 
     def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
         """dinp (B,T,C) +=, dweight (C) +=, dbias (C) +=, from dout and the saved mean, rstd.
@@ -338,10 +326,9 @@ class CudaBackend:
             self._check_shape(op, what, array, inp.shape)
         self._check_int_size(op, "inp", N * C)
         self._launch("layernorm_backward_dinp", *self._row_launch(N),
-                     (dinp, dout, inp, weight, mean, rstd, _i32(N), _i32(C)),
-                     flops=14 * N * C, nbytes=F32 * (4 * N * C + C + 2 * N))
+                     (dinp, dout, inp, weight, mean, rstd, _i32(N), _i32(C)), term="dinp")
         self._column_sums("layernorm_backward_params_partial", "layernorm_backward_params_finish",
-                          N, C, 2, (dout, inp, mean, rstd), (dweight, dbias), accumulate)
+                          N, C, 2, (dout, inp, mean, rstd), (dweight, dbias), accumulate, "dparams")
 
     # ---- matmul -------------------------------------------------------------------------
     def matmul_forward(self, out, inp, weight, bias):
@@ -351,11 +338,10 @@ class CudaBackend:
         N = inp.size // C
         self._check_shape(op, "inp", inp, (*inp.shape[:-1], C))
         self._check_shape(op, "out", out, (*inp.shape[:-1], OC))
-        self._gemm("gemm_" + op, False, True, N, OC, C, inp, C, weight, C, out, OC)
+        self._gemm("gemm_" + op, False, True, N, OC, C, inp, C, weight, C, out, OC, term="gemm")
         if bias is not None:
             self._check_int_size(op, "out", N * OC)
-            self._launch("add_bias", *self._elementwise(N * OC), (out, bias, _i32(N), _i32(OC)),
-                         flops=N * OC, nbytes=F32 * (2 * N * OC + OC))
+            self._launch("add_bias", *self._elementwise(N * OC), (out, bias, _i32(N), _i32(OC)), term="bias")
 
     def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True):
         """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp;  dbias (OC) += sum dout.
@@ -367,12 +353,13 @@ class CudaBackend:
         self._check_shape(op, "dout", dout, (*inp.shape[:-1], OC))
         self._check_shape(op, "dinp", dinp, inp.shape)
         self._check_shape(op, "dweight", dweight, weight.shape)
-        self._gemm("gemm_matmul_backward_dinp", False, False, N, C, OC, dout, OC, weight, C, dinp, C)
+        self._gemm("gemm_matmul_backward_dinp", False, False, N, C, OC, dout, OC, weight, C, dinp, C, term="dinp")
         self._gemm("gemm_matmul_backward_dweight", True, False, OC, C, N, dout, OC, inp, C, dweight, C,
-                   beta=1.0 if accumulate else 0.0)
+                   term="dweight", beta=1.0 if accumulate else 0.0)
         if dbias is not None:
             self._check_int_size(op, "dout", N * OC)
-            self._column_sums("bias_grad_partial", "bias_grad_finish", N, OC, 1, (dout,), (dbias,), accumulate)
+            self._column_sums("bias_grad_partial", "bias_grad_finish", N, OC, 1, (dout,), (dbias,), accumulate,
+                              "dbias")
 
     # ---- attention ----------------------------------------------------------------------
     def attention_forward(self, out, qkvr, att, inp):
@@ -390,19 +377,18 @@ class CudaBackend:
         self._check_int_size(op, "att", B * NH * T * T)
         BH, n = B * NH, B * T * C
         self._launch("permute_qkv", *self._elementwise(3 * n), (qkvr, inp, _i32(B), _i32(T), _i32(NH), _i32(HS)),
-                     nbytes=F32 * 6 * n)
+                     term="permute")
         q, k, v = qkvr[0], qkvr[1], qkvr[2]
-        self._gemm("gemm_attention_qk", False, True, T, T, HS, q, HS, k, HS, att, T,
+        self._gemm("gemm_attention_qk", False, True, T, T, HS, q, HS, k, HS, att, T, term="scores",
                    batch=BH, stride_a=T * HS, stride_b=T * HS, stride_c=T * T)
         rows = BH * T
         self._launch("causal_softmax_forward", *self._row_launch(rows),
-                     (att, _i32(rows), _i32(T), _f32(1 / math.sqrt(HS))),
-                     flops=5 * rows * (T + 1) // 2, nbytes=F32 * 2 * rows * T)
+                     (att, _i32(rows), _i32(T), _f32(1 / math.sqrt(HS))), term="softmax")
         y = self.scratch("attention_y", (B, NH, T, HS))
-        self._gemm("gemm_attention_av", False, False, T, HS, T, att, T, v, HS, y, HS,
+        self._gemm("gemm_attention_av", False, False, T, HS, T, att, T, v, HS, y, HS, term="weighted_sum",
                    batch=BH, stride_a=T * T, stride_b=T * HS, stride_c=T * HS)
         self._launch("unpermute", *self._elementwise(n), (out, y, _i32(B), _i32(T), _i32(NH), _i32(HS)),
-                     nbytes=F32 * 2 * n)
+                     term="unpermute")
 
     def attention_backward(self, dinp, dout, qkvr, att):
         """dinp (B,T,3C) = d[q|k|v] from dout (B,T,C), the saved qkvr (3,B,NH,T,HS) and att (B,NH,T,T)."""
@@ -417,26 +403,25 @@ class CudaBackend:
         BH, n = B * NH, B * T * C
         dy = self.scratch("attention_dy", (B, NH, T, HS))
         self._launch("unpermute_backward", *self._elementwise(n), (dy, dout, _i32(B), _i32(T), _i32(NH), _i32(HS)),
-                     nbytes=F32 * 2 * n)
+                     term="unpermute_backward")
         dqkvr = self.scratch("attention_dqkvr", (3, B, NH, T, HS))
         dq, dk, dv = dqkvr[0], dqkvr[1], dqkvr[2]
         q, k, v = qkvr[0], qkvr[1], qkvr[2]
         datt = self.scratch("attention_datt", (B, NH, T, T))
         mat, head = T * T, T * HS
-        self._gemm("gemm_attention_dv", True, False, T, HS, T, att, T, dy, HS, dv, HS,
+        self._gemm("gemm_attention_dv", True, False, T, HS, T, att, T, dy, HS, dv, HS, term="dv",
                    batch=BH, stride_a=mat, stride_b=head, stride_c=head)
-        self._gemm("gemm_attention_datt", False, True, T, T, HS, dy, HS, v, HS, datt, T,
+        self._gemm("gemm_attention_datt", False, True, T, T, HS, dy, HS, v, HS, datt, T, term="datt",
                    batch=BH, stride_a=head, stride_b=head, stride_c=mat)
         rows = BH * T
         self._launch("causal_softmax_backward", *self._row_launch(rows),
-                     (datt, datt, att, _i32(rows), _i32(T), _f32(1 / math.sqrt(HS))),
-                     flops=4 * rows * (T + 1) // 2, nbytes=F32 * 3 * rows * T)
-        self._gemm("gemm_attention_dq", False, False, T, HS, T, datt, T, k, HS, dq, HS,
+                     (datt, datt, att, _i32(rows), _i32(T), _f32(1 / math.sqrt(HS))), term="softmax_backward")
+        self._gemm("gemm_attention_dq", False, False, T, HS, T, datt, T, k, HS, dq, HS, term="dq",
                    batch=BH, stride_a=mat, stride_b=head, stride_c=head)
-        self._gemm("gemm_attention_dk", True, False, T, HS, T, datt, T, q, HS, dk, HS,
+        self._gemm("gemm_attention_dk", True, False, T, HS, T, datt, T, q, HS, dk, HS, term="dk",
                    batch=BH, stride_a=mat, stride_b=head, stride_c=head)
         self._launch("permute_backward", *self._elementwise(3 * n),
-                     (dinp, dqkvr, _i32(B), _i32(T), _i32(NH), _i32(HS)), nbytes=F32 * 6 * n)
+                     (dinp, dqkvr, _i32(B), _i32(T), _i32(NH), _i32(HS)), term="permute_backward")
 
     # ---- gelu ---------------------------------------------------------------------------
     def gelu_forward(self, out, inp):
@@ -444,7 +429,7 @@ class CudaBackend:
         self._check_shape("gelu_forward", "out", out, inp.shape)
         n = inp.size
         self._check_int_size("gelu_forward", "inp", n)
-        self._launch("gelu_forward", *self._elementwise(n), (out, inp, _i32(n)), flops=10 * n, nbytes=F32 * 2 * n)
+        self._launch("gelu_forward", *self._elementwise(n), (out, inp, _i32(n)), term="gelu")
 
     def gelu_backward(self, dinp, inp, dout):
         """dinp = dout * gelu'(inp); dinp may alias dout."""
@@ -452,8 +437,7 @@ class CudaBackend:
         self._check_shape("gelu_backward", "dout", dout, inp.shape)
         n = inp.size
         self._check_int_size("gelu_backward", "inp", n)
-        self._launch("gelu_backward", *self._elementwise(n), (dinp, inp, dout, _i32(n)),
-                     flops=20 * n, nbytes=F32 * 3 * n)
+        self._launch("gelu_backward", *self._elementwise(n), (dinp, inp, dout, _i32(n)), term="gelu_backward")
 
     # ---- residual -----------------------------------------------------------------------
     def residual_forward(self, out, inp1, inp2):
@@ -462,8 +446,7 @@ class CudaBackend:
         self._check_shape("residual_forward", "inp2", inp2, out.shape)
         n = out.size
         self._check_int_size("residual_forward", "out", n)
-        self._launch("residual_forward", *self._elementwise(n), (out, inp1, inp2, _i32(n)),
-                     flops=n, nbytes=F32 * 3 * n)
+        self._launch("residual_forward", *self._elementwise(n), (out, inp1, inp2, _i32(n)), term="add")
 
     def residual_backward(self, dinp1, dinp2, dout):
         """dinp1 += dout; dinp2 += dout."""
@@ -471,8 +454,7 @@ class CudaBackend:
         self._check_shape("residual_backward", "dinp2", dinp2, dout.shape)
         n = dout.size
         self._check_int_size("residual_backward", "dout", n)
-        self._launch("residual_backward", *self._elementwise(n), (dinp1, dinp2, dout, _i32(n)),
-                     flops=2 * n, nbytes=F32 * 5 * n)
+        self._launch("residual_backward", *self._elementwise(n), (dinp1, dinp2, dout, _i32(n)), term="add")
 
     # ---- classifier ---------------------------------------------------------------------
     def fused_classifier(self, logits, losses, targets, V, dloss, write_dlogits):
@@ -488,8 +470,7 @@ class CudaBackend:
         threads = _threads_for(V, self.classifier_threads)
         self._launch(op, (N,), (threads,),
                      (logits, losses, targets, _i32(N), _i32(V), _i32(Vp), _f32(dloss), _i32(bool(write_dlogits))),
-                     flops=N * V * (8 if write_dlogits else 4),
-                     nbytes=F32 * N * (V + (Vp if write_dlogits else 0) + 2))
+                     term="classifier")
 
     # ---- optimizer ----------------------------------------------------------------------
     def adamw_update(self, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
@@ -504,7 +485,7 @@ class CudaBackend:
         args = (params, grads, m, v, _i32(n), _f32(beta1), _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2),
                 _f32(eps), _f32(lr / bias_correction1), _f32(1.0 / math.sqrt(bias_correction2)),
                 _f32(1.0 - lr * weight_decay), _f32(grad_scale))
-        self._launch(op, *self._elementwise(n), args, flops=14 * n, nbytes=F32 * 7 * n)
+        self._launch(op, *self._elementwise(n), args, term="update")
 
     def global_norm_squared(self, grads):
         """sum(grads^2) of a flat buffer, as a Python float (synchronizes)."""
@@ -516,8 +497,7 @@ class CudaBackend:
         partial = self.scratch("norm_partial", (blocks,))
         total = self.scratch("norm_total", (1,))
         self._launch("global_norm_squared_partial", (blocks,), (threads,), (partial, grads, _i32(n)),
-                     flops=2 * n, nbytes=F32 * (n + blocks))
+                     term="sum_squares")
         finish_threads = _threads_for(blocks, 1024)
-        self._launch("global_norm_squared_finish", (1,), (finish_threads,), (total, partial, _i32(blocks)),
-                     flops=blocks, nbytes=F32 * (blocks + 1))
+        self._launch("global_norm_squared_finish", (1,), (finish_threads,), (total, partial, _i32(blocks)))
         return float(self.rt.to_host(total)[0])

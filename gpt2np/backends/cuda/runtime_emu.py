@@ -29,6 +29,7 @@ class EmuRuntime:
     """Runs kernels on the CPU emulator; arrays are NumPy arrays."""
 
     name = "emulator"
+    tf32 = False            # GEMMs run in float32 NumPy
 
     def __init__(self, schedule=None):
         """schedule: "forward", "reverse", or None for the emulator's default ($GPT2NP_EMU_SCHEDULE or forward)."""

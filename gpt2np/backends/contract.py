@@ -1,0 +1,309 @@
+"""The op contract: what every backend implements, with shapes, and what each op costs.
+
+Each op writes into buffers the caller preallocated (llm.c's discipline): nothing is returned, nothing is
+allocated per call. Shapes: B batch, T time, C channels, OC output channels, NH heads, HS = C / NH head size,
+N = B * T rows, V vocabulary, Vp padded vocabulary, maxT the model's longest sequence.
+
+`accumulate`: parameter gradients (dweight, dbias, dwpe) are added to (gradient accumulation over
+micro-batches, and wte is used twice) unless the op is called with accumulate=False, when it overwrites
+them and ignores their old contents. The model passes accumulate=False right after zero_grad(), so the
+gradient buffer is never filled with zeros. Activation gradients are overwritten, except
+layernorm_backward's dinp, which adds into the residual stream's gradient, and encoder_backward's dwte,
+which the tied lm_head wrote first.
+
+Costs: `op_cost(op, args)` gives each op's work from the shapes of the arguments it is called with, ONE
+formula per op, used by the profiler, the reports, the benches and any planner. An op's cost is a sum of
+named terms, its stages (matmul_backward: "dinp", "dweight", "dbias"); each term's FLOPs count the
+arithmetic of the math and its bytes are the minimum traffic of that stage (each input read once, each output
+written once, 4 bytes per float32, a read-modify-write for what accumulates). A backend that runs an op as
+several kernels says which term each kernel carries (CudaBackend: `term=` on every launch), so the per-kernel
+figures add up to the op's.
+"""
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple
+
+F32 = 4  # bytes per float32
+I32 = 4  # bytes per int32 token id
+
+
+class Backend(Protocol):
+    """A device that runs the op contract. Arrays are the backend's own (NumPy arrays, device arrays)."""
+
+    name: str                # "numpy" or "cuda"
+    dtype: Any               # dtype of parameters and activations (float32)
+    launches_kernels: bool   # whether ops run as kernel launches reported through on_launch
+    on_launch: Optional[Callable]   # on_launch(kernel, kind, term, run): called instead of each launch;
+    #                                 must call run() once (kind "kernel" or "gemm"; term: the op cost term)
+
+    @property
+    def precision(self) -> str:
+        """Math of the matmuls: "fp32", or "tf32" where tensor cores are on."""
+
+    def device_name(self) -> str:
+        """What runs the ops: "cpu" or the GPU's name."""
+
+    # ---- memory ---------------------------------------------------------------------
+    def zeros(self, shape, dtype=None): """A new zero-filled array."""
+    def from_host(self, array, dtype=None): """A backend copy of a host (NumPy) array."""
+    def to_host(self, array): """A host (NumPy) copy of a backend array."""
+    def copy_(self, dst, src): """dst[...] = src (same shape)."""
+    def fill_(self, array, value): """array[...] = value."""
+    def synchronize(self): """Wait until all queued work is done."""
+
+    # ---- encoder --------------------------------------------------------------------
+    def encoder_forward(self, out, inp, wte, wpe):
+        """out (B,T,C) = wte (Vp,C)[inp (B,T) int32] + wpe (maxT,C)[:T]."""
+
+    def encoder_backward(self, dwte, dwpe, dout, inp, accumulate=True):
+        """dwte (Vp,C)[inp[b,t]] += dout (B,T,C)[b,t] (always adds);  dwpe (maxT,C)[t] += sum_b dout[b,t].
+        accumulate=False overwrites dwpe: dwpe[:T] = the sums, dwpe[T:] = 0."""
+
+    # ---- layernorm ------------------------------------------------------------------
+    def layernorm_forward(self, out, mean, rstd, inp, weight, bias):
+        """out (B,T,C) = (inp - mean) * rstd * weight (C) + bias (C); saves mean, rstd (B,T)."""
+
+    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
+        """dinp (B,T,C) += d inp; dweight (C), dbias (C) += (or = without accumulate), from dout (B,T,C),
+        inp (B,T,C), weight (C) and the saved mean, rstd (B,T)."""
+
+    # ---- matmul ---------------------------------------------------------------------
+    def matmul_forward(self, out, inp, weight, bias):
+        """out (B,T,OC) = inp (B,T,C) @ weight (OC,C)^T + bias (OC); bias may be None."""
+
+    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True):
+        """dinp (B,T,C) = dout (B,T,OC) @ weight (OC,C);  dweight (OC,C) += dout^T @ inp;
+        dbias (OC) += sum of dout over (B,T) (dbias may be None). accumulate=False: = instead of +=."""
+
+    # ---- attention ------------------------------------------------------------------
+    def attention_forward(self, out, qkvr, att, inp):
+        """Causal self-attention, heads batched. inp (B,T,3C) = [q | k | v];  qkvr (3,B,NH,T,HS) saves
+        them per head;  att (B,NH,T,T) = softmax(q k^T / sqrt(HS)), future masked (exact zeros);
+        out (B,T,C) = att @ v, heads concatenated."""
+
+    def attention_backward(self, dinp, dout, qkvr, att):
+        """dinp (B,T,3C) = d[q|k|v] from dout (B,T,C), the saved qkvr (3,B,NH,T,HS) and att (B,NH,T,T)."""
+
+    # ---- gelu -----------------------------------------------------------------------
+    def gelu_forward(self, out, inp):
+        """out (B,T,4C) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), x = inp (B,T,4C)."""
+
+    def gelu_backward(self, dinp, inp, dout):
+        """dinp (B,T,4C) = dout * gelu'(inp); dinp may alias dout."""
+
+    # ---- residual -------------------------------------------------------------------
+    def residual_forward(self, out, inp1, inp2):
+        """out = inp1 + inp2 (all (B,T,C))."""
+
+    def residual_backward(self, dinp1, dinp2, dout):
+        """dinp1 += dout; dinp2 += dout."""
+
+    # ---- classifier -----------------------------------------------------------------
+    def fused_classifier(self, logits, losses, targets, V, dloss, write_dlogits):
+        """Per row of logits (B,T,Vp): losses (B,T) = logsumexp(logits[:V]) - logits[target], targets (B,T)
+        int32. With write_dlogits, logits becomes dlogits = (softmax - onehot(target)) * dloss over [:V] and
+        0 over the padding [V:Vp]."""
+
+    # ---- optimizer ------------------------------------------------------------------
+    def adamw_update(self, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
+        """AdamW on flat float32 segments (n), in place: g = grad_scale * grads; m, v moments with bias
+        correction for step t >= 1; params -= lr * (mhat / (sqrt(vhat) + eps) + weight_decay * params)."""
+
+    def global_norm_squared(self, grads) -> float:
+        """sum(grads^2) over a flat (n) buffer, as a Python float."""
+
+
+# ---------------------------------------------------------------------------------------------
+# costs
+
+Term = Tuple[int, int]   # (FLOPs, minimum bytes)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One op call's work: `terms` {stage: (FLOPs, bytes)}; `params` its shapes, e.g. "B=4,T=64,C=768"."""
+    params: str
+    terms: Dict[str, Term] = field(default_factory=dict)
+
+    @property
+    def flops(self) -> int:
+        return sum(f for f, _ in self.terms.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, b in self.terms.values())
+
+
+def _size(array) -> int:
+    n = 1
+    for d in array.shape:
+        n *= int(d)
+    return n
+
+
+def gemm_term(m, n, k, batch=1, accumulate=False) -> Term:
+    """C (m,n) = A (m,k) @ B (k,n), `batch` times: 2mnk FLOPs; reads A and B, writes C (reads it too when
+    it accumulates)."""
+    return 2 * m * n * k * batch, F32 * batch * (m * k + k * n + m * n * (2 if accumulate else 1))
+
+
+def _btc(x):
+    """'B=..,T=..,C=..' for a (B,T,C) array, 'N=..,C=..' for any other (..., C)."""
+    if x.ndim == 3:
+        return "B={},T={},C={}".format(*x.shape)
+    return f"N={_size(x) // x.shape[-1]},C={x.shape[-1]}"
+
+
+def _rmw(accumulate):
+    """Passes over an output: a read and a write when it accumulates, a write when it is overwritten."""
+    return 2 if accumulate else 1
+
+
+def encoder_forward_cost(out, inp, wte, wpe) -> Cost:
+    B, T, C = out.shape
+    n = B * T * C
+    return Cost(f"B={B},T={T},C={C}", {"encode": (n, F32 * 3 * n + I32 * B * T)})
+
+
+def encoder_backward_cost(dwte, dwpe, dout, inp, accumulate=True) -> Cost:
+    B, T, C = dout.shape
+    n = B * T * C
+    rows = min(B * T, dwte.shape[0])      # distinct tokens at most: the bound when no token repeats
+    return Cost(f"B={B},T={T},C={C}", {
+        "dwte": (n, F32 * (n + 2 * rows * C) + I32 * B * T),
+        "dwpe": (n, F32 * (n + _rmw(accumulate) * T * C)),
+    })
+
+
+def layernorm_forward_cost(out, mean, rstd, inp, weight, bias) -> Cost:
+    C = inp.shape[-1]
+    N = _size(inp) // C
+    return Cost(_btc(inp), {"normalize": (8 * N * C, F32 * (2 * N * C + 2 * C + 2 * N))})
+
+
+def layernorm_backward_cost(dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True) -> Cost:
+    C = inp.shape[-1]
+    N = _size(inp) // C
+    return Cost(_btc(inp), {
+        "dinp": (14 * N * C, F32 * (4 * N * C + C + 2 * N)),
+        "dparams": (3 * N * C, F32 * (2 * N * C + 2 * N + _rmw(accumulate) * 2 * C)),
+    })
+
+
+def _matmul_params(x, C, OC):
+    N = _size(x) // C
+    lead = f"B={x.shape[0]},T={x.shape[1]}," if x.ndim == 3 else ""
+    return f"{lead}C={C},OC={OC},M={N},N={OC},K={C}"
+
+
+def matmul_forward_cost(out, inp, weight, bias) -> Cost:
+    OC, C = weight.shape
+    N = _size(inp) // C
+    terms = {"gemm": gemm_term(N, OC, C)}
+    if bias is not None:
+        terms["bias"] = (N * OC, F32 * (2 * N * OC + OC))
+    return Cost(_matmul_params(inp, C, OC), terms)
+
+
+def matmul_backward_cost(dinp, dweight, dbias, dout, inp, weight, accumulate=True) -> Cost:
+    OC, C = weight.shape
+    N = _size(inp) // C
+    terms = {"dinp": gemm_term(N, C, OC), "dweight": gemm_term(OC, C, N, accumulate=accumulate)}
+    if dbias is not None:
+        terms["dbias"] = (N * OC, F32 * (N * OC + _rmw(accumulate) * OC))
+    return Cost(_matmul_params(inp, C, OC), terms)
+
+
+def attention_forward_cost(out, qkvr, att, inp) -> Cost:
+    _, B, NH, T, HS = qkvr.shape
+    n, BH, rows = B * T * NH * HS, B * NH, B * NH * T
+    return Cost(f"B={B},T={T},NH={NH},HS={HS}", {
+        "permute": (0, F32 * 6 * n),                              # inp (B,T,3C) -> qkvr (3,B,NH,T,HS)
+        "scores": gemm_term(T, T, HS, BH),                        # q k^T
+        "softmax": (5 * rows * (T + 1) // 2, F32 * 2 * rows * T),  # scale, mask, max, exp, sum, divide
+        "weighted_sum": gemm_term(T, HS, T, BH),                  # att v
+        "unpermute": (0, F32 * 2 * n),                            # (B,NH,T,HS) -> out (B,T,C)
+    })
+
+
+def attention_backward_cost(dinp, dout, qkvr, att) -> Cost:
+    _, B, NH, T, HS = qkvr.shape
+    n, BH, rows = B * T * NH * HS, B * NH, B * NH * T
+    return Cost(f"B={B},T={T},NH={NH},HS={HS}", {
+        "unpermute_backward": (0, F32 * 2 * n),
+        "dv": gemm_term(T, HS, T, BH),
+        "datt": gemm_term(T, T, HS, BH),
+        "softmax_backward": (4 * rows * (T + 1) // 2, F32 * 3 * rows * T),
+        "dq": gemm_term(T, HS, T, BH),
+        "dk": gemm_term(T, HS, T, BH),
+        "permute_backward": (0, F32 * 6 * n),
+    })
+
+
+def gelu_forward_cost(out, inp) -> Cost:
+    n = _size(inp)
+    return Cost(f"N={n}", {"gelu": (10 * n, F32 * 2 * n)})
+
+
+def gelu_backward_cost(dinp, inp, dout) -> Cost:
+    n = _size(inp)
+    return Cost(f"N={n}", {"gelu_backward": (20 * n, F32 * 3 * n)})
+
+
+def residual_forward_cost(out, inp1, inp2) -> Cost:
+    n = _size(out)
+    return Cost(f"N={n}", {"add": (n, F32 * 3 * n)})
+
+
+def residual_backward_cost(dinp1, dinp2, dout) -> Cost:
+    n = _size(dout)
+    return Cost(f"N={n}", {"add": (2 * n, F32 * 5 * n)})
+
+
+def fused_classifier_cost(logits, losses, targets, V, dloss, write_dlogits) -> Cost:
+    *lead, Vp = logits.shape
+    N = _size(logits) // Vp
+    shape = f"B={lead[0]},T={lead[1]}," if len(lead) == 2 else f"N={N},"
+    # max, exp, sum and the loss per logit; with dlogits also the softmax, its scaling and the write
+    flops = N * V * (8 if write_dlogits else 4)
+    return Cost(f"{shape}V={V},Vp={Vp}", {
+        "classifier": (flops, F32 * N * (V + (Vp if write_dlogits else 0) + 2)),
+    })
+
+
+def adamw_cost(params, grads, m, v, *hyperparameters) -> Cost:
+    n = _size(params)
+    return Cost(f"N={n}", {"update": (14 * n, F32 * 7 * n)})   # reads p, g, m, v; writes p, m, v
+
+
+def global_norm_cost(grads) -> Cost:
+    n = _size(grads)
+    return Cost(f"N={n}", {"sum_squares": (2 * n, F32 * n)})
+
+
+# op name (as the model's ranges and the profiler's records name it) -> its cost formula
+COSTS: Dict[str, Callable[..., Cost]] = {
+    "encoder_forward": encoder_forward_cost,
+    "encoder_backward": encoder_backward_cost,
+    "layernorm_forward": layernorm_forward_cost,
+    "layernorm_backward": layernorm_backward_cost,
+    "matmul_forward": matmul_forward_cost,
+    "matmul_backward": matmul_backward_cost,
+    "attention_forward": attention_forward_cost,
+    "attention_backward": attention_backward_cost,
+    "gelu_forward": gelu_forward_cost,
+    "gelu_backward": gelu_backward_cost,
+    "residual_forward": residual_forward_cost,
+    "residual_backward": residual_backward_cost,
+    "fused_classifier": fused_classifier_cost,
+    "adamw": adamw_cost,                 # Backend.adamw_update
+    "global_norm": global_norm_cost,     # Backend.global_norm_squared
+}
+
+
+def op_cost(op: str, args) -> Cost:
+    """The cost of one call of `op` with these arguments (the op's own argument list)."""
+    try:
+        formula = COSTS[op]
+    except KeyError:
+        raise KeyError(f"no cost formula for op {op!r}; known: {', '.join(COSTS)}") from None
+    return formula(*args)

@@ -1,0 +1,134 @@
+"""The op contract is code: both backends implement every op of the Protocol with its signature, and each op's
+cost is one formula that the CUDA kernels split by term and the NumPy ops report whole."""
+import inspect
+from collections import Counter, defaultdict
+
+import numpy as np
+import pytest
+
+from gpt2np.backends import get_backend
+from gpt2np.backends.contract import COSTS, Backend, gemm_term, op_cost
+from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.config import GPT2Config
+from gpt2np.model import GPT2
+from gpt2np.profiling.profiler import profile_steps
+
+CFG = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=16)
+B, T = 2, 8
+# the op names the model's ranges use for the two ops whose backend method is named differently
+METHOD = {"adamw": "adamw_update", "global_norm": "global_norm_squared"}
+# every op a training step runs (the model folds residual_backward into the residual stream's gradient)
+STEP_OPS = set(COSTS) - {"residual_backward"}
+
+
+def contract_methods():
+    return [name for name, member in vars(Backend).items()
+            if callable(member) and not name.startswith("_")]
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "emu"])
+def test_backends_implement_every_contract_method_with_its_signature(backend_name):
+    backend = get_backend(backend_name)
+    for name in contract_methods():
+        ours = inspect.signature(getattr(type(backend), name))
+        want = inspect.signature(getattr(Backend, name))
+        assert list(ours.parameters) == list(want.parameters), f"{type(backend).__name__}.{name}"
+    assert backend.name in ("numpy", "cuda") and backend.dtype == np.float32
+    assert backend.launches_kernels == (backend.name == "cuda") and backend.on_launch is None
+    assert backend.precision == "fp32" and isinstance(backend.device_name(), str)
+
+
+def test_every_costed_op_is_a_contract_method_and_back():
+    ops = {METHOD.get(op, op) for op in COSTS}
+    compute = {name for name in contract_methods() if name not in (
+        "zeros", "from_host", "to_host", "copy_", "fill_", "synchronize", "device_name", "precision")}
+    assert ops == compute
+
+
+def test_gemm_term_and_hand_counts():
+    assert gemm_term(3, 5, 7) == (2 * 3 * 5 * 7, 4 * (3 * 7 + 7 * 5 + 3 * 5))
+    assert gemm_term(3, 5, 7, batch=2, accumulate=True) == (2 * 2 * 3 * 5 * 7, 4 * 2 * (3 * 7 + 7 * 5 + 2 * 3 * 5))
+    z = np.zeros
+    # matmul_forward on (B,T,C) @ (OC,C)^T + bias: the GEMM plus one add per output
+    cost = op_cost("matmul_forward", (z((2, 4, 48)), z((2, 4, 16)), z((48, 16)), z(48)))
+    assert cost.flops == 2 * 8 * 16 * 48 + 8 * 48
+    assert cost.params == "B=2,T=4,C=16,OC=48,M=8,N=48,K=16"
+    assert set(op_cost("matmul_forward", (z((2, 4, 48)), z((2, 4, 16)), z((48, 16)), None)).terms) == {"gemm"}
+    # a parameter gradient that accumulates reads its old value: more bytes than overwriting it
+    args = (z((2, 4, 16)), z((48, 16)), z(48), z((2, 4, 48)), z((2, 4, 16)), z((48, 16)))
+    assert op_cost("matmul_backward", args + (True,)).bytes > op_cost("matmul_backward", args + (False,)).bytes
+    assert op_cost("adamw", (z(10), z(10), z(10), z(10), 1e-3, 0.9, 0.95, 1e-8, 0.0, 1, 1.0)).bytes == 4 * 7 * 10
+    with pytest.raises(KeyError, match="no cost formula"):
+        op_cost("softmax_of_nothing", ())
+
+
+def batches():
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, CFG.vocab_size, (2, B, T + 1)).astype(np.int32)
+    return [(b[:, :-1], b[:, 1:]) for b in raw]
+
+
+def totals(records):
+    """{(op, module, direction, layer): (FLOPs, bytes, params)} summed over the records of one step."""
+    out = defaultdict(lambda: [0, 0, set()])
+    for r in records:
+        row = out[(r.op, r.module, r.direction, r.layer)]
+        row[0] += r.flops
+        row[1] += r.bytes
+        row[2].add(r.params)
+    return {key: tuple(row[:2]) + (frozenset(row[2]),) for key, row in out.items()}
+
+
+def test_cuda_kernels_add_up_to_the_numpy_op_cost():
+    """One step profiled on the emulated CUDA backend and on NumPy: per op and module, the CUDA kernels'
+    FLOPs and bytes add up to exactly what the NumPy op reports, the contract's one formula."""
+    def step_records(backend):
+        prof = profile_steps(GPT2(CFG, backend, B, T, seed=0), batches(), steps=1)
+        return [r for r in prof.records if r.step == 1]
+
+    cuda_records = step_records(get_backend("emu"))
+    numpy_records = step_records(NumpyBackend(threads=1))
+    assert len(cuda_records) > len(numpy_records)            # several kernels per op
+    assert totals(cuda_records) == totals(numpy_records)
+    assert {r.op for r in numpy_records} == STEP_OPS
+    assert all(r.flops + r.bytes > 0 for r in numpy_records)
+
+
+def test_every_cuda_launch_names_a_term_of_its_op_once():
+    """Straight from the launch hook: within one op call no term is carried twice, and every term is carried."""
+    backend = get_backend("emu")
+    model = GPT2(CFG, backend, B, T, seed=0)
+    x, y = batches()[0]
+    current = []            # [(op, its Cost, Counter of the terms its kernels carried)] while an op runs
+    checked = Counter()
+
+    class OpTracker:
+        def on_push(self, name, detail):
+            if detail is not None:
+                current.append((name, op_cost(name, detail[1]), Counter()))
+
+        def on_pop(self, name):
+            if current and current[-1][0] == name:
+                op, cost, terms = current.pop()
+                assert terms == Counter(set(cost.terms)), (op, terms, set(cost.terms))
+                checked[op] += 1
+
+    def hook(kernel, kind, term, run):
+        assert current, f"{kernel} launched outside an op"
+        if term is not None:
+            current[-1][2][term] += 1
+        run()
+
+    from gpt2np.profiling import ranges
+    tracker = OpTracker()
+    ranges.add_listener(tracker)
+    backend.on_launch = hook
+    try:
+        model.zero_grad()
+        model.forward(x, y, for_backward=True)
+        model.backward()
+        model.update(1e-3, step=1)
+    finally:
+        backend.on_launch = None
+        ranges.remove_listener(tracker)
+    assert set(checked) == STEP_OPS and not current
