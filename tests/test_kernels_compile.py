@@ -2,11 +2,12 @@
 options) and with nvcc -cubin, without register spills; and CupyRuntime's cuBLAS call maps row-major
 operands correctly (against a column-major reference). No GPU needed."""
 import re
+from pathlib import Path
 
 import pytest
 
 from gpt2np.backends.cuda import nvrtc_check
-from gpt2np.backends.cuda.backend import KERNEL_DIR, KERNEL_FILES, KERNELS
+from gpt2np.backends.cuda.backend import KERNEL_DIR, KERNEL_FILES, KERNELS, kernel_registry
 
 
 def _nvrtc_usable():
@@ -26,14 +27,37 @@ def reports():
     return nvrtc_check.check(KERNEL_FILES, nvrtc_check.ARCHS, use_nvcc=True, jobs=2)
 
 
-def test_every_kernel_file_is_known():
+def test_registry_is_read_from_the_kernel_files():
     on_disk = {p.stem for p in KERNEL_DIR.glob("*.cu")}
     assert on_disk == set(KERNEL_FILES)
     for stem in KERNEL_FILES:
         source = (KERNEL_DIR / f"{stem}.cu").read_text()
         entry = r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\('
         declared = set(re.findall(entry, source))
-        assert declared == {k for k, f in KERNELS.items() if f == stem}, stem
+        assert declared and declared == {k for k, f in KERNELS.items() if f == stem}, stem
+
+
+def test_every_kernel_is_launched_by_the_backend_or_tested():
+    """A kernel added to kernels/*.cu must be used: launched by CudaBackend (its name as a string in
+    backend.py) or exercised by the kernel tests; and every name the backend launches must exist."""
+    from gpt2np.backends.cuda import backend
+    backend_source = Path(backend.__file__).read_text()
+    tests_source = (Path(__file__).parent / "test_kernels.py").read_text()
+    launched = {name for name in KERNELS if f'"{name}"' in backend_source}
+    tested = {name for name in KERNELS if name in tests_source}
+    unused = sorted(set(KERNELS) - launched - tested)
+    assert not unused, f"kernels neither launched by CudaBackend nor tested: {unused}"
+    quoted = set(re.findall(r'self\._launch\(\s*"(\w+)"', backend_source))
+    assert quoted <= set(KERNELS), quoted - set(KERNELS)
+
+
+def test_a_new_unused_kernel_is_caught(tmp_path):
+    """The registry sees a kernel as soon as it is in a file, so the test above would name it."""
+    (tmp_path / "extra.cu").write_text('extern "C" __global__ void __launch_bounds__(256)\nnew_kernel(float* x) {}\n')
+    assert kernel_registry(tmp_path) == {"new_kernel": "extra"}
+    (tmp_path / "again.cu").write_text('extern "C" __global__ void new_kernel(float* x) {}\n')
+    with pytest.raises(ValueError, match="also defined"):
+        kernel_registry(tmp_path)
 
 
 @needs_nvrtc
