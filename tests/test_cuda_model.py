@@ -11,6 +11,7 @@ from gpt2np.backends.numpy_backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.backends.cuda.backend import CudaBackend
 from gpt2np.model import GPT2
+from gpt2np.train_step import AdamW, train_step
 from gpt2np.tensors import PARAM_NAMES
 
 CFG = GPT2Config(max_seq_len=8, vocab_size=37, padded_vocab_size=64, num_layers=2, num_heads=2, channels=16)
@@ -69,10 +70,9 @@ def test_three_adamw_steps(cuda_backend):
     for step in range(1, 4):
         x, y = batch(10 + step)
         for model in (ref, gpu):
-            losses[id(model)].append(model.forward(x, y, for_backward=True))
-            model.zero_grad()
-            model.backward()
-            model.update(3e-3, weight_decay=0.1, step=step, grad_clip=0.5)   # clipping active on tiny models too
+            loss, _ = train_step(model, lambda: (x, y), step=step - 1, lr=3e-3,
+                                 adamw=AdamW(weight_decay=0.1, grad_clip=0.5))   # clipping active on tiny models too
+            losses[id(model)].append(loss)
     np.testing.assert_allclose(losses[id(gpu)], losses[id(ref)], rtol=1e-5)
     np.testing.assert_allclose(gpu.params_host(), ref.params_host(), rtol=1e-4, atol=2e-6)
 

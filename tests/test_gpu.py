@@ -63,6 +63,7 @@ def test_d12_training_smoke():
     from gpt2np.backends.cuda.backend import CudaBackend
     from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
     from gpt2np.model import GPT2
+    from gpt2np.train_step import train_step
     cfg = preset("d12")
     B, T = 4, 128
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
@@ -72,11 +73,9 @@ def test_d12_training_smoke():
     gpu_first = gpu.forward(x[:1, :16], y[:1, :16])
     assert gpu_first == pytest.approx(ref.forward(x[:1, :16], y[:1, :16]), rel=1e-4)
     losses = []
-    for step in range(1, 21):
-        losses.append(gpu.forward(x, y, for_backward=True))
-        gpu.zero_grad()
-        gpu.backward()
-        norm = gpu.update(3e-4, weight_decay=0.0, step=step)
+    for step in range(20):
+        loss, norm = train_step(gpu, lambda: (x, y), step=step, lr=3e-4)
+        losses.append(loss)
         assert np.isfinite(norm)
     assert all(np.isfinite(losses))
     assert losses[0] == pytest.approx(np.log(cfg.vocab_size), rel=0.05)

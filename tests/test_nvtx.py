@@ -184,8 +184,8 @@ def test_env_var_off_by_default_and_enable_overrides(inject_lib, tmp_path):
 
 # ---- (iii) one full training step of a tiny model ----------------------------------------------
 
-# What one training step emits: (forward, zero_grad, backward, grad_norm, update) under "Train step N".
-# Op names follow llm.c's; the classifier runs in forward (loss only) and again in backward (dlogits).
+# What one training step (gpt2np.train_step, as the trainer runs it) emits: forward, backward, grad norm and
+# update under "Train step N". Op names follow llm.c's; the fused classifier writes dlogits in forward.
 LAYER_FORWARD = ("layernorm_forward", "matmul_forward", "attention_forward", "matmul_forward",
                  "residual_forward", "layernorm_forward", "matmul_forward", "gelu_forward",
                  "matmul_forward", "residual_forward")
@@ -200,7 +200,7 @@ def expected_step(step, num_layers):
                    *(node(f"Layer {l}", *map(node, LAYER_FORWARD)) for l in range(num_layers)),
                    node("layernorm_forward"), node("matmul_forward"), node("fused_classifier"))
     backward = node("gpt2_backward",
-                    node("fused_classifier"), node("matmul_backward"), node("layernorm_backward"),
+                    node("matmul_backward"), node("layernorm_backward"),
                     *(node(f"Layer {l}", *map(node, LAYER_BACKWARD)) for l in reversed(range(num_layers))),
                     node("encoder_backward"))
     grad_norm = node("gpt2_calculate_grad_norm", node("global_norm"))
@@ -221,6 +221,7 @@ def test_training_step_tree(inject_lib, tmp_path):
         from gpt2np.backends.numpy_backend import NumpyBackend
         from gpt2np.config import GPT2Config
         from gpt2np.model import GPT2
+        from gpt2np.train_step import train_step
 
         cfg = GPT2Config(max_seq_len=8, vocab_size=40, padded_vocab_size=64,
                          num_layers={num_layers}, num_heads=2, channels=16)
@@ -229,12 +230,7 @@ def test_training_step_tree(inject_lib, tmp_path):
         tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
         ranges.enable(True)           # GPT2NP_NVTX=0 kept construction out of the trace
         for step in (1, 2):
-            with ranges.range(f"Train step {{step}}"):
-                loss = model.forward(tokens[:, :-1], tokens[:, 1:])
-                model.zero_grad()
-                model.backward()
-                norm = model.grad_norm()
-                model.update(lr=1e-4, step=step, grad_norm=norm)
+            train_step(model, lambda: (tokens[:, :-1], tokens[:, 1:]), step=step, lr=1e-4)
     """, inject_lib, tmp_path, env_extra={"GPT2NP_NVTX": "0"})
     (trees,) = range_trees(events).values()
     expected = [expected_step(1, num_layers), expected_step(2, num_layers)]
