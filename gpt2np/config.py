@@ -1,5 +1,6 @@
-"""GPT-2 model configuration and llm.c's depth presets (d12, d24, d36, d48)."""
-from dataclasses import dataclass
+"""GPT-2 model configuration, llm.c's depth presets (d12, d24, d36, d48), and the training settings (TrainConfig)."""
+from dataclasses import Field, dataclass, field, fields, replace
+from typing import get_args
 
 
 @dataclass(frozen=True)
@@ -60,3 +61,83 @@ def preset(name: str, max_seq_len: int = 1024, vocab_size: int = 50257) -> GPT2C
         raise ValueError(f"unknown model preset {name!r}: expected one of {', '.join(PRESETS)}")
     L, NH, C = PRESETS[name]
     return GPT2Config(max_seq_len, vocab_size, pad_vocab(vocab_size), L, NH, C)
+
+
+def _setting(flag, default=None, help="", *, cpu_gpu=None, choices=None, metavar=None, default_text=None):
+    """A TrainConfig field: its llm.c flag, help, argparse choices/metavar and, where llm.c's CPU (train_gpt2.c)
+    and GPU (train_gpt2.cu) trainers differ, the (CPU, GPU) defaults that fill a None once the backend is known."""
+    return field(default=default, metadata={"flag": flag, "help": help, "cpu_gpu": cpu_gpu, "choices": choices,
+                                            "metavar": metavar, "default_text": default_text})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every training setting, by name; train.py maps llm.c's flags (in each field's metadata) onto it.
+
+    None in a field with cpu_gpu metadata means "llm.c's default for the device": see with_device_defaults.
+    """
+    train_data: str | None = _setting("-i", help="train token shards (glob); the default set is prepared on first use",
+                                      metavar="PATTERN", default_text="tinyshakespeare train split")
+    val_data: str | None = _setting("-j", help="val token shards (glob); -i without -j: no validation",
+                                    metavar="PATTERN", default_text="tinyshakespeare val split")
+    model: str = _setting("-e", "gpt2_124M.bin", "llm.c model file (fetched if missing), or d12/d24/d36/d48 for "
+                          "random init", metavar="MODEL")
+    output_dir: str | None = _setting("-o", help="output dir for main.log and checkpoints", metavar="DIR",
+                                      default_text="none")
+    batch_size: int | None = _setting("-b", help="micro batch size B", cpu_gpu=(4, 4))
+    seq_len: int | None = _setting("-t", help="sequence length T", cpu_gpu=(64, 1024))
+    total_batch_size: int = _setting("-d", -1, "total batch size in tokens, by gradient accumulation",
+                                     default_text="B*T*processes")
+    max_steps: int | None = _setting("-x", help="max steps, -1 = one epoch", cpu_gpu=(40, -1))
+    learning_rate: float = _setting("-l", 3e-4, "learning rate")
+    warmup_steps: int = _setting("-u", 0, "warmup iterations")
+    final_lr_frac: float = _setting("-q", 1.0, "final lr as a fraction of -l, 1.0 = no decay")
+    lr_schedule: str = _setting("-k", "cosine", "lr schedule", choices=("cosine", "linear", "constant", "wsd"))
+    weight_decay: float = _setting("-c", 0.0, "weight decay, on the 2-D tensors")
+    val_every: int | None = _setting("-v", help="val loss every N steps, 0 = never", cpu_gpu=(10, 20))
+    val_max_batches: int | None = _setting("-m", help="max val batches, -1 = all", cpu_gpu=(5, 20))
+    sample_every: int | None = _setting("-s", help="sample every N steps, 0 = never", cpu_gpu=(20, 20))
+    gen_tokens: int = _setting("-g", 64, "tokens to generate per sample")
+    checkpoint_every: int = _setting("-n", 0, "checkpoint every N steps into -o, 0 = never")
+    resume: int = _setting("-y", 0, "1 = resume from the latest checkpoint in -o", choices=(0, 1))
+    overfit_single_batch: int = _setting("-a", 0, "1 = overfit a single batch, for debugging", choices=(0, 1))
+    zero_stage: int = _setting("-z", 0, "ZeRO stage under mpiexec: 0 = plain data parallel, 1 = optimizer state "
+                               "sharded across ranks", choices=(0, 1))
+    dist_timeout: float = _setting("--dist-timeout", 600.0, "under mpiexec: abort all ranks when a collective takes "
+                                   "longer, as a rank died or hangs; 0 = wait forever", metavar="SECONDS")
+    device: str = _setting("--device", "auto", "auto = cuda if there is a GPU, else cpu; cpu and numpy are the "
+                           "same backend", choices=("auto", "cpu", "numpy", "cuda"))
+    seed: int = _setting("--seed", 1337, "init, shuffling and sampling seed")
+    shuffle: bool = _setting("--shuffle", False, "shuffle shards and samples every epoch")
+    temperature: float = _setting("--temperature", 1.0, "sampling temperature, 0 = greedy")
+    top_k: int = _setting("--top-k", 0, "sample from the k most likely tokens, 0 = all")
+    grad_clip: float = _setting("--grad-clip", 1.0, "global-norm gradient clipping, 0 = off")
+    beta1: float = _setting("--beta1", 0.9, "AdamW beta1")
+    beta2: float = _setting("--beta2", 0.95, "AdamW beta2")
+    eps: float = _setting("--eps", 1e-8, "AdamW epsilon")
+    tf32: bool = _setting("--tf32", False, "GPU: TF32 tensor cores for the matmuls (off: exact fp32)")
+    profile_steps: int = _setting("--profile", 0, "profile N steps after a warm-up step: kernel table, module tree, "
+                                  "range summary; files in -o/profile", metavar="N")
+    nvtx: int = _setting("--nvtx", 1, "NVTX ranges for nsys, free without a profiler", choices=(0, 1))
+
+    def with_device_defaults(self, backend_name: str) -> "TrainConfig":
+        """A copy with llm.c's CPU or GPU (backend 'cuda') default in every device-dependent field left None."""
+        column = 1 if backend_name == "cuda" else 0
+        return replace(self, **{f.name: f.metadata["cpu_gpu"][column] for f in fields(self)
+                                if f.metadata["cpu_gpu"] and getattr(self, f.name) is None})
+
+
+def value_type(f: Field) -> type:
+    """The type a setting's flag parses to: int for `int | None`."""
+    return next((t for t in get_args(f.type) if t is not type(None)), f.type)
+
+
+def default_text(f: Field) -> str | None:
+    """A setting's default in words, for --help: llm.c's CPU/GPU defaults, a described default, or the value."""
+    m = f.metadata
+    if m["cpu_gpu"]:
+        cpu, gpu = m["cpu_gpu"]
+        return str(cpu) if cpu == gpu else f"{cpu} on the CPU, {gpu} on a GPU"
+    if m["default_text"]:
+        return m["default_text"]
+    return None if f.default is None or value_type(f) is bool else str(f.default)

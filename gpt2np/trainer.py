@@ -1,7 +1,7 @@
 """The training loop behind train.py: llm.c's loop (validate, sample, checkpoint, step) on any backend.
 
-train(args) takes the parsed flags (see train.py); it prints llm.c's header and one line per step, writes
-a log and checkpoints to -o, and resumes bit-identically with -y 1.
+train(cfg) takes a TrainConfig (train.py maps llm.c's flags onto it); it prints llm.c's header and one line per
+step, writes a log and checkpoints to -o, and resumes bit-identically with -y 1.
 """
 import os
 import sys
@@ -9,33 +9,21 @@ import time
 
 import numpy as np
 
-from .profiling import ranges
 from .backends import get_backend
 from .checkpoint import (done_path, latest_checkpoint_step, load_model, load_state, model_path, save_model,
                          save_state, state_path)
+from .config import TrainConfig
 from .data import DataLoader
-from .dist import DEFAULT_TIMEOUT, make_process_group
-from .profiling.gpu_specs import flops_per_token, mfu
+from .dist import make_process_group
 from .model import GPT2
+from .profiling import ranges
+from .profiling.gpu_specs import flops_per_token, mfu
 from .profiling.profiler import Profiler, device_label, device_roofline, write_outputs
 from .profiling.report import render
 from .sample import generate
 from .schedule import learning_rate
 from .starter import Decoder, resolve_data, resolve_model
 from .train_step import AdamW, train_step
-
-# llm.c's defaults differ between its CPU (train_gpt2.c) and GPU (train_gpt2.cu) trainers
-CPU_DEFAULTS = dict(b=4, t=64, x=40, v=10, m=5, s=20)
-GPU_DEFAULTS = dict(b=4, t=1024, x=-1, v=20, m=20, s=20)
-
-
-def resolve_defaults(args, backend_name):
-    defaults = GPU_DEFAULTS if backend_name == "cuda" else CPU_DEFAULTS
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    return args
-
 
 def header_table(rows):
     width = max(len(k) for k, _ in rows)
@@ -74,90 +62,95 @@ def evaluate(model, loader, max_batches):
         return total / max(n, 1)
 
 
-def train(args, dist=None):
-    dist = dist or make_process_group(args.device, getattr(args, "z", 0),
-                                      getattr(args, "dist_timeout", DEFAULT_TIMEOUT))
+def train(cfg: TrainConfig, dist=None):
+    dist = dist or make_process_group(cfg.device, cfg.zero_stage, cfg.dist_timeout)
     rank0 = dist.rank == 0
     say = print if rank0 else (lambda *a, **k: None)
-    ranges.enable(args.nvtx)
-    backend = get_backend(args.device, **({"tf32": args.tf32} if args.device == "cuda" and args.tf32 else {}))
-    resolve_defaults(args, backend.name)
+    ranges.enable(cfg.nvtx)
+    # --tf32 counts with --device cuda only, as it always has (auto and the CPU are exact fp32)
+    backend = get_backend(cfg.device, precision="tf32" if cfg.tf32 and cfg.device == "cuda" else "fp32")
+    cfg = cfg.with_device_defaults(backend.name)
     if dist.rank != 0:
         dist.barrier()                # rank 0 fetches and prepares what is missing, alone
-    cfg, params, model_desc = resolve_model(args.e)
-    train_pattern, val_pattern = resolve_data(args.i, args.j)
+    model_cfg, params, model_desc = resolve_model(cfg.model)
+    train_pattern, val_pattern = resolve_data(cfg.train_data, cfg.val_data)
     if dist.rank == 0:
         dist.barrier()
-    if args.t > cfg.max_seq_len:
-        raise ValueError(f"-t {args.t} is longer than the model's max_seq_len {cfg.max_seq_len}")
-    tokens_per_micro = args.b * args.t * dist.world_size
-    total_batch = args.d if args.d and args.d > 0 else tokens_per_micro
+    B, T = cfg.batch_size, cfg.seq_len
+    if T > model_cfg.max_seq_len:
+        raise ValueError(f"-t {T} is longer than the model's max_seq_len {model_cfg.max_seq_len}")
+    tokens_per_micro = B * T * dist.world_size
+    total_batch = cfg.total_batch_size if cfg.total_batch_size and cfg.total_batch_size > 0 else tokens_per_micro
     if total_batch % tokens_per_micro:
         raise ValueError(f"total batch -d {total_batch} is not a multiple of B*T*processes = {tokens_per_micro}")
     accum = total_batch // tokens_per_micro
 
-    train_loader = DataLoader(train_pattern, args.b, args.t, dist.rank, dist.world_size, shuffle=args.shuffle,
-                              seed=args.seed, vocab_size=cfg.vocab_size)
-    val_loader = DataLoader(val_pattern, args.b, args.t, dist.rank, dist.world_size,
-                            vocab_size=cfg.vocab_size) if val_pattern and args.v > 0 else None
-    total_steps = args.x if args.x > 0 else max(1, train_loader.num_tokens // total_batch)
+    train_loader = DataLoader(train_pattern, B, T, dist.rank, dist.world_size, shuffle=cfg.shuffle, seed=cfg.seed,
+                              vocab_size=model_cfg.vocab_size)
+    val_loader = DataLoader(val_pattern, B, T, dist.rank, dist.world_size,
+                            vocab_size=model_cfg.vocab_size) if val_pattern and cfg.val_every > 0 else None
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else max(1, train_loader.num_tokens // total_batch)
 
-    model = GPT2(cfg, backend, args.b, args.t, seed=args.seed if params is None else None)
+    model = GPT2(model_cfg, backend, B, T, seed=cfg.seed if params is None else None)
     if params is not None:
         model.load_params(params)
-    rng = np.random.default_rng(args.seed)
-    decoder = Decoder(train_pattern) if args.s > 0 else None
+    rng = np.random.default_rng(cfg.seed)
+    decoder = Decoder(train_pattern) if cfg.sample_every > 0 else None
 
     start_step = 0
-    if args.y:
-        start_step = resume(args, model, train_loader, rng, dist)
-    logger = Logger(args.o, dist.rank, resume=start_step > 0)
+    if cfg.resume:
+        start_step = resume(cfg.output_dir, model, train_loader, rng, dist)
+    logger = Logger(cfg.output_dir, dist.rank, resume=start_step > 0)
 
     device_name = device_label(backend)
-    fpt = flops_per_token(model.num_parameters, cfg.num_layers, cfg.channels, args.t)
+    fpt = flops_per_token(model.num_parameters, model_cfg.num_layers, model_cfg.channels, T)
     say(header_table([
         ("train data pattern", train_pattern), ("val data pattern", val_pattern or "-"),
-        ("output log dir", args.o or "NULL"), ("checkpoint every", args.n), ("resume", args.y),
-        ("micro batch size B", args.b), ("sequence length T", args.t), ("total batch size", total_batch),
-        ("LR scheduler", args.k), ("learning rate (LR)", f"{args.l:e}"), ("warmup iterations", args.u),
-        ("final LR fraction", f"{args.q:e}"), ("weight decay", f"{args.c:e}"), ("grad clip", args.grad_clip),
-        ("max_steps", args.x), ("val_loss_every", args.v), ("val_max_steps", args.m),
-        ("sample_every", args.s), ("genT", args.g), ("overfit_single_batch", args.a), ("seed", args.seed),
-        ("processes", dist.world_size), ("zero stage", getattr(dist, "zero_stage", 0)),
-        ("device", f"{backend.name} ({device_name})"), ("model", model_desc)]))
-    say(header_table([("max_sequence_length T", cfg.max_seq_len), ("vocab_size V", cfg.vocab_size),
-                      ("padded_vocab_size Vp", cfg.padded_vocab_size), ("num_layers L", cfg.num_layers),
-                      ("num_heads NH", cfg.num_heads), ("channels C", cfg.channels),
+        ("output log dir", cfg.output_dir or "NULL"), ("checkpoint every", cfg.checkpoint_every),
+        ("resume", cfg.resume), ("micro batch size B", B), ("sequence length T", T),
+        ("total batch size", total_batch), ("LR scheduler", cfg.lr_schedule),
+        ("learning rate (LR)", f"{cfg.learning_rate:e}"), ("warmup iterations", cfg.warmup_steps),
+        ("final LR fraction", f"{cfg.final_lr_frac:e}"), ("weight decay", f"{cfg.weight_decay:e}"),
+        ("grad clip", cfg.grad_clip), ("max_steps", cfg.max_steps), ("val_loss_every", cfg.val_every),
+        ("val_max_steps", cfg.val_max_batches), ("sample_every", cfg.sample_every), ("genT", cfg.gen_tokens),
+        ("overfit_single_batch", cfg.overfit_single_batch), ("seed", cfg.seed), ("processes", dist.world_size),
+        ("zero stage", getattr(dist, "zero_stage", 0)), ("device", f"{backend.name} ({device_name})"),
+        ("model", model_desc)]))
+    say(header_table([("max_sequence_length T", model_cfg.max_seq_len), ("vocab_size V", model_cfg.vocab_size),
+                      ("padded_vocab_size Vp", model_cfg.padded_vocab_size), ("num_layers L", model_cfg.num_layers),
+                      ("num_heads NH", model_cfg.num_heads), ("channels C", model_cfg.channels),
                       ("num_parameters", model.num_parameters)]))
     say(f"train dataset num_batches: {train_loader.num_batches}")
     if val_loader:
         say(f"val dataset num_batches: {val_loader.num_batches}")
-    say(f"batch size: {args.b} x {args.t} x {dist.world_size} processes x {accum} accumulation steps "
+    say(f"batch size: {B} x {T} x {dist.world_size} processes x {accum} accumulation steps "
         f"= {total_batch} tokens per step")
     say(f"training for {total_steps} steps")
 
-    overfit_batch = train_loader.next_batch() if args.a else None
-    next_batch = (lambda: overfit_batch) if args.a else train_loader.next_batch
-    adamw = AdamW(args.beta1, args.beta2, args.eps, args.c, args.grad_clip)
+    overfit_batch = train_loader.next_batch() if cfg.overfit_single_batch else None
+    next_batch = (lambda: overfit_batch) if cfg.overfit_single_batch else train_loader.next_batch
+    adamw = AdamW(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.grad_clip)
     step_times = []
     profiler = None
     for step in range(start_step, total_steps + 1):
         last = step == total_steps
         resumed_here = step == start_step and start_step > 0
-        if val_loader and (step % args.v == 0 or last) and not resumed_here:
-            val_loss = dist.average(evaluate(model, val_loader, args.m))
+        if val_loader and (step % cfg.val_every == 0 or last) and not resumed_here:
+            val_loss = dist.average(evaluate(model, val_loader, cfg.val_max_batches))
             say(f"val loss {val_loss:.6f}")
             logger.log(f"s:{step} tel:{val_loss:.6f}")
-        if decoder and rank0 and step > 0 and (step % args.s == 0 or last) and not resumed_here:
-            tokens = generate(model, [decoder.eot_token], args.g, rng, args.temperature, args.top_k)
+        if decoder and rank0 and step > 0 and (step % cfg.sample_every == 0 or last) and not resumed_here:
+            tokens = generate(model, [decoder.eot_token], cfg.gen_tokens, rng, cfg.temperature, cfg.top_k)
             say("generating:\n---\n" + decoder.decode(tokens[1:]) + "\n---")
-        if args.o and args.n > 0 and step > 0 and (step % args.n == 0 or last) and not resumed_here:
-            save_checkpoint(args.o, step, model, train_loader, rng, dist)
+        if (cfg.output_dir and cfg.checkpoint_every > 0 and step > 0 and (step % cfg.checkpoint_every == 0 or last)
+                and not resumed_here):
+            save_checkpoint(cfg.output_dir, step, model, train_loader, rng, dist)
         if last:
             break
-        lr = learning_rate(step, args.l, total_steps, args.u, args.q, args.k)
-        if args.profile and step == start_step + 1:           # step start_step is the warm-up
-            profiler = Profiler(model).__enter__()
+        lr = learning_rate(step, cfg.learning_rate, total_steps, cfg.warmup_steps, cfg.final_lr_frac,
+                           cfg.lr_schedule)
+        if cfg.profile_steps and step == start_step + 1:       # step start_step is the warm-up
+            profiler = Profiler(model.backend).__enter__()
         t0 = time.perf_counter()
         loss, norm = train_step(model, next_batch, step=step, lr=lr, accum_steps=accum, adamw=adamw, dist=dist)
         dt = time.perf_counter() - t0
@@ -171,10 +164,10 @@ def train(args, dist=None):
         say(f"step {step + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | "
             f"{dt * 1e3:.2f} ms | {perf} | {tok_s:.0f} tok/s", flush=True)
         logger.log(f"s:{step} trl:{loss:.6f} lr:{lr:.6g} norm:{norm:.4f}")
-        if profiler and (step == start_step + args.profile or step == total_steps - 1):
+        if profiler and (step == start_step + cfg.profile_steps or step == total_steps - 1):
             profiler.__exit__(None, None, None)
             if rank0:
-                report_profile(profiler, backend, cfg, args)
+                report_profile(profiler, backend, model_cfg, cfg)
             profiler = None
     if step_times:
         timed = step_times[1:] or step_times
@@ -182,13 +175,13 @@ def train(args, dist=None):
     return model
 
 
-def report_profile(profiler, backend, cfg, args):
+def report_profile(profiler, backend, model_cfg, cfg):
     """The built-in profiler's report of the profiled steps, and its files in -o (or ./profile)."""
     roof = device_roofline(backend)
-    print(render(profiler.records, roof, step="last", num_layers=cfg.num_layers,
+    print(render(profiler.records, roof, step="last", num_layers=model_cfg.num_layers,
                  ranges=profiler.ranges))
-    paths = write_outputs(profiler, os.path.join(args.o or ".", "profile"), roof,
-                          title=f"{args.e}, B={args.b}, T={args.t}, {device_label(backend)}")
+    paths = write_outputs(profiler, os.path.join(cfg.output_dir or ".", "profile"), roof,
+                          title=f"{cfg.model}, B={cfg.batch_size}, T={cfg.seq_len}, {device_label(backend)}")
     print("profile written: " + ", ".join(paths.values()))
 
 
@@ -207,19 +200,19 @@ def save_checkpoint(out_dir, step, model, train_loader, rng, dist):
             pass
 
 
-def resume(args, model, train_loader, rng, dist):
+def resume(out_dir, model, train_loader, rng, dist):
     """Load the latest complete checkpoint in -o; returns its step (0 when there is none)."""
-    if not args.o:
+    if not out_dir:
         raise ValueError("-y 1 (resume) needs -o, the folder the checkpoints are in")
-    step = latest_checkpoint_step(args.o)
+    step = latest_checkpoint_step(out_dir)
     if step is None:
-        print(f"note: nothing to resume in {args.o}; starting from scratch", file=sys.stderr)
+        print(f"note: nothing to resume in {out_dir}; starting from scratch", file=sys.stderr)
         return 0
-    cfg, params = load_model(model_path(args.o, step))
-    if cfg != model.cfg:
-        raise ValueError(f"{model_path(args.o, step)}: model config {cfg} differs from -e's {model.cfg}")
+    saved_cfg, params = load_model(model_path(out_dir, step))
+    if saved_cfg != model.cfg:
+        raise ValueError(f"{model_path(out_dir, step)}: model config {saved_cfg} differs from -e's {model.cfg}")
     model.load_params(params)
-    path = state_path(args.o, step, dist.rank)
+    path = state_path(out_dir, step, dist.rank)
     info, m, v = load_state(path)
     if info.get("world_size", 1) != dist.world_size:
         raise ValueError(f"{path}: written by {info['world_size']} processes; "
@@ -235,6 +228,6 @@ def resume(args, model, train_loader, rng, dist):
     train_loader.load_state(info["train_loader"])
     rng.bit_generator.state = info["rng"]
     if dist.rank == 0:
-        print(f"resuming from step {step} ({model_path(args.o, step)})")
+        print(f"resuming from step {step} ({model_path(out_dir, step)})")
     return step
 
