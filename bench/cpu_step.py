@@ -22,9 +22,9 @@ def peak_rss_bytes():
 
 
 def bench_gpt2np(args):
-    import gpt2np  # noqa: F401  (first: it sets OpenBLAS's thread timeout before NumPy loads OpenBLAS)
     import numpy as np
 
+    import gpt2np  # noqa: F401  (first: it sets OpenBLAS's thread timeout before NumPy loads OpenBLAS)
     from gpt2np.backends.numpy_backend import NumpyBackend
     from gpt2np.config import preset
     from gpt2np.model import GPT2

@@ -11,16 +11,15 @@ on_launch hook) for the per-kernel table.
     python bench/gpu_step.py --runtime emu --model tiny -t 16 --steps 1 --warmup 0   # dry run, no GPU
 """
 import argparse
-import os
 import sys
 from collections import defaultdict
 
 import numpy as np
 
-from gpt2np.config import GPT2Config, preset
 from gpt2np.backends.cuda.backend import CudaBackend
-from gpt2np.profiling.gpu_specs import flops_per_token, lookup, mfu
+from gpt2np.config import GPT2Config, preset
 from gpt2np.model import GPT2
+from gpt2np.profiling.gpu_specs import flops_per_token, lookup, mfu
 from gpt2np.profiling.profiler import Profiler
 from gpt2np.train_step import AdamW, train_step
 
@@ -123,7 +122,10 @@ def main(argv=None):
           f"{args.steps} timed steps after {args.warmup} warmup")
     print(f"step: {step_ms:.2f} ms, {tokens_per_s:,.0f} tokens/s, {fpt * tokens_per_s / 1e12:.2f} TFLOP/s "
           f"({fpt / 1e6:.1f} MFLOP/token)")
-    fmt = (lambda v: "n/a" if v is None else f"{100 * v:.1f}%")
+
+    def fmt(value):
+        return "n/a" if value is None else f"{100 * value:.1f}%"
+
     print(f"MFU: {fmt(mfu_used)} of the {precision} peak, {fmt(mfu_tf32)} of the tf32 peak (llm.c's convention)")
 
     table = kernel_times(model, be, x, y, args.warmup + args.steps)

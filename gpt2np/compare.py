@@ -190,7 +190,8 @@ def parse_args(argv=None):
     src.add_argument("--debug-state", help="llm.c debug state to check against (instead of torch)")
     src.add_argument("--write-debug-state", metavar="FILE",
                      help="also save the reference's debug state for this batch to FILE")
-    p.add_argument("--backend", default="numpy", help="gpt2np backend: numpy, cuda, emu (CUDA kernels on the CPU emulator) or auto")
+    p.add_argument("--backend", default="numpy",
+                   help="gpt2np backend: numpy, cuda, emu (CUDA kernels on the CPU emulator) or auto")
     p.add_argument("--steps", type=int, default=10, help="AdamW steps for the loss curves (0: none)")
     p.add_argument("-b", "--batch-size", type=int, default=None, help="B (default 4)")
     p.add_argument("-t", "--seq-len", type=int, default=None, help="T (default 64, or max_seq_len if less)")
@@ -213,7 +214,7 @@ def parse_args(argv=None):
 
 def run(args) -> int:
     """The comparison; returns the exit code. Bad input raises ValueError/OSError/ImportError."""
-    from .reference import TorchGPT2    # imports no torch until a TorchGPT2 is built
+    from .reference import TorchGPT2  # imports no torch until a TorchGPT2 is built
     if args.steps < 0:
         raise ValueError(f"--steps must be >= 0, got {args.steps}")
     cfg, params = load_model_file(args.model)

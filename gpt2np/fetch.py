@@ -101,7 +101,7 @@ def download(url, dest, timeout=10, progress=True):
         if isinstance(reason, (TimeoutError, socket.timeout)):
             raise FetchError(f"could not download {url}: no answer within {timeout} s") from None
         raise FetchError(f"could not download {url}: {reason} (offline?)") from None
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         raise FetchError(f"could not download {url}: no answer within {timeout} s") from None
     except (http.client.HTTPException, OSError, ValueError) as e:
         raise FetchError(f"could not download {url}: {type(e).__name__}: {e}") from None

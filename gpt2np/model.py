@@ -8,10 +8,17 @@ import math
 
 import numpy as np
 
-from .profiling import ranges
 from .config import GPT2Config
-from .tensors import (DECAYED_BY_DEFAULT, PARAM_NAMES, activation_shapes, layout_size, num_parameters,
-                      param_shapes, views)
+from .profiling import ranges
+from .tensors import (
+    DECAYED_BY_DEFAULT,
+    PARAM_NAMES,
+    activation_shapes,
+    layout_size,
+    num_parameters,
+    param_shapes,
+    views,
+)
 
 
 class TokenError(ValueError):

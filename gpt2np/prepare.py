@@ -15,8 +15,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .data import DataError, write_shard
-from .paths import DATA_DIR, data_search_dirs
 from .fetch import TINYSHAKESPEARE_URL, FetchError, download
+from .paths import DATA_DIR, data_search_dirs
 from .tokenizer import TOKENIZER_BIN, TokenizerError, get_encoding, write_tokenizer_bin
 
 DEFAULT_OUTPUT_DIR = DATA_DIR

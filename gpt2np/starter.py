@@ -14,8 +14,8 @@ import numpy as np
 from .checkpoint import load_model
 from .config import PRESETS, preset
 from .data import write_shard
-from .fileio import atomic_write
 from .fetch import KNOWN_FILES, FetchError, ensure
+from .fileio import atomic_write
 from .paths import CHECKPOINTS_DIR, DATA_DIR
 from .prepare import TINYSHAKESPEARE_NAME, prepare_text, prepare_tinyshakespeare
 from .tokenizer import TOKENIZER_BIN, TokenizerError, TokenizerNotFoundError, get_encoding, load_tokenizer_bin

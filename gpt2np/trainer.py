@@ -9,9 +9,17 @@ import time
 
 import numpy as np
 
-from .backends import get_backend
-from .checkpoint import (done_path, latest_checkpoint_step, load_model, load_state, model_path, save_model,
-                         save_state, state_path)
+from .backends import get_backend, resolve_name
+from .checkpoint import (
+    done_path,
+    latest_checkpoint_step,
+    load_model,
+    load_state,
+    model_path,
+    save_model,
+    save_state,
+    state_path,
+)
 from .config import TrainConfig
 from .data import DataLoader
 from .dist import make_process_group
@@ -24,6 +32,7 @@ from .sample import generate
 from .schedule import learning_rate
 from .starter import Decoder, resolve_data, resolve_model
 from .train_step import AdamW, train_step
+
 
 def header_table(rows):
     width = max(len(k) for k, _ in rows)
@@ -68,7 +77,9 @@ def train(cfg: TrainConfig, dist=None):
     say = print if rank0 else (lambda *a, **k: None)
     ranges.enable(cfg.nvtx)
     # --tf32 counts with --device cuda only, as it always has (auto and the CPU are exact fp32)
-    backend = get_backend(cfg.device, precision="tf32" if cfg.tf32 and cfg.device == "cuda" else "fp32")
+    backend_name = resolve_name(cfg.device)
+    # --tf32 is a GPU setting: it applies whenever the run is on the GPU (--device cuda, or auto finding one)
+    backend = get_backend(backend_name, precision="tf32" if cfg.tf32 and backend_name == "cuda" else "fp32")
     cfg = cfg.with_device_defaults(backend.name)
     if dist.rank != 0:
         dist.barrier()                # rank 0 fetches and prepares what is missing, alone
@@ -114,7 +125,7 @@ def train(cfg: TrainConfig, dist=None):
         ("grad clip", cfg.grad_clip), ("max_steps", cfg.max_steps), ("val_loss_every", cfg.val_every),
         ("val_max_steps", cfg.val_max_batches), ("sample_every", cfg.sample_every), ("genT", cfg.gen_tokens),
         ("overfit_single_batch", cfg.overfit_single_batch), ("seed", cfg.seed), ("processes", dist.world_size),
-        ("zero stage", getattr(dist, "zero_stage", 0)), ("device", f"{backend.name} ({device_name})"),
+        ("zero stage", dist.zero_stage), ("device", f"{backend.name} ({device_name})"),
         ("model", model_desc)]))
     say(header_table([("max_sequence_length T", model_cfg.max_seq_len), ("vocab_size V", model_cfg.vocab_size),
                       ("padded_vocab_size Vp", model_cfg.padded_vocab_size), ("num_layers L", model_cfg.num_layers),
@@ -157,7 +168,7 @@ def train(cfg: TrainConfig, dist=None):
         step_times.append(dt)
         tok_s = total_batch / dt
         if backend.name == "cuda":
-            util = mfu(fpt, tok_s, device_name, getattr(backend, "precision", "fp32"))
+            util = mfu(fpt, tok_s, device_name, backend.precision)
             perf = f"{100 * util:.1f}% MFU" if util is not None else "MFU n/a"
         else:
             perf = f"{fpt * tok_s / 1e9:.1f} GFLOP/s"

@@ -5,8 +5,17 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2np.checkpoint import (CheckpointError, atomic_write, bf16_to_fp32, fp32_to_bf16, load_model, load_state,
-                               read_model_header, save_model, save_state)
+from gpt2np.checkpoint import (
+    CheckpointError,
+    atomic_write,
+    bf16_to_fp32,
+    fp32_to_bf16,
+    load_model,
+    load_state,
+    read_model_header,
+    save_model,
+    save_state,
+)
 from gpt2np.config import GPT2Config, preset
 from gpt2np.tensors import num_parameters
 

@@ -15,8 +15,7 @@ import pytest
 from gpt2np import compare
 from gpt2np.backends.numpy_backend import NumpyBackend
 from gpt2np.config import GPT2Config, preset
-from gpt2np.debug_state import (DebugState, DebugStateError, expected_size, read_debug_state,
-                                write_debug_state)
+from gpt2np.debug_state import DebugState, DebugStateError, expected_size, read_debug_state, write_debug_state
 from gpt2np.tensors import DECAYED_BY_DEFAULT, PARAM_NAMES, num_parameters, param_shapes, views
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

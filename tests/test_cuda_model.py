@@ -7,12 +7,12 @@ CuPy by overriding the `cuda_backend` fixture.
 import numpy as np
 import pytest
 
+from gpt2np.backends.cuda.backend import CudaBackend
 from gpt2np.backends.numpy_backend import NumpyBackend
 from gpt2np.config import GPT2Config
-from gpt2np.backends.cuda.backend import CudaBackend
 from gpt2np.model import GPT2
-from gpt2np.train_step import AdamW, train_step
 from gpt2np.tensors import PARAM_NAMES
+from gpt2np.train_step import AdamW, train_step
 
 CFG = GPT2Config(max_seq_len=8, vocab_size=37, padded_vocab_size=64, num_layers=2, num_heads=2, channels=16)
 B, T = 2, 5
@@ -70,7 +70,7 @@ def test_three_adamw_steps(cuda_backend):
     for step in range(1, 4):
         x, y = batch(10 + step)
         for model in (ref, gpu):
-            loss, _ = train_step(model, lambda: (x, y), step=step - 1, lr=3e-3,
+            loss, _ = train_step(model, lambda x=x, y=y: (x, y), step=step - 1, lr=3e-3,
                                  adamw=AdamW(weight_decay=0.1, grad_clip=0.5))   # clipping active on tiny models too
             losses[id(model)].append(loss)
     np.testing.assert_allclose(losses[id(gpu)], losses[id(ref)], rtol=1e-5)

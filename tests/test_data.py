@@ -4,8 +4,16 @@ import json
 import numpy as np
 import pytest
 
-from gpt2np.data import (HEADER_BYTES, SHARD_MAGIC, DataError, DataLoader, atomic_write, read_shard,
-                         read_shard_header, write_shard)
+from gpt2np.data import (
+    HEADER_BYTES,
+    SHARD_MAGIC,
+    DataError,
+    DataLoader,
+    atomic_write,
+    read_shard,
+    read_shard_header,
+    write_shard,
+)
 
 
 def one_line_error(excinfo, *needles):

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpt2np.paths import KERNEL_DIR
 from gpt2np.backends.cuda import emulator
 from gpt2np.backends.cuda.emulator import CompilerNotFoundError, EmuKernelError, EmuModule
+from gpt2np.paths import KERNEL_DIR
 
 HERE = Path(__file__).resolve().parent
 KERNELS_DIR = KERNEL_DIR
@@ -215,7 +215,8 @@ def test_partial_syncthreads_raises(mod, schedule):
 @needs_gpp
 def test_partial_warp_shuffle_raises(mod):
     with pytest.raises(EmuKernelError, match=r"kernel 'partial_shuffle' block \(0,0,0\) thread .*"
-                                             r"__shfl_xor_sync\(mask 0xffffffff\) in warp 0 reached by only 16 of the 32"):
+                                             r"__shfl_xor_sync\(mask 0xffffffff\) in warp 0 reached by only 16 "
+                                             r"of the 32"):
         mod.get_function("partial_shuffle")(1, 64, (np.zeros(64, np.float32),))
 
 
@@ -268,7 +269,8 @@ def test_scalar_argument_types_are_checked(mod):
         fn(1, 4, (a, a, a, np.int64(4)))
     with pytest.raises(TypeError, match=r"kernel 'vector_add' takes 4 arguments \(out, a, b, n\), got 3"):
         fn(1, 4, (a, a, a))
-    with pytest.raises(TypeError, match=r"kernel 'scalars' parameter 3 'c' \(float\): expected a numpy.float32 scalar, got Python float"):
+    with pytest.raises(TypeError, match=r"kernel 'scalars' parameter 3 'c' \(float\): expected a numpy.float32 "
+                                        r"scalar, got Python float"):
         mod.get_function("scalars")(1, 1, (np.zeros(6), np.int32(1), np.uint32(1), 1.5, np.float64(1),
                                            np.int64(1), np.bool_(1)))
 
@@ -293,7 +295,8 @@ def test_pointer_dtypes_are_checked(mod):
     with pytest.raises(TypeError, match=r"'a'.*expected a NumPy array.*numpy.float32 scalar"):
         fn(1, 8, (f32, np.float32(1), f32, n))
     fn(1, 8, (f32, f32, f32, np.int32(0)))
-    with pytest.raises(TypeError, match=r"'x' \(const float4\*\): array of 6 elements is not a whole number of 4-vectors"):
+    with pytest.raises(TypeError, match=r"'x' \(const float4\*\): array of 6 elements is not a whole number "
+                                        r"of 4-vectors"):
         mod.get_function("float4_sum")(1, 1, (f32, np.zeros(6, np.float32), np.int32(1)))
 
 
@@ -353,7 +356,8 @@ def test_project_kernels_compile_and_parse(path):
     """Every kernels/*.cu builds under the emulator and the Python-side parse of each
     extern "C" kernel agrees with the C++ signature (the parameter count)."""
     mod = EmuModule(path.read_text(), include_dirs=(str(KERNELS_DIR),), name=path.name)
-    declared = re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(', path.read_text())
+    entry = r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\('
+    declared = re.findall(entry, path.read_text())
     assert set(declared) == set(mod.kernels)
     for name, params in mod.kernels.items():
         assert len(params) == len(mod.get_function(name).codes), name

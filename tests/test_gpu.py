@@ -2,13 +2,12 @@
 d12 (GPT-2 124M) training smoke test. Skipped without CuPy and a CUDA device."""
 import numpy as np
 import pytest
-
-from gpt2np.backends import gpu_available
+from test_cuda_model import test_backward_gradients, test_forward_logits_and_loss, test_three_adamw_steps  # noqa: E402,F401
 
 # The emulator tests, rerun with CuPy backends (the fixtures below replace the emulator ones).
 from test_kernels import *  # noqa: E402,F401,F403
-from test_cuda_model import (test_backward_gradients, test_forward_logits_and_loss,  # noqa: E402,F401
-                             test_three_adamw_steps)
+
+from gpt2np.backends import gpu_available
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU usable through CuPy")]
@@ -17,9 +16,10 @@ pytestmark = [pytest.mark.gpu,
 @pytest.fixture(scope="module")
 def cuda():
     """Kernel tests on CuPy, with the same small launch shapes as on the emulator."""
+    from test_kernels import small_launches
+
     from gpt2np.backends.cuda.backend import CudaBackend
     from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
-    from test_kernels import small_launches
     return small_launches(CudaBackend(CupyRuntime(tf32=False)))
 
 
@@ -33,10 +33,10 @@ def cuda_backend():
 
 def test_default_launch_shapes_match_numpy():
     """The production launch configuration (big blocks, 128-row chunks) on a mid-size problem."""
-    from gpt2np.backends.numpy_backend import NumpyBackend
-    from gpt2np.config import GPT2Config
     from gpt2np.backends.cuda.backend import CudaBackend
     from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
+    from gpt2np.backends.numpy_backend import NumpyBackend
+    from gpt2np.config import GPT2Config
     from gpt2np.model import GPT2
     cfg = GPT2Config(max_seq_len=256, vocab_size=1000, padded_vocab_size=1024, num_layers=2, num_heads=4,
                      channels=128)
@@ -58,10 +58,10 @@ def test_default_launch_shapes_match_numpy():
 
 def test_d12_training_smoke():
     """GPT-2 124M at B=4, T=128: the first loss matches NumPy and 20 steps on one batch overfit it."""
-    from gpt2np.backends.numpy_backend import NumpyBackend
-    from gpt2np.config import preset
     from gpt2np.backends.cuda.backend import CudaBackend
     from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
+    from gpt2np.backends.numpy_backend import NumpyBackend
+    from gpt2np.config import preset
     from gpt2np.model import GPT2
     from gpt2np.train_step import train_step
     cfg = preset("d12")

@@ -8,11 +8,10 @@ import sys
 
 import numpy as np
 import pytest
+from test_dist import COLLECTIVES_CHECK, GLOBAL_B, STEPS, files, launch, mpiexec, step_losses, train_argv  # noqa: F401 (fixtures)
 
 from gpt2np.backends import gpu_available
 from gpt2np.checkpoint import load_model, load_state, model_path, state_path
-from test_dist import (COLLECTIVES_CHECK, GLOBAL_B, STEPS, files, launch, mpiexec,  # noqa: F401 (fixtures)
-                       step_losses, train_argv)
 
 pytestmark = pytest.mark.gpu
 

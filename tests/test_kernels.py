@@ -12,8 +12,8 @@ import zlib
 import numpy as np
 import pytest
 
-from gpt2np.backends.numpy_backend import NumpyBackend
 from gpt2np.backends.cuda.backend import CudaBackend, KernelArgumentError
+from gpt2np.backends.numpy_backend import NumpyBackend
 
 # (B, T, C, NH, V, Vp, maxT)
 SHAPES = {

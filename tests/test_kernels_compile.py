@@ -120,6 +120,7 @@ class _FakeCublas:
     @staticmethod
     def _matrix(ptr, rows, cols, ld):
         import ctypes
+
         import numpy as np
         extent = (cols - 1) * ld + rows
         flat = np.ctypeslib.as_array((ctypes.c_float * extent).from_address(ptr))
@@ -152,6 +153,7 @@ class _DeviceArray:
                                                     (True, True, 3), (False, True, 4)])
 def test_cupy_gemm_maps_row_major_onto_column_major_cublas(transa, transb, batch):
     import numpy as np
+
     from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
     rt = object.__new__(CupyRuntime)                     # no GPU: skip __init__, inject the fake
     rt.cublas, rt.handle = _FakeCublas(), 0

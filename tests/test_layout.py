@@ -44,3 +44,10 @@ def test_no_single_letter_flag_reads_below_train_py():
     readers = sorted(f"{p.relative_to(PACKAGE)}:{n}" for p in PACKAGE.rglob("*.py")
                      for n, line in enumerate(p.read_text().splitlines(), 1) if single_letter.search(line))
     assert not readers, readers
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (paths.REPO_ROOT / "README.md").read_text().split("```")[1]
+    test_command = next(line for line in readme.splitlines() if "pytest" in line)
+    ci = (paths.REPO_ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci[-1] == test_command

@@ -328,7 +328,7 @@ def test_modules_of_a_full_step_with_gradient_accumulation(tmp_path):
     def forward():
         op("encoder_forward", "wte")
         for l in range(2):
-            scope(f"Layer {l}", lambda: [op(n, f"h.{l}.{m}") for n, m in FORWARD_LAYER])
+            scope(f"Layer {l}", lambda l=l: [op(n, f"h.{l}.{m}") for n, m in FORWARD_LAYER])
         op("layernorm_forward", "ln_f")
         op("matmul_forward", "lm_head")
         op("fused_classifier", "lm_head")
@@ -337,8 +337,8 @@ def test_modules_of_a_full_step_with_gradient_accumulation(tmp_path):
         op("matmul_backward", "lm_head", kernels=2)
         op("layernorm_backward", "ln_f")
         for l in (1, 0):
-            scope(f"Layer {l}", lambda: [op(n, f"h.{l}.{m}", kernels=3 if n == "matmul_backward" else 1)
-                                         for n, m in BACKWARD_LAYER])
+            scope(f"Layer {l}", lambda l=l: [op(n, f"h.{l}.{m}", kernels=3 if n == "matmul_backward" else 1)
+                                             for n, m in BACKWARD_LAYER])
         op("encoder_backward", "wte")
 
     def step():

@@ -210,8 +210,8 @@ def expected_step(step, num_layers):
 
 def test_training_step_tree(inject_lib, tmp_path):
     try:
-        from gpt2np.model import GPT2  # noqa: F401
         from gpt2np.backends.numpy_backend import NumpyBackend  # noqa: F401
+        from gpt2np.model import GPT2  # noqa: F401
     except ImportError as e:
         pytest.skip(f"gpt2np.model is not importable yet: {e}")
     num_layers = 2

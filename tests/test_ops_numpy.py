@@ -10,9 +10,12 @@ be = NumpyBackend(dtype=np.float64, threads=1)
 B, T, C, NH, OC = 2, 5, 8, 2, 6
 
 
-def rand(*shape, seed=[0]):
-    seed[0] += 1
-    return np.random.default_rng(seed[0]).standard_normal(shape)
+_SEEDS = iter(range(1, 1 << 30))
+
+
+def rand(*shape):
+    """Standard normal values, a fresh seed per call."""
+    return np.random.default_rng(next(_SEEDS)).standard_normal(shape)
 
 
 def numeric_grad(loss, x, eps=1e-6):

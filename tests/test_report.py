@@ -1,4 +1,4 @@
-"""gpt2np.profiling.report and gpt2np.profiling.gpu_specs: roofline numbers, tables, module tree, range summaries, files."""
+"""gpt2np.profiling.report and .gpu_specs: roofline numbers, tables, module tree, range summaries, files."""
 import builtins
 import csv
 import json
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from gpt2np.profiling import gpu_specs, report
 from gpt2np.config import preset
+from gpt2np.profiling import gpu_specs, report
 from gpt2np.profiling.gpu_specs import Roofline
 from gpt2np.profiling.report import KernelRecord
 from gpt2np.tensors import num_parameters
@@ -176,7 +176,8 @@ def test_select_step():
 
 
 def test_layer_and_op_tables():
-    records = [rec(0, dur=1000, flops=10**6, nbytes=10**6), rec(1, direction="bprop", op="layernorm_backward", dur=3000),
+    records = [rec(0, dur=1000, flops=10**6, nbytes=10**6),
+               rec(1, direction="bprop", op="layernorm_backward", dur=3000),
                rec(2, layer=1, dur=2000), rec(3, layer=None, op="adamw", module="optimizer", direction="update",
                                                  dur=4000, flops=10, nbytes=100)]
     layers = report.layer_table(records)

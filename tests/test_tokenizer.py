@@ -7,8 +7,13 @@ import tiktoken
 
 from gpt2np import paths
 from gpt2np import tokenizer as tk
-from gpt2np.tokenizer import (TokenizerError, TokenizerNotFoundError, get_encoding, load_tokenizer_bin,
-                              write_tokenizer_bin)
+from gpt2np.tokenizer import (
+    TokenizerError,
+    TokenizerNotFoundError,
+    get_encoding,
+    load_tokenizer_bin,
+    write_tokenizer_bin,
+)
 
 UNICODE_TEXT = "Héllo wörld — naïve café 🙂 世界\n\nNew section:\tdone.  "
 

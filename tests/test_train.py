@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import train
+from gpt2np.backends.numpy_backend import NumpyBackend
 from gpt2np.checkpoint import load_model, load_state, model_path, save_model, state_path
 from gpt2np.config import GPT2Config
 from gpt2np.data import write_shard
 from gpt2np.model import GPT2
-from gpt2np.backends.numpy_backend import NumpyBackend
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = GPT2Config(max_seq_len=64, vocab_size=50257, padded_vocab_size=50304, num_layers=2, num_heads=2, channels=32)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import report
-from .gpu_specs import UnknownDeviceError, lookup, roofline as make_roofline
+from .gpu_specs import UnknownDeviceError, lookup
+from .gpu_specs import roofline as make_roofline
 from .report import KernelRecord
 
 # NVTX_EVENTS.eventType values (Nsight Systems export schema)
@@ -400,7 +401,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         step = report.parse_step(args.step)
-        records, ranges, device, profile = read_report(args.report, "shortName" if args.short_names else "demangledName")
+        names = "shortName" if args.short_names else "demangledName"
+        records, ranges, device, profile = read_report(args.report, names)
         device = args.device or device
         roof = None
         if args.device:
@@ -419,8 +421,8 @@ def main(argv=None) -> int:
              report.op_table(chosen, roof),
              report.kernel_summary_table(records, top=args.top, title="Top kernels (whole profile)"),
              report.range_table(gpu_projection(chosen_kernels),
-                                _step_title("NVTX ranges projected onto the GPU (first kernel start to last kernel end)",
-                                            chosen)),
+                                _step_title("NVTX ranges projected onto the GPU "
+                                            "(first kernel start to last kernel end)", chosen)),
              report.range_table(ranges, "NVTX ranges (whole profile, CPU time)")]
     sys.stdout.write("\n\n".join(parts) + "\n")
     meta = {"source": os.path.abspath(args.report), "device": device}

@@ -17,8 +17,7 @@ import numpy as np
 
 from ..backends.contract import op_cost
 from . import ranges
-from .report import KernelRecord, ranges_from_records, render, write_chrome_trace, write_csv, write_json, \
-    write_png
+from .report import KernelRecord, ranges_from_records, render, write_chrome_trace, write_csv, write_json, write_png
 
 DIRECTIONS = {"gpt2_forward": "fprop", "gpt2_backward": "bprop", "gpt2_calculate_grad_norm": "update",
               "gpt2_update": "update"}

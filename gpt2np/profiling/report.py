@@ -25,7 +25,8 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .gpu_specs import Roofline, UnknownDeviceError, roofline as make_roofline
+from .gpu_specs import Roofline, UnknownDeviceError
+from .gpu_specs import roofline as make_roofline
 
 DIRECTIONS = ("fprop", "bprop", "update", "other")
 GEMM_MARKERS = ("gemm", "cublas", "cutlass", "xmma", "numpy.matmul", "numpy.dot")

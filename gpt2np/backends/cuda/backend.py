@@ -25,7 +25,6 @@ import numpy as np
 from ...paths import KERNEL_DIR
 from .runtime import Runtime
 
-
 # An entry point: extern "C" __global__ void [__launch_bounds__(...)] name(
 KERNEL_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
 

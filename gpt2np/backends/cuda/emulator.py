@@ -114,7 +114,7 @@ def _compiler_name() -> str:
     return os.environ.get("GPT2NP_EMU_CXX", "g++")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiler_info(name: str) -> tuple[str, str]:
     path = shutil.which(name)
     if path is None:
@@ -161,11 +161,17 @@ def _split_options(options) -> tuple[list[str], list[str], list[str]]:
         o = str(opts[i])
         nxt = str(opts[i + 1]) if i + 1 < len(opts) else None
         if o in ("-I", "--include-path") and nxt is not None:
-            includes.append(nxt); i += 2; continue
+            includes.append(nxt)
+            i += 2
+            continue
         if o in ("-D", "--define-macro") and nxt is not None:
-            macros.append("-D" + nxt); i += 2; continue
+            macros.append("-D" + nxt)
+            i += 2
+            continue
         if o in ("-U", "--undefine-macro") and nxt is not None:
-            macros.append("-U" + nxt); i += 2; continue
+            macros.append("-U" + nxt)
+            i += 2
+            continue
         if o.startswith("--include-path="):
             includes.append(o.split("=", 1)[1])
         elif o.startswith("-I"):
@@ -230,7 +236,8 @@ def _split_params(text: str) -> list[str]:
         elif ch in ")>]":
             depth -= 1
         elif ch == "," and depth == 0:
-            params.append(text[start:i]); start = i + 1
+            params.append(text[start:i])
+            start = i + 1
     params.append(text[start:])
     params = [" ".join(p.split()) for p in params]
     return [] if params == [""] or params == ["void"] else params
@@ -390,7 +397,7 @@ class EmuModule:
     def schedule(self, value: str) -> None:
         self._schedule = _check_schedule(value)
 
-    def get_function(self, name: str) -> "EmuFunction":
+    def get_function(self, name: str) -> EmuFunction:
         if name not in self.kernels:
             raise ValueError(f"CUDA emulator: no extern \"C\" __global__ kernel named {name!r} in "
                              f"this module (found: {', '.join(sorted(self.kernels)) or 'none'})")
