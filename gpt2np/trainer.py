@@ -76,7 +76,6 @@ def train(cfg: TrainConfig, dist=None):
     rank0 = dist.rank == 0
     say = print if rank0 else (lambda *a, **k: None)
     ranges.enable(cfg.nvtx)
-    # --tf32 counts with --device cuda only, as it always has (auto and the CPU are exact fp32)
     backend_name = resolve_name(cfg.device)
     # --tf32 is a GPU setting: it applies whenever the run is on the GPU (--device cuda, or auto finding one)
     backend = get_backend(backend_name, precision="tf32" if cfg.tf32 and backend_name == "cuda" else "fp32")
