@@ -7,8 +7,13 @@ The DataLoader follows llm.c's dataloader.h: a "sample" is a window of num_proce
 starting at a multiple of num_processes*B*T inside one shard; rank r takes the B*T+1 tokens starting
 at r*B*T inside it, so the ranks of one step read disjoint slices. A shard holds
 (num_tokens - 1) // (num_processes*B*T) samples; the tail that does not fit is skipped.
+
+The loader reads each batch's B*T+1 tokens with a plain read, after checking the shard's size and header
+against what it saw when it started: a shard truncated or rewritten under a running job is a DataError
+naming the file and what changed (a memory map would die of SIGBUS reading past the new end).
 """
 import glob
+import hashlib
 import os
 from pathlib import Path
 
@@ -21,6 +26,7 @@ SHARD_VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPE = np.dtype("<u2")
+SIGNATURE_BYTES = 1 << 16          # a shard's signature hashes its header and this many bytes at each end
 
 
 class DataError(ValueError):
@@ -72,6 +78,31 @@ def read_shard_header(path) -> int:
         raise DataError(f"{path}: {what}: header says {num_tokens} tokens ({expected} bytes), "
                         f"file has {size} bytes")
     return num_tokens
+
+
+def _shard_change(path, num_tokens, expected_size, size, header) -> str:
+    """The one line saying how a shard differs from when the loader opened it."""
+    was = f"it had {num_tokens} tokens ({expected_size} bytes) when the run started"
+    if size < expected_size:
+        return f"{path}: token shard shrank while training: now {size} bytes, {was}"
+    if size > expected_size:
+        return f"{path}: token shard grew while training: now {size} bytes, {was}"
+    return (f"{path}: token shard header changed while training: now magic {header[0]}, version {header[1]}, "
+            f"{header[2]} tokens; {was}")      # the same size: the header has all its 12 bytes
+
+
+def shard_hash(path, num_tokens) -> str:
+    """A short hash of a shard's header and its first and last SIGNATURE_BYTES of tokens (cheap for any size)."""
+    end = HEADER_BYTES + TOKEN_DTYPE.itemsize * num_tokens
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            digest.update(f.read(HEADER_BYTES + SIGNATURE_BYTES))
+            f.seek(max(HEADER_BYTES, end - SIGNATURE_BYTES))
+            digest.update(f.read(SIGNATURE_BYTES))
+    except OSError as e:
+        raise DataError(f"{path}: cannot read token shard ({e.strerror or e})") from None
+    return digest.hexdigest()[:12]
 
 
 def read_shard(path, mmap=True) -> np.ndarray:
@@ -140,7 +171,8 @@ class DataLoader:
                 raise DataError(f"{path}: token shard too small: {n} tokens, need at least "
                                 f"num_processes*B*T+1 = {self.sample_tokens + 1}")
             self.shard_num_samples.append(samples)
-        self._tokens, self._tokens_index = None, -1
+        # the first 12 header bytes (magic, version, tokens) as every batch's read must find them
+        self._headers = [np.array([SHARD_MAGIC, SHARD_VERSION, n], "<i4").tobytes() for n in self.shard_num_tokens]
         self._sample_order_cache = (None, None)
         self.reset()
 
@@ -178,11 +210,29 @@ class DataLoader:
             self._sample_order_cache = (key, order)
         return self._sample_order_cache[1]
 
-    def _shard_tokens(self, shard_index):
-        if self._tokens_index != shard_index:
-            self._tokens = read_shard(self.files[shard_index])
-            self._tokens_index = shard_index
-        return self._tokens
+    def _read_tokens(self, shard_index, start, count):
+        """Tokens [start, start+count) of a shard, read from the file after checking it has not changed."""
+        path, num_tokens = self.files[shard_index], self.shard_num_tokens[shard_index]
+        expected_size = HEADER_BYTES + TOKEN_DTYPE.itemsize * num_tokens
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                header = os.pread(fd, 12, 0)
+                raw = os.pread(fd, TOKEN_DTYPE.itemsize * count, HEADER_BYTES + TOKEN_DTYPE.itemsize * start)
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            raise DataError(f"{path}: token shard disappeared while training") from None
+        except OSError as e:
+            raise DataError(f"{path}: cannot read token shard ({e.strerror or e})") from None
+        if size != expected_size or header != self._headers[shard_index]:
+            raise DataError(_shard_change(path, num_tokens, expected_size, size, np.frombuffer(header, "<i4")))
+        if len(raw) != TOKEN_DTYPE.itemsize * count:      # truncated between the size check and the read
+            raise DataError(f"{path}: token shard shrank while training: reading tokens {start}..{start + count} "
+                            f"got {len(raw) // TOKEN_DTYPE.itemsize} of them; it had {num_tokens} tokens when "
+                            f"the run started")
+        return np.frombuffer(raw, dtype=TOKEN_DTYPE)
 
     def next_batch(self):
         """Returns (inputs, targets), both (B, T) int32, and advances the position."""
@@ -196,7 +246,7 @@ class DataLoader:
             shard_index = int(self._shard_order(self.epoch)[self.shard_position])
         sample = int(self._sample_order(self.epoch, shard_index)[self.sample_position])
         start = sample * self.sample_tokens + self.process_rank * self.B * self.T
-        window = np.asarray(self._shard_tokens(shard_index)[start:start + self.B * self.T + 1])
+        window = self._read_tokens(shard_index, start, self.B * self.T + 1)
         if self.vocab_size is not None:
             bad = np.flatnonzero(window >= self.vocab_size)
             if bad.size:
@@ -207,6 +257,12 @@ class DataLoader:
         inputs = window[:-1].reshape(self.B, self.T)
         targets = window[1:].reshape(self.B, self.T)
         return inputs, targets
+
+    def signature(self) -> list:
+        """[(file name, tokens, content hash)] per shard, in file order: what ranks compare to be sure they read
+        the same data (the hash covers the header and the first and last SIGNATURE_BYTES of tokens)."""
+        return [(os.path.basename(path), n, shard_hash(path, n))
+                for path, n in zip(self.files, self.shard_num_tokens)]
 
     def state(self) -> dict:
         """The read position and the settings it depends on, as a dict of plain ints."""

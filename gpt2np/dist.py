@@ -16,6 +16,12 @@ reduce-scattered (rank r receives the average of its shard only), each rank runs
 and the parameters are all-gathered. Shards are contiguous: rank r owns [r*S, (r+1)*S) with
 S = num_parameters // world_size; the last rank also owns the remainder.
 
+Before the first step the ranks check that they run the same job (check_same_run): rank 0 broadcasts its
+fingerprint of the run -- the training settings, the model (config and a hash of the initial parameters) and
+the data (shard names, sizes, hashes) -- each rank compares its own, and the ranks gather what differs. Any
+difference ends every rank together, with one line from rank 0 naming the rank and the first difference:
+`error: rank 1 of 2: -b 2 differs from rank 0's -b 4`.
+
 A rank that dies or hangs must not leave the others waiting forever. Every collective runs under a
 watchdog: one that has not finished after `timeout` seconds prints which one, on which rank, and
 aborts the whole job (MPI_Abort). An exception on one rank aborts the job too (abort_job, and an
@@ -25,11 +31,13 @@ Test hook: env GPT2NP_TEST_FAULT=RANK:STEP:MODE makes rank RANK fail when averag
 the STEP-th time (0-based) in this process: MODE exit (os._exit(3), a crash), raise (a RuntimeError)
 or hang (sleeps forever).
 """
+import hashlib
 import math
 import os
 import sys
 import threading
 import time
+from dataclasses import fields
 
 import numpy as np
 
@@ -44,6 +52,10 @@ FAULT_ENV = "GPT2NP_TEST_FAULT"
 
 class DistError(RuntimeError):
     """Data-parallel training cannot be set up (no MPI, no NCCL, too few GPUs...); the message says why."""
+
+
+class RunMismatch(ValueError):
+    """The ranks were started with different settings, models or data; the message names a rank and what differs."""
 
 
 def launched_by_mpi(environ=os.environ) -> bool:
@@ -82,6 +94,12 @@ class SingleProcess:
 
     def barrier(self):
         pass
+
+    def broadcast_object(self, obj):
+        return obj
+
+    def all_gather_object(self, obj):
+        return [obj]
 
 
 class Watchdog:
@@ -331,6 +349,16 @@ class MpiProcessGroup:
         with self.watchdog.guard("barrier"), ranges.range("barrier"):
             self.comm.Barrier()
 
+    def broadcast_object(self, obj):
+        """Rank 0's obj (any picklable value), on every rank."""
+        with self.watchdog.guard("broadcast of the run's fingerprint"):
+            return self.comm.bcast(obj, root=0)
+
+    def all_gather_object(self, obj):
+        """[obj of rank 0, obj of rank 1, ...] on every rank."""
+        with self.watchdog.guard("all-gather of the ranks' differences"):
+            return self.comm.allgather(obj)
+
     def _inject_fault(self):
         if self._fault and self._fault[:2] == (self.rank, self._grad_steps):
             mode = self._fault[2]
@@ -359,7 +387,101 @@ def _say(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
+# TrainConfig settings a rank may set on its own: they change nothing the ranks share (sampling and profiling
+# happen on rank 0 alone; the timeout is each rank's own watchdog). -e, -i, -j and --device are compared by what
+# they resolve to: the model, the shards, the backend.
+PER_RANK_SETTINGS = ("dist_timeout", "nvtx", "profile_steps", "sample_every", "gen_tokens", "temperature", "top_k")
+COMPARED_BY_CONTENT = ("model", "train_data", "val_data", "device")
+LISTED_AT_MOST = 4           # names of further differences / ranks in the mismatch line
+
+
+def run_fingerprint(cfg, backend, model_cfg, params, train_loader, val_loader=None) -> dict:
+    """{what: value as text} of everything the ranks of one job must agree on, in the order differences are
+    reported: the training settings by llm.c flag (cfg: a TrainConfig), the backend, the model's config and
+    initial weights (params: the loaded ones, None for a random init from --seed), the shards of each loader."""
+    fingerprint = {f.metadata["flag"]: _shown(getattr(cfg, f.name)) for f in fields(cfg)
+                   if f.name not in PER_RANK_SETTINGS + COMPARED_BY_CONTENT}
+    fingerprint["--device"] = f"{backend.name} ({backend.precision})"
+    c = model_cfg
+    fingerprint["-e model"] = (f"maxT={c.max_seq_len} V={c.vocab_size} Vp={c.padded_vocab_size} L={c.num_layers} "
+                               f"NH={c.num_heads} C={c.channels}")
+    fingerprint["-e weights"] = (f"sha256 {params_hash(params)}" if params is not None
+                                 else f"random init (--seed {cfg.seed})")
+    for flag, loader in (("-i", train_loader), ("-j", val_loader)):
+        shards = loader.signature() if loader is not None else []
+        fingerprint[f"{flag} shards"] = str(len(shards)) if loader is not None else "none"
+        for i, (name, tokens, digest) in enumerate(shards):
+            fingerprint[f"{flag} shard {i}"] = f"{name} ({tokens} tokens, sha256 {digest})"
+    return fingerprint
+
+
+def params_hash(params) -> str:
+    """A short sha256 of float32 parameters (about 0.3 s per 124M parameters)."""
+    return hashlib.sha256(np.ascontiguousarray(params, dtype=np.float32)).hexdigest()[:16]
+
+
+def _shown(value) -> str:
+    """A setting as the mismatch line shows it: floats exactly (repr), switches on/off, None as none."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else repr(value) if isinstance(value, float) else str(value)
+
+
+def fingerprint_differences(mine: dict, reference: dict) -> list:
+    """[(what, my value, the reference's value)] for every entry that differs, in the reference's order."""
+    keys = list(reference) + [k for k in mine if k not in reference]
+    return [(k, mine.get(k, "(none)"), reference.get(k, "(none)")) for k in keys
+            if mine.get(k) != reference.get(k)]
+
+
+def mismatch_line(differences_per_rank: list) -> str | None:
+    """One line for the first rank that differs from rank 0 and its first difference (naming the rest), or
+    None when every rank agrees."""
+    world_size = len(differences_per_rank)
+    ranks = [r for r, diffs in enumerate(differences_per_rank) if diffs]
+    if not ranks:
+        return None
+    rank, diffs = ranks[0], differences_per_rank[ranks[0]]
+    what, mine, theirs = diffs[0]
+    line = f"rank {rank} of {world_size}: {what} {mine} differs from rank 0's {what} {theirs}"
+    if len(diffs) > 1:
+        line += f"; its {_listed([d[0] for d in diffs[1:]])} differ{'s' if len(diffs) == 2 else ''} too"
+    if len(ranks) > 1:
+        several = len(ranks) > 2
+        line += f"; rank{'s' if several else ''} {_listed(ranks[1:])} differ{'' if several else 's'} from rank 0 too"
+    return line
+
+
+def _listed(items) -> str:
+    shown = ", ".join(str(x) for x in items[:LISTED_AT_MOST])
+    return shown + (f" and {len(items) - LISTED_AT_MOST} more" if len(items) > LISTED_AT_MOST else "")
+
+
+def check_same_run(dist, fingerprint):
+    """Make sure every rank runs the same job (see the module docstring); call it once, on every rank.
+
+    fingerprint: a dict such as run_fingerprint's, or a function returning it, called only when there are
+    ranks to compare (hashing a big model's weights takes a moment). When a rank differs, every rank learns it
+    in the same two collectives and all of them stop: rank 0 raises RunMismatch with the one line (train.py
+    prints it), the others exit with status 1 without a word -- the same line from every rank would help no one.
+    """
+    global _ranks_stopping
+    if dist.world_size == 1:
+        return
+    if callable(fingerprint):
+        fingerprint = fingerprint()
+    reference = dist.broadcast_object(fingerprint if dist.rank == 0 else None)
+    line = mismatch_line(dist.all_gather_object(fingerprint_differences(fingerprint, reference)))
+    if line is None:
+        return
+    _ranks_stopping = True           # no need to abort: no rank is left waiting in a collective
+    if dist.rank == 0:
+        raise RunMismatch(line)
+    raise SystemExit(1)
+
+
 _group = None       # the MPI group of this process, once made (for abort_job and the excepthook)
+_ranks_stopping = False          # every rank knows the job is ending (check_same_run): abort_job has nothing to do
 
 
 def make_process_group(device="auto", zero_stage=0, timeout=DEFAULT_TIMEOUT):
@@ -412,8 +534,9 @@ def select_gpu(comm):
 def abort_job(code=1):
     """Under MPI with several ranks: end all of them now (after this rank printed its error); else no-op.
 
-    Without it, the other ranks would wait for this one in their next collective."""
-    if _group is not None and _group.world_size > 1:
+    Without it, the other ranks would wait for this one in their next collective. After check_same_run found a
+    difference every rank is ending already, and this does nothing."""
+    if _group is not None and _group.world_size > 1 and not _ranks_stopping:
         _say(f"rank {_group.rank} of {_group.world_size} failed; aborting all ranks")
         _group.abort(code)
 

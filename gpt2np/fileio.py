@@ -1,28 +1,121 @@
-"""Atomic file writes: every file gpt2np writes appears whole or not at all."""
+"""Writing files so that a failure is one clear line and never a half-written file.
+
+atomic_write: every file gpt2np writes (checkpoints, shards, tokenizer files) appears whole or not at all.
+append_line: main.log grows by whole lines only.
+A failed write raises WriteError, an OSError whose message names the file and the errno:
+`writing log/model_00000010.bin: [Errno 28] No space left on device`.
+"""
 import contextlib
+import errno as errnos
 import os
 import secrets
 from pathlib import Path
+
+PROBE_BYTES = 1 << 20        # at most this much is written to a doomed temp file to learn why a write failed
+
+
+class WriteError(OSError):
+    """Writing `path` failed. errno and strerror are those of the underlying OSError (None if it had none)."""
+
+    def __init__(self, path, cause: OSError):
+        super().__init__(cause.errno, cause.strerror or str(cause))
+        self.path = self.filename = os.fspath(path)
+
+    def __str__(self):
+        reason = f"[Errno {self.errno}] {self.strerror}" if self.errno is not None else self.strerror
+        return f"writing {self.path}: {reason}"
+
+
+def _is_write_failure(e: BaseException, tmp: Path) -> bool:
+    """Whether an exception raised inside the `with atomic_write(...)` body is the write to our file failing.
+
+    Disk full, quota, I/O error, file too large... are plain OSError (no subclass) without a filename, or
+    with the temp file's name. Subclasses (TimeoutError and ConnectionError while a download feeds the file,
+    FileNotFoundError of an input, WriteError of a nested write) are about something else and pass unchanged.
+    """
+    return type(e) is OSError and e.filename in (None, os.fspath(tmp))
+
+
+def _probe_errno(fd) -> OSError | None:
+    """The OSError a further write to fd gives, if any.
+
+    numpy's tofile() reports a failed write as `N requested and M written`, without the errno; the temp file
+    is deleted anyway, so writing more to it tells why (ENOSPC, EDQUOT, EIO...)."""
+    chunk = bytes(64 << 10)
+    try:
+        for _ in range(PROBE_BYTES // len(chunk)):
+            os.write(fd, chunk)
+        os.fsync(fd)
+    except OSError as e:
+        return e if e.errno is not None else None
+    return None
 
 
 @contextlib.contextmanager
 def atomic_write(path, mode="wb"):
     """Open a temporary file next to `path`; on success flush, fsync and os.replace() it onto `path`.
 
-    On any exception the temporary file is removed and `path` is left as it was. Missing parent
-    folders are created.
+    On any exception the temporary file is removed and `path` is left as it was. Missing parent folders are
+    created. A failure of the write itself (see _is_write_failure) or of creating, flushing, syncing, closing
+    or renaming the file is raised as WriteError naming `path`; other exceptions pass through unchanged.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # the umask applies, unlike mkstemp's 0600
     try:
-        with os.fdopen(fd, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, unlike mkstemp's 0600
+    except OSError as e:
+        raise WriteError(path, e) from e
+    try:
+        f = os.fdopen(fd, mode)
+    except BaseException:        # a bad mode: nothing was written
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    finishing = False            # past the body: every OSError from here on is ours
+    try:
+        yield f
+        finishing = True
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        ours = isinstance(e, OSError) and (finishing or _is_write_failure(e, tmp))
+        cause = e
+        if ours and e.errno is None and not f.closed:
+            cause = _probe_errno(fd) or e
+        with contextlib.suppress(OSError):
+            f.close()            # flushes what is still buffered, which may fail again: the file is discarded
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if ours:
+            raise WriteError(path, cause) from e
         raise
+
+
+def append_line(path, line: str):
+    """Append `line` and a newline to the text file `path` (created if missing).
+
+    A write that fails part-way (disk full) is undone by truncating the file back to its old length, so the
+    file only ever holds whole lines, and raised as WriteError naming `path`.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise WriteError(path, e) from e
+    try:
+        old_size = os.fstat(fd).st_size
+        rest = memoryview((line + "\n").encode())
+        try:
+            while rest:
+                written = os.write(fd, rest)     # a short write is followed by one that says why it stopped
+                if written == 0:
+                    raise OSError(errnos.ENOSPC, os.strerror(errnos.ENOSPC))
+                rest = rest[written:]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, old_size)
+            raise WriteError(path, e) from e
+    finally:
+        os.close(fd)

@@ -22,7 +22,8 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .data import DataLoader
-from .dist import make_process_group
+from .dist import check_same_run, make_process_group, run_fingerprint
+from .fileio import WriteError, append_line
 from .model import GPT2
 from .profiling import ranges
 from .profiling.gpu_specs import flops_per_token, mfu
@@ -44,19 +45,24 @@ def header_table(rows):
 
 
 class Logger:
-    """llm.c's main.log lines (s:STEP trl:LOSS ... / s:STEP tel:LOSS), appended, in -o."""
+    """llm.c's main.log lines (s:STEP trl:LOSS ... / s:STEP tel:LOSS), appended, in -o.
+
+    A line that cannot be written (disk full) stops the run with WriteError naming main.log: a run whose log
+    silently ends is worse than one that stops. The log keeps whole lines only (fileio.append_line)."""
 
     def __init__(self, out_dir, rank, resume):
         self.path = os.path.join(out_dir, "main.log") if out_dir and rank == 0 else None
         if self.path:
-            os.makedirs(out_dir, exist_ok=True)
-            if not resume:
-                open(self.path, "w").close()
+            try:
+                os.makedirs(out_dir, exist_ok=True)
+                if not resume:
+                    open(self.path, "w").close()
+            except OSError as e:
+                raise WriteError(self.path, e) from e
 
     def log(self, line):
         if self.path:
-            with open(self.path, "a") as f:
-                f.write(line + "\n")
+            append_line(self.path, line)
 
 
 def evaluate(model, loader, max_batches):
@@ -104,6 +110,8 @@ def train(cfg: TrainConfig, dist=None):
     model = GPT2(model_cfg, backend, B, T, seed=cfg.seed if params is None else None)
     if params is not None:
         model.load_params(params)
+    # under mpiexec: every rank must run this same job (settings, model, data), else all stop with one line
+    check_same_run(dist, lambda: run_fingerprint(cfg, backend, model_cfg, params, train_loader, val_loader))
     rng = np.random.default_rng(cfg.seed)
     decoder = Decoder(train_pattern) if cfg.sample_every > 0 else None
 

@@ -1,5 +1,10 @@
-"""Token shards (llm.c format) and the DataLoader: round trips, every bad input, batching semantics."""
+"""Token shards (llm.c format) and the DataLoader: round trips, every bad input, batching semantics, shards that
+change under a running loader."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +19,8 @@ from gpt2np.data import (
     read_shard_header,
     write_shard,
 )
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def one_line_error(excinfo, *needles):
@@ -247,3 +254,67 @@ def test_token_beyond_vocab_is_an_error(tmp_path):
         loader.next_batch()
     one_line_error(e, "v.bin", "50300", "position 13", "50257")
     DataLoader(str(tmp_path / "v.bin"), 1, 8).next_batch()   # no vocab_size: no check
+
+
+# ---------------------------------------------------------------------------------------------
+# shards that change under a running loader: one clear DataError, never SIGBUS
+
+TRUNCATE_UNDER_LOADER = """
+import os, sys
+import numpy as np
+from gpt2np.data import DataError, DataLoader, HEADER_BYTES, write_shard
+path = sys.argv[1]
+write_shard(path, np.arange(4000) % 50000)
+loader = DataLoader(path, 4, 16, vocab_size=50257)
+loader.next_batch()
+os.truncate(path, HEADER_BYTES + 2 * 100)      # in place, as a crashed copy or `truncate -s` would
+try:
+    for _ in range(loader.num_batches):        # on into pages past the new end, where a memory map faults
+        loader.next_batch()
+except DataError as e:
+    print(e)
+"""
+
+
+def test_shard_truncated_under_a_loader_is_an_error_not_sigbus(tmp_path):
+    # a separate process: with the shard memory-mapped (before), reading past the new end killed it with SIGBUS
+    path = tmp_path / "t.bin"
+    proc = subprocess.run([sys.executable, "-c", TRUNCATE_UNDER_LOADER, str(path)], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, f"killed by signal {-proc.returncode}" if proc.returncode < 0 else proc.stderr
+    assert proc.stdout.strip() == (f"{path}: token shard shrank while training: now {HEADER_BYTES + 200} bytes, "
+                                   f"it had 4000 tokens ({HEADER_BYTES + 8000} bytes) when the run started")
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda p: os.truncate(p, HEADER_BYTES + 20), "shrank while training: now 1044 bytes"),
+    (lambda p: p.open("ab").write(b"\0\0"), "grew while training: now 1226 bytes"),
+    (lambda p: corrupt(p, lambda raw: set_int(raw, 2, 50)), "header changed while training: now magic 20240520, "
+                                                             "version 1, 50 tokens"),
+    (lambda p: corrupt(p, lambda raw: set_int(raw, 0, 7)), "header changed while training: now magic 7"),
+    (lambda p: p.unlink(), "disappeared while training"),
+])
+def test_shard_changed_under_a_loader(tmp_path, change, needle):
+    path = tmp_path / "c.bin"
+    write_shard(path, np.arange(100))
+    loader = DataLoader(str(path), 2, 4)
+    first = loader.next_batch()
+    change(path)
+    with pytest.raises(DataError) as e:
+        loader.next_batch()
+    one_line_error(e, path, needle)
+    if "disappeared" not in needle:
+        assert "100 tokens (1224 bytes) when the run started" in str(e.value)
+    write_shard(path, np.arange(100))                     # put back as it was: the loader carries on
+    loader.reset()
+    np.testing.assert_array_equal(loader.next_batch()[0], first[0])
+
+
+def test_signature_names_sizes_and_content(tmp_path):
+    make_shards(tmp_path, [60, 45])
+    pattern = str(tmp_path / "*.bin")
+    sig = DataLoader(pattern, 2, 4).signature()
+    assert [(name, n) for name, n, _ in sig] == [("shard_000.bin", 60), ("shard_001.bin", 45)]
+    assert sig == DataLoader(pattern, 1, 8).signature()            # data only, not the batch shape
+    write_shard(tmp_path / "shard_001.bin", np.arange(45) + 1)       # same name and size, other tokens
+    assert DataLoader(pattern, 2, 4).signature()[1][2] != sig[1][2]
