@@ -11,12 +11,13 @@ import argparse
 import sys
 from dataclasses import fields
 
+from gpt2np.cli import ArgumentParser, one_line_errors, tool
 from gpt2np.config import TrainConfig, default_text, value_type
 
 
 def build_parser():
     """llm.c's flags, one per TrainConfig field: flag, type, default, help and choices all come from TrainConfig."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(TrainConfig):
         meta, default = f.metadata, default_text(f)
         options = {"dest": f.name, "default": f.default,
@@ -30,19 +31,19 @@ def build_parser():
 
 
 def parse_config(argv=None):
+    """The TrainConfig the flags give, as parsed (TrainConfig.validate checks the values)."""
     return TrainConfig(**vars(build_parser().parse_args(argv)))
 
 
+@tool
 def main(argv=None):
-    cfg = parse_config(argv)
+    """Parse and validate the flags (bad ones: one `error:` line, exit 2), then train (a failure: one line, exit 1)."""
+    cfg = parse_config(argv).validate()
+    from gpt2np.dist import abort_job
     from gpt2np.trainer import train
-    try:
+    # bad files and faults during the run: one line and exit 1; under mpiexec the other ranks must not wait for us
+    with one_line_errors(code=1, then=abort_job):
         train(cfg)
-    except (ValueError, OSError, RuntimeError) as e:      # bad files and inputs: one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        from gpt2np.dist import abort_job
-        abort_job(1)                                      # under mpiexec: the other ranks must not wait for us
-        return 1
     return 0
 
 

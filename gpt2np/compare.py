@@ -8,7 +8,8 @@ steps on that batch in both and compares the two loss curves step by step.
     python -m gpt2np.compare -e gpt2_124M.bin --debug-state gpt2_124M_debug_state.bin --steps 0
                                                                      # (llm.c's file; needs no torch)
 Error measure, per tensor: max|gpt2np - ref| / max|ref| (the error relative to the tensor's scale).
-Exit code: 0 when every check is within tolerance, 1 when one is not, 2 on bad input (one line).
+Exit code: 0 when every check is within tolerance, 1 when one is not (or the run failed: a device or a
+kernel compiler), 2 on bad input (one line).
 """
 import argparse
 import sys
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .cli import ArgumentParser, integer, is_finite, number, tool
 from .config import GPT2Config
 from .debug_state import DebugState, read_debug_state, write_debug_state
 from .tensors import DECAYED_BY_DEFAULT, PARAM_NAMES
@@ -178,13 +180,17 @@ def parse_tolerance(text):
         raise argparse.ArgumentTypeError(f"expected TENSOR=REL_TOL with TENSOR one of logits, "
                                          f"{', '.join(PARAM_NAMES)}; got {text!r}")
     try:
-        return name, float(value)
+        tolerance = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad tolerance value in {text!r}") from None
+    if not (is_finite(tolerance) and tolerance > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: the tolerance must be a finite number > 0")
+    return name, tolerance
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m gpt2np.compare", description=__doc__.split("\n")[0])
+    """The flags, each checked against what it allows (BadInput names the first that is not)."""
+    p = ArgumentParser(prog="python -m gpt2np.compare", description=__doc__.split("\n")[0])
     p.add_argument("-e", "--model", required=True, help="llm.c model file (.bin, version 3 or 5)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--debug-state", help="llm.c debug state to check against (instead of torch)")
@@ -209,14 +215,25 @@ def parse_args(argv=None):
     p.add_argument("--loss-tol", type=float, default=LOSS_ABS_TOL, help="absolute tolerance, losses")
     p.add_argument("--tol", type=parse_tolerance, action="append", default=[], metavar="TENSOR=REL",
                    help="relative tolerance for one tensor (repeatable)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, value, allowed in (("--steps", args.steps, integer(0)), ("--seed", args.seed, integer(0)),
+                                 ("-l", args.lr, number(0)), ("--beta1", args.beta1, number(0, 1, high_open=True)),
+                                 ("--beta2", args.beta2, number(0, 1, high_open=True)),
+                                 ("--eps", args.eps, number(0, low_open=True)),
+                                 ("--weight-decay", args.weight_decay, number(0)),
+                                 ("--grad-clip", args.grad_clip, number(0)),
+                                 ("--rel-tol", args.rel_tol, number(0, low_open=True)),
+                                 ("--loss-tol", args.loss_tol, number(0, low_open=True))):
+        allowed.check(flag, value)
+    for flag, value in (("-b", args.batch_size), ("-t", args.seq_len)):
+        if value is not None:                     # None: the default, which depends on the model
+            integer(1).check(flag, value)
+    return args
 
 
 def run(args) -> int:
     """The comparison; returns the exit code. Bad input raises ValueError/OSError/ImportError."""
     from .reference import TorchGPT2  # imports no torch until a TorchGPT2 is built
-    if args.steps < 0:
-        raise ValueError(f"--steps must be >= 0, got {args.steps}")
     cfg, params = load_model_file(args.model)
     ref_model = None
     if args.debug_state:
@@ -277,13 +294,10 @@ def run(args) -> int:
     return 0
 
 
+@tool
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError, ImportError, RuntimeError) as e:
-        print(f"compare: error: {e}", file=sys.stderr)
-        return 2
+    """The comparison from the flags: 0 all within tolerance, 1 a check failed, 2 bad input (one line)."""
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import get_args
 
+from .cli import SWITCH, TEXT, Allowed, BadInput, integer, is_finite, is_int, number, one_of
+
 
 @dataclass(frozen=True)
 class GPT2Config:
@@ -63,11 +65,19 @@ def preset(name: str, max_seq_len: int = 1024, vocab_size: int = 50257) -> GPT2C
     return GPT2Config(max_seq_len, vocab_size, pad_vocab(vocab_size), L, NH, C)
 
 
-def _setting(flag, default=None, help="", *, cpu_gpu=None, choices=None, metavar=None, default_text=None):
-    """A TrainConfig field: its llm.c flag, help, argparse choices/metavar and, where llm.c's CPU (train_gpt2.c)
-    and GPU (train_gpt2.cu) trainers differ, the (CPU, GPU) defaults that fill a None once the backend is known."""
+def _setting(flag, default=None, help="", *, cpu_gpu=None, choices=None, metavar=None, default_text=None,
+             allowed: Allowed | None = None, what=""):
+    """A TrainConfig field: its llm.c flag, help, argparse choices/metavar, the values it allows (`allowed`, and
+    `what` it is, for the error message; choices, switches and text need neither) and, where llm.c's CPU
+    (train_gpt2.c) and GPU (train_gpt2.cu) trainers differ, the (CPU, GPU) defaults that fill a None once the
+    backend is known."""
     return field(default=default, metadata={"flag": flag, "help": help, "cpu_gpu": cpu_gpu, "choices": choices,
-                                            "metavar": metavar, "default_text": default_text})
+                                            "metavar": metavar, "default_text": default_text,
+                                            "allowed": allowed, "what": what})
+
+
+COUNT = integer(1)                                   # a size: at least one
+OFF_OR_EVERY = integer(0, words="an integer >= 0 (0 = never)")
 
 
 @dataclass(frozen=True)
@@ -84,41 +94,90 @@ class TrainConfig:
                           "random init", metavar="MODEL")
     output_dir: str | None = _setting("-o", help="output dir for main.log and checkpoints", metavar="DIR",
                                       default_text="none")
-    batch_size: int | None = _setting("-b", help="micro batch size B", cpu_gpu=(4, 4))
-    seq_len: int | None = _setting("-t", help="sequence length T", cpu_gpu=(64, 1024))
+    batch_size: int | None = _setting("-b", help="micro batch size B", cpu_gpu=(4, 4), allowed=COUNT,
+                                      what="the micro batch size B")
+    seq_len: int | None = _setting("-t", help="sequence length T", cpu_gpu=(64, 1024), allowed=COUNT,
+                                   what="the sequence length T")
     total_batch_size: int = _setting("-d", -1, "total batch size in tokens, by gradient accumulation",
-                                     default_text="B*T*processes")
-    max_steps: int | None = _setting("-x", help="max steps, -1 = one epoch", cpu_gpu=(40, -1))
-    learning_rate: float = _setting("-l", 3e-4, "learning rate")
-    warmup_steps: int = _setting("-u", 0, "warmup iterations")
-    final_lr_frac: float = _setting("-q", 1.0, "final lr as a fraction of -l, 1.0 = no decay")
+                                     default_text="B*T*processes", what="the total batch size",
+                                     allowed=integer(1, also=(-1,), words="-1 (B*T*processes) or a number of "
+                                                     "tokens >= 1"))
+    max_steps: int | None = _setting("-x", help="max steps, -1 = one epoch", cpu_gpu=(40, -1), what="the max steps",
+                                     allowed=integer(-1, words="-1 (one epoch), 0 (no training: only validate and "
+                                                     "sample) or a number of steps >= 1"))
+    learning_rate: float = _setting("-l", 3e-4, "learning rate", allowed=number(0, low_open=True),
+                                    what="the learning rate")
+    warmup_steps: int = _setting("-u", 0, "warmup iterations", allowed=integer(0), what="the warmup iterations")
+    final_lr_frac: float = _setting("-q", 1.0, "final lr as a fraction of -l, 1.0 = no decay", allowed=number(0, 1),
+                                    what="the final lr fraction")
     lr_schedule: str = _setting("-k", "cosine", "lr schedule", choices=("cosine", "linear", "constant", "wsd"))
-    weight_decay: float = _setting("-c", 0.0, "weight decay, on the 2-D tensors")
-    val_every: int | None = _setting("-v", help="val loss every N steps, 0 = never", cpu_gpu=(10, 20))
-    val_max_batches: int | None = _setting("-m", help="max val batches, -1 = all", cpu_gpu=(5, 20))
-    sample_every: int | None = _setting("-s", help="sample every N steps, 0 = never", cpu_gpu=(20, 20))
-    gen_tokens: int = _setting("-g", 64, "tokens to generate per sample")
-    checkpoint_every: int = _setting("-n", 0, "checkpoint every N steps into -o, 0 = never")
+    weight_decay: float = _setting("-c", 0.0, "weight decay, on the 2-D tensors", allowed=number(0),
+                                   what="the weight decay")
+    val_every: int | None = _setting("-v", help="val loss every N steps, 0 = never", cpu_gpu=(10, 20),
+                                     allowed=OFF_OR_EVERY, what="the validation interval")
+    val_max_batches: int | None = _setting("-m", help="max val batches, -1 = all", cpu_gpu=(5, 20),
+                                           what="the max val batches",
+                                           allowed=integer(1, also=(-1,), words="-1 (all) or an integer >= 1; use "
+                                                           "-v 0 to turn validation off"))
+    sample_every: int | None = _setting("-s", help="sample every N steps, 0 = never", cpu_gpu=(20, 20),
+                                        allowed=OFF_OR_EVERY, what="the sampling interval")
+    gen_tokens: int = _setting("-g", 64, "tokens to generate per sample", allowed=integer(0),
+                               what="the tokens to generate")
+    checkpoint_every: int = _setting("-n", 0, "checkpoint every N steps into -o, 0 = never", allowed=OFF_OR_EVERY,
+                                     what="the checkpoint interval")
     resume: int = _setting("-y", 0, "1 = resume from the latest checkpoint in -o", choices=(0, 1))
     overfit_single_batch: int = _setting("-a", 0, "1 = overfit a single batch, for debugging", choices=(0, 1))
     zero_stage: int = _setting("-z", 0, "ZeRO stage under mpiexec: 0 = plain data parallel, 1 = optimizer state "
                                "sharded across ranks", choices=(0, 1))
     dist_timeout: float = _setting("--dist-timeout", 600.0, "under mpiexec: abort all ranks when a collective takes "
-                                   "longer, as a rank died or hangs; 0 = wait forever", metavar="SECONDS")
+                                   "longer, as a rank died or hangs; 0 = wait forever", metavar="SECONDS",
+                                   allowed=number(0, words="a finite number of seconds >= 0 (0 = wait forever)"),
+                                   what="the collective timeout")
     device: str = _setting("--device", "auto", "auto = cuda if there is a GPU, else cpu; cpu and numpy are the "
                            "same backend", choices=("auto", "cpu", "numpy", "cuda"))
-    seed: int = _setting("--seed", 1337, "init, shuffling and sampling seed")
+    seed: int = _setting("--seed", 1337, "init, shuffling and sampling seed", allowed=integer(0), what="the seed")
     shuffle: bool = _setting("--shuffle", False, "shuffle shards and samples every epoch")
-    temperature: float = _setting("--temperature", 1.0, "sampling temperature, 0 = greedy")
-    top_k: int = _setting("--top-k", 0, "sample from the k most likely tokens, 0 = all")
-    grad_clip: float = _setting("--grad-clip", 1.0, "global-norm gradient clipping, 0 = off")
-    beta1: float = _setting("--beta1", 0.9, "AdamW beta1")
-    beta2: float = _setting("--beta2", 0.95, "AdamW beta2")
-    eps: float = _setting("--eps", 1e-8, "AdamW epsilon")
+    temperature: float = _setting("--temperature", 1.0, "sampling temperature, 0 = greedy",
+                                  allowed=number(0, words="a finite number >= 0 (0 = greedy)"),
+                                  what="the sampling temperature")
+    top_k: int = _setting("--top-k", 0, "sample from the k most likely tokens, 0 = all",
+                          allowed=integer(0, words="an integer >= 0 (0 = all)"), what="the top-k")
+    grad_clip: float = _setting("--grad-clip", 1.0, "global-norm gradient clipping, 0 = off",
+                                allowed=number(0, words="a finite number >= 0 (0 = off)"), what="the clipping norm")
+    beta1: float = _setting("--beta1", 0.9, "AdamW beta1", allowed=number(0, 1, high_open=True),
+                            what="AdamW's beta1")
+    beta2: float = _setting("--beta2", 0.95, "AdamW beta2", allowed=number(0, 1, high_open=True),
+                            what="AdamW's beta2")
+    eps: float = _setting("--eps", 1e-8, "AdamW epsilon", allowed=number(0, low_open=True), what="AdamW's epsilon")
     tf32: bool = _setting("--tf32", False, "GPU: TF32 tensor cores for the matmuls (off: exact fp32)")
     profile_steps: int = _setting("--profile", 0, "profile N steps after a warm-up step: kernel table, module tree, "
-                                  "range summary; files in -o/profile", metavar="N")
+                                  "range summary; files in -o/profile", metavar="N",
+                                  allowed=integer(0, words="an integer >= 0 (0 = off)"),
+                                  what="the number of profiled steps")
     nvtx: int = _setting("--nvtx", 1, "NVTX ranges for nsys, free without a profiler", choices=(0, 1))
+
+    def validate(self) -> "TrainConfig":
+        """Self, if every setting is allowed and none contradicts another; else BadInput (a ValueError) naming the
+        flag(s), the value(s) and what is allowed. Device-dependent settings still None are not checked: call
+        it again on with_device_defaults' copy."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and type(None) in get_args(f.type):
+                continue
+            allowed(f).check(f.metadata["flag"], value, f.metadata["what"])
+        B, T, steps, profiled = self.batch_size, self.seq_len, self.max_steps, self.profile_steps
+        if self.resume and not self.output_dir:
+            raise BadInput("-y 1 without -o: resuming reads the checkpoints in -o DIR")
+        if self.checkpoint_every > 0 and not self.output_dir:
+            raise BadInput(f"-n {self.checkpoint_every} without -o: checkpoints are written into -o DIR "
+                           "(or use -n 0)")
+        if profiled > 0 and steps is not None and 0 <= steps < profiled + 1:
+            raise BadInput(f"--profile {profiled} with -x {steps}: profiling takes one warm-up step, then "
+                           f"{profiled} profiled; -x must be >= {profiled + 1} (or -1, one epoch)")
+        if self.total_batch_size > 0 and B is not None and T is not None and self.total_batch_size % (B * T):
+            raise BadInput(f"-d {self.total_batch_size} with -b {B} -t {T}: the total batch size must be a multiple "
+                           f"of B*T = {B * T} (times the number of processes)")
+        return self
 
     def with_device_defaults(self, backend_name: str) -> "TrainConfig":
         """A copy with llm.c's CPU or GPU (backend 'cuda') default in every device-dependent field left None."""
@@ -130,6 +189,18 @@ class TrainConfig:
 def value_type(f: Field) -> type:
     """The type a setting's flag parses to: int for `int | None`."""
     return next((t for t in get_args(f.type) if t is not type(None)), f.type)
+
+
+def allowed(f: Field) -> Allowed:
+    """The values a setting allows: its rule, or its choices, a switch's True/False, text; a number without a rule
+    (tests/test_bad_input.py asks every number for one) at least has the right type and is finite."""
+    m, kind = f.metadata, value_type(f)
+    if m["allowed"]:
+        return m["allowed"]
+    if m["choices"]:
+        return one_of(m["choices"])
+    return {bool: SWITCH, str: TEXT, int: Allowed(is_int, "an integer"),
+            float: Allowed(is_finite, "a finite number")}[kind]
 
 
 def default_text(f: Field) -> str | None:

@@ -6,7 +6,6 @@ download() never hangs: every connect and read has a socket timeout; any failure
 HTTP error, short read) raises FetchError with one line. Files are written to a temporary file
 next to the destination and renamed into place only when complete.
 """
-import argparse
 import http.client
 import socket
 import sys
@@ -15,6 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from .cli import ArgumentParser, BadInput, number, tool
 from .data import atomic_write
 from .paths import CHECKPOINTS_DIR
 
@@ -118,8 +118,10 @@ def ensure(filename, dest_dir="checkpoints", timeout=10, progress=True):
     return download(KNOWN_FILES[filename], path, timeout=timeout, progress=progress)
 
 
+@tool
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m gpt2np.fetch", description=__doc__.split("\n")[0])
+    """Download the named groups; bad flags: one line, exit 2; a failed download: one line each, exit 1."""
+    parser = ArgumentParser(prog="python -m gpt2np.fetch", description=__doc__.split("\n")[0])
     parser.add_argument("what", nargs="*", metavar="WHAT",
                         help=f"any of {', '.join(sorted(GROUPS))} (default: tinyshakespeare tokenizer model)")
     parser.add_argument("--dir", default=str(CHECKPOINTS_DIR),
@@ -129,6 +131,9 @@ def main(argv=None):
     unknown = [w for w in args.what if w not in GROUPS]
     if unknown:
         parser.error(f"unknown WHAT {unknown[0]!r}; choose from {', '.join(sorted(GROUPS))}")
+    number(0, low_open=True).check("--timeout", args.timeout, "the socket timeout in seconds")
+    if Path(args.dir).exists() and not Path(args.dir).is_dir():
+        raise BadInput(f"--dir {args.dir}: is a file; expected a folder (made if missing)")
     failed = 0
     for group in args.what or ["tinyshakespeare", "tokenizer", "model"]:
         for filename in GROUPS[group]:

@@ -6,7 +6,6 @@ As llm.c does for tinyshakespeare, the text is cut at blank lines ("\\n\\n") int
 is preceded by <|endoftext|>, and every document but the last keeps its trailing "\\n\\n". The GPT-2
 tokenizer file gpt2_tokenizer.bin is written next to the shards if it is not there yet.
 """
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -14,10 +13,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .cli import ArgumentParser, BadInput, integer, tool
 from .data import DataError, write_shard
-from .fetch import TINYSHAKESPEARE_URL, FetchError, download
+from .fetch import TINYSHAKESPEARE_URL, download
 from .paths import DATA_DIR, data_search_dirs
-from .tokenizer import TOKENIZER_BIN, TokenizerError, get_encoding, write_tokenizer_bin
+from .tokenizer import TOKENIZER_BIN, get_encoding, write_tokenizer_bin
 
 DEFAULT_OUTPUT_DIR = DATA_DIR
 TINYSHAKESPEARE_NAME = "tiny_shakespeare"   # llm.c's shard names: tiny_shakespeare_{val,train}.bin
@@ -83,8 +83,10 @@ def prepare_tinyshakespeare(out_dir=DEFAULT_OUTPUT_DIR, val_tokens=DEFAULT_VAL_T
     return prepare_text(text_path, out_dir, TINYSHAKESPEARE_NAME, val_tokens, encoding)
 
 
+@tool
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m gpt2np.prepare", description=__doc__.split("\n")[0])
+    """Tokenize tinyshakespeare or --input into shards; bad flags and files: one line, exit 2."""
+    parser = ArgumentParser(prog="python -m gpt2np.prepare", description=__doc__.split("\n")[0])
     parser.add_argument("dataset", nargs="?", choices=["tinyshakespeare"],
                         help="a known dataset (default when --input is not given)")
     parser.add_argument("--input", help="utf-8 text file to tokenize; shards are named after it")
@@ -94,17 +96,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.input and args.dataset:
         parser.error("give either --input FILE or a dataset name, not both")
-    if args.val_tokens < 0:
-        parser.error("--val-tokens must be >= 0")
-    try:
-        encoding = get_encoding(args.bpe_dir)
-        if args.input:
-            shards = prepare_text(args.input, args.output_dir, Path(args.input).stem, args.val_tokens, encoding)
-        else:
-            shards = prepare_tinyshakespeare(args.output_dir, args.val_tokens, encoding)
-    except (DataError, TokenizerError, FetchError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    integer(0).check("--val-tokens", args.val_tokens, "the val split's tokens")
+    # the paths first: a folder as --input or a file as --output-dir would fail only after tokenizing
+    if args.input and Path(args.input).is_dir():
+        raise BadInput(f"--input {args.input}: is a folder; expected a UTF-8 text file")
+    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise BadInput(f"--output-dir {args.output_dir}: is a file; expected a folder (made if missing)")
+    encoding = get_encoding(args.bpe_dir)
+    if args.input:
+        shards = prepare_text(args.input, args.output_dir, Path(args.input).stem, args.val_tokens, encoding)
+    else:
+        shards = prepare_tinyshakespeare(args.output_dir, args.val_tokens, encoding)
     for path in (shards.val, shards.train):
         print(f"wrote {path} ({(path.stat().st_size - 1024) // 2:,} tokens)")
     return 0

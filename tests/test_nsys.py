@@ -260,14 +260,14 @@ def test_missing_file(tmp_path, capsys):
     path = str(tmp_path / "nope.sqlite")
     with pytest.raises(nsys.NsysReportMissing, match="no such file"):
         nsys.load(path)
-    assert nsys.main([path]) == 1
+    assert nsys.main([path]) == 2
     assert path in one_error_line(capsys)
 
 
 def test_not_sqlite(tmp_path, capsys):
     path = tmp_path / "prof.nsys-rep"
     path.write_bytes(b"this is not a database" * 100)
-    assert nsys.main([str(path)]) == 1
+    assert nsys.main([str(path)]) == 2
     assert "not an SQLite file" in one_error_line(capsys)
 
 
@@ -282,13 +282,13 @@ def test_missing_tables(tmp_path, capsys, dropped, problem):
     con.close()
     with pytest.raises(nsys.NsysReportError, match=problem):
         nsys.load(path)
-    assert nsys.main([path]) == 1
+    assert nsys.main([path]) == 2
     err = one_error_line(capsys)
     assert path in err and problem in err
 
 
 def test_unknown_device_is_one_line(step_db, capsys):
-    assert nsys.main([step_db, "--device", "Voodoo5"]) == 1
+    assert nsys.main([step_db, "--device", "Voodoo5"]) == 2
     assert "unknown device 'Voodoo5'" in one_error_line(capsys)
 
 

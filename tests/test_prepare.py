@@ -186,7 +186,7 @@ def test_prepare_cli(tmp_path, data_dir, gpt2, capsys):
     rc = prepare.main(["--input", str(tmp_path / "missing.txt"), "--output-dir", str(tmp_path / "o"),
                        "--bpe-dir", str(data_dir)])
     err = capsys.readouterr().err
-    assert rc == 1 and err.count("\n") == 1 and "missing.txt" in err
+    assert rc == 2 and err.count("\n") == 1 and "missing.txt" in err
 
 
 def test_prepare_tinyshakespeare(tmp_path, data_dir, gpt2, monkeypatch):

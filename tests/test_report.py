@@ -318,7 +318,7 @@ def test_read_json_errors(tmp_path, content, problem, capsys):
         path.write_text(content)
     with pytest.raises(report.ReportError, match=problem):
         report.read_json(str(path))
-    assert report.main([str(path)]) == 1
+    assert report.main([str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(path) in err and problem in err
 
@@ -330,7 +330,7 @@ def test_report_cli(tmp_path, capsys):
     assert "Kernels of step 1 on test GPU" in capsys.readouterr().out
     assert report.main([path, "--device", "NVIDIA L4", "--step", "all"]) == 0
     assert "Kernels of step 1 on L4" in capsys.readouterr().out
-    assert report.main([path, "--device", "Voodoo5"]) == 1
+    assert report.main([path, "--device", "Voodoo5"]) == 2
     assert "unknown device" in capsys.readouterr().err
 
 

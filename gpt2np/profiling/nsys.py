@@ -19,7 +19,6 @@ from the op and how many ranges of that op came before it in the same layer and 
 the 1st..4th matmul_forward of a layer are c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj).
 Nsight records no FLOPs or bytes, so those columns stay empty (0).
 """
-import argparse
 import os
 import re
 import sqlite3
@@ -27,8 +26,9 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..cli import ArgumentParser, BadInput, integer, tool
 from . import report
-from .gpu_specs import UnknownDeviceError, lookup
+from .gpu_specs import lookup
 from .gpu_specs import roofline as make_roofline
 from .report import KernelRecord
 
@@ -383,8 +383,10 @@ def _step_title(what: str, records: Sequence[KernelRecord]) -> str:
     return f"{what} of step {steps[0]}" if len(steps) == 1 else what
 
 
+@tool
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gpt2np.profiling.nsys",
+    """The tables (and files) of an nsys export; a bad export or flag: one line, exit 2."""
+    p = ArgumentParser(prog="python -m gpt2np.profiling.nsys",
                                 description="Attribute the kernels of an nsys SQLite export to NVTX ranges "
                                             "(step, direction, layer, op, GPT-2 module).")
     p.add_argument("report", help="SQLite export of an Nsight Systems report (nsys export -t sqlite)")
@@ -399,19 +401,22 @@ def main(argv=None) -> int:
     p.add_argument("--short-names", action="store_true", help="use the kernels' short (base) names")
     p.add_argument("--top", type=int, default=20, help="rows in the top-kernels summary (default 20)")
     args = p.parse_args(argv)
-    try:
-        step = report.parse_step(args.step)
-        names = "shortName" if args.short_names else "demangledName"
-        records, ranges, device, profile = read_report(args.report, names)
-        device = args.device or device
-        roof = None
-        if args.device:
-            roof = make_roofline(args.device, args.precision)
-        elif device and lookup(device) is not None:
-            roof = make_roofline(device, args.precision)
-    except (NsysReportError, report.ReportError, UnknownDeviceError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    integer(1).check("--top", args.top, "the rows of the top-kernels summary")
+    # before the report is read: an output path that is a folder would fail only after the tables are printed
+    for flag in ("--csv", "--json", "--trace", "--png"):
+        path = getattr(args, flag[2:])
+        if path and os.path.isdir(path):
+            raise BadInput(f"{flag} {path}: is a folder; expected a file name")
+    step = report.parse_step(args.step)
+    names = "shortName" if args.short_names else "demangledName"
+    records, ranges, device, profile = read_report(args.report, names)
+    report.check_step(records, step, args.report)
+    device = args.device or device
+    roof = None
+    if args.device:
+        roof = make_roofline(args.device, args.precision)
+    elif device and lookup(device) is not None:
+        roof = make_roofline(device, args.precision)
     chosen = report.select_step(records, step)
     chosen_kernels = [profile.kernels[r.idx] for r in chosen]
     parts = [summary_line(profile),

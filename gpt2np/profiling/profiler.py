@@ -8,7 +8,6 @@ and the files (CSV, JSON, Chrome trace, PNG).
     python -m gpt2np.profiling.profiler -e d12 -b 4 -t 64 --steps 2 [--device cpu|cuda|emu] [--out DIR]
     python train.py ... --profile 2          # the same, inside a training run
 """
-import argparse
 import os
 import sys
 import time
@@ -16,6 +15,7 @@ import time
 import numpy as np
 
 from ..backends.contract import op_cost
+from ..cli import ArgumentParser, BadInput, integer, tool
 from . import ranges
 from .report import KernelRecord, ranges_from_records, render, write_chrome_trace, write_csv, write_json, write_png
 
@@ -174,12 +174,14 @@ def profile_steps(model, batches, steps, lr=1e-4):
     return prof
 
 
+@tool
 def main(argv=None):
+    """Profile a few training steps and write the report; bad flags and files: one line, exit 2."""
     from ..backends import get_backend
     from ..model import GPT2
     from ..starter import resolve_model
 
-    ap = argparse.ArgumentParser(prog="python -m gpt2np.profiling.profiler", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m gpt2np.profiling.profiler", description=__doc__.split("\n")[0])
     ap.add_argument("-e", dest="model", default="d12", help="llm.c model file or preset (default d12)")
     ap.add_argument("-b", dest="batch_size", type=int, default=4, help="batch size B (default 4)")
     ap.add_argument("-t", dest="seq_len", type=int, default=64, help="sequence length T (default 64)")
@@ -188,19 +190,23 @@ def main(argv=None):
     ap.add_argument("--out", default="profile", help="folder for CSV, JSON, trace and PNG (default ./profile)")
     ap.add_argument("--all-steps", action="store_true", help="kernel table of every profiled step, not the last")
     args = ap.parse_args(argv)
-    try:
-        backend = get_backend(args.device)
-        cfg, params, desc = resolve_model(args.model)
-        model = GPT2(cfg, backend, args.batch_size, args.seq_len, seed=0 if params is None else None)
-        if params is not None:
-            model.load_params(params)
-        rng = np.random.default_rng(0)
-        batch = rng.integers(0, cfg.vocab_size, (2, args.batch_size, args.seq_len + 1)).astype(np.int32)
-        batches = [(b[:, :-1], b[:, 1:]) for b in batch]
-        prof = profile_steps(model, batches, args.steps)
-    except (ValueError, OSError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    integer(1).check("-b", args.batch_size, "the batch size B")
+    integer(1).check("-t", args.seq_len, "the sequence length T")
+    integer(1).check("--steps", args.steps, "the number of profiled steps")
+    # before the run, not after it: the files go into --out
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise BadInput(f"--out {args.out}: is a file; expected a folder (made if missing)")
+    backend = get_backend(args.device)
+    cfg, params, desc = resolve_model(args.model)
+    if args.seq_len > cfg.max_seq_len:
+        raise BadInput(f"-t {args.seq_len}: longer than the model's max_seq_len {cfg.max_seq_len}")
+    model = GPT2(cfg, backend, args.batch_size, args.seq_len, seed=0 if params is None else None)
+    if params is not None:
+        model.load_params(params)
+    rng = np.random.default_rng(0)
+    batch = rng.integers(0, cfg.vocab_size, (2, args.batch_size, args.seq_len + 1)).astype(np.int32)
+    batches = [(b[:, :-1], b[:, 1:]) for b in batch]
+    prof = profile_steps(model, batches, args.steps)
     roof = device_roofline(backend)
     label = device_label(backend)
     print(render(prof.records, roof, step=None if args.all_steps else "last", num_layers=cfg.num_layers,

@@ -13,7 +13,6 @@ and writes CSV, JSON, a Chrome/Perfetto trace and a PNG bar chart (all written a
     python -m gpt2np.profiling.report RECORDS.json [--step N] [--device NAME] [--precision fp32]
 re-renders the text report from a JSON file written by write_json.
 """
-import argparse
 import csv
 import io
 import json
@@ -25,7 +24,8 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .gpu_specs import Roofline, UnknownDeviceError
+from ..cli import ArgumentParser, tool
+from .gpu_specs import Roofline
 from .gpu_specs import roofline as make_roofline
 
 DIRECTIONS = ("fprop", "bprop", "update", "other")
@@ -557,6 +557,10 @@ def read_json(path: str) -> Tuple[List[KernelRecord], Optional[Roofline], Dict]:
     if not isinstance(doc, dict) or not isinstance(doc.get("records"), list):
         raise ReportError(f"{path}: no 'records' list (expected a file written by gpt2np.profiling.report.write_json)")
     names = [f.name for f in fields(KernelRecord)]
+    for i, row in enumerate(doc["records"]):
+        problem = _record_problem(row)
+        if problem:
+            raise ReportError(f"{path}: record {i}: {problem}")
     try:
         records = [KernelRecord(**{**{k: row[k] for k in names if k in row},
                                    "range_stack": tuple(row.get("range_stack") or ())})
@@ -564,9 +568,44 @@ def read_json(path: str) -> Tuple[List[KernelRecord], Optional[Roofline], Dict]:
     except TypeError as e:
         raise ReportError(f"{path}: a record lacks a field ({e})") from None
     roof = doc.get("roofline")
+    if roof is not None and not (isinstance(roof, dict) and isinstance(roof.get("device"), str) and all(
+            roof.get(k) is None or _is_number(roof[k]) for k in ("peak_flops", "peak_bw", "matmul_peak_flops"))):
+        raise ReportError(f"{path}: 'roofline' must be null or {{device: text, peak_flops, peak_bw, "
+                          f"matmul_peak_flops: numbers or null}}, got {json.dumps(roof)[:80]}")
     roof = Roofline(roof["device"], roof.get("peak_flops"), roof.get("peak_bw"),
                     roof.get("matmul_peak_flops")) if roof else None
     return records, roof, doc.get("meta") or {}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _record_problem(row) -> Optional[str]:
+    """What is wrong with the types of a JSON record row (None: nothing): the renderers do arithmetic on
+    its counts and times and format its names, so a string for a number would fail deep inside them."""
+    if not isinstance(row, dict):
+        return f"expected an object of fields, got {json.dumps(row)[:40]}"
+    for f in fields(KernelRecord):
+        if f.name not in row:
+            continue                                  # missing fields: KernelRecord's own TypeError says which
+        value = row[f.name]
+        if f.name == "range_stack":
+            ok = value is None or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+            wanted = "a list of range names"
+        elif f.type is str:
+            ok, wanted = isinstance(value, str), "text"
+        elif f.type is int:
+            ok, wanted = _is_int(value), "an integer"
+        else:                                         # Optional[int]: step, layer
+            ok, wanted = value is None or _is_int(value), "an integer or null"
+        if not ok:
+            return f"field {f.name!r} must be {wanted}, got {json.dumps(value)[:40]}"
+    return None
 
 
 def chrome_trace(records: Sequence[KernelRecord], ranges: Optional[Sequence[Range]] = None,
@@ -650,8 +689,10 @@ def write_png(records: Sequence[KernelRecord], path: str, title: str = "Time by 
 # ---------------------------------------------------------------------------------------------
 # command line: re-render a JSON records file
 
+@tool
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gpt2np.profiling.report",
+    """Render the report of a JSON records file; a bad file or flag: one line, exit 2."""
+    p = ArgumentParser(prog="python -m gpt2np.profiling.report",
                                 description="Render the profiling report of a JSON records file.")
     p.add_argument("records", help="JSON file written by gpt2np.profiling.report.write_json")
     p.add_argument("--step", default="last", help="step to show: a number, 'last' (default) or 'all'")
@@ -659,16 +700,23 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"))
     p.add_argument("--matmul-precision", choices=("fp32", "tf32", "bf16", "fp16"))
     args = p.parse_args(argv)
-    try:
-        records, roof, _ = read_json(args.records)
-        if args.device:
-            roof = make_roofline(args.device, args.precision, args.matmul_precision)
-        step = parse_step(args.step)
-    except (ReportError, UnknownDeviceError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    step = parse_step(args.step)
+    records, roof, _ = read_json(args.records)
+    check_step(records, step, args.records)
+    if args.device:
+        roof = make_roofline(args.device, args.precision, args.matmul_precision)
     sys.stdout.write(render(records, roof, step))
     return 0
+
+
+def check_step(records: Sequence[KernelRecord], step, source: str) -> None:
+    """ReportError unless --step (a number) names a step the records have; the message lists the ones they do."""
+    if not isinstance(step, int):
+        return
+    steps = sorted({r.step for r in records if r.step is not None})
+    if step not in steps:
+        have = f"its steps are {', '.join(map(str, steps))}" if steps else "its records carry no step numbers"
+        raise ReportError(f"--step {step}: {source} has no step {step}; {have} (or use 'last' or 'all')")
 
 
 def parse_step(text: str):

@@ -12,7 +12,6 @@ ptxas's report gives registers, stack and spill bytes per kernel; a spill is a f
     python -m gpt2np.backends.cuda.nvrtc_check                    # every file, sm_75 sm_80 sm_90
     python -m gpt2np.backends.cuda.nvrtc_check --arch 90 attention --no-nvcc
 """
-import argparse
 import os
 import re
 import shutil
@@ -22,6 +21,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ...cli import ArgumentParser, BadInput, integer, tool
 from ...paths import KERNEL_DIR
 from .backend import KERNEL_FILES
 from .runtime_cupy import nvrtc_options
@@ -143,8 +143,10 @@ def check(files=KERNEL_FILES, archs=ARCHS, use_nvcc=True, jobs=2):
     return reports
 
 
+@tool
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Build the kernels and report their resources: 1 if a build fails or spills, 2 on bad flags (one line)."""
+    parser = ArgumentParser(prog="python -m gpt2np.backends.cuda.nvrtc_check", description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="*", help=f"kernel files (stems) to check (default: {' '.join(KERNEL_FILES)})")
     parser.add_argument("--arch", action="append", help="compute capability, e.g. 90 (repeatable; default 75 80 90)")
     parser.add_argument("--no-nvcc", action="store_true", help="only NVRTC")
@@ -152,8 +154,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     unknown = [f for f in args.files if f not in KERNEL_FILES]
     if unknown:
-        print(f"nvrtc_check: unknown kernel file(s) {', '.join(unknown)} in {KERNEL_DIR}", file=sys.stderr)
-        return 2
+        raise BadInput(f"unknown kernel file(s) {', '.join(unknown)}: expected stems of {KERNEL_DIR}/*.cu, "
+                       f"{', '.join(KERNEL_FILES)}")
+    integer(1).check("--jobs", args.jobs, "the parallel nvcc compiles")
+    for arch in args.arch or ():
+        if not re.fullmatch(r"\d{2,3}[af]?", arch):        # sm_XX: 75, 90, 90a, 100f
+            raise BadInput(f"--arch {arch}: expected a compute capability such as 75, 80, 90 or 90a")
     try:
         reports = check(tuple(args.files) or KERNEL_FILES, tuple(args.arch or ARCHS), not args.no_nvcc, args.jobs)
     except KernelCompileError as error:
