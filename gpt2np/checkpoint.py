@@ -5,6 +5,8 @@ parameter tensors in llm.c's order (wte padded to Vp rows), float32 (v3) or bflo
 State file: what a resumed run needs beside the model: step, AdamW m and v, the data loaders'
 positions and the sampling RNG (a small JSON header, then m and v as float32).
 Every write goes to a temporary file in the same folder and is renamed into place.
+Reading checks everything that can be checked cheaply: magic, version, sizes against the file size, the
+state's required keys, and that a model's weights are all finite; the message names the file and the problem.
 """
 import glob
 import json
@@ -16,13 +18,15 @@ import numpy as np
 
 from .config import GPT2Config
 from .fileio import atomic_write  # noqa: F401  (re-exported)
-from .tensors import num_parameters
+from .tensors import num_parameters, offsets, param_shapes
 
 MODEL_MAGIC = 20240326
 VERSION_FP32, VERSION_BF16 = 3, 5
 HEADER_INTS = 256
 STATE_MAGIC = b"GPT2NPST"
 STATE_VERSION = 1
+# keys every state file's JSON header holds (the trainer's save_checkpoint writes more)
+STATE_REQUIRED_KEYS = ("step", "train_loader", "rng")
 
 
 class CheckpointError(ValueError):
@@ -72,7 +76,26 @@ def load_model(path):
             params = np.fromfile(f, dtype="<f4", count=n)
         else:
             params = bf16_to_fp32(np.fromfile(f, dtype="<u2", count=n))
-    return cfg, params.astype(np.float32, copy=False)
+    params = params.astype(np.float32, copy=False)
+    check_finite_params(path, cfg, params)
+    return cfg, params
+
+
+def check_finite_params(path, cfg: GPT2Config, params):
+    """Raise CheckpointError naming the first NaN or infinite weight (its tensor's llm.c name, PARAM_NAMES, and
+    its index in that tensor's shape): a model with one cannot train or sample, only fail later with a NaN loss."""
+    chunk = 1 << 24                          # a bounded temporary, also for 1.5B parameters
+    starts = [lo for lo in range(0, params.size, chunk) if not np.isfinite(params[lo:lo + chunk]).all()]
+    if not starts:
+        return
+    bad = starts[0] + np.flatnonzero(~np.isfinite(params[starts[0]:]))
+    first = int(bad[0])
+    shapes = param_shapes(cfg)
+    name = next(n for n, (off, size) in offsets(shapes).items() if off <= first < off + size)
+    index = np.unravel_index(first - offsets(shapes)[name][0], shapes[name])
+    more = f" (and {bad.size - 1} more non-finite weights)" if bad.size > 1 else ""
+    raise CheckpointError(f"{path}: weight {name}[{', '.join(str(int(i)) for i in index)}] is {params[first]} "
+                          f"(parameter {first} of {params.size}){more}: not a usable model")
 
 
 def save_model(path, cfg: GPT2Config, params, dtype="fp32"):
@@ -119,8 +142,8 @@ def save_state(path, info: dict, m, v):
         v.tofile(f)
 
 
-def load_state(path, num_params=None):
-    """(info, m, v) from a state file; checks magic, version, sizes."""
+def read_state_header(path, num_params=None):
+    """(info, n) of a state file without reading m and v: magic, version, size, JSON and required keys checked."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such state file")
     size = os.path.getsize(path)
@@ -132,7 +155,7 @@ def load_state(path, num_params=None):
         if version != STATE_VERSION:
             raise CheckpointError(f"{path}: unsupported state version {version} (expected {STATE_VERSION})")
         expected = len(head) + blob_len + 8 * n
-        if size != expected:
+        if blob_len < 0 or n < 0 or size != expected:
             raise CheckpointError(f"{path}: {size} bytes, the header says {expected}: truncated or corrupt")
         if num_params is not None and n != num_params:
             raise CheckpointError(f"{path}: optimizer state for {n} parameters, the model has {num_params}")
@@ -140,6 +163,20 @@ def load_state(path, num_params=None):
             info = json.loads(f.read(blob_len))
         except ValueError:
             raise CheckpointError(f"{path}: corrupt JSON header") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: corrupt JSON header (not an object)")
+    missing = [key for key in STATE_REQUIRED_KEYS if key not in info]
+    if missing:
+        raise CheckpointError(f"{path}: the state lacks the key {missing[0]!r}: not written by gpt2np's trainer, "
+                              f"or damaged")
+    return info, n
+
+
+def load_state(path, num_params=None):
+    """(info, m, v) from a state file; checks magic, version, sizes and the required keys (read_state_header)."""
+    info, n = read_state_header(path, num_params)
+    with open(path, "rb") as f:
+        f.seek(os.path.getsize(path) - 8 * n)
         m = np.fromfile(f, dtype="<f4", count=n)
         v = np.fromfile(f, dtype="<f4", count=n)
     return info, m, v

@@ -155,6 +155,11 @@ class TrainConfig:
                                   allowed=integer(0, words="an integer >= 0 (0 = off)"),
                                   what="the number of profiled steps")
     nvtx: int = _setting("--nvtx", 1, "NVTX ranges for nsys, free without a profiler", choices=(0, 1))
+    overwrite: bool = _setting("--overwrite", False, "start a new run in an -o that holds another run's files: "
+                               "move them into -o/previous-TIME/ first (nothing is deleted)")
+    skip_nonfinite: int = _setting("--skip-nonfinite", 0, "skip (do not apply) up to N steps whose loss or grad "
+                                   "norm is NaN/Inf before stopping; 0 = stop at the first", metavar="N",
+                                   allowed=integer(0), what="the number of non-finite steps to skip")
 
     def validate(self) -> "TrainConfig":
         """Self, if every setting is allowed and none contradicts another; else BadInput (a ValueError) naming the

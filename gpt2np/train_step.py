@@ -1,7 +1,11 @@
 """One training step, the only one: forward and backward over the micro-batches (gradient accumulation),
 average across processes, global-norm clipping and AdamW. The trainer, the profiler, compare, the benches
 and data parallel all run this function, so they cannot drift apart.
+
+A step whose loss or gradient norm is NaN or infinite raises NonFiniteError before the update: the weights
+and AdamW's moments stay as they were (the trainer then stops, or skips the step with --skip-nonfinite).
 """
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Tuple
 
@@ -23,6 +27,20 @@ class AdamW:
     grad_clip: float = 1.0        # global-norm clipping threshold; 0 = off
 
 
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm is NaN or infinite; raised before the update, so the model is unchanged.
+
+    step is train_step's 0-based index; the message counts from 1, as the trainer's step lines do.
+    """
+
+    def __init__(self, step: int, loss: float, grad_norm: float):
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        if not math.isfinite(loss):
+            super().__init__(f"step {step + 1}: the loss is {loss}")
+        else:
+            super().__init__(f"step {step + 1}: the gradient norm is {grad_norm} (loss {loss:.6g})")
+
+
 class StepResult(NamedTuple):
     loss: float                   # mean loss over the micro-batches (and processes)
     grad_norm: float              # global gradient norm before clipping
@@ -35,6 +53,8 @@ def train_step(model, next_batch: Callable[[], Batch], *, step: int, lr: float, 
     step: 0-based index (the NVTX range is "Train step {step}", AdamW's t is step + 1).
     dist: a process group (gpt2np.dist); None = this process alone. The loss and the gradients are
     averaged over micro-batches and processes; the grad norm is the global one, before clipping.
+    Raises NonFiniteError, with nothing updated, when the loss or the grad norm is not finite (every process
+    sees the same averaged loss and global norm, so all of them raise together).
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
@@ -49,6 +69,8 @@ def train_step(model, next_batch: Callable[[], Batch], *, step: int, lr: float, 
         dist.average_grads(model)
         loss = dist.average(loss)
         norm = dist.grad_norm(model)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise NonFiniteError(step, float(loss), float(norm))
         model.update(lr, adamw.beta1, adamw.beta2, adamw.eps, adamw.weight_decay, step + 1, adamw.grad_clip,
                      grad_norm=norm, shard=dist.shard(model.num_parameters))
         dist.gather_params(model)

@@ -2,17 +2,24 @@
 
 train(cfg) takes a TrainConfig (train.py maps llm.c's flags onto it); it prints llm.c's header and one line per
 step, writes a log and checkpoints to -o, and resumes bit-identically with -y 1.
+
+How a run ends other than by finishing: -o holding another run's checkpoints, -y 1 on another run's, ->
+RunDirError before anything is written (gpt2np.rundir); a NaN/Inf loss or grad norm -> a RuntimeError naming
+the step, the update not applied and no checkpoint written after it (or the step skipped, --skip-nonfinite);
+SIGINT/SIGTERM -> the step finishes, a checkpoint is written to -o, exit 130/143 (gpt2np.interrupts).
+-x 0 trains nothing: it validates and samples the model once and writes nothing.
 """
 import os
+import signal
 import sys
 import time
+import warnings
 
 import numpy as np
 
 from .backends import get_backend, resolve_name
 from .checkpoint import (
     done_path,
-    latest_checkpoint_step,
     load_model,
     load_state,
     model_path,
@@ -24,15 +31,17 @@ from .config import TrainConfig
 from .data import DataLoader
 from .dist import check_same_run, make_process_group, run_fingerprint
 from .fileio import WriteError, append_line
+from .interrupts import Stopped, StopSignals
 from .model import GPT2
 from .profiling import ranges
 from .profiling.gpu_specs import flops_per_token, mfu
 from .profiling.profiler import Profiler, device_label, device_roofline, write_outputs
 from .profiling.report import render
+from .rundir import check_output_dir, prepare_run_dir, run_identity
 from .sample import generate
 from .schedule import learning_rate
 from .starter import Decoder, resolve_data, resolve_model
-from .train_step import AdamW, train_step
+from .train_step import AdamW, NonFiniteError, train_step
 
 
 def header_table(rows):
@@ -78,6 +87,14 @@ def evaluate(model, loader, max_batches):
 
 
 def train(cfg: TrainConfig, dist=None):
+    """Train as cfg says; returns the model. SIGINT/SIGTERM are caught for the whole run (see run_training)."""
+    with StopSignals() as signals, warnings.catch_warnings():
+        # a diverging run overflows inside NumPy a step before the NaN guard stops it: its one line says enough
+        warnings.filterwarnings("ignore", r"(overflow|invalid value|divide by zero) encountered", RuntimeWarning)
+        return run_training(cfg, dist, signals)
+
+
+def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     dist = dist or make_process_group(cfg.device, cfg.zero_stage, cfg.dist_timeout)
     rank0 = dist.rank == 0
     say = print if rank0 else (lambda *a, **k: None)
@@ -86,6 +103,8 @@ def train(cfg: TrainConfig, dist=None):
     # --tf32 is a GPU setting: it applies whenever the run is on the GPU (--device cuda, or auto finding one)
     backend = get_backend(backend_name, precision="tf32" if cfg.tf32 and backend_name == "cuda" else "fp32")
     cfg = cfg.with_device_defaults(backend.name)
+    if cfg.output_dir:
+        check_output_dir(cfg.output_dir)
     if dist.rank != 0:
         dist.barrier()                # rank 0 fetches and prepares what is missing, alone
     model_cfg, params, model_desc = resolve_model(cfg.model)
@@ -105,7 +124,9 @@ def train(cfg: TrainConfig, dist=None):
                               vocab_size=model_cfg.vocab_size)
     val_loader = DataLoader(val_pattern, B, T, dist.rank, dist.world_size,
                             vocab_size=model_cfg.vocab_size) if val_pattern and cfg.val_every > 0 else None
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else max(1, train_loader.num_tokens // total_batch)
+    one_epoch = max(1, train_loader.num_tokens // total_batch)
+    total_steps = cfg.max_steps if cfg.max_steps >= 0 else one_epoch
+    evaluate_only = total_steps == 0          # -x 0: validate and sample the model once; -o is not written
 
     model = GPT2(model_cfg, backend, B, T, seed=cfg.seed if params is None else None)
     if params is not None:
@@ -115,10 +136,27 @@ def train(cfg: TrainConfig, dist=None):
     rng = np.random.default_rng(cfg.seed)
     decoder = Decoder(train_pattern) if cfg.sample_every > 0 else None
 
-    start_step = 0
-    if cfg.resume:
-        start_step = resume(cfg.output_dir, model, train_loader, rng, dist)
-    logger = Logger(cfg.output_dir, dist.rank, resume=start_step > 0)
+    start_step, skipped = 0, 0                # skipped: non-finite steps skipped so far (--skip-nonfinite)
+    if cfg.resume and not cfg.output_dir:
+        raise ValueError("-y 1 (resume) needs -o, the folder the checkpoints are in")
+    if cfg.output_dir and (cfg.resume or not evaluate_only):
+        settings = {"batch_size": B, "seq_len": T, "total_batch_size": total_batch, "processes": dist.world_size,
+                    "zero_stage": dist.zero_stage, "seed": cfg.seed, "shuffle": cfg.shuffle,
+                    "overfit_single_batch": cfg.overfit_single_batch, "learning_rate": cfg.learning_rate,
+                    "warmup_steps": cfg.warmup_steps, "final_lr_frac": cfg.final_lr_frac,
+                    "lr_schedule": cfg.lr_schedule}
+        identity = run_identity(model_cfg, params, train_loader.files, val_loader.files if val_loader else None,
+                                settings)
+        start_step = prepare_run_dir(cfg.output_dir, identity, dist, resume=bool(cfg.resume),
+                                     overwrite=cfg.overwrite, total_steps=total_steps, read_only=evaluate_only)
+    if start_step:
+        info = resume(cfg.output_dir, start_step, model, train_loader, rng, dist)
+        skipped = int(info.get("nonfinite_skipped", 0))
+        if start_step == total_steps:
+            say(f"{cfg.output_dir}: the run is at step {start_step} already, -x {total_steps}: nothing to do "
+                f"(give a larger -x to train on)")
+            return model
+    logger = Logger(None if evaluate_only else cfg.output_dir, dist.rank, resume=start_step > 0)
 
     device_name = device_label(backend)
     fpt = flops_per_token(model.num_parameters, model_cfg.num_layers, model_cfg.channels, T)
@@ -143,6 +181,14 @@ def train(cfg: TrainConfig, dist=None):
         say(f"val dataset num_batches: {val_loader.num_batches}")
     say(f"batch size: {B} x {T} x {dist.world_size} processes x {accum} accumulation steps "
         f"= {total_batch} tokens per step")
+    if evaluate_only:
+        say("-x 0: no training; validating and sampling the model once")
+        if val_loader:
+            say(f"val loss {dist.average(evaluate(model, val_loader, cfg.val_max_batches)):.6f}")
+        if decoder and rank0:
+            tokens = generate(model, [decoder.eot_token], cfg.gen_tokens, rng, cfg.temperature, cfg.top_k)
+            say("generating:\n---\n" + decoder.decode(tokens[1:]) + "\n---")
+        return model
     say(f"training for {total_steps} steps")
 
     overfit_batch = train_loader.next_batch() if cfg.overfit_single_batch else None
@@ -150,9 +196,20 @@ def train(cfg: TrainConfig, dist=None):
     adamw = AdamW(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.grad_clip)
     step_times = []
     profiler = None
+    last_saved = start_step or None               # the step of this run's newest checkpoint in -o
+
+    def checkpoint(step):
+        nonlocal last_saved
+        save_checkpoint(cfg.output_dir, step, model, train_loader, rng, dist, nonfinite_skipped=skipped)
+        last_saved = step
+
     for step in range(start_step, total_steps + 1):
         last = step == total_steps
         resumed_here = step == start_step and start_step > 0
+        if signal_received(signals, dist):        # between two steps: stop here, with a checkpoint
+            trained_here = step > start_step
+            stop_on_signal(signals, step, checkpoint if cfg.output_dir and trained_here else None, cfg.output_dir,
+                           rank0)
         if val_loader and (step % cfg.val_every == 0 or last) and not resumed_here:
             val_loss = dist.average(evaluate(model, val_loader, cfg.val_max_batches))
             say(f"val loss {val_loss:.6f}")
@@ -162,7 +219,7 @@ def train(cfg: TrainConfig, dist=None):
             say("generating:\n---\n" + decoder.decode(tokens[1:]) + "\n---")
         if (cfg.output_dir and cfg.checkpoint_every > 0 and step > 0 and (step % cfg.checkpoint_every == 0 or last)
                 and not resumed_here):
-            save_checkpoint(cfg.output_dir, step, model, train_loader, rng, dist)
+            checkpoint(step)
         if last:
             break
         lr = learning_rate(step, cfg.learning_rate, total_steps, cfg.warmup_steps, cfg.final_lr_frac,
@@ -170,7 +227,17 @@ def train(cfg: TrainConfig, dist=None):
         if cfg.profile_steps and step == start_step + 1:       # step start_step is the warm-up
             profiler = Profiler(model.backend).__enter__()
         t0 = time.perf_counter()
-        loss, norm = train_step(model, next_batch, step=step, lr=lr, accum_steps=accum, adamw=adamw, dist=dist)
+        try:
+            loss, norm = train_step(model, next_batch, step=step, lr=lr, accum_steps=accum, adamw=adamw, dist=dist)
+            applied = True
+        except NonFiniteError as e:               # the update was not applied: the model is still step's
+            if skipped >= cfg.skip_nonfinite:
+                kept = (f"the last checkpoint, step {last_saved}, is untouched" if last_saved
+                        else "no checkpoint was written" if cfg.output_dir else "no -o, no checkpoint")
+                more = f" after skipping {skipped} (--skip-nonfinite {cfg.skip_nonfinite})" if skipped else ""
+                raise RuntimeError(f"{e}; stopping{more} ({kept})") from None
+            skipped += 1
+            loss, norm, applied = e.loss, e.grad_norm, False
         dt = time.perf_counter() - t0
         step_times.append(dt)
         tok_s = total_batch / dt
@@ -179,9 +246,13 @@ def train(cfg: TrainConfig, dist=None):
             perf = f"{100 * util:.1f}% MFU" if util is not None else "MFU n/a"
         else:
             perf = f"{fpt * tok_s / 1e9:.1f} GFLOP/s"
-        say(f"step {step + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | "
-            f"{dt * 1e3:.2f} ms | {perf} | {tok_s:.0f} tok/s", flush=True)
-        logger.log(f"s:{step} trl:{loss:.6f} lr:{lr:.6g} norm:{norm:.4f}")
+        if applied:
+            say(f"step {step + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | "
+                f"{dt * 1e3:.2f} ms | {perf} | {tok_s:.0f} tok/s", flush=True)
+            logger.log(f"s:{step} trl:{loss:.6f} lr:{lr:.6g} norm:{norm:.4f}")
+        else:                                     # not in main.log: the step changed nothing
+            say(f"step {step + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | skipped: "
+                f"not finite ({skipped} of --skip-nonfinite {cfg.skip_nonfinite})", flush=True)
         if profiler and (step == start_step + cfg.profile_steps or step == total_steps - 1):
             profiler.__exit__(None, None, None)
             if rank0:
@@ -203,13 +274,41 @@ def report_profile(profiler, backend, model_cfg, cfg):
     print("profile written: " + ", ".join(paths.values()))
 
 
-def save_checkpoint(out_dir, step, model, train_loader, rng, dist):
+def signal_received(signals: StopSignals, dist) -> bool:
+    """Whether any process got SIGINT/SIGTERM: under mpiexec all ranks must stop at the same step (a scalar
+    all-reduce per step; a rank that got none stops as if by SIGTERM)."""
+    if dist.world_size == 1:
+        return signals.signum is not None
+    anyone = dist.average(0.0 if signals.signum is None else 1.0) > 0
+    if anyone and signals.signum is None:
+        signals.signum = signal.SIGTERM
+    return anyone
+
+
+def stop_on_signal(signals: StopSignals, step, checkpoint, out_dir, rank0):
+    """Write the checkpoint of `step` (checkpoint(step); None when this process trained nothing new or there is
+    no -o), say so in one line and exit 128 + the signal's number."""
+    if checkpoint:
+        checkpoint(step)
+        what = f"checkpoint of step {step} written to {out_dir} (resume with -y 1)"
+    elif not out_dir:
+        what = "no -o, so nothing was saved"
+    elif step:
+        what = f"the checkpoint of step {step} in {out_dir} is the latest (resume with -y 1)"
+    else:
+        what = "nothing trained yet, nothing to save"
+    if rank0:
+        print(f"stopped by {signals.name} after {step} steps: {what}", file=sys.stderr, flush=True)
+    raise Stopped(signals.exit_code)
+
+
+def save_checkpoint(out_dir, step, model, train_loader, rng, dist, nonfinite_skipped=0):
     """model_STEP.bin (rank 0), state_STEP_RANK.bin (each rank), then DONE_STEP once all are written."""
     if dist.rank == 0:
         save_model(model_path(out_dir, step), model.cfg, model.params_host())
     info = {"step": step, "train_loader": train_loader.state(), "rng": rng.bit_generator.state,
             "world_size": dist.world_size, "rank": dist.rank, "zero_stage": dist.zero_stage,
-            "shard": list(dist.shard(model.num_parameters))}
+            "shard": list(dist.shard(model.num_parameters)), "nonfinite_skipped": nonfinite_skipped}
     m, v = model.optimizer_state_host(dist.shard(model.num_parameters))
     save_state(state_path(out_dir, step, dist.rank), info, m, v)
     dist.barrier()
@@ -218,26 +317,15 @@ def save_checkpoint(out_dir, step, model, train_loader, rng, dist):
             pass
 
 
-def resume(out_dir, model, train_loader, rng, dist):
-    """Load the latest complete checkpoint in -o; returns its step (0 when there is none)."""
-    if not out_dir:
-        raise ValueError("-y 1 (resume) needs -o, the folder the checkpoints are in")
-    step = latest_checkpoint_step(out_dir)
-    if step is None:
-        print(f"note: nothing to resume in {out_dir}; starting from scratch", file=sys.stderr)
-        return 0
+def resume(out_dir, step, model, train_loader, rng, dist):
+    """Load the checkpoint of `step` in -o (rundir.prepare_run_dir chose it and checked it is this run's, whole,
+    and written by as many processes with the same ZeRO stage); returns its state's info."""
     saved_cfg, params = load_model(model_path(out_dir, step))
     if saved_cfg != model.cfg:
         raise ValueError(f"{model_path(out_dir, step)}: model config {saved_cfg} differs from -e's {model.cfg}")
     model.load_params(params)
     path = state_path(out_dir, step, dist.rank)
     info, m, v = load_state(path)
-    if info.get("world_size", 1) != dist.world_size:
-        raise ValueError(f"{path}: written by {info['world_size']} processes; "
-                         f"resume needs the same number, got {dist.world_size}")
-    if info.get("zero_stage", 0) != dist.zero_stage:
-        raise ValueError(f"{path}: written with ZeRO stage {info.get('zero_stage', 0)} (-z); "
-                         f"resume needs the same, got -z {dist.zero_stage}")
     lo, hi = dist.shard(model.num_parameters)
     if m.size != hi - lo:
         raise ValueError(f"{path}: optimizer state for {m.size} parameters, this rank's share of the model "
@@ -247,5 +335,4 @@ def resume(out_dir, model, train_loader, rng, dist):
     rng.bit_generator.state = info["rng"]
     if dist.rank == 0:
         print(f"resuming from step {step} ({model_path(out_dir, step)})")
-    return step
-
+    return info

@@ -1,0 +1,55 @@
+"""SIGINT (Ctrl-C) and SIGTERM (`kill`, Slurm's preemption): finish the step, checkpoint, exit 130 / 143.
+
+    with StopSignals() as signals:
+        for step in ...:
+            if signals.signum: ... write a checkpoint ...; raise Stopped(signals.exit_code)
+
+The first signal only records itself; the trainer looks between steps, so a step and a checkpoint are never
+cut in half. A second one ends the process at once (one line, exit 128 + its number) for a user who will not
+wait; a temporary file that leaves behind is removed by the next run in that folder (gpt2np.rundir).
+"""
+import os
+import signal
+import threading
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(SystemExit):
+    """The run stopped on a signal, after its checkpoint; the exit code is 128 + the signal's number, as a
+    shell reports a process the signal ended (130 for SIGINT, 143 for SIGTERM). A SystemExit: no traceback."""
+
+
+class StopSignals:
+    """Catches SIGINT and SIGTERM while in the `with` block (main thread only; elsewhere it does nothing)."""
+
+    def __init__(self):
+        self.signum = None                        # the first signal received, None until then
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame):
+        if self.signum is None:
+            self.signum = signum
+            return
+        # os.write, not print: a handler runs between any two bytecodes, maybe inside a print to stderr
+        os.write(2, f"error: {signal.Signals(signum).name} again: exiting now, without a checkpoint\n".encode())
+        os._exit(128 + signum)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

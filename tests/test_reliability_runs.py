@@ -1,0 +1,481 @@
+"""Runs that end other than by finishing: a run folder holding another run, an incomplete or damaged checkpoint,
+a NaN loss, a NaN weight, SIGTERM/SIGINT, kill -9 at random moments. Each ends in the documented behaviour or
+one clear line, and a resumed run is bit-identical to an uninterrupted one. Tiny models: the file runs in
+well under a minute on two cores; every wait on a subprocess is bounded.
+"""
+import os
+import queue
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import train
+from gpt2np import trainer
+from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.checkpoint import (
+    CheckpointError,
+    atomic_write,
+    load_model,
+    load_state,
+    model_path,
+    save_model,
+    save_state,
+    state_path,
+)
+from gpt2np.config import GPT2Config
+from gpt2np.data import write_shard
+from gpt2np.dist import LAUNCHER_RANK_VARS
+from gpt2np.model import GPT2
+from gpt2np.rundir import TEMP_FILE
+from gpt2np.starter import write_byte_tokenizer
+from gpt2np.tensors import offsets, param_shapes, views
+from gpt2np.tokenizer import TOKENIZER_BIN
+from gpt2np.train_step import NonFiniteError, train_step
+
+REPO = Path(__file__).resolve().parent.parent
+# byte-level vocabulary (256 bytes + <|endoftext|> = 256), so samples decode with a tokenizer file beside the data
+SMALL = GPT2Config(max_seq_len=32, vocab_size=257, padded_vocab_size=384, num_layers=2, num_heads=4, channels=32)
+TIMEOUT = 60                     # seconds any one subprocess may take
+STEP_LINE = re.compile(r"^step ", re.M)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("reliability")
+    save_model(folder / "small.bin", SMALL, GPT2(SMALL, NumpyBackend(), 1, 8, seed=3).params_host())
+    save_model(folder / "other.bin", SMALL, GPT2(SMALL, NumpyBackend(), 1, 8, seed=4).params_host())
+    tokens = np.random.default_rng(0).integers(0, SMALL.vocab_size, 24000)
+    write_shard(folder / "train.bin", tokens[2000:])
+    write_shard(folder / "val.bin", tokens[:2000])
+    write_byte_tokenizer(folder / TOKENIZER_BIN)
+    return folder
+
+
+def args(files, out, *extra, model="small.bin"):
+    return ["-e", files / model, "-i", files / "train.bin", "-j", files / "val.bin", "-b", 2, "-t", 16,
+            "--device", "cpu", "-s", 0, "-v", 0, "-o", out, *extra]
+
+
+def run(argv, capsys):
+    """train.py in this process: (exit code, stdout, stderr lines that are not empty)."""
+    code = train.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, [line for line in out.err.splitlines() if line.strip()]
+
+
+def one_error_line(err, *fragments):
+    errors = [line for line in err if not line.startswith("note:")]
+    assert len(errors) == 1 and errors[0].startswith("error:"), err
+    for fragment in fragments:
+        assert fragment in errors[0], (fragment, errors[0])
+    return errors[0]
+
+
+def snapshot(folder):
+    """{relative path: bytes} of every file under folder."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def same_checkpoint(a, b, step):
+    """Model bytes, optimizer moments and resume info of step in folders a and b are identical."""
+    assert Path(model_path(a, step)).read_bytes() == Path(model_path(b, step)).read_bytes()
+    info_a, m_a, v_a = load_state(state_path(a, step))
+    info_b, m_b, v_b = load_state(state_path(b, step))
+    assert info_a == info_b
+    assert m_a.tobytes() == m_b.tobytes() and v_a.tobytes() == v_b.tobytes()
+
+
+# ---- run folders -------------------------------------------------------------------------------------------
+def test_fresh_run_refuses_a_folder_with_checkpoints(files, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = run(args(files, out, "-x", 2, "-n", 1), capsys)
+    assert code == 0, err
+    assert (out / "run.json").is_file()
+    before = snapshot(out)
+    code, _, err = run(args(files, out, "-x", 2, "-n", 1), capsys)                  # the same run again
+    assert code != 0
+    one_error_line(err, str(out), "checkpoints of this run", "-y 1", "--overwrite")
+    code, _, err = run(args(files, out, "-x", 2, "-n", 1, "-l", 1e-3), capsys)      # another run
+    assert code != 0
+    one_error_line(err, str(out), "another run's checkpoints", "--overwrite")
+    assert snapshot(out) == before
+
+
+def test_overwrite_moves_the_old_run_aside(files, tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "notes").mkdir(parents=True)
+    (out / "notes" / "mine.txt").write_text("not a run file")
+    code, _, err = run(args(files, out, "-x", 2, "-n", 1), capsys)
+    assert code == 0, err
+    old = snapshot(out)
+    code, _, err = run(args(files, out, "-x", 1, "-n", 1, "-l", 1e-3, "--overwrite"), capsys)
+    assert code == 0, err
+    (previous,) = out.glob("previous-*")
+    assert any("moved the previous run's files" in line for line in err)
+    moved = {name: data for name, data in old.items() if not name.startswith("notes/")}
+    assert snapshot(previous) == moved                                   # every old run file, byte for byte
+    assert (out / "notes" / "mine.txt").read_text() == "not a run file"   # other files stay where they were
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == [
+        "DONE_00000001", "main.log", "model_00000001.bin", "run.json", "state_00000001_00000.bin"]
+
+
+def test_resume_refuses_another_runs_checkpoints(files, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = run(args(files, out, "-x", 2, "-n", 1), capsys)
+    assert code == 0, err
+    before = snapshot(out)
+    code, _, err = run(args(files, out, "-x", 4, "-n", 1, "-y", 1, "-l", 1e-3, "-b", 1), capsys)
+    assert code != 0
+    one_error_line(err, str(out), "another run's", "-b 2 there, 1 here", "-l 0.0003 there, 0.001 here")
+    code, _, err = run(args(files, out, "-x", 4, "-n", 1, "-y", 1, model="other.bin"), capsys)
+    assert code != 0
+    one_error_line(err, "the model -e")
+    code, _, err = run(args(files, out, "-x", 4, "-y", 1, "--overwrite"), capsys)
+    assert code != 0
+    one_error_line(err, "give one of them")
+    assert snapshot(out) == before
+
+
+def test_resume_past_or_at_max_steps(files, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = run(args(files, out, "-x", 3, "-n", 3), capsys)
+    assert code == 0, err
+    before = snapshot(out)
+    code, stdout, err = run(args(files, out, "-x", 3, "-n", 3, "-y", 1), capsys)      # the run is complete
+    assert code == 0 and "nothing to do" in stdout and not STEP_LINE.search(stdout), err
+    code, _, err = run(args(files, out, "-x", 2, "-n", 3, "-y", 1), capsys)           # it is already past -x
+    assert code != 0
+    one_error_line(err, "latest checkpoint is at step 3, past -x 2")
+    del before["run.json"]                                                            # rewritten (same run)
+    after = snapshot(out)
+    assert {name: after[name] for name in before} == before
+
+
+def test_resume_skips_incomplete_and_damaged_checkpoints(files, tmp_path, capsys):
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    code, _, err = run(args(files, reference, "-x", 4, "-n", 1), capsys)
+    assert code == 0, err
+    shutil.copytree(reference, out)
+    # step 4: a crash between model_4 and state_4 (no state, no DONE); step 3: damaged after it was complete
+    os.remove(out / "DONE_00000004")
+    os.remove(out / "state_00000004_00000.bin")
+    state3 = out / "state_00000003_00000.bin"
+    state3.write_bytes(state3.read_bytes()[:-8])
+    code, stdout, err = run(args(files, out, "-x", 4, "-n", 1, "-y", 1), capsys)
+    assert code == 0, err
+    notes = [line for line in err if line.startswith("note: skipping")]
+    assert len(notes) == 2 and "step 4" in notes[0] and "DONE_00000004" in notes[0], err
+    assert "step 3" in notes[1] and "truncated or corrupt" in notes[1], err
+    assert "resuming from step 2" in stdout
+    for step in (3, 4):
+        same_checkpoint(reference, out, step)
+    assert (out / "main.log").read_text() == (reference / "main.log").read_text()
+
+
+def test_stale_temp_files_are_removed_only_ours(files, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    with atomic_write(out / "model_00000001.bin") as f:                 # the pattern is atomic_write's naming
+        f.write(b"x")
+        (name,) = [n for n in os.listdir(out) if n.endswith(".tmp")]
+        assert TEMP_FILE.fullmatch(name)
+    os.remove(out / "model_00000001.bin")
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stale = [f".model_00000007.bin.{2**22 + 12345}.0123abcd.tmp", f".main.log.{os.getpid()}.89abcdef.tmp"]
+        kept = [f".state_00000002_00000.bin.{writer.pid}.00ff00ff.tmp", ".notes.tmp", "x.1.deadbeef.tmp"]
+        for name in stale + kept:
+            (out / name).write_bytes(b"partial")
+        code, _, err = run(args(files, out, "-x", 1), capsys)
+        assert code == 0, err
+        assert any(f"removed {len(stale)} temporary file(s)" in line for line in err), err
+        left = sorted(n for n in os.listdir(out) if n.endswith(".tmp"))
+        assert left == sorted(kept)
+    finally:
+        writer.kill()
+        writer.wait(TIMEOUT)
+
+
+def test_output_dir_that_is_a_file(files, tmp_path, capsys):
+    not_a_folder = tmp_path / "out"
+    not_a_folder.write_text("a file")
+    code, _, err = run(args(files, not_a_folder, "-x", 1), capsys)
+    assert code != 0
+    one_error_line(err, f"-o {not_a_folder} is a file, not a folder")
+
+
+def test_state_file_missing_a_key(files, tmp_path, capsys):
+    path = tmp_path / "state.bin"
+    save_state(path, {"step": 3, "train_loader": {}}, np.zeros(4), np.zeros(4))
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: the state lacks the key 'rng'")):
+        load_state(path)
+    # in a run folder the checkpoint counts as damaged: skipped with a note naming the file and the key
+    out = tmp_path / "out"
+    code, _, err = run(args(files, out, "-x", 2, "-n", 1), capsys)
+    assert code == 0, err
+    info, m, v = load_state(state_path(out, 2))
+    del info["rng"]
+    save_state(state_path(out, 2), info, m, v)
+    code, stdout, err = run(args(files, out, "-x", 2, "-n", 1, "-y", 1), capsys)
+    assert code == 0, err
+    assert any("state_00000002_00000.bin: the state lacks the key 'rng'" in line for line in err), err
+    assert "resuming from step 1" in stdout
+
+
+# ---- non-finite values -------------------------------------------------------------------------------------
+def test_nan_loss_stops_and_keeps_the_last_checkpoint(files, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, stdout, err = run(args(files, out, "-x", 8, "-n", 1, "-l", 1e9), capsys)
+    assert code == 1
+    line = one_error_line(err)
+    m = re.fullmatch(r"error: step (\d+): the (loss|gradient norm) is (nan|inf)[^;]*; stopping "
+                     r"\(the last checkpoint, step (\d+), is untouched\)", line)
+    assert m, line
+    bad_step, last = int(m[1]), int(m[4])
+    assert last == bad_step - 1 >= 1
+    assert f"step {last:4d}/8" in stdout and f"step {bad_step:4d}/8" not in stdout
+    assert sorted(p.name for p in out.glob("DONE_*"))[-1] == f"DONE_{last:08d}"      # nothing after it
+    assert not (out / f"model_{bad_step:08d}.bin").exists()
+    load_model(model_path(out, last))                                                  # finite: loads
+    assert f"s:{bad_step - 1} trl" not in (out / "main.log").read_text()
+
+
+def test_huge_weights_stop_at_the_first_step(files, tmp_path, capsys):
+    params = load_model(files / "small.bin")[1]
+    views(params, param_shapes(SMALL))["lnfw"][:] = 1e30
+    save_model(tmp_path / "huge.bin", SMALL, params)
+    code, _, err = run(args(files, tmp_path / "out", "-x", 3, "-n", 1, model=tmp_path / "huge.bin"), capsys)
+    assert code == 1
+    one_error_line(err, "error: step 1: the ", "(no checkpoint was written)")
+    assert not list((tmp_path / "out").glob("model_*"))
+
+
+def test_model_file_with_a_nan_weight_is_rejected(files, tmp_path, capsys):
+    params = load_model(files / "small.bin")[1]
+    offset = offsets(param_shapes(SMALL))["qkvw"][0]
+    params[offset + np.ravel_multi_index((1, 5, 3), param_shapes(SMALL)["qkvw"])] = np.nan
+    params[offset + np.ravel_multi_index((1, 7, 0), param_shapes(SMALL)["qkvw"])] = np.inf
+    bad = tmp_path / "nan.bin"
+    save_model(bad, SMALL, params)
+    code, _, err = run(args(files, tmp_path / "out", "-x", 1, model=bad), capsys)
+    assert code != 0
+    one_error_line(err, str(bad), "weight qkvw[1, 5, 3] is nan", "and 1 more non-finite")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_train_step_raises_before_the_update():
+    model = GPT2(SMALL, NumpyBackend(), 2, 16, seed=3)
+    params = model.params_host()
+    views(params, param_shapes(SMALL))["lnfw"][:] = 1e30
+    model.load_params(params)
+    tokens = np.random.default_rng(1).integers(0, SMALL.vocab_size, (2, 17))
+    with pytest.raises(NonFiniteError, match=r"^step 5: the ") as caught:
+        train_step(model, lambda: (tokens[:, :-1], tokens[:, 1:]), step=4, lr=1e-3)
+    assert caught.value.step == 4 and not np.isfinite(caught.value.grad_norm)
+    assert model.params_host().tobytes() == params.tobytes()            # not updated
+    m, v = model.optimizer_state_host()
+    assert not m.any() and not v.any()
+
+
+def test_skip_nonfinite(files, tmp_path, capsys, monkeypatch):
+    """--skip-nonfinite N: the step is skipped (not applied, not logged), the count survives a resume, the
+    N+1-th stops the run."""
+    real_step = trainer.train_step
+    bad_steps = {2, 5}
+
+    def flaky_step(model, next_batch, *, step, **kwargs):
+        if step in bad_steps:            # what train_step does with a NaN loss: consume the batch, raise
+            next_batch()
+            raise NonFiniteError(step, float("nan"), float("nan"))
+        return real_step(model, next_batch, step=step, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", flaky_step)
+    out = tmp_path / "out"
+    code, stdout, err = run(args(files, out, "-x", 4, "-n", 1, "--skip-nonfinite", 2), capsys)
+    assert code == 0, err
+    assert re.search(r"step    3/4 \| loss nan \| norm nan \| .*skipped: not finite \(1 of --skip-nonfinite 2\)",
+                     stdout)
+    assert "s:2 trl" not in (out / "main.log").read_text() and "s:3 trl" in (out / "main.log").read_text()
+    assert load_state(state_path(out, 4))[0]["nonfinite_skipped"] == 1
+    # resumed: step 5 is the second skip (allowed), step 6 the third (not)
+    bad_steps.add(6)
+    code, stdout, err = run(args(files, out, "-x", 8, "-n", 1, "--skip-nonfinite", 2, "-y", 1), capsys)
+    assert code == 1
+    one_error_line(err, "step 7: the loss is nan; stopping after skipping 2 (--skip-nonfinite 2) "
+                        "(the last checkpoint, step 6, is untouched)")
+    assert "(2 of --skip-nonfinite 2)" in stdout
+
+
+# ---- -x 0 ------------------------------------------------------------------------------------------------
+def test_x0_validates_and_samples_without_training(files, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, stdout, err = run(args(files, out, "-x", 0, "-s", 1, "-g", 8, "-v", 1, "-m", 2), capsys)
+    assert code == 0, err
+    assert "val loss" in stdout and "generating:" in stdout and not STEP_LINE.search(stdout)
+    assert not out.exists()                                     # nothing trained, nothing written
+    code, _, err = run(args(files, out, "-x", 2, "-n", 2), capsys)
+    assert code == 0, err
+    before = snapshot(out)
+    code, stdout, err = run(args(files, out, "-x", 0, "-s", 1, "-g", 8, "-v", 1, "-m", 2, "-y", 1), capsys)
+    assert code == 0, err
+    assert "resuming from step 2" in stdout and "generating:" in stdout and not STEP_LINE.search(stdout)
+    assert snapshot(out) == before
+
+
+# ---- signals and kill -9 -------------------------------------------------------------------------------------
+def subprocess_env():
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_RANK_VARS and not k.startswith(("PMI_", "PMIX_", "OMPI_", "GPT2NP_TEST_"))}
+    env.update(PYTHONPATH=str(REPO), GPT2NP_NVTX="0", PYTHONUNBUFFERED="1")
+    return env
+
+
+class Trainer:
+    """train.py in a subprocess (launcher: e.g. [mpiexec, -n, 2]); its stdout lines arrive in a queue (read by a
+    thread), stderr goes to a file."""
+
+    def __init__(self, argv, stderr_path, launcher=()):
+        self.stderr_path = stderr_path
+        command = [*launcher, sys.executable, str(REPO / "train.py"), *map(str, argv)]
+        with open(stderr_path, "w") as err:
+            self.proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         env=subprocess_env())
+        self.lines = queue.Queue()
+        self.stdout = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for(self, pattern, timeout=TIMEOUT):
+        """The first match of pattern in a new stdout line; None if the process ended first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            if line is None:
+                return None
+            self.stdout.append(line)
+            if m := re.search(pattern, line):
+                return m
+
+    def finish(self):
+        self.proc.wait(TIMEOUT)
+        while (line := self.lines.get(timeout=TIMEOUT)) is not None:
+            self.stdout.append(line)
+        return self.proc.returncode, "".join(self.stdout), Path(self.stderr_path).read_text()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_checkpoints_and_exits(signum, files, tmp_path, capsys):
+    out = tmp_path / "out"
+    common = ["-k", "constant", "-n", 0]            # constant lr: the schedule does not depend on -x
+    job = Trainer(args(files, out, "-x", 100000, *common), tmp_path / "stderr")
+    assert job.wait_for(r"^step +3/"), "no third step"
+    job.proc.send_signal(signum)
+    code, _, stderr = job.finish()
+    assert code == 128 + signum, stderr
+    assert "Traceback" not in stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    m = re.fullmatch(rf"stopped by {signal.Signals(signum).name} after (\d+) steps: checkpoint of step (\d+) "
+                     rf"written to {re.escape(str(out))} \(resume with -y 1\)", lines[-1])
+    assert m and m[1] == m[2] and len(lines) == 1, stderr
+    step = int(m[1])
+    assert (out / f"DONE_{step:08d}").is_file()
+    # resumable, and the same as an uninterrupted run
+    code, stdout, err = run(args(files, out, "-x", step + 2, "-n", 1, "-y", 1, *common[:2]), capsys)
+    assert code == 0 and f"resuming from step {step}" in stdout, err
+    code, _, err = run(args(files, tmp_path / "reference", "-x", step + 2, "-n", 1, *common[:2]), capsys)
+    assert code == 0, err
+    same_checkpoint(tmp_path / "reference", out, step + 2)
+
+
+def test_sigterm_under_mpiexec_stops_every_rank_at_the_same_step(files, tmp_path):
+    pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install 'gpt2np[dist]')")
+    here = Path(sysconfig.get_path("scripts")) / "mpiexec"
+    mpiexec = str(here) if here.is_file() else shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("no mpiexec found (pip install mpich)")
+    out = tmp_path / "out"
+    job = Trainer(args(files, out, "-x", 100000, "-b", 1, "-z", 1), tmp_path / "stderr", launcher=(mpiexec, "-n", "2"))
+    if not job.wait_for(r"^step +3/"):
+        code, stdout, stderr = job.finish()
+        pytest.skip(f"{mpiexec} did not run 2 ranks (exit {code}): {stderr[-500:]}")
+    job.proc.send_signal(signal.SIGTERM)
+    code, _, stderr = job.finish()
+    assert code == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("stopped by")]       # rank 0 alone says it
+    step = int(re.search(r"checkpoint of step (\d+) written", line)[1])
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("DONE", "state"))) == [
+        f"DONE_{step:08d}", f"state_{step:08d}_00000.bin", f"state_{step:08d}_00001.bin"]
+    job = Trainer(args(files, out, "-x", step + 1, "-b", 1, "-z", 1, "-y", 1, "-n", 1), tmp_path / "stderr2",
+                  launcher=(mpiexec, "-n", "2"))
+    code, stdout, stderr = job.finish()
+    assert code == 0 and f"resuming from step {step}" in stdout and (out / f"DONE_{step + 1:08d}").is_file(), stderr
+
+
+SECOND_SIGNAL = """
+import os, signal, time
+from gpt2np.interrupts import StopSignals
+with StopSignals() as signals:
+    os.kill(os.getpid(), signal.SIGINT)
+    deadline = time.monotonic() + 10
+    while signals.signum is None and time.monotonic() < deadline:
+        time.sleep(0.001)                   # the handler runs between bytecodes of the main thread
+    print("first:", signals.name, flush=True)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(10)
+print("not reached")
+"""
+
+
+def test_second_signal_exits_at_once():
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", SECOND_SIGNAL], capture_output=True, text=True, timeout=TIMEOUT,
+                         env=subprocess_env(), cwd=REPO)
+    assert res.returncode == 130 and time.monotonic() - t0 < 8
+    assert res.stdout == "first: SIGINT\n"
+    assert res.stderr == "error: SIGINT again: exiting now, without a checkpoint\n"
+
+
+def test_kill_9_at_random_moments_then_resume_is_bit_identical(files, tmp_path, capsys):
+    """kill -9 a -n 1 run at random moments (inside steps, checkpoint writes, validation, startup), resume with
+    -y 1 until it finishes: the final model, optimizer state and main.log equal an uninterrupted run's."""
+    steps, kills = 16, 6
+    run_args = lambda out: args(files, out, "-x", steps, "-n", 1, "-v", 4, "-m", 1, "-y", 1)  # noqa: E731
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    code, _, err = run(run_args(reference), capsys)
+    assert code == 0, err
+    rng = random.Random(1234)
+    rounds = []
+    for k in range(kills):
+        job = Trainer(run_args(out), tmp_path / f"stderr{k}")
+        resumed = job.wait_for(r"^(?:resuming from step (\d+)|training for)")
+        start = int(resumed[1] or 0) if resumed else steps
+        # kill only once checkpoint start + 1 is complete (step start + 2 is printed after it): every round
+        # makes progress, so the loop ends however the kills land
+        if start + 2 <= steps and job.wait_for(rf"^step +{start + 2}/"):
+            time.sleep(rng.uniform(0, 0.015))              # a step and a checkpoint take a few ms
+            job.proc.kill()
+        code, _, stderr = job.finish()
+        assert "Traceback" not in stderr, stderr
+        rounds.append((start, code))
+        if code == 0:
+            break
+    code, stdout, stderr = Trainer(run_args(out), tmp_path / "stderr_last").finish()
+    assert code == 0, stderr
+    assert any(c == -signal.SIGKILL for _, c in rounds), rounds
+    same_checkpoint(reference, out, steps)
+    assert (out / "main.log").read_text() == (reference / "main.log").read_text()
+    assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
