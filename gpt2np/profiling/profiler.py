@@ -1,15 +1,26 @@
-"""The built-in profiler: every op (NumPy) or kernel (CUDA) launch of a few training steps, attributed.
+"""The built-in profiler: every op (NumPy) or kernel, copy and memset (CUDA) of a few training steps, attributed.
 
 Each launch becomes a report.KernelRecord: which layer launched it, in which direction, the op and
-module, shapes, kernel name, time (CUDA events on a GPU, the clock on the CPU and the emulator),
-FLOPs and bytes moved. report.py renders the kernel table, the GPT-2 module tree, the range summary
-and the files (CSV, JSON, Chrome trace, PNG).
+module, shapes, kernel name, grid and block, time, FLOPs and bytes moved; host<->device copies and memsets
+become records of kind "memcpy"/"memset" ([CUDA memcpy HtoD], [CUDA memset]) with their bytes. Besides
+the records the profiler keeps every range instance (id, parent, host start/end), the runtime/driver API
+calls, the collectives of multi-rank runs (views.CommRecord) and the model's memory by buffer.
+
+Timing, by backend:
+  numpy      the CPU clock around each op.
+  emulator   the host clock around each emulated launch: CPU times, and every view says so.
+  GPU        CUPTI activity records (cupti-python installed): device start/end of every kernel, copy and
+             memset, and the API calls, correlated to the launching op by external correlation ids.
+             Without CUPTI: CUDA events around each launch (a fallback that perturbs what it measures, and
+             the views say so); device start times come from the events' offsets to a reference event.
 
     python -m gpt2np.profiling.profiler -e d12 -b 4 -t 64 --steps 2 [--device cpu|cuda|emu] [--out DIR]
+                                         [--views all|NAME,NAME...]
     python train.py ... --profile 2          # the same, inside a training run
 """
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -17,10 +28,24 @@ import numpy as np
 from ..backends.contract import op_cost
 from ..cli import ArgumentParser, BadInput, integer, tool
 from . import ranges
-from .report import KernelRecord, ranges_from_records, render, write_chrome_trace, write_csv, write_json, write_png
+from . import views as V
+from .report import EMULATED_NOTE, KernelRecord, write_chrome_trace, write_csv, write_json
 
 DIRECTIONS = {"gpt2_forward": "fprop", "gpt2_backward": "bprop", "gpt2_calculate_grad_norm": "update",
               "gpt2_update": "update"}
+
+# a kernel whose op cost term belongs to another module than its op (encoder_backward's dwpe kernel: wpe)
+TERM_MODULES = {("encoder_backward", "dwpe"): "wpe", ("encoder_forward", "dwpe"): "wpe"}
+
+# the CUDA call each Runtime method stands for (API rows when CUPTI does not record the real ones)
+API_NAMES = {"launch": "cuLaunchKernel", "gemm": "cublasSgemm_v2", "gemm_batched": "cublasSgemmStridedBatched",
+             "from_host": "cudaMemcpyAsync", "to_host": "cudaMemcpy", "copy": "cudaMemcpyAsync",
+             "fill": "cudaMemsetAsync", "zeros": "cudaMalloc", "empty": "cudaMalloc",
+             "synchronize": "cudaStreamSynchronize", "event": "cudaEventCreate", "compile": "cuModuleLoadData"}
+
+TIMING_CPU = "CPU clock around each NumPy op"
+TIMING_EMU = "host clock around each emulated launch"
+TIMING_EVENTS = "CUDA events around each launch (fallback: {why}); the events perturb what they time"
 
 
 def attribution(stack):
@@ -35,41 +60,158 @@ def attribution(stack):
     return direction, layer
 
 
-class Profiler:
-    """Records every op (NumPy) or kernel launch (CUDA) on `backend` while attached (`with Profiler(be):`);
-    `records` and `ranges` hold the results.
+class RecordingRuntime:
+    """The backend's runtime (cuda.runtime.Runtime), wrapped while the profiler is attached: copies and
+    memsets become records (with their bytes), each call an API row, each launch's grid and block go to
+    the record of the launch. Everything else passes through."""
 
-    It attaches through two hooks only: the range stack (ranges.add_listener: the model opens one range per
-    op carrying its module and arguments, and "Train step N", "gpt2_forward", "Layer l" around them) and the
-    backend's launch hook (backend.on_launch, for backends whose ops are kernel launches). Each op is costed
-    once by the contract's formula (contract.op_cost); each kernel record carries the term of that cost its
-    kernel names, so the kernels of an op add up to the op.
+    def __init__(self, rt, profiler):
+        self._rt = rt
+        self._prof = profiler
+
+    def __getattr__(self, name):
+        return getattr(self._rt, name)
+
+    def _call(self, api, fn, *args):
+        return self._prof._api(api, fn, *args)
+
+    def launch(self, function, grid, block, args, shared_mem=0):
+        self._prof._set_dims(grid, block)
+        return self._call(API_NAMES["launch"], self._rt.launch, function, grid, block, args, shared_mem)
+
+    def gemm(self, *args):
+        batch = args[-1] if len(args) > 17 else 1
+        return self._call(API_NAMES["gemm_batched" if batch > 1 else "gemm"], self._rt.gemm, *args)
+
+    def from_host(self, array):
+        return self._prof._transfer("memcpy", "HtoD", int(np.asarray(array).nbytes), API_NAMES["from_host"],
+                                    lambda: self._rt.from_host(array))
+
+    def to_host(self, array):
+        return self._prof._transfer("memcpy", "DtoH", _nbytes(array), API_NAMES["to_host"],
+                                    lambda: self._rt.to_host(array))
+
+    def copy(self, dst, src):
+        return self._prof._transfer("memcpy", "DtoD", _nbytes(dst), API_NAMES["copy"],
+                                    lambda: self._rt.copy(dst, src))
+
+    def fill(self, array, value):
+        return self._prof._transfer("memset", None, _nbytes(array), API_NAMES["fill"],
+                                    lambda: self._rt.fill(array, value))
+
+    def zeros(self, shape, dtype):
+        return self._call(API_NAMES["zeros"], self._rt.zeros, shape, dtype)
+
+    def empty(self, shape, dtype):
+        return self._call(API_NAMES["empty"], self._rt.empty, shape, dtype)
+
+    def synchronize(self):
+        return self._call(API_NAMES["synchronize"], self._rt.synchronize)
+
+
+def _nbytes(array) -> int:
+    return int(array.size) * int(array.dtype.itemsize)
+
+
+class Profiler:
+    """Records every op (NumPy) or kernel launch, copy and memset (CUDA) on `backend` while attached
+    (`with Profiler(be, model=model):`); `records`, `range_instances`, `api`, `comms` and `memory` hold the
+    results, `profile()` bundles them (views.Profile).
+
+    It attaches through hooks only: the range stack (ranges.add_listener: the model opens one range per op
+    carrying its module and arguments, "Train step N", "gpt2_forward", "Layer l" around them; the dist
+    module's collectives carry a ranges.Collective), the backend's launch hook (backend.on_launch) and,
+    on the CUDA backend, its runtime (wrapped in a RecordingRuntime). Each op is costed once by the
+    contract's formula (contract.op_cost); each kernel record carries the term of that cost its kernel
+    names, so the kernels of an op add up to the op.
+
+    activity_source: "auto" (CUPTI where cupti-python and a GPU are there), None (never), or an object
+    with start/now/push/pop/stop/api_name like cupti.CuptiSource (tests pass a fake one).
     """
 
-    def __init__(self, backend):
+    def __init__(self, backend, model=None, activity_source="auto"):
         self.backend = backend
-        self.records, self.ranges = [], []
+        self.model = model
+        self.records, self.ranges, self.range_instances = [], [], []
+        self.api, self.comms = [], []
+        self.memory = None
         self.step = None
-        self._open = []
-        self._op = None                          # (direction, layer, op, module, Cost) of the op running
-        self._pending = []                       # kernels: (record, start event, end event)
+        self._open = []                           # (name, start, detail, instance id)
+        self._op = None                           # (direction, layer, op, module, Cost) of the op running
+        self._pending = []                        # (record, start event, end event)
+        self._launch_record = None                # the record of the launch in progress (grid/block go there)
+        self._in_api = False
+        self._next_range = 0
+        self._rt = None
+        self._ref = None                          # (reference event, host ns at it)
+        self._thread = threading.get_ident()
+        self.source, self.timing = None, TIMING_CPU
+        self._choose_timing(activity_source)
         self._t0 = time.perf_counter_ns()
+
+    def _choose_timing(self, activity_source):
+        be = self.backend
+        if not be.launches_kernels:
+            return
+        runtime = getattr(getattr(be, "rt", None), "name", "")
+        why = "CUPTI not requested"
+        if activity_source == "auto":
+            from . import cupti
+            why = "no GPU" if runtime != "cupy" else "cupti-python is not installed"
+            activity_source = None
+            if cupti.available(be):
+                try:
+                    activity_source = cupti.CuptiSource()
+                except cupti.CuptiUnavailable as e:
+                    why = str(e)
+        if activity_source is not None:
+            self.source, self.timing = activity_source, activity_source.timing
+        elif runtime == "emulator":
+            self.timing = TIMING_EMU
+        else:
+            self.timing = TIMING_EVENTS.format(why=why)
+
+    @property
+    def emulated(self) -> bool:
+        return getattr(getattr(self.backend, "rt", None), "name", "") == "emulator"
 
     # ---- attach ---------------------------------------------------------------------------
     def __enter__(self):
+        be = self.backend
+        if self.source is not None:
+            try:
+                self.source.start()
+            except RuntimeError as e:               # CuptiUnavailable: fall back to events, and say why
+                self.source = None
+                self.timing = TIMING_EVENTS.format(why=str(e))
         ranges.add_listener(self)
-        if self.backend.launches_kernels:
-            self.backend.on_launch = self._on_launch
+        if be.launches_kernels:
+            be.on_launch = self._on_launch
+            if hasattr(be, "rt"):
+                self._rt = be.rt
+                be.rt = RecordingRuntime(self._rt, self)
+                if self.source is None:
+                    ref = self._rt.event()
+                    ref.record()
+                    self._ref = (ref, self._now())
         return self
 
     def __exit__(self, *exc):
         ranges.remove_listener(self)
-        if self.backend.launches_kernels:
-            self.backend.on_launch = None
+        be = self.backend
+        if be.launches_kernels:
+            be.on_launch = None
+            if self._rt is not None:
+                be.rt = self._rt
         self.resolve()
+        if self.model is not None:
+            from .memory import memory_summary
+            self.memory = memory_summary(self.model)
         return False
 
     def _now(self):
+        if self.source is not None:
+            return self.source.now()
         return time.perf_counter_ns() - self._t0
 
     # ---- ranges.listener ------------------------------------------------------------------
@@ -77,8 +219,10 @@ class Profiler:
         if name.startswith("Train step "):
             self.step = int(name.rsplit(" ", 1)[1])
         now = self._now()
-        self._open.append((name, now, detail))
-        if detail is not None:                   # an op: the model passes (module, arguments)
+        rid = self._next_range
+        self._next_range += 1
+        self._open.append((name, now, detail, rid))
+        if isinstance(detail, tuple):            # an op: the model passes (module, arguments)
             module, args = detail
             direction, layer = attribution(ranges.current_stack())
             self._op = (direction, layer, name, module, op_cost(name, args))
@@ -86,48 +230,184 @@ class Profiler:
     def on_pop(self, name):
         if not self._open:
             return
-        opened, start, detail = self._open.pop()
+        opened, start, detail, rid = self._open[-1]
         end = self._now()
-        self.ranges.append((opened, start, end))
-        if detail is not None and self._op is not None:
+        if isinstance(detail, ranges.Collective):
+            self.comms.append(V.CommRecord(len(self.comms), self.step, opened, detail.op, int(detail.nbytes),
+                                           int(detail.ranks), start, end - start))
+        elif isinstance(detail, tuple) and self._op is not None:
             if not self.backend.launches_kernels:          # the op is the unit: one record, its whole cost
                 cost = self._op[4]
                 self._add(f"numpy.{opened}", start, end - start, cost.flops, cost.bytes)
             self._op = None
+        self._open.pop()
+        self.ranges.append((opened, start, end))
+        parent = self._open[-1][3] if self._open else None
+        self.range_instances.append(V.RangeInstance(rid, opened, parent, len(self._open), start, end, self.step))
 
-    # ---- launches -------------------------------------------------------------------------
+    # ---- launches, copies, API calls --------------------------------------------------------
     def _on_launch(self, kernel, kind, term, run):
-        """The backend's launch hook: one kernel or GEMM, bracketed by events; it carries `term` of its op's
-        cost (none for helper kernels such as the finishing stage of a reduction)."""
-        start, end = self.backend.event(), self.backend.event()
-        start.record()
-        run()
-        end.record()
+        """The backend's launch hook: one kernel or GEMM; it carries `term` of its op's cost (none for
+        helper kernels such as the finishing stage of a reduction)."""
         flops, nbytes = (0, 0)
         if term is not None and self._op is not None:
             flops, nbytes = self._op[4].terms[term]
         name = f"cublasSgemm ({kernel})" if kind == "gemm" else kernel
         record = self._add(name, self._now(), 0, flops, nbytes)
-        self._pending.append((record, start, end))
+        if self._op is not None and (self._op[2], term) in TERM_MODULES:
+            record.module = TERM_MODULES[(self._op[2], term)]
+        self._launch_record = record
+        try:
+            self._timed(record, run)
+        finally:
+            self._launch_record = None
 
-    def _add(self, kernel, start_ns, duration_ns, flops, nbytes):
-        direction, layer, op, module, cost = self._op or ("other", None, "", "", None)
+    def _timed(self, record, run):
+        """Run one activity: under CUPTI inside its external correlation id, else between two events."""
+        if self.source is not None:
+            self.source.push(record.idx)
+            try:
+                return run()
+            finally:
+                self.source.pop()
+        start, end = self._rt.event(), self._rt.event()
+        start.record()
+        result = run()
+        end.record()
+        self._pending.append((record, start, end))
+        return result
+
+    def _transfer(self, kind, direction, nbytes, api, run):
+        """A copy (direction HtoD, DtoH, DtoD) or memset issued through the runtime: a record with its bytes."""
+        if self._in_api or threading.get_ident() != self._thread:
+            return run()
+        name = f"[CUDA memcpy {direction}]" if kind == "memcpy" else "[CUDA memset]"
+        record = self._add(name, self._now(), 0, 0, nbytes, kind=kind)
+        return self._timed(record, lambda: self._api(api, run, record=record))
+
+    def _api(self, name, fn, *args, record=None):
+        """One runtime call, timed on the host as an API row (CUPTI's own API records replace these)."""
+        if self._in_api or self.source is not None:
+            return fn(*args)
+        self._in_api = True
+        start = self._now()
+        try:
+            return fn(*args)
+        finally:
+            self._in_api = False
+            owner = record if record is not None else self._launch_record
+            self.api.append(V.ApiCall(name, start, self._now() - start, None if owner is None else owner.idx,
+                                      self._thread))
+
+    def _set_dims(self, grid, block):
+        if self._launch_record is not None:
+            self._launch_record.grid = _dims(grid)
+            self._launch_record.block = _dims(block)
+
+    def _add(self, kernel, start_ns, duration_ns, flops, nbytes, kind="kernel"):
+        stack = tuple(ranges.current_stack())
+        if self._op is None:                      # outside any op (a copy, say): the ranges still tell
+            direction, layer = attribution(stack)
+            op, module, cost = "", "", None
+        else:
+            direction, layer, op, module, cost = self._op
+        ids = tuple(rid for *_, rid in self._open)
+        ids = (-1,) * (len(stack) - len(ids)) + ids[-len(stack):] if stack else ()
         record = KernelRecord(idx=len(self.records), step=self.step, direction=direction,
                               layer=-1 if layer is None else layer, op=op, module=module,
                               params=cost.params if cost else "", kernel=kernel, start_ns=int(start_ns),
                               duration_ns=int(duration_ns), flops=int(flops), bytes=int(nbytes),
-                              range_stack=tuple(ranges.current_stack()))
+                              range_stack=stack, kind=kind, range_ids=ids)
         self.records.append(record)
         return record
 
+    # ---- results --------------------------------------------------------------------------
     def resolve(self):
-        """Turn pending event pairs into durations (synchronizes once)."""
+        """Turn pending event pairs (or CUPTI's records) into device times (synchronizes once)."""
+        if self.source is not None:
+            self._merge_cupti(self.source.stop())
+            return
         if not self._pending:
             return
-        self.backend.synchronize()
+        self._rt.synchronize()
+        ref, ref_host = self._ref if self._ref is not None else (None, 0)
         for record, start, end in self._pending:
-            record.duration_ns = int(self.backend.elapsed_ms(start, end) * 1e6)
+            record.duration_ns = int(self._rt.elapsed_ms(start, end) * 1e6)
+            if ref is not None:                   # device start: the event's offset to the reference event
+                record.start_ns = int(ref_host + self._rt.elapsed_ms(ref, start) * 1e6)
         self._pending.clear()
+
+    def _merge_cupti(self, activities):
+        """Device times, real kernel names and grids from CUPTI; activities CUPTI saw that no record
+        issued (a library's extra kernels, say) become records of the op that was running."""
+        from .cupti import parse
+        acts = parse(activities, getattr(self.source, "api_name", None))
+        external = acts["external"]
+        filled = set()
+        extras = {}                                # record idx -> records to insert after it
+        orphans = []
+
+        def place(act, kind, name, nbytes=0):
+            idx = external.get(act["correlation"])
+            owner = self.records[idx] if idx is not None and idx < len(self.records) else None
+            if owner is not None and owner.idx not in filled and owner.kind == kind:
+                filled.add(owner.idx)
+                record = owner
+                if kind == "kernel":
+                    record.kernel = name
+            else:
+                record = KernelRecord(idx=-1, step=owner.step if owner else None,
+                                      direction=owner.direction if owner else "other",
+                                      layer=owner.layer if owner else -1, op=owner.op if owner else "",
+                                      module=owner.module if owner else "", params="", kernel=name,
+                                      start_ns=0, duration_ns=0, bytes=nbytes,
+                                      range_stack=owner.range_stack if owner else (), kind=kind,
+                                      range_ids=owner.range_ids if owner else ())
+                (extras.setdefault(owner.idx, []) if owner else orphans).append(record)
+            record.start_ns, record.duration_ns = act["start"], act["end"] - act["start"]
+            if kind == "kernel":
+                record.grid, record.block = act["grid"], act["block"]
+            elif nbytes:
+                record.bytes = nbytes
+
+        for act in acts["kernels"]:
+            place(act, "kernel", act["name"])
+        for act in acts["memcpy"]:
+            place(act, "memcpy", f"[CUDA memcpy {act['direction']}]", act["bytes"])
+        for act in acts["memset"]:
+            place(act, "memset", "[CUDA memset]", act["bytes"])
+        merged = []
+        for r in self.records:
+            merged.append(r)
+            merged.extend(extras.get(r.idx, ()))
+        merged.extend(sorted(orphans, key=lambda r: r.start_ns))
+        for i, r in enumerate(merged):
+            r.idx = i
+        old_to_new = {id(r): r.idx for r in merged}
+        by_old = {old: old_to_new[id(r)] for old, r in enumerate(self.records)}
+        self.records = merged
+        self.api = [V.ApiCall(a["name"], a["start"], a["end"] - a["start"],
+                              by_old.get(external.get(a["correlation"])), a["thread"]) for a in acts["api"]]
+
+    def meta(self) -> dict:
+        be = self.backend
+        meta = {"device": device_label(be), "backend": be.name, "timing": self.timing,
+                "runtime": getattr(getattr(be, "rt", None), "name", None), "emulated": self.emulated,
+                "precision": getattr(be, "precision", "fp32")}
+        if self.model is not None:
+            from .memory import module_parameters
+            meta["num_layers"] = self.model.cfg.num_layers
+            meta["module_params"] = module_parameters(self.model.cfg)
+        return meta
+
+    def profile(self) -> "V.Profile":
+        """Everything recorded, as one views.Profile."""
+        return V.Profile(self.records, self.range_instances, self.api, self.comms, self.memory, self.meta())
+
+
+def _dims(dims) -> str:
+    dims = tuple(int(d) for d in dims) + (1,) * (3 - len(tuple(dims)))
+    return "(" + ",".join(map(str, dims[:3])) + ")"
 
 
 def device_label(backend):
@@ -147,19 +427,26 @@ def device_roofline(backend):
 
 
 def write_outputs(profiler, out_dir, roof=None, title=""):
-    """CSV, JSON, Chrome trace and PNG of the records in out_dir; returns the paths written."""
+    """CSV, JSON, Chrome trace, PNG plots and one CSV per view of the records in out_dir; returns the paths."""
     os.makedirs(out_dir, exist_ok=True)
-    paths = {k: os.path.join(out_dir, f"profile.{k}") for k in ("csv", "json", "trace.json", "png")}
-    write_csv(profiler.records, paths["csv"], roof)
-    write_json(profiler.records, paths["json"], roof)
-    write_chrome_trace(profiler.records, paths["trace.json"], profiler.ranges or ranges_from_records(profiler.records))
-    if not write_png(profiler.records, paths["png"], title=title or "Time by op and direction",
-                     log=lambda msg: print(msg, file=sys.stderr)):
-        paths.pop("png")
+    profile = profiler.profile()
+    paths = {k: os.path.join(out_dir, f"profile.{k}") for k in ("csv", "json", "trace.json")}
+    write_csv(profile.records, paths["csv"], roof)
+    write_json(profile.records, paths["json"], roof, profile.meta, V.profile_doc(profile))
+    write_chrome_trace(profile.records, paths["trace.json"], V.trace_ranges(profile),
+                       extra_events=V.trace_extra_events(profile))
+    paths.update(V.write_view_files(profile, roof, out_dir))
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    paths.update(V.write_plots(profile, roof, out_dir, title=title or "Time by op and direction", log=log))
     return paths
 
 
-def profile_steps(model, batches, steps, lr=1e-4):
+def report_text(profiler, roof=None, views=None, step="last"):
+    """The text report of a profiler's records: the views named (default views.DEFAULT_VIEWS)."""
+    return V.render_views(profiler.profile(), roof, views or V.DEFAULT_VIEWS, step=step)
+
+
+def profile_steps(model, batches, steps, lr=1e-4, activity_source="auto"):
     """Run `steps` training steps (train_step, batches in turn) under the profiler, after one unprofiled
     warm-up step (step 0)."""
     from ..train_step import train_step
@@ -168,7 +455,7 @@ def profile_steps(model, batches, steps, lr=1e-4):
         train_step(model, lambda: batches[i % len(batches)], step=i, lr=lr)
 
     step(0)
-    with Profiler(model.backend) as prof:
+    with Profiler(model.backend, model=model, activity_source=activity_source) as prof:
         for i in range(1, steps + 1):
             step(i)
     return prof
@@ -188,11 +475,15 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=1, help="profiled steps after one warm-up step")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "numpy", "cuda", "emu"])
     ap.add_argument("--out", default="profile", help="folder for CSV, JSON, trace and PNG (default ./profile)")
-    ap.add_argument("--all-steps", action="store_true", help="kernel table of every profiled step, not the last")
+    ap.add_argument("--views", default=",".join(V.DEFAULT_VIEWS),
+                    help=f"views to print, comma-separated, or 'all' (default {','.join(V.DEFAULT_VIEWS)}; "
+                         f"all: {','.join(V.VIEWS)})")
+    ap.add_argument("--all-steps", action="store_true", help="views of every profiled step, not the last")
     args = ap.parse_args(argv)
     integer(1).check("-b", args.batch_size, "the batch size B")
     integer(1).check("-t", args.seq_len, "the sequence length T")
     integer(1).check("--steps", args.steps, "the number of profiled steps")
+    views = V.parse_views(args.views)
     # before the run, not after it: the files go into --out
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise BadInput(f"--out {args.out}: is a file; expected a folder (made if missing)")
@@ -208,9 +499,8 @@ def main(argv=None):
     batches = [(b[:, :-1], b[:, 1:]) for b in batch]
     prof = profile_steps(model, batches, args.steps)
     roof = device_roofline(backend)
-    label = device_label(backend)
-    print(render(prof.records, roof, step=None if args.all_steps else "last", num_layers=cfg.num_layers,
-                 ranges=prof.ranges))
+    label = device_label(backend) + (f" ({EMULATED_NOTE})" if prof.emulated else "")
+    print(report_text(prof, roof, views, step=None if args.all_steps else "last"), end="")
     paths = write_outputs(prof, args.out, roof, title=f"{desc}, B={args.batch_size}, T={args.seq_len}, {label}")
     print("wrote " + ", ".join(paths.values()))
     return 0

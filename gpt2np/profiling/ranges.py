@@ -20,6 +20,19 @@ off and no listeners, range() costs one boolean check and returns a shared do-no
 """
 import os
 import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Collective:
+    """The `detail` of a communication range (dist.py opens one around each collective): the collective
+    ("all_reduce", "reduce_scatter", "all_gather", "broadcast"), the bytes of the buffer it works on (the
+    whole buffer, as nccl-tests' size) and the number of ranks. The profiler turns it into a communication
+    row with algorithm and bus bandwidth."""
+    op: str
+    nbytes: int
+    ranks: int
+
 
 _nvtx_on = os.environ.get("GPT2NP_NVTX", "1") != "0"
 _listeners = ()             # tuple: iterated on every push/pop, replaced (never mutated) on change

@@ -45,7 +45,10 @@ class KernelRecord:
     ('matmul_forward'); module: GPT-2 module path ('h.3.attn.c_attn', 'h.3.attn' = core attention,
     'lm_head', 'optimizer'); params: shapes ('B=4,T=64,C=768,OC=2304'); kernel: kernel name;
     start_ns, duration_ns: GPU (or CPU) time; flops, bytes: work and DRAM traffic of the launch
-    (0 = unknown); range_stack: enclosing range names, outermost first.
+    (0 = unknown); range_stack: enclosing range names, outermost first; kind: "kernel", "memcpy" or
+    "memset" (copies and memsets are named like nvprof's rows, "[CUDA memcpy HtoD]", and their bytes
+    are the bytes copied or set); grid, block: launch dimensions ("(96,1,1)"; empty when unknown);
+    range_ids: the instance ids of the ranges in range_stack (empty when unknown).
     """
     idx: int
     step: Optional[int]
@@ -60,6 +63,10 @@ class KernelRecord:
     flops: int = 0
     bytes: int = 0
     range_stack: Tuple[str, ...] = field(default_factory=tuple)
+    kind: str = "kernel"
+    grid: str = ""
+    block: str = ""
+    range_ids: Tuple[int, ...] = field(default_factory=tuple)
 
     @property
     def end_ns(self) -> int:
@@ -451,8 +458,9 @@ def module_tree(records: Sequence[KernelRecord], num_layers: Optional[int] = Non
 
 
 def module_tree_table(records: Sequence[KernelRecord], num_layers: Optional[int] = None, step=None,
-                      max_depth: Optional[int] = None) -> str:
-    """The module tree as indented text: fwd, bwd, update+other time, total, % and launches."""
+                      max_depth: Optional[int] = None, params: Optional[Dict[str, int]] = None) -> str:
+    """The module tree as indented text: parameters (when `params` gives them per leaf module, as
+    memory.module_parameters does), fwd, bwd, update+other time, total, % and launches."""
     root = module_tree(records, num_layers, step)
     total = root.time() or 1
     rows = []
@@ -460,30 +468,53 @@ def module_tree_table(records: Sequence[KernelRecord], num_layers: Optional[int]
         if max_depth is not None and depth > max_depth:
             continue
         t = node.time()
-        rows.append(["  " * depth + node.name, _us(node.time("fprop")), _us(node.time("bprop")),
-                     _us(node.time("update") + node.time("other")), _us(t),
-                     f"{100.0 * t / total:.1f}", node.calls])
-    columns = [("module", "l"), ("fwd (us)", "r"), ("bwd (us)", "r"), ("upd+other (us)", "r"),
-               ("total (us)", "r"), ("%", "r"), ("calls", "r")]
+        row = ["  " * depth + node.name]
+        if params is not None:
+            count = sum(n for path, n in params.items() if path == node.path or path.startswith(node.path + ".")
+                        or node.path == "")
+            row.append(f"{count:,}" if count or node.path in params else "-")
+        rows.append(row + [_us(node.time("fprop")), _us(node.time("bprop")),
+                           _us(node.time("update") + node.time("other")), _us(t),
+                           f"{100.0 * t / total:.1f}", node.calls])
+    columns = [("module", "l")] + ([("params", "r")] if params is not None else [])
+    columns += [("fwd (us)", "r"), ("bwd (us)", "r"), ("upd+other (us)", "r"), ("total (us)", "r"), ("%", "r"),
+                ("calls", "r")]
     return format_table(columns, rows, _title("Time per GPT-2 module", select_step(records, step), None))
 
 
 # ---------------------------------------------------------------------------------------------
 # the whole text report
 
+EMULATED_NOTE = "emulated on the CPU, times are not GPU times"
+
+
+def label(text: str, note: Optional[str]) -> str:
+    """A view with `note` appended to its title line (the first line), e.g. EMULATED_NOTE."""
+    if not note:
+        return text
+    first, sep, rest = text.partition("\n")
+    return f"{first} [{note}]{sep}{rest}"
+
+
+def kernels_only(records: Sequence[KernelRecord]) -> List[KernelRecord]:
+    """The kernel launches among records (copies and memsets left out)."""
+    return [r for r in records if r.kind == "kernel"]
+
+
 def render(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, step="last",
            ranges: Optional[Sequence[Range]] = None, num_layers: Optional[int] = None,
-           top_kernels: int = 15) -> str:
+           top_kernels: int = 15, note: Optional[str] = None, params: Optional[Dict[str, int]] = None) -> str:
     """Kernel table, module tree, per-layer and per-op totals, top kernels and range summary
-    for one step (default: the last one), separated by blank lines."""
-    recs = select_step(records, step)
+    for one step (default: the last one), separated by blank lines; `note` goes on every title line
+    (EMULATED_NOTE for a run on the emulator)."""
+    recs = kernels_only(select_step(records, step))
     if ranges is None:
         ranges = ranges_from_records(recs)
-    parts = [kernel_table(recs, roof), module_tree_table(recs, num_layers), layer_table(recs),
+    parts = [kernel_table(recs, roof), module_tree_table(recs, num_layers, params=params), layer_table(recs),
              op_table(recs, roof), kernel_summary_table(recs, top=top_kernels)]
     if ranges:
         parts.append(range_table(ranges))
-    return "\n\n".join(parts) + "\n"
+    return "\n\n".join(label(part, note) for part in parts) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,6 +548,7 @@ def record_row(r: KernelRecord, roof: Optional[Roofline] = None) -> Dict:
     bound, pct = classify(r.flops, r.bytes, r.duration_ns, roof, r.is_gemm)
     row = {f.name: getattr(r, f.name) for f in fields(KernelRecord)}
     row["range_stack"] = list(r.range_stack)
+    row["range_ids"] = list(r.range_ids)
     row.update(gflops_per_s=r.gflops_per_s, gbytes_per_s=r.gbytes_per_s, intensity=r.intensity,
                bound=None if bound == "-" else bound, pct_peak=pct)
     return row
@@ -530,18 +562,21 @@ def write_csv(records: Sequence[KernelRecord], path: str, roof: Optional[Rooflin
     for r in records:
         row = record_row(r, roof)
         row["range_stack"] = " > ".join(r.range_stack)
+        row["range_ids"] = " ".join(map(str, r.range_ids))
         writer.writerow({k: "" if v is None else v for k, v in row.items()})
     _atomic_write(path, buf.getvalue())
 
 
 def write_json(records: Sequence[KernelRecord], path: str, roof: Optional[Roofline] = None,
-               meta: Optional[Dict] = None) -> None:
-    """{"meta": {...}, "roofline": {...} or null, "records": [record_row...]}."""
+               meta: Optional[Dict] = None, extra: Optional[Dict] = None) -> None:
+    """{"meta": {...}, "roofline": {...} or null, "records": [record_row...], **extra} (extra: the range
+    instances, API calls, communication and memory of a profile, see views.profile_doc)."""
     doc = {"meta": dict(meta or {}),
            "roofline": None if roof is None else {"device": roof.device, "peak_flops": roof.peak_flops,
                                                   "peak_bw": roof.peak_bw,
                                                   "matmul_peak_flops": roof.matmul_peak_flops},
            "records": [record_row(r, roof) for r in records]}
+    doc.update(extra or {})
     _atomic_write(path, json.dumps(doc, indent=1) + "\n")
 
 
@@ -563,7 +598,8 @@ def read_json(path: str) -> Tuple[List[KernelRecord], Optional[Roofline], Dict]:
             raise ReportError(f"{path}: record {i}: {problem}")
     try:
         records = [KernelRecord(**{**{k: row[k] for k in names if k in row},
-                                   "range_stack": tuple(row.get("range_stack") or ())})
+                                   "range_stack": tuple(row.get("range_stack") or ()),
+                                   "range_ids": tuple(row.get("range_ids") or ())})
                    for row in doc["records"]]
     except TypeError as e:
         raise ReportError(f"{path}: a record lacks a field ({e})") from None
@@ -597,6 +633,9 @@ def _record_problem(row) -> Optional[str]:
         if f.name == "range_stack":
             ok = value is None or (isinstance(value, list) and all(isinstance(v, str) for v in value))
             wanted = "a list of range names"
+        elif f.name == "range_ids":
+            ok = value is None or (isinstance(value, list) and all(_is_int(v) for v in value))
+            wanted = "a list of range instance ids"
         elif f.type is str:
             ok, wanted = isinstance(value, str), "text"
         elif f.type is int:
@@ -608,23 +647,32 @@ def _record_problem(row) -> Optional[str]:
     return None
 
 
+TRACK_COPIES = 100
+
+
 def chrome_trace(records: Sequence[KernelRecord], ranges: Optional[Sequence[Range]] = None,
-                 process_name: str = "gpt2np") -> Dict:
+                 process_name: str = "gpt2np", extra_events: Sequence[Dict] = ()) -> Dict:
     """A Chrome/Perfetto trace: complete ('X') events, ts and dur in us from the first event.
 
-    Kernels go on track (tid) 1 of process 1, ranges on track 2 (one more track per further
-    thread when ranges carry a 4th element, their thread); kernel args carry step, direction,
-    layer, op, module, params, FLOPs, bytes and the range stack.
+    Kernels go on track (tid) 1 of process 1, copies and memsets on their own track (TRACK_COPIES),
+    ranges on track 2 (one more track per further thread when ranges carry a 4th element, their
+    thread); kernel args carry step, direction, layer, op, module, params, FLOPs, bytes, grid, block
+    and the range stack. extra_events: more events (API calls, collectives: views.trace_extra_events),
+    with their start in "ts_ns" (ns, the records' clock) or metadata ('M') events.
     """
     if ranges is None:
-        ranges = ranges_from_records(records)
-    starts = [r.start_ns for r in records] + [rng[1] for rng in ranges]
+        ranges = ranges_from_records(kernels_only(records))
+    starts = ([r.start_ns for r in records] + [rng[1] for rng in ranges]
+              + [e["ts_ns"] for e in extra_events if "ts_ns" in e])
     t0 = min(starts) if starts else 0
     threads = {}
     for rng in ranges:
         threads.setdefault(rng[3] if len(rng) > 3 else None, 2 + len(threads))
     events = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": process_name}},
               {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "kernels"}}]
+    if any(r.kind != "kernel" for r in records):
+        events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": TRACK_COPIES,
+                       "args": {"name": "copies and memsets"}})
     for thread, track in threads.items():
         label = "ranges" if thread is None else f"ranges (thread {thread})"
         events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": track, "args": {"name": label}})
@@ -635,20 +683,27 @@ def chrome_trace(records: Sequence[KernelRecord], ranges: Optional[Sequence[Rang
         timed.append({"name": name, "cat": "range", "ph": "X", "ts": (start - t0) / 1e3,
                       "dur": (end - start) / 1e3, "pid": 1, "tid": track, "args": {}})
     for r in records:
-        timed.append({"name": r.kernel, "cat": "kernel", "ph": "X", "ts": (r.start_ns - t0) / 1e3,
-                      "dur": r.duration_ns / 1e3, "pid": 1, "tid": 1,
+        timed.append({"name": r.kernel, "cat": r.kind, "ph": "X", "ts": (r.start_ns - t0) / 1e3,
+                      "dur": r.duration_ns / 1e3, "pid": 1, "tid": 1 if r.kind == "kernel" else TRACK_COPIES,
                       "args": {"idx": r.idx, "step": r.step, "direction": r.direction,
                                "layer": r.layer_index, "op": r.op, "module": r.module,
-                               "params": r.params, "flops": r.flops, "bytes": r.bytes,
-                               "range_stack": list(r.range_stack)}})
+                               "params": r.params, "flops": r.flops, "bytes": r.bytes, "grid": r.grid,
+                               "block": r.block, "range_stack": list(r.range_stack)}})
+    for e in extra_events:
+        if "ts_ns" in e:
+            e = {k: v for k, v in e.items() if k != "ts_ns"} | {"ts": (e["ts_ns"] - t0) / 1e3}
+            timed.append(e)
+        else:
+            events.append(e)
     timed.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"]))
     return {"traceEvents": events + timed, "displayTimeUnit": "ns"}
 
 
 def write_chrome_trace(records: Sequence[KernelRecord], path: str,
-                       ranges: Optional[Sequence[Range]] = None, process_name: str = "gpt2np") -> None:
+                       ranges: Optional[Sequence[Range]] = None, process_name: str = "gpt2np",
+                       extra_events: Sequence[Dict] = ()) -> None:
     """Write chrome_trace(...) as JSON (open in ui.perfetto.dev or chrome://tracing)."""
-    _atomic_write(path, json.dumps(chrome_trace(records, ranges, process_name)) + "\n")
+    _atomic_write(path, json.dumps(chrome_trace(records, ranges, process_name, extra_events)) + "\n")
 
 
 def write_png(records: Sequence[KernelRecord], path: str, title: str = "Time by op and direction",

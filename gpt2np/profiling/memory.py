@@ -1,0 +1,107 @@
+"""Parameters per GPT-2 module and the model's memory by buffer, for the module tree and the model summary.
+
+    module_parameters(cfg) -> {"wte": Vp*C, "wpe": maxT*C, "h.0.ln_1": 2C, "h.0.attn.c_attn": 3C*C + 3C, ...}
+    memory_summary(model)  -> {"buffers": [{"buffer", "bytes", "what"}...], "total": ..., "peak": ..., ...}
+
+The numbers come from the model's own buffers (llm.c's discipline: a few flat buffers allocated up front):
+parameters, gradients, AdamW m and v, activations (per activation tensor too), the gradient scratch
+reused by every layer, the token buffers and the backend's work buffers (scratch). The measured peak is
+the process's peak resident set (host RSS, getrusage) on the CPU and the emulator, and the CuPy memory
+pool's bytes on a GPU (the pool keeps what it allocated, so its total is the high-water mark of the pool).
+"""
+from typing import Dict, Optional
+
+import numpy as np
+
+from ..tensors import PARAM_NAMES, activation_shapes, param_shapes
+
+MiB = 1024 * 1024
+
+# parameter tensor -> the module it belongs to ({l}: the layer)
+PARAM_MODULES = {"wte": "wte", "wpe": "wpe", "ln1w": "h.{l}.ln_1", "ln1b": "h.{l}.ln_1",
+                 "qkvw": "h.{l}.attn.c_attn", "qkvb": "h.{l}.attn.c_attn",
+                 "attprojw": "h.{l}.attn.c_proj", "attprojb": "h.{l}.attn.c_proj",
+                 "ln2w": "h.{l}.ln_2", "ln2b": "h.{l}.ln_2", "fcw": "h.{l}.mlp.c_fc", "fcb": "h.{l}.mlp.c_fc",
+                 "fcprojw": "h.{l}.mlp.c_proj", "fcprojb": "h.{l}.mlp.c_proj", "lnfw": "ln_f", "lnfb": "ln_f"}
+
+
+def module_parameters(cfg) -> Dict[str, int]:
+    """Parameters of each leaf module (lm_head has none of its own: it is tied to wte)."""
+    out: Dict[str, int] = {}
+    for name, shape in param_shapes(cfg).items():
+        module = PARAM_MODULES[name]
+        if "{l}" in module:
+            per_layer = int(np.prod(shape[1:]))
+            for l in range(cfg.num_layers):
+                key = module.format(l=l)
+                out[key] = out.get(key, 0) + per_layer
+        else:
+            out[module] = out.get(module, 0) + int(np.prod(shape))
+    out["lm_head"] = 0
+    return out
+
+
+def parameter_table(cfg):
+    """[(tensor, shape, count)] in llm.c's order (shapes with the layer dimension)."""
+    shapes = param_shapes(cfg)
+    return [(name, tuple(shapes[name]), int(np.prod(shapes[name]))) for name in PARAM_NAMES]
+
+
+def _nbytes(array) -> int:
+    return 0 if array is None else int(array.size) * int(array.dtype.itemsize)
+
+
+def memory_summary(model, peak: Optional[dict] = None) -> dict:
+    """The model's buffers (bytes each, from the arrays themselves) and the measured peak.
+
+    peak: {"bytes", "what"} (default: measured_peak(model.backend)).
+    """
+    cfg = model.cfg
+    rows = [("parameters", _nbytes(model.params), f"{model.num_parameters:,} float32"),
+            ("gradients", _nbytes(model._grads), "same layout as the parameters"),
+            ("AdamW m", _nbytes(model.m), "allocated at the first update" if model.m is None else "first moment"),
+            ("AdamW v", _nbytes(model.v), "allocated at the first update" if model.v is None else "second moment"),
+            ("activations", _nbytes(model.acts), f"kept for backward, B={model.B}, T={model.T}"),
+            ("gradient scratch", sum(_nbytes(a) for a in (model.dresidual, model.d_btc, model.d_bt3c,
+                                                          model.d_bt4c)),
+             "dresidual, (B,T,C), (B,T,3C), (B,T,4C): reused by every layer"),
+            ("tokens", _nbytes(model.inputs) + _nbytes(model.targets), "inputs and targets (int32)")]
+    scratch = getattr(model.backend, "_scratch", None) or {}
+    rows.append(("backend scratch", sum(_nbytes(a) for a in scratch.values()),
+                 f"{len(scratch)} work buffers of the {model.backend.name} backend"))
+    buffers = [{"buffer": name, "bytes": int(n), "what": what} for name, n, what in rows]
+    acts = []
+    for name, shape in activation_shapes(cfg, model.B, model.T).items():
+        acts.append({"buffer": name, "bytes": int(np.prod(shape)) * int(model.acts.dtype.itemsize),
+                     "shape": list(shape)})
+    acts.sort(key=lambda a: -a["bytes"])
+    return {"buffers": buffers, "total": sum(b["bytes"] for b in buffers), "activations": acts,
+            "peak": peak if peak is not None else measured_peak(model.backend)}
+
+
+def measured_peak(backend) -> dict:
+    """{"bytes", "what"}: the CuPy pool's bytes on a GPU, else the process's peak RSS (None if unknown)."""
+    rt = getattr(backend, "rt", None)
+    if rt is not None and getattr(rt, "name", "") == "cupy":
+        return cupy_pool_peak(rt.cp)
+    return host_peak_rss()
+
+
+def cupy_pool_peak(cp) -> dict:
+    """The default CuPy memory pool: total_bytes() (what it holds: it keeps freed blocks, so this is its
+    high-water mark) and used_bytes() (live arrays now)."""
+    pool = cp.get_default_memory_pool()
+    return {"bytes": int(pool.total_bytes()), "used_bytes": int(pool.used_bytes()),
+            "what": "CuPy memory pool, bytes held (its high-water mark)"}
+
+
+def host_peak_rss() -> dict:
+    """The process's peak resident set size (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    try:
+        import resource
+        import sys
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        scale = 1 if sys.platform == "darwin" else 1024
+        return {"bytes": int(rss) * scale, "what": "host peak RSS of this process (getrusage)"}
+    except (ImportError, OSError):
+        return {"bytes": None, "what": "peak unknown on this platform"}

@@ -1,0 +1,237 @@
+"""The profiler's views (nvprof, nsys stats, PyProf, PyTorch profiler, model summary) on the numpy backend and the
+CUDA backend on the emulator: what each row says is checked against the records and the model's buffers."""
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from gpt2np.backends import get_backend
+from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.config import GPT2Config
+from gpt2np.model import GPT2
+from gpt2np.profiling import memory, report
+from gpt2np.profiling import views as V
+from gpt2np.profiling.profiler import main as profiler_main
+from gpt2np.profiling.profiler import profile_steps, write_outputs
+
+CFG = GPT2Config(32, 100, 128, 2, 2, 16)
+B, T = 2, 8
+
+
+def batches():
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, CFG.vocab_size, (2, B, T + 1)).astype(np.int32)
+    return [(b[:, :-1], b[:, 1:]) for b in raw]
+
+
+@pytest.fixture(scope="module")
+def emu():
+    model = GPT2(CFG, get_backend("emu"), B, T, seed=0)
+    prof = profile_steps(model, batches(), steps=1)
+    return model, prof, prof.profile()
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    model = GPT2(CFG, NumpyBackend(threads=1), B, T, seed=0)
+    prof = profile_steps(model, batches(), steps=1)
+    return model, prof, prof.profile()
+
+
+def table(profile, name, i=0):
+    return V.tables(V.select(profile, "last"), name)[i]
+
+
+def column(t, header):
+    return [row[[c for c, _ in t.columns].index(header)] for row in t.rows]
+
+
+def title_lines(text):
+    """The first line of every view (views are separated by blank lines)."""
+    return [block.splitlines()[0] for block in text.strip().split("\n\n")]
+
+
+def test_every_view_of_an_emulated_run_says_so_on_its_title_line(emu, cpu):
+    text = V.render_views(emu[2], None, V.VIEWS)
+    titles = title_lines(text)
+    assert len(titles) >= len(V.VIEWS)
+    assert all(line.endswith(f"[{report.EMULATED_NOTE}]") for line in titles), titles
+    assert report.EMULATED_NOTE not in V.render_views(cpu[2], None, V.VIEWS)
+    # the JSON file and the per-view CSVs carry it too, and report.render (train.py --profile) as well
+    legacy = report.render(emu[1].records, note=emu[2].note, num_layers=CFG.num_layers)
+    assert all(line.endswith(f"[{report.EMULATED_NOTE}]") for line in title_lines(legacy))
+
+
+def test_module_tree_gives_parameters_per_module_and_time_to_wpe(emu):
+    model, _, profile = emu
+    t = table(profile, "modules")
+    params = {name.strip(): int(count.replace(",", "")) for name, count in zip(column(t, "module"),
+                                                                               column(t, "params"))}
+    C, Vp, maxT = CFG.channels, CFG.padded_vocab_size, CFG.max_seq_len
+    assert params["gpt2"] == model.num_parameters
+    assert params["wte"] == Vp * C and params["wpe"] == maxT * C
+    assert params["c_attn"] == 3 * C * C + 3 * C and params["lm_head"] == 0      # tied to wte
+    assert params["h"] == CFG.num_layers * (12 * C * C + 13 * C)
+    wpe = next(row for row in t.rows if row[0].strip() == "wpe")
+    assert float(wpe[3]) > 0            # encoder_backward's dwpe kernel is wpe's backward time
+    assert memory.module_parameters(CFG)["h.1.mlp.c_proj"] == 4 * C * C + C
+
+
+def test_model_summary_is_the_models_buffers(emu, cpu):
+    for model, prof, profile in (emu, cpu):
+        mem = prof.memory
+        got = {b["buffer"]: b["bytes"] for b in mem["buffers"]}
+        assert got["parameters"] == got["gradients"] == model.num_parameters * 4
+        assert got["AdamW m"] == got["AdamW v"] == model.num_parameters * 4
+        assert got["activations"] == model.acts.nbytes
+        assert got["gradient scratch"] == B * T * CFG.channels * 4 * (1 + 1 + 3 + 4)
+        assert mem["total"] == sum(got.values())
+        assert mem["peak"]["bytes"] > mem["total"] and "RSS" in mem["peak"]["what"]
+        assert sum(a["bytes"] for a in mem["activations"]) == model.acts.nbytes
+        t = table(profile, "model")
+        assert column(t, "buffer")[-1] == "total" and "measured peak" in t.footer
+
+
+def test_gpu_memory_peak_is_the_cupy_pools_high_water_mark():
+    class Pool:
+        def total_bytes(self):
+            return 3 << 30
+
+        def used_bytes(self):
+            return 1 << 30
+
+    class CuPy:
+        def get_default_memory_pool(self):
+            return Pool()
+
+    peak = memory.cupy_pool_peak(CuPy())
+    assert peak["bytes"] == 3 << 30 and peak["used_bytes"] == 1 << 30 and "pool" in peak["what"]
+
+
+def test_gpu_activities_have_copy_and_memset_rows_with_their_bytes(emu):
+    _, prof, profile = emu
+    step = [r for r in prof.records if r.step == 1]
+    copies = [r for r in step if r.kind == "memcpy"]
+    # forward uploads inputs and targets, encoder_backward its token groups; the loss and the token ids come back
+    htod = [r for r in copies if r.kernel == "[CUDA memcpy HtoD]"]
+    assert [r.bytes for r in htod[:2]] == [B * T * 4, B * T * 4]
+    assert any(r.op == "encoder_backward" for r in htod)
+    loss = [r for r in copies if r.kernel == "[CUDA memcpy DtoH]" and r.bytes == B * T * 4]
+    assert loss and loss[0].direction == "fprop" and loss[0].range_stack[-1] == "gpt2_forward"
+    t = table(profile, "gpu_activities")
+    calls = dict(zip(column(t, "Name"), column(t, "Calls")))
+    assert calls["[CUDA memcpy HtoD]"] == len(htod)
+    assert calls["[CUDA memset]"] == sum(r.kind == "memset" for r in step)
+    assert calls["layernorm_forward"] == 2 * CFG.num_layers + 1
+    assert sum(float(p.rstrip("%")) for p in column(t, "Time(%)")) == pytest.approx(100, abs=0.1)
+    size = table(profile, "cuda_gpu_mem_size_sum")
+    total = dict(zip(column(size, "Operation"), column(size, "Total (MB)")))
+    assert float(total["[CUDA memcpy Host-to-Device]"]) == pytest.approx(sum(r.bytes for r in htod) / 1e6, abs=1e-3)
+    counts = dict(zip(column(table(profile, "cuda_gpu_mem_time_sum"), "Operation"),
+                      column(table(profile, "cuda_gpu_mem_time_sum"), "Count")))
+    assert counts["[CUDA memcpy Host-to-Device]"] == str(len(htod))
+
+
+def test_api_calls_one_per_launch_and_copy(emu):
+    _, prof, profile = emu
+    step = V.select(profile, "last")
+    kernels = [r for r in step.records if r.kind == "kernel"]
+    api = Counter(a.name for a in step.api)
+    assert api["cuLaunchKernel"] == sum(not r.kernel.startswith("cublas") for r in kernels)
+    assert api["cublasSgemm_v2"] + api["cublasSgemmStridedBatched"] == sum(r.kernel.startswith("cublas")
+                                                                          for r in kernels)
+    assert api["cudaStreamSynchronize"] >= 1
+    by_idx = {r.idx: r for r in step.records}
+    for a in step.api:
+        if a.name == "cuLaunchKernel":
+            assert by_idx[a.record].kind == "kernel" and by_idx[a.record].grid.startswith("(")
+    t = table(profile, "api_calls")
+    assert dict(zip(column(t, "Name"), column(t, "Calls")))["cuLaunchKernel"] == api["cuLaunchKernel"]
+    nsys = table(profile, "cuda_api_sum")
+    assert dict(zip(column(nsys, "Name"), column(nsys, "Num Calls")))["cuLaunchKernel"] == str(api["cuLaunchKernel"])
+
+
+def test_nvtx_kern_sum_groups_activities_by_the_ranges_that_launched_them(emu):
+    _, prof, profile = emu
+    t = table(profile, "nvtx_kern_sum")
+    step = [r for r in prof.records if r.step == 1]
+    rows = {(row[0], row[-1]): row for row in t.rows}
+    fwd = Counter(r.kernel for r in step if "gpt2_forward" in r.range_stack)
+    assert {k for (rng, k) in rows if rng == "gpt2_forward"} == set(fwd)
+    for kernel, n in fwd.items():
+        assert rows[("gpt2_forward", kernel)][3] == n                       # Kern Inst
+        assert rows[("gpt2_forward", kernel)][2] == 1                       # one gpt2_forward instance
+    ln = rows[("Layer 0", "layernorm_forward")]
+    assert ln[2] == 1 and ln[3] == 2                                         # ln_1 and ln_2 of layer 0
+    matmul = rows[("Layer 0", "cublasSgemm (gemm_matmul_forward)")]
+    assert matmul[3] == 4
+    total = sum(r.duration_ns for r in step if "gpt2_backward" in r.range_stack)
+    assert sum(int(row[4].replace(",", "")) for (rng, _), row in rows.items() if rng == "gpt2_backward") == total
+
+
+def test_phases_split_device_time_into_forward_backward_optimizer(emu):
+    _, prof, profile = emu
+    t = table(profile, "phases")
+    got = dict(zip(column(t, "phase"), column(t, "launches")))
+    step = [r for r in prof.records if r.step == 1 and r.kind == "kernel"]
+    assert got["forward"] == sum(r.direction == "fprop" for r in step)
+    assert got["backward"] == sum(r.direction == "bprop" for r in step)
+    assert got["optimizer"] == sum(r.direction == "update" for r in step)
+
+
+def test_user_ranges_in_the_pytorch_layout(emu):
+    _, prof, profile = emu
+    step = V.select(profile, "last")
+    t = table(profile, "user_ranges")
+    rows = {row[0]: row for row in t.rows}
+    for name in ("train_step-1", "forward", "backward", "optimizer"):
+        assert name in rows
+    assert rows["train_step-1"][-1] == 1 and rows["forward"][-1] == 1
+    top = next(r for r in step.ranges if r.name == "Train step 1")
+    children = sum(r.duration_ns for r in step.ranges if r.parent == top.id)
+    assert rows["train_step-1"][4] == V.nvprof_time(top.duration_ns)                     # CPU total
+    assert rows["train_step-1"][2] == V.nvprof_time(top.duration_ns - children)          # Self CPU
+    fwd = sum(r.duration_ns for r in step.records if r.direction == "fprop")
+    assert rows["forward"][8] == V.nvprof_time(fwd)                                      # CUDA total
+    assert rows["cuLaunchKernel"][-1] == sum(a.name == "cuLaunchKernel" for a in step.api)
+    assert [c for c, _ in t.columns][:3] == ["Name", "Self CPU %", "Self CPU"]
+
+
+def test_numpy_backend_views(cpu):
+    _, prof, profile = cpu
+    t = table(profile, "gpu_activities")
+    assert t.title.startswith("CPU activities")
+    assert "numpy.matmul_forward" in column(t, "Name")
+    assert table(profile, "api_calls").rows == []
+    assert table(profile, "comm").rows == []
+    rows = {row[0]: row for row in table(profile, "user_ranges").rows}
+    assert rows["forward"][8] == V.nvprof_time(sum(r.duration_ns for r in prof.records
+                                                    if r.step == 1 and r.direction == "fprop"))
+
+
+def test_files_round_trip_and_trace_tracks(emu, tmp_path):
+    _, prof, profile = emu
+    paths = write_outputs(prof, tmp_path)
+    again, roof = V.read_profile(paths["json"])
+    assert V.render_views(again, roof, V.VIEWS) == V.render_views(profile, None, V.VIEWS)
+    doc = json.load(open(paths["views.json"]))
+    assert doc["note"] == report.EMULATED_NOTE
+    assert doc["views"]["gpu_activities"][0]["columns"][:3] == ["Time(%)", "Time", "Calls"]
+    assert (tmp_path / "views" / "nvtx_kern_sum.csv").read_text().startswith("NVTX Range,Style,NVTX Inst")
+    trace = json.load(open(paths["trace.json"]))["traceEvents"]
+    tracks = {e["args"]["name"]: e["tid"] for e in trace if e.get("name") == "thread_name"}
+    assert {"kernels", "copies and memsets", "CUDA API"} <= set(tracks)
+    cats = {e["cat"]: e["tid"] for e in trace if e.get("ph") == "X"}
+    assert cats["memcpy"] == cats["memset"] == tracks["copies and memsets"]
+    assert cats["api"] == tracks["CUDA API"] and cats["kernel"] == tracks["kernels"]
+    if "png" in paths:
+        for key in ("png", "layers.png", "roofline.png"):
+            assert open(paths[key], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_views_flag_names_unknown_views(capsys):
+    assert profiler_main(["--views", "gpu_activities,bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "bogus" in err and "nvtx_kern_sum" in err and err.count("\n") == 1
+    assert V.parse_views("all") == tuple(V.VIEWS)
