@@ -368,3 +368,108 @@ def test_gpu_projection(step_db):
     assert spans["matmul_backward"] == [(59_350, 59_750), (59_750, 60_050)]
     assert spans["Train step 1"] == [(51_250, 65_550)]
     assert "data_loader" in spans and "gpt2np:epoch" in spans
+
+
+SGEMM = "volta_sgemm_128x64_tn"
+
+
+def llmc_export():
+    """One training step of llm.c's train_gpt2cu (fp32, one layer) with its own NVTX and kernel names:
+    gpt2_backward_and_reduce, classifier_and_loss around the rest of the backward pass, the generic
+    matmul_cublaslt range (nested inside attention_* and matmul_backward), kernels with no op range."""
+    e = Export()
+    t = [1_000]
+
+    def at(step=100):
+        t[0] += step
+        return t[0]
+
+    def rng(name, body):
+        start = at(10)
+        body()
+        e.range(name, start, at(30))                  # after the last launch call (20 ns) has returned
+
+    def k(name):
+        return lambda: e.launch(name, at())
+
+    def seq(*parts):
+        return lambda: [p() for p in parts]
+
+    def gemm():
+        return lambda: rng("matmul_cublaslt", k(SGEMM))
+
+    forward_layer = seq(gemm(),                                                           # qkv
+                        lambda: rng("attention_forward", seq(k("permute_kernel"), gemm(),
+                                                             k("softmax_forward_kernel5"), gemm(),
+                                                             k("unpermute_kernel"))),
+                        gemm(),                                                           # attention proj
+                        k("fused_residual_forward_kernel5"),
+                        gemm(),                                                           # fc
+                        lambda: rng("gelu_forward", k("gelu_forward_kernel2")),
+                        gemm(),                                                           # mlp proj
+                        k("fused_residual_forward_kernel5"))
+
+    def matmul_backward(with_gelu=False):
+        parts = [k("void matmul_backward_bias_kernel9<float, bool=1>"), gemm()]
+        if with_gelu:
+            parts.append(lambda: rng("gelu_backward_inplace", k("gelu_backward_inplace_kernel")))
+        parts.append(gemm())
+        return lambda: rng("matmul_backward", seq(*parts))
+
+    backward_layer = seq(matmul_backward(with_gelu=True),                                 # mlp proj
+                         matmul_backward(),                                               # fc
+                         lambda: rng("layernorm_backward", k("layernorm_backward_kernel10")),
+                         matmul_backward(),                                               # attention proj
+                         lambda: rng("attention_backward", seq(k("unpermute_kernel_backward"), gemm(), gemm(),
+                                                              k("softmax_autoregressive_backward_inplace_kernel"),
+                                                              gemm(), gemm(), k("permute_kernel_backward"))),
+                         matmul_backward(),                                               # qkv
+                         lambda: rng("layernorm_backward", k("layernorm_backward_kernel10")))
+    step = seq(
+        lambda: rng("gpt2_forward", seq(lambda: rng("encoder_forward", k("encoder_forward_kernel3")),
+                                        lambda: rng("layernorm_forward", k("layernorm_forward_kernel6")),
+                                        lambda: rng("Layer 0", forward_layer),
+                                        gemm())),                                         # lm_head
+        lambda: rng("gpt2_backward_and_reduce", lambda: rng("classifier_and_loss", seq(
+            lambda: rng("fused_classifier", k("void fused_classifier_kernel5<bool=1, bool=0>")),
+            lambda: rng("matmul_backward", seq(gemm(), gemm())),                          # lm_head
+            lambda: rng("layernorm_backward", k("layernorm_backward_kernel10")),
+            lambda: rng("Layer 0", backward_layer),
+            lambda: rng("encoder_backward", seq(k("void wte_backward_kernel<int=256>"), k("wpe_backward_kernel"))),
+        ))),
+        lambda: rng("gpt2_calculate_grad_norm", k("void global_norm_squared_kernel<float>")),
+        lambda: rng("gpt2_update", seq(k("void adamw_kernel3<float, float>"), k("void adamw_kernel3<float, float>"))))
+    rng("Train step 3", step)
+    return e
+
+
+def test_llmc_names_map_to_layer_op_direction_and_module(tmp_path):
+    records, _, _, _ = nsys.read_report(llmc_export().write(tmp_path / "llmc.sqlite"))
+    got = [(r.direction, r.layer_index, r.op, r.module, r.kernel) for r in records]
+    assert all(r.step == 3 for r in records)
+    fwd = [(op, module) for d, layer, op, module, kernel in got if d == "fprop" and kernel == SGEMM]
+    assert fwd == [("matmul_cublaslt", "h.0.attn.c_attn"), ("attention_forward", "h.0.attn"),
+                   ("attention_forward", "h.0.attn"), ("matmul_cublaslt", "h.0.attn.c_proj"),
+                   ("matmul_cublaslt", "h.0.mlp.c_fc"), ("matmul_cublaslt", "h.0.mlp.c_proj"),
+                   ("matmul_cublaslt", "lm_head")]
+    residual = [module for d, _, op, module, _ in got if op == "fused_residual_forward"]
+    assert residual == ["h.0.ln_2", "h.0.ln_1"]
+    bwd = [module for d, layer, op, module, kernel in got if d == "bprop" and op == "matmul_backward"
+           and kernel == SGEMM]
+    assert bwd == ["lm_head"] * 2 + ["h.0.mlp.c_proj"] * 2 + ["h.0.mlp.c_fc"] * 2 + ["h.0.attn.c_proj"] * 2 + \
+        ["h.0.attn.c_attn"] * 2
+    assert [module for *_, op, module, kernel in got if kernel == SGEMM and op == "attention_backward"] == \
+        ["h.0.attn"] * 4
+    gelu = next(x for x in got if x[4] == "gelu_backward_inplace_kernel")
+    assert gelu[:4] == ("bprop", 0, "gelu_backward_inplace", "h.0.mlp.gelu")
+    by_kernel = {kernel: (d, layer, module) for d, layer, op, module, kernel in got}
+    assert by_kernel["void fused_classifier_kernel5<bool=1, bool=0>"] == ("bprop", None, "lm_head")
+    assert by_kernel["void wte_backward_kernel<int=256>"] == ("bprop", None, "wte")
+    assert by_kernel["wpe_backward_kernel"] == ("bprop", None, "wpe")
+    assert by_kernel["void adamw_kernel3<float, float>"] == ("update", None, "optimizer")
+    assert by_kernel["void global_norm_squared_kernel<float>"] == ("update", None, "optimizer")
+    assert {d for d, layer, *_ in got if layer == 0} == {"fprop", "bprop"}
+    # the module tree of the import: llm.c's step splits into the same modules as ours
+    tree = report.module_tree(records, num_layers=1)
+    names = {node.path: node for _, node in tree.walk()}
+    assert names["h.0.attn.c_attn"].calls == 1 + 3 and names["wpe"].calls == 1 and names["lm_head"].calls == 4

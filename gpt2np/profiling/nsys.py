@@ -42,7 +42,11 @@ NVTX_DOMAIN_CREATE = 75
 RANGE_EVENT_TYPES = (NVTX_PUSHPOP, NVTX_STARTEND, NVTXT_PUSHPOP, NVTXT_STARTEND)
 
 DIRECTION_RANGES = {"gpt2_forward": "fprop", "gpt2_backward": "bprop", "gpt2_update": "update",
-                    "gpt2_calculate_grad_norm": "update"}
+                    "gpt2_calculate_grad_norm": "update",
+                    "gpt2_backward_and_reduce": "bprop"}          # llm.c's train_gpt2cu
+# ranges that group work but are no op (llm.c: classifier_and_loss spans the rest of the backward pass)
+STRUCTURAL_RANGES = ("classifier_and_loss", "validation", "evaluation", "generation", "InitOpt")
+GENERATION_STEP_RE = re.compile(r"generation step\s*\d+", re.IGNORECASE)
 STEP_RE = re.compile(r"\bstep\s*(\d+)", re.IGNORECASE)
 LAYER_RE = re.compile(r"layer\s*(\d+)", re.IGNORECASE)
 MODULE_RE = re.compile(r"(?:transformer\.)?(wte|wpe|ln_f|lm_head|optimizer|h\.(\d+)(?:\.[A-Za-z_0-9]+)*)")
@@ -53,6 +57,38 @@ KNOWN_OPS = sorted(("encoder_forward", "encoder_backward", "layernorm_forward", 
                     "gelu_forward", "gelu_backward", "residual_forward", "residual_backward",
                     "fused_residual_forward", "fused_classifier", "crossentropy_forward",
                     "softmax_forward", "adamw", "global_norm"), key=len, reverse=True)
+
+# llm.c's generic GEMM range: which linear layer it is comes from the enclosing op range (attention_*,
+# matmul_backward) or, at the top of a layer, from its position there (qkv, attn proj, fc, mlp proj)
+GENERIC_OPS = {"matmul_cublaslt": "matmul"}
+
+# kernels that run outside any op range (or inside a generic one), by name: llm.c's own kernels, cuBLAS,
+# cuDNN, NCCL -> (op, module of the op outside the layers or None, module override or None)
+KERNEL_OPS = [(re.compile(p), op, module) for p, op, module in (
+    (r"^encoder_forward", "encoder_forward", None),
+    (r"wte_backward", "encoder_backward", "wte"), (r"wpe_backward", "encoder_backward", "wpe"),
+    (r"fused_residual_forward", "fused_residual_forward", None),
+    (r"^residual_forward", "residual_forward", None),
+    (r"^layernorm_forward", "layernorm_forward", None), (r"^layernorm_backward", "layernorm_backward", None),
+    (r"^gelu_forward", "gelu_forward", None), (r"^gelu_backward", "gelu_backward", None),
+    (r"softmax_autoregressive_backward|permute_kernel_backward|unpermute_kernel_backward", "attention_backward",
+     None),
+    (r"softmax_forward|^permute_kernel|^unpermute_kernel", "attention_forward", None),
+    (r"matmul_backward_bias|reduce_add_sum", "matmul_backward", None),
+    (r"fused_classifier", "fused_classifier", None),
+    (r"adamw|copy_and_cast", "adamw", None),
+    (r"global_norm|global_sum", "global_norm", None),
+    (r"nccl", "nccl", "comm"),
+)]
+
+
+def kernel_op(kernel_name: str):
+    """(op, module override) that a kernel's name tells (llm.c's kernels, NCCL), or (None, None)."""
+    base = kernel_name.removeprefix("void ").strip()
+    for pattern, op, module in KERNEL_OPS:
+        if pattern.search(base):
+            return op, module
+    return None, None
 
 # the n-th range of an op inside one layer -> the module it computes (llm.c's call order)
 LAYER_MODULES = {
@@ -254,8 +290,11 @@ def assign_stacks(kernels: Sequence[Kernel], ranges: Sequence[NvtxRange]) -> Non
 # ---------------------------------------------------------------------------------------------
 # from range stacks to records
 
-def canonical_op(name: str) -> str:
-    """'matmul_forward_cublaslt' -> 'matmul_forward'; unknown names are kept as they are."""
+def canonical_op(name: str, direction: Optional[str] = None) -> str:
+    """'matmul_forward_cublaslt' -> 'matmul_forward'; llm.c's generic 'matmul_cublaslt' -> matmul_forward
+    (matmul_backward in the backward pass); unknown names are kept as they are."""
+    if name in GENERIC_OPS:
+        return "matmul_backward" if direction == "bprop" else "matmul_forward"
     for op in KNOWN_OPS:
         if name.startswith(op):
             return op
@@ -280,10 +319,13 @@ def parse_stack(names: Sequence[str]):
     """
     step = direction = layer = module = None
     op_at = layer_at = None
+    candidates = []
     for i, full in enumerate(names):
         name = full.rpartition(":")[2] if ":" in full and not MODULE_RE.fullmatch(full) else full
         m_step, m_layer, m_module = STEP_RE.search(name), LAYER_RE.fullmatch(name), MODULE_RE.fullmatch(name)
-        if m_step:
+        if name in STRUCTURAL_RANGES or GENERATION_STEP_RE.fullmatch(name):
+            pass
+        elif m_step:
             step = int(m_step.group(1))
         elif name in DIRECTION_RANGES:
             direction = DIRECTION_RANGES[name]
@@ -294,9 +336,18 @@ def parse_stack(names: Sequence[str]):
             if m_module.group(2) is not None:
                 layer = int(m_module.group(2))
         else:
-            op_at = i
+            candidates.append(i)
             continue
-        op_at = None
+        candidates = []
+    # the innermost op range, unless it is llm.c's generic GEMM range inside a named op (attention_forward,
+    # matmul_backward): then the named op it serves
+    if candidates:
+        op_at = candidates[-1]
+        bare = [names[i].rpartition(":")[2] for i in candidates]
+        if bare[-1] in GENERIC_OPS:
+            named = [i for i, b in zip(candidates, bare) if b not in GENERIC_OPS]
+            if named:
+                op_at = named[-1]
     return step, direction, layer, layer_at, op_at, module
 
 
@@ -314,14 +365,21 @@ def to_records(kernels: Sequence[Kernel]) -> List[KernelRecord]:
         names = [r.name for r in k.stack]
         step, direction, layer, layer_at, op_at, module = parse_stack(names)
         op = names[op_at].rpartition(":")[2] if op_at is not None else ""
-        canon = canonical_op(op)
+        canon = canonical_op(op, direction)
+        by_name, override = kernel_op(k.name)
+        instance = k.stack[op_at].row if op_at is not None else None
+        if by_name and (not op or op in GENERIC_OPS and by_name not in ("matmul_backward",)):
+            op = canon = by_name                      # no op range (llm.c's fused residual, adamw): the name
+            instance = ("kernel", k.correlation_id)
         if direction is None:
             direction = _direction_of(canon) if op else "other"
+        if module is None and override:
+            module = override
         if module is None:
             nth = 0
             if op and layer_at is not None:
                 seen = ordinals.setdefault((k.stack[layer_at].row, canon), {})
-                nth = seen.setdefault(k.stack[op_at].row, len(seen))
+                nth = seen.setdefault(instance, len(seen))
             module = infer_module(canon, direction, layer, nth)
         attributed[id(k)] = (step, direction, layer, op, module or "")
     records = []
