@@ -102,7 +102,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     backend_name = resolve_name(cfg.device)
     # --tf32 is a GPU setting: it applies whenever the run is on the GPU (--device cuda, or auto finding one)
     backend = get_backend(backend_name, precision="tf32" if cfg.tf32 and backend_name == "cuda" else "fp32")
-    cfg = cfg.with_device_defaults(backend.name)
+    cfg = cfg.with_device_defaults(backend.name).validate()     # the device defaults against the other flags
     if cfg.output_dir:
         check_output_dir(cfg.output_dir)
     if dist.rank != 0:
