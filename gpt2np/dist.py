@@ -315,10 +315,12 @@ class MpiProcessGroup:
         self._inject_fault()
         coll = self._device_collectives(model.grads)
         if self.zero_stage == 1:
-            with self.watchdog.guard("reduce-scatter of the gradients"), ranges.range("reduce_scatter_grads"):
+            with self.watchdog.guard("reduce-scatter of the gradients"), ranges.range(
+                    "reduce_scatter_grads", ranges.Collective("reduce_scatter", model.grads.nbytes, self.world_size)):
                 coll.reduce_scatter_mean(model.grads, shard_bounds(model.num_parameters, self.world_size))
         else:
-            with self.watchdog.guard("all-reduce of the gradients"), ranges.range("allreduce_grads"):
+            with self.watchdog.guard("all-reduce of the gradients"), ranges.range(
+                    "allreduce_grads", ranges.Collective("all_reduce", model.grads.nbytes, self.world_size)):
                 coll.all_reduce_mean(model.grads)
         self._grad_steps += 1
 
@@ -329,7 +331,8 @@ class MpiProcessGroup:
         lo, hi = self.shard(model.num_parameters)
         with ranges.range("gpt2_calculate_grad_norm"):
             local = model.backend.global_norm_squared(model.grads[lo:hi])
-        with self.watchdog.guard("all-reduce of the grad norm"), ranges.range("allreduce_grad_norm"):
+        with self.watchdog.guard("all-reduce of the grad norm"), ranges.range(
+                "allreduce_grad_norm", ranges.Collective("all_reduce", 8, self.world_size)):
             total = self.comm.allreduce(float(local))
         return math.sqrt(total)
 
@@ -337,12 +340,14 @@ class MpiProcessGroup:
         """ZeRO-1: every rank's updated shard of the parameters to all ranks."""
         if self.zero_stage == 1:
             coll = self._device_collectives(model.params)
-            with self.watchdog.guard("all-gather of the parameters"), ranges.range("allgather_params"):
+            with self.watchdog.guard("all-gather of the parameters"), ranges.range(
+                    "allgather_params", ranges.Collective("all_gather", model.params.nbytes, self.world_size)):
                 coll.all_gather(model.params, shard_bounds(model.num_parameters, self.world_size))
 
     def average(self, value):
         """The mean of a host scalar over the ranks."""
-        with self.watchdog.guard("all-reduce of a scalar (loss)"), ranges.range("allreduce_scalar"):
+        with self.watchdog.guard("all-reduce of a scalar (loss)"), ranges.range(
+                "allreduce_scalar", ranges.Collective("all_reduce", 8, self.world_size)):
             return self.comm.allreduce(float(value)) / self.world_size
 
     def barrier(self):

@@ -235,3 +235,47 @@ def test_views_flag_names_unknown_views(capsys):
     err = capsys.readouterr().err
     assert "bogus" in err and "nvtx_kern_sum" in err and err.count("\n") == 1
     assert V.parse_views("all") == tuple(V.VIEWS)
+
+
+class FourRanks:
+    """An MPI communicator stand-in: rank 0 of 4 identical ranks (sums are 4x, 1 ms per collective)."""
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 4
+
+    def Allreduce(self, sendbuf, recvbuf, op=None):
+        import time
+        time.sleep(0.001)
+        recvbuf *= 4
+
+    def allreduce(self, value):
+        return 4 * value
+
+
+@pytest.mark.parametrize("zero", [0])
+def test_communication_rows_with_bus_bandwidth(zero):
+    from gpt2np.dist import MpiProcessGroup
+    from gpt2np.profiling.profiler import Profiler
+    from gpt2np.train_step import train_step
+    model = GPT2(CFG, NumpyBackend(threads=1), B, T, seed=0)
+    dist = MpiProcessGroup(FourRanks(), zero_stage=zero, timeout=0)
+    (x, y), _ = batches()
+    with Profiler(model.backend, model=model) as prof:
+        train_step(model, lambda: (x, y), step=1, lr=1e-4, dist=dist)
+    grads = [c for c in prof.comms if c.name == "allreduce_grads"]
+    assert len(grads) == 1 and grads[0].collective == "all_reduce" and grads[0].ranks == 4
+    assert grads[0].bytes == model.num_parameters * 4 and grads[0].duration_ns >= 1_000_000
+    assert grads[0].busbw == pytest.approx(grads[0].algbw * 2 * 3 / 4)
+    assert {c.name for c in prof.comms} == {"allreduce_grads", "allreduce_scalar"}
+    t = table(prof.profile(), "comm")
+    row = next(r for r in t.rows if r[1] == "allreduce_grads")
+    assert row[0] == "all_reduce" and row[3] == f"{model.num_parameters * 4:,}"
+    assert float(row[6]) == pytest.approx(grads[0].algbw / 1e9, rel=1e-3)
+    assert float(row[7]) == pytest.approx(grads[0].busbw / 1e9, rel=1e-3)
+    phases = dict(zip(column(table(prof.profile(), "phases"), "phase"), column(table(prof.profile(), "phases"), "%")))
+    assert "communication" in phases
+    users = {r[0] for r in table(prof.profile(), "user_ranges").rows}
+    assert "mpi:all_reduce" in users

@@ -511,8 +511,8 @@ def comm(profile: Profile, roof=None) -> List[Table]:
         t = sum(c.duration_ns for c in cs) / len(cs)
         avg = CommRecord(0, None, name, coll, nbytes, ranks, 0, int(round(t)))
         alg, bus = avg.algbw, avg.busbw
-        rows.append([coll, name, ranks, f"{nbytes:,}", len(cs), _us(t), "-" if alg is None else f"{alg / 1e9:.3f}",
-                     "-" if bus is None else f"{bus / 1e9:.3f}"])
+        rows.append([coll, name, ranks, f"{nbytes:,}", len(cs), _us(t), "-" if alg is None else f"{alg / 1e9:.4g}",
+                     "-" if bus is None else f"{bus / 1e9:.4g}"])
     columns = [("collective", "l"), ("range", "l"), ("ranks", "r"), ("bytes", "r"), ("calls", "r"),
                ("avg time (us)", "r"), ("algbw (GB/s)", "r"), ("busbw (GB/s)", "r")]
     return [Table("Communication (bus bandwidth as nccl-tests: all-reduce algbw*2(n-1)/n, reduce-scatter and "
