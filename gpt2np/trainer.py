@@ -35,8 +35,7 @@ from .interrupts import Stopped, StopSignals
 from .model import GPT2
 from .profiling import ranges
 from .profiling.gpu_specs import flops_per_token, mfu
-from .profiling.profiler import Profiler, device_label, device_roofline, write_outputs
-from .profiling.report import render
+from .profiling.profiler import Profiler, device_label, device_roofline, report_text, write_outputs
 from .rundir import check_output_dir, prepare_run_dir, run_identity
 from .sample import generate
 from .schedule import learning_rate
@@ -225,7 +224,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         lr = learning_rate(step, cfg.learning_rate, total_steps, cfg.warmup_steps, cfg.final_lr_frac,
                            cfg.lr_schedule)
         if cfg.profile_steps and step == start_step + 1:       # step start_step is the warm-up
-            profiler = Profiler(model.backend).__enter__()
+            profiler = Profiler(model.backend, model=model).__enter__()
         t0 = time.perf_counter()
         try:
             loss, norm = train_step(model, next_batch, step=step, lr=lr, accum_steps=accum, adamw=adamw, dist=dist)
@@ -267,8 +266,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
 def report_profile(profiler, backend, model_cfg, cfg):
     """The built-in profiler's report of the profiled steps, and its files in -o (or ./profile)."""
     roof = device_roofline(backend)
-    print(render(profiler.records, roof, step="last", num_layers=model_cfg.num_layers,
-                 ranges=profiler.ranges))
+    print(report_text(profiler, roof), end="")       # profiling.views.DEFAULT_VIEWS of the last profiled step
     paths = write_outputs(profiler, os.path.join(cfg.output_dir or ".", "profile"), roof,
                           title=f"{cfg.model}, B={cfg.batch_size}, T={cfg.seq_len}, {device_label(backend)}")
     print("profile written: " + ", ".join(paths.values()))
