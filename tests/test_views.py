@@ -279,3 +279,13 @@ def test_communication_rows_with_bus_bandwidth(zero):
     assert "communication" in phases
     users = {r[0] for r in table(prof.profile(), "user_ranges").rows}
     assert "mpi:all_reduce" in users
+
+
+def test_report_tool_re_renders_a_saved_profile(emu, tmp_path, capsys):
+    _, prof, profile = emu
+    paths = write_outputs(prof, tmp_path)
+    assert report.main([paths["json"], "--views", "all"]) == 0
+    assert capsys.readouterr().out == V.render_views(profile, None, V.VIEWS)
+    assert report.main([paths["json"]]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith(f"[{report.EMULATED_NOTE}]") and "params" in out

@@ -10,8 +10,8 @@ list of records and a Roofline (gpt2np.profiling.gpu_specs) this module renders:
     kernel_summary_table      like `nsys stats --report cuda_gpu_kern_sum`
 and writes CSV, JSON, a Chrome/Perfetto trace and a PNG bar chart (all written atomically).
 
-    python -m gpt2np.profiling.report RECORDS.json [--step N] [--device NAME] [--precision fp32]
-re-renders the text report from a JSON file written by write_json.
+    python -m gpt2np.profiling.report RECORDS.json [--step N] [--device NAME] [--precision fp32] [--views all]
+re-renders the text report (or the profiler's views) from a JSON file written by write_json.
 """
 import csv
 import io
@@ -754,13 +754,23 @@ def main(argv=None) -> int:
     p.add_argument("--device", help="device for the roofline (default: the one in the file)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"))
     p.add_argument("--matmul-precision", choices=("fp32", "tf32", "bf16", "fp16"))
+    p.add_argument("--views", help="the profiler's views instead of the kernel report: comma-separated names "
+                                   "or 'all' (see gpt2np.profiling.views)")
     args = p.parse_args(argv)
     step = parse_step(args.step)
-    records, roof, _ = read_json(args.records)
+    records, roof, meta = read_json(args.records)
     check_step(records, step, args.records)
     if args.device:
         roof = make_roofline(args.device, args.precision, args.matmul_precision)
-    sys.stdout.write(render(records, roof, step))
+    if args.views:
+        from . import views
+        names = views.parse_views(args.views)
+        profile, _ = views.read_profile(args.records)
+        sys.stdout.write(views.render_views(profile, roof, names, step=step))
+        return 0
+    note = EMULATED_NOTE if meta.get("emulated") else None
+    sys.stdout.write(render(records, roof, step, num_layers=meta.get("num_layers"), note=note,
+                            params=meta.get("module_params")))
     return 0
 
 
