@@ -69,10 +69,13 @@ def batches():
 
 
 def totals(records):
-    """{(op, module, direction, layer): (FLOPs, bytes, params)} summed over the records of one step."""
+    """{(op, module, direction, layer): (FLOPs, bytes, params)} summed over the kernel records of one step (copies
+    and memsets are records too; encoder_backward's dwpe kernel is wpe's, the NumPy op's one record wte's)."""
     out = defaultdict(lambda: [0, 0, set()])
     for r in records:
-        row = out[(r.op, r.module, r.direction, r.layer)]
+        if r.kind != "kernel":
+            continue
+        row = out[(r.op, "wte" if r.module == "wpe" else r.module, r.direction, r.layer)]
         row[0] += r.flops
         row[1] += r.bytes
         row[2].add(r.params)
