@@ -447,7 +447,8 @@ def pyprof(profile: Profile, roof=None) -> List[Table]:
     columns = [("Idx", "r"), ("Direction", "l"), ("Layer", "r"), ("Op", "l"), ("Module", "l"), ("Params", "l"),
                ("Kernel", "l"), ("Grid", "l"), ("Block", "l"), ("TC", "l"), ("Time (us)", "r"), ("Floor (us)", "r"),
                ("% of roofline", "r"), ("Bound", "l")]
-    where = f"against {roof.device}" if roof is not None else "no roofline for this device"
+    where = (f"against {roof.device}" if roof is not None and roof.peak_bw
+             else "no roofline for this device, so no floor")
     return [Table(f"Kernels, PyProf layout ({where}; floor = max(FLOPs/peak, bytes/bandwidth))", columns, rows)]
 
 
