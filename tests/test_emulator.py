@@ -3,7 +3,11 @@
 Kernels live in tests/emu_kernels/emu_checks.cu (one module, compiled once and cached).
 Results are checked against NumPy; the error paths (partial barrier, partial warp shuffle,
 races, faults, argument checking) must raise clear exceptions instead of hanging or crashing.
+Device arrays of the emulator runtime sit against PROT_NONE guard pages (emulator.device_array):
+out-of-bounds kernels fault and the error names the kernel, the thread and the buffer.
 """
+import gc
+import mmap
 import re
 import uuid
 from pathlib import Path
@@ -12,7 +16,7 @@ import numpy as np
 import pytest
 
 from gpt2np.backends.cuda import emulator
-from gpt2np.backends.cuda.emulator import CompilerNotFoundError, EmuKernelError, EmuModule
+from gpt2np.backends.cuda.emulator import CompilerNotFoundError, EmuKernelError, EmuModule, buffer_of, device_array
 from gpt2np.paths import KERNEL_DIR
 
 HERE = Path(__file__).resolve().parent
@@ -346,6 +350,223 @@ def test_default_schedule_from_environment(monkeypatch):
     assert np.isnan(out[63]) and not np.isnan(out[:63]).any()
     with pytest.raises(ValueError, match="unknown schedule"):
         mod.schedule = "random"
+
+
+# ---------------------------------------------------------------- guard pages (memcheck) ----
+
+GUARDS = ("after", "before")
+
+
+def buffer_name(array, shape, nbytes, dtype="float32"):
+    """The regex for 'buffer #N (float32, shape (64,), 256 bytes)' of a device array."""
+    return re.escape(f"buffer #{buffer_of(array).number} ({dtype}, shape {shape}, {nbytes} bytes)")
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_guarded_allocation_layout_alignment_and_views(guard):
+    page = mmap.PAGESIZE
+    for shape, dtype in [((4, 192), np.float32), ((10,), np.float32), ((3,), np.int32), ((1,), np.float64),
+                         ((0,), np.float32), ((2, 3, 5), np.uint8), ((64,), np.float32)]:
+        a = device_array(shape, dtype, guard)
+        buf = buffer_of(a)
+        assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
+        assert not a.any()                                          # zero-filled, like runtime.zeros
+        start, end = a.ctypes.data, a.ctypes.data + a.nbytes
+        assert (buf.data, buf.end) == (start, end)
+        if guard == "after":     # the end touches the guard page; the start stays 16-byte aligned
+            assert start % 16 == 0 and 0 <= buf.guards[1][0] - end < 16
+            if a.nbytes % 256 == 0:
+                assert start % 256 == 0 and buf.guards[1][0] == end
+        else:                    # the start follows the guard page (page-aligned, so 256-byte aligned)
+            assert start == buf.guards[0][1] and start % page == 0
+        flat = a.reshape(-1)
+        assert buffer_of(flat[1:]) is buf and buffer_of(a[..., :1]) is buf
+        flat[:] = 7
+        assert (a == 7).all()
+    assert device_array(5, np.float32).shape == (5,)
+    assert buffer_of(np.zeros(3)) is None
+    with pytest.raises(ValueError, match="guard must be 'after' or 'before'"):
+        device_array(3, np.float32, "off")
+
+
+def test_guarded_memory_is_released_with_its_last_view():
+    gc.collect()
+    live = len(emulator._LIVE_BUFFERS)
+    maps = Path("/proc/self/maps")
+    before = len(maps.read_text().splitlines()) if maps.exists() else None
+    arrays = [device_array((100, 7), np.float32, GUARDS[i % 2]) for i in range(300)]
+    views = [a.reshape(-1)[3:] for a in arrays[:10]]
+    del arrays
+    gc.collect()
+    assert len(emulator._LIVE_BUFFERS) == live + 10                 # views keep their mapping alive
+    assert all(v.sum() == 0 for v in views)
+    del views
+    gc.collect()
+    assert len(emulator._LIVE_BUFFERS) == live
+    if before is not None:
+        assert len(maps.read_text().splitlines()) <= before + 5     # unmapped again
+
+
+@needs_gpp
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_overrun_faults_against_the_guard_page_after(mod, schedule):
+    out, inp = device_array(64, np.float32, "after"), device_array((4, 16), np.float32, "after")
+    with pytest.raises(EmuKernelError, match=(
+            r"^kernel 'oob_write' block \(0,0,0\) thread \(0,0,0\): out-of-bounds write past the end of "
+            r"parameter 'out' = " + buffer_name(out, (64,), 256) + r": element 64, byte offset 256 \(0 bytes "
+            r"past the end\); address 0x[0-9a-f]+ is on the guard page after the buffer "
+            r"\(GPT2NP_EMU_GUARD=after\)$")):
+        mod.get_function("oob_write")(1, 32, (out, np.int32(64)), schedule=schedule)
+    with pytest.raises(EmuKernelError, match=(
+            r"^kernel 'oob_read' block \(0,0,0\) thread \(0,0,0\): out-of-bounds read past the end of "
+            r"parameter 'in' = " + buffer_name(inp, (4, 16), 256) + r": element 70, byte offset 280 \(24 "
+            r"bytes past the end\)")):
+        mod.get_function("oob_read")(1, 32, (out, inp, np.int32(70)), schedule=schedule)
+    # float4: the thread one vector too far faults on its 16-byte load
+    src, dst = device_array(32, np.float32, "after"), device_array(32, np.float32, "after")
+    with pytest.raises(EmuKernelError, match=(
+            r"^kernel 'float4_copy' block \(2,0,0\) thread \(0,0,0\): out-of-bounds read past the end of "
+            r"parameter 'in' = " + buffer_name(src, (32,), 128) + r": element 32, byte offset 128 \(0 bytes")):
+        mod.get_function("float4_copy")(3, 4, (dst, src, np.int32(8), np.int32(1)), schedule=schedule)
+    assert not out.any()                       # nothing was written: the store itself faulted
+
+
+@needs_gpp
+def test_underrun_faults_against_the_guard_page_before(mod):
+    out, inp = device_array(64, np.float32, "before"), device_array(64, np.float32, "before")
+    with pytest.raises(EmuKernelError, match=(
+            r"^kernel 'oob_write' block \(0,0,0\) thread \(0,0,0\): out-of-bounds write before the start of "
+            r"parameter 'out' = " + buffer_name(out, (64,), 256) + r": element -1, byte offset -4 \(4 bytes "
+            r"before the start\); address 0x[0-9a-f]+ is on the guard page before the buffer "
+            r"\(GPT2NP_EMU_GUARD=before\)$")):
+        mod.get_function("oob_write")(1, 32, (out, np.int32(-1)))
+    with pytest.raises(EmuKernelError, match=(
+            r"out-of-bounds read before the start of parameter 'in' = " + buffer_name(inp, (64,), 256) +
+            r": element -3, byte offset -12")):
+        mod.get_function("oob_read")(1, 32, (out, inp, np.int32(-3)))
+    # a far underrun in mode "after" still hits the guard page in front of the buffer's page
+    far = device_array(64, np.float32, "after")
+    with pytest.raises(EmuKernelError, match=r"write before the start of parameter 'out' = .*element -1100.*"
+                                             r"guard page before the buffer \(GPT2NP_EMU_GUARD=after\)"):
+        mod.get_function("oob_write")(1, 32, (far, np.int32(-1100)))
+
+
+@needs_gpp
+def test_writes_into_the_pads_are_caught_after_the_launch(mod):
+    """The side without the guard page (and the <16-byte alignment pad in mode "after") is canary-filled:
+    writes there are reported after the launch; reads there go unnoticed (the documented limit)."""
+    fn, read = mod.get_function("oob_write"), mod.get_function("oob_read")
+    odd = device_array(10, np.float32, "after")                    # 40 bytes: 8-byte alignment pad
+    with pytest.raises(EmuKernelError, match=(
+            r"^kernel 'oob_write': out-of-bounds write past the end of parameter 'out' = " +
+            buffer_name(odd, (10,), 40) + r": element 11 \(byte offsets 44\.\.47\) in the 8-byte alignment "
+            r"pad between it and its guard page \(found after the launch from the pad's canary bytes; block "
+            r"and thread unknown\)$")):
+        fn(1, 32, (odd, np.int32(11)))
+    fn(1, 32, (odd, np.int32(9)))                                  # the pad was restored: no new report
+    read(1, 32, (odd, odd, np.int32(11)))                          # a read of the pad: not caught
+    with pytest.raises(EmuKernelError, match=r"read past the end of parameters 'out', 'in' = .*element 12, byte "
+                                             r"offset 48 \(8 bytes past the end\)"):
+        read(1, 32, (odd, odd, np.int32(12)))                      # the guard page itself
+    after, before = device_array(64, np.float32, "after"), device_array(64, np.float32, "before")
+    with pytest.raises(EmuKernelError, match=(
+            r"write before the start of parameter 'out' = " + buffer_name(after, (64,), 256) +
+            r": element -2 \(byte offsets -8\.\.-5\) in the 3840-byte pad before it, the rest of its page")):
+        fn(1, 32, (after, np.int32(-2)))
+    with pytest.raises(EmuKernelError, match=(
+            r"write past the end of parameter 'out' = " + buffer_name(before, (64,), 256) +
+            r": element 64 \(byte offsets 256\.\.259\) in the 3840-byte pad after it, the rest of its page")):
+        fn(1, 32, (before, np.int32(64)))
+    read(1, 32, (after, before, np.int32(64)))                     # reads of the pad: not caught
+    read(1, 32, (before, after, np.int32(-1)))
+    assert not after[1:].any() and not before[1:].any()             # [0]: the pads' canary, read
+
+
+@needs_gpp
+@pytest.mark.parametrize("guard", GUARDS)
+def test_the_process_and_later_launches_survive_faults(mod, guard):
+    n = 300
+    a, b = device_array(n, np.float32, guard), device_array(n, np.float32, guard)
+    a[:], b[:] = rand(n, 1), rand(n, 2)
+    out = device_array(n, np.float32, guard)
+    bad = n if guard == "after" else -1
+    for _ in range(3):
+        with pytest.raises(EmuKernelError, match="out-of-bounds write"):
+            mod.get_function("oob_write")(2, 64, (out, np.int32(bad)))
+        mod.get_function("vector_add")(3, 128, (out, a, b, np.int32(n)))
+        np.testing.assert_array_equal(out, a + b)
+    with pytest.raises(EmuKernelError, match="invalid memory access at address 0x10"):   # not near a buffer
+        mod.get_function("bad_pointer")(1, 4, (out, np.int64(16)))
+    x = device_array(256, np.float32, guard)                           # float4 loads of guarded memory
+    x[:] = rand(256, 3)
+    s = device_array(64, np.float32, guard)
+    mod.get_function("float4_sum")(1, 64, (s, x, np.int32(64)))
+    np.testing.assert_allclose(s, x.reshape(64, 4).sum(1), rtol=1e-6)
+
+
+@needs_gpp
+def test_a_fault_on_another_buffers_guard_page_names_both(mod):
+    given, other = device_array(4, np.float32), device_array((2, 8), np.int32)
+    address = buffer_of(other).guards[1][0] + 8
+    with pytest.raises(EmuKernelError, match=(
+            r"^kernel 'bad_pointer' block \(0,0,0\) thread \(0,0,0\): out-of-bounds read at address "
+            r"0x[0-9a-f]+, nearest buffer of the launch: (past the end|before the start) of parameter 'out' = " +
+            buffer_name(given, (4,), 16) + r": element -?\d+, byte offset -?\d+ .*; the address is on the guard "
+            r"page after " + buffer_name(other, (2, 8), 64, "int32") + ", which this launch was not given$")):
+        mod.get_function("bad_pointer")(1, 4, (given, np.int64(address)))
+
+
+def test_guard_mode_from_argument_and_environment(monkeypatch):
+    from gpt2np.backends.cuda.backend import CudaBackend
+    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
+    monkeypatch.delenv("GPT2NP_EMU_GUARD", raising=False)
+    assert emulator.guard_mode() == "after" and EmuRuntime().guard == "after"
+    monkeypatch.setenv("GPT2NP_EMU_GUARD", "before")
+    rt = EmuRuntime()
+    assert rt.guard == "before" and EmuRuntime(guard="after").guard == "after"
+    host = np.arange(12, dtype=np.int32).reshape(3, 4)
+    for array in (rt.zeros((3, 4), np.float32), rt.empty(5, np.float64), rt.from_host(host),
+                  CudaBackend(rt).scratch("work", (2, 3))):
+        buf = buffer_of(array)
+        assert buf is not None and buf.guard == "before" and array.ctypes.data == buf.guards[0][1]
+    copy = rt.from_host(host)
+    assert copy.dtype == np.int32 and (copy == host).all() and not np.shares_memory(copy, host)
+    off = EmuRuntime(guard="off")
+    assert all(buffer_of(a) is None for a in (off.zeros(3, np.float32), off.empty(3, np.float32),
+                                              off.from_host(host)))
+    with pytest.raises(ValueError, match="unknown guard mode 'sideways'"):
+        EmuRuntime(guard="sideways")
+    monkeypatch.setenv("GPT2NP_EMU_GUARD", "nowhere")
+    with pytest.raises(ValueError, match="unknown guard mode 'nowhere'.*GPT2NP_EMU_GUARD"):
+        EmuRuntime()
+
+
+@needs_gpp
+@pytest.mark.parametrize("guard", GUARDS)
+def test_project_kernel_overrun_through_the_backend_names_kernel_and_buffer(guard):
+    """CudaBackend's launch path on the emulator runtime: encoder_forward handed an output one float4
+    short faults (mode "after") or is caught by the pad's canary (mode "before")."""
+    from gpt2np.backends.cuda.backend import CudaBackend
+    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
+    be = CudaBackend(EmuRuntime(guard=guard))
+    B, T, C = 2, 3, 8
+    rng = np.random.default_rng(0)
+    inp = be.from_host(rng.integers(0, 5, (B, T)).astype(np.int32))
+    wte, wpe = be.from_host(rand(5 * C, 4).reshape(5, C)), be.from_host(rand(T * C, 5).reshape(T, C))
+    short = be.zeros(B * T * C - 4)
+    args = (short, inp, wte, wpe, np.int32(B), np.int32(T), np.int32(C))
+    if guard == "after":
+        match = (r"^kernel 'encoder_forward' block \(0,0,0\) thread \(11,0,0\): out-of-bounds write past the "
+                 r"end of parameter 'out' = " + buffer_name(short, (44,), 176) + r": element 44, byte offset "
+                 r"176 \(0 bytes past the end\)")
+    else:
+        match = (r"^kernel 'encoder_forward': out-of-bounds write past the end of parameter 'out' = " +
+                 buffer_name(short, (44,), 176) + r": elements 44\.\.47 \(byte offsets 176\.\.191\)")
+    with pytest.raises(EmuKernelError, match=match):
+        be._launch("encoder_forward", (1,), (64,), args)
+    out = be.zeros((B, T, C))
+    be.encoder_forward(out, inp, wte, wpe)                           # the right size: fine
+    np.testing.assert_array_equal(out, wte[inp] + wpe[None, :T])
 
 
 # ---------------------------------------------------------------- the project's kernels -----

@@ -1,11 +1,11 @@
 """Each CUDA kernel (CudaBackend on the CPU emulator) against the NumPy backend's op on small random shapes.
 
-Both emulator schedules run (threads/blocks first-to-last and last-to-first), which exposes
-kernels that read another thread's write without a barrier. Shapes are odd on purpose: T not a
-power of 2 (and above 32, so softmax rows span several lanes), V not a multiple of 32, C=48.
-The launch tuning is shrunk (few threads, many blocks, many reduction chunks) so that every
-grid/chunk loop runs more than once on these tiny shapes. test_gpu.py reruns these tests on CuPy
-by overriding the `cuda` fixture.
+Both emulator schedules run (threads/blocks first-to-last and last-to-first), which exposes kernels that read
+another thread's write without a barrier, each with both guard-page modes (every device buffer ends at a PROT_NONE
+page, or starts right after one), which exposes out-of-bounds accesses. Shapes are odd on purpose: T not a power
+of 2 (and above 32, so softmax rows span several lanes), V not a multiple of 32, C=48. The launch tuning is shrunk
+(few threads, many blocks, many reduction chunks) so that every grid/chunk loop runs more than once on these tiny
+shapes. test_gpu.py reruns these tests on CuPy by overriding the `cuda` fixture.
 """
 import zlib
 
@@ -37,10 +37,15 @@ def small_launches(be):
     return be
 
 
-@pytest.fixture(scope="module", params=["forward", "reverse"])
+@pytest.fixture(scope="module", params=[(schedule, guard) for guard in ("after", "before")
+                                        for schedule in ("forward", "reverse")],
+                ids=lambda p: "-".join(p))
 def cuda(request):
+    """Every kernel under both schedules and both guard-page modes (each device buffer's last byte touches a
+    PROT_NONE page, or its first byte follows one), so an overrun or underrun faults with the buffer's name."""
     from gpt2np.backends.cuda.runtime_emu import EmuRuntime
-    return small_launches(CudaBackend(EmuRuntime(schedule=request.param)))
+    schedule, guard = request.param
+    return small_launches(CudaBackend(EmuRuntime(schedule=schedule, guard=guard)))
 
 
 @pytest.fixture(params=sorted(SHAPES))

@@ -226,6 +226,21 @@ extern "C" __global__ void failing_assert(int limit) {
     assert(threadIdx.x < limit);
 }
 
+// Guard pages: thread 0 reads/writes element `index` of a device buffer (out of bounds on purpose).
+extern "C" __global__ void oob_write(float* out, int index) {
+    if (threadIdx.x == 0) out[index] = 1.0f;
+}
+
+extern "C" __global__ void oob_read(float* out, const float* in, int index) {
+    if (threadIdx.x == 0) out[0] = in[index];
+}
+
+// Thread i copies vector i of n float4s; the last thread one vector too far when `extra` is 1.
+extern "C" __global__ void float4_copy(float4* out, const float4* in, int n, int extra) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n + extra) out[i] = in[i];
+}
+
 // Fast-math intrinsics against the host library: out[0..5].
 extern "C" __global__ void intrinsics(float* out, float x) {
     out[0] = __expf(x);

@@ -4,7 +4,8 @@ g++ compiles the SAME kernels/*.cu source that NVRTC compiles for the GPU, with 
 (gpt2np/backends/cuda/emu/cuda_emu.h, force-included) that provides the CUDA built-ins, and a fiber runtime
 (gpt2np/backends/cuda/emu/emu_runtime.h) that runs every CUDA thread of a block as a fiber (user-level
 context switch, 64 KiB stack each). The API mirrors cupy.RawModule / cupy.RawKernel, so the CUDA
-backend can take either runtime; NumPy arrays stand in for device memory:
+backend can take either runtime; NumPy arrays (guarded ones from device_array) stand in for device
+memory:
 
     mod = EmuModule(code, options=("-I/path/to/kernels",), schedule="forward")
     fn = mod.get_function("layernorm_forward")
@@ -40,6 +41,17 @@ Semantics and checks:
     element type (float* <- float32, int* <- int32, float4* <- float32 ...) raise TypeError.
     Pointer arguments are C-contiguous NumPy arrays (writeable unless the pointee is const) or
     the integer 0 for a null pointer (None is rejected: CuPy does not turn it into NULL).
+  * Guard pages (compute-sanitizer memcheck's job): device_array(shape, dtype, guard) -- what
+    EmuRuntime allocates (GPT2NP_EMU_GUARD / EmuRuntime(guard=...): "after" (default), "before",
+    "off") -- puts each allocation in its own mapping between two PROT_NONE pages, its last byte
+    against the second one ("after"; the start stays 16-byte aligned, so a size that is not a
+    multiple of 16 leaves a pad of 1-15 bytes) or its first byte right after the first one
+    ("before", page-aligned). An access to a guard page faults inside the kernel; the error names
+    kernel, block, thread, read/write and the buffer: the argument whose guard page it is (or the
+    nearest argument buffer), with its number, dtype, shape, the element index and the distance
+    past its end / before its start. The bytes between the data and the guard-free side of its
+    pages (and the alignment pad) hold canary bytes, checked after each launch for the launch's
+    buffers: a write there is reported (without block and thread), a read is not.
   * Dynamic shared memory is limited to 48 KiB unless fn.max_dynamic_shared_size_bytes is raised
     (at most 227 KiB), as on the GPU.
 
@@ -52,15 +64,21 @@ ignored. g++ (GNU, >= 10) is required; GPT2NP_EMU_CXX names another g++ binary;
 GPT2NP_EMU_KEEP=1 keeps the build folder (preprocessed and rewritten source) for debugging.
 
 Known limits: fibers are not preempted, so a thread that spins waiting for a value another
-thread or block writes (without a barrier in the loop) hangs; out-of-bounds accesses that stay
-inside mapped host memory are not detected (only faults are).
+thread or block writes (without a barrier in the loop) hangs. Out-of-bounds accesses are caught
+only for guarded allocations and only at their ends: not an overrun of a view inside a larger
+allocation (the model's tensors in its flat buffers, a reused scratch buffer), not a read of the
+canary pads, not an access more than a page away that lands in another mapping (plain NumPy
+arrays passed directly, as in most emulator tests, have no guards at all).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import hashlib
+import itertools
 import json
+import math
+import mmap
 import os
 import re
 import shutil
@@ -68,6 +86,7 @@ import struct
 import subprocess
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -347,6 +366,8 @@ def _load(so_path: Path) -> ctypes.CDLL:
         if key not in _LOADED:
             lib = ctypes.CDLL(key)
             lib.gpt2np_emu_last_error.restype = ctypes.c_char_p
+            lib.gpt2np_emu_last_fault.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+            lib.gpt2np_emu_last_fault.restype = ctypes.c_int
             lib.gpt2np_emu_module_info.restype = ctypes.c_char_p
             _LOADED[key] = lib
         return _LOADED[key]
@@ -357,6 +378,215 @@ def _check_schedule(schedule: str) -> str:
         raise ValueError(f"CUDA emulator: unknown schedule {schedule!r} "
                          f"(choose from {', '.join(SCHEDULES)})")
     return schedule
+
+
+# ---------------------------------------------------------------------------- device memory --
+# Guarded allocations, the emulator's compute-sanitizer memcheck. Each device array of the
+# emulator runtime gets its own anonymous mapping:
+#
+#     [guard page][pad_lo | data | pad_hi][guard page]        guard pages are PROT_NONE
+#
+# mode "after" (default): the data ends at the second guard page, so the first byte past the end
+#   faults. The start is kept 16-byte aligned (kernels load float4; more when nbytes is a multiple
+#   of a larger power of two), so when nbytes is not a multiple of 16, pad_hi holds 1-15 bytes.
+# mode "before": the data starts right after the first guard page (page-aligned, so 256-byte
+#   aligned like cudaMalloc): the first byte before the start faults.
+# The pads are filled with a canary byte and checked after every launch for the buffers it was
+# given, so a WRITE into a pad (the other side, within the page) is reported too, after the launch;
+# reads of a pad are not. Accesses beyond the pad hit the other guard page (up to one page away).
+
+GUARD_MODES = ("after", "before", "off")
+ALLOC_ALIGN = 16                        # start alignment of a guarded allocation in mode "after"
+_PAGE = mmap.PAGESIZE
+_CANARY = 0xA5
+_ACCESS = {1: "read", 2: "write", 3: "access"}
+_BUFFER_NUMBERS = itertools.count(1)
+_LIVE_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()   # number -> DeviceBuffer
+
+
+def guard_mode(value: str | None = None) -> str:
+    """The guard mode: `value`, else $GPT2NP_EMU_GUARD, else "after". One of GUARD_MODES."""
+    mode = value if value is not None else (os.environ.get("GPT2NP_EMU_GUARD") or "after")
+    if mode not in GUARD_MODES:
+        raise ValueError(f"CUDA emulator: unknown guard mode {mode!r} (choose from "
+                         f"{', '.join(GUARD_MODES)}; GPT2NP_EMU_GUARD or EmuRuntime(guard=...))")
+    return mode
+
+
+@functools.cache
+def _mprotect():
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.mprotect
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class DeviceBuffer(mmap.mmap):
+    """The mapping behind one guarded device array (the array's base; unmapped when the last
+    array or view of it is garbage collected). Addresses are absolute: data..end is the array's
+    memory, guards the two PROT_NONE ranges, pads the canary-filled (start, end) ranges."""
+
+    number: int
+    dtype: np.dtype
+    shape: tuple
+    guard: str
+    data: int
+    end: int
+    guards: tuple
+    pads: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.data
+
+    def describe(self) -> str:
+        return f"buffer #{self.number} ({self.dtype}, shape {self.shape}, {self.nbytes} bytes)"
+
+    def guard_side(self, addr: int) -> str | None:
+        """"before"/"after" when addr lies on the guard page before/after the data, else None."""
+        for side, (lo, hi) in zip(("before", "after"), self.guards):
+            if lo <= addr < hi:
+                return side
+        return None
+
+    def damaged_pads(self) -> list[tuple[str, int, int]]:
+        """[(side, first, last+1 absolute address)] of pad bytes that no longer hold the canary."""
+        out = []
+        base = self.guards[0][0]
+        for side, (lo, hi) in zip(("before", "after"), self.pads):
+            if hi > lo:
+                got = self[lo - base:hi - base]
+                if got.count(_CANARY) != len(got):
+                    bad = [i for i, b in enumerate(got) if b != _CANARY]
+                    out.append((side, lo + bad[0], lo + bad[-1] + 1))
+        return out
+
+    def restore_pads(self) -> None:
+        base = self.guards[0][0]
+        for lo, hi in self.pads:
+            if hi > lo:
+                self[lo - base:hi - base] = bytes([_CANARY]) * (hi - lo)
+
+
+def device_array(shape, dtype, guard: str = "after") -> np.ndarray:
+    """A zero-filled C-contiguous array in its own guarded mapping (see above); guard "after" or
+    "before". Slices and reshapes of it are ordinary views; buffer_of() finds its DeviceBuffer."""
+    dtype = np.dtype(dtype)
+    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+    if guard not in ("after", "before"):
+        raise ValueError(f"device_array: guard must be 'after' or 'before', got {guard!r}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    span = -(-nbytes // _PAGE) * _PAGE
+    buf = DeviceBuffer(-1, span + 2 * _PAGE, flags=mmap.MAP_PRIVATE)
+    view = ctypes.c_char.from_buffer(buf)
+    base = ctypes.addressof(view)
+    del view
+    offset = _PAGE if guard == "before" else (_PAGE + span - nbytes) & ~(ALLOC_ALIGN - 1)
+    buf.number = next(_BUFFER_NUMBERS)
+    buf.dtype, buf.shape, buf.guard = dtype, shape, guard
+    buf.data, buf.end = base + offset, base + offset + nbytes
+    buf.guards = ((base, base + _PAGE), (base + _PAGE + span, base + 2 * _PAGE + span))
+    buf.pads = ((base + _PAGE, buf.data), (buf.end, base + _PAGE + span))
+    buf.restore_pads()
+    for lo, hi in buf.guards:
+        if _mprotect()(lo, hi - lo, 0) != 0:            # PROT_NONE
+            err = ctypes.get_errno()
+            raise OSError(err, f"CUDA emulator: mprotect of a guard page failed: {os.strerror(err)}")
+    _LIVE_BUFFERS[buf.number] = buf
+    return np.frombuffer(buf, dtype, count=nbytes // dtype.itemsize, offset=offset).reshape(shape)
+
+
+def buffer_of(array) -> DeviceBuffer | None:
+    """The DeviceBuffer a (view of a) guarded device array lives in, else None."""
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    return base if isinstance(base, DeviceBuffer) else None
+
+
+def _named(buf: DeviceBuffer, params: list[str]) -> str:
+    """"parameter 'out' = buffer #12 (float32, shape (768,), 3072 bytes)"."""
+    if not params:
+        return buf.describe()
+    quoted = ", ".join(f"'{p}'" for p in params)
+    return f"parameter{'s' if len(params) > 1 else ''} {quoted} = {buf.describe()}"
+
+
+def _where(buf: DeviceBuffer, addr: int, params: list[str]) -> str:
+    """"past the end of parameter 'out' = buffer #12 (...): element 768, byte offset 3072 (0 bytes
+    past the end)"."""
+    off = addr - buf.data
+    if addr >= buf.end:
+        side, rel = "past the end of", f"{addr - buf.end} bytes past the end"
+    else:
+        side, rel = "before the start of", f"{buf.data - addr} bytes before the start"
+    return (f"{side} {_named(buf, params)}: element {off // buf.dtype.itemsize}, byte offset {off} "
+            f"({rel})")
+
+
+def _explain_fault(kernel: str, message: str, access: int, addr: int,
+                   args: list[tuple[str, DeviceBuffer]]) -> str:
+    """The C runtime's fault message, rewritten to name the device buffer the address is next to:
+    the argument whose guard page it hit, else the nearest argument buffer."""
+    m = re.match(r"(kernel '[^']*' block \([^)]*\) thread \([^)]*\)): ", message)
+    prefix = m.group(1) if m else f"kernel '{kernel}'"
+    what = _ACCESS.get(access, "access")
+    given: dict[int, tuple[DeviceBuffer, list[str]]] = {}
+    for pname, buf in args:
+        given.setdefault(buf.number, (buf, []))[1].append(pname)
+    owner = side = None
+    for buf in list(_LIVE_BUFFERS.values()):
+        side = buf.guard_side(addr)
+        if side:
+            owner = buf
+            break
+    if owner is not None and owner.number in given:
+        buf, params = given[owner.number]
+        return (f"{prefix}: out-of-bounds {what} {_where(buf, addr, params)}; address {addr:#x} is on "
+                f"the guard page {side} the buffer (GPT2NP_EMU_GUARD={buf.guard})")
+    if given and addr >= 1 << 16:
+        def distance(b):
+            return b.data - addr if addr < b.data else max(0, addr - b.end + 1)
+        buf, params = min(given.values(), key=lambda bp: distance(bp[0]))
+        note = (f"; the address is on the guard page {side} {owner.describe()}, which this launch "
+                f"was not given" if owner is not None else "")
+        return (f"{prefix}: out-of-bounds {what} at address {addr:#x}, nearest buffer of the launch: "
+                f"{_where(buf, addr, params)}{note}")
+    if owner is not None:
+        return (f"{message}; the address is on the guard page {side} {owner.describe()}, which this "
+                f"launch was not given")
+    return message
+
+
+def _pad_error(kernel: str, args: list[tuple[str, DeviceBuffer]]) -> str | None:
+    """Checks (and restores) the canary pads of the launch's buffers; a message if one was written."""
+    problems, seen = [], set()
+    for _, buf in args:
+        if buf.number in seen:
+            continue
+        seen.add(buf.number)
+        damaged = buf.damaged_pads()
+        for side, lo, hi in damaged:
+            params = [p for p, b in args if b is buf]
+            item = buf.dtype.itemsize
+            first, last = lo - buf.data, hi - 1 - buf.data
+            rel = "past the end of" if side == "after" else "before the start of"
+            elems = (f"element {first // item}" if first // item == last // item
+                     else f"elements {first // item}..{last // item}")
+            pad = buf.pads[side == "after"]
+            what = ("alignment pad between it and its guard page" if side == buf.guard
+                    else f"pad {side} it, the rest of its page")
+            problems.append(f"out-of-bounds write {rel} {_named(buf, params)}: {elems} (byte offsets "
+                            f"{first}..{last}) in the {pad[1] - pad[0]}-byte {what}")
+        if damaged:
+            buf.restore_pads()
+    if not problems:
+        return None
+    return (f"kernel '{kernel}': " + "; ".join(problems) +
+            " (found after the launch from the pad's canary bytes; block and thread unknown)")
 
 
 # ---------------------------------------------------------------------------- module -------
@@ -454,7 +684,7 @@ class EmuFunction:
         pname, decl = self.params[k]
         return TypeError(f"kernel '{self.name}' parameter {k} '{pname}' ({decl}): {msg}")
 
-    def _pack(self, args) -> tuple[ctypes.Array, list]:
+    def _pack(self, args) -> tuple[ctypes.Array, list, list[tuple[str, DeviceBuffer]]]:
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"kernel '{self.name}': args must be a tuple, got {type(args).__name__}")
         if len(args) != len(self.codes):
@@ -462,17 +692,21 @@ class EmuFunction:
             raise TypeError(f"kernel '{self.name}' takes {len(self.codes)} arguments ({names}), "
                             f"got {len(args)}")
         storage = ctypes.create_string_buffer(_SLOT * max(1, len(args)))
+        buffers = []
         for k, (code, arg) in enumerate(zip(self.codes, args)):
             kind, elem = code.split(":")
             if kind.startswith("P"):
                 value = self._pointer(k, kind == "Pc", elem, arg)
                 struct.pack_into("<Q", storage, _SLOT * k, value)
+                buf = buffer_of(arg) if value else None
+                if buf is not None:
+                    buffers.append((self.params[k][0], buf))
             else:
                 raw = self._scalar(k, elem, arg)
                 storage[_SLOT * k:_SLOT * k + len(raw)] = raw
         base = ctypes.addressof(storage)
         pointers = (ctypes.c_void_p * max(1, len(args)))(*[base + _SLOT * k for k in range(len(args))])
-        return pointers, [storage, args]
+        return pointers, [storage, args], buffers
 
     def _pointer(self, k: int, const: bool, elem: str, arg) -> int:
         if arg is None:
@@ -537,12 +771,22 @@ class EmuFunction:
                              f"{limit}-byte limit (raise max_dynamic_shared_size_bytes, at most "
                              f"{MAX_DYNAMIC_SHARED})")
         sched = _check_schedule(schedule) if schedule is not None else self.module.schedule
-        pointers, keep = self._pack(args)
+        pointers, keep, buffers = self._pack(args)
         cfg = _Launcher((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
                         SCHEDULES[sched])
+        lib = self.module._lib
         with _LAUNCH_LOCK:
             rc = self._launch(ctypes.byref(cfg), pointers)
-            message = self.module._lib.gpt2np_emu_last_error().decode(errors="replace") if rc else ""
+            message = ""
+            if rc:
+                message = lib.gpt2np_emu_last_error().decode(errors="replace")
+                addr = ctypes.c_void_p()
+                access = lib.gpt2np_emu_last_fault(ctypes.byref(addr))
+                if access:
+                    message = _explain_fault(self.name, message, access, addr.value or 0, buffers)
+            pads = _pad_error(self.name, buffers) if buffers else None
         del keep
         if rc:
-            raise EmuKernelError(message)
+            raise EmuKernelError(f"{message}; and {pads}" if pads else message)
+        if pads:
+            raise EmuKernelError(pads)

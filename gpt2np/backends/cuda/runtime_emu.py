@@ -1,8 +1,10 @@
 """The emulator runtime: CudaBackend's kernels on the CPU, for tests without a GPU.
 
-Memory is NumPy arrays; kernels are compiled and run by gpt2np.backends.cuda.emulator.EmuModule (every
-CUDA thread a fiber, `schedule` "forward" or "reverse" picks the order threads are run in, which
-shakes out races); GEMMs are np.matmul over strided views with cuBLAS's semantics; timing is
+Memory is NumPy arrays, each device allocation in its own mapping against a PROT_NONE guard page (after its
+last byte or before its first: `guard`, see emulator.device_array), so out-of-bounds kernels fault; kernels
+are compiled and run by gpt2np.backends.cuda.emulator.EmuModule (every CUDA thread a fiber, `schedule`
+"forward" or "reverse" picks the order threads are run in, which shakes out races); GEMMs are np.matmul
+over strided views with cuBLAS's semantics; timing is
 time.perf_counter. Same interface as runtime_cupy.CupyRuntime (see gpt2np.backends.cuda.backend).
 """
 import time
@@ -31,11 +33,16 @@ class EmuRuntime:
     name = "emulator"
     tf32 = False            # GEMMs run in float32 NumPy
 
-    def __init__(self, schedule=None):
-        """schedule: "forward", "reverse", or None for the emulator's default ($GPT2NP_EMU_SCHEDULE or forward)."""
+    def __init__(self, schedule=None, guard=None):
+        """schedule: "forward", "reverse", or None for the emulator's default ($GPT2NP_EMU_SCHEDULE or forward).
+        guard: where each device allocation's PROT_NONE guard page goes: "after" (the last byte touches it, so
+        an overrun faults), "before" (the first byte follows it: underruns fault) or "off" (plain NumPy arrays);
+        None for $GPT2NP_EMU_GUARD or "after". See emulator.device_array."""
         if schedule not in (None, "forward", "reverse"):
             raise ValueError(f"EmuRuntime: schedule must be 'forward' or 'reverse', got {schedule!r}")
+        from .emulator import guard_mode
         self.schedule = schedule
+        self.guard = guard_mode(guard)
 
     def device_name(self):
         return "cpu"
@@ -78,13 +85,23 @@ class EmuRuntime:
 
     # ---- memory ---------------------------------------------------------------------------
     def zeros(self, shape, dtype):
-        return np.zeros(shape, dtype)
+        if self.guard == "off":
+            return np.zeros(shape, dtype)
+        from .emulator import device_array
+        return device_array(shape, dtype, self.guard)      # guarded (fresh mappings are zero-filled)
 
     def empty(self, shape, dtype):
-        return np.empty(shape, dtype)
+        if self.guard == "off":
+            return np.empty(shape, dtype)
+        return self.zeros(shape, dtype)
 
     def from_host(self, array):
-        return np.array(array, copy=True, order="C")
+        if self.guard == "off":
+            return np.array(array, copy=True, order="C")
+        array = np.asarray(array)
+        out = self.zeros(array.shape, array.dtype)
+        out[...] = array
+        return out
 
     def to_host(self, array):
         return np.array(array, copy=True)

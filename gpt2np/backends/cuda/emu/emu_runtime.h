@@ -14,7 +14,11 @@
 // Context switch: hand-written x86-64 assembly (callee-saved registers + stack pointer, ~a few
 // ns); on other architectures the portable but slower ucontext (swapcontext) is used.
 // Faults inside a kernel (SIGSEGV, SIGBUS, SIGFPE, SIGILL) and fiber stack overflow are caught
-// while a launch runs and turned into the same kind of error.
+// while a launch runs and turned into the same kind of error: the handler runs on an alternate
+// signal stack and switches straight back to the scheduler, abandoning the faulting fiber, so the
+// process (and later launches) go on. For SIGSEGV/SIGBUS it also records the faulting address and
+// whether it was a read or a write (gpt2np_emu_last_fault), which emulator.py maps to the device
+// buffer whose guard page was hit.
 #pragma once
 
 #include <csignal>
@@ -24,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sys/mman.h>
+#include <sys/ucontext.h>
 #include <type_traits>
 #include <unistd.h>
 #include <utility>
@@ -116,6 +121,8 @@ void (*g_invoke)() = nullptr;
 void** g_args = nullptr;
 bool g_has_error = false;
 char g_error[4096];
+void* g_fault_addr = nullptr;     // SIGSEGV/SIGBUS address of the last launch's fault
+int g_fault_access = 0;           // 0 none, 1 read, 2 write, 3 unknown (see gpt2np_emu_last_fault)
 alignas(256) unsigned char g_dyn_smem[kMaxDynSmem];   // extern __shared__ memory
 unsigned long long g_dyn_smem_bytes = 0;
 alignas(16) unsigned char g_altstack[64 * 1024];
@@ -498,7 +505,18 @@ stack_t g_old_altstack;
 
 pthread_t g_launch_thread;
 
-inline void on_fault(int sig, siginfo_t* info, void*) {
+// 1 read, 2 write, 3 unknown: the x86-64 page-fault error code says which (bit 1 = write).
+inline int fault_access(void* ctx) {
+#if defined(__x86_64__) && defined(REG_ERR)
+    const ucontext_t* uc = (const ucontext_t*)ctx;
+    return (uc->uc_mcontext.gregs[REG_ERR] & 2) ? 2 : 1;
+#else
+    (void)ctx;
+    return 3;
+#endif
+}
+
+inline void on_fault(int sig, siginfo_t* info, void* ctx) {
     if (!g_in_fiber || !g_cur || !pthread_equal(pthread_self(), g_launch_thread)) {
         for (int k = 0; k < 4; k++)   // not ours: put the old handlers back and let it re-fault
             if (g_fault_signals[k] == sig) sigaction(sig, &g_old_actions[k], nullptr);
@@ -519,9 +537,12 @@ inline void on_fault(int sig, siginfo_t* info, void*) {
         if (overflow)
             set_error(f, "fiber stack overflow (each emulated thread has %u KiB of stack: "
                       "very large local arrays?)", kStackBytes / 1024);
-        else
+        else {
+            g_fault_addr = addr;
+            g_fault_access = fault_access(ctx);
             set_error(f, "invalid memory access at address %p (%s: out-of-bounds index or bad "
                       "pointer)", (void*)addr, sig == SIGBUS ? "SIGBUS" : "SIGSEGV");
+        }
     }
     g_in_fiber = false;
     switch_to_scheduler(f);   // abandon the handler frame (on the alternate stack) and the fiber
@@ -606,6 +627,8 @@ inline bool run_block() {
 inline int run_grid(const LaunchConfig* c) {
     g_has_error = false;
     g_error[0] = 0;
+    g_fault_addr = nullptr;
+    g_fault_access = 0;
     const unsigned bx = c->block[0], by = c->block[1], bz = c->block[2];
     const unsigned long long n64 = (unsigned long long)bx * by * bz;
     if (n64 == 0 || n64 > kMaxThreads) {
@@ -725,4 +748,11 @@ inline const char* signature(void (*)(A...)) {
 
 extern "C" __attribute__((visibility("default"))) const char* gpt2np_emu_last_error() {
     return __emu::g_error;
+}
+
+// The last launch's memory fault: returns 0 (none), 1 (read), 2 (write) or 3 (unknown access)
+// and stores the faulting address in *addr.
+extern "C" __attribute__((visibility("default"))) int gpt2np_emu_last_fault(void** addr) {
+    *addr = __emu::g_fault_addr;
+    return __emu::g_fault_access;
 }
