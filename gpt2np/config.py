@@ -149,7 +149,11 @@ class TrainConfig:
     beta2: float = _setting("--beta2", 0.95, "AdamW beta2", allowed=number(0, 1, high_open=True),
                             what="AdamW's beta2")
     eps: float = _setting("--eps", 1e-8, "AdamW epsilon", allowed=number(0, low_open=True), what="AdamW's epsilon")
-    tf32: bool = _setting("--tf32", False, "GPU: TF32 tensor cores for the matmuls (off: exact fp32)")
+    precision: str | None = _setting("--precision", None, "math of the matmuls: tf32 (TF32 tensor cores, 10-bit "
+                                     "mantissa inputs, fp32 accumulation) or fp32 (exact); tf32 needs a GPU with "
+                                     "tensor cores (sm_80+)", choices=("fp32", "tf32"),
+                                     default_text="tf32 on a GPU with tensor cores and fp32 elsewhere")
+    tf32: bool = _setting("--tf32", False, "the same as --precision tf32 (kept for llm.c-style command lines)")
     profile_steps: int = _setting("--profile", 0, "profile N steps after a warm-up step: kernel table, module tree, "
                                   "range summary; files in -o/profile", metavar="N",
                                   allowed=integer(0, words="an integer >= 0 (0 = off)"),
@@ -171,6 +175,8 @@ class TrainConfig:
                 continue
             allowed(f).check(f.metadata["flag"], value, f.metadata["what"])
         B, T, steps, profiled = self.batch_size, self.seq_len, self.max_steps, self.profile_steps
+        if self.tf32 and self.precision == "fp32":
+            raise BadInput("--tf32 with --precision fp32: --tf32 means --precision tf32; give one of them")
         if self.resume and not self.output_dir:
             raise BadInput("-y 1 without -o: resuming reads the checkpoints in -o DIR")
         if self.checkpoint_every > 0 and not self.output_dir:
@@ -183,6 +189,12 @@ class TrainConfig:
             raise BadInput(f"-d {self.total_batch_size} with -b {B} -t {T}: the total batch size must be a multiple "
                            f"of B*T = {B * T} (times the number of processes)")
         return self
+
+    @property
+    def requested_precision(self) -> str | None:
+        """The precision asked for: --precision, or tf32 for --tf32; None = the device's default (see
+        gpt2np.backends.resolve_precision: tf32 on a GPU with tensor cores, fp32 elsewhere)."""
+        return "tf32" if self.tf32 else self.precision
 
     def with_device_defaults(self, backend_name: str) -> "TrainConfig":
         """A copy with llm.c's CPU or GPU (backend 'cuda') default in every device-dependent field left None."""

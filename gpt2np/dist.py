@@ -48,6 +48,7 @@ LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM
 DEFAULT_TIMEOUT = 600.0          # seconds a collective may take before the job is aborted
 ABORT_GRACE = 0.5                # seconds between printing why and MPI_Abort
 FAULT_ENV = "GPT2NP_TEST_FAULT"
+NCCL_MEMORY_ALLOWANCE = 1 << 30  # device memory kept free for NCCL's buffers and its CUDA context growth
 
 
 class DistError(RuntimeError):
@@ -97,6 +98,10 @@ class SingleProcess:
 
     def broadcast_object(self, obj):
         return obj
+
+    def reserved_device_memory(self):
+        """Device bytes the collectives need besides the model (none for one process)."""
+        return 0
 
     def all_gather_object(self, obj):
         return [obj]
@@ -194,19 +199,25 @@ class HostCollectives:
 
 
 class NcclCollectives:
-    """Averaging and gathering CuPy device buffers with NCCL, on CuPy's current stream.
+    """Averaging and gathering device buffers with NCCL, on the runtime's current stream.
 
     The NCCL communicator spans the MPI ranks: rank 0 makes the unique id, MPI broadcasts it. Each call
-    returns after the stream has finished the collective (so the watchdog sees a hang).
+    returns after the stream has finished the collective (so the watchdog sees a hang). Buffers are passed as
+    the runtime's device pointers (runtime.pointer), as cupy.cuda.nccl.NcclCommunicator takes them.
+
+    runtime: the backend's runtime (pointer, synchronize; CupyRuntime also gives stream_ptr). nccl: the
+    cupy.cuda.nccl module, or a stand-in with the same interface (tests/fake_gpu.py runs this class on the CPU
+    emulator with in-process ranks); stream_ptr: the cudaStream_t to run on (default: the runtime's).
     """
 
-    def __init__(self, comm):
-        import cupy
-        from cupy.cuda import nccl
+    def __init__(self, comm, runtime, nccl=None, stream_ptr=None):
+        if nccl is None:
+            from cupy.cuda import nccl
         if not nccl.available:
-            raise DistError("NCCL is not available to CuPy (pip install nvidia-nccl-cu13); it is needed to "
-                            "average gradients across GPUs")
-        self.cp, self.nccl = cupy, nccl
+            raise DistError("NCCL is not available to CuPy (pip install 'nvidia-nccl-cu13>=2.27.7,<3'); it is "
+                            "needed to average gradients across GPUs")
+        self.nccl, self.rt = nccl, runtime
+        self.stream_ptr = stream_ptr or runtime.stream_ptr
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
         uid = nccl.get_unique_id() if self.rank == 0 else None
         uid = comm.bcast(uid, root=0)
@@ -218,47 +229,66 @@ class NcclCollectives:
             raise DistError(f"NCCL collectives: unsupported buffer dtype {buf.dtype}")
         return types[buf.dtype]
 
-    def _stream(self):
-        return self.cp.cuda.get_current_stream()
-
     def all_reduce_mean(self, buf):
-        stream = self._stream()
-        ptr = buf.data.ptr
-        self.comm.allReduce(ptr, ptr, buf.size, self._dtype(buf), self.nccl.NCCL_SUM, stream.ptr)
+        ptr = self.rt.pointer(buf)
+        self.comm.allReduce(ptr, ptr, buf.size, self._dtype(buf), self.nccl.NCCL_SUM, self.stream_ptr())
         buf /= self.world_size
-        stream.synchronize()
+        self.rt.synchronize()
 
     def reduce_scatter_mean(self, buf, bounds):
         """In place: NCCL's reduce-scatter takes equal counts, so the ranks' equal parts go through it and
         the last rank's extra tail (< world_size elements) through an all-reduce."""
-        stream, dtype = self._stream(), self._dtype(buf)
-        ptr, item = buf.data.ptr, buf.dtype.itemsize
+        stream, dtype = self.stream_ptr(), self._dtype(buf)
+        ptr, item = self.rt.pointer(buf), buf.dtype.itemsize
         size = bounds[0][1] - bounds[0][0]
         tail = buf.size - size * self.world_size
         self.nccl.groupStart()
         # in place: rank r's result lands at sendbuff + r * recvcount
-        self.comm.reduceScatter(ptr, ptr + self.rank * size * item, size, dtype, self.nccl.NCCL_SUM, stream.ptr)
+        self.comm.reduceScatter(ptr, ptr + self.rank * size * item, size, dtype, self.nccl.NCCL_SUM, stream)
         if tail:
             end = ptr + size * self.world_size * item
-            self.comm.allReduce(end, end, tail, dtype, self.nccl.NCCL_SUM, stream.ptr)
+            self.comm.allReduce(end, end, tail, dtype, self.nccl.NCCL_SUM, stream)
         self.nccl.groupEnd()
         lo, hi = bounds[self.rank]
         buf[lo:hi] /= self.world_size
-        stream.synchronize()
+        self.rt.synchronize()
 
     def all_gather(self, buf, bounds):
-        stream, dtype = self._stream(), self._dtype(buf)
-        ptr, item = buf.data.ptr, buf.dtype.itemsize
+        stream, dtype = self.stream_ptr(), self._dtype(buf)
+        ptr, item = self.rt.pointer(buf), buf.dtype.itemsize
         size = bounds[0][1] - bounds[0][0]
         tail = buf.size - size * self.world_size
         self.nccl.groupStart()
         # in place: rank r sends from recvbuff + r * sendcount
-        self.comm.allGather(ptr + self.rank * size * item, ptr, size, dtype, stream.ptr)
+        self.comm.allGather(ptr + self.rank * size * item, ptr, size, dtype, stream)
         if tail:
             end = ptr + size * self.world_size * item
-            self.comm.broadcast(end, end, tail, dtype, self.world_size - 1, stream.ptr)
+            self.comm.broadcast(end, end, tail, dtype, self.world_size - 1, stream)
         self.nccl.groupEnd()
-        stream.synchronize()
+        self.rt.synchronize()
+
+
+class StagedCollectives:
+    """Device buffers averaged through host copies and MPI: for ranks that share a GPU, which NCCL refuses
+    ("Duplicate GPU detected"), e.g. `mpiexec -n 2` on a machine with one GPU. Correct, not fast: every
+    collective copies the buffer to the host and back."""
+
+    def __init__(self, comm, runtime):
+        self.host, self.rt = HostCollectives(comm), runtime
+
+    def _through_host(self, buf, collective, *args):
+        host = self.rt.to_host(buf)
+        collective(host, *args)
+        self.rt.copy(buf, self.rt.from_host(host))
+
+    def all_reduce_mean(self, buf):
+        self._through_host(buf, self.host.all_reduce_mean)
+
+    def reduce_scatter_mean(self, buf, bounds):
+        self._through_host(buf, self.host.reduce_scatter_mean, bounds)
+
+    def all_gather(self, buf, bounds):
+        self._through_host(buf, self.host.all_gather, bounds)
 
 
 class MpiProcessGroup:
@@ -268,7 +298,9 @@ class MpiProcessGroup:
     model.update(..., shard=shard(n)); gather_params(model).
     """
 
-    def __init__(self, comm, zero_stage=0, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, comm, zero_stage=0, timeout=DEFAULT_TIMEOUT, collectives=None):
+        """collectives: collectives(backend, buf) -> the object that averages and gathers the model's buffers
+        (default: MPI for host buffers; for device buffers NCCL, or host-staged MPI when ranks share a GPU)."""
         if zero_stage not in (0, 1):
             raise DistError(f"ZeRO stage {zero_stage} is not supported (0 or 1)")
         self.comm = comm
@@ -276,6 +308,8 @@ class MpiProcessGroup:
         self.zero_stage = zero_stage
         self.timeout = timeout
         self.watchdog = Watchdog(timeout, self._expired)
+        self.shared_gpu = False               # set by make_process_group: some ranks share a GPU (no NCCL)
+        self._make_collectives = collectives
         self._collectives = None
         self._grad_steps = 0
         self._fault = _parse_fault(os.environ.get(FAULT_ENV))
@@ -296,15 +330,26 @@ class MpiProcessGroup:
         finally:
             os._exit(code)
 
-    def _device_collectives(self, buf):
-        """MPI for host buffers, NCCL for device ones; made on first use (every rank gets here together)."""
+    def _device_collectives(self, backend, buf):
+        """MPI for host buffers; NCCL for device ones (MPI through host copies when ranks share a GPU); made on
+        first use (every rank gets here together)."""
         if self._collectives is None:
-            if isinstance(buf, np.ndarray):
+            if self._make_collectives is not None:
+                with self.watchdog.guard("collectives setup"):
+                    self._collectives = self._make_collectives(backend, buf)
+            elif isinstance(buf, np.ndarray):
                 self._collectives = HostCollectives(self.comm)
+            elif self.shared_gpu:
+                self._collectives = StagedCollectives(self.comm, backend.rt)
             else:
                 with self.watchdog.guard("NCCL communicator setup"), ranges.range("nccl_init"):
-                    self._collectives = NcclCollectives(self.comm)
+                    self._collectives = NcclCollectives(self.comm, backend.rt)
         return self._collectives
+
+    def reserved_device_memory(self):
+        """Device bytes the collectives need besides the model: an allowance for NCCL's buffers (none when the
+        ranks share a GPU and average through MPI)."""
+        return 0 if self.shared_gpu else NCCL_MEMORY_ALLOWANCE
 
     def shard(self, n):
         """(lo, hi) of the flat parameters this rank updates: its ZeRO-1 shard, or all of them."""
@@ -313,7 +358,7 @@ class MpiProcessGroup:
     def average_grads(self, model):
         """Average model.grads over the ranks: all of them (ZeRO-0) or this rank's shard (ZeRO-1)."""
         self._inject_fault()
-        coll = self._device_collectives(model.grads)
+        coll = self._device_collectives(model.backend, model.grads)
         if self.zero_stage == 1:
             with self.watchdog.guard("reduce-scatter of the gradients"), ranges.range(
                     "reduce_scatter_grads", ranges.Collective("reduce_scatter", model.grads.nbytes, self.world_size)):
@@ -339,7 +384,7 @@ class MpiProcessGroup:
     def gather_params(self, model):
         """ZeRO-1: every rank's updated shard of the parameters to all ranks."""
         if self.zero_stage == 1:
-            coll = self._device_collectives(model.params)
+            coll = self._device_collectives(model.backend, model.params)
             with self.watchdog.guard("all-gather of the parameters"), ranges.range(
                     "allgather_params", ranges.Collective("all_gather", model.params.nbytes, self.world_size)):
                 coll.all_gather(model.params, shard_bounds(model.num_parameters, self.world_size))
@@ -508,7 +553,10 @@ def make_process_group(device="auto", zero_stage=0, timeout=DEFAULT_TIMEOUT):
     if first:
         _install_excepthook()
         if _wants_cuda(device):
-            select_gpu(MPI.COMM_WORLD)
+            _, _group.shared_gpu = select_gpu(MPI.COMM_WORLD)
+            if _group.shared_gpu and _group.rank == 0:
+                _say("note: some ranks share a GPU (more ranks than GPUs on a node); NCCL needs one GPU per rank, so "
+                     "the gradients are averaged through MPI on host copies: correct, but slow")
     return _group
 
 
@@ -521,19 +569,35 @@ def _wants_cuda(device):
     return False
 
 
-def select_gpu(comm):
-    """Use GPU (rank among this node's ranks); errors when the node has more ranks than GPUs."""
-    import cupy
+def select_gpu(comm, cupy=None):
+    """Make this rank's GPU current; returns (device, shared).
+
+    device: the rank's index among this node's ranks, modulo the GPUs it sees. So 8 ranks on 8 GPUs take one
+    each; ranks that each see only their own GPU (Slurm's --gpus-per-task=1, a per-rank CUDA_VISIBLE_DEVICES)
+    all use device 0; `mpiexec -n 2` on a machine with one GPU runs both ranks on GPU 0. shared: whether any
+    two ranks of the job (on any node) ended up on the same physical GPU (same PCI bus id); NCCL refuses that,
+    so the gradients then go through MPI (StagedCollectives). Every rank gets the same answer.
+    cupy: a stand-in for tests."""
+    if cupy is None:
+        import cupy
     from mpi4py import MPI
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local_rank, local_size = node.Get_rank(), node.Get_size()
-    node.Free()
-    count = cupy.cuda.runtime.getDeviceCount()
-    if local_size > count:
-        raise DistError(f"{local_size} ranks on this node but {count} GPU(s) visible: "
-                        f"start at most one rank per GPU (e.g. mpiexec -n {count})")
-    cupy.cuda.Device(local_rank).use()
-    return local_rank
+    try:
+        local_rank = node.Get_rank()
+        try:
+            count = int(cupy.cuda.runtime.getDeviceCount())
+        except Exception as e:
+            raise DistError(f"rank {comm.Get_rank()}: no GPU visible ({e})") from None
+        if count < 1:
+            raise DistError(f"rank {comm.Get_rank()}: no GPU visible (CUDA_VISIBLE_DEVICES="
+                            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        device = local_rank % count
+        cupy.cuda.Device(device).use()
+        bus_ids = node.allgather(str(cupy.cuda.Device(device).pci_bus_id))
+    finally:
+        node.Free()
+    shared = any(comm.allgather(len(set(bus_ids)) < len(bus_ids)))
+    return device, shared
 
 
 def abort_job(code=1):

@@ -17,7 +17,7 @@ import warnings
 
 import numpy as np
 
-from .backends import get_backend, resolve_name
+from .backends import cuda_problem, get_backend, gpu_present, resolve_name, resolve_precision
 from .checkpoint import (
     done_path,
     load_model,
@@ -40,7 +40,10 @@ from .rundir import check_output_dir, prepare_run_dir, run_identity
 from .sample import generate
 from .schedule import learning_rate
 from .starter import Decoder, resolve_data, resolve_model
+from .tensors import num_parameters
 from .train_step import AdamW, NonFiniteError, train_step
+
+PRECISION_TEXT = {"fp32": "fp32 (exact fp32 matmuls)", "tf32": "tf32 (matmuls on TF32 tensor cores)"}
 
 
 def header_table(rows):
@@ -90,7 +93,11 @@ def train(cfg: TrainConfig, dist=None):
     with StopSignals() as signals, warnings.catch_warnings():
         # a diverging run overflows inside NumPy a step before the NaN guard stops it: its one line says enough
         warnings.filterwarnings("ignore", r"(overflow|invalid value|divide by zero) encountered", RuntimeWarning)
-        return run_training(cfg, dist, signals)
+        try:
+            return run_training(cfg, dist, signals)
+        except MemoryError as e:        # CuPy's OutOfMemoryError is one; the up-front check should have caught it
+            raise RuntimeError(f"out of memory ({' '.join(str(e).split()) or 'MemoryError'}): use a smaller -b "
+                               f"(or -t), and -d to keep the tokens per step") from e
 
 
 def run_training(cfg: TrainConfig, dist, signals: StopSignals):
@@ -99,8 +106,13 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     say = print if rank0 else (lambda *a, **k: None)
     ranges.enable(cfg.nvtx)
     backend_name = resolve_name(cfg.device)
-    # --tf32 is a GPU setting: it applies whenever the run is on the GPU (--device cuda, or auto finding one)
-    backend = get_backend(backend_name, precision="tf32" if cfg.tf32 and backend_name == "cuda" else "fp32")
+    if cfg.device == "auto" and backend_name == "numpy" and gpu_present():
+        say(f"note: --device auto: the GPU is not usable, training on the CPU: {cuda_problem()}")
+    # the precision asked for (--precision, --tf32) or the device's default, whichever device auto picked
+    precision, note = resolve_precision(backend_name, cfg.requested_precision)
+    if note:
+        say(f"note: {note}")
+    backend = get_backend(backend_name, precision=precision)
     cfg = cfg.with_device_defaults(backend.name).validate()     # the device defaults against the other flags
     if cfg.output_dir:
         check_output_dir(cfg.output_dir)
@@ -127,6 +139,10 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     total_steps = cfg.max_steps if cfg.max_steps >= 0 else one_epoch
     evaluate_only = total_steps == 0          # -x 0: validate and sample the model once; -o is not written
 
+    if backend.name == "cuda":        # one line saying what fits, before CuPy runs out of memory mid-allocation
+        lo, hi = dist.shard(num_parameters(model_cfg))
+        backend.check_memory_fits(model_cfg, B, T, optimizer_elements=hi - lo, model_name=f"-e {cfg.model}",
+                                  reserved=dist.reserved_device_memory())
     model = GPT2(model_cfg, backend, B, T, seed=cfg.seed if params is None else None)
     if params is not None:
         model.load_params(params)
@@ -170,6 +186,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         ("val_max_steps", cfg.val_max_batches), ("sample_every", cfg.sample_every), ("genT", cfg.gen_tokens),
         ("overfit_single_batch", cfg.overfit_single_batch), ("seed", cfg.seed), ("processes", dist.world_size),
         ("zero stage", dist.zero_stage), ("device", f"{backend.name} ({device_name})"),
+        ("precision", PRECISION_TEXT.get(backend.precision, backend.precision)),
         ("model", model_desc)]))
     say(header_table([("max_sequence_length T", model_cfg.max_seq_len), ("vocab_size V", model_cfg.vocab_size),
                       ("padded_vocab_size Vp", model_cfg.padded_vocab_size), ("num_layers L", model_cfg.num_layers),

@@ -7,10 +7,11 @@ from test_cuda_model import test_backward_gradients, test_forward_logits_and_los
 # The emulator tests, rerun with CuPy backends (the fixtures below replace the emulator ones).
 from test_kernels import *  # noqa: E402,F401,F403
 
-from gpt2np.backends import gpu_available
+from gpt2np.backends import cuda_problem, gpu_available
 
+# without a usable GPU (or with an incomplete CUDA install) the tests skip with the startup check's one line
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU usable through CuPy")]
+              pytest.mark.skipif(not gpu_available(), reason=f"needs a usable CUDA GPU: {cuda_problem()}")]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_dist import COLLECTIVES_CHECK, GLOBAL_B, STEPS, files, launch, mpiexec, step_losses, train_argv  # noqa: F401 (fixtures)
 
-from gpt2np.backends import gpu_available
+from gpt2np.backends import cuda_problem, gpu_available
 from gpt2np.checkpoint import load_model, load_state, model_path, state_path
 
 pytestmark = pytest.mark.gpu
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def gpus():
     if not gpu_available():
-        pytest.skip("no CUDA GPU usable through CuPy")
+        pytest.skip(f"needs a usable CUDA GPU: {cuda_problem()}")
     import cupy
     from cupy.cuda import nccl
     if not nccl.available:

@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+from fake_gpu import FakeCublas, FakeCupy
 
 from gpt2np.backends.cuda import nvrtc_check
 from gpt2np.backends.cuda.backend import KERNEL_DIR, KERNEL_FILES, KERNELS, kernel_registry
@@ -112,10 +113,9 @@ def test_parse_ptxas_reads_spills():
 
 
 # ---- the CuPy runtime's cuBLAS call, checked against a column-major reference ------------------
-class _FakeCublas:
+class _FakeCublas(FakeCublas):
     """cuBLAS's column-major sgemm / sgemmStridedBatched semantics on host memory, for checking how
     CupyRuntime.gemm maps row-major operands (pointer mode host: alpha/beta are host addresses)."""
-    CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 
     @staticmethod
     def _matrix(ptr, rows, cols, ld):
@@ -155,9 +155,7 @@ def test_cupy_gemm_maps_row_major_onto_column_major_cublas(transa, transb, batch
     import numpy as np
 
     from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
-    rt = object.__new__(CupyRuntime)                     # no GPU: skip __init__, inject the fake
-    rt.cublas, rt.handle = _FakeCublas(), 0
-    rt._alpha, rt._beta = np.zeros(1, np.float32), np.zeros(1, np.float32)
+    rt = CupyRuntime(cupy=FakeCupy(), cublas=_FakeCublas())         # no GPU: fake CuPy and cuBLAS
     m, n, k = 5, 7, 3
     rng = np.random.default_rng(0)
     a = rng.standard_normal((batch, *((k, m) if transa else (m, k)))).astype(np.float32)

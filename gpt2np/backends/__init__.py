@@ -1,20 +1,134 @@
 """Pick a backend by name: 'numpy' (CPU reference), 'cuda' (CuPy on a GPU), 'emu' (CUDA kernels on the CPU
 emulator, for tests) or 'auto' (cuda when a GPU is usable, else numpy), at a precision: 'fp32' everywhere,
-'tf32' (TF32 tensor cores for the cuBLAS matmuls) on a GPU."""
+'tf32' (TF32 tensor cores for the cuBLAS matmuls; the emulator rounds the GEMM inputs the same way).
 
-PRECISIONS = {"numpy": ("fp32",), "cuda": ("fp32", "tf32"), "emu": ("fp32",)}
+Whether the GPU can be used is one function, cuda_problem(): None, or one line saying what is missing or wrong
+(CuPy, the driver, a GPU, cuBLAS, NVRTC) and how to fix it; `--device cuda` without a usable GPU ends with it.
+Training's default precision is resolve_precision(): tf32 on a GPU with tensor cores (sm_80+), fp32 elsewhere.
+"""
+import importlib
+import os
+
+PRECISIONS = {"numpy": ("fp32",), "cuda": ("fp32", "tf32"), "emu": ("fp32", "tf32")}
+
+CUDA_MAJOR = 13                  # the CUDA that cupy-cuda13x and the nvidia-*-cu13 wheels are built for
+MIN_DRIVER_CUDA = 13000          # cudaDriverGetVersion() of a driver for CUDA 13.0 (R580 and newer)
+MIN_COMPUTE_CAPABILITY = 75      # CUDA 13 builds for Turing (sm_75) and newer
+TENSOR_CORE_TF32 = 80            # TF32 tensor cores: Ampere (sm_80) and newer
+INSTALL = 'pip install -e ".[cuda]"'
 
 
 class BackendUnavailable(RuntimeError):
     """The requested backend cannot run on this machine."""
 
 
-def gpu_available() -> bool:
+def cuda_status(cupy=None, import_module=importlib.import_module):
+    """(problem, gpu_seen): problem is None when CuPy can run gpt2np's CUDA backend here, else one line saying
+    what is missing or wrong and how to fix it; gpu_seen says whether a driver and a GPU were found (so a
+    problem past that point is a broken install on a GPU machine, not a machine without a GPU).
+
+    cupy / import_module: stand-ins for tests; by default the real CuPy and importlib."""
+    if cupy is None:
+        try:
+            cupy = import_module("cupy")
+        except ImportError as e:
+            return f"CuPy is not installed ({e}): {INSTALL} installs CuPy for CUDA {CUDA_MAJOR} and its libraries", \
+                False
+        except Exception as e:                        # e.g. two CuPy packages installed side by side
+            return f"CuPy cannot be imported ({_short(e)}): reinstall it with {INSTALL}", False
+    runtime = cupy.cuda.runtime
     try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+        driver = int(runtime.driverGetVersion())
+    except Exception as e:
+        driver, error = 0, e
+    else:
+        error = None
+    if driver <= 0:
+        why = f" ({_short(error)})" if error else ""
+        return (f"no NVIDIA driver found{why}: this machine has no NVIDIA GPU, or its driver is not installed "
+                f"(CUDA {CUDA_MAJOR} needs driver R580 or newer)"), False
+    if driver < MIN_DRIVER_CUDA:
+        return (f"the NVIDIA driver supports CUDA {_cuda_version(driver)}, CuPy for CUDA {CUDA_MAJOR} needs a driver "
+                f"for CUDA {_cuda_version(MIN_DRIVER_CUDA)} or newer: update the driver to R580 or newer "
+                f"(nvidia-smi shows its version)"), False
+    try:
+        count = int(runtime.getDeviceCount())
+    except Exception as e:
+        count, error = 0, e
+    if count <= 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hidden = f"CUDA_VISIBLE_DEVICES={visible!r} may hide them; " if visible is not None else ""
+        hint = hidden + "nvidia-smi shows whether the driver sees one"
+        why = f" ({_short(error)})" if error else ""
+        return f"the NVIDIA driver sees no GPU{why}: {hint}", False
+    try:
+        device = runtime.getDevice()
+        props = runtime.getDeviceProperties(device)
+        capability = int(props["major"]) * 10 + int(props["minor"])
+    except Exception as e:
+        return f"GPU {_short(e)}: cannot read the GPU's properties (nvidia-smi shows whether it is healthy)", True
+    if capability < MIN_COMPUTE_CAPABILITY:
+        return (f"{_text(props.get('name', 'the GPU'))} is sm_{capability}; CUDA {CUDA_MAJOR} runs on sm_75 (Turing) "
+                f"and newer: use a newer GPU, or --device cpu"), True
+    try:
+        import_module("cupy_backends.cuda.libs.cublas")
+    except Exception as e:
+        return (f"cuBLAS for CUDA {CUDA_MAJOR} not found ({_short(e)}): pip install 'nvidia-cublas>=13,<14' "
+                f"(or {INSTALL})"), True
+    try:
+        version = tuple(cupy.cuda.nvrtc.getVersion())
+    except Exception as e:
+        return (f"NVRTC for CUDA {CUDA_MAJOR} not found ({_short(e)}): pip install 'nvidia-cuda-nvrtc>=13,<14' "
+                f"(or {INSTALL})"), True
+    if version[0] != CUDA_MAJOR:
+        return (f"NVRTC {version[0]}.{version[1]} found, CuPy for CUDA {CUDA_MAJOR} needs NVRTC {CUDA_MAJOR}: "
+                f"pip install 'nvidia-cuda-nvrtc>=13,<14'"), True
+    return None, True
+
+
+_status = None
+
+
+def cuda_problem(cupy=None, import_module=importlib.import_module):
+    """One line saying why the CUDA backend cannot run here and how to fix it, or None when it can (see
+    cuda_status). The answer for the real CuPy is computed once per process."""
+    global _status
+    if cupy is not None or import_module is not importlib.import_module:
+        return cuda_status(cupy, import_module)[0]
+    if _status is None:
+        _status = cuda_status()
+    return _status[0]
+
+
+def gpu_present() -> bool:
+    """Whether a driver and a GPU were found, usable or not (cuda_status's gpu_seen)."""
+    cuda_problem()
+    return _status[1]
+
+
+def gpu_available() -> bool:
+    """Whether the CUDA backend can run here (a GPU, a new enough driver, CuPy, cuBLAS and NVRTC)."""
+    return cuda_problem() is None
+
+
+def _short(error) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _cuda_version(code: int) -> str:
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def compute_capability():
+    """The current GPU's compute capability as an int (80 for sm_80)."""
+    import cupy
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+    return int(props["major"]) * 10 + int(props["minor"])
 
 
 def resolve_name(name: str) -> str:
@@ -25,8 +139,45 @@ def resolve_name(name: str) -> str:
     return {"cpu": "numpy", "cuda-emu": "emu"}.get(name, name)
 
 
+def resolve_precision(name: str, requested: str | None = None, capability=None):
+    """(precision, note) a run on backend `name` computes in, for a requested precision (None: the default).
+
+    The default is tf32 on a GPU with TF32 tensor cores (sm_80+), as llm.c and PyTorch's
+    set_float32_matmul_precision("high") do, and fp32 elsewhere (older GPUs, the CPU, the emulator). A tf32
+    request that cannot be honoured runs in fp32 with a note saying why: on the CPU, on a GPU without TF32
+    tensor cores, and under NVIDIA_TF32_OVERRIDE=0 (which turns TF32 off inside cuBLAS). note is None otherwise.
+    capability: the GPU's compute capability (default: asked from the current device)."""
+    name = resolve_name(name)
+    if name not in PRECISIONS:
+        raise ValueError(f"unknown backend {name!r}: expected numpy, cuda, emu or auto")
+    if requested not in (None, "fp32", "tf32"):
+        raise ValueError(f"unknown precision {requested!r}: expected fp32 or tf32")
+    if name == "emu":
+        return requested or "fp32", None
+    if name == "numpy":
+        note = "--precision tf32 is a GPU precision; the CPU computes in fp32" if requested == "tf32" else None
+        return "fp32", note
+    if capability is None:
+        problem = cuda_problem()
+        if problem:
+            raise BackendUnavailable(f"--device cuda: {problem}")
+        capability = compute_capability()
+    if requested == "fp32":
+        return "fp32", None
+    capability = int(capability)
+    if capability < TENSOR_CORE_TF32:
+        note = (f"this GPU (sm_{capability}) has no TF32 tensor cores (sm_80 and newer have them); the matmuls "
+                f"run in fp32") if requested == "tf32" else None
+        return "fp32", note
+    if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
+        return "fp32", "NVIDIA_TF32_OVERRIDE=0 turns TF32 off in cuBLAS; the matmuls run in fp32"
+    return "tf32", None
+
+
 def get_backend(name: str = "numpy", precision: str = "fp32", **options):
-    """A backend instance; options go to the backend (numpy: threads) or the emulator runtime (schedule)."""
+    """A backend instance; options go to the backend (numpy: threads) or the runtime (emulator: schedule).
+
+    precision is taken as given (fp32 unless asked); resolve_precision gives training's default."""
     name = resolve_name(name)
     if name not in PRECISIONS:
         raise ValueError(f"unknown backend {name!r}: expected numpy, cuda, emu or auto")
@@ -37,10 +188,10 @@ def get_backend(name: str = "numpy", precision: str = "fp32", **options):
         return NumpyBackend(**options)
     from .cuda.backend import CudaBackend
     if name == "cuda":
-        if not gpu_available():
-            raise BackendUnavailable("--device cuda: no CUDA GPU usable through CuPy here "
-                                     "(pip install 'gpt2np[cuda]' on a machine with an NVIDIA GPU)")
+        problem = cuda_problem()
+        if problem:
+            raise BackendUnavailable(f"--device cuda: {problem}")
         from .cuda.runtime_cupy import CupyRuntime
         return CudaBackend(CupyRuntime(tf32=precision == "tf32", **options))
     from .cuda.runtime_emu import EmuRuntime
-    return CudaBackend(EmuRuntime(**options))
+    return CudaBackend(EmuRuntime(tf32=precision == "tf32", **options))

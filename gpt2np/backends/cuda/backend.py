@@ -11,7 +11,19 @@ Set `on_launch` to observe them: on_launch(name, kind, term, run) is called inst
 work, with kind "kernel" or "gemm", and must call run() exactly once (a profiler wraps it in events).
 
 Kernel arguments: arrays are passed as device pointers (they must be C-contiguous), scalars as
-np.int32 / np.float32. Shapes follow the op contract (B, T, C, OC, NH, HS = C/NH, V, Vp).
+np.int32 / np.float32. Every launch is checked against the kernel's signature read from its .cu file
+(KERNEL_SIGNATURES): the count, a scalar's exact type (CuPy would pass a Python float as a double and a
+Python int as 64 bits, and the kernel would read garbage), an array's dtype against the pointer's element
+type; a mismatch is a KernelArgumentError on every runtime. Shapes follow the op contract (B, T, C, OC, NH,
+HS = C/NH, V, Vp).
+
+Launch tuning (the attributes listed in LAUNCH_SETTINGS) is checked when set: block sizes are multiples of
+32 and at most 1024 threads (kernels/common.cuh's convention), counts are positive, gridDim.y at most 65535.
+
+Memory: memory_needed() adds up what a training run of a model allocates on the device (the model's flat
+buffers from gpt2np.tensors, its gradient scratch, AdamW's moments, this backend's scratch), and
+check_memory_fits() compares that with the device's free memory before anything is allocated, so a batch that
+does not fit ends in one line naming the largest B that does (DeviceMemoryError), not in CuPy's traceback.
 Limits checked here, each with a one-line KernelArgumentError (a ValueError): buffers indexed
 with int must have < 2^31 elements; encoder_forward needs C % 4 == 0 and 16-byte alignment;
 encoder_backward needs token ids in [0, Vp) (it reads inp on the host, see _group_tokens).
@@ -43,12 +55,59 @@ def kernel_registry(kernel_dir=KERNEL_DIR):
 KERNELS = kernel_registry()
 KERNEL_FILES = tuple(sorted(set(KERNELS.values())))
 
+# An entry point with its parameter list
+KERNEL_DEFINITION = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)'
+                               r'\s*\(([^)]*)\)')
+# a parameter's C type -> what the Python side passes: a dtype's array for pointers, an exact scalar type
+PARAMETER_KINDS = {"float*": np.dtype(np.float32), "int*": np.dtype(np.int32), "float": np.float32, "int": np.int32}
+
+
+def kernel_signatures(kernel_dir=KERNEL_DIR):
+    """{kernel name: (parameter kinds...)} read from kernels/*.cu: np.dtype(float32/int32) for a float*/int*
+    pointer (const and __restrict__ dropped), np.float32 / np.int32 for a float / int scalar."""
+    signatures = {}
+    for path in sorted(Path(kernel_dir).glob("*.cu")):
+        for name, params in KERNEL_DEFINITION.findall(path.read_text()):
+            kinds = []
+            for param in filter(None, (" ".join(p.split()) for p in params.split(","))):
+                words = [w for w in re.findall(r"\w+|\*", param) if w not in ("const", "__restrict__")][:-1]
+                ctype = "".join(words) if words[-1:] == ["*"] else " ".join(words)
+                if ctype not in PARAMETER_KINDS:
+                    raise ValueError(f"{path}: kernel {name}: parameter {param!r} of a type the launcher does not "
+                                     f"know ({ctype}); kernels take float*/int* pointers and int/float scalars")
+                kinds.append(PARAMETER_KINDS[ctype])
+            signatures[name] = tuple(kinds)
+    return signatures
+
+
+KERNEL_SIGNATURES = kernel_signatures()
+
 INT_LIMIT = 2 ** 31 - 1
 GRID_Y_LIMIT = 65535  # gridDim.y (and .z) maximum
+MAX_BLOCK = 1024      # threads per block
+
+# launch setting -> (smallest, largest, multiple of, what it is)
+LAUNCH_SETTINGS = {
+    "elementwise_threads": (32, MAX_BLOCK, 32, "threads per block of the elementwise kernels"),
+    "row_warps": (1, MAX_BLOCK // 32, 1, "warps (rows) per block of the row kernels"),
+    "classifier_threads": (32, MAX_BLOCK, 32, "most threads per block of fused_classifier"),
+    "reduce_warps": (1, MAX_BLOCK // 32, 1, "warps per block of the column reductions"),
+    "reduce_rows_per_chunk": (1, INT_LIMIT, 1, "rows per chunk of the column reductions"),
+    "norm_threads": (32, MAX_BLOCK, 32, "threads per block of the global norm"),
+    "norm_max_blocks": (1, INT_LIMIT, 1, "most blocks of the global norm's first stage"),
+    "encoder_token_blocks": (1, GRID_Y_LIMIT, 1, "most block rows of encoder_backward_wte_grouped"),
+}
+CUBLAS_WORKSPACE = 32 << 20      # cuBLAS's default workspace per handle on Hopper (4 MiB before): an allowance
+MEMORY_HEADROOM = 256 << 20      # CUDA context growth, NVRTC modules, allocator rounding: kept free
 
 
 class KernelArgumentError(ValueError):
-    """Arguments a kernel cannot take (size over int range, misalignment, shape mismatch)."""
+    """Arguments a kernel cannot take (size over int range, misalignment, shape mismatch, a scalar of the wrong
+    type), or a launch setting no kernel can run with."""
+
+
+class DeviceMemoryError(RuntimeError):
+    """A training run would not fit in the device's free memory; the message says what fits."""
 
 
 def _i32(x):
@@ -83,6 +142,16 @@ class CudaBackend:
 
     name = "cuda"
     launches_kernels = True
+
+    def __setattr__(self, name, value):
+        if name in LAUNCH_SETTINGS:
+            low, high, multiple, what = LAUNCH_SETTINGS[name]
+            ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+            if not (ok and low <= value <= high and value % multiple == 0):
+                rule = f"a multiple of {multiple} in {low}..{high}" if multiple > 1 else f"an integer in {low}..{high}"
+                raise KernelArgumentError(f"CudaBackend.{name} = {value!r}: the {what} must be {rule}")
+            value = int(value)
+        object.__setattr__(self, name, value)
 
     def __init__(self, runtime: Runtime, dtype=np.float32):
         if np.dtype(dtype) != np.float32:
@@ -148,6 +217,74 @@ class CudaBackend:
             self._scratch[(key, dtype)] = buf
         return buf[:size].reshape(shape)
 
+    def free_memory(self):
+        """Bytes the device can still allocate, or None where the runtime knows no limit (the emulator)."""
+        free = getattr(self.rt, "free_memory", None)
+        return None if free is None else free()
+
+    def scratch_needed(self, cfg, B, T):
+        """Peak bytes of this backend's scratch buffers (scratch()) for a training step of model cfg at (B, T):
+        the attention work buffers, the column reductions' partial sums, the global norm's partials, the upload
+        of encoder_backward's token groups, and cuBLAS's workspace (an allowance)."""
+        C, NH = cfg.channels, cfg.num_heads
+        N = B * T
+        chunk = max(1, self.reduce_rows_per_chunk, -(-N // GRID_Y_LIMIT))     # as in _column_sums
+        widest = 4 * C            # partial sums per chunk: layernorm (2, C), bias gradients (1, OC <= 4C)
+        floats = (2 * N * C                        # attention_y, attention_dy
+                  + 3 * N * C                      # attention_dqkvr
+                  + B * NH * T * T                 # attention_datt
+                  + -(-N // chunk) * widest        # column_partial (the widest reduction)
+                  + self.norm_max_blocks + 1)      # norm_partial, norm_total
+        uploads = 2 * N + (2 * N + 1 + N)          # inputs, targets; encoder_backward's token groups (int32)
+        return 4 * (floats + uploads) + CUBLAS_WORKSPACE
+
+    def memory_needed(self, cfg, B, T, optimizer_elements=None):
+        """{part: bytes} a training run of model cfg at micro-batch (B, T) allocates on this device: the model's
+        parameters and gradients, AdamW's m and v (optimizer_elements each: this rank's ZeRO-1 shard, default
+        all parameters), the activations and token buffers, the backward's gradient scratch, this backend's
+        scratch. gpt2np.model.GPT2 allocates exactly the model's parts (tests/test_gpu_ready.py checks it)."""
+        from ...tensors import activation_shapes, layout_size, num_parameters
+        P = num_parameters(cfg)
+        opt = P if optimizer_elements is None else int(optimizer_elements)
+        C = cfg.channels
+        return {
+            "parameters and gradients": 4 * 2 * P,
+            "AdamW m, v": 4 * max(2 * opt, P),            # at least the one-time upload of loaded weights
+            "activations": 4 * layout_size(activation_shapes(cfg, B, T)) + 4 * 2 * B * T,
+            "backward scratch": 4 * B * T * C * (1 + 1 + 3 + 4),
+            "kernel scratch": self.scratch_needed(cfg, B, T),
+        }
+
+    def check_memory_fits(self, cfg, B, T, optimizer_elements=None, model_name="the model", reserved=0):
+        """Raise DeviceMemoryError with one line when a training run at (B, T) needs more than the device's free
+        memory (less MEMORY_HEADROOM and `reserved`, e.g. NCCL's buffers); the line says what is needed, what is
+        free, and the largest B that fits at this T (or the largest T at B=1). No-op without a known limit."""
+        free = self.free_memory()
+        if free is None:
+            return None
+        budget = free - MEMORY_HEADROOM - reserved
+
+        def needed(b, t):
+            return sum(self.memory_needed(cfg, b, t, optimizer_elements).values())
+
+        total = needed(B, T)
+        if total <= budget:
+            return total
+        gb = 1e9
+        parts = self.memory_needed(cfg, B, T, optimizer_elements)
+        biggest = max(parts, key=parts.get)
+        line = (f"-b {B} -t {T}: {model_name} needs {total / gb:.1f} GB on {self.device_name()} "
+                f"({biggest} {parts[biggest] / gb:.1f} GB), {free / gb:.1f} GB is free")
+        fits_b = next((b for b in range(B - 1, 0, -1) if needed(b, T) <= budget), None)
+        if fits_b:
+            line += (f": the largest B that fits at T={T} is {fits_b} (-b {fits_b}; keep the tokens per step with "
+                     f"-d, gradient accumulation)")
+        else:
+            fits_t = next((t for t in range(T - 1, 0, -1) if needed(1, t) <= budget), None)
+            line += (f": not even -b 1 fits at T={T}; the longest T that fits at B=1 is {fits_t} (-b 1 -t {fits_t})"
+                     if fits_t else ": not even -b 1 -t 1 fits; free the GPU or use a smaller model")
+        raise DeviceMemoryError(line)
+
     # ---- the two choke points -----------------------------------------------------------
     def function(self, name):
         """The compiled kernel `name` (compiles its kernels/<file>.cu on first use)."""
@@ -166,10 +303,7 @@ class CudaBackend:
         """Launch kernel `name` on (grid, block) with args, carrying `term` of its op's cost; the one place
         kernels are run."""
         fn = self.function(name)
-        for i, a in enumerate(args):
-            if hasattr(a, "flags") and not a.flags.c_contiguous:
-                raise KernelArgumentError(f"CudaBackend: kernel {name}: argument {i} is not C-contiguous "
-                                          f"(kernels take raw pointers)")
+        self._check_args(name, args)
 
         def run():
             self.rt.launch(fn, grid, block, args, shared_mem)
@@ -193,6 +327,30 @@ class CudaBackend:
             self.on_launch(name, "gemm", term, run)
 
     # ---- checks -------------------------------------------------------------------------
+    @staticmethod
+    def _check_args(name, args):
+        """args against kernel `name`'s signature (KERNEL_SIGNATURES): count, exact scalar types, array dtypes,
+        contiguity. Raises KernelArgumentError naming the kernel and the argument."""
+        kinds = KERNEL_SIGNATURES[name]
+        if len(args) != len(kinds):
+            raise KernelArgumentError(f"CudaBackend: kernel {name} takes {len(kinds)} arguments, got {len(args)}")
+        for i, (a, kind) in enumerate(zip(args, kinds)):
+            if isinstance(kind, np.dtype):
+                dtype = getattr(a, "dtype", None)
+                if dtype is None or not hasattr(a, "flags"):
+                    raise KernelArgumentError(f"CudaBackend: kernel {name}: argument {i} must be a {kind} device "
+                                              f"array (a pointer), got {type(a).__name__}")
+                if dtype != kind:
+                    raise KernelArgumentError(f"CudaBackend: kernel {name}: argument {i} is a {dtype} array, the "
+                                              f"kernel takes a pointer to {kind}")
+                if not a.flags.c_contiguous:
+                    raise KernelArgumentError(f"CudaBackend: kernel {name}: argument {i} is not C-contiguous "
+                                              f"(kernels take raw pointers)")
+            elif type(a) is not kind:
+                raise KernelArgumentError(f"CudaBackend: kernel {name}: argument {i} is {type(a).__name__} {a}, "
+                                          f"the kernel takes {kind.__name__}: pass np.{kind.__name__}(...) "
+                                          f"(CuPy passes a Python float as a double, an int as 64 bits)")
+
     @staticmethod
     def _check_shape(op, what, array, shape):
         if tuple(array.shape) != tuple(shape):

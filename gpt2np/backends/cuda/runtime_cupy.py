@@ -2,17 +2,33 @@
 
 Kernels: kernels/<file>.cu compiled by NVRTC through cupy.RawModule with nvrtc_options() (CuPy adds
 its own include paths, -ftz=true and -arch=sm_XX for the current device, and caches the binary on
-disk keyed by the source text and options). GEMMs: cuBLAS sgemm / sgemmStridedBatched on CuPy's
-handle for the current device, called with row-major semantics (see gemm). Memory: CuPy arrays.
-Timing: CUDA events. Everything runs on CuPy's current stream.
+disk keyed by the source text and options). GEMMs: cuBLAS sgemm / sgemmStridedBatched on a cuBLAS
+handle of our own (CuPy's shared handle is reset by other CuPy code and by a second runtime, which would
+change our math mode under us), called with row-major semantics (see gemm). Memory: CuPy arrays.
+Timing: CUDA events. Everything runs on CuPy's current stream (the handle follows it).
 
-TF32: off by default, so GEMMs are exact fp32 like the NumPy reference; CupyRuntime(tf32=True)
-sets the handle's math mode to CUBLAS_TF32_TENSOR_OP_MATH (tensor cores, 10-bit mantissa inputs).
+Precision: CupyRuntime(tf32=False) keeps the GEMMs exact fp32 (CUBLAS_DEFAULT_MATH), like the NumPy
+reference; tf32=True sets the handle's math mode to CUBLAS_TF32_TENSOR_OP_MATH (tensor cores, inputs
+rounded to a 10-bit mantissa, fp32 accumulation). CuPy's cublas module defines only CUBLAS_DEFAULT_MATH and
+CUBLAS_TENSOR_OP_MATH, so the values come from cuBLAS's own header (cublas_api.h, cublasMath_t) where CuPy
+has none.
 """
 import hashlib
 from pathlib import Path
 
 import numpy as np
+
+# cublasMath_t in cublas_api.h (CUDA 11 and newer); CuPy 14's cublas module has no name for the TF32 mode
+CUBLAS_DEFAULT_MATH = 0
+CUBLAS_TF32_TENSOR_OP_MATH = 3
+
+
+def math_mode(cublas, tf32: bool) -> int:
+    """The cublasMath_t for exact fp32 or TF32 tensor-core GEMMs: CuPy's constant where it has one, else cuBLAS's
+    value from cublas_api.h."""
+    if tf32:
+        return getattr(cublas, "CUBLAS_TF32_TENSOR_OP_MATH", CUBLAS_TF32_TENSOR_OP_MATH)
+    return getattr(cublas, "CUBLAS_DEFAULT_MATH", CUBLAS_DEFAULT_MATH)
 
 
 def nvrtc_options(kernel_dir):
@@ -33,18 +49,56 @@ class CupyRuntime:
 
     name = "cupy"
 
-    def __init__(self, tf32=False):
-        import cupy
-        from cupy_backends.cuda.libs import cublas
+    def __init__(self, tf32=False, cupy=None, cublas=None):
+        """cupy, cublas: stand-ins for tests (default: the real modules)."""
+        if cupy is None:
+            import cupy
+        if cublas is None:
+            from cupy_backends.cuda.libs import cublas
         self.cp = cupy
         self.cublas = cublas
         self.tf32 = bool(tf32)
-        self.handle = cupy.cuda.device.get_cublas_handle()
+        self.device_id = cupy.cuda.runtime.getDevice()
+        self.handle = cublas.create()            # ours alone: no other code changes its math mode or stream
+        self._stream = None                      # the stream the handle is set to (set before each GEMM)
         cublas.setPointerMode(self.handle, cublas.CUBLAS_POINTER_MODE_HOST)
-        cublas.setMathMode(self.handle, cublas.CUBLAS_TF32_TENSOR_OP_MATH if self.tf32 else cublas.CUBLAS_DEFAULT_MATH)
+        cublas.setMathMode(self.handle, math_mode(cublas, self.tf32))
         # host scalars for alpha/beta (pointer mode host: cuBLAS reads them before returning)
         self._alpha = np.zeros(1, np.float32)
         self._beta = np.zeros(1, np.float32)
+
+    def close(self):
+        """Destroy the cuBLAS handle (also done when the runtime is garbage collected)."""
+        handle, self.handle = getattr(self, "handle", None), None
+        if handle is not None:
+            try:
+                with self.cp.cuda.Device(self.device_id):
+                    self.cublas.destroy(handle)
+            except Exception:          # at interpreter exit the context may be gone already
+                pass
+
+    def __del__(self):
+        self.close()
+
+    def _set_stream(self):
+        """Point our handle at CuPy's current stream (what CuPy does for its own handle)."""
+        stream = self.cp.cuda.get_current_stream().ptr
+        if stream != self._stream:
+            self.cublas.setStream(self.handle, stream)
+            self._stream = stream
+
+    def stream_ptr(self):
+        """The current CUDA stream (cudaStream_t as an int), as NCCL takes it."""
+        return self.cp.cuda.get_current_stream().ptr
+
+    def free_memory(self):
+        """Bytes a new allocation can still get on this device: the driver's free memory plus what CuPy's pool
+        holds unused."""
+        free, _total = self.cp.cuda.runtime.memGetInfo()
+        return int(free) + int(self.cp.get_default_memory_pool().free_bytes())
+
+    def total_memory(self):
+        return int(self.cp.cuda.runtime.memGetInfo()[1])
 
     def device_name(self):
         props = self.cp.cuda.runtime.getDeviceProperties(self.cp.cuda.Device().id)
@@ -58,6 +112,12 @@ class CupyRuntime:
         return self.cp.RawModule(code=path.read_text(), options=nvrtc_options(path.parent))
 
     def launch(self, function, grid, block, args, shared_mem=0):
+        """CuPy passes a Python int as a 64-bit integer and a float as a double: scalars must be np.int32 /
+        np.float32 (CudaBackend._launch checks them against the kernel's signature; this catches the rest)."""
+        for i, a in enumerate(args):
+            if isinstance(a, (int, float, np.integer, np.floating)) and type(a) not in (np.int32, np.float32):
+                raise TypeError(f"kernel argument {i} is {type(a).__name__} {a}: kernel scalars must be "
+                                f"np.int32 or np.float32")
         function(grid, block, args, shared_mem=shared_mem)
 
     # ---- GEMM -----------------------------------------------------------------------------
@@ -78,6 +138,7 @@ class CupyRuntime:
         self._alpha[0] = alpha
         self._beta[0] = beta
         alpha_ptr, beta_ptr = self._alpha.ctypes.data, self._beta.ctypes.data
+        self._set_stream()
         if batch == 1:
             cublas.sgemm(self.handle, op_b, op_a, n, m, k, alpha_ptr, b.data.ptr, ldb, a.data.ptr, lda,
                          beta_ptr, c.data.ptr, ldc)

@@ -6,6 +6,14 @@ are compiled and run by gpt2np.backends.cuda.emulator.EmuModule (every CUDA thre
 "forward" or "reverse" picks the order threads are run in, which shakes out races); GEMMs are np.matmul
 over strided views with cuBLAS's semantics; timing is
 time.perf_counter. Same interface as runtime_cupy.CupyRuntime (see gpt2np.backends.cuda.backend).
+
+TF32 (EmuRuntime(tf32=True)): the GEMM inputs A and B are rounded to TF32 (10-bit mantissa, round to nearest
+with ties away from zero: round_to_tf32) and multiplied with fp32 accumulation, as TF32 tensor cores do; C
+(the accumulator, beta != 0) and alpha/beta stay fp32. Why this rounding: cuBLAS is closed source, but CUTLASS,
+whose tensor-op kernels cuBLAS's derive from, converts fp32 to tf32 with PreferredRoundingMode<tfloat32_t,
+float> = round_half_ulp_truncate (add half a TF32 ulp, drop the 13 low bits), the same as PTX's
+cvt.rna.tf32.f32. A kernel that fed raw fp32 bits (truncation) would differ by at most one TF32 ulp per input
+(2^-10 relative instead of 2^-11); tests/test_tf32.py bounds the error so that either passes.
 """
 import time
 from pathlib import Path
@@ -27,21 +35,33 @@ class EmuEvent:
         pass
 
 
+def round_to_tf32(x):
+    """float32 array -> a float32 copy rounded to TF32 (1 sign, 8 exponent, 10 mantissa bits): round to nearest,
+    ties away from zero (add half a TF32 ulp, 0x1000, to the bits, clear the 13 low bits). Inf and NaN are
+    kept as they are; a value within half a TF32 ulp of FLT_MAX rounds to inf, as the hardware conversion does."""
+    x = np.asarray(x, np.float32)
+    bits = x.view(np.uint32)
+    rounded = ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+    return np.where(np.isfinite(x), rounded, x)
+
+
 class EmuRuntime:
     """Runs kernels on the CPU emulator; arrays are NumPy arrays."""
 
     name = "emulator"
-    tf32 = False            # GEMMs run in float32 NumPy
+    tf32 = False            # GEMMs in exact fp32 NumPy; EmuRuntime(tf32=True) rounds their inputs to TF32
 
-    def __init__(self, schedule=None, guard=None):
+    def __init__(self, schedule=None, guard=None, tf32=False):
         """schedule: "forward", "reverse", or None for the emulator's default ($GPT2NP_EMU_SCHEDULE or forward).
         guard: where each device allocation's PROT_NONE guard page goes: "after" (the last byte touches it, so
         an overrun faults), "before" (the first byte follows it: underruns fault) or "off" (plain NumPy arrays);
-        None for $GPT2NP_EMU_GUARD or "after". See emulator.device_array."""
+        None for $GPT2NP_EMU_GUARD or "after". See emulator.device_array.
+        tf32: round the GEMM inputs to TF32 as tensor cores do (see the module docstring)."""
         if schedule not in (None, "forward", "reverse"):
             raise ValueError(f"EmuRuntime: schedule must be 'forward' or 'reverse', got {schedule!r}")
         from .emulator import guard_mode
         self.schedule = schedule
+        self.tf32 = bool(tf32)
         self.guard = guard_mode(guard)
 
     def device_name(self):
@@ -73,6 +93,8 @@ class EmuRuntime:
             A = A.transpose(0, 2, 1)
         if transb:
             B = B.transpose(0, 2, 1)
+        if self.tf32:
+            A, B = round_to_tf32(A), round_to_tf32(B)
         prod = np.matmul(A, B)
         if alpha != 1.0:
             prod *= np.float32(alpha)

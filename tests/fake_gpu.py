@@ -1,0 +1,385 @@
+"""Stand-ins for the GPU libraries, so the code that talks to them runs in CI without a GPU.
+
+* FakeCublas: cupy_backends.cuda.libs.cublas's functions used by CupyRuntime (create, destroy, setStream,
+  setPointerMode, setMathMode, sgemm, sgemmStridedBatched), recording every call; like CuPy 14 it defines only
+  CUBLAS_DEFAULT_MATH and CUBLAS_TENSOR_OP_MATH (no CUBLAS_TF32_TENSOR_OP_MATH).
+* FakeCupy: the parts of cupy that gpt2np's startup check, CupyRuntime and select_gpu read (driver and device
+  queries, memGetInfo, the memory pool, streams, devices with PCI bus ids, NVRTC's version).
+* Group / ThreadComm: in-process "ranks" (threads) and an mpi4py-like communicator over them (Get_rank,
+  Get_size, bcast, allreduce, allgather, Barrier, Split_type, and the buffer collectives HostCollectives uses).
+* FakeNccl: cupy.cuda.nccl's interface (get_unique_id, groupStart/End, NcclCommunicator with allReduce,
+  reduceScatter, allGather, broadcast, bcast, reduce ... taking raw pointers), doing the reductions over the
+  thread ranks on host memory, so NcclCollectives runs on the CPU emulator's arrays (whose pointers are host
+  addresses). Signatures follow cupy_backends/cuda/libs/nccl.pyx; tests/test_gpu_ready.py compares them with
+  the installed CuPy's.
+"""
+import ctypes
+import operator
+import threading
+import types
+
+import numpy as np
+
+# ---- cuBLAS -----------------------------------------------------------------------------------------------
+
+
+class FakeCublas(types.SimpleNamespace):
+    """cupy_backends.cuda.libs.cublas as CuPy 14 has it (the math modes it names), recording calls."""
+
+    CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+    CUBLAS_POINTER_MODE_HOST, CUBLAS_POINTER_MODE_DEVICE = 0, 1
+    CUBLAS_DEFAULT_MATH, CUBLAS_TENSOR_OP_MATH = 0, 1
+
+    def __init__(self):
+        super().__init__(calls=[], live=set(), _next=0x1000)
+
+    def create(self):
+        self._next += 0x10
+        self.live.add(self._next)
+        self.calls.append(("create", self._next))
+        return self._next
+
+    def destroy(self, handle):
+        self.live.discard(handle)
+        self.calls.append(("destroy", handle))
+
+    def _record(self, name, handle, *args):
+        if handle not in self.live:
+            raise RuntimeError(f"cublas.{name}: handle {handle:#x} was not created by cublas.create()")
+        for a in args:                      # Cython converts to intptr_t / int: Python ints (or numpy ints) only
+            operator.index(a)
+        self.calls.append((name, handle, *args))
+
+    def setStream(self, handle, stream):
+        self._record("setStream", handle, stream)
+
+    def setPointerMode(self, handle, mode):
+        self._record("setPointerMode", handle, mode)
+
+    def setMathMode(self, handle, mode):
+        self._record("setMathMode", handle, mode)
+
+    def sgemm(self, handle, transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc):
+        self._record("sgemm", handle, transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc)
+
+    def sgemmStridedBatched(self, handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb, strideB, beta,
+                            C, ldc, strideC, batchCount):
+        self._record("sgemmStridedBatched", handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb,
+                     strideB, beta, C, ldc, strideC, batchCount)
+
+    def of(self, name):
+        return [c for c in self.calls if c[0] == name]
+
+
+# ---- CuPy ------------------------------------------------------------------------------------------------
+
+
+class FakeStream:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def synchronize(self):
+        pass
+
+
+class FakeCupy:
+    """The parts of cupy gpt2np reads. driver: cudaDriverGetVersion's answer (0 = no driver); devices: one
+    (name, compute capability, PCI bus id) per visible GPU; free/total: memGetInfo; pool_free: what CuPy's pool
+    holds unused; nvrtc: NVRTC's (major, minor), or an exception to raise."""
+
+    def __init__(self, driver=13000, devices=(("NVIDIA H100 80GB HBM3", 90, "0000:01:00.0"),), free=80 << 30,
+                 total=80 << 30, pool_free=0, nvrtc=(13, 0), stream=0):
+        fake = self
+        self.driver, self.devices, self.free, self.total = driver, list(devices), free, total
+        self.pool_free, self.nvrtc_version, self.current, self.used = pool_free, nvrtc, 0, []
+        self.stream = FakeStream(stream)
+
+        class Runtime:
+            @staticmethod
+            def driverGetVersion():
+                return fake.driver
+
+            @staticmethod
+            def getDeviceCount():
+                if fake.driver <= 0:
+                    raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient for "
+                                       "CUDA runtime version")
+                return len(fake.devices)
+
+            @staticmethod
+            def getDevice():
+                return fake.current
+
+            @staticmethod
+            def getDeviceProperties(i):
+                name, cc, _ = fake.devices[i]
+                return {"name": name.encode(), "major": cc // 10, "minor": cc % 10}
+
+            @staticmethod
+            def memGetInfo():
+                return fake.free, fake.total
+
+        class Device:
+            def __init__(self, i=None):
+                self.id = fake.current if i is None else i
+
+            def use(self):
+                fake.current = self.id
+                fake.used.append(self.id)
+
+            @property
+            def pci_bus_id(self):
+                return fake.devices[self.id][2]
+
+            def __enter__(self):
+                self._previous, fake.current = fake.current, self.id
+                return self
+
+            def __exit__(self, *exc):
+                fake.current = self._previous
+
+        class Nvrtc:
+            @staticmethod
+            def getVersion():
+                if isinstance(fake.nvrtc_version, Exception):
+                    raise fake.nvrtc_version
+                return fake.nvrtc_version
+
+        class Pool:
+            @staticmethod
+            def free_bytes():
+                return fake.pool_free
+
+        self.cuda = types.SimpleNamespace(runtime=Runtime, Device=Device, nvrtc=Nvrtc,
+                                          get_current_stream=lambda: fake.stream,
+                                          device=types.SimpleNamespace(get_cublas_handle=self._shared_handle))
+        self.get_default_memory_pool = Pool
+
+    @staticmethod
+    def _shared_handle():
+        raise AssertionError("CupyRuntime must not use CuPy's shared cuBLAS handle")
+
+
+# ---- in-process ranks and an MPI-like communicator ----------------------------------------------------------
+
+
+class Group:
+    """`size` ranks that are threads of this process; exchange() is the one rendezvous everything is built on."""
+
+    def __init__(self, size, timeout=60):
+        self.size, self.timeout = size, timeout
+        self._barrier = threading.Barrier(size, timeout=timeout)
+        self._slots = [None] * size
+
+    def exchange(self, rank, value):
+        """[value of rank 0, value of rank 1, ...] on every rank."""
+        self._slots[rank] = value
+        self._barrier.wait()
+        values = list(self._slots)
+        self._barrier.wait()                  # nobody overwrites a slot before everyone has read them all
+        return values
+
+    def run(self, target, *args):
+        """target(rank, *args) on every rank (a thread each); returns the results in rank order, re-raises the
+        first rank's exception."""
+        results, errors = [None] * self.size, [None] * self.size
+
+        def one(rank):
+            try:
+                results[rank] = target(rank, *args)
+            except BaseException as e:        # noqa: BLE001 - handed to the caller
+                errors[rank] = e
+                self._barrier.abort()        # the other ranks stop waiting for this one
+
+        threads = [threading.Thread(target=one, args=(r,), name=f"rank{r}") for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.timeout * 4)
+        if any(t.is_alive() for t in threads):
+            raise TimeoutError(f"ranks still running after {self.timeout * 4} s")
+        # the rank that failed first, not the ones it left waiting at a broken barrier
+        errors = sorted((e for e in errors if e is not None), key=lambda e: isinstance(e, threading.BrokenBarrierError))
+        if errors:
+            raise errors[0]
+        return results
+
+
+class ThreadComm:
+    """What gpt2np.dist asks of an mpi4py communicator, over a Group's thread ranks."""
+
+    def __init__(self, group, rank, node=None):
+        self.group, self.rank = group, rank
+        self._node = node                    # the communicator Split_type returns (default: this one)
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.group.size
+
+    def bcast(self, obj, root=0):
+        return self.group.exchange(self.rank, obj)[root]
+
+    def allgather(self, obj):
+        return self.group.exchange(self.rank, obj)
+
+    def allreduce(self, value, op=None):
+        return sum(self.group.exchange(self.rank, value))
+
+    def Barrier(self):
+        self.group.exchange(self.rank, None)
+
+    def Split_type(self, kind):
+        return self._node or ThreadComm(self.group, self.rank)
+
+    def Free(self):
+        pass
+
+    def Abort(self, code=1):
+        raise SystemExit(code)
+
+    # buffer collectives, as HostCollectives calls them (MPI.IN_PLACE, MPI.SUM)
+    def Allreduce(self, sendbuf, recvbuf, op=None):
+        from mpi4py import MPI
+        data = np.array(recvbuf if sendbuf is MPI.IN_PLACE else sendbuf, copy=True)
+        recvbuf[...] = np.sum(self.group.exchange(self.rank, data), axis=0, dtype=data.dtype)
+
+    def Reduce_scatter(self, sendbuf, recvbuf, recvcounts, op=None):
+        total = np.sum(self.group.exchange(self.rank, np.array(sendbuf, copy=True)), axis=0, dtype=sendbuf.dtype)
+        lo = sum(recvcounts[:self.rank])
+        recvbuf[...] = total[lo:lo + recvcounts[self.rank]]
+
+    def Allgatherv(self, sendbuf, recv):
+        buf, counts, displs, _ = recv
+        mine = np.array(buf[displs[self.rank]:displs[self.rank] + counts[self.rank]], copy=True)
+        for r, part in enumerate(self.group.exchange(self.rank, mine)):
+            buf[displs[r]:displs[r] + counts[r]] = part
+
+
+# ---- NCCL ------------------------------------------------------------------------------------------------
+
+NCCL_DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64, 6: np.float16,
+               7: np.float32, 8: np.float64}          # ncclDataType_t (nccl.h)
+NCCL_OPS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum}     # ncclSum, ncclProd, ncclMax, ncclMin
+
+
+def host_view(ptr, count, dtype):
+    """count elements of dtype at host address ptr, as a writable NumPy array (what NCCL reads and writes)."""
+    dtype = np.dtype(dtype)
+    if count == 0:
+        return np.zeros(0, dtype)
+    raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(ptr)
+    return np.frombuffer(raw, dtype=dtype)
+
+
+class FakeNccl(types.SimpleNamespace):
+    """A cupy.cuda.nccl stand-in for thread ranks sharing one address space. Every collective is a rendezvous
+    of the communicator's ranks: each posts a copy of what it sends, then each writes its own result, so in-place
+    calls (send == recv, or recv inside send) behave as NCCL's do. Calls record (rank, name, counts) in `log`."""
+
+    NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32 = 0, 1, 2, 3
+    NCCL_INT64, NCCL_UINT64, NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64 = 4, 5, 6, 7, 8
+    NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN = 0, 1, 2, 3
+    available = True
+
+    def __init__(self):
+        fake = self
+        super().__init__(log=[], _groups={}, _lock=threading.Lock(), _depth=threading.local(), _ids=0)
+
+        class NcclCommunicator:
+            def __init__(self, ndev, commId, rank):
+                if not isinstance(commId, tuple) or len(commId) != 128:
+                    raise TypeError("commId must be the 128-tuple get_unique_id() returns")
+                if not 0 <= rank < ndev:
+                    raise ValueError(f"rank {rank} not in 0..{ndev - 1}")
+                with fake._lock:
+                    self._group = fake._groups.setdefault(commId, Group(ndev))
+                if self._group.size != ndev:
+                    raise ValueError("ranks disagree on the communicator's size")
+                self._rank, self._ndev = rank, ndev
+
+            # the collectives (cupy_backends/cuda/libs/nccl.pyx)
+            def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+                dtype = self._check("allReduce", sendbuf, recvbuf, count, datatype, stream, op=op)
+                parts = self._group.exchange(self._rank, host_view(sendbuf, count, dtype).copy())
+                host_view(recvbuf, count, dtype)[...] = _reduce(parts, op)
+
+            def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
+                dtype = self._check("reduce", sendbuf, recvbuf, count, datatype, stream, op=op, root=root)
+                parts = self._group.exchange(self._rank, host_view(sendbuf, count, dtype).copy())
+                if self._rank == root:
+                    host_view(recvbuf, count, dtype)[...] = _reduce(parts, op)
+
+            def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
+                dtype = self._check("reduceScatter", sendbuf, recvbuf, recvcount, datatype, stream, op=op)
+                parts = self._group.exchange(self._rank, host_view(sendbuf, recvcount * self._ndev, dtype).copy())
+                mine = slice(self._rank * recvcount, (self._rank + 1) * recvcount)
+                host_view(recvbuf, recvcount, dtype)[...] = _reduce([p[mine] for p in parts], op)
+
+            def allGather(self, sendbuf, recvbuf, count, datatype, stream):
+                dtype = self._check("allGather", sendbuf, recvbuf, count, datatype, stream)
+                parts = self._group.exchange(self._rank, host_view(sendbuf, count, dtype).copy())
+                host_view(recvbuf, count * self._ndev, dtype)[...] = np.concatenate(parts)
+
+            def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
+                dtype = self._check("broadcast", sendbuff, recvbuff, count, datatype, stream, root=root)
+                mine = host_view(sendbuff, count, dtype).copy() if self._rank == root else None
+                host_view(recvbuff, count, dtype)[...] = self._group.exchange(self._rank, mine)[root]
+
+            def bcast(self, buff, count, datatype, root, stream):
+                self.broadcast(buff, buff, count, datatype, root, stream)
+
+            def destroy(self):
+                pass
+
+            def abort(self):
+                pass
+
+            def device_id(self):
+                return 0
+
+            def rank_id(self):
+                return self._rank
+
+            def size(self):
+                return self._ndev
+
+            def _check(self, name, send, recv, count, datatype, stream, op=0, root=0):
+                for what, value in (("sendbuf", send), ("recvbuf", recv), ("count", count), ("datatype", datatype),
+                                    ("stream", stream), ("op", op), ("root", root)):
+                    try:                      # Cython's intptr_t / size_t / int conversion
+                        operator.index(value)
+                    except TypeError:
+                        raise TypeError(f"NcclCommunicator.{name}: {what} must be an int, got "
+                                        f"{type(value).__name__}") from None
+                if count < 0 or datatype not in NCCL_DTYPES or op not in NCCL_OPS or not 0 <= root < self._ndev:
+                    raise ValueError(f"NcclCommunicator.{name}: bad count {count}, datatype {datatype}, op {op} or "
+                                     f"root {root}")
+                fake.log.append((self._rank, name, int(count), getattr(fake._depth, "value", 0) > 0))
+                return NCCL_DTYPES[datatype]
+
+        self.NcclCommunicator = NcclCommunicator
+
+    def get_unique_id(self):
+        with self._lock:
+            self._ids += 1
+            return tuple([self._ids % 128] + [0] * 127)
+
+    def groupStart(self):
+        self._depth.value = getattr(self._depth, "value", 0) + 1
+
+    def groupEnd(self):
+        if getattr(self._depth, "value", 0) <= 0:
+            raise RuntimeError("groupEnd without groupStart")
+        self._depth.value -= 1
+
+    def get_version(self):
+        return 22703
+
+
+def _reduce(parts, op):
+    out = parts[0].copy()
+    for p in parts[1:]:
+        NCCL_OPS[op](out, p, out=out)
+    return out

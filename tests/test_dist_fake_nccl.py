@@ -1,0 +1,238 @@
+"""Multi-GPU code paths without GPUs: gpt2np.dist's NCCL collectives driven through a fake NCCL communicator
+(tests/fake_gpu.py: cupy.cuda.nccl's interface, reductions over in-process thread ranks) on the CUDA backend's
+CPU emulator; the host-staged collectives used when ranks share a GPU; select_gpu's choice of device for one
+GPU per rank, ranks that each see only their own GPU (Slurm --gpus-per-task=1), and more ranks than GPUs.
+
+N thread ranks with micro-batch b must train like one process with N*b: same losses and parameters after a few
+AdamW steps (ZeRO-0 and ZeRO-1, including 3 ranks whose shards leave a tail)."""
+import inspect
+import re
+
+import numpy as np
+import pytest
+from fake_gpu import FakeCupy, FakeNccl, Group, ThreadComm, host_view
+
+from gpt2np.backends.cuda.backend import CudaBackend
+from gpt2np.backends.cuda.runtime_emu import EmuRuntime
+from gpt2np.config import GPT2Config
+from gpt2np.dist import DistError, MpiProcessGroup, NcclCollectives, StagedCollectives, select_gpu, shard_bounds
+from gpt2np.model import GPT2
+from gpt2np.tensors import num_parameters
+from gpt2np.train_step import AdamW, train_step
+
+# maxT=17: num_parameters = 34208, a multiple of 2 but not of 3 (the 3-rank ZeRO-1 shards leave a tail of 2)
+TINY = GPT2Config(max_seq_len=17, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=2, channels=32)
+T, STEPS, B_PER_RANK = 8, 3, 2
+ADAMW = AdamW(eps=1e-4, weight_decay=0.1, grad_clip=1.0)   # eps: no sign flips of ~0 gradients
+
+
+def emu_backend():
+    be = CudaBackend(EmuRuntime())
+    be.elementwise_threads = 64
+    return be
+
+
+def batches(ranks):
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, TINY.vocab_size, (STEPS, ranks * B_PER_RANK, T + 1)).astype(np.int32)
+    return tokens[..., :-1], tokens[..., 1:]
+
+
+def train(model, x, y, dist=None, rows=slice(None)):
+    """STEPS steps on this rank's rows of each step's batch; returns the losses and the final parameters."""
+    losses = []
+    for step in range(STEPS):
+        batch = (np.ascontiguousarray(x[step, rows]), np.ascontiguousarray(y[step, rows]))
+        loss, _ = train_step(model, lambda b=batch: b, step=step, lr=1e-3, adamw=ADAMW, dist=dist)
+        losses.append(loss)
+    return losses, model.params_host()
+
+
+def single_process(ranks):
+    x, y = batches(ranks)
+    return train(GPT2(TINY, emu_backend(), ranks * B_PER_RANK, T, seed=3), x, y)
+
+
+def nccl_factory(nccl):
+    return lambda comm: (lambda backend, buf: NcclCollectives(comm, backend.rt, nccl=nccl, stream_ptr=lambda: 0))
+
+
+def thread_ranks(ranks, zero, make_collectives):
+    """Train on `ranks` thread ranks with MpiProcessGroup over a ThreadComm; make_collectives(comm) gives the
+    group's collectives factory."""
+    group, (x, y) = Group(ranks), batches(ranks)
+
+    def rank_main(rank):
+        comm = ThreadComm(group, rank)
+        dist = MpiProcessGroup(comm, zero_stage=zero, timeout=0, collectives=make_collectives(comm))
+        model = GPT2(TINY, emu_backend(), B_PER_RANK, T, seed=3)
+        return train(model, x, y, dist, rows=slice(rank * B_PER_RANK, (rank + 1) * B_PER_RANK))
+
+    return group.run(rank_main)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {ranks: single_process(ranks) for ranks in (2, 3)}
+
+
+@pytest.mark.parametrize("ranks, zero", [(2, 0), (2, 1), (3, 1)])
+def test_nccl_path_on_the_emulator_trains_like_one_process(reference, ranks, zero):
+    nccl = FakeNccl()
+    results = thread_ranks(ranks, zero, nccl_factory(nccl))
+    ref_losses, ref_params = reference[ranks]
+    for losses, params in results:
+        np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+        np.testing.assert_allclose(params, ref_params, rtol=0, atol=2e-6)
+    for params in results[1:]:                   # every rank holds the same model
+        np.testing.assert_array_equal(params[1], results[0][1])
+    calls = {name for _, name, _, _ in nccl.log}
+    tail = num_parameters(TINY) % ranks
+    if zero == 0:
+        assert calls == {"allReduce"}
+    else:
+        assert {"reduceScatter", "allGather"} <= calls
+        assert ("broadcast" in calls) == bool(tail)        # the last rank's tail goes through its own calls
+        assert all(grouped for _, name, _, grouped in nccl.log if name != "allReduce" or tail)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_ranks_sharing_a_gpu_average_through_mpi_on_host_copies(reference, zero):
+    results = thread_ranks(3, zero, lambda comm: (lambda backend, buf: StagedCollectives(comm, backend.rt)))
+    ref_losses, ref_params = reference[3]
+    for losses, params in results:
+        np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+        np.testing.assert_allclose(params, ref_params, rtol=0, atol=2e-6)
+
+
+def test_the_default_choice_of_collectives(monkeypatch):
+    """Device buffers: NCCL, or host-staged MPI when ranks share a GPU; host buffers: MPI."""
+    import gpt2np.dist as dist_module
+    made = []
+    monkeypatch.setattr(dist_module, "NcclCollectives", lambda comm, rt: made.append("nccl") or "nccl")
+    monkeypatch.setattr(dist_module, "StagedCollectives", lambda comm, rt: made.append("staged") or "staged")
+    comm = ThreadComm(Group(1), 0)
+    backend = emu_backend()
+    device_buf = memoryview(b"")                          # not a NumPy array: stands for a device array
+    for shared, expected in ((False, "nccl"), (True, "staged")):
+        group = MpiProcessGroup(comm, timeout=0)
+        group.shared_gpu = shared
+        assert group._device_collectives(backend, device_buf) == expected
+    host = MpiProcessGroup(comm, timeout=0)._device_collectives(backend, np.zeros(4, np.float32))
+    assert type(host).__name__ == "HostCollectives"
+    assert made == ["nccl", "staged"]
+
+
+def test_fake_collectives_act_on_the_memory_behind_the_pointers():
+    nccl, group = FakeNccl(), Group(2)
+    uid = nccl.get_unique_id()
+
+    def rank_main(rank):
+        comm = nccl.NcclCommunicator(2, uid, rank)
+        buf = np.arange(6, dtype=np.float32) * (rank + 1)
+        ptr = buf.__array_interface__["data"][0]
+        comm.allReduce(ptr, ptr, 6, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, 0)
+        sums = buf.copy()
+        out = np.zeros(3, np.float32)
+        comm.reduceScatter(ptr, out.__array_interface__["data"][0], 3, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, 0)
+        with pytest.raises(TypeError, match="sendbuf must be an int"):
+            comm.allReduce(buf, ptr, 6, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, 0)
+        return sums, out
+
+    (s0, o0), (s1, o1) = group.run(rank_main)
+    np.testing.assert_array_equal(s0, np.arange(6) * 3)
+    np.testing.assert_array_equal(s1, s0)
+    np.testing.assert_array_equal(o0, s0[:3] * 2)
+    np.testing.assert_array_equal(o1, s0[3:] * 2)
+    assert host_view(0, 0, np.float32).size == 0
+
+
+def test_nccl_collectives_without_nccl_say_what_to_install():
+    class NoNccl:
+        available = False
+    with pytest.raises(DistError, match="pip install 'nvidia-nccl-cu13"):
+        NcclCollectives(ThreadComm(Group(1), 0), EmuRuntime(), nccl=NoNccl())
+
+
+# ---- the fake's interface is CuPy's ------------------------------------------------------------------------
+
+def cython_parameters(function):
+    """Parameter names from a Cython function's embedded signature: 'allReduce(self, intptr_t sendbuf, ...)'."""
+    match = re.match(r"[\w.]+\(([^)]*)\)", (function.__doc__ or "").strip())
+    if not match:
+        pytest.skip(f"{function.__qualname__} has no embedded signature")
+    return [p.split()[-1].split("=")[0] for p in match[1].split(",") if p.strip()]
+
+
+def test_fake_nccl_has_cupys_interface():
+    nccl = pytest.importorskip("cupy.cuda.nccl", reason="CuPy is not installed")
+    if not nccl.available:
+        pytest.skip("CuPy finds no NCCL library (pip install 'nvidia-nccl-cu13>=2.27.7,<3')")
+    fake = FakeNccl()
+    for name in ("NCCL_FLOAT32", "NCCL_FLOAT16", "NCCL_SUM"):
+        assert getattr(fake, name) == getattr(nccl, name), name
+    for name in ("get_unique_id", "groupStart", "groupEnd", "NcclCommunicator"):
+        assert callable(getattr(nccl, name)), name
+    for name in ("allReduce", "reduceScatter", "allGather", "broadcast", "bcast", "reduce", "destroy", "abort",
+                 "device_id", "rank_id", "size"):
+        real = getattr(nccl.NcclCommunicator, name)
+        mine = list(inspect.signature(getattr(fake.NcclCommunicator, name)).parameters)
+        assert cython_parameters(real) == mine, name
+
+
+# ---- select_gpu --------------------------------------------------------------------------------------------
+
+def select_on(ranks, cupy_of_rank, nodes=None):
+    """select_gpu on thread ranks; nodes: rank -> node index (default: all on one node)."""
+    nodes = nodes or [0] * ranks
+    world = Group(ranks)
+    node_groups = {n: Group(nodes.count(n)) for n in set(nodes)}
+
+    def rank_main(rank):
+        n = nodes[rank]
+        local = [r for r in range(ranks) if nodes[r] == n].index(rank)
+        comm = ThreadComm(world, rank, node=ThreadComm(node_groups[n], local))
+        return select_gpu(comm, cupy=cupy_of_rank(rank))
+
+    return world.run(rank_main)
+
+
+def gpus(n, prefix="0000:"):
+    return [(f"NVIDIA H100 80GB HBM3 #{i}", 90, f"{prefix}{i + 1:02x}:00.0") for i in range(n)]
+
+
+def test_one_gpu_per_rank():
+    cupys = [FakeCupy(devices=gpus(4)) for _ in range(4)]
+    assert select_on(4, lambda r: cupys[r]) == [(r, False) for r in range(4)]
+    assert [c.used for c in cupys] == [[0], [1], [2], [3]]
+
+
+def test_ranks_that_each_see_one_gpu_use_device_0():
+    """Slurm --gpus-per-task=1: every rank's device 0 is a different GPU; NCCL can run."""
+    cupys = [FakeCupy(devices=[(f"GPU {r}", 80, f"0000:{r + 1:02x}:00.0")]) for r in range(4)]
+    assert select_on(4, lambda r: cupys[r]) == [(0, False)] * 4
+
+
+def test_two_ranks_on_one_gpu_share_it():
+    """mpiexec -n 2 on a machine with one GPU: both on GPU 0, and every rank knows they share it."""
+    assert select_on(2, lambda r: FakeCupy(devices=gpus(1))) == [(0, True), (0, True)]
+
+
+def test_sharing_on_one_node_is_known_on_every_node():
+    # node 0: 2 ranks on 2 GPUs; node 1: 2 ranks on 1 GPU -> all 4 ranks must use the staged collectives
+    cupys = [FakeCupy(devices=gpus(2)), FakeCupy(devices=gpus(2)), FakeCupy(devices=gpus(1, "0001:")),
+             FakeCupy(devices=gpus(1, "0001:"))]
+    assert select_on(4, lambda r: cupys[r], nodes=[0, 0, 1, 1]) == [(0, True), (1, True), (0, True), (0, True)]
+
+
+def test_more_ranks_than_gpus_go_round_robin():
+    assert [d for d, _ in select_on(4, lambda r: FakeCupy(devices=gpus(2)))] == [0, 1, 0, 1]
+
+
+def test_no_gpu_is_a_clear_error():
+    with pytest.raises(DistError, match="no GPU visible"):
+        select_on(1, lambda r: FakeCupy(devices=[]))
+
+
+def test_shards_used_here_leave_a_tail():
+    assert num_parameters(TINY) % 3 == 2 and shard_bounds(num_parameters(TINY), 3)[-1][1] == num_parameters(TINY)
