@@ -17,6 +17,8 @@ Timing, by backend:
     python -m gpt2np.profiling.profiler -e d12 -b 4 -t 64 --steps 2 [--device cpu|cuda|emu] [--out DIR]
                                          [--views all|NAME,NAME...]
     python train.py ... --profile 2          # the same, inside a training run
+    python -m gpt2np.profiling.profiler --plan --gpu H100 -e d12 -b 4 -t 1024 [--measure]
+                                         # a roofline plan of one step, no GPU needed (gpt2np.profiling.plan)
 """
 import os
 import sys
@@ -46,6 +48,7 @@ API_NAMES = {"launch": "cuLaunchKernel", "gemm": "cublasSgemm_v2", "gemm_batched
 TIMING_CPU = "CPU clock around each NumPy op"
 TIMING_EMU = "host clock around each emulated launch"
 TIMING_EVENTS = "CUDA events around each launch (fallback: {why}); the events perturb what they time"
+TIMING_NONE = "not measured (a plan: nothing ran)"
 
 
 def attribution(stack):
@@ -127,11 +130,14 @@ class Profiler:
 
     activity_source: "auto" (CUPTI where cupti-python and a GPU are there), None (never), or an object
     with start/now/push/pop/stop/api_name like cupti.CuptiSource (tests pass a fake one).
+    measure: False plans instead (gpt2np.profiling.plan): every launch, copy and memset is recorded, attributed
+    and costed as usual, nothing is timed (no events, no CUPTI; durations 0) and no memory peak is measured.
     """
 
-    def __init__(self, backend, model=None, activity_source="auto"):
+    def __init__(self, backend, model=None, activity_source="auto", measure=True):
         self.backend = backend
         self.model = model
+        self.measure = bool(measure)
         self.records, self.ranges, self.range_instances = [], [], []
         self.api, self.comms = [], []
         self.memory = None
@@ -151,6 +157,9 @@ class Profiler:
 
     def _choose_timing(self, activity_source):
         be = self.backend
+        if not self.measure:
+            self.timing = TIMING_NONE
+            return
         if not be.launches_kernels:
             return
         runtime = getattr(getattr(be, "rt", None), "name", "")
@@ -190,7 +199,7 @@ class Profiler:
             if hasattr(be, "rt"):
                 self._rt = be.rt
                 be.rt = RecordingRuntime(self._rt, self)
-                if self.source is None:
+                if self.source is None and self.measure:
                     ref = self._rt.event()
                     ref.record()
                     self._ref = (ref, self._now())
@@ -206,7 +215,7 @@ class Profiler:
         self.resolve()
         if self.model is not None:
             from .memory import memory_summary
-            self.memory = memory_summary(self.model)
+            self.memory = memory_summary(self.model, None if self.measure else {"bytes": None, "what": TIMING_NONE})
         return False
 
     def _now(self):
@@ -263,7 +272,10 @@ class Profiler:
             self._launch_record = None
 
     def _timed(self, record, run):
-        """Run one activity: under CUPTI inside its external correlation id, else between two events."""
+        """Run one activity: under CUPTI inside its external correlation id, else between two events (a plan:
+        just run it)."""
+        if not self.measure:
+            return run()
         if self.source is not None:
             self.source.push(record.idx)
             try:
@@ -479,14 +491,36 @@ def main(argv=None):
                     help=f"views to print, comma-separated, or 'all' (default {','.join(V.DEFAULT_VIEWS)}; "
                          f"all: {','.join(V.VIEWS)})")
     ap.add_argument("--all-steps", action="store_true", help="views of every profiled step, not the last")
+    plan = ap.add_argument_group("planning (gpt2np.profiling.plan): no GPU needed, no kernel runs")
+    plan.add_argument("--plan", action="store_true",
+                      help="plan one training step on --gpu: every launch with its FLOPs, bytes and roofline floor, "
+                           "sums per op and direction, the memory the run needs, the host syncs")
+    plan.add_argument("--gpu", help="the GPU to plan for, as gpu_specs names it (H100, A100 80GB, L4, ...; default: "
+                                    "the GPU measured with --measure, else H100)")
+    plan.add_argument("--precision", choices=["tf32", "fp32"],
+                      help="GEMM math of the plan: tf32 tensor cores (default) or fp32 CUDA cores")
+    plan.add_argument("--plan-launches", action="store_true", help="print every launch of the plan")
+    plan.add_argument("--measure", action="store_true",
+                      help="run the planned step for real (--device cuda, or emu: CPU times) and print the measured "
+                           "time beside each floor")
     args = ap.parse_args(argv)
     integer(1).check("-b", args.batch_size, "the batch size B")
     integer(1).check("-t", args.seq_len, "the sequence length T")
     integer(1).check("--steps", args.steps, "the number of profiled steps")
+    planning = {"--gpu": args.gpu is not None, "--precision": args.precision is not None,
+                "--plan-launches": args.plan_launches, "--measure": args.measure}
+    if not args.plan and any(planning.values()):
+        raise BadInput(f"{next(flag for flag, given in planning.items() if given)} needs --plan")
     views = V.parse_views(args.views)
     # before the run, not after it: the files go into --out
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise BadInput(f"--out {args.out}: is a file; expected a folder (made if missing)")
+    if args.plan:
+        from . import plan as planner
+        cfg, params, desc = resolve_model(args.model)
+        if args.seq_len > cfg.max_seq_len:
+            raise BadInput(f"-t {args.seq_len}: longer than the model's max_seq_len {cfg.max_seq_len}")
+        return planner.run(args, cfg, params, desc)
     backend = get_backend(args.device)
     cfg, params, desc = resolve_model(args.model)
     if args.seq_len > cfg.max_seq_len:

@@ -1,0 +1,228 @@
+"""The roofline planner (gpt2np.profiling.plan) plans the launches a real step runs, costs them with the op
+contract, counts the memory the model allocates and the host syncs, all without a GPU and without allocating."""
+import csv
+import json
+import re
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+from test_train import tiny_model  # noqa: F401  (fixture)
+
+from gpt2np.backends import get_backend
+from gpt2np.backends.contract import op_cost
+from gpt2np.backends.cuda.runtime_plan import PlanArray, PlanRuntime
+from gpt2np.config import GPT2Config, preset
+from gpt2np.model import GPT2
+from gpt2np.profiling import plan as P
+from gpt2np.profiling import ranges
+from gpt2np.profiling.gpu_specs import lookup
+from gpt2np.profiling.profiler import attribution, main
+from gpt2np.profiling.report import EMULATED_NOTE
+from gpt2np.tensors import activation_shapes, layout_size, num_parameters
+
+CFG = GPT2Config(32, 100, 128, 2, 2, 16)          # maxT > T: encoder_backward also clears dwpe[T:]
+B, T = 2, 8
+TOTAL = re.compile(r"^total: ([\d.]+) GB, ([\d,.]+) GFLOP, floor ([\d.]+) ms, (\d+) launches, (\d+) host syncs$")
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    return P.plan_step(CFG, B, T, "H100", "tf32")
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    """One real step on the emulated CUDA path, recorded as the planner records (step 1 after a warm-up)."""
+    model = GPT2(CFG, get_backend("emu"), B, T, seed=0)
+    prof, terms = P.profiled_step(model, P.random_batches(CFG, B, T))
+    return prof, terms
+
+
+def test_the_plan_is_the_launch_list_of_a_real_emulated_step(small_plan, emulated):
+    prof, terms = emulated
+    planned = [x.record for x in small_plan.launches]
+    assert len(planned) == len(prof.records)
+    fields = ("kind", "kernel", "op", "module", "direction", "layer", "params", "flops", "bytes", "grid", "block",
+              "range_stack")
+    for p, r in zip(planned, prof.records):
+        assert [getattr(p, f) for f in fields] == [getattr(r, f) for f in fields], (p, r)
+    assert [x.term for x in small_plan.kernels] == terms
+    assert all(x.term is not None for x in small_plan.kernels if x.record.flops or x.record.bytes)
+    # the host syncs the plan counts are the device->host reads the real step makes, and its synchronize
+    reads = [r for r in prof.records if r.kernel == "[CUDA memcpy DtoH]"]
+    assert [s["kind"] for s in small_plan.syncs] == ["to_host"] * len(reads) + ["synchronize"]
+    assert [s["bytes"] for s in small_plan.syncs[:-1]] == [r.bytes for r in reads]
+
+
+def test_memory_is_the_models_buffers(small_plan, emulated):
+    prof, _ = emulated
+    assert small_plan.memory["buffers"] == prof.memory["buffers"]
+    assert small_plan.memory["activations"] == prof.memory["activations"]
+    sizes = {b["buffer"]: b["bytes"] for b in small_plan.memory["buffers"]}
+    P_ = num_parameters(CFG)
+    assert sizes["parameters"] == sizes["gradients"] == sizes["AdamW m"] == sizes["AdamW v"] == 4 * P_
+    assert sizes["activations"] == 4 * layout_size(activation_shapes(CFG, B, T))
+
+
+class OpCalls:
+    """A range listener: every op call of step 1 with its direction (independent of the Profiler)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_push(self, name, detail):
+        stack = ranges.current_stack()
+        if isinstance(detail, tuple) and stack and stack[0] == "Train step 1":
+            self.calls.append((attribution(stack)[0], name, op_cost(name, detail[1])))
+
+    def on_pop(self, name):
+        pass
+
+
+def test_per_op_sums_are_the_op_contracts_costs():
+    listener = OpCalls()
+    ranges.add_listener(listener)
+    try:
+        plan = P.plan_step(CFG, B, T, "A100 80GB", "fp32")
+    finally:
+        ranges.remove_listener(listener)
+    expected = {}
+    for direction, op, cost in listener.calls:
+        e = expected.setdefault((direction, op), [0, 0, 0])
+        e[0] += 1
+        e[1] += cost.flops
+        e[2] += cost.bytes
+    got = {(g["direction"], g["op"]): [g["calls"], g["flops"], g["bytes"]] for g in P.op_rows(plan)
+           if not g["op"].startswith("[")}
+    assert got == expected
+    assert plan.flops == sum(c.flops for *_, c in listener.calls)
+    assert plan.bytes == sum(c.bytes for *_, c in listener.calls)
+
+
+def test_floors_are_the_roofline_of_the_named_gpu(small_plan):
+    h100 = lookup("H100")
+    fp32, tf32, bw = h100.fp32 * 1e12, h100.tf32 * 1e12, h100.mem_gbps * 1e9
+    for x in small_plan.kernels:
+        r = x.record
+        peak = tf32 if r.kernel.startswith("cublasSgemm") else fp32
+        want = max(r.flops / peak, r.bytes / bw) * 1e9 if (r.flops or r.bytes) else None
+        assert x.floor_ns == pytest.approx(want) if want else x.floor_ns is None
+    d12 = {p: P.plan_step(preset("d12"), 4, 1024, "H100", p) for p in ("tf32", "fp32")}
+    gemm = [i for i, x in enumerate(d12["tf32"].launches) if x.record.is_gemm]
+    assert all(d12["fp32"].launches[i].floor_ns > d12["tf32"].launches[i].floor_ns for i in gemm)
+    assert all(d12["fp32"].launches[i].floor_ns == d12["tf32"].launches[i].floor_ns
+               for i, x in enumerate(d12["tf32"].launches) if not x.record.is_gemm and x.floor_ns)
+    assert d12["fp32"].floor_ns > 2 * d12["tf32"].floor_ns     # fp32 GEMMs: 67 instead of 494.5 TFLOP/s
+    v100 = P.plan_step(CFG, B, T, "V100", "tf32")          # no TF32 tensor cores: fp32 GEMMs, and a note
+    assert v100.precision == "fp32" and "no TF32" in v100.notes[0]
+
+
+def test_d12_b4_t1024_on_h100_plans_in_seconds_without_allocating(tmp_path, capsys):
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        code = main(["--plan", "--gpu", "H100", "-e", "d12", "-b", "4", "-t", "1024", "--out", str(tmp_path)])
+        seconds = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    out = capsys.readouterr().out
+    assert code == 0
+    assert seconds < 30 and peak < 200e6, (seconds, peak)       # a real step would hold ~8 GB
+    last = out.rstrip("\n").splitlines()[-1]
+    m = TOTAL.match(last)
+    assert m, last
+    gb, gflop, floor_ms, launches, syncs = (float(v.replace(",", "")) for v in m.groups())
+    assert int(syncs) == 4                 # the loss, encoder_backward's token ids, the grad norm, synchronize
+    for title in ("Per op and direction on H100 SXM (tf32 GEMMs)", "Per direction", "Memory the run needs",
+                  "Activations by name", "Host syncs in the step: 4", "not a measurement"):
+        assert title in out
+    doc = json.load(open(tmp_path / "plan.json"))
+    total = doc["total"]
+    assert total["launches"] == launches and total["host_syncs"] == 4
+    assert round(total["memory_bytes"] / 1e9, 2) == gb and round(total["flops"] / 1e9, 1) == gflop
+    assert round(total["floor_ns"] / 1e6, 2) == floor_ms
+    cfg = preset("d12")
+    sizes = {b["buffer"]: b["bytes"] for b in doc["memory"]["buffers"]}
+    assert sizes["parameters"] == sizes["AdamW v"] == 4 * num_parameters(cfg)
+    assert sizes["activations"] == 4 * layout_size(activation_shapes(cfg, 4, 1024))
+    acts = {a["buffer"]: a["bytes"] for a in doc["memory"]["activations"]}
+    assert acts["att"] == 4 * 12 * 4 * 12 * 1024 * 1024
+    rows = list(csv.DictReader(open(tmp_path / "plan.csv")))
+    kernels = [r for r in rows if r["kind"] == "kernel"]
+    assert len(kernels) == launches
+    assert sum(float(r["floor_ns"] or 0) for r in rows) == pytest.approx(total["floor_ns"])
+    # the model's GEMM work dominates: 6 FLOPs per parameter and token, within the attention's share
+    tokens = 4 * 1024
+    assert 6 * num_parameters(cfg) * tokens < total["flops"] < 1.2 * 6 * num_parameters(cfg) * tokens
+    ops = list(csv.DictReader(open(tmp_path / "plan_ops.csv")))
+    assert {r["direction"] for r in ops} >= {"fprop", "bprop", "update"}
+
+
+def test_every_launch_is_printed_when_asked(tmp_path, capsys):
+    assert main(["--plan", "--plan-launches", "-e", "d12", "-b", "1", "-t", "64", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Every launch of the step" in out and "cublasSgemm (gemm_matmul_backward_dweight)" in out
+    assert "encoder_backward_wte_grouped" in out and "dweight" in out
+
+
+def test_measure_on_the_emulator_puts_measured_times_beside_the_floors(tiny_model, tmp_path, capsys):  # noqa: F811
+    assert main(["--plan", "--measure", "--device", "emu", "--plan-launches", "-e", str(tiny_model), "-b", "1",
+                 "-t", "8", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"[{EMULATED_NOTE}]" in out and "measured (emulated) (us)" in out
+    assert TOTAL.match(out.rstrip("\n").splitlines()[-1])
+    doc = json.load(open(tmp_path / "plan.json"))
+    assert doc["measured"]["emulated"] is True
+    launches = doc["launches"]
+    assert all(x["measured_ns"] is not None and x["measured_ns"] > 0 for x in launches if x["kind"] == "kernel")
+    assert all(g["measured_ns"] for g in doc["ops"] if g["launches"])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--gpu", "H1000"], "--gpu H1000: unknown device"),
+    (["--gpu", "cpu"], "no peak numbers"),
+    (["-b", "0"], "-b 0"),
+    (["-t", "0"], "-t 0"),
+    (["-t", "4096"], "-t 4096: longer than"),
+    (["-b", "x"], "argument -b"),
+    (["--precision", "fp16"], "argument --precision"),
+    (["--measure", "--device", "cpu"], "--measure runs the step's kernels"),
+])
+def test_bad_flags_end_in_one_line_and_exit_2(argv, words, tmp_path, capsys):
+    assert main(["--plan", "-e", "d12", "-b", "4", "-t", "1024", "--out", str(tmp_path)] + argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and words in err, err
+
+
+def test_plan_flags_need_plan(capsys):
+    assert main(["--gpu", "H100", "-e", "d12"]) == 2
+    assert "--gpu needs --plan" in capsys.readouterr().err
+
+
+def test_planned_arrays_are_shapes_and_addresses_only():
+    rt = PlanRuntime("H100")
+    a = rt.zeros(1000, np.float32)
+    assert isinstance(a, PlanArray) and a.flags.c_contiguous and a.nbytes == 4000
+    assert rt.pointer(a) % 256 == 0
+    v = a[100:400].reshape(3, -1)
+    assert v.shape == (3, 100) and rt.pointer(v) == rt.pointer(a) + 400 and rt.pointer(v[2]) == rt.pointer(a) + 1200
+    b = rt.zeros((8, 8), np.float32)
+    assert rt.pointer(b) >= rt.pointer(a) + 4000                 # allocations do not overlap
+    with pytest.raises(TypeError):
+        np.asarray(a)
+    with pytest.raises(ValueError):
+        a.reshape(7, -1)
+    tokens = rt.from_host(np.arange(6, dtype=np.int32).reshape(2, 3))   # integer buffers are real
+    assert rt.to_host(tokens).tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert rt.to_host(a).shape == (1000,) and len(rt.syncs) == 2
+    with pytest.raises(ValueError, match="operand B"):
+        rt.gemm(False, False, 10, 10, 10, 1.0, a, 10, 0, b, 10, 0, 0.0, a, 10, 0, 1)
+    rt.gemm(False, False, 10, 10, 10, 1.0, a, 10, 100, a, 10, 100, 0.0, a, 10, 100, 3)
+    module = rt.compile("kernels/gelu.cu")
+    with pytest.raises(ValueError, match="block"):
+        rt.launch(module.get_function("gelu_forward"), (1,), (2048,), ())
+    with pytest.raises(KeyError):
+        module.get_function("layernorm_forward")
