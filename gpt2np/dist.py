@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from dataclasses import fields
+from typing import NamedTuple
 
 import numpy as np
 
@@ -73,6 +74,7 @@ def shard_bounds(n, world_size):
 class SingleProcess:
     """The data-parallel interface for one process: rank 0 of 1, nothing to communicate."""
     rank, world_size = 0, 1
+    gpu_sharers = 1                       # processes on this process's GPU
 
     def __init__(self, zero_stage=0):
         self.zero_stage = zero_stage
@@ -309,6 +311,7 @@ class MpiProcessGroup:
         self.timeout = timeout
         self.watchdog = Watchdog(timeout, self._expired)
         self.shared_gpu = False               # set by make_process_group: some ranks share a GPU (no NCCL)
+        self.gpu_sharers = 1                  # ... and how many ranks use this rank's GPU (its memory is split)
         self._make_collectives = collectives
         self._collectives = None
         self._grad_steps = 0
@@ -553,7 +556,7 @@ def make_process_group(device="auto", zero_stage=0, timeout=DEFAULT_TIMEOUT):
     if first:
         _install_excepthook()
         if _wants_cuda(device):
-            _, _group.shared_gpu = select_gpu(MPI.COMM_WORLD)
+            _, _group.shared_gpu, _group.gpu_sharers = select_gpu(MPI.COMM_WORLD)
             if _group.shared_gpu and _group.rank == 0:
                 _say("note: some ranks share a GPU (more ranks than GPUs on a node); NCCL needs one GPU per rank, so "
                      "the gradients are averaged through MPI on host copies: correct, but slow")
@@ -569,15 +572,21 @@ def _wants_cuda(device):
     return False
 
 
+class GpuChoice(NamedTuple):
+    device: int         # the CUDA device index this rank uses
+    shared: bool        # some ranks of the job share a physical GPU (every rank gets the same answer)
+    sharers: int        # ranks on this rank's GPU, itself included
+
+
 def select_gpu(comm, cupy=None):
-    """Make this rank's GPU current; returns (device, shared).
+    """Make this rank's GPU current; returns GpuChoice(device, shared, sharers).
 
     device: the rank's index among this node's ranks, modulo the GPUs it sees. So 8 ranks on 8 GPUs take one
     each; ranks that each see only their own GPU (Slurm's --gpus-per-task=1, a per-rank CUDA_VISIBLE_DEVICES)
     all use device 0; `mpiexec -n 2` on a machine with one GPU runs both ranks on GPU 0. shared: whether any
     two ranks of the job (on any node) ended up on the same physical GPU (same PCI bus id); NCCL refuses that,
-    so the gradients then go through MPI (StagedCollectives). Every rank gets the same answer.
-    cupy: a stand-in for tests."""
+    so the gradients then go through MPI (StagedCollectives). Every rank gets the same answer. sharers: how many
+    ranks use this rank's GPU (the memory check gives each its share). cupy: a stand-in for tests."""
     if cupy is None:
         import cupy
     from mpi4py import MPI
@@ -593,11 +602,12 @@ def select_gpu(comm, cupy=None):
                             f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
         device = local_rank % count
         cupy.cuda.Device(device).use()
-        bus_ids = node.allgather(str(cupy.cuda.Device(device).pci_bus_id))
+        mine = str(cupy.cuda.Device(device).pci_bus_id)
+        bus_ids = node.allgather(mine)
     finally:
         node.Free()
     shared = any(comm.allgather(len(set(bus_ids)) < len(bus_ids)))
-    return device, shared
+    return GpuChoice(device, shared, bus_ids.count(mine))
 
 
 def abort_job(code=1):

@@ -203,30 +203,31 @@ def gpus(n, prefix="0000:"):
 
 def test_one_gpu_per_rank():
     cupys = [FakeCupy(devices=gpus(4)) for _ in range(4)]
-    assert select_on(4, lambda r: cupys[r]) == [(r, False) for r in range(4)]
+    assert select_on(4, lambda r: cupys[r]) == [(r, False, 1) for r in range(4)]
     assert [c.used for c in cupys] == [[0], [1], [2], [3]]
 
 
 def test_ranks_that_each_see_one_gpu_use_device_0():
     """Slurm --gpus-per-task=1: every rank's device 0 is a different GPU; NCCL can run."""
     cupys = [FakeCupy(devices=[(f"GPU {r}", 80, f"0000:{r + 1:02x}:00.0")]) for r in range(4)]
-    assert select_on(4, lambda r: cupys[r]) == [(0, False)] * 4
+    assert select_on(4, lambda r: cupys[r]) == [(0, False, 1)] * 4
 
 
 def test_two_ranks_on_one_gpu_share_it():
     """mpiexec -n 2 on a machine with one GPU: both on GPU 0, and every rank knows they share it."""
-    assert select_on(2, lambda r: FakeCupy(devices=gpus(1))) == [(0, True), (0, True)]
+    assert select_on(2, lambda r: FakeCupy(devices=gpus(1))) == [(0, True, 2), (0, True, 2)]
 
 
 def test_sharing_on_one_node_is_known_on_every_node():
     # node 0: 2 ranks on 2 GPUs; node 1: 2 ranks on 1 GPU -> all 4 ranks must use the staged collectives
     cupys = [FakeCupy(devices=gpus(2)), FakeCupy(devices=gpus(2)), FakeCupy(devices=gpus(1, "0001:")),
              FakeCupy(devices=gpus(1, "0001:"))]
-    assert select_on(4, lambda r: cupys[r], nodes=[0, 0, 1, 1]) == [(0, True), (1, True), (0, True), (0, True)]
+    assert select_on(4, lambda r: cupys[r], nodes=[0, 0, 1, 1]) == [(0, True, 1), (1, True, 1), (0, True, 2),
+                                                                    (0, True, 2)]
 
 
 def test_more_ranks_than_gpus_go_round_robin():
-    assert [d for d, _ in select_on(4, lambda r: FakeCupy(devices=gpus(2)))] == [0, 1, 0, 1]
+    assert [(c.device, c.sharers) for c in select_on(4, lambda r: FakeCupy(devices=gpus(2)))] == [(0, 2), (1, 2)] * 2
 
 
 def test_no_gpu_is_a_clear_error():

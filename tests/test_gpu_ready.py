@@ -169,6 +169,17 @@ def test_header_says_the_precision(tmp_path, data_dir, capsys):
     assert re.search(r"\| precision +\| fp32 \(exact fp32 matmuls\) +\|", out)
 
 
+def test_auto_on_a_gpu_machine_with_a_broken_install_says_why_it_uses_the_cpu(monkeypatch, data_dir, capsys):
+    from gpt2np import trainer
+    line = "cuBLAS for CUDA 13 not found (libcublas.so.13: ...): pip install 'nvidia-cublas>=13,<14'"
+    monkeypatch.setattr(backends, "_status", (line, True))
+    trainer.train(TrainConfig(model="d12", device="auto", max_steps=0, batch_size=1, seq_len=8, val_every=0,
+                              sample_every=0))
+    out = capsys.readouterr().out
+    assert f"note: --device auto: the GPU is not usable, training on the CPU: {line}\n" in out
+    assert re.search(r"\| device +\| numpy ", out)
+
+
 # ---- cuBLAS: the math mode and a private handle ------------------------------------------------------------
 
 def test_tf32_passes_cublas_own_value_where_cupy_has_no_name_for_it():
@@ -372,6 +383,14 @@ def test_a_batch_that_does_not_fit_is_one_line_naming_the_largest_b():
     assert "\n" not in line
     assert line.startswith("-b 64 -t 1024: -e d12 needs 10") and "GB on cpu (activations" in line
     assert f"84.8 GB is free: the largest B that fits at T=1024 is {fits} (-b {fits};" in line
+
+
+def test_ranks_sharing_a_gpu_split_its_memory():
+    be, d12 = CudaBackend(CountingRuntime(free=79 * 2 ** 30)), preset("d12")
+    alone = sum(be.memory_needed(d12, 24, 1024).values())
+    assert be.check_memory_fits(d12, 24, 1024) == alone
+    with pytest.raises(DeviceMemoryError, match=r"GB is free for 2 ranks sharing the GPU: the largest B that fits"):
+        be.check_memory_fits(d12, 40, 1024, sharers=2)
 
 
 def test_when_not_even_b1_fits_the_line_names_the_longest_t():

@@ -255,14 +255,15 @@ class CudaBackend:
             "kernel scratch": self.scratch_needed(cfg, B, T),
         }
 
-    def check_memory_fits(self, cfg, B, T, optimizer_elements=None, model_name="the model", reserved=0):
-        """Raise DeviceMemoryError with one line when a training run at (B, T) needs more than the device's free
-        memory (less MEMORY_HEADROOM and `reserved`, e.g. NCCL's buffers); the line says what is needed, what is
-        free, and the largest B that fits at this T (or the largest T at B=1). No-op without a known limit."""
+    def check_memory_fits(self, cfg, B, T, optimizer_elements=None, model_name="the model", reserved=0, sharers=1):
+        """Raise DeviceMemoryError with one line when a training run at (B, T) needs more than its share of the
+        device's free memory (split between `sharers` processes on this GPU, less MEMORY_HEADROOM and `reserved`,
+        e.g. NCCL's buffers); the line says what is needed, what is free, and the largest B that fits at this T
+        (or the longest T at B=1). Returns the bytes needed; None (no check) without a known limit."""
         free = self.free_memory()
         if free is None:
             return None
-        budget = free - MEMORY_HEADROOM - reserved
+        budget = free // max(1, sharers) - MEMORY_HEADROOM - reserved
 
         def needed(b, t):
             return sum(self.memory_needed(cfg, b, t, optimizer_elements).values())
@@ -274,7 +275,8 @@ class CudaBackend:
         parts = self.memory_needed(cfg, B, T, optimizer_elements)
         biggest = max(parts, key=parts.get)
         line = (f"-b {B} -t {T}: {model_name} needs {total / gb:.1f} GB on {self.device_name()} "
-                f"({biggest} {parts[biggest] / gb:.1f} GB), {free / gb:.1f} GB is free")
+                f"({biggest} {parts[biggest] / gb:.1f} GB), {free / gb:.1f} GB is free"
+                + (f" for {sharers} ranks sharing the GPU" if sharers > 1 else ""))
         fits_b = next((b for b in range(B - 1, 0, -1) if needed(b, T) <= budget), None)
         if fits_b:
             line += (f": the largest B that fits at T={T} is {fits_b} (-b {fits_b}; keep the tokens per step with "
