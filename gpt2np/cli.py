@@ -85,8 +85,33 @@ def tool(main: Callable) -> Callable:
     return run
 
 
+_program_names = []          # [[name, the tool's own prog]]: set by program_name() while a command runs a tool
+
+
+@contextmanager
+def program_name(name: str):
+    """Inside: the first parser a tool makes is called `name` in its usage and errors (`gpt2np prepare` runs
+    prepare's main, whose parser says `python -m gpt2np.prepare`); its subcommands' parsers follow."""
+    _program_names.append([name, None])
+    try:
+        yield
+    finally:
+        _program_names.pop()
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one line, `error: argument -b: invalid int value: 'x'`, exit 2 (no usage)."""
+
+    def __init__(self, *args, **kwargs):
+        if _program_names and not args:
+            alias = _program_names[-1]
+            prog = kwargs.get("prog")
+            if alias[1] is None:                    # the tool's own parser
+                alias[1] = prog or ""
+                kwargs["prog"] = alias[0]
+            elif alias[1] and prog and prog.startswith(alias[1] + " "):     # one of its subcommands' parsers
+                kwargs["prog"] = alias[0] + prog[len(alias[1]):]
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(BAD_INPUT, f"error: {message} (see --help)\n")

@@ -9,7 +9,6 @@ next to the destination and renamed into place only when complete.
 import http.client
 import socket
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 from .cli import ArgumentParser, BadInput, number, tool
 from .data import atomic_write
 from .paths import CHECKPOINTS_DIR
+from .progress import progress as show_progress
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 STARTER_PACK_URL = "https://huggingface.co/datasets/karpathy/llmc-starter-pack/resolve/main/"
@@ -50,26 +50,12 @@ class FetchError(OSError):
         return self.args[0] if self.args else ""
 
 
-def _progress_line(name, done, total, started):
-    rate = done / max(time.monotonic() - started, 1e-6) / 1e6
-    if total:
-        width = 30
-        filled = int(width * done / total)
-        return (f"\r{name}: [{'#' * filled}{'.' * (width - filled)}] {100 * done / total:5.1f}% "
-                f"{done / 1e6:.1f}/{total / 1e6:.1f} MB {rate:.1f} MB/s")
-    return f"\r{name}: {done / 1e6:.1f} MB {rate:.1f} MB/s"
-
-
 def download(url, dest, timeout=10, progress=True):
     """Download `url` to the file `dest` (atomically), with a progress bar on stderr.
 
     timeout: seconds allowed for the connection and for each read. Returns dest as a Path.
     """
     dest = Path(dest)
-    name = dest.name
-    started = time.monotonic()
-    shown = 0.0
-    live = sys.stderr.isatty()   # redraw the bar in place on a terminal; logs get the final line only
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         request = urllib.request.Request(url, headers={"User-Agent": "gpt2np"})
@@ -77,21 +63,17 @@ def download(url, dest, timeout=10, progress=True):
             length = response.headers.get("Content-Length")
             total = int(length) if length and length.isdigit() else None
             done = 0
-            while True:
-                chunk = response.read(CHUNK_BYTES)
-                if not chunk:
-                    break
-                out.write(chunk)
-                done += len(chunk)
-                now = time.monotonic()
-                if progress and live and now - shown > 0.1:
-                    print(_progress_line(name, done, total, started), end="", file=sys.stderr, flush=True)
-                    shown = now
+            # a bar redrawn in place on a terminal; in logs a line every 10 s and the last one
+            with show_progress(total=total, desc=dest.name, unit="B", unit_scale=True, quiet=not progress) as bar:
+                while True:
+                    chunk = response.read(CHUNK_BYTES)
+                    if not chunk:
+                        break
+                    out.write(chunk)
+                    done += len(chunk)
+                    bar.update(len(chunk))
             if total is not None and done != total:
                 raise FetchError(f"could not download {url}: connection closed after {done} of {total} bytes")
-        if progress:
-            line = _progress_line(name, done, total, started)
-            print(line if live else line.lstrip("\r"), file=sys.stderr, flush=True)
     except FetchError:
         raise
     except urllib.error.HTTPError as e:

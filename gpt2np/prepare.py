@@ -17,11 +17,13 @@ from .cli import ArgumentParser, BadInput, integer, tool
 from .data import DataError, write_shard
 from .fetch import TINYSHAKESPEARE_URL, download
 from .paths import DATA_DIR, data_search_dirs
+from .progress import progress
 from .tokenizer import TOKENIZER_BIN, get_encoding, write_tokenizer_bin
 
 DEFAULT_OUTPUT_DIR = DATA_DIR
 TINYSHAKESPEARE_NAME = "tiny_shakespeare"   # llm.c's shard names: tiny_shakespeare_{val,train}.bin
 DEFAULT_VAL_TOKENS = 32768
+DOCS_PER_BATCH = 4096                       # documents tokenized per call (the progress bar moves between calls)
 
 
 class Shards(NamedTuple):
@@ -37,9 +39,13 @@ def tokenize_documents(text, encoding):
     docs = [s + "\n\n" for s in sections[:-1]] + sections[-1:]
     eot = encoding.eot_token
     tokens = []
-    for doc_tokens in encoding.encode_ordinary_batch(docs, num_threads=os.cpu_count() or 1):
-        tokens.append(eot)
-        tokens.extend(doc_tokens)
+    with progress(total=len(text), desc="tokenizing", unit="char", unit_scale=True) as bar:
+        for lo in range(0, len(docs), DOCS_PER_BATCH):
+            batch = docs[lo:lo + DOCS_PER_BATCH]
+            for doc_tokens in encoding.encode_ordinary_batch(batch, num_threads=os.cpu_count() or 1):
+                tokens.append(eot)
+                tokens.extend(doc_tokens)
+            bar.update(sum(map(len, batch)))
     return np.array(tokens, dtype=np.uint16)
 
 

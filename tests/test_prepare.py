@@ -65,11 +65,12 @@ def test_download_success_with_progress(server, tmp_path, capsys, monkeypatch, t
     dest = download(f"{server}/file.bin", tmp_path / "sub" / "file.bin", timeout=5)
     assert dest.read_bytes() == PAYLOAD
     err = capsys.readouterr().err
-    assert err.startswith("\rfile.bin: [" if terminal else "file.bin: [") and err.endswith("MB/s\n")
-    assert "] 100.0% 0.3/0.3 MB" in err
-    if terminal:   # redrawn in place, then the final line
-        assert err.count("\r") >= 2 and err.count("\n") == 1
-    else:          # logs get one line
+    size = f"{len(PAYLOAD) / 1e3:.1f} kB"
+    if terminal:   # a bar redrawn in place; the final drawing stays, with its line end
+        assert err.startswith("\rfile.bin: [") and err.endswith("B/s\x1b[K\n")
+        assert f"] {size}/{size} (100%)" in err and err.count("\n") == 1
+    else:          # logs get one plain line
+        assert err.startswith(f"file.bin: {size}/{size} (100%), ") and err.endswith("B/s\n")
         assert "\r" not in err and err.count("\n") == 1
     assert [p.name for p in dest.parent.iterdir()] == ["file.bin"]   # no temporary file left
 

@@ -1,0 +1,90 @@
+"""Evaluate a model: `gpt2np eval [loss] -e MODEL -j PATTERN`, the mean loss over token shards.
+
+    gpt2np eval -e model.bin -j 'data/val*.bin'            # every batch of the shards, a progress bar
+    gpt2np eval -e gpt2 -j val.bin -b 8 -t 1024 -m 100    # a Hugging Face model, the first 100 batches
+
+The loss is the one training logs as `tel` (val loss): the mean over batches of each batch's mean next-token
+cross-entropy, batches of -b x -t tokens read in order from the shards (llm.c's DataLoader). HellaSwag
+(`gpt2np eval hellaswag`) is issue 17, item 3: not here yet.
+"""
+import math
+import sys
+import time
+
+from .cli import ArgumentParser, BadInput, integer, tool
+from .progress import progress
+
+TASKS = ("loss", "hellaswag")
+
+
+def eval_loss(model, loader, max_batches=-1, desc="val"):
+    """(mean loss, batches) over the first max_batches batches of the loader (-1: all), with a progress bar."""
+    loader.reset()
+    n = loader.num_batches if max_batches < 0 else min(max_batches, loader.num_batches)
+    total = 0.0
+    with progress(total=n, desc=desc, unit="batch") as bar:
+        for _ in range(n):
+            x, y = loader.next_batch()
+            total += model.forward(x, y)
+            bar.update(1)
+            bar.set_postfix_str(f"loss {total / bar.n:.4f}", refresh=False)
+    return total / max(n, 1), n
+
+
+@tool
+def main(argv=None):
+    """The val loss of a model on token shards; bad flags or files: one line, exit 2."""
+    p = ArgumentParser(prog="python -m gpt2np.evaluate", description=__doc__.split("\n")[0],
+                       epilog="eval hellaswag: HellaSwag accuracy is not implemented yet (issue 17, item 3); "
+                              "`loss` is the only task today.")
+    p.add_argument("task", nargs="?", default="loss", choices=TASKS,
+                   help="loss (default): mean loss on -j; hellaswag: not implemented yet (issue 17, item 3)")
+    p.add_argument("-e", "--model", required=True,
+                   help="llm.c model file, transformers GPT-2 folder, or a Hugging Face Hub id")
+    p.add_argument("-j", "--val-data", metavar="PATTERN",
+                   help="token shards (glob; default: the tinyshakespeare val split, prepared on first use)")
+    p.add_argument("-b", "--batch-size", type=int, default=4, help="batch size B (default 4)")
+    p.add_argument("-t", "--seq-len", type=int, help="sequence length T (default 64 on the CPU, 1024 on a GPU; "
+                   "at most the model's max_seq_len)")
+    p.add_argument("-m", "--val-max-batches", type=int, default=-1, help="at most this many batches, -1 = all "
+                   "(default -1)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "numpy", "cuda"),
+                   help="auto = cuda if there is a GPU, else cpu (default auto)")
+    args = p.parse_args(argv)
+    if args.task == "hellaswag":
+        raise BadInput("eval hellaswag: not implemented yet (issue 17, item 3); `gpt2np eval loss -e MODEL -j "
+                       "PATTERN` evaluates the val loss")
+    integer(1).check("-b", args.batch_size, "the batch size B")
+    if args.seq_len is not None:
+        integer(1).check("-t", args.seq_len, "the sequence length T")
+    integer(1, also=(-1,), words="-1 (all) or an integer >= 1").check("-m", args.val_max_batches,
+                                                                      "the max val batches")
+
+    from .backends import get_backend, resolve_name
+    from .data import DataLoader
+    from .hf import load_any_model
+    from .model import GPT2
+    from .starter import resolve_data
+    cfg, params, desc = load_any_model(args.model)
+    backend = get_backend(resolve_name(args.device))
+    T = args.seq_len or min(64 if backend.name == "numpy" else 1024, cfg.max_seq_len)
+    if T > cfg.max_seq_len:
+        raise BadInput(f"-t {T}: longer than the model's max_seq_len {cfg.max_seq_len}")
+    _, val_pattern = resolve_data(None, None) if args.val_data is None else (None, args.val_data)
+    loader = DataLoader(val_pattern, args.batch_size, T, vocab_size=cfg.vocab_size)
+    model = GPT2(cfg, backend, args.batch_size, T)
+    model.load_params(params)
+    started = time.perf_counter()
+    loss, batches = eval_loss(model, loader, args.val_max_batches)
+    seconds = time.perf_counter() - started
+    tokens = batches * args.batch_size * T
+    print(f"model {desc} on {backend.name}")
+    print(f"data {val_pattern}: {len(loader.files)} shard(s), {loader.num_tokens:,} tokens")
+    print(f"val loss {loss:.6f} (perplexity {math.exp(min(loss, 700)):.2f}) over {batches} batches of "
+          f"B={args.batch_size} x T={T} = {tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} "
+          f"tok/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Train GPT-2 with gpt2np: llm.c's train_gpt2 flags, on the CPU (NumPy) or a GPU (CUDA kernels + cuBLAS).
+
+    gpt2np train                         # gpt2_124M.bin (fetched; offline: d12 random init) on tinyshakespeare
+    gpt2np train -e d12 -b 4 -t 64 -x 20 -o log124M
+    gpt2np train -e log124M/model_00000020.bin ...         # any llm.c model file
+    gpt2np train -o log124M -y 1                           # resume from the latest checkpoint in -o
+    mpiexec -n 8 gpt2np train -e d12 -z 1                  # data parallel: 8 ranks (one GPU each), ZeRO-1
+
+`python train.py` is the same command (llm.c's entry point, kept as a shim over this module).
+"""
+import argparse
+from dataclasses import fields
+
+from .cli import ArgumentParser, one_line_errors, tool
+from .config import TrainConfig, default_text, value_type
+
+
+def build_parser():
+    """llm.c's flags, one per TrainConfig field: flag, type, default, help and choices all come from TrainConfig."""
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in fields(TrainConfig):
+        meta, default = f.metadata, default_text(f)
+        options = {"dest": f.name, "default": f.default,
+                   "help": meta["help"] + (f" (default {default})" if default is not None else "")}
+        if value_type(f) is bool:
+            options["action"] = "store_true"
+        else:
+            options.update(type=value_type(f), choices=meta["choices"], metavar=meta["metavar"])
+        p.add_argument(meta["flag"], **options)
+    return p
+
+
+def parse_config(argv=None):
+    """The TrainConfig the flags give, as parsed (TrainConfig.validate checks the values)."""
+    return TrainConfig(**vars(build_parser().parse_args(argv)))
+
+
+@tool
+def main(argv=None):
+    """Parse and validate the flags (bad ones: one `error:` line, exit 2), then train (a failure: one line, exit 1)."""
+    cfg = parse_config(argv).validate()
+    from .dist import abort_job
+    from .trainer import train
+    # bad files and faults during the run: one line and exit 1; under mpiexec the other ranks must not wait for us
+    with one_line_errors(code=1, then=abort_job):
+        train(cfg)
+    return 0

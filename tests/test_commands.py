@@ -1,0 +1,99 @@
+"""The `gpt2np` console script: every subcommand answers --help under its own name (`usage: gpt2np NAME`),
+dispatches to its tool (train is train.py), and bad input to any of them ends in one `error:` line, exit 2."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import train
+from gpt2np import commands
+
+REPO = Path(__file__).resolve().parent.parent
+NAMES = ["train", "prepare", "fetch", "compare", "profile", "plan", "nsys", "ncu", "report", "hf", "eval", "sample",
+         "plot"]
+
+
+def one_error_line(err):
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and err.endswith("\n") and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_the_issue_17_commands_are_all_there():
+    assert list(commands.COMMANDS) == NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_help_of_every_command_under_its_own_name(name, capsys):
+    assert commands.main([name, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: gpt2np {name} "), out[:200]
+
+
+def test_help_of_hf_subcommands_and_the_command_list(capsys):
+    for action in ("import", "export"):
+        assert commands.main(["hf", action, "--help"]) == 0
+        assert capsys.readouterr().out.startswith(f"usage: gpt2np hf {action} ")
+    assert commands.main(["--help"]) == 0
+    listing = capsys.readouterr().out
+    assert all(f"\n  {name} " in listing for name in NAMES)
+    assert commands.main(["help", "eval"]) == 0
+    assert "hellaswag" in capsys.readouterr().out
+
+
+def test_eval_help_says_hellaswag_is_not_there_yet(capsys):
+    assert commands.main(["eval", "--help"]) == 0
+    assert "issue 17, item 3" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "-l", "nan"], "error: -l nan: the learning rate must be a finite number > 0"),
+    (["prepare", "--val-tokens", "-1"], "--val-tokens -1"),
+    (["fetch", "bogus"], "unknown WHAT 'bogus'"),
+    (["compare", "-e", "missing.bin"], "missing.bin: no such model file"),
+    (["profile", "--out", "a_file"], "--out a_file: is a file"),
+    (["plan", "-b", "0"], "-b 0"),
+    (["nsys", "missing.sqlite"], "missing.sqlite"),
+    (["ncu", "missing.csv"], "missing.csv"),
+    (["report", "missing.json"], "missing.json"),
+    (["hf", "import", "./no/such/dir", "-o", "x.bin"], "./no/such/dir: no such folder"),
+    (["hf", "export", "missing.bin", "-o", "out"], "missing.bin"),
+    (["eval", "hellaswag", "-e", "m.bin"], "eval hellaswag: not implemented yet"),
+    (["sample", "-e", "m.bin", "-g", "-1"], "-g -1"),
+    (["plot", "no_run"], "no_run: no such run folder"),
+    (["nope"], "unknown command 'nope'"),
+    ([], "no command"),
+    (["--bogus"], "--bogus before a command"),
+])
+def test_bad_input_to_every_command_is_one_line(argv, expected, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GPT2NP_DEBUG", raising=False)
+    (tmp_path / "a_file").write_text("x")
+    assert commands.main(argv) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert expected in line, line
+
+
+def test_train_is_train_py(capsys):
+    assert commands.main(["train", "-k", "step"]) == 2
+    via_command = capsys.readouterr().err
+    assert train.main(["-k", "step"]) == 2
+    assert capsys.readouterr().err == via_command
+    assert train.main is commands.importlib.import_module("gpt2np.train_cli").main
+
+
+def test_console_script_entry_point():
+    tomllib = pytest.importorskip("tomllib")                     # Python 3.11+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"gpt2np": "gpt2np.commands:main"}
+    env = {k: v for k, v in os.environ.items() if k != "GPT2NP_DEBUG"}
+    done = subprocess.run([sys.executable, "-m", "gpt2np", "sample", "-g", "x", "-e", "m.bin"], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, env=env)
+    assert done.returncode == 2 and one_error_line(done.stderr).startswith("error: argument -g/--gen-tokens")
+    installed = Path(sys.executable).parent / "gpt2np"          # pip install -e . puts the script beside python
+    if installed.is_file():
+        done = subprocess.run([str(installed), "eval", "gsm8k"], capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 2 and "invalid choice: 'gsm8k'" in one_error_line(done.stderr)

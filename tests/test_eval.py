@@ -1,0 +1,69 @@
+"""gpt2np eval: the val loss of a model on token shards is the trainer's (the mean of each batch's mean loss),
+with progress in plain lines when stderr is not a terminal; eval hellaswag and bad flags end in one line."""
+import re
+
+import numpy as np
+import pytest
+
+from gpt2np import evaluate
+from gpt2np.backends import get_backend
+from gpt2np.checkpoint import load_model, save_model
+from gpt2np.config import GPT2Config
+from gpt2np.data import DataLoader, write_shard
+from gpt2np.model import GPT2
+from gpt2np.trainer import evaluate as trainer_evaluate
+
+CFG = GPT2Config(32, 100, 128, 2, 2, 16)
+
+
+@pytest.fixture()
+def files(tmp_path):
+    model = GPT2(CFG, get_backend("numpy"), 1, 1, seed=5)
+    save_model(tmp_path / "m.bin", CFG, model.params_host())
+    rng = np.random.default_rng(0)
+    write_shard(tmp_path / "val_000.bin", rng.integers(0, 100, 2000))
+    write_shard(tmp_path / "val_001.bin", rng.integers(0, 100, 1000))
+    return tmp_path
+
+
+def test_eval_loss_is_the_trainers_val_loss(files, capsys, monkeypatch):
+    monkeypatch.setenv("GPT2NP_PROGRESS", "plain")
+    pattern = str(files / "val_*.bin")
+    assert evaluate.main(["-e", str(files / "m.bin"), "-j", pattern, "-b", "2", "-t", "16"]) == 0
+    out, err = capsys.readouterr()
+    loss = float(re.search(r"val loss (\S+)", out).group(1))
+    model = GPT2(CFG, get_backend("numpy"), 2, 16)
+    model.load_params(load_model(files / "m.bin")[1])
+    loader = DataLoader(pattern, 2, 16, vocab_size=100)
+    assert loss == pytest.approx(trainer_evaluate(model, loader, -1), abs=1e-6)
+    assert f"over {loader.num_batches} batches" in out and "2 shard(s), 3,000 tokens" in out
+    assert err.splitlines()[-1].startswith(f"val: {loader.num_batches}/{loader.num_batches} batch (100%)")
+    assert "\r" not in err
+
+
+def test_max_batches(files, capsys):
+    assert evaluate.main(["loss", "-e", str(files / "m.bin"), "-j", str(files / "val_000.bin"), "-b", "1", "-t", "8",
+                          "-m", "3"]) == 0
+    assert "over 3 batches of B=1 x T=8 = 24 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["hellaswag"], ["eval hellaswag", "not implemented yet", "issue 17"]),
+    (["-b", "0"], ["-b 0", ">= 1"]),
+    (["-t", "64"], ["-t 64", "max_seq_len 32"]),
+    (["-m", "0"], ["-m 0", "-1 (all)"]),
+    (["-j", "nothing_*.bin"], ["nothing_*.bin"]),
+    (["-t", "0"], ["-t 0"]),
+    (["gsm8k"], ["invalid choice", "'gsm8k'"]),
+])
+def test_bad_input_is_one_line(argv, expected, files, capsys):
+    full = ["-e", str(files / "m.bin"), "-j", str(files / "val_*.bin")] + argv
+    if argv[0] in ("hellaswag", "gsm8k"):
+        full = argv + full[:4]
+    if argv[0] == "-j":
+        full = ["-e", str(files / "m.bin")] + argv
+    assert evaluate.main(full) == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert all(piece in lines[0] for piece in expected), lines[0]

@@ -1,0 +1,186 @@
+"""gpt2np hf import/export against transformers itself: a small random GPT2LMHeadModel saved with save_pretrained
+is imported into an llm.c model file whose logits (numpy backend) match transformers', exported back, loaded by
+GPT2LMHeadModel.from_pretrained and gives the same logits again. Bad folders and offline Hub ids: one line."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpt2np import hf
+from gpt2np.backends import get_backend
+from gpt2np.checkpoint import load_model, read_model_header
+from gpt2np.model import GPT2
+from gpt2np.tensors import views
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+pytest.importorskip("huggingface_hub")
+
+REPO = Path(__file__).resolve().parent.parent
+V, MAXT, C, L, NH = 300, 32, 32, 2, 4          # V pads to 384: the padding rows are exercised
+
+
+def one_error_line(err):
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """(folder, GPT2LMHeadModel): random init, every weight perturbed so that a swapped, untransposed or
+    dropped tensor shows in the logits; saved with save_pretrained (model.safetensors, lm_head tied)."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=V, n_positions=MAXT, n_embd=C, n_layer=L, n_head=NH,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    folder = tmp_path_factory.mktemp("hf_model")
+    model.save_pretrained(folder)
+    return folder, model
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(1).integers(0, V, (2, MAXT))
+
+
+def hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def our_logits(path, tokens):
+    cfg, params = load_model(path)
+    model = GPT2(cfg, get_backend("numpy"), *tokens.shape)
+    model.load_params(params)
+    model.forward(tokens)
+    return model.logits_host()[:, :, :cfg.vocab_size]
+
+
+def test_import_gives_transformers_logits_and_export_loads_back(hf_model, tokens, tmp_path, capsys):
+    folder, model = hf_model
+    assert (folder / "model.safetensors").is_file()
+    expected = hf_logits(model, tokens)
+    out = tmp_path / "model.bin"
+    assert hf.main(["import", str(folder), "-o", str(out)]) == 0
+    assert "V=300 (padded 384)" in capsys.readouterr().out
+    cfg, version = read_model_header(out)
+    assert version == 3 and (cfg.vocab_size, cfg.padded_vocab_size, cfg.max_seq_len) == (V, 384, MAXT)
+    assert (cfg.num_layers, cfg.num_heads, cfg.channels) == (L, NH, C)
+    _, params = load_model(out)
+    p = views(params, GPT2(cfg, get_backend("numpy"), 1, 1).param_shapes)
+    assert not p["wte"][V:].any()                                         # llm.c's zero padding rows
+    np.testing.assert_array_equal(p["qkvw"][1], model.transformer.h[1].attn.c_attn.weight.detach().numpy().T)
+    ours = our_logits(out, tokens)
+    assert np.abs(ours - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+
+    exported = tmp_path / "exported"
+    assert hf.main(["export", str(out), "-o", str(exported)]) == 0
+    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "model.safetensors"]
+    back, info = transformers.GPT2LMHeadModel.from_pretrained(exported, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    again = hf_logits(back.eval(), tokens)
+    assert np.abs(again - ours).max() <= 1e-4 * max(1.0, np.abs(ours).max())
+    # and the export imports to the same bytes
+    assert hf.main(["import", str(exported), "-o", str(tmp_path / "again.bin")]) == 0
+    assert (tmp_path / "again.bin").read_bytes() == out.read_bytes()
+
+
+def test_pytorch_model_bin_and_old_names(hf_model, tmp_path):
+    """pytorch_model.bin (read with torch), keys without the transformer. prefix, the old attn.bias buffers and a
+    stored lm_head.weight: the same parameters as the safetensors file."""
+    folder, model = hf_model
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_text((folder / "config.json").read_text())
+    state = {k.removeprefix("transformer."): v for k, v in model.state_dict().items()}
+    for l in range(L):
+        state[f"h.{l}.attn.bias"] = torch.tril(torch.ones(MAXT, MAXT)).view(1, 1, MAXT, MAXT)
+        state[f"h.{l}.attn.masked_bias"] = torch.tensor(-1e4)
+    torch.save(state, old / "pytorch_model.bin")
+    cfg_a, params_a, _ = hf.load_hf(str(old))
+    cfg_b, params_b, _ = hf.load_hf(str(folder))
+    assert cfg_a == cfg_b
+    np.testing.assert_array_equal(params_a, params_b)
+
+
+def test_bf16_import_and_dtype_flag(hf_model, tmp_path):
+    folder, model = hf_model
+    half = tmp_path / "bf16"
+    model.to(torch.bfloat16).save_pretrained(half)
+    model.to(torch.float32)
+    _, params, _ = hf.load_hf(str(half))
+    _, exact, _ = hf.load_hf(str(folder))
+    assert np.abs(params - exact).max() <= 2 ** -8 * np.abs(exact).max()
+    assert hf.main(["import", str(folder), "-o", str(tmp_path / "m5.bin"), "--dtype", "bf16"]) == 0
+    assert read_model_header(tmp_path / "m5.bin")[1] == 5
+
+
+def test_sample_and_eval_take_a_transformers_folder_as_e(hf_model, tmp_path):
+    folder, _ = hf_model
+    cfg, params, desc = hf.load_any_model(str(folder))
+    assert cfg.vocab_size == V and "Hugging Face" in desc
+    _, from_file, _ = hf.load_hf(str(folder / "model.safetensors"))
+    np.testing.assert_array_equal(params, from_file)
+
+
+def bad_folder(tmp_path, hf_model, config_changes=None, drop=None):
+    folder, _ = hf_model
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((folder / "config.json").read_text()) | (config_changes or {})
+    (bad / "config.json").write_text(json.dumps(config))
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(folder / "model.safetensors")
+    if drop:
+        tensors.pop(drop)
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    return bad
+
+
+@pytest.mark.parametrize("changes, drop, expected", [
+    ({"model_type": "llama"}, None, ["model_type 'llama'", "GPT-2"]),
+    ({"activation_function": "relu"}, None, ["activation_function 'relu'", "tanh"]),
+    ({"n_inner": 100}, None, ["n_inner 100"]),
+    ({"n_embd": 64}, None, ["shape", "needs"]),
+    ({}, "transformer.h.1.mlp.c_fc.bias", ["transformer.h.1.mlp.c_fc.bias", "missing"]),
+])
+def test_bad_folders_are_one_line(hf_model, tmp_path, capsys, changes, drop, expected):
+    bad = bad_folder(tmp_path, hf_model, changes, drop)
+    assert hf.main(["import", str(bad), "-o", str(tmp_path / "x.bin")]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert all(piece in line for piece in expected), line
+    assert not (tmp_path / "x.bin").exists()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["import", "no/such/./dir", "-o", "x.bin"], ["no/such/./dir", "no such folder"]),
+    (["import", "."], ["-o"]),
+    (["export", "missing.bin", "-o", "out"], ["missing.bin", "no such model file"]),
+    (["convert"], ["invalid choice", "'convert'"]),
+])
+def test_bad_flags_are_one_line(argv, expected, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert hf.main(argv) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert all(piece in line for piece in expected), line
+
+
+def test_a_hub_id_offline_says_so_in_one_line(tmp_path):
+    """Through the real huggingface_hub, offline (HF_HUB_OFFLINE=1, an empty cache): one line, exit 2."""
+    env = {k: v for k, v in os.environ.items() if k != "GPT2NP_DEBUG"} | {
+        "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "gpt2np", "hf", "import", "gpt2", "-o", str(tmp_path / "g.bin")],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 2
+    line = one_error_line(done.stderr)
+    assert "gpt2" in line and "offline" in line, line

@@ -1,0 +1,88 @@
+"""gpt2np plot: main.log lines parsed as vislog does (a step logged again keeps its last value), several runs on
+one figure written as PNG and SVG, HellaSwag's panel when a run logged `eval:`; bad input: one line, exit 2."""
+import pytest
+
+from gpt2np import plot
+
+pytest.importorskip("matplotlib")
+
+LOG_A = """s:0 tel:10.9512
+s:0 trl:10.9871 lr:0.0003 norm:17.2
+s:1 trl:9.5000 lr:0.0003 norm:12.3
+s:2 trl:8.7000 lr:0.0003 norm:9.1
+s:2 tel:8.9000
+s:1 trl:9.4000 lr:0.0003 norm:12.0
+s:2 trl:8.6000 lr:0.0003 norm:9.0
+s:2 eval:0.2500
+s:3 trl:8.1
+s:3 tr
+"""
+LOG_B = """s:0 trl:11.0
+s:1 trl:10.0
+s:1 tel:10.5
+"""
+
+
+@pytest.fixture()
+def runs(tmp_path):
+    for name, text in (("run_a", LOG_A), ("run_b", LOG_B)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "main.log").write_text(text)
+    return tmp_path
+
+
+def test_parse_keeps_the_last_value_of_a_step_and_skips_broken_lines(runs):
+    streams = plot.parse_log(runs / "run_a" / "main.log")
+    assert streams["trl"] == ([0, 1, 2, 3], [10.9871, 9.4, 8.6, 8.1])
+    assert streams["tel"] == ([0, 2], [10.9512, 8.9])
+    assert streams["eval"] == ([2], [0.25])
+    assert streams["norm"][1] == [17.2, 12.0, 9.0]
+
+
+def test_two_runs_on_one_figure_png_and_svg(runs, capsys):
+    out = runs / "figs" / "cmp"
+    assert plot.main([str(runs / "run_a"), str(runs / "run_b" / "main.log"), "-o", str(out), "--baseline", "124M",
+                      "--title", "two runs"]) == 0
+    png, svg = runs / "figs" / "cmp.png", runs / "figs" / "cmp.svg"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml") and "<svg" in text
+    for label in ("run_a train loss", "run_a val loss", "run_b train loss", "HellaSwag eval",
+                  "OpenAI GPT-2 (124M) checkpoint val loss"):
+        assert label in text, label
+    out_text = capsys.readouterr().out
+    assert "run_a: steps 3, min train loss 8.1000, min val loss 8.9000, max HellaSwag 0.2500" in out_text
+    assert "run_b: steps 1, min train loss 10.0000, min val loss 10.5000" in out_text
+
+
+def test_without_matplotlib_one_line_names_the_extra(runs, capsys, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    assert plot.main([str(runs / "run_a"), "-o", str(runs / "x")]) == 2
+    assert capsys.readouterr().err == "error: plotting needs matplotlib: pip install 'gpt2np[plot]'\n"
+
+
+def test_no_hellaswag_one_panel_and_labels(runs, capsys):
+    out = runs / "one"
+    assert plot.main([str(runs / "run_b"), "-o", str(out), "--labels", "baseline", "--yscale", "linear"]) == 0
+    text = (runs / "one.svg").read_text()
+    assert "baseline train loss" in text and "HellaSwag eval" not in text
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["missing_run"], ["missing_run", "no such run folder"]),
+    (["empty"], ["empty", "no main.log"]),
+    (["junk/main.log"], ["junk/main.log", "not a main.log"]),
+    (["run_a", "--labels", "a,b"], ["--labels a,b", "2 names for 1 runs"]),
+    (["run_a", "--baseline", "7B"], ["--baseline", "'7B'"]),
+    ([], ["RUN_DIR"]),
+])
+def test_bad_input_is_one_line(argv, expected, runs, capsys, monkeypatch):
+    monkeypatch.chdir(runs)
+    (runs / "empty").mkdir()
+    (runs / "junk").mkdir()
+    (runs / "junk" / "main.log").write_text("hello\nworld\n")
+    assert plot.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert all(piece in lines[0] for piece in expected), lines[0]

@@ -1,0 +1,77 @@
+"""Progress of long jobs: a bar redrawn in place on a terminal, plain lines elsewhere (a line every `every`
+seconds and the last), nothing under GPT2NP_PROGRESS=off, and no line at all for a job that fails."""
+import io
+import sys
+
+import pytest
+
+from gpt2np import progress as P
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture()
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(P.time, "monotonic", c)
+    return c
+
+
+def test_plain_lines_when_stderr_is_not_a_terminal(clock, monkeypatch):
+    monkeypatch.delenv("GPT2NP_PROGRESS", raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    out = io.StringIO()
+    with P.progress(total=100, desc="val", unit="batch", every=10, file=out) as bar:
+        for _ in range(100):
+            clock.now += 0.25
+            bar.update(1)
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    assert lines[0] == "val: 40/100 batch (40%), 10.0 s, 4 batch/s"
+    assert lines[-1] == "val: 100/100 batch (100%), 25.0 s, 4 batch/s"
+    assert len(lines) == 3                               # at 10 s, 20 s, and the end (25 s)
+
+
+def test_a_bar_redrawn_in_place_on_a_terminal(clock, monkeypatch):
+    monkeypatch.delenv("GPT2NP_PROGRESS", raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    out = io.StringIO()
+    with P.progress(total=4e6, desc="file.bin", unit="B", unit_scale=True, file=out) as bar:
+        for _ in range(4):
+            clock.now += 0.5
+            bar.update(1e6)
+    text = out.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n") and text.count("\r") == 4
+    assert "\rfile.bin: [" + "#" * 24 + "] 4.0 MB/4.0 MB (100%), 2.0 s, 2.0 MB/s" in text
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_a_failing_job_leaves_no_last_line(clock, monkeypatch, terminal):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    out = io.StringIO()
+    with pytest.raises(OSError), P.progress(total=10, desc="x", file=out) as bar:
+        bar.update(1)
+        raise OSError("disk full")
+    assert out.getvalue() == ""
+
+
+def test_off_and_the_environment_override(clock, monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setenv("GPT2NP_PROGRESS", "off")
+    for _ in P.progress(range(3), desc="quiet", file=out):
+        pass
+    assert out.getvalue() == ""
+    monkeypatch.setenv("GPT2NP_PROGRESS", "bar")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert P.mode() == "bar"
+    monkeypatch.setenv("GPT2NP_PROGRESS", "plain")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert P.mode() == "plain"
+    assert list(P.progress(range(3), file=out)) == [0, 1, 2]
+    assert out.getvalue() == "3/3 it (100%), 0.0 s, 0 it/s\n"

@@ -1,0 +1,145 @@
+"""Sampling with a cache of keys and values: every position's logits equal the full forward pass's (<= 1e-5),
+generation with and without the cache gives the same tokens, the cache restarts from the last half when full,
+and `gpt2np sample` tokenizes, generates and prints (bad flags: one line, exit 2)."""
+import numpy as np
+import pytest
+
+from gpt2np import sample
+from gpt2np.backends import get_backend
+from gpt2np.checkpoint import save_model
+from gpt2np.config import GPT2Config, pad_vocab
+from gpt2np.model import GPT2
+from gpt2np.sample import KVCache, generate
+
+TOL = 1e-5
+
+
+def tiny_model(maxT=16, V=100, L=2, NH=2, C=16, seed=3, B=1, T=None):
+    cfg = GPT2Config(maxT, V, pad_vocab(V), L, NH, C)
+    model = GPT2(cfg, get_backend("numpy"), B, T or maxT, seed=seed)
+    rng = np.random.default_rng(seed)              # weights larger than init's, so errors would show
+    model.load_params(model.params_host() + rng.standard_normal(model.num_parameters).astype(np.float32) * 0.3)
+    return model
+
+
+def full_logits(model, tokens):
+    model.forward(np.asarray(tokens)[None])
+    return model.logits_host()[0, :, :model.cfg.vocab_size]
+
+
+@pytest.mark.parametrize("prefill", [1, 5, 16])
+def test_every_position_matches_the_full_forward(prefill):
+    model = tiny_model()
+    tokens = np.random.default_rng(0).integers(0, 100, 16)
+    expected = full_logits(model, tokens)
+    kv = KVCache(model)
+    got = [kv.decode(tokens[:prefill], all_logits=True)]
+    got += [kv.decode(tokens[t:t + 1], all_logits=True) for t in range(prefill, 16)]
+    got = np.concatenate(got)
+    assert got.shape == expected.shape
+    assert np.abs(got - expected).max() <= TOL * max(1.0, np.abs(expected).max())
+    assert kv.length == 16
+    assert kv.k.shape == kv.v.shape == (2, 2, 16, 8)                # (L, NH, maxT, HS)
+    with pytest.raises(ValueError, match="KV cache full"):
+        kv.decode([1])
+
+
+def test_last_logits_and_shared_parameters():
+    model = tiny_model()
+    kv = KVCache(model)
+    assert np.shares_memory(kv.p["wte"], model.params)          # no copy on the numpy backend
+    tokens = [3, 1, 4, 1, 5]
+    last = kv.decode(tokens)
+    np.testing.assert_allclose(last, full_logits(model, tokens)[-1], atol=TOL * 10, rtol=0)
+    with pytest.raises(ValueError, match="outside"):
+        KVCache(model).decode([100])
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0.0, 0), (1.0, 0), (0.8, 5)])
+def test_generate_with_and_without_cache_agree(temperature, top_k):
+    model = tiny_model()
+    prompt = [7, 8, 9]
+    plain = generate(model, prompt, 13, np.random.default_rng(5), temperature, top_k)
+    cached = generate(model, prompt, 13, np.random.default_rng(5), temperature, top_k, cache=True)
+    assert cached == plain and len(plain) == 16
+
+
+def test_full_cache_restarts_from_the_last_half():
+    """Past max_seq_len the cache restarts with the last maxT/2 tokens: the next logits are the full forward's
+    over exactly those tokens."""
+    model = tiny_model(maxT=8)
+    seen = []
+    original = KVCache.decode
+
+    def spy(self, tokens, all_logits=False):
+        seen.append(list(np.asarray(tokens).reshape(-1)))
+        return original(self, tokens, all_logits)
+
+    KVCache.decode = spy
+    try:
+        out = generate(model, [1, 2, 3], 12, np.random.default_rng(0), 0.0, cache=True)
+    finally:
+        KVCache.decode = original
+    assert len(out) == 15
+    restarts = [s for s in seen if len(s) > 1][1:]                 # after the prompt's
+    assert restarts and all(len(s) == 4 for s in restarts)
+    # 3 prompt tokens + 5 new fill the 8 positions; token 8 is sampled from them, then the cache restarts with
+    # tokens 5..8, whose full forward (greedy) gives token 9
+    context = out[5:9]
+    assert restarts[0] == context
+    assert out[9] == int(np.argmax(full_logits(model, context)[-1]))
+
+
+@pytest.fixture()
+def model_file(tmp_path):
+    """A tiny model with GPT-2's vocabulary, so the BPE tokenizer's prompt ids fit."""
+    cfg = GPT2Config(32, 50257, 50304, 2, 2, 16)
+    model = GPT2(cfg, get_backend("numpy"), 1, 1, seed=11)
+    path = tmp_path / "tiny.bin"
+    save_model(path, cfg, model.params_host())
+    return path
+
+
+def test_sample_command_prints_prompt_and_continuation(model_file, data_dir, capsys):
+    argv = ["-e", str(model_file), "--prompt", "ROMEO:", "-g", "12", "--temperature", "0", "--bpe-dir",
+            str(data_dir)]
+    assert sample.main(argv) == 0
+    cached = capsys.readouterr()
+    assert cached.out.startswith("ROMEO:") and len(cached.out) > len("ROMEO:\n")
+    assert "KV cache" in cached.err and "12 new tokens" in cached.err
+    assert sample.main(argv + ["--no-cache"]) == 0
+    plain = capsys.readouterr()
+    assert plain.out == cached.out and "full forward" in plain.err
+
+
+def test_sample_with_empty_prompt_and_several_samples(model_file, data_dir, capsys):
+    assert sample.main(["-e", str(model_file), "-g", "4", "--num-samples", "2", "--bpe-dir", str(data_dir)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- sample") == 2
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["-g", "-1"], ["-g -1", ">= 0"]),
+    (["--temperature", "nan"], ["--temperature nan", "finite"]),
+    (["--top-k", "-2"], ["--top-k -2"]),
+    (["--num-samples", "0"], ["--num-samples 0", ">= 1"]),
+    (["-e", "missing.bin"], ["missing.bin"]),
+    (["--device", "tpu"], ["--device", "'tpu'"]),
+])
+def test_sample_bad_input_is_one_line(argv, expected, model_file, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    full = (["-e", str(model_file)] if "-e" not in argv else []) + argv
+    assert sample.main(full) == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert all(piece in lines[0] for piece in expected), lines[0]
+
+
+def test_prompt_outside_the_models_vocabulary(tmp_path, data_dir, capsys):
+    cfg = GPT2Config(16, 300, 384, 1, 2, 16)
+    path = tmp_path / "small_vocab.bin"
+    save_model(path, cfg, GPT2(cfg, get_backend("numpy"), 1, 1, seed=1).params_host())
+    assert sample.main(["-e", str(path), "--prompt", "Hello world", "--bpe-dir", str(data_dir)]) == 2
+    assert "outside the model's vocabulary of 300" in capsys.readouterr().err
