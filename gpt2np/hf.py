@@ -8,7 +8,8 @@ pytorch_model.bin, read only when PyTorch is installed). transformers' Conv1D st
 (in_features, out_features); llm.c stores (out_features, in_features), so c_attn, c_proj and c_fc are transposed.
 The attention mask buffers (attn.bias, attn.masked_bias) in older files are not parameters; lm_head.weight is
 wte (tied). llm.c pads the vocabulary to a multiple of 128 rows (50257 -> 50304) with zeros. Import writes fp32
-(llm.c version 3; --dtype bf16 writes version 5); export writes fp32 safetensors.
+(llm.c version 3; --dtype bf16 writes version 5); export writes fp32 safetensors, and GPT-2's tokenizer files
+(vocab.json, merges.txt) when the model has GPT-2's vocabulary and the BPE files are found.
 
 A Hub id is downloaded with huggingface_hub into its cache (HF_HOME); offline, one line says so.
 Needs the `hf` extra: pip install 'gpt2np[hf]' (safetensors, huggingface_hub).
@@ -301,8 +302,22 @@ def load_hf(spec, revision=None) -> tuple:
     return cfg, params, path
 
 
+def tokenizer_files(cfg: GPT2Config) -> dict:
+    """{name in a transformers folder: local file} of GPT-2's tokenizer (vocab.json = encoder.json, merges.txt =
+    vocab.bpe) when the model has GPT-2's vocabulary and the BPE files are found (tokenizer.py's search); else {}."""
+    from .tokenizer import GPT2_VOCAB_SIZE, TokenizerNotFoundError, find_tokenizer_files
+    if cfg.vocab_size != GPT2_VOCAB_SIZE:
+        return {}
+    try:
+        kind, found = find_tokenizer_files()
+    except TokenizerNotFoundError:
+        return {}
+    return {"vocab.json": found[1], "merges.txt": found[0]} if kind == "bpe" else {}
+
+
 def write_hf_folder(folder, cfg: GPT2Config, params) -> list:
-    """config.json + model.safetensors (fp32) for GPT2LMHeadModel.from_pretrained; returns the paths written."""
+    """config.json + model.safetensors (fp32) for GPT2LMHeadModel.from_pretrained, and GPT-2's tokenizer files
+    (vocab.json, merges.txt) for AutoTokenizer when tokenizer_files finds them; returns the paths written."""
     st = _safetensors()
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
@@ -313,19 +328,28 @@ def write_hf_folder(folder, cfg: GPT2Config, params) -> list:
         f.write(blob)
     with atomic_write(folder / CONFIG_JSON, "w") as f:
         f.write(json.dumps(config_to_hf(cfg), indent=2) + "\n")
-    return [folder / CONFIG_JSON, folder / SAFETENSORS]
+    written = [folder / CONFIG_JSON, folder / SAFETENSORS]
+    for name, source in tokenizer_files(cfg).items():
+        with atomic_write(folder / name) as f:
+            f.write(Path(source).read_bytes())
+        written.append(folder / name)
+    return written
 
 
 # ---- -e: any model a command can read ------------------------------------------------------------------------
 def load_any_model(spec) -> tuple:
-    """(GPT2Config, params, description) for a command's -e: an llm.c model file (also a name in checkpoints/),
+    """(GPT2Config, params, description) for a command's -e: an llm.c model file (also a name in checkpoints/;
+    gpt2_124M.bin is fetched there when missing),
     d12/d24/d36/d48 (random init, seed 1337), a transformers GPT-2 folder, or a Hugging Face Hub id (downloaded
     when online)."""
     from .config import PRESETS, preset
+    from .fetch import KNOWN_FILES, ensure
     from .paths import CHECKPOINTS_DIR
     path = Path(spec)
     if not path.exists() and path.name == spec and (CHECKPOINTS_DIR / spec).is_file():
         path = CHECKPOINTS_DIR / spec               # as train's -e: gpt2_124M.bin in checkpoints/
+    elif not path.exists() and path.name == spec and spec.endswith(".bin") and spec in KNOWN_FILES:
+        path = ensure(spec, CHECKPOINTS_DIR)        # as train's -e: llm.c's gpt2_124M.bin is fetched (offline: 1 line)
     if path.is_file() and path.suffix not in (".safetensors", ".json") and path.name != PYTORCH_BIN:
         cfg, params = load_model(path)
         return cfg, params, str(path)
@@ -343,7 +367,8 @@ def load_any_model(spec) -> tuple:
 
 # ---- the command ---------------------------------------------------------------------------------------------
 def _size(path) -> str:
-    return f"{Path(path).stat().st_size / 1e6:,.1f} MB"
+    size = Path(path).stat().st_size
+    return f"{size / 1e6:,.1f} MB" if size >= 1e6 else f"{size:,} bytes"
 
 
 @tool
@@ -363,7 +388,9 @@ def main(argv=None):
     imp.add_argument("--revision", help="Hub revision (branch, tag or commit; default main)")
     exp = sub.add_parser("export", help="llm.c model file -> config.json + model.safetensors",
                          description="Write an llm.c model file (fp32 v3 or bf16 v5) as a transformers "
-                                     "GPT2LMHeadModel folder: config.json and model.safetensors (fp32).")
+                                     "GPT2LMHeadModel folder: config.json and model.safetensors (fp32), and for "
+                                     "GPT-2's vocabulary its tokenizer (vocab.json, merges.txt from the BPE files "
+                                     "that prepare uses) when they are found.")
     exp.add_argument("model", metavar="MODEL", help="llm.c model file")
     exp.add_argument("-o", "--output", required=True, help="folder to write (made if missing)")
     args = p.parse_args(argv)

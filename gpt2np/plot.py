@@ -60,7 +60,7 @@ def summary(label, streams) -> str:
     """One line per run: its last step and the best values, as vislog prints them."""
     parts = [label]
     if "trl" in streams:
-        parts.append(f"steps {streams['trl'][0][-1]}, min train loss {min(streams['trl'][1]):.4f}")
+        parts.append(f"last step {streams['trl'][0][-1]}, min train loss {min(streams['trl'][1]):.4f}")
     if "tel" in streams:
         parts.append(f"min val loss {min(streams['tel'][1]):.4f}")
     if "eval" in streams:

@@ -184,3 +184,30 @@ def test_a_hub_id_offline_says_so_in_one_line(tmp_path):
     assert done.returncode == 2
     line = one_error_line(done.stderr)
     assert "gpt2" in line and "offline" in line, line
+
+
+def test_export_with_gpt2s_vocabulary_carries_the_tokenizer(tmp_path, data_dir, monkeypatch):
+    """A model with GPT-2's 50257 tokens: the export holds vocab.json + merges.txt, AutoTokenizer reads them as
+    tiktoken does, and transformers' greedy generate continues a prompt as gpt2np's sampler does."""
+    from gpt2np.checkpoint import save_model
+    from gpt2np.config import GPT2Config
+    from gpt2np.sample import generate
+    from gpt2np.tokenizer import get_encoding
+    monkeypatch.setenv("GPT2NP_BPE_DIR", str(data_dir))
+    cfg = GPT2Config(32, 50257, 50304, 2, 2, 16)
+    model = GPT2(cfg, get_backend("numpy"), 1, 32, seed=2)
+    save_model(tmp_path / "m.bin", cfg, model.params_host())
+    assert hf.main(["export", str(tmp_path / "m.bin"), "-o", str(tmp_path / "out")]) == 0
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == ["config.json", "merges.txt", "model.safetensors", "vocab.json"]
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    enc = get_encoding(data_dir)
+    text = "ROMEO: Hello, world"
+    assert tok.encode(text) == enc.encode_ordinary(text)
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    prompt = enc.encode_ordinary("ROMEO:")
+    with torch.no_grad():
+        theirs = back.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                               pad_token_id=tok.eos_token_id)[0].tolist()
+    ours = generate(model, prompt, 8, np.random.default_rng(0), 0.0, cache=True)
+    assert ours == theirs

@@ -51,8 +51,8 @@ def test_two_runs_on_one_figure_png_and_svg(runs, capsys):
                   "OpenAI GPT-2 (124M) checkpoint val loss"):
         assert label in text, label
     out_text = capsys.readouterr().out
-    assert "run_a: steps 3, min train loss 8.1000, min val loss 8.9000, max HellaSwag 0.2500" in out_text
-    assert "run_b: steps 1, min train loss 10.0000, min val loss 10.5000" in out_text
+    assert "run_a: last step 3, min train loss 8.1000, min val loss 8.9000, max HellaSwag 0.2500" in out_text
+    assert "run_b: last step 1, min train loss 10.0000, min val loss 10.5000" in out_text
 
 
 def test_without_matplotlib_one_line_names_the_extra(runs, capsys, monkeypatch):

@@ -143,3 +143,23 @@ def test_prompt_outside_the_models_vocabulary(tmp_path, data_dir, capsys):
     save_model(path, cfg, GPT2(cfg, get_backend("numpy"), 1, 1, seed=1).params_host())
     assert sample.main(["-e", str(path), "--prompt", "Hello world", "--bpe-dir", str(data_dir)]) == 2
     assert "outside the model's vocabulary of 300" in capsys.readouterr().err
+
+
+def test_the_default_llmc_model_is_fetched_like_train_does(monkeypatch, tmp_path, capsys):
+    """-e gpt2_124M.bin not in checkpoints/: fetched as train's -e is; offline, one line says what failed."""
+    from gpt2np import fetch, hf
+    asked = []
+
+    def offline(filename, dest_dir, **kwargs):
+        asked.append(filename)
+        raise fetch.FetchError(f"could not download {filename}: Name or service not known (offline?)")
+
+    monkeypatch.setattr(fetch, "ensure", offline)
+    monkeypatch.setattr("gpt2np.paths.CHECKPOINTS_DIR", tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert sample.main(["-e", "gpt2_124M.bin"]) == 2
+    assert asked == ["gpt2_124M.bin"]
+    assert capsys.readouterr().err == ("error: could not download gpt2_124M.bin: Name or service not known "
+                                       "(offline?)\n")
+    assert hf.is_hub_id("gpt2") and hf.is_hub_id("openai-community/gpt2-xl")
+    assert not hf.is_hub_id("model.bin") and not hf.is_hub_id("../x") and not hf.is_hub_id("/abs/dir")
