@@ -33,7 +33,8 @@ def note(msg):
 
 
 def resolve_model(spec, timeout=10):
-    """(cfg, params or None, description) for -e: a preset name (random init), an llm.c file, or the default.
+    """(cfg, params or None, description) for -e: a preset name (random init), an llm.c file, the default, or
+    a transformers GPT-2 folder or Hugging Face Hub id (gpt2np.hf; the hf extra).
 
     A missing default file (gpt2_124M.bin) is fetched; if that fails, d12 from random init is used
     with one line saying why. Any other missing file is an error.
@@ -50,6 +51,10 @@ def resolve_model(spec, timeout=10):
             note(f"note: {e}; training {FALLBACK_PRESET} from random init instead")
             return preset(FALLBACK_PRESET), None, f"{FALLBACK_PRESET} (random init; {spec} unavailable)"
     if not path.is_file():
+        from .hf import is_hub_id, load_hf
+        if path.is_dir() or is_hub_id(spec):     # a transformers GPT-2 folder, or a Hugging Face Hub id (gpt2, ...)
+            cfg, params, _ = load_hf(spec)
+            return cfg, params, f"{spec} (Hugging Face)"
         raise FileNotFoundError(f"{spec}: no such model file (give an llm.c model file or one of "
                                 f"{', '.join(PRESETS)})")
     cfg, params = load_model(path)

@@ -1,6 +1,7 @@
 """gpt2np hf import/export against transformers itself: a small random GPT2LMHeadModel saved with save_pretrained
 is imported into an llm.c model file whose logits (numpy backend) match transformers', exported back, loaded by
 GPT2LMHeadModel.from_pretrained and gives the same logits again. Bad folders and offline Hub ids: one line."""
+import copy
 import json
 import os
 import subprocess
@@ -116,8 +117,7 @@ def test_pytorch_model_bin_and_old_names(hf_model, tmp_path):
 def test_bf16_import_and_dtype_flag(hf_model, tmp_path):
     folder, model = hf_model
     half = tmp_path / "bf16"
-    model.to(torch.bfloat16).save_pretrained(half)
-    model.to(torch.float32)
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(half)      # the module's model stays fp32
     _, params, _ = hf.load_hf(str(half))
     _, exact, _ = hf.load_hf(str(folder))
     assert np.abs(params - exact).max() <= 2 ** -8 * np.abs(exact).max()
@@ -211,3 +211,23 @@ def test_export_with_gpt2s_vocabulary_carries_the_tokenizer(tmp_path, data_dir, 
                                pad_token_id=tok.eos_token_id)[0].tolist()
     ours = generate(model, prompt, 8, np.random.default_rng(0), 0.0, cache=True)
     assert ours == theirs
+
+
+def test_train_takes_a_transformers_folder_as_e(hf_model, tmp_path, capsys):
+    """train -e DIR: the imported weights, validated once (-x 0) with the loss transformers gives."""
+    import train
+    from gpt2np.data import write_shard
+    folder, model = hf_model
+    tokens = np.random.default_rng(3).integers(0, V, 2 * 16 + 1)
+    write_shard(tmp_path / "val.bin", tokens)
+    argv = ["-e", str(folder), "-i", str(tmp_path / "val.bin"), "-j", str(tmp_path / "val.bin"), "-x", "0",
+            "-b", "2", "-t", "16", "-s", "0", "-v", "1", "-m", "1", "--device", "cpu"]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"{folder} (Hugging Face)" in out
+    x = torch.tensor(tokens[:-1].reshape(2, 16).astype(np.int64))
+    y = torch.tensor(tokens[1:].reshape(2, 16).astype(np.int64))
+    with torch.no_grad():
+        logits = model(x).logits
+        expected = torch.nn.functional.cross_entropy(logits.reshape(-1, V), y.reshape(-1)).item()
+    assert float(out.split("val loss ")[1].split()[0]) == pytest.approx(expected, abs=1e-4)
