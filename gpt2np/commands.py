@@ -21,7 +21,7 @@ COMMANDS = {
     "ncu": ("gpt2np.profiling.ncu", [], "attribute an Nsight Compute export (CSV or .ncu-rep) to layers and ops"),
     "report": ("gpt2np.profiling.report", [], "re-render a saved profile (profile.json): tables, views, plots"),
     "hf": ("gpt2np.hf", [], "Hugging Face GPT-2 <-> llm.c model file: hf import, hf export"),
-    "eval": ("gpt2np.evaluate", [], "val loss of a model on token shards (eval hellaswag: not yet)"),
+    "eval": ("gpt2np.evaluate", [], "val loss on token shards; eval hellaswag: HellaSwag acc, acc_norm"),
     "sample": ("gpt2np.sample", [], "generate text from a model (KV cache)"),
     "plot": ("gpt2np.plot", [], "plot train/val loss and HellaSwag of runs from their main.log"),
 }

@@ -4,12 +4,19 @@
     gpt2np eval -e gpt2 -j val.bin -b 8 -t 1024 -m 100    # a Hugging Face model, the first 100 batches
 
 The loss is the one training logs as `tel` (val loss): the mean over batches of each batch's mean next-token
-cross-entropy, batches of -b x -t tokens read in order from the shards (llm.c's DataLoader). HellaSwag
-(`gpt2np eval hellaswag`) is issue 17, item 3: not here yet.
+cross-entropy, batches of -b x -t tokens read in order from the shards (llm.c's DataLoader).
+
+    gpt2np eval hellaswag -e model.bin                  # HellaSwag acc and acc_norm (gpt2np/hellaswag.py)
+    gpt2np eval hellaswag -e model.bin -j my.jsonl -m 100 -b 16
+
+For hellaswag, -j is a HellaSwag jsonl (default: hellaswag_val.jsonl, downloaded into the cache, see
+gpt2np/cache.py), -m the max examples, -b the rows (4 per example) per forward and -t the longest row
+(default: the longest in the data, at most the model's max_seq_len).
 """
 import math
 import sys
 import time
+from pathlib import Path
 
 from .cli import ArgumentParser, BadInput, integer, tool
 from .progress import progress
@@ -35,25 +42,24 @@ def eval_loss(model, loader, max_batches=-1, desc="val"):
 def main(argv=None):
     """The val loss of a model on token shards; bad flags or files: one line, exit 2."""
     p = ArgumentParser(prog="python -m gpt2np.evaluate", description=__doc__.split("\n")[0],
-                       epilog="eval hellaswag: HellaSwag accuracy is not implemented yet (issue 17, item 3); "
-                              "`loss` is the only task today.")
+                       epilog="eval hellaswag: -j a HellaSwag jsonl (default hellaswag_val.jsonl, fetched into "
+                              "the cache), -m max examples, -b rows per forward (4 per example).")
     p.add_argument("task", nargs="?", default="loss", choices=TASKS,
-                   help="loss (default): mean loss on -j; hellaswag: not implemented yet (issue 17, item 3)")
+                   help="loss (default): mean loss on -j; hellaswag: acc and acc_norm on HellaSwag")
     p.add_argument("-e", "--model", required=True,
                    help="llm.c model file, transformers GPT-2 folder, or a Hugging Face Hub id")
     p.add_argument("-j", "--val-data", metavar="PATTERN",
-                   help="token shards (glob; default: the tinyshakespeare val split, prepared on first use)")
+                   help="token shards (glob; default: the tinyshakespeare val split, prepared on first use); "
+                        "hellaswag: a jsonl file (default: hellaswag_val.jsonl in the cache)")
     p.add_argument("-b", "--batch-size", type=int, default=4, help="batch size B (default 4)")
     p.add_argument("-t", "--seq-len", type=int, help="sequence length T (default 64 on the CPU, 1024 on a GPU; "
                    "at most the model's max_seq_len)")
-    p.add_argument("-m", "--val-max-batches", type=int, default=-1, help="at most this many batches, -1 = all "
-                   "(default -1)")
+    p.add_argument("-m", "--val-max-batches", type=int, default=-1, help="at most this many batches (hellaswag: "
+                   "examples), -1 = all (default -1)")
+    p.add_argument("--dir", help="hellaswag: the download cache (default: $GPT2NP_CACHE, else the user cache dir)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "numpy", "cuda"),
                    help="auto = cuda if there is a GPU, else cpu (default auto)")
     args = p.parse_args(argv)
-    if args.task == "hellaswag":
-        raise BadInput("eval hellaswag: not implemented yet (issue 17, item 3); `gpt2np eval loss -e MODEL -j "
-                       "PATTERN` evaluates the val loss")
     integer(1).check("-b", args.batch_size, "the batch size B")
     if args.seq_len is not None:
         integer(1).check("-t", args.seq_len, "the sequence length T")
@@ -65,6 +71,8 @@ def main(argv=None):
     from .hf import load_any_model
     from .model import GPT2
     from .starter import resolve_data
+    if args.task == "hellaswag":
+        return eval_hellaswag(args)
     cfg, params, desc = load_any_model(args.model)
     backend = get_backend(resolve_name(args.device))
     T = args.seq_len or min(64 if backend.name == "numpy" else 1024, cfg.max_seq_len)
@@ -83,6 +91,35 @@ def main(argv=None):
     print(f"val loss {loss:.6f} (perplexity {math.exp(min(loss, 700)):.2f}) over {batches} batches of "
           f"B={args.batch_size} x T={T} = {tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} "
           f"tok/s)")
+    return 0
+
+
+def eval_hellaswag(args):
+    """gpt2np eval hellaswag: acc and acc_norm of -e on the examples of -j."""
+    from . import hellaswag
+    from .backends import get_backend, resolve_name
+    from .hf import load_any_model
+    from .model import GPT2
+    if args.val_data and not Path(args.val_data).is_file():
+        raise BadInput(f"-j {args.val_data}: no such file; eval hellaswag reads a HellaSwag jsonl file")
+    cfg, params, desc = load_any_model(args.model)
+    if cfg.vocab_size < 50257:
+        raise BadInput(f"-e {args.model}: vocab_size {cfg.vocab_size}; HellaSwag is tokenized with GPT-2's "
+                       f"50257 tokens")
+    path, examples = hellaswag.load(args.val_data, max_examples=args.val_max_batches, cache=args.dir)
+    T = args.seq_len or min(hellaswag.longest_row(examples) - 1, cfg.max_seq_len)
+    if T > cfg.max_seq_len:
+        raise BadInput(f"-t {T}: longer than the model's max_seq_len {cfg.max_seq_len}")
+    backend = get_backend(resolve_name(args.device))
+    model = GPT2(cfg, backend, args.batch_size, T)
+    model.load_params(params)
+    started = time.perf_counter()
+    result = hellaswag.evaluate(model, examples)
+    seconds = time.perf_counter() - started
+    print(f"model {desc} on {backend.name}")
+    print(f"data {path}: {result.n:,} examples, rows of up to {T + 1} tokens, B={args.batch_size} rows a forward")
+    print(f"hellaswag acc {result.correct}/{result.n} = {result.acc:.4f} | acc_norm {result.correct_norm}/{result.n} "
+          f"= {result.acc_norm:.4f} in {seconds:.1f} s")
     return 0
 
 

@@ -50,16 +50,17 @@ class FetchError(OSError):
         return self.args[0] if self.args else ""
 
 
-def download(url, dest, timeout=10, progress=True):
+def download(url, dest, timeout=10, progress=True, opener=None):
     """Download `url` to the file `dest` (atomically), with a progress bar on stderr.
 
-    timeout: seconds allowed for the connection and for each read. Returns dest as a Path.
+    timeout: seconds allowed for the connection and for each read. opener(request, timeout=) -> response
+    replaces urllib.request.urlopen (tests). Returns dest as a Path.
     """
     dest = Path(dest)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         request = urllib.request.Request(url, headers={"User-Agent": "gpt2np"})
-        with urllib.request.urlopen(request, timeout=timeout) as response, atomic_write(dest) as out:
+        with (opener or urllib.request.urlopen)(request, timeout=timeout) as response, atomic_write(dest) as out:
             length = response.headers.get("Content-Length")
             total = int(length) if length and length.isdigit() else None
             done = 0

@@ -44,9 +44,9 @@ def test_help_of_hf_subcommands_and_the_command_list(capsys):
     assert "hellaswag" in capsys.readouterr().out
 
 
-def test_eval_help_says_hellaswag_is_not_there_yet(capsys):
+def test_eval_help_names_hellaswag(capsys):
     assert commands.main(["eval", "--help"]) == 0
-    assert "issue 17, item 3" in " ".join(capsys.readouterr().out.split())
+    assert "hellaswag: acc and acc_norm on HellaSwag" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -61,7 +61,7 @@ def test_eval_help_says_hellaswag_is_not_there_yet(capsys):
     (["report", "missing.json"], "missing.json"),
     (["hf", "import", "./no/such/dir", "-o", "x.bin"], "./no/such/dir: no such folder"),
     (["hf", "export", "missing.bin", "-o", "out"], "missing.bin"),
-    (["eval", "hellaswag", "-e", "m.bin"], "eval hellaswag: not implemented yet"),
+    (["eval", "hellaswag", "-e", "m.bin", "-j", "no.jsonl"], "-j no.jsonl: no such file"),
     (["sample", "-e", "m.bin", "-g", "-1"], "-g -1"),
     (["plot", "no_run"], "no_run: no such run folder"),
     (["nope"], "unknown command 'nope'"),

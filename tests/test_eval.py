@@ -1,5 +1,5 @@
 """gpt2np eval: the val loss of a model on token shards is the trainer's (the mean of each batch's mean loss),
-with progress in plain lines when stderr is not a terminal; eval hellaswag and bad flags end in one line."""
+with progress in plain lines when stderr is not a terminal; bad flags end in one line."""
 import re
 
 import numpy as np
@@ -48,7 +48,6 @@ def test_max_batches(files, capsys):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["hellaswag"], ["eval hellaswag", "not implemented yet", "issue 17"]),
     (["-b", "0"], ["-b 0", ">= 1"]),
     (["-t", "64"], ["-t 64", "max_seq_len 32"]),
     (["-m", "0"], ["-m 0", "-1 (all)"]),

@@ -1,0 +1,142 @@
+"""HellaSwag: pick the ending of a context the model finds most likely, as llm.c (dev/data/hellaswag.py) does.
+
+    gpt2np eval hellaswag -e model.bin                  # hellaswag_val.jsonl (10,042 examples), fetched into the cache
+    gpt2np eval hellaswag -e gpt2 -j my.jsonl -m 100    # a local jsonl, the first 100 examples
+
+Each jsonl line has `ctx` (the context), `endings` (4 strings) and `label` (the index of the right ending).
+Each ending is scored as llm.c does: the tokens are ctx's tokens + the tokens of " " + ending, and only the
+ending's tokens are scored (the cross-entropy of predicting each of them from what comes before). acc picks the
+ending with the lowest summed loss (`pred = sum_loss.argmin()`), acc_norm the lowest mean loss per ending token
+(`pred_norm = avg_loss.argmin()`), the number llm.c's trainer logs as `s:STEP eval:ACC`.
+
+Batched on any backend: the 4 rows of an example (and of several examples, B rows a batch) are padded to the
+longest row of the batch. A row longer than the model's T + 1 tokens keeps its last T + 1 (its ending whole).
+"""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .cache import CachedFile, cached
+
+VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+VAL_FILE = CachedFile("hellaswag_val.jsonl", VAL_URL)
+
+
+@dataclass
+class Example:
+    """One rendered example: 4 token rows, each with how many of its last tokens are the ending, and the label."""
+    rows: list
+    ending_lens: list
+    label: int
+
+
+@dataclass
+class Result:
+    """Scores of a set of examples: per-ending summed and mean losses (n, 4), labels (n,)."""
+    sum_loss: np.ndarray
+    avg_loss: np.ndarray
+    labels: np.ndarray
+
+    @property
+    def n(self):
+        return len(self.labels)
+
+    @property
+    def correct(self):
+        return int((self.sum_loss.argmin(1) == self.labels).sum())
+
+    @property
+    def correct_norm(self):
+        return int((self.avg_loss.argmin(1) == self.labels).sum())
+
+    @property
+    def acc(self):
+        return self.correct / max(self.n, 1)
+
+    @property
+    def acc_norm(self):
+        return self.correct_norm / max(self.n, 1)
+
+
+def read_examples(path, max_examples=-1):
+    """The examples of a HellaSwag jsonl file ({ctx, endings, label} a line); ValueError names the bad line."""
+    path = Path(path)
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if 0 <= max_examples <= len(examples):
+                break
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                ctx, endings, label = item["ctx"], item["endings"], int(item["label"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{number}: not a HellaSwag line with ctx, endings, label ({e})") from None
+            if (not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4
+                    or not all(isinstance(e, str) for e in endings) or not 0 <= label < 4):
+                raise ValueError(f"{path}:{number}: expected a string ctx, 4 string endings and a label 0..3")
+            examples.append({"ctx": ctx, "endings": endings, "label": label})
+    if not examples:
+        raise ValueError(f"{path}: no HellaSwag examples")
+    return examples
+
+
+def render(example, encoding) -> Example:
+    """llm.c's render_example: ctx tokens + tokens of " " + ending, for each of the 4 endings."""
+    ctx = encoding.encode_ordinary(example["ctx"])
+    rows, lens = [], []
+    for ending in example["endings"]:
+        end = encoding.encode_ordinary(" " + ending)
+        rows.append(ctx + end)
+        lens.append(len(end))
+    return Example(rows, lens, example["label"])
+
+
+def longest_row(examples) -> int:
+    return max(len(r) for ex in examples for r in ex.rows)
+
+
+def score(model, examples, on_batch=None) -> Result:
+    """Summed and mean loss of each ending of each rendered example, in batches of model.B rows padded to the
+    longest row of the batch (at most model.T + 1 tokens: longer rows keep their end)."""
+    rows = [(i, j, ex.rows[j][-(model.T + 1):], min(ex.ending_lens[j], model.T))
+            for i, ex in enumerate(examples) for j in range(4)]
+    sums = np.zeros((len(examples), 4))
+    counts = np.zeros((len(examples), 4))
+    for lo in range(0, len(rows), model.B):
+        batch = rows[lo:lo + model.B]
+        t = max(len(r) for _, _, r, _ in batch) - 1
+        x = np.zeros((len(batch), t), dtype=np.int32)
+        y = np.zeros((len(batch), t), dtype=np.int32)
+        mask = np.zeros((len(batch), t), dtype=bool)
+        for k, (_, _, r, n_end) in enumerate(batch):
+            n = len(r) - 1
+            x[k, :n], y[k, :n] = r[:-1], r[1:]
+            mask[k, n - n_end:n] = True              # the targets that are the ending's tokens
+        model.forward(x, y)
+        losses = model.backend.to_host(model.act["losses"]).reshape(len(batch), t).astype(np.float64)
+        for k, (i, j, _, _) in enumerate(batch):
+            sums[i, j] = losses[k][mask[k]].sum()
+            counts[i, j] = mask[k].sum()
+        if on_batch:
+            on_batch(sum(j == 3 for _, j, _, _ in batch))     # examples finished
+    labels = np.array([ex.label for ex in examples])
+    return Result(sums, sums / np.maximum(counts, 1), labels)
+
+
+def evaluate(model, examples, desc="hellaswag", show_progress=True) -> Result:
+    """score() with a progress bar over the examples, acc_norm as it goes."""
+    from .progress import progress
+    with progress(total=len(examples), desc=desc, unit="example", quiet=not show_progress) as bar:
+        return score(model, examples, on_batch=bar.update)
+
+
+def load(path=None, encoding=None, max_examples=-1, cache=None, timeout=10):
+    """Rendered examples of `path` (default: hellaswag_val.jsonl, downloaded into the cache if missing)."""
+    from .tokenizer import get_encoding
+    path = Path(path) if path else cached(VAL_FILE, cache, timeout=timeout)
+    encoding = encoding or get_encoding()
+    return path, [render(e, encoding) for e in read_examples(path, max_examples)]

@@ -1,0 +1,110 @@
+"""HellaSwag (gpt2np eval hellaswag, --hellaswag N): each ending scored by the loss of its tokens only, acc from the
+summed and acc_norm from the mean loss, as llm.c does; the scores are PyTorch's (reference.TorchGPT2) on the same
+model, on the numpy and the emulated CUDA backends, batched with padding."""
+import json
+import re
+
+import numpy as np
+import pytest
+
+from gpt2np import evaluate, hellaswag
+from gpt2np.backends import get_backend
+from gpt2np.checkpoint import save_model
+from gpt2np.config import GPT2Config
+from gpt2np.model import GPT2
+from gpt2np.tokenizer import get_encoding
+
+torch = pytest.importorskip("torch")
+CFG = GPT2Config(64, 50257, 50304, 1, 2, 16)
+EXAMPLES = [
+    {"ctx": "A man is sitting on a roof. He", "label": 3,
+     "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+                 "is holding a rubik's cube.", "starts pulling up roofing on a roof."]},
+    {"ctx": "The cat", "label": 0, "endings": ["sleeps.", "jumps over the lazy dog twice today.", "is", "runs away"]},
+    {"ctx": "She opened the book and", "label": 1,
+     "endings": ["closed it.", "began to read aloud to the children.", "sighed", "left."]},
+    {"ctx": "Rain fell all night, so in the morning the streets", "label": 2,
+     "endings": ["were dry.", "burned.", "were wet and shining.", "sang"]},
+    {"ctx": "He", "label": 0, "endings": ["ran.", "walked slowly home", "x", "laughed at the joke for a long time"]},
+]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return GPT2(CFG, get_backend("numpy"), 1, 1, seed=3).params_host()
+
+
+@pytest.fixture(scope="module")
+def expected(params):
+    """Per-ending summed and mean losses by PyTorch, each row alone (no padding), float64."""
+    from gpt2np.reference import TorchGPT2
+    ref = TorchGPT2(CFG, params, "float64")
+    enc = get_encoding()
+    sums, avgs = np.zeros((len(EXAMPLES), 4)), np.zeros((len(EXAMPLES), 4))
+    for i, ex in enumerate(EXAMPLES):
+        ctx = enc.encode(ex["ctx"])
+        for j, ending in enumerate(ex["endings"]):
+            end = enc.encode(" " + ending)
+            row = np.array([ctx + end])
+            logits, _ = ref.forward(row[:, :-1])
+            logp = torch.log_softmax(logits[0], -1)
+            token_losses = -logp[torch.arange(row.shape[1] - 1), torch.from_numpy(row[0, 1:])].detach().numpy()
+            ending_losses = token_losses[-len(end):]
+            sums[i, j], avgs[i, j] = ending_losses.sum(), ending_losses.mean()
+    labels = np.array([ex["label"] for ex in EXAMPLES])
+    return sums, avgs, labels
+
+
+@pytest.fixture()
+def jsonl(tmp_path):
+    path = tmp_path / "hs.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES))
+    return path
+
+
+@pytest.mark.parametrize("backend, B", [("numpy", 4), ("numpy", 3), ("numpy", 20), ("emu", 8)])
+def test_scores_are_pytorchs(backend, B, params, expected, jsonl):
+    _, examples = hellaswag.load(jsonl)
+    model = GPT2(CFG, get_backend(backend), B, hellaswag.longest_row(examples) - 1)
+    model.load_params(params)
+    result = hellaswag.score(model, examples)
+    sums, avgs, labels = expected
+    np.testing.assert_allclose(result.sum_loss, sums, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(result.avg_loss, avgs, rtol=1e-5, atol=1e-5)
+    assert result.correct == int((sums.argmin(1) == labels).sum())          # llm.c: pred = sum_loss.argmin()
+    assert result.correct_norm == int((avgs.argmin(1) == labels).sum())     # pred_norm = avg_loss.argmin()
+
+
+def test_rows_longer_than_T_keep_their_ending(params, jsonl):
+    _, examples = hellaswag.load(jsonl)
+    model = GPT2(CFG, get_backend("numpy"), 4, 6)
+    model.load_params(params)
+    result = hellaswag.score(model, examples)
+    assert np.isfinite(result.avg_loss).all() and result.n == 5
+
+
+def test_eval_hellaswag_command(tmp_path, jsonl, params, expected, capsys, monkeypatch):
+    monkeypatch.setenv("GPT2NP_PROGRESS", "plain")
+    save_model(tmp_path / "m.bin", CFG, params)
+    assert evaluate.main(["hellaswag", "-e", str(tmp_path / "m.bin"), "-j", str(jsonl), "-b", "8",
+                          "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    sums, avgs, labels = expected
+    correct, correct_norm = int((sums.argmin(1) == labels).sum()), int((avgs.argmin(1) == labels).sum())
+    assert f"hellaswag acc {correct}/5 = {correct / 5:.4f} | acc_norm {correct_norm}/5 = {correct_norm / 5:.4f}" in out
+    assert re.search(r"hellaswag: 5/5 example \(100%\)", err)
+    assert evaluate.main(["hellaswag", "-e", str(tmp_path / "m.bin"), "-j", str(jsonl), "-m", "2"]) == 0
+    assert "2 examples" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("line, words", [
+    ('{"ctx": "a", "endings": ["b", "c"], "label": 0}', ["hs.jsonl:1", "4 string endings"]),
+    ('{"ctx": "a"}', ["hs.jsonl:1", "ctx, endings, label"]),
+    ("not json", ["hs.jsonl:1"]),
+])
+def test_bad_jsonl_is_one_line(tmp_path, params, line, words, capsys):
+    save_model(tmp_path / "m.bin", CFG, params)
+    (tmp_path / "hs.jsonl").write_text(line + "\n")
+    assert evaluate.main(["hellaswag", "-e", str(tmp_path / "m.bin"), "-j", str(tmp_path / "hs.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and all(w in err for w in words)
