@@ -7,6 +7,14 @@ of the GEMM precision in use (fp32, or tf32 with --tf32) and, as llm.c reports i
 Then one more step runs with every kernel and GEMM bracketed by CUDA events (the CudaBackend
 on_launch hook) for the per-kernel table.
 
+Last, PyTorch trains the same model on the same GPU, B and T (--torch eager,compile; none: off): GPT-2 with
+tanh GELU, tied wte/lm_head over the padded vocabulary, causal attention by F.scaled_dot_product_attention
+(--torch-attention manual: the materialized softmax, as gpt2np does it), global-norm clipping at 1.0 and fused
+AdamW (weight decay 0.1 on the 2-D tensors), TF32 matmuls exactly when gpt2np's GEMMs use them
+(set_float32_matmul_precision "high" / "highest"), in eager mode and under torch.compile; it prints ms/step for
+each and gpt2np's ratio to the fastest. With --runtime emu the PyTorch side runs eager on the CPU (says so; its
+time is not comparable) and torch.compile is skipped.
+
     python bench/gpu_step.py [--model d12] [-b 4] [-t 1024] [--steps 10] [--warmup 3] [--tf32] [--top 25]
     python bench/gpu_step.py --runtime emu --model tiny -t 16 --steps 1 --warmup 0   # dry run, no GPU
 """
@@ -93,7 +101,14 @@ def main(argv=None):
     parser.add_argument("--tf32", action="store_true", help="TF32 tensor cores for the GEMMs (default: exact fp32)")
     parser.add_argument("--top", type=int, default=25, help="rows of the per-kernel table")
     parser.add_argument("--runtime", choices=("cupy", "emu"), default="cupy", help="emu: CPU emulator dry run")
+    parser.add_argument("--torch", default="eager,compile",
+                        help="PyTorch runs to compare with, comma-separated: eager, compile; none: no PyTorch")
+    parser.add_argument("--torch-attention", choices=("sdpa", "manual"), default="sdpa",
+                        help="PyTorch's attention: F.scaled_dot_product_attention, or the materialized softmax")
     args = parser.parse_args(argv)
+    bad = set(args.torch.split(",")) - {"eager", "compile", "none", ""}
+    if bad:
+        parser.error(f"--torch {args.torch}: unknown {', '.join(sorted(bad))} (eager, compile or none)")
 
     cfg = TINY if args.model == "tiny" else preset(args.model)
     if not 0 < args.t <= cfg.max_seq_len:
@@ -130,7 +145,165 @@ def main(argv=None):
 
     table = kernel_times(model, be, x, y, args.warmup + args.steps)
     print_kernel_table(table, step_ms, args.top)
+
+    modes = [m for m in args.torch.split(",") if m and m != "none"]
+    if modes:
+        print()
+        if torch_comparison(cfg, x, y, step_ms, modes, precision, args):
+            return 1                                  # a PyTorch run failed (its line says why)
     return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PyTorch on the same GPU: the same model, B and T
+
+def torch_gpt2(cfg, attention="sdpa"):
+    """A PyTorch GPT-2 module with gpt2np's math: learned positions, pre-LN blocks, tanh GELU, tied lm_head over
+    the padded vocabulary Vp (as llm.c's matmul; targets are < V)."""
+    import math
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    C, NH = cfg.channels, cfg.num_heads
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
+            self.c_attn, self.attn_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+            self.c_fc, self.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+        def attn(self, h):
+            B, T, _ = h.shape
+            q, k, v = self.c_attn(h).split(C, dim=2)
+            q, k, v = (a.view(B, T, NH, C // NH).transpose(1, 2) for a in (q, k, v))
+            if attention == "sdpa":
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // NH))
+                mask = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
+                o = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1) @ v
+            return self.attn_proj(o.transpose(1, 2).contiguous().view(B, T, C))
+
+        def forward(self, h):
+            h = h + self.attn(self.ln_1(h))
+            return h + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(h)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(cfg.padded_vocab_size, C)
+            self.wpe = nn.Embedding(cfg.max_seq_len, C)
+            self.blocks = nn.ModuleList(Block() for _ in range(cfg.num_layers))
+            self.ln_f = nn.LayerNorm(C)
+            for p in self.parameters():
+                if p.dim() == 2:
+                    nn.init.normal_(p, std=0.02)
+
+        def forward(self, idx, targets):
+            T = idx.shape[1]
+            h = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+            for block in self.blocks:
+                h = block(h)
+            logits = F.linear(self.ln_f(h), self.wte.weight)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+    return GPT()
+
+
+def torch_time(cfg, xt, yt, mode, on_gpu, args):
+    """(ms per step, last loss) of PyTorch training the model: --warmup steps (torch.compile compiles in the
+    first), then --steps timed by CUDA events (on the CPU: wall clock)."""
+    import time
+
+    import torch
+    torch.manual_seed(0)
+    model = torch_gpt2(cfg, args.torch_attention).to(xt.device)
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    other = [p for p in model.parameters() if p.dim() != 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if on_gpu else {}))
+    fwd = torch.compile(model) if mode == "compile" else model
+
+    def step():
+        loss = fwd(xt, yt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    for _ in range(max(1, args.warmup)):
+        loss = step()
+    steps = max(1, args.steps)
+    if on_gpu:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            loss = step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / steps, float(loss)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    return (time.perf_counter() - t0) * 1e3 / steps, float(loss)
+
+
+def torch_comparison(cfg, x, y, gpt2np_ms, modes, precision, args):
+    """PyTorch eager / torch.compile ms/step on the same GPU, and gpt2np's ratio to the fastest. Returns the
+    number of PyTorch runs that failed (no torch, or a torch without a GPU: a note, not a failure)."""
+    try:
+        import torch
+    except ImportError as e:
+        print(f"PyTorch: skipped, torch is not installed ({e}): pip install torch (a CUDA build)")
+        return 0
+    on_gpu = args.runtime != "emu"
+    if on_gpu and not torch.cuda.is_available():
+        print(f"PyTorch: skipped, torch {torch.__version__} sees no GPU (torch.cuda.is_available() is False: a CPU "
+              f"build, or no CUDA driver for it): bring a CUDA build of torch")
+        return 0
+    device = torch.device("cuda" if on_gpu else "cpu")
+    if not on_gpu:
+        print("PyTorch: --runtime emu, so PyTorch runs eager on the CPU (a dry run of this code, its time is not "
+              "comparable); torch.compile skipped")
+        modes = [m for m in modes if m == "eager"]
+    tf32 = precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    name = torch.cuda.get_device_name() if on_gpu else "CPU"
+    print(f"PyTorch {torch.__version__} on {name}: same model, B={x.shape[0]}, T={x.shape[1]}, matmuls "
+          f"{'tf32' if tf32 else 'fp32'}, attention {args.torch_attention}, "
+          f"{'fused ' if on_gpu else ''}AdamW, clipping 1.0")
+    xt = torch.from_numpy(x.astype(np.int64)).to(device)
+    yt = torch.from_numpy(y.astype(np.int64)).to(device)
+    results, failed = {}, 0
+    for mode in modes:
+        try:
+            ms, loss = torch_time(cfg, xt, yt, mode, on_gpu, args)
+        except Exception as e:                              # e.g. no compiler for torch.compile
+            print(f"PyTorch {mode}: failed ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+            failed += 1
+            continue
+        finally:
+            if on_gpu:
+                torch.cuda.empty_cache()
+        results[mode] = ms
+        label = "torch.compile" if mode == "compile" else "eager"
+        print(f"PyTorch {label:13}: {ms:9.2f} ms/step, {x.size / (ms / 1e3):12,.0f} tokens/s (loss {loss:.4f})")
+    if results:
+        best = min(results, key=results.get)
+        ratio = gpt2np_ms / results[best]
+        label = "torch.compile" if best == "compile" else "eager"
+        verdict = f"{ratio:.2f}x slower than PyTorch" if ratio >= 1 else f"{1 / ratio:.2f}x faster than PyTorch"
+        note = "" if on_gpu else " (PyTorch on the CPU, gpt2np on the emulator: not comparable)"
+        print(f"gpt2np {gpt2np_ms:.2f} ms/step vs PyTorch {label} {results[best]:.2f} ms/step: ratio "
+              f"{ratio:.2f} (gpt2np is {verdict}){note}")
+    return failed
 
 
 if __name__ == "__main__":
