@@ -119,6 +119,11 @@ class TrainConfig:
                                            what="the max val batches",
                                            allowed=integer(1, also=(-1,), words="-1 (all) or an integer >= 1; use "
                                                            "-v 0 to turn validation off"))
+    hellaswag_every: int = _setting("--hellaswag", 0, "HellaSwag acc_norm every N steps (and at the last), logged as "
+                                    "`s:STEP eval:ACC`; 0 = never", metavar="N", allowed=OFF_OR_EVERY,
+                                    what="the HellaSwag interval")
+    hellaswag_data: str | None = _setting("--hellaswag-data", help="HellaSwag jsonl for --hellaswag", metavar="PATH",
+                                          default_text="hellaswag_val.jsonl in the download cache")
     sample_every: int | None = _setting("-s", help="sample every N steps, 0 = never", cpu_gpu=(20, 20),
                                         allowed=OFF_OR_EVERY, what="the sampling interval")
     gen_tokens: int = _setting("-g", 64, "tokens to generate per sample", allowed=integer(0),

@@ -88,6 +88,26 @@ def evaluate(model, loader, max_batches):
         return total / max(n, 1)
 
 
+def load_hellaswag(cfg: TrainConfig, model_cfg, dist):
+    """--hellaswag: this rank's share of the rendered examples and the total count, or (None, 0)."""
+    if cfg.hellaswag_every <= 0:
+        return None, 0
+    if model_cfg.vocab_size < 50257:
+        raise ValueError(f"--hellaswag: the model's vocab_size is {model_cfg.vocab_size}; HellaSwag is tokenized "
+                         f"with GPT-2's 50257 tokens")
+    from . import hellaswag
+    _, examples = hellaswag.load(cfg.hellaswag_data)
+    return examples[dist.rank::dist.world_size], len(examples)
+
+
+def evaluate_hellaswag(model, examples, total, dist):
+    """acc_norm over every rank's examples (llm.c's number), each rank scoring its share."""
+    from . import hellaswag
+    with ranges.range("hellaswag"):
+        correct = hellaswag.score(model, examples).correct_norm if examples else 0
+    return round(dist.average(float(correct)) * dist.world_size), total
+
+
 def train(cfg: TrainConfig, dist=None):
     """Train as cfg says; returns the model. SIGINT/SIGTERM are caught for the whole run (see run_training)."""
     with StopSignals() as signals, warnings.catch_warnings():
@@ -151,6 +171,14 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     rng = np.random.default_rng(cfg.seed)
     decoder = Decoder(train_pattern) if cfg.sample_every > 0 else None
 
+    hellaswag_examples, hellaswag_total = load_hellaswag(cfg, model_cfg, dist)
+
+    def hellaswag_eval(step):
+        correct, total = evaluate_hellaswag(model, hellaswag_examples, hellaswag_total, dist)
+        say(f"HellaSwag: {correct}/{total} = {correct / total:.6f}")
+        if step is not None:
+            logger.log(f"s:{step} eval:{correct / total:.4f}")
+
     start_step, skipped = 0, 0                # skipped: non-finite steps skipped so far (--skip-nonfinite)
     if cfg.resume and not cfg.output_dir:
         raise ValueError("-y 1 (resume) needs -o, the folder the checkpoints are in")
@@ -201,6 +229,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         say("-x 0: no training; validating and sampling the model once")
         if val_loader:
             say(f"val loss {dist.average(evaluate(model, val_loader, cfg.val_max_batches)):.6f}")
+        if hellaswag_total:
+            hellaswag_eval(None)
         if decoder and rank0:
             tokens = generate(model, [decoder.eot_token], cfg.gen_tokens, rng, cfg.temperature, cfg.top_k)
             say("generating:\n---\n" + decoder.decode(tokens[1:]) + "\n---")
@@ -230,6 +260,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
             val_loss = dist.average(evaluate(model, val_loader, cfg.val_max_batches))
             say(f"val loss {val_loss:.6f}")
             logger.log(f"s:{step} tel:{val_loss:.6f}")
+        if hellaswag_total and (step % cfg.hellaswag_every == 0 or last) and not resumed_here:
+            hellaswag_eval(step)
         if decoder and rank0 and step > 0 and (step % cfg.sample_every == 0 or last) and not resumed_here:
             tokens = generate(model, [decoder.eot_token], cfg.gen_tokens, rng, cfg.temperature, cfg.top_k)
             say("generating:\n---\n" + decoder.decode(tokens[1:]) + "\n---")

@@ -108,3 +108,32 @@ def test_bad_jsonl_is_one_line(tmp_path, params, line, words, capsys):
     assert evaluate.main(["hellaswag", "-e", str(tmp_path / "m.bin"), "-j", str(tmp_path / "hs.jsonl")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and all(w in err for w in words)
+
+
+def test_train_hellaswag_every_n_steps_logs_eval_lines(tmp_path, jsonl, params, capsys):
+    import train
+    from gpt2np.data import write_shard
+    save_model(tmp_path / "m.bin", CFG, params)
+    rng = np.random.default_rng(0)
+    write_shard(tmp_path / "train.bin", rng.integers(0, 2000, 4000))
+    out_dir = tmp_path / "run"
+    assert train.main(["-e", str(tmp_path / "m.bin"), "-i", str(tmp_path / "train.bin"), "-b", "4", "-t", "16",
+                       "-x", "4", "--hellaswag", "2", "--hellaswag-data", str(jsonl), "-s", "0", "--device", "cpu",
+                       "-o", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    assert len(re.findall(r"HellaSwag: \d/5 = ", out)) == 3
+    evals = [line for line in (out_dir / "main.log").read_text().splitlines() if "eval:" in line]
+    assert [line.split()[0] for line in evals] == ["s:0", "s:2", "s:4"]
+    assert all(re.fullmatch(r"s:\d eval:\d\.\d{4}", line) for line in evals)
+
+
+def test_train_hellaswag_needs_gpt2s_vocabulary(tmp_path, jsonl, capsys):
+    import train
+    small = GPT2Config(32, 100, 128, 1, 2, 16)
+    save_model(tmp_path / "s.bin", small, GPT2(small, get_backend("numpy"), 1, 1, seed=1).params_host())
+    from gpt2np.data import write_shard
+    write_shard(tmp_path / "train.bin", np.arange(1000) % 100)
+    assert train.main(["-e", str(tmp_path / "s.bin"), "-i", str(tmp_path / "train.bin"), "-b", "2", "-t", "8",
+                       "-x", "1", "--hellaswag", "1", "--hellaswag-data", str(jsonl), "-s", "0",
+                       "--device", "cpu"]) == 1
+    assert "--hellaswag: the model's vocab_size is 100" in capsys.readouterr().err
