@@ -12,8 +12,8 @@ from .cli import ArgumentParser, BadInput, program_name, tool
 # name -> (module whose main runs it, argv prefix, one line for the command list)
 COMMANDS = {
     "train": ("gpt2np.train_cli", [], "train GPT-2 (llm.c's train_gpt2 flags; the same as python train.py)"),
-    "prepare": ("gpt2np.prepare", [], "tokenize tinyshakespeare or a text file into llm.c token shards"),
-    "fetch": ("gpt2np.fetch", [], "download tinyshakespeare, llm.c's gpt2_124M.bin, tokenizer, BPE files"),
+    "prepare": ("gpt2np.prepare", [], "text, tinyshakespeare, FineWeb-Edu or TinyStories -> llm.c token shards"),
+    "fetch": ("gpt2np.fetch", [], "download tinyshakespeare, llm.c's gpt2_124M.bin, tokenizer, BPE files, HellaSwag"),
     "compare": ("gpt2np.compare", [], "check logits, gradients and AdamW steps against a PyTorch GPT-2"),
     "profile": ("gpt2np.profiling.profiler", [], "profile training steps: per-kernel/op table, module tree, views"),
     "plan": ("gpt2np.profiling.profiler", ["--plan"], "plan a run: memory and time estimates (profile --plan)"),
@@ -35,7 +35,8 @@ def usage() -> str:
              "", "commands:"]
     lines += [f"  {name:<{width}}  {text}" for name, (_, _, text) in COMMANDS.items()]
     lines += ["", "`gpt2np COMMAND --help` shows a command's flags. Extras: pip install 'gpt2np[hf]' for hf (and -e "
-              "with a Hugging Face model), 'gpt2np[plot]' for plot.", "GPT2NP_DEBUG=1 shows tracebacks."]
+              "with a Hugging Face model), 'gpt2np[plot]' for plot, 'gpt2np[data]' for prepare fineweb/tinystories.",
+              "GPT2NP_DEBUG=1 shows tracebacks."]
     return "\n".join(lines)
 
 

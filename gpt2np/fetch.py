@@ -1,6 +1,7 @@
 """Downloading the files gpt2np can use: tinyshakespeare, llm.c's starter pack, GPT-2's BPE files.
 
     python -m gpt2np.fetch [tinyshakespeare|model|tokenizer|debug-state|bpe|all ...] [--dir checkpoints]
+    gpt2np fetch hellaswag [--dir DIR]     # hellaswag_val.jsonl into the download cache (gpt2np/cache.py)
 
 download() never hangs: every connect and read has a socket timeout; any failure (offline, timeout,
 HTTP error, short read) raises FetchError with one line. Files are written to a temporary file
@@ -40,6 +41,7 @@ GROUPS = {
     "bpe": ["gpt2_vocab.bpe", "gpt2_encoder.json"],
 }
 GROUPS["all"] = [f for files in GROUPS.values() for f in files]
+CACHED = {"hellaswag"}          # groups that go to the download cache (gpt2np/cache.py), not checkpoints/
 CHUNK_BYTES = 1 << 16
 
 
@@ -106,30 +108,52 @@ def main(argv=None):
     """Download the named groups; bad flags: one line, exit 2; a failed download: one line each, exit 1."""
     parser = ArgumentParser(prog="python -m gpt2np.fetch", description=__doc__.split("\n")[0])
     parser.add_argument("what", nargs="*", metavar="WHAT",
-                        help=f"any of {', '.join(sorted(GROUPS))} (default: tinyshakespeare tokenizer model)")
-    parser.add_argument("--dir", default=str(CHECKPOINTS_DIR),
-                        help="destination folder (default: <repo>/checkpoints)")
+                        help=f"any of {', '.join(sorted(set(GROUPS) | CACHED))} (default: tinyshakespeare "
+                             "tokenizer model)")
+    parser.add_argument("--dir", help="destination folder (default: <repo>/checkpoints; hellaswag: the download "
+                        "cache, $GPT2NP_CACHE or the user cache dir)")
     parser.add_argument("--timeout", type=float, default=10.0, help="socket timeout in seconds")
     args = parser.parse_args(argv)
-    unknown = [w for w in args.what if w not in GROUPS]
+    names = sorted(set(GROUPS) | CACHED)
+    unknown = [w for w in args.what if w not in names]
     if unknown:
-        parser.error(f"unknown WHAT {unknown[0]!r}; choose from {', '.join(sorted(GROUPS))}")
+        parser.error(f"unknown WHAT {unknown[0]!r}; choose from {', '.join(names)}")
     number(0, low_open=True).check("--timeout", args.timeout, "the socket timeout in seconds")
-    if Path(args.dir).exists() and not Path(args.dir).is_dir():
+    if args.dir and Path(args.dir).exists() and not Path(args.dir).is_dir():
         raise BadInput(f"--dir {args.dir}: is a file; expected a folder (made if missing)")
+    folder = args.dir or str(CHECKPOINTS_DIR)
     failed = 0
     for group in args.what or ["tinyshakespeare", "tokenizer", "model"]:
+        if group in CACHED:
+            failed += fetch_cached(group, args.dir, args.timeout)
+            continue
         for filename in GROUPS[group]:
-            path = Path(args.dir) / filename
+            path = Path(folder) / filename
             if path.is_file():
                 print(f"{path}: already present", file=sys.stderr)
                 continue
             try:
-                ensure(filename, args.dir, timeout=args.timeout)
+                ensure(filename, folder, timeout=args.timeout)
             except FetchError as e:
                 print(f"error: {e}", file=sys.stderr)
                 failed += 1
     return 1 if failed else 0
+
+
+def fetch_cached(group, directory, timeout) -> int:
+    """Fetch a cached group (hellaswag) into the download cache; 0, or 1 after printing the failure."""
+    from .cache import cache_dir, cached, is_done
+    from .hellaswag import VAL_FILE
+    path = cache_dir(directory) / VAL_FILE.name
+    if is_done(path):
+        print(f"{path}: already present", file=sys.stderr)
+        return 0
+    try:
+        print(f"{cached(VAL_FILE, directory, timeout=timeout)}: downloaded", file=sys.stderr)
+    except OSError as e:            # FetchError (gpt2np.fetch's: under `python -m` this module is another copy)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

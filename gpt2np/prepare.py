@@ -1,6 +1,8 @@
 """Tokenize a text file into llm.c token shards: <name>_val.bin (the first val_tokens tokens) and <name>_train.bin.
 
     python -m gpt2np.prepare [--input FILE | tinyshakespeare] [--output-dir DIR] [--val-tokens 32768] [--bpe-dir DIR]
+    gpt2np prepare fineweb --shards N          # FineWeb-Edu sample-10BT, 100M-token shards, val first (corpora.py)
+    gpt2np prepare tinystories                 # TinyStories: its validation split, then train shards
 
 As llm.c does for tinyshakespeare, the text is cut at blank lines ("\\n\\n") into documents, each document
 is preceded by <|endoftext|>, and every document but the last keeps its trailing "\\n\\n". The GPT-2
@@ -93,8 +95,20 @@ def prepare_tinyshakespeare(out_dir=DEFAULT_OUTPUT_DIR, val_tokens=DEFAULT_VAL_T
 def main(argv=None):
     """Tokenize tinyshakespeare or --input into shards; bad flags and files: one line, exit 2."""
     parser = ArgumentParser(prog="python -m gpt2np.prepare", description=__doc__.split("\n")[0])
-    parser.add_argument("dataset", nargs="?", choices=["tinyshakespeare"],
-                        help="a known dataset (default when --input is not given)")
+    parser.add_argument("dataset", nargs="?", choices=["tinyshakespeare", "fineweb", "tinystories"],
+                        help="a known dataset (default when --input is not given: tinyshakespeare); fineweb "
+                             "(FineWeb-Edu sample-10BT) and tinystories are downloaded from the Hugging Face Hub "
+                             "(pip install 'gpt2np[data]') or read from --source")
+    parser.add_argument("--shards", type=int, default=-1, help="fineweb/tinystories: shards to write in all, the "
+                        "val shard included (default -1: all the data)")
+    parser.add_argument("--shard-size", type=int, default=100_000_000, help="fineweb/tinystories: tokens per "
+                        "shard (default 100000000, llm.c's)")
+    parser.add_argument("--source", metavar="FILES", help="fineweb/tinystories: local parquet/jsonl files (glob) "
+                        "with a `text` field instead of the Hub")
+    parser.add_argument("--workers", type=int, help="fineweb/tinystories: tokenizing processes (default: half "
+                        "the CPUs)")
+    parser.add_argument("--dir", help="fineweb/tinystories: download cache (default: $GPT2NP_CACHE, else the user "
+                        "cache dir)")
     parser.add_argument("--input", help="utf-8 text file to tokenize; shards are named after it")
     parser.add_argument("--output-dir", default=str(DEFAULT_OUTPUT_DIR), help="default: <repo>/checkpoints/data")
     parser.add_argument("--val-tokens", type=int, default=DEFAULT_VAL_TOKENS, help="tokens in the val split")
@@ -108,6 +122,8 @@ def main(argv=None):
         raise BadInput(f"--input {args.input}: is a folder; expected a UTF-8 text file")
     if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
         raise BadInput(f"--output-dir {args.output_dir}: is a file; expected a folder (made if missing)")
+    if args.dataset in ("fineweb", "tinystories"):
+        return prepare_large(args)
     encoding = get_encoding(args.bpe_dir)
     if args.input:
         shards = prepare_text(args.input, args.output_dir, Path(args.input).stem, args.val_tokens, encoding)
@@ -115,6 +131,23 @@ def main(argv=None):
         shards = prepare_tinyshakespeare(args.output_dir, args.val_tokens, encoding)
     for path in (shards.val, shards.train):
         print(f"wrote {path} ({(path.stat().st_size - 1024) // 2:,} tokens)")
+    return 0
+
+
+def prepare_large(args):
+    """gpt2np prepare fineweb|tinystories: see gpt2np/corpora.py."""
+    from .cache import cache_dir
+    from .corpora import prepare_corpus
+    integer(1, also=(-1,), words="-1 (all) or an integer >= 1").check("--shards", args.shards, "the shard count")
+    integer(1).check("--shard-size", args.shard_size, "the tokens per shard")
+    if args.shard_size >= 2**31:
+        raise BadInput(f"--shard-size {args.shard_size}: a shard holds fewer than 2**31 tokens")
+    if args.workers is not None:
+        integer(1).check("--workers", args.workers, "the tokenizing processes")
+    get_encoding(args.bpe_dir)                  # the tokenizer's files, checked before any download
+    written = prepare_corpus(args.dataset, args.output_dir, args.shards, args.shard_size, args.source,
+                             args.workers, args.bpe_dir, cache=None if args.source else cache_dir(args.dir))
+    print(f"{args.dataset}: {len(written)} shard(s) written into {args.output_dir}")
     return 0
 
 

@@ -137,3 +137,14 @@ def test_train_hellaswag_needs_gpt2s_vocabulary(tmp_path, jsonl, capsys):
                        "-x", "1", "--hellaswag", "1", "--hellaswag-data", str(jsonl), "-s", "0",
                        "--device", "cpu"]) == 1
     assert "--hellaswag: the model's vocab_size is 100" in capsys.readouterr().err
+
+
+def test_eval_hellaswag_reads_the_cached_val_file(tmp_path, jsonl, params, capsys, monkeypatch):
+    from gpt2np.cache import mark_done
+    monkeypatch.setenv("GPT2NP_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "hellaswag_val.jsonl").write_bytes(jsonl.read_bytes())
+    mark_done(tmp_path / "cache" / "hellaswag_val.jsonl")                  # counts as a complete download
+    save_model(tmp_path / "m.bin", CFG, params)
+    assert evaluate.main(["hellaswag", "-e", str(tmp_path / "m.bin")]) == 0
+    assert f"data {tmp_path / 'cache' / 'hellaswag_val.jsonl'}: 5 examples" in capsys.readouterr().out
