@@ -22,7 +22,7 @@ import numpy as np
 
 SYNTH_VOCAB = 100            # token ids of the synthetic shards: < every model's vocab_size here
 SYNTH_PERIOD = 256           # the shards repeat a random sequence of this length (learnable in a few steps)
-TRAIN_TOKENS = 1 << 18
+TRAIN_TOKENS = 1 << 20       # 256 batches of B=4, T=1024: --full's 200 steps in one epoch
 VAL_TOKENS = 1 << 15
 
 
