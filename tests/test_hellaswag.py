@@ -148,3 +148,14 @@ def test_eval_hellaswag_reads_the_cached_val_file(tmp_path, jsonl, params, capsy
     save_model(tmp_path / "m.bin", CFG, params)
     assert evaluate.main(["hellaswag", "-e", str(tmp_path / "m.bin")]) == 0
     assert f"data {tmp_path / 'cache' / 'hellaswag_val.jsonl'}: 5 examples" in capsys.readouterr().out
+
+
+def test_train_x0_evaluates_hellaswag_once(tmp_path, jsonl, params, capsys):
+    import train
+    from gpt2np.data import write_shard
+    save_model(tmp_path / "m.bin", CFG, params)
+    write_shard(tmp_path / "train.bin", np.arange(2000) % 1000)
+    assert train.main(["-e", str(tmp_path / "m.bin"), "-i", str(tmp_path / "train.bin"), "-b", "8", "-t", "32",
+                       "-x", "0", "--hellaswag", "5", "--hellaswag-data", str(jsonl), "-s", "0",
+                       "--device", "cpu"]) == 0
+    assert len(re.findall(r"HellaSwag: \d/5 = ", capsys.readouterr().out)) == 1
