@@ -36,6 +36,7 @@ from .model import GPT2
 from .profiling import ranges
 from .profiling.gpu_specs import flops_per_token, mfu
 from .profiling.profiler import Profiler, device_label, device_roofline, report_text, write_outputs
+from .progress import progress
 from .rundir import check_output_dir, prepare_run_dir, run_identity
 from .sample import generate
 from .schedule import learning_rate
@@ -76,15 +77,21 @@ class Logger:
             append_line(self.path, line)
 
 
-def evaluate(model, loader, max_batches):
-    """Mean loss over up to max_batches validation batches (from the loader's start)."""
+LONG_VALIDATION = 100     # batches from which a validation shows its progress (-m -1 on a big val set)
+
+
+def evaluate(model, loader, max_batches, show_progress=True):
+    """Mean loss over up to max_batches validation batches (from the loader's start); a long one shows a
+    progress bar on stderr (plain lines when stderr is not a terminal)."""
     with ranges.range("validation"):
         loader.reset()
         n = min(max_batches, loader.num_batches) if max_batches > 0 else loader.num_batches
         total = 0.0
-        for _ in range(n):
-            x, y = loader.next_batch()
-            total += model.forward(x, y)
+        with progress(total=n, desc="val", unit="batch", quiet=not show_progress or n < LONG_VALIDATION) as bar:
+            for _ in range(n):
+                x, y = loader.next_batch()
+                total += model.forward(x, y)
+                bar.update(1)
         return total / max(n, 1)
 
 
@@ -228,7 +235,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     if evaluate_only:
         say("-x 0: no training; validating and sampling the model once")
         if val_loader:
-            say(f"val loss {dist.average(evaluate(model, val_loader, cfg.val_max_batches)):.6f}")
+            say(f"val loss {dist.average(evaluate(model, val_loader, cfg.val_max_batches, show_progress=rank0)):.6f}")
         if hellaswag_total:
             hellaswag_eval(None)
         if decoder and rank0:
@@ -257,7 +264,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
             stop_on_signal(signals, step, checkpoint if cfg.output_dir and trained_here else None, cfg.output_dir,
                            rank0)
         if val_loader and (step % cfg.val_every == 0 or last) and not resumed_here:
-            val_loss = dist.average(evaluate(model, val_loader, cfg.val_max_batches))
+            val_loss = dist.average(evaluate(model, val_loader, cfg.val_max_batches, show_progress=rank0))
             say(f"val loss {val_loss:.6f}")
             logger.log(f"s:{step} tel:{val_loss:.6f}")
         if hellaswag_total and (step % cfg.hellaswag_every == 0 or last) and not resumed_here:

@@ -75,3 +75,28 @@ def test_off_and_the_environment_override(clock, monkeypatch):
     assert P.mode() == "plain"
     assert list(P.progress(range(3), file=out)) == [0, 1, 2]
     assert out.getvalue() == "3/3 it (100%), 0.0 s, 0 it/s\n"
+
+
+def test_long_validation_in_training_shows_progress(capsys):
+    """The trainer's validation shows progress lines when it is long (LONG_VALIDATION batches or more), and
+    says nothing for the usual few batches."""
+    from gpt2np import trainer
+
+    class Loader:
+        num_batches = trainer.LONG_VALIDATION
+
+        def reset(self):
+            pass
+
+        def next_batch(self):
+            return None, None
+
+    class Model:
+        def forward(self, x, y):
+            return 1.0
+
+    assert trainer.evaluate(Model(), Loader(), max_batches=-1) == 1.0
+    assert f"val: {trainer.LONG_VALIDATION}/{trainer.LONG_VALIDATION} batch" in capsys.readouterr().err
+    assert trainer.evaluate(Model(), Loader(), max_batches=5) == 1.0
+    assert trainer.evaluate(Model(), Loader(), max_batches=-1, show_progress=False) == 1.0
+    assert capsys.readouterr().err == ""
