@@ -1,16 +1,35 @@
-"""Median ms per training step on the CPU: gpt2np (numpy backend) vs an equivalent PyTorch fp32 eager step.
+"""Median ms per training step on the CPU: gpt2np against PyTorch's fastest CPU step, and against the floor.
 
-A step = forward + backward + global-norm clipping + AdamW on d12 (124M) at B=4, T=64 by default, same
-thread count for both. Also reports peak memory (VmHWM) against params + grads + m + v + activations.
+A step = forward + backward + global-norm clipping (1.0) + AdamW (weight decay 0.1) on d12 (124M) at B=4,
+T=64 by default, the same thread count everywhere. In one run, each in its own process, one after another:
 
-    python bench/cpu_step.py [--steps 6] [--warmup 2] [-b 4] [-t 64] [--model d12] [--threads N] [--no-torch]
+  gpt2np                  gpt2np.train_step.train_step on the numpy backend (the project's one step)
+  pytorch eager           the same model math in PyTorch fp32, AdamW(fused=True), clip_grad_norm_(foreach)
+  pytorch compile         the same, forward + backward through torch.compile (inductor, C++ on the CPU)
+  floor                   the step's matmul FLOPs (the op contract's GEMM terms of a recorded gpt2np step) at
+                          the GEMM rate measured now on exactly those shapes (best of NumPy's BLAS and
+                          PyTorch's), plus the bytes AdamW must move (the contract's adamw term: params, grads,
+                          m, v read, params, m, v written) at the memory bandwidth measured now (best of a
+                          threaded in-place add in NumPy and in PyTorch)
+
+It prints each median, gpt2np's ratio to the fastest PyTorch and to the floor, and gpt2np's peak memory
+(VmHWM) against params + grads + m + v + activations.
+
+    python bench/cpu_step.py [--steps 8] [--warmup 2] [-b 4] [-t 64] [--model d12] [--threads N]
+                             [--no-torch] [--no-compile] [--no-floor] [--json FILE]
 """
 import argparse
+import functools
+import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+
+GEMM_TERMS = {"matmul_forward": ("gemm",), "matmul_backward": ("dinp", "dweight"),
+              "attention_forward": ("scores", "weighted_sum"),
+              "attention_backward": ("dv", "datt", "dq", "dk")}
 
 
 def peak_rss_bytes():
@@ -21,13 +40,37 @@ def peak_rss_bytes():
     return 0
 
 
+def step_gemms(op, args):
+    """The GEMMs one op call runs, as (m, n, k, batch, a_transposed, b_transposed): C (m,n) = A (m,k) B (k,n)."""
+    if op == "matmul_forward":
+        out, inp, weight, bias = args
+        OC, C = weight.shape
+        return [(inp.size // C, OC, C, 1, False, True)]
+    if op == "matmul_backward":
+        dinp, dweight, dbias, dout, inp, weight = args[:6]
+        OC, C = weight.shape
+        N = inp.size // C
+        return [(N, C, OC, 1, False, False), (OC, C, N, 1, True, False)]
+    qkvr = args[1] if op == "attention_forward" else args[2]
+    _, B, NH, T, HS = qkvr.shape                         # (3,B,NH,T,HS)
+    BH = B * NH
+    if op == "attention_forward":
+        return [(T, T, HS, BH, False, True), (T, HS, T, BH, False, False)]
+    if op == "attention_backward":
+        return [(T, HS, T, BH, True, False), (T, T, HS, BH, False, True),
+                (T, HS, T, BH, False, False), (T, HS, T, BH, True, False)]
+    return []
+
+
 def bench_gpt2np(args):
     import numpy as np
 
     import gpt2np  # noqa: F401  (first: it sets OpenBLAS's thread timeout before NumPy loads OpenBLAS)
+    from gpt2np.backends.contract import op_cost
     from gpt2np.backends.numpy_backend import NumpyBackend
     from gpt2np.config import preset
     from gpt2np.model import GPT2
+    from gpt2np.profiling import ranges
     from gpt2np.tensors import activation_shapes, layout_size
     from gpt2np.train_step import AdamW, train_step
 
@@ -36,23 +79,62 @@ def bench_gpt2np(args):
     rng = np.random.default_rng(0)
     x = rng.integers(0, cfg.vocab_size, (args.b, args.t)).astype(np.int32)
     y = rng.integers(0, cfg.vocab_size, (args.b, args.t)).astype(np.int32)
-    adamw = AdamW(weight_decay=0.1)
+    adamw = AdamW(weight_decay=0.1, grad_clip=1.0)
+
+    class Recorder:                                      # a step's ops: GEMM shapes, AdamW bytes, time per op
+        def __init__(self):
+            self.gemms, self.gemm_flops, self.matmul_flops, self.adamw_bytes = {}, 0, 0, 0
+            self.op_ms, self._start = {}, None
+
+        def on_push(self, name, detail):
+            if detail is None:
+                return
+            self._start = time.perf_counter()
+            args_ = detail[1]
+            if name in GEMM_TERMS:
+                cost = op_cost(name, args_)
+                flops = sum(cost.terms[t][0] for t in GEMM_TERMS[name])
+                self.gemm_flops += flops
+                if name.startswith("matmul"):
+                    self.matmul_flops += flops
+                for shape in step_gemms(name, args_):
+                    self.gemms[shape] = self.gemms.get(shape, 0) + 1
+            elif name == "adamw":
+                self.adamw_bytes += op_cost(name, args_).bytes
+
+        def on_pop(self, name):
+            if self._start is not None:
+                self.op_ms[name] = self.op_ms.get(name, 0.0) + (time.perf_counter() - self._start) * 1e3
+                self._start = None
+
+    recorder = Recorder()
     times = []
     for step in range(args.warmup + args.steps):
+        if step == 1:                                    # the second step: m and v exist already
+            ranges.add_listener(recorder)
         t0 = time.perf_counter()
         train_step(model, lambda: (x, y), step=step, lr=1e-4, adamw=adamw)
         times.append(time.perf_counter() - t0)
+        if step == 1:
+            ranges.remove_listener(recorder)
+    if args.warmup + args.steps < 2:
+        raise SystemExit("need at least 2 steps (warm-up + measured)")
+    timed = sum(2 * m * n * k * batch * count for (m, n, k, batch, _, _), count in recorder.gemms.items())
+    assert timed == recorder.gemm_flops, (timed, recorder.gemm_flops)   # the shapes timed are the FLOPs counted
     n = model.num_parameters
     budget = 4 * (4 * n + layout_size(activation_shapes(cfg, args.b, args.t)))
-    return statistics.median(times[args.warmup:]) * 1e3, peak_rss_bytes(), budget
+    return {"ms": statistics.median(times[args.warmup:]) * 1e3, "times_ms": [t * 1e3 for t in times],
+            "peak": peak_rss_bytes(), "budget": budget, "gemm_flops": recorder.gemm_flops,
+            "adamw_bytes": recorder.adamw_bytes, "gemms": [[*k, c] for k, c in recorder.gemms.items()],
+            "op_ms": recorder.op_ms, "matmul_flops": recorder.matmul_flops, "profiled_step_ms": times[1] * 1e3}
 
 
-def bench_torch(args):
+def torch_model(args):
+    """(params dict, loss function) of the same GPT-2 in PyTorch: tanh GELU, causal attention, tied lm_head."""
     import torch
     import torch.nn.functional as F
 
     from gpt2np.config import preset
-    torch.set_num_threads(args.threads)
     cfg = preset(args.model)
     C, L, NH = cfg.channels, cfg.num_layers, cfg.num_heads
     g = torch.Generator().manual_seed(0)
@@ -72,7 +154,7 @@ def bench_torch(args):
     params["lnfb"] = torch.nn.Parameter(torch.zeros(C))
     B, T = args.b, args.t
 
-    def forward(x, y):
+    def loss_fn(x, y):
         h = params["wte"][x] + params["wpe"][:T]
         for l in range(L):
             a = F.layer_norm(h, (C,), params[f"{l}.ln1w"], params[f"{l}.ln1b"])
@@ -87,22 +169,87 @@ def bench_torch(args):
         logits = F.linear(h, params["wte"][:cfg.vocab_size])
         return F.cross_entropy(logits.view(-1, cfg.vocab_size), y.view(-1))
 
-    decay = [v for k, v in params.items() if v.dim() == 2]
-    no_decay = [v for k, v in params.items() if v.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
     x = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
     y = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    return params, loss_fn, x, y
+
+
+def bench_torch(args, compiled):
+    import torch
+    torch.set_num_threads(args.threads)
+    params, loss_fn, x, y = torch_model(args)
+    if compiled:
+        loss_fn = torch.compile(loss_fn, dynamic=False)
+    decay = [v for v in params.values() if v.dim() == 2]
+    no_decay = [v for v in params.values() if v.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
     times = []
     for _ in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = forward(x, y)
+        loss = loss_fn(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params.values(), 1.0, foreach=True)
         opt.step()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[args.warmup:]) * 1e3
+    return {"ms": statistics.median(times[args.warmup:]) * 1e3, "times_ms": [t * 1e3 for t in times]}
+
+
+def best_time(fn, reps):
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def floor_numpy(gemms, args):
+    """Best seconds per GEMM shape with NumPy's BLAS, and the bandwidth (bytes/s) of a threaded in-place add."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    import gpt2np  # noqa: F401  (OpenBLAS thread timeout, as for gpt2np's step)
+    rng = np.random.default_rng(0)
+    seconds = []
+    for m, n, k, batch, ta, tb in gemms:
+        a = rng.standard_normal((batch, k, m) if ta else (batch, m, k), np.float32)
+        b = rng.standard_normal((batch, n, k) if tb else (batch, k, n), np.float32)
+        a_, b_ = (a.transpose(0, 2, 1) if ta else a), (b.transpose(0, 2, 1) if tb else b)
+        if batch == 1:
+            a_, b_ = a_[0], b_[0]
+        out = np.empty((batch, m, n) if batch > 1 else (m, n), np.float32)
+        seconds.append(best_time(functools.partial(np.matmul, a_, b_, out=out), args.reps))
+    size = args.bandwidth_mb << 18                        # float32 elements per array
+    x, y = np.ones(size, np.float32), np.ones(size, np.float32)
+    parts = [(size * i // args.threads, size * (i + 1) // args.threads) for i in range(args.threads)]
+    with ThreadPoolExecutor(args.threads) as pool:
+        def add():
+            list(pool.map(lambda r: np.add(x[r[0]:r[1]], y[r[0]:r[1]], out=x[r[0]:r[1]]), parts))
+        bandwidth = 12 * size / best_time(add, args.reps)
+    return {"gemm_s": seconds, "bandwidth": bandwidth}
+
+
+def floor_torch(gemms, args):
+    """The same with PyTorch (MKL GEMMs, its own threads)."""
+    import torch
+    torch.set_num_threads(args.threads)
+    seconds = []
+    for m, n, k, batch, ta, tb in gemms:
+        a = torch.randn((batch, k, m) if ta else (batch, m, k))
+        b = torch.randn((batch, n, k) if tb else (batch, k, n))
+        a_, b_ = (a.transpose(1, 2) if ta else a), (b.transpose(1, 2) if tb else b)
+        if batch == 1:
+            a_, b_ = a_[0], b_[0]
+        out = torch.empty((batch, m, n) if batch > 1 else (m, n))
+        seconds.append(best_time(functools.partial(torch.matmul, a_, b_, out=out), args.reps))
+    size = args.bandwidth_mb << 18
+    x, y = torch.ones(size), torch.ones(size)
+    bandwidth = 12 * size / best_time(lambda: x.add_(y), args.reps)
+    return {"gemm_s": seconds, "bandwidth": bandwidth}
 
 
 def main():
@@ -110,41 +257,135 @@ def main():
     ap.add_argument("--model", default="d12")
     ap.add_argument("-b", type=int, default=4)
     ap.add_argument("-t", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--only", choices=["gpt2np", "torch"], help=argparse.SUPPRESS)
+    ap.add_argument("--no-torch", action="store_true", help="gpt2np only (quick A/B of gpt2np changes)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    ap.add_argument("--no-floor", action="store_true", help="skip measuring the floor")
+    ap.add_argument("--rounds", type=int, default=1, help="run every variant this many times, interleaved")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions per floor measurement (best is kept)")
+    ap.add_argument("--bandwidth-mb", type=int, default=256, help="MiB per array in the bandwidth measurement")
+    ap.add_argument("--json", help="also write every measurement to this file")
+    ap.add_argument("--only", choices=["gpt2np", "torch-eager", "torch-compile", "floor-numpy", "floor-torch"],
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.only == "gpt2np":
-        ms, peak, budget = bench_gpt2np(args)
-        print(f"{ms} {peak} {budget}")
+    if args.only:
+        if args.only == "gpt2np":
+            result = bench_gpt2np(args)
+        elif args.only.startswith("torch"):
+            result = bench_torch(args, compiled=args.only == "torch-compile")
+        else:
+            gemms = [tuple(g[:6]) for g in json.load(sys.stdin)]
+            result = (floor_numpy if args.only == "floor-numpy" else floor_torch)(gemms, args)
+        print("RESULT " + json.dumps(result))
         return
-    if args.only == "torch":
-        print(bench_torch(args))
-        return
-    # each side in its own process, so peak memory and thread pools do not mix
+
+    # each part in its own process, so peak memory, thread pools and BLAS libraries do not mix
     base = [sys.executable, __file__, "--model", args.model, "-b", str(args.b), "-t", str(args.t),
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+            "--reps", str(args.reps), "--bandwidth-mb", str(args.bandwidth_mb)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if args.threads != len(os.sched_getaffinity(0)):
         # only when asked for fewer threads than cores: pinning OpenBLAS to all cores explicitly made
         # its GEMMs ~7% slower here than its default (which uses all cores already)
         env["OPENBLAS_NUM_THREADS"] = str(args.threads)
-    ms, peak, budget = map(float, subprocess.check_output(base + ["--only", "gpt2np"], env=env).split())
-    print(f"model {args.model}, B={args.b}, T={args.t}, {args.threads} threads, median of {args.steps} steps")
-    print(f"gpt2np  : {ms:9.1f} ms/step   peak RSS {peak / 2**30:.2f} GiB = {peak / budget:.2f}x "
-          f"(params+grads+m+v+acts = {budget / 2**30:.2f} GiB)")
-    if args.no_torch:
-        return
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        print("torch  : not installed (pip install torch) - no comparison")
-        return
-    tms = float(subprocess.check_output(base + ["--only", "torch"], env=env))
-    print(f"pytorch : {tms:9.1f} ms/step   (fp32 eager, AdamW, same threads)")
-    print(f"ratio   : {ms / tms:9.2f}x PyTorch's time (target <= 0.80)")
+
+    def run(only, stdin=None):
+        proc = subprocess.run(base + ["--only", only], env=env, input=stdin, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            return None, f"exit {proc.returncode}: {last[:200]}"
+        return json.loads(lines[-1][len("RESULT "):]), None
+
+    report = {"model": args.model, "B": args.b, "T": args.t, "threads": args.threads, "steps": args.steps,
+              "warmup": args.warmup, "rounds": args.rounds, "loadavg_before": open("/proc/loadavg").read().split()[:3]}
+    print(f"model {args.model}, B={args.b}, T={args.t}, {args.threads} threads, clip 1.0, AdamW wd 0.1; median "
+          f"of {args.steps} steps after {args.warmup} warm-up x {args.rounds} round(s), each in its own process; "
+          f"load average {' '.join(report['loadavg_before'])}")
+    torch_ok = False
+    if not args.no_torch:
+        try:
+            import torch  # noqa: F401
+            torch_ok = True
+        except ImportError:
+            print("pytorch: not installed (pip install torch): no comparison")
+    variants = [("gpt2np", "gpt2np")]
+    if torch_ok:
+        variants.append(("torch-eager", "pytorch eager + fused AdamW"))
+        if not args.no_compile:
+            variants.append(("torch-compile", "pytorch compile + fused AdamW"))
+    runs = {only: [] for only, _ in variants}
+    failed = {}
+    for _ in range(args.rounds):                          # rounds interleave the variants, so drift hits all
+        for only, label in variants:
+            if only in failed:
+                continue
+            result, err = run(only)
+            if err:
+                if only == "gpt2np":
+                    sys.exit(f"gpt2np failed: {err}")
+                failed[only] = err
+                print(f"{label:32s}: failed ({err}); continuing without it")
+                continue
+            runs[only].append(result)
+    medians = {}
+    for only, _ in variants:
+        if runs[only]:
+            medians[only] = statistics.median(t for r in runs[only] for t in r["times_ms"][args.warmup:])
+            report[only] = {"ms": medians[only], "runs": runs[only]}
+    ours = runs["gpt2np"][0]
+    ms = medians["gpt2np"]
+    per_round = "" if args.rounds == 1 else "   rounds " + " ".join(f"{r['ms']:.0f}" for r in runs["gpt2np"])
+    print(f"{'gpt2np':32s}: {ms:8.1f} ms/step   peak RSS {ours['peak'] / 2**30:.2f} GiB = "
+          f"{ours['peak'] / ours['budget']:.2f}x params+grads+m+v+acts ({ours['budget'] / 2**30:.2f} GiB){per_round}")
+    op_ms = ours["op_ms"]
+    mm = op_ms.get("matmul_forward", 0) + op_ms.get("matmul_backward", 0)
+    adam, norm = op_ms.get("adamw", 0), op_ms.get("global_norm", 0)
+    rest = sum(op_ms.values()) - mm - adam - norm
+    print(f"{'  its 2nd step, op by op':32s}: matmul ops {mm:.0f} ms ({ours['matmul_flops'] / mm / 1e6:.0f} GFLOP/s), "
+          f"AdamW {adam:.0f} ms ({ours['adamw_bytes'] / adam / 1e6:.1f} GB/s), grad norm {norm:.0f} ms, "
+          f"other ops {rest:.0f} ms, between ops {ours['profiled_step_ms'] - sum(op_ms.values()):.0f} ms")
+    fastest = None
+    for only, label in variants[1:]:
+        if only in medians:
+            per_round = "" if args.rounds == 1 else "   rounds " + " ".join(f"{r['ms']:.0f}" for r in runs[only])
+            print(f"{label:32s}: {medians[only]:8.1f} ms/step{per_round}")
+            if fastest is None or medians[only] < fastest[1]:
+                fastest = (label, medians[only])
+    if fastest:
+        report["ratio_to_fastest_torch"] = ms / fastest[1]
+        print(f"{'gpt2np / fastest PyTorch':32s}: {ms / fastest[1]:8.2f}x   ({fastest[0]}; target <= 0.90)")
+
+    if not args.no_floor:
+        gemms = ours["gemms"]
+        stdin = json.dumps(gemms)
+        parts = [run("floor-numpy", stdin)]
+        if torch_ok:
+            parts.append(run("floor-torch", stdin))
+        measured = [r for r, err in parts if r]
+        for _, err in parts:
+            if err:
+                print(f"floor: one measurement failed ({err})")
+        if measured:
+            gemm_s = sum(g[6] * min(r["gemm_s"][i] for r in measured) for i, g in enumerate(gemms))
+            bandwidth = max(r["bandwidth"] for r in measured)
+            adamw_s = ours["adamw_bytes"] / bandwidth
+            floor_ms = (gemm_s + adamw_s) * 1e3
+            report["floor"] = {"gemm_flops": ours["gemm_flops"], "gemm_s": gemm_s, "bandwidth": bandwidth,
+                               "adamw_bytes": ours["adamw_bytes"], "adamw_s": adamw_s, "ms": floor_ms,
+                               "per_library": measured}
+            report["ratio_to_floor"] = ms / floor_ms
+            print(f"floor                           : {floor_ms:8.1f} ms/step = matmuls "
+                  f"{ours['gemm_flops'] / 1e9:.1f} GFLOP at {ours['gemm_flops'] / gemm_s / 1e9:.0f} GFLOP/s "
+                  f"({gemm_s * 1e3:.0f} ms) + AdamW {ours['adamw_bytes'] / 1e9:.2f} GB at "
+                  f"{bandwidth / 1e9:.1f} GB/s ({adamw_s * 1e3:.0f} ms)")
+            print(f"gpt2np / floor                  : {ms / floor_ms:8.2f}x   (target <= 1.15)")
+    report["loadavg_after"] = open("/proc/loadavg").read().split()[:3]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,19 @@ LN_EPS = 1e-5
 GELU_SCALE = math.sqrt(2.0 / math.pi)
 GELU_CUBE = 0.044715
 
-# AdamW and the gradient norm stream over hundreds of MB; doing them in cache-sized chunks on
-# all cores keeps them at memory speed (NumPy ufuncs release the GIL).
+# AdamW and the gradient norm stream over hundreds of MB; doing them in chunks on all cores keeps them
+# at memory speed (NumPy ufuncs and the fused loops release the GIL). The gradient norm sums one partial
+# sum per CHUNK: its rounding depends on CHUNK, so CHUNK is part of the results (the golden run pins it).
 CHUNK = 1 << 17
-# An op that touches fewer elements than this runs on the calling thread: a hand-off costs more
-# (measured on 2 cores: LayerNorm at B*T = 256, C = 768 is faster inline, GELU and attention are not).
-PARALLEL_MIN = 1 << 19
+# Element-wise work in the fused path (GELU around np.tanh) goes in blocks that stay in a core's L2 cache.
+BLOCK = 1 << 15
+# The classifier's rows (Vp floats each) go CLASSIFIER_ROWS at a time for the same reason.
+CLASSIFIER_ROWS = 2
+# An op that does less work than this (in element operations) runs on the calling thread: a hand-off
+# (~30 us here) and moving the rows between the cores' caches cost more (measured on 2 cores at d12, B*T =
+# 256: LayerNorm both ways, the bias add and the bias gradient's column sums are faster inline; GELU,
+# attention and the classifier are not).
+PARALLEL_MIN = 1 << 20
 
 
 class NumpyBackend:
@@ -40,12 +47,22 @@ class NumpyBackend:
     launches_kernels = False      # an op is one unit of work here; on_launch is never called
     on_launch = None
 
-    def __init__(self, dtype=np.float32, threads=None):
+    def __init__(self, dtype=np.float32, threads=None, fused=None):
+        """fused: run the element-wise arithmetic of AdamW, GELU, LayerNorm, attention and the bias gradients as the
+        C loops of cpu_kernels (bitwise the results of the NumPy code here, which stays the reference; np.tanh,
+        np.exp and the row sums stay NumPy's); None = when they build here (float32 only), False = never."""
         self.dtype = np.dtype(dtype)
         self.threads = threads or min(8, _cpu_count())
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         self._scratch = {}
         self._local = threading.local()
+        self._kernels = None
+        if fused is not False and self.dtype == np.float32:
+            from . import cpu_kernels
+            self._kernels = cpu_kernels.load()
+            if fused and self._kernels is None:
+                raise RuntimeError("fused=True: the C kernels did not build (no working C compiler?)")
+        self.fused = self._kernels is not None
 
     def device_name(self):
         return "cpu"
@@ -104,7 +121,16 @@ class NumpyBackend:
     def layernorm_forward(self, out, mean, rstd, inp, weight, bias):
         """out (B,T,C) = (inp - mean) * rstd * weight + bias; saves mean, rstd (B,T)."""
         C = inp.shape[-1]
+        kernels = self._fusable(out, mean, rstd, inp, weight, bias)
         out, mean, rstd, inp = out.reshape(-1, C), mean.reshape(-1), rstd.reshape(-1), inp.reshape(-1, C)
+
+        def fused(lo, hi):                                     # the same operations; the sums stay NumPy's
+            o, mu, rs, x = out[lo:hi], mean[lo:hi], rstd[lo:hi], inp[lo:hi]
+            np.mean(x, axis=-1, out=mu)
+            kernels.ln_center(_address(x), _address(mu), _address(o), hi - lo, C)
+            var = np.einsum("nc,nc->n", o, o) / C
+            np.divide(1.0, np.sqrt(var + LN_EPS), out=rs)
+            kernels.ln_scale(_address(o), _address(rs), _address(weight), _address(bias), hi - lo, C)
 
         def rows(lo, hi):                                      # out, mean, rstd, x of rows lo:hi
             o, mu, rs, x = out[lo:hi], mean[lo:hi], rstd[lo:hi], inp[lo:hi]
@@ -116,7 +142,7 @@ class NumpyBackend:
             o *= weight
             o += bias
 
-        self._parallel(rows, inp.shape[0], 2 * C)
+        self._parallel(fused if kernels else rows, inp.shape[0], 2 * C)
 
     def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
         """dinp (B,T,C) +=, dweight (C) +=, dbias (C) +=, from dout and the saved mean, rstd.
@@ -129,7 +155,17 @@ class NumpyBackend:
         mean, rstd = mean.reshape(N, 1), rstd.reshape(N, 1)
         norm = self.scratch("ln_norm", (N, C))                 # x_hat, kept for dweight
         dnorm = self.scratch("ln_dnorm", (N, C))
-        work = self.scratch("ln_work", (N, C))
+        kernels = self._fusable(dinp, dout, inp, weight, mean, rstd)
+        work = None if kernels else self.scratch("ln_work", (N, C))
+
+        def fused(lo, hi):                                     # the same operations; the sums stay NumPy's
+            xh, dxh, rs = norm[lo:hi], dnorm[lo:hi], rstd[lo:hi]
+            kernels.ln_xhat(_address(inp[lo:hi]), _address(mean[lo:hi]), _address(rs), _address(xh), hi - lo, C)
+            np.multiply(dout[lo:hi], weight, out=dxh)
+            dxh_mean = dxh.mean(axis=-1)
+            dxh_xh_mean = np.einsum("nc,nc->n", dxh, xh) / C
+            kernels.ln_dinp(_address(dxh), _address(xh), _address(dxh_mean), _address(dxh_xh_mean), _address(rs),
+                            _address(dinp[lo:hi]), hi - lo, C)
 
         def rows(lo, hi):
             xh, dxh, tmp, rs = norm[lo:hi], dnorm[lo:hi], work[lo:hi], rstd[lo:hi]
@@ -144,17 +180,22 @@ class NumpyBackend:
             dxh *= rs
             dinp[lo:hi] += dxh
 
-        self._parallel(rows, N, 3 * C)
-        write_or_add(dbias, dout.sum(axis=0), accumulate)
-        write_or_add(dweight, np.einsum("nc,nc->c", dout, norm), accumulate)
+        self._parallel(fused if kernels else rows, N, 3 * C)
+        if kernels and C > 1:
+            sums, dots = self._column_sums(dout, norm)
+        else:
+            sums, dots = dout.sum(axis=0), np.einsum("nc,nc->c", dout, norm)
+        write_or_add(dbias, sums, accumulate)
+        write_or_add(dweight, dots, accumulate)
 
     # ---- matmul -------------------------------------------------------------------------
     def matmul_forward(self, out, inp, weight, bias):
         """out (B,T,OC) = inp (B,T,C) @ weight (OC,C)^T + bias (OC)."""
         OC, C = weight.shape
-        np.matmul(inp.reshape(-1, C), weight.T, out=out.reshape(-1, OC))
+        out2 = out.reshape(-1, OC)
+        np.matmul(inp.reshape(-1, C), weight.T, out=out2)
         if bias is not None:
-            out += bias
+            self._parallel(lambda lo, hi: np.add(out2[lo:hi], bias, out=out2[lo:hi]), out2.shape[0], OC)
 
     def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True):
         """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp;  dbias (OC) += sum dout over (B,T).
@@ -171,7 +212,8 @@ class NumpyBackend:
         else:
             np.matmul(dout2.T, inp.reshape(-1, C), out=dweight)
         if dbias is not None:
-            write_or_add(dbias, dout2.sum(axis=0), accumulate)
+            sums = self._column_sums(dout2)[0] if OC > 1 and self._fusable(dout2) else dout2.sum(axis=0)
+            write_or_add(dbias, sums, accumulate)
 
     # ---- attention ----------------------------------------------------------------------
     def attention_forward(self, out, qkvr, att, inp):
@@ -185,6 +227,20 @@ class NumpyBackend:
         _, _, NH, _, HS = qkvr.shape
         mask = self._causal_mask(T)                            # -inf above the diagonal
         y_all = self.scratch("att_y", (B, NH, T, HS))
+        kernels = self._fusable(out, qkvr, att, inp)
+
+        def fused(lo, hi):                                     # the same operations; exp and sums stay NumPy's
+            n, plane = hi - lo, B * NH * T * HS
+            kernels.att_split(_address(inp[lo:hi]), _address(qkvr[0, lo:hi]), n, T, NH, HS, plane)
+            q, k, v = qkvr[:, lo:hi]
+            a, y = att[lo:hi], y_all[lo:hi]
+            np.matmul(q, k.transpose(0, 1, 3, 2), out=a)
+            kernels.softmax_shift(_address(a), n * NH * T, T, 1.0 / math.sqrt(HS))
+            np.exp(a, out=a)
+            sums = a.sum(axis=-1)                              # (a named array: alive during the call)
+            kernels.rows_divide(_address(a), _address(sums), n * NH * T, T)
+            np.matmul(a, v, out=y)
+            kernels.att_merge(_address(y), _address(out[lo:hi]), n, T, NH, HS, 1, 0)
 
         def batch(lo, hi):                                     # batch entries lo:hi
             qkvr[:, lo:hi] = inp[lo:hi].reshape(hi - lo, T, 3, NH, HS).transpose(2, 0, 3, 1, 4)
@@ -199,7 +255,7 @@ class NumpyBackend:
             np.matmul(a, v, out=y)
             out[lo:hi].reshape(hi - lo, T, NH, HS)[...] = y.transpose(0, 2, 1, 3)
 
-        self._parallel(batch, B, NH * T * (T + 4 * HS))
+        self._parallel(fused if kernels else batch, B, 2 * NH * T * T * HS)          # the batched GEMMs' work
 
     def _causal_mask(self, T):
         """(T, T): 0 where a query may look (t2 <= t), -inf at the future."""
@@ -215,6 +271,21 @@ class NumpyBackend:
         _, _, NH, _, HS = qkvr.shape
         dqkvr_all = self.scratch("att_dqkvr", qkvr.shape)
         datt_all = self.scratch("att_datt", att.shape)
+        kernels = self._fusable(dinp, dout, qkvr, att)
+
+        def fused(lo, hi):                                     # the same operations; the sums stay NumPy's
+            n = hi - lo
+            q, k, v = qkvr[:, lo:hi]
+            a, datt, dqkvr = att[lo:hi], datt_all[lo:hi], dqkvr_all[:, lo:hi]
+            dq, dk, dv = dqkvr
+            dy = dout[lo:hi].reshape(n, T, NH, HS).transpose(0, 2, 1, 3)
+            np.matmul(a.transpose(0, 1, 3, 2), dy, out=dv)
+            np.matmul(dy, v.transpose(0, 1, 3, 2), out=datt)
+            dots = np.einsum("bhts,bhts->bht", datt, a)
+            kernels.softmax_grad(_address(datt), _address(a), _address(dots), n * NH * T, T, 1.0 / math.sqrt(HS))
+            np.matmul(datt, k, out=dq)
+            np.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)
+            kernels.att_merge(_address(dq), _address(dinp[lo:hi]), n, T, NH, HS, 3, B * NH * T * HS)
 
         def batch(lo, hi):                                     # batch entries lo:hi
             q, k, v = qkvr[:, lo:hi]
@@ -231,12 +302,20 @@ class NumpyBackend:
             np.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)
             dinp[lo:hi].reshape(hi - lo, T, 3, NH, HS)[...] = dqkvr.transpose(1, 3, 0, 2, 4)
 
-        self._parallel(batch, B, NH * T * (2 * T + 6 * HS))
+        self._parallel(fused if kernels else batch, B, 4 * NH * T * T * HS)
 
     # ---- gelu ---------------------------------------------------------------------------
     def gelu_forward(self, out, inp):
         """out (B,T,4C) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), x = inp."""
         out_flat, inp_flat = out.reshape(-1), inp.reshape(-1)
+        kernels = self._fusable(out, inp)
+
+        def fused(lo, hi):                                     # the same operations, around NumPy's tanh
+            x, y = _address(inp_flat), _address(out_flat)
+            for a, b in _blocks(lo, hi, BLOCK):
+                kernels.gelu_arg(x + 4 * a, y + 4 * a, b - a, GELU_CUBE, GELU_SCALE)
+                np.tanh(out_flat[a:b], out=out_flat[a:b])
+                kernels.gelu_out(x + 4 * a, y + 4 * a, b - a)
 
         def part(lo, hi):
             y, x = out_flat[lo:hi], inp_flat[lo:hi]
@@ -250,12 +329,25 @@ class NumpyBackend:
             y *= x
             y *= 0.5
 
-        self._parallel(part, inp_flat.size, 2)
+        self._parallel(fused if kernels else part, inp_flat.size, 2)
 
     def gelu_backward(self, dinp, inp, dout):
         """dinp (B,T,4C) = dout * gelu'(inp); dinp may alias dout."""
         dinp_flat, inp_flat, dout_flat = dinp.reshape(-1), inp.reshape(-1), dout.reshape(-1)
         n = inp_flat.size
+        kernels = self._fusable(dinp, inp, dout)
+        if kernels:
+            def fused(lo, hi):                                 # the same operations, around NumPy's tanh
+                x, d, di = _address(inp_flat), _address(dout_flat), _address(dinp_flat)
+                th = self._thread_buffer("gelu_tanh", BLOCK, np.float32)
+                t = _address(th)
+                for a, b in _blocks(lo, hi, BLOCK):
+                    kernels.gelu_arg(x + 4 * a, t, b - a, GELU_CUBE, GELU_SCALE)
+                    np.tanh(th[:b - a], out=th[:b - a])
+                    kernels.gelu_grad(x + 4 * a, t, d + 4 * a, di + 4 * a, b - a, 3.0 * GELU_CUBE, GELU_SCALE * 0.5)
+
+            self._parallel(fused, n, 3)
+            return
         x2_all, u_all, sech2_all = (self.scratch(key, n) for key in ("gelu_x2", "gelu_u", "gelu_sech2"))
 
         def part(lo, hi):
@@ -302,22 +394,23 @@ class NumpyBackend:
         B, T, Vp = logits.shape
         all_rows = logits.reshape(-1, Vp)
         all_targets, all_losses = targets.reshape(-1), losses.reshape(-1)
-        exp_all = None if write_dlogits else self.scratch("cls_exp", (B * T, V))
 
-        def part(lo, hi):                                      # rows (tokens) lo:hi
-            rows, target = all_rows[lo:hi], all_targets[lo:hi]
-            real = rows[:, :V]
-            row_max = real.max(axis=1)
-            target_logit = rows[np.arange(hi - lo), target]
-            probs = real if write_dlogits else exp_all[lo:hi]  # dlogits reuse the logits buffer
-            np.subtract(real, row_max[:, None], out=probs)
-            np.exp(probs, out=probs)
-            row_sum = probs.sum(axis=1)
-            all_losses[lo:hi] = np.log(row_sum) + row_max - target_logit
-            if write_dlogits:
-                probs *= (dloss / row_sum)[:, None]
-                rows[np.arange(hi - lo), target] -= dloss
-                rows[:, V:] = 0.0
+        def part(lo, hi):                                      # rows (tokens) lo:hi, a few at a time
+            exp_rows = None if write_dlogits else self._thread_buffer("cls_exp", CLASSIFIER_ROWS * V, logits.dtype)
+            for a, b in _blocks(lo, hi, CLASSIFIER_ROWS):     # rows that stay in cache through the passes
+                rows, target = all_rows[a:b], all_targets[a:b]
+                real = rows[:, :V]
+                row_max = real.max(axis=1)
+                target_logit = rows[np.arange(b - a), target]
+                probs = real if write_dlogits else exp_rows[:(b - a) * V].reshape(b - a, V)   # dlogits reuse logits
+                np.subtract(real, row_max[:, None], out=probs)
+                np.exp(probs, out=probs)
+                row_sum = probs.sum(axis=1)
+                all_losses[a:b] = np.log(row_sum) + row_max - target_logit
+                if write_dlogits:
+                    probs *= (dloss / row_sum)[:, None]
+                    rows[np.arange(b - a), target] -= dloss
+                    rows[:, V:] = 0.0
 
         self._parallel(part, B * T, 2 * Vp)
 
@@ -330,6 +423,18 @@ class NumpyBackend:
         step_size = lr * sqrt_bc2 / (1.0 - beta1 ** t)
         eps_v = eps * sqrt_bc2
         decay = 1.0 - lr * weight_decay
+        kernels = self._fusable(params, grads, m, v)
+        if kernels:
+            c_m, c_v = grad_scale * (1.0 - beta1), grad_scale * grad_scale * (1.0 - beta2)
+            addresses = [_address(a) for a in (params, grads, m, v)]
+
+            def fused(lo, hi):                                 # one pass: the same operations per element
+                p, g, mm, vv = (a + 4 * lo for a in addresses)
+                kernels.adamw(p, g, mm, vv, hi - lo, c_m, beta1, c_v, beta2, eps_v, step_size, decay,
+                              weight_decay != 0.0)
+
+            self._chunked(fused, params.size)
+            return
 
         def chunk(lo, hi):
             p, g, mm, vv = params[lo:hi], grads[lo:hi], m[lo:hi], v[lo:hi]
@@ -355,6 +460,36 @@ class NumpyBackend:
         """sum(grads^2) of a flat buffer, accumulated per chunk in float64."""
         parts = self._chunked(lambda lo, hi: float(np.dot(grads[lo:hi], grads[lo:hi])), grads.size)
         return math.fsum(parts)
+
+    def _column_sums(self, x, y=None):
+        """(x.sum(axis=0), einsum("nc,nc->c", x, y) or None) of 2-D C-contiguous float32 arrays, by the C kernel
+        (the same additions in the same order as NumPy's: from 0, row after row; with more than one column, as
+        here, NumPy adds along axis 0 that way), the columns split over the threads."""
+        rows, C = x.shape
+        sums = np.empty(C, np.float32)
+        dots = np.empty(C, np.float32) if y is not None else None
+        px, py, ps, pd = _address(x), _address(y) if y is not None else None, _address(sums), \
+            _address(dots) if dots is not None else None
+        self._parallel(lambda lo, hi: self._kernels.col_sums(px, py, ps, pd, rows, C, lo, hi), C, rows)
+        return sums, dots
+
+    def _fusable(self, *arrays):
+        """The C kernels when they are loaded and every array is C-contiguous float32, else None."""
+        if self._kernels is None:
+            return None
+        if all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays):
+            return self._kernels
+        return None
+
+    def _thread_buffer(self, key, size, dtype):
+        """A work buffer of `size` elements private to the calling thread."""
+        bufs = getattr(self._local, "named", None)
+        if bufs is None:
+            bufs = self._local.named = {}
+        buf = bufs.get(key)
+        if buf is None or buf.size < size or buf.dtype != dtype:
+            buf = bufs[key] = np.empty(size, dtype)
+        return buf[:size]
 
     def _thread_scratch(self, size, dtype):
         """Two work buffers private to the calling thread (AdamW's temporaries)."""
@@ -388,6 +523,16 @@ class NumpyBackend:
         fn(bounds[0], bounds[1])                              # the calling thread takes the first block
         for future in futures:
             future.result()
+
+
+def _address(array):
+    """The address of an array's first element (for the C kernels)."""
+    return array.__array_interface__["data"][0]
+
+
+def _blocks(lo, hi, size):
+    """(a, b) pieces of [lo, hi), `size` long but the last."""
+    return ((a, min(a + size, hi)) for a in range(lo, hi, size))
 
 
 def write_or_add(out, value, accumulate):

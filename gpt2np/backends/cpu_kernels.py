@@ -1,0 +1,333 @@
+"""The numpy backend's fused path: small C loops that do, in one pass over memory, the element-wise float32
+work that NumPy does in many (AdamW: 13 passes over params, grads and moments; GELU: the arithmetic around
+np.tanh; LayerNorm and attention's softmax: the arithmetic around their row sums and np.exp; attention's
+head split and merge).
+
+Each loop performs exactly the float32 operations of the NumPy code it stands for, in the same order, each
+rounded to float32 (no FMA contraction, no fast-math), so its results are BITWISE those of the NumPy code
+(the documented tolerance is zero; tests/test_cpu_kernels.py checks it, and the golden run pins it). What
+NumPy computes with its own approximations (tanh, exp) or with its own summation order (sums, means) stays
+NumPy. The loops are built on first use with the system C compiler ($CC, else cc, gcc) into
+$GPT2NP_CPU_CACHE (default ~/.cache/gpt2np/cpu), keyed by the source, the compiler and the CPU; when no
+compiler works, load() returns None and the backend runs its NumPy code.
+"""
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+SOURCE = r"""
+#include <math.h>
+#include <stddef.h>
+
+/* AdamW, the NumPy sequence of NumpyBackend.adamw_update per element:
+   m = m*beta1 + g*c_m;  v = v*beta2 + (g*g)*c_v;  u = (m / (sqrt(v) + eps)) * step;  p = p*decay - u */
+void adamw(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, ptrdiff_t n,
+           float c_m, float beta1, float c_v, float beta2, float eps, float step, float decay, int decayed)
+{
+    for (ptrdiff_t i = 0; i < n; i++) {
+        float gi = g[i];
+        float mi = m[i] * beta1;
+        mi = mi + gi * c_m;
+        float g2 = gi * gi;
+        g2 = g2 * c_v;
+        float vi = v[i] * beta2;
+        vi = vi + g2;
+        float u = sqrtf(vi);
+        u = u + eps;
+        u = mi / u;
+        u = u * step;
+        float pi = p[i];
+        if (decayed)
+            pi = pi * decay;
+        p[i] = pi - u;
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+/* GELU's tanh argument: u = ((x*x*cube + 1) * x) * scale */
+void gelu_arg(const float *restrict x, float *restrict u, ptrdiff_t n, float cube, float scale)
+{
+    for (ptrdiff_t i = 0; i < n; i++) {
+        float xi = x[i];
+        float y = xi * xi;
+        y = y * cube;
+        y = y + 1.0f;
+        y = y * xi;
+        u[i] = y * scale;
+    }
+}
+
+/* GELU forward from th = tanh(u) (in out): out = ((th + 1) * x) * 0.5 */
+void gelu_out(const float *restrict x, float *restrict out, ptrdiff_t n)
+{
+    for (ptrdiff_t i = 0; i < n; i++) {
+        float y = out[i] + 1.0f;
+        y = y * x[i];
+        out[i] = y * 0.5f;
+    }
+}
+
+/* GELU backward from th = tanh(u): dinp = dout * (((x*x*cube3 + 1) * half_scale) * x * (1 - th*th)
+   + (th + 1) * 0.5). dinp may be dout. */
+void gelu_grad(const float *restrict x, const float *restrict th, const float *dout, float *dinp, ptrdiff_t n,
+               float cube3, float half_scale)
+{
+    for (ptrdiff_t i = 0; i < n; i++) {
+        float xi = x[i];
+        float d = xi * xi;
+        d = d * cube3;
+        d = d + 1.0f;
+        d = d * half_scale;
+        d = d * xi;
+        float t = th[i];
+        float s = t * t;
+        s = 1.0f - s;
+        d = d * s;
+        t = t + 1.0f;
+        t = t * 0.5f;
+        d = d + t;
+        dinp[i] = dout[i] * d;
+    }
+}
+
+/* LayerNorm over rows of C: o = x - mean[r] */
+void ln_center(const float *restrict x, const float *restrict mean, float *restrict o, ptrdiff_t rows, ptrdiff_t C)
+{
+    for (ptrdiff_t r = 0; r < rows; r++)
+        for (ptrdiff_t c = 0; c < C; c++)
+            o[r * C + c] = x[r * C + c] - mean[r];
+}
+
+/* o = ((o * rstd[r]) * weight) + bias */
+void ln_scale(float *restrict o, const float *restrict rstd, const float *restrict weight,
+              const float *restrict bias, ptrdiff_t rows, ptrdiff_t C)
+{
+    for (ptrdiff_t r = 0; r < rows; r++)
+        for (ptrdiff_t c = 0; c < C; c++) {
+            float y = o[r * C + c] * rstd[r];
+            y = y * weight[c];
+            o[r * C + c] = y + bias[c];
+        }
+}
+
+/* x_hat = (x - mean[r]) * rstd[r] */
+void ln_xhat(const float *restrict x, const float *restrict mean, const float *restrict rstd,
+             float *restrict xh, ptrdiff_t rows, ptrdiff_t C)
+{
+    for (ptrdiff_t r = 0; r < rows; r++)
+        for (ptrdiff_t c = 0; c < C; c++) {
+            float y = x[r * C + c] - mean[r];
+            xh[r * C + c] = y * rstd[r];
+        }
+}
+
+/* dinp += ((dxh - m1[r]) - x_hat * m2[r]) * rstd[r] */
+void ln_dinp(const float *restrict dxh, const float *restrict xh, const float *restrict m1,
+             const float *restrict m2, const float *restrict rstd, float *restrict dinp, ptrdiff_t rows, ptrdiff_t C)
+{
+    for (ptrdiff_t r = 0; r < rows; r++)
+        for (ptrdiff_t c = 0; c < C; c++) {
+            float d = dxh[r * C + c] - m1[r];
+            d = d - xh[r * C + c] * m2[r];
+            d = d * rstd[r];
+            dinp[r * C + c] = dinp[r * C + c] + d;
+        }
+}
+
+/* attention, batch entries [0, nb) of pointers already at the first: qkvr[i][b][h][t] = inp[b][t][i][h] (HS floats
+   each); `plane` is the distance between qkvr's q, k and v planes */
+void att_split(const float *restrict inp, float *restrict qkvr, ptrdiff_t nb, ptrdiff_t T, ptrdiff_t NH,
+               ptrdiff_t HS, ptrdiff_t plane)
+{
+    for (ptrdiff_t b = 0; b < nb; b++)
+        for (ptrdiff_t t = 0; t < T; t++)
+            for (ptrdiff_t i = 0; i < 3; i++)
+                for (ptrdiff_t h = 0; h < NH; h++) {
+                    const float *src = inp + (((b * T + t) * 3 + i) * NH + h) * HS;
+                    float *dst = qkvr + i * plane + ((b * NH + h) * T + t) * HS;
+                    for (ptrdiff_t c = 0; c < HS; c++)
+                        dst[c] = src[c];
+                }
+}
+
+/* the way back, for `parts` planes (1: y (b,NH,T,HS) -> out (b,T,C); 3: dqkvr -> dinp (b,T,3C)) */
+void att_merge(const float *restrict src, float *restrict out, ptrdiff_t nb, ptrdiff_t T, ptrdiff_t NH,
+               ptrdiff_t HS, ptrdiff_t parts, ptrdiff_t plane)
+{
+    for (ptrdiff_t b = 0; b < nb; b++)
+        for (ptrdiff_t t = 0; t < T; t++)
+            for (ptrdiff_t i = 0; i < parts; i++)
+                for (ptrdiff_t h = 0; h < NH; h++) {
+                    const float *s = src + i * plane + ((b * NH + h) * T + t) * HS;
+                    float *d = out + (((b * T + t) * parts + i) * NH + h) * HS;
+                    for (ptrdiff_t c = 0; c < HS; c++)
+                        d[c] = s[c];
+                }
+}
+
+/* rows of T scores, row r for query t = r % T: a = a*scale + mask (0 where s <= t, -inf after); a -= max(row)
+   (a NaN in the row makes the max NaN, as NumPy's) */
+void softmax_shift(float *restrict a, ptrdiff_t rows, ptrdiff_t T, float scale)
+{
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        float *x = a + r * T;
+        ptrdiff_t t = r % T;
+        for (ptrdiff_t s = 0; s <= t; s++)
+            x[s] = x[s] * scale + 0.0f;                   /* + 0 as NumPy adds the mask's 0 (-0 becomes +0) */
+        for (ptrdiff_t s = t + 1; s < T; s++)
+            x[s] = x[s] * scale + -INFINITY;
+        float m = x[0];
+        int nan = 0;
+        for (ptrdiff_t s = 0; s < T; s++) {
+            m = x[s] > m ? x[s] : m;
+            nan |= x[s] != x[s];
+        }
+        if (nan)
+            for (ptrdiff_t s = 0; s < T; s++)
+                if (x[s] != x[s]) {
+                    m = x[s];
+                    break;
+                }
+        for (ptrdiff_t s = 0; s < T; s++)
+            x[s] = x[s] - m;
+    }
+}
+
+/* a[r] /= sums[r] over rows of T */
+void rows_divide(float *restrict a, const float *restrict sums, ptrdiff_t rows, ptrdiff_t T)
+{
+    for (ptrdiff_t r = 0; r < rows; r++)
+        for (ptrdiff_t s = 0; s < T; s++)
+            a[r * T + s] = a[r * T + s] / sums[r];
+}
+
+/* softmax backward: datt = ((datt - dots[r]) * att) * scale */
+void softmax_grad(float *restrict datt, const float *restrict att, const float *restrict dots, ptrdiff_t rows,
+                  ptrdiff_t T, float scale)
+{
+    for (ptrdiff_t r = 0; r < rows; r++)
+        for (ptrdiff_t s = 0; s < T; s++) {
+            float d = datt[r * T + s] - dots[r];
+            d = d * att[r * T + s];
+            datt[r * T + s] = d * scale;
+        }
+}
+
+/* column sums over rows of C, columns [c0, c1), as NumPy's sum(axis=0) and einsum("nc,nc->c") add them:
+   from 0, row after row. sums[c] = 0 + x[0][c] + x[1][c] + ...;  dots[c] = 0 + x[0][c]*y[0][c] + ... (y may be
+   NULL: no dots) */
+void col_sums(const float *restrict x, const float *restrict y, float *restrict sums, float *restrict dots,
+              ptrdiff_t rows, ptrdiff_t C, ptrdiff_t c0, ptrdiff_t c1)
+{
+    for (ptrdiff_t c = c0; c < c1; c++)
+        sums[c] = 0.0f;
+    if (y)
+        for (ptrdiff_t c = c0; c < c1; c++)
+            dots[c] = 0.0f;
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        const float *xr = x + r * C;
+        for (ptrdiff_t c = c0; c < c1; c++)
+            sums[c] = sums[c] + xr[c];
+        if (y) {
+            const float *yr = y + r * C;
+            for (ptrdiff_t c = c0; c < c1; c++)
+                dots[c] = dots[c] + xr[c] * yr[c];
+        }
+    }
+}
+"""
+
+# No -ffast-math, no FMA contraction: every operation rounds to float32 as NumPy's does.
+# -fno-math-errno only lets sqrtf become one instruction (it is correctly rounded either way).
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c99", "-fPIC", "-shared"]
+
+_P, _N, _F, _I = ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_float, ctypes.c_int
+SIGNATURES = {
+    "adamw": [_P, _P, _P, _P, _N, _F, _F, _F, _F, _F, _F, _F, _I],
+    "gelu_arg": [_P, _P, _N, _F, _F],
+    "gelu_out": [_P, _P, _N],
+    "gelu_grad": [_P, _P, _P, _P, _N, _F, _F],
+    "ln_center": [_P, _P, _P, _N, _N],
+    "ln_scale": [_P, _P, _P, _P, _N, _N],
+    "ln_xhat": [_P, _P, _P, _P, _N, _N],
+    "ln_dinp": [_P, _P, _P, _P, _P, _P, _N, _N],
+    "att_split": [_P, _P, _N, _N, _N, _N, _N],
+    "att_merge": [_P, _P, _N, _N, _N, _N, _N, _N],
+    "softmax_shift": [_P, _N, _N, _F],
+    "rows_divide": [_P, _P, _N, _N],
+    "softmax_grad": [_P, _P, _P, _N, _N, _F],
+    "col_sums": [_P, _P, _P, _P, _N, _N, _N, _N],
+}
+
+_lock = threading.Lock()
+_loaded = {}            # so path -> CDLL, or None when building failed
+
+
+def cache_dir() -> Path:
+    """Where the built library is kept: $GPT2NP_CPU_CACHE or ~/.cache/gpt2np/cpu."""
+    env = os.environ.get("GPT2NP_CPU_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "gpt2np" / "cpu"
+
+
+def _compiler():
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        import platform
+        return platform.processor() + platform.machine()
+
+
+def _build(cc: str, so_path: Path) -> None:
+    so_path.parent.mkdir(parents=True, exist_ok=True)
+    build = Path(tempfile.mkdtemp(prefix="build-", dir=so_path.parent))
+    try:
+        src = build / "cpu_kernels.c"
+        src.write_text(SOURCE)
+        out = build / "cpu_kernels.so"
+        proc = subprocess.run([cc, *FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:2000]}")
+        os.replace(out, so_path)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+
+
+def load():
+    """The built kernels (a ctypes CDLL with SIGNATURES set), or None when they cannot be built here."""
+    cc = _compiler()
+    if cc is None:
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return None
+    key = hashlib.sha256("\0".join([SOURCE, " ".join(FLAGS), cc, version, _cpu_id()]).encode()).hexdigest()[:16]
+    so_path = cache_dir() / f"cpu_kernels-{key}.so"
+    with _lock:
+        if str(so_path) not in _loaded:
+            lib = None
+            try:
+                if not so_path.is_file():
+                    _build(cc, so_path)
+                lib = ctypes.CDLL(str(so_path))
+                for name, argtypes in SIGNATURES.items():
+                    getattr(lib, name).argtypes = argtypes
+                    getattr(lib, name).restype = None
+            except (OSError, RuntimeError):
+                lib = None
+            _loaded[str(so_path)] = lib
+        return _loaded[str(so_path)]

@@ -1,0 +1,183 @@
+"""The numpy backend's fused path (C loops of backends/cpu_kernels.py) gives BITWISE the results of its NumPy
+code, the reference: op by op on awkward sizes and values, and over whole training steps. Also the
+cache-blocked NumPy code (classifier rows, GELU blocks, AdamW chunks) against itself at other block sizes."""
+import numpy as np
+import pytest
+
+import gpt2np.backends.numpy_backend as numpy_backend
+from gpt2np.backends import cpu_kernels
+from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.config import GPT2Config
+from gpt2np.model import GPT2
+from gpt2np.train_step import AdamW, train_step
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the fused path is off")
+
+CFG = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=16)
+
+
+def bits(array):
+    return np.ascontiguousarray(array).view(np.uint32)
+
+
+def awkward(rng, n, scale=1.0):
+    """float32 normals with zeros, signed zeros, subnormals, huge values, infinities and NaN up front."""
+    x = (rng.standard_normal(n) * scale).astype(np.float32)
+    special = np.array([0.0, -0.0, 1e-40, -1e-42, 1e-45, 3e38, -3e38, np.inf, -np.inf, np.nan, 12.0, -12.0,
+                        1e-20, -4.5], np.float32)
+    x[:min(n, special.size)] = special[:n]
+    return x
+
+
+def backends():
+    return NumpyBackend(threads=2, fused=True), NumpyBackend(threads=2, fused=False)
+
+
+@needs_kernels
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")          # inf and NaN on purpose, also in worker threads
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, (1 << 17) + 13])
+@pytest.mark.parametrize("weight_decay, grad_scale, t", [(0.1, 0.37, 3), (0.0, 1.0, 1), (0.1, 1.0, 1000)])
+def test_fused_adamw_is_bitwise_the_numpy_adamw(n, weight_decay, grad_scale, t):
+    rng = np.random.default_rng(n)
+    p, g = awkward(rng, n), awkward(rng, n)[::-1].copy()
+    m, v = rng.standard_normal(n).astype(np.float32) * 0.1, np.abs(rng.standard_normal(n)).astype(np.float32)
+    fused, ref = backends()
+    states = [[a.copy() for a in (p, g, m, v)] for _ in range(2)]
+    with np.errstate(all="ignore"):
+        for be, state in zip((fused, ref), states):
+            be.adamw_update(*state, 3e-4, 0.9, 0.95, 1e-8, weight_decay, t, grad_scale)
+    for got, want in zip(*states):
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+
+@needs_kernels
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("n", [5, 64, 3 * (1 << 14) + 5])
+def test_fused_gelu_is_bitwise_the_numpy_gelu(n, monkeypatch):
+    rng = np.random.default_rng(n)
+    x = awkward(rng, n, scale=3.0).reshape(1, 1, n)
+    dout = rng.standard_normal((1, 1, n)).astype(np.float32)
+    fused, ref = backends()
+    results = []
+    for be in (fused, ref):
+        with np.errstate(all="ignore"):
+            out, dinp = np.zeros_like(x), np.zeros_like(x)
+            be.gelu_forward(out, x)
+            be.gelu_backward(dinp, x, dout)
+            aliased = dout.copy()
+            be.gelu_backward(aliased, x, aliased)      # dinp may be dout
+        results.append((out, dinp, aliased))
+    for got, want in zip(*results):
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+
+@needs_kernels
+@pytest.mark.parametrize("C", [8, 13, 768])
+def test_fused_layernorm_is_bitwise_the_numpy_layernorm(C):
+    rng = np.random.default_rng(C)
+    B, T = 3, 5
+    x = (rng.standard_normal((B, T, C)) * 4 + 1).astype(np.float32)
+    x[0, 0, :] = 2.5                                          # a constant row: variance 0
+    weight, bias, dout = (rng.standard_normal(s).astype(np.float32) for s in (C, C, (B, T, C)))
+    dinp0 = rng.standard_normal((B, T, C)).astype(np.float32)
+    results = []
+    for be in backends():
+        out, mean, rstd = np.zeros((B, T, C), np.float32), np.zeros((B, T), np.float32), np.zeros((B, T), np.float32)
+        be.layernorm_forward(out, mean, rstd, x, weight, bias)
+        dinp, dweight, dbias = dinp0.copy(), np.zeros(C, np.float32), np.zeros(C, np.float32)
+        be.layernorm_backward(dinp, dweight, dbias, dout, x, weight, mean, rstd, accumulate=False)
+        results.append((out, mean, rstd, dinp, dweight, dbias))
+    for got, want in zip(*results):
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+
+@needs_kernels
+@pytest.mark.parametrize("B, T, NH, HS", [(3, 7, 2, 8), (2, 64, 3, 64), (1, 1, 1, 4)])
+def test_fused_attention_is_bitwise_the_numpy_attention(B, T, NH, HS):
+    rng = np.random.default_rng(T)
+    C = NH * HS
+    inp = (rng.standard_normal((B, T, 3 * C)) * 2).astype(np.float32)
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    results = []
+    for be in backends():
+        out, qkvr, att = (np.zeros(s, np.float32) for s in ((B, T, C), (3, B, NH, T, HS), (B, NH, T, T)))
+        be.attention_forward(out, qkvr, att, inp)
+        dinp = np.full((B, T, 3 * C), np.nan, np.float32)
+        be.attention_backward(dinp, dout, qkvr, att)
+        results.append((out, qkvr, att, dinp))
+    for got, want in zip(*results):
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+
+@needs_kernels
+@pytest.mark.parametrize("N", [1, 3, 9, 1000])
+@pytest.mark.parametrize("C", [2, 3, 17, 768])
+def test_column_sums_add_as_numpy_does(N, C):
+    rng = np.random.default_rng(N * C)
+    x, y = (rng.standard_normal((N, C)) * 100).astype(np.float32), rng.standard_normal((N, C)).astype(np.float32)
+    x[rng.random((N, C)) < 0.05] = -0.0
+    sums, dots = NumpyBackend(threads=2, fused=True)._column_sums(x, y)
+    np.testing.assert_array_equal(bits(sums), bits(x.sum(axis=0)))
+    np.testing.assert_array_equal(bits(dots), bits(np.einsum("nc,nc->c", x, y)))
+
+
+@needs_kernels
+def test_fused_path_skips_non_contiguous_or_other_dtypes():
+    fused = NumpyBackend(threads=1, fused=True)
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+    assert fused._fusable(x) is not None
+    assert fused._fusable(x[:, :, ::2]) is None and fused._fusable(x.astype(np.float64)) is None
+    assert NumpyBackend(dtype=np.float64).fused is False
+
+
+def test_no_compiler_means_the_numpy_code(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPT2NP_CPU_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")                  # a "compiler" that always fails
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "false")
+    assert cpu_kernels.load() is None
+    assert NumpyBackend(threads=1).fused is False
+    with pytest.raises(RuntimeError, match="did not build"):
+        NumpyBackend(threads=1, fused=True)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_classifier_row_blocks_change_no_bit(rows, monkeypatch):
+    rng = np.random.default_rng(1)
+    B, T, V, Vp = 3, 5, 37, 40
+    logits = (rng.standard_normal((B, T, Vp)) * 3).astype(np.float32)
+    targets = rng.integers(0, V, (B, T)).astype(np.int32)
+    be = NumpyBackend(threads=2)
+
+    def run():
+        losses, dlogits = np.zeros((B, T), np.float32), logits.copy()
+        be.fused_classifier(dlogits, losses, targets, V, 0.1, write_dlogits=True)
+        val = np.zeros((B, T), np.float32)
+        be.fused_classifier(logits.copy(), val, targets, V, 0.1, write_dlogits=False)
+        return losses, dlogits, val
+
+    want = run()
+    monkeypatch.setattr(numpy_backend, "CLASSIFIER_ROWS", rows)
+    monkeypatch.setattr(numpy_backend, "PARALLEL_MIN", 1)
+    for got, ref in zip(run(), want):
+        np.testing.assert_array_equal(bits(got), bits(ref))
+
+
+def run_steps(backend, steps=3, accum=2):
+    model = GPT2(CFG, backend, 2, 8, seed=5)
+    rng = np.random.default_rng(9)
+    data = rng.integers(0, CFG.vocab_size, (steps * accum, 2, 9)).astype(np.int32)
+    batches = iter((d[:, :-1], d[:, 1:]) for d in data)
+    norms = [train_step(model, lambda: next(batches), step=s, lr=1e-3, accum_steps=accum,
+                        adamw=AdamW(weight_decay=0.1, grad_clip=0.5)).grad_norm for s in range(steps)]
+    return norms, model.params, model.m, model.v, model.grads
+
+
+@needs_kernels
+def test_training_steps_fused_are_bitwise_the_numpy_steps(monkeypatch):
+    monkeypatch.setattr(numpy_backend, "PARALLEL_MIN", 1)      # split every op over the threads
+    monkeypatch.setattr(numpy_backend, "BLOCK", 24)            # and in many blocks
+    fused = run_steps(NumpyBackend(threads=2, fused=True))
+    ref = run_steps(NumpyBackend(threads=1, fused=False))
+    assert fused[0] == ref[0]
+    for got, want in zip(fused[1:], ref[1:]):
+        np.testing.assert_array_equal(bits(got), bits(want))
