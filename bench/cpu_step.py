@@ -12,16 +12,20 @@ T=64 by default, the same thread count everywhere. In one run, each in its own p
                           m, v read, params, m, v written) at the memory bandwidth measured now (best of a
                           threaded in-place add in NumPy and in PyTorch)
 
-It prints each median, gpt2np's ratio to the fastest PyTorch and to the floor, and gpt2np's peak memory
-(VmHWM) against params + grads + m + v + activations.
+It prints each median (and the range of the steps), gpt2np's ratio to the fastest PyTorch and to the floor,
+gpt2np's second step op by op, its peak memory (VmHWM) against params + grads + m + v + activations, and how
+busy the machine was otherwise (other processes' CPU from /proc/stat, hypervisor steal, the load average).
+--rounds N runs every part N times, interleaved, so that a slow spell of the machine hits all of them; the
+floor keeps the best of everything it measured (a strict floor), the steps their median.
 
-    python bench/cpu_step.py [--steps 8] [--warmup 2] [-b 4] [-t 64] [--model d12] [--threads N]
+    python bench/cpu_step.py [--rounds 1] [--steps 8] [--warmup 2] [-b 4] [-t 64] [--model d12] [--threads N]
                              [--no-torch] [--no-compile] [--no-floor] [--json FILE]
 """
 import argparse
 import functools
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,6 +42,24 @@ def peak_rss_bytes():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def cpu_usage():
+    """(wall s, CPU s busy on the whole machine, CPU s of hypervisor steal, CPU s of our finished children)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (time.perf_counter(), (user + nice + system + irq + softirq) / hz, steal / hz,
+            children.ru_utime + children.ru_stime)
+
+
+def other_cores(before, after):
+    """(cores other processes kept busy, cores the hypervisor took) on average between two cpu_usage()."""
+    wall = after[0] - before[0]
+    others = (after[1] - before[1]) - (after[3] - before[3])
+    return max(0.0, others / wall), (after[2] - before[2]) / wall
 
 
 def step_gemms(op, args):
@@ -62,11 +84,45 @@ def step_gemms(op, args):
     return []
 
 
+class Recorder:
+    """A ranges listener: the GEMM shapes, GEMM FLOPs (the contract's terms), AdamW bytes and time per op of
+    the ops it sees."""
+
+    def __init__(self):
+        self.gemms, self.gemm_flops, self.matmul_flops, self.adamw_bytes = {}, 0, 0, 0
+        self.op_ms, self._start = {}, None
+
+    def on_push(self, name, detail):
+        if detail is None:
+            return
+        from gpt2np.backends.contract import op_cost
+        self._start = time.perf_counter()
+        args_ = detail[1]
+        if name in GEMM_TERMS:
+            cost = op_cost(name, args_)
+            flops = sum(cost.terms[t][0] for t in GEMM_TERMS[name])
+            self.gemm_flops += flops
+            if name.startswith("matmul"):
+                self.matmul_flops += flops
+            for shape in step_gemms(name, args_):
+                self.gemms[shape] = self.gemms.get(shape, 0) + 1
+        elif name == "adamw":
+            self.adamw_bytes += op_cost(name, args_).bytes
+
+    def on_pop(self, name):
+        if self._start is not None:
+            self.op_ms[name] = self.op_ms.get(name, 0.0) + (time.perf_counter() - self._start) * 1e3
+            self._start = None
+
+    def timed_flops(self):
+        """FLOPs of the GEMM shapes recorded (what the floor times): must equal gemm_flops."""
+        return sum(2 * m * n * k * batch * count for (m, n, k, batch, _, _), count in self.gemms.items())
+
+
 def bench_gpt2np(args):
     import numpy as np
 
     import gpt2np  # noqa: F401  (first: it sets OpenBLAS's thread timeout before NumPy loads OpenBLAS)
-    from gpt2np.backends.contract import op_cost
     from gpt2np.backends.numpy_backend import NumpyBackend
     from gpt2np.config import preset
     from gpt2np.model import GPT2
@@ -81,32 +137,6 @@ def bench_gpt2np(args):
     y = rng.integers(0, cfg.vocab_size, (args.b, args.t)).astype(np.int32)
     adamw = AdamW(weight_decay=0.1, grad_clip=1.0)
 
-    class Recorder:                                      # a step's ops: GEMM shapes, AdamW bytes, time per op
-        def __init__(self):
-            self.gemms, self.gemm_flops, self.matmul_flops, self.adamw_bytes = {}, 0, 0, 0
-            self.op_ms, self._start = {}, None
-
-        def on_push(self, name, detail):
-            if detail is None:
-                return
-            self._start = time.perf_counter()
-            args_ = detail[1]
-            if name in GEMM_TERMS:
-                cost = op_cost(name, args_)
-                flops = sum(cost.terms[t][0] for t in GEMM_TERMS[name])
-                self.gemm_flops += flops
-                if name.startswith("matmul"):
-                    self.matmul_flops += flops
-                for shape in step_gemms(name, args_):
-                    self.gemms[shape] = self.gemms.get(shape, 0) + 1
-            elif name == "adamw":
-                self.adamw_bytes += op_cost(name, args_).bytes
-
-        def on_pop(self, name):
-            if self._start is not None:
-                self.op_ms[name] = self.op_ms.get(name, 0.0) + (time.perf_counter() - self._start) * 1e3
-                self._start = None
-
     recorder = Recorder()
     times = []
     for step in range(args.warmup + args.steps):
@@ -119,8 +149,7 @@ def bench_gpt2np(args):
             ranges.remove_listener(recorder)
     if args.warmup + args.steps < 2:
         raise SystemExit("need at least 2 steps (warm-up + measured)")
-    timed = sum(2 * m * n * k * batch * count for (m, n, k, batch, _, _), count in recorder.gemms.items())
-    assert timed == recorder.gemm_flops, (timed, recorder.gemm_flops)   # the shapes timed are the FLOPs counted
+    assert recorder.timed_flops() == recorder.gemm_flops, (recorder.timed_flops(), recorder.gemm_flops)
     n = model.num_parameters
     budget = 4 * (4 * n + layout_size(activation_shapes(cfg, args.b, args.t)))
     return {"ms": statistics.median(times[args.warmup:]) * 1e3, "times_ms": [t * 1e3 for t in times],
@@ -292,12 +321,20 @@ def main():
         env["OPENBLAS_NUM_THREADS"] = str(args.threads)
 
     def run(only, stdin=None):
+        before = cpu_usage()
         proc = subprocess.run(base + ["--only", only], env=env, input=stdin, capture_output=True, text=True)
+        others = other_cores(before, cpu_usage())
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             return None, f"exit {proc.returncode}: {last[:200]}"
-        return json.loads(lines[-1][len("RESULT "):]), None
+        busy.append(others)
+        result = json.loads(lines[-1][len("RESULT "):])
+        result["other_cores"], result["steal_cores"] = others
+        result["wall_s"] = cpu_usage()[0] - before[0]
+        return result, None
+
+    busy = []
 
     report = {"model": args.model, "B": args.b, "T": args.t, "threads": args.threads, "steps": args.steps,
               "warmup": args.warmup, "rounds": args.rounds, "loadavg_before": open("/proc/loadavg").read().split()[:3]}
@@ -316,13 +353,19 @@ def main():
         variants.append(("torch-eager", "pytorch eager + fused AdamW"))
         if not args.no_compile:
             variants.append(("torch-compile", "pytorch compile + fused AdamW"))
+    if not args.no_floor:
+        variants.append(("floor-numpy", "floor, NumPy's BLAS"))
+        if torch_ok:
+            variants.append(("floor-torch", "floor, PyTorch's BLAS"))
     runs = {only: [] for only, _ in variants}
     failed = {}
     for _ in range(args.rounds):                          # rounds interleave the variants, so drift hits all
         for only, label in variants:
             if only in failed:
                 continue
-            result, err = run(only)
+            # the floor times the GEMM shapes gpt2np's step ran (recorded in its first run)
+            stdin = json.dumps(runs["gpt2np"][0]["gemms"]) if only.startswith("floor") else None
+            result, err = run(only, stdin)
             if err:
                 if only == "gpt2np":
                     sys.exit(f"gpt2np failed: {err}")
@@ -330,16 +373,18 @@ def main():
                 print(f"{label:32s}: failed ({err}); continuing without it")
                 continue
             runs[only].append(result)
-    medians = {}
+    floors = runs.pop("floor-numpy", []) + runs.pop("floor-torch", [])
+    variants = [(only, label) for only, label in variants if not only.startswith("floor")]
+    medians, spread = {}, {}
     for only, _ in variants:
         if runs[only]:
-            medians[only] = statistics.median(t for r in runs[only] for t in r["times_ms"][args.warmup:])
+            steps = [t for r in runs[only] for t in r["times_ms"][args.warmup:]]
+            medians[only], spread[only] = statistics.median(steps), f"steps {min(steps):.0f}-{max(steps):.0f}"
             report[only] = {"ms": medians[only], "runs": runs[only]}
     ours = runs["gpt2np"][0]
     ms = medians["gpt2np"]
-    per_round = "" if args.rounds == 1 else "   rounds " + " ".join(f"{r['ms']:.0f}" for r in runs["gpt2np"])
-    print(f"{'gpt2np':32s}: {ms:8.1f} ms/step   peak RSS {ours['peak'] / 2**30:.2f} GiB = "
-          f"{ours['peak'] / ours['budget']:.2f}x params+grads+m+v+acts ({ours['budget'] / 2**30:.2f} GiB){per_round}")
+    print(f"{'gpt2np':32s}: {ms:8.1f} ms/step   ({spread['gpt2np']})   peak RSS {ours['peak'] / 2**30:.2f} GiB = "
+          f"{ours['peak'] / ours['budget']:.2f}x params+grads+m+v+acts ({ours['budget'] / 2**30:.2f} GiB)")
     op_ms = ours["op_ms"]
     mm = op_ms.get("matmul_forward", 0) + op_ms.get("matmul_backward", 0)
     adam, norm = op_ms.get("adamw", 0), op_ms.get("global_norm", 0)
@@ -350,39 +395,35 @@ def main():
     fastest = None
     for only, label in variants[1:]:
         if only in medians:
-            per_round = "" if args.rounds == 1 else "   rounds " + " ".join(f"{r['ms']:.0f}" for r in runs[only])
-            print(f"{label:32s}: {medians[only]:8.1f} ms/step{per_round}")
+            print(f"{label:32s}: {medians[only]:8.1f} ms/step   ({spread[only]})")
             if fastest is None or medians[only] < fastest[1]:
                 fastest = (label, medians[only])
     if fastest:
         report["ratio_to_fastest_torch"] = ms / fastest[1]
         print(f"{'gpt2np / fastest PyTorch':32s}: {ms / fastest[1]:8.2f}x   ({fastest[0]}; target <= 0.90)")
 
-    if not args.no_floor:
+    if floors:
+        # the floor's parts at their best in this run: each GEMM shape's fastest time over the libraries and
+        # rounds, the highest bandwidth
         gemms = ours["gemms"]
-        stdin = json.dumps(gemms)
-        parts = [run("floor-numpy", stdin)]
-        if torch_ok:
-            parts.append(run("floor-torch", stdin))
-        measured = [r for r, err in parts if r]
-        for _, err in parts:
-            if err:
-                print(f"floor: one measurement failed ({err})")
-        if measured:
-            gemm_s = sum(g[6] * min(r["gemm_s"][i] for r in measured) for i, g in enumerate(gemms))
-            bandwidth = max(r["bandwidth"] for r in measured)
-            adamw_s = ours["adamw_bytes"] / bandwidth
-            floor_ms = (gemm_s + adamw_s) * 1e3
-            report["floor"] = {"gemm_flops": ours["gemm_flops"], "gemm_s": gemm_s, "bandwidth": bandwidth,
-                               "adamw_bytes": ours["adamw_bytes"], "adamw_s": adamw_s, "ms": floor_ms,
-                               "per_library": measured}
-            report["ratio_to_floor"] = ms / floor_ms
-            print(f"floor                           : {floor_ms:8.1f} ms/step = matmuls "
-                  f"{ours['gemm_flops'] / 1e9:.1f} GFLOP at {ours['gemm_flops'] / gemm_s / 1e9:.0f} GFLOP/s "
-                  f"({gemm_s * 1e3:.0f} ms) + AdamW {ours['adamw_bytes'] / 1e9:.2f} GB at "
-                  f"{bandwidth / 1e9:.1f} GB/s ({adamw_s * 1e3:.0f} ms)")
-            print(f"gpt2np / floor                  : {ms / floor_ms:8.2f}x   (target <= 1.15)")
+        gemm_s = sum(g[6] * min(r["gemm_s"][i] for r in floors) for i, g in enumerate(gemms))
+        bandwidth = max(r["bandwidth"] for r in floors)
+        adamw_s = ours["adamw_bytes"] / bandwidth
+        floor_ms = (gemm_s + adamw_s) * 1e3
+        report["floor"] = {"gemm_flops": ours["gemm_flops"], "gemm_s": gemm_s, "bandwidth": bandwidth,
+                           "adamw_bytes": ours["adamw_bytes"], "adamw_s": adamw_s, "ms": floor_ms,
+                           "measurements": floors}
+        report["ratio_to_floor"] = ms / floor_ms
+        print(f"{'floor':32s}: {floor_ms:8.1f} ms/step = matmuls {ours['gemm_flops'] / 1e9:.1f} GFLOP at "
+              f"{ours['gemm_flops'] / gemm_s / 1e9:.0f} GFLOP/s ({gemm_s * 1e3:.0f} ms) + AdamW "
+              f"{ours['adamw_bytes'] / 1e9:.2f} GB at {bandwidth / 1e9:.1f} GB/s ({adamw_s * 1e3:.0f} ms)")
+        print(f"{'gpt2np / floor':32s}: {ms / floor_ms:8.2f}x   (target <= 1.15)")
     report["loadavg_after"] = open("/proc/loadavg").read().split()[:3]
+    other, steal = max(b[0] for b in busy), max(b[1] for b in busy)
+    report["max_other_cores"], report["max_steal_cores"] = other, steal
+    print(f"other processes kept {other:.2f} cores busy on average during the busiest part, the hypervisor took "
+          f"{steal:.2f}; load average now {' '.join(report['loadavg_after'])}"
+          + ("  (NOISY: compare runs taken on a quiet machine only)" if other > 0.1 or steal > 0.1 else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

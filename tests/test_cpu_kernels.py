@@ -181,3 +181,35 @@ def test_training_steps_fused_are_bitwise_the_numpy_steps(monkeypatch):
     assert fused[0] == ref[0]
     for got, want in zip(fused[1:], ref[1:]):
         np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def load_cpu_step_bench():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "cpu_step.py"
+    spec = importlib.util.spec_from_file_location("cpu_step_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_step_bench_floor_counts_the_steps_gemms_and_adamw_bytes():
+    """The floor's parts: the GEMM shapes it times add up to the op contract's GEMM FLOPs of a step (matmuls and
+    attention's batched products), and AdamW's bytes are 28 per parameter."""
+    from gpt2np.profiling import ranges
+    bench = load_cpu_step_bench()
+    model = GPT2(CFG, NumpyBackend(threads=2), 2, 8, seed=1)
+    x = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 9)).astype(np.int32)
+    recorder = bench.Recorder()
+    ranges.add_listener(recorder)
+    try:
+        train_step(model, lambda: (x[:, :-1], x[:, 1:]), step=0, lr=1e-3)
+    finally:
+        ranges.remove_listener(recorder)
+    L, C, Vp, N, T, NH = CFG.num_layers, CFG.channels, CFG.padded_vocab_size, 2 * 8, 8, CFG.num_heads
+    matmul = 3 * 2 * N * (L * (3 * C * C + C * C + 4 * C * C + 4 * C * C) + Vp * C)   # forward + 2 backward GEMMs
+    attention = 6 * 2 * 2 * NH * T * T * (C // NH) * L                                 # 2 forward + 4 backward
+    assert recorder.matmul_flops == matmul and recorder.gemm_flops == matmul + attention
+    assert recorder.timed_flops() == recorder.gemm_flops
+    assert recorder.adamw_bytes == 28 * model.num_parameters
+    assert {"matmul_forward", "attention_backward", "adamw", "global_norm"} <= set(recorder.op_ms)
