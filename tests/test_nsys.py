@@ -29,6 +29,28 @@ CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INTEGER NOT NULL, end INTEGER NOT
     localMemoryPerThread INTEGER NOT NULL, localMemoryTotal INTEGER NOT NULL, gridId INTEGER NOT NULL,
     sharedMemoryExecuted INTEGER, graphNodeId INTEGER, sharedMemoryLimitConfig INTEGER);
 """
+# copies and memsets, and the copy-kind enum (nsys 2024.6, export schema 3.16)
+COPY_SCHEMA = """
+CREATE TABLE CUPTI_ACTIVITY_KIND_MEMCPY (start INTEGER NOT NULL, end INTEGER NOT NULL, deviceId INTEGER NOT NULL,
+    contextId INTEGER NOT NULL, greenContextId INTEGER, streamId INTEGER NOT NULL, correlationId INTEGER,
+    globalPid INTEGER, bytes INTEGER NOT NULL, copyKind INTEGER NOT NULL, deprecatedSrcId INTEGER, srcKind INTEGER,
+    dstKind INTEGER, srcDeviceId INTEGER, srcContextId INTEGER, dstDeviceId INTEGER, dstContextId INTEGER,
+    migrationCause INTEGER, graphNodeId INTEGER, virtualAddress INTEGER);
+CREATE TABLE CUPTI_ACTIVITY_KIND_MEMSET (start INTEGER NOT NULL, end INTEGER NOT NULL, deviceId INTEGER NOT NULL,
+    contextId INTEGER NOT NULL, greenContextId INTEGER, streamId INTEGER NOT NULL, correlationId INTEGER,
+    globalPid INTEGER, value INTEGER NOT NULL, bytes INTEGER NOT NULL, graphNodeId INTEGER, memKind INTEGER);
+"""
+ENUM_SCHEMA = """
+CREATE TABLE ENUM_CUDA_MEMCPY_OPER (id INTEGER NOT NULL PRIMARY KEY, name TEXT, label TEXT);
+INSERT INTO ENUM_CUDA_MEMCPY_OPER VALUES(0,'CUDA_MEMCPY_KIND_UNKNOWN','Unknown');
+INSERT INTO ENUM_CUDA_MEMCPY_OPER VALUES(1,'CUDA_MEMCPY_KIND_HTOD','Host-to-Device');
+INSERT INTO ENUM_CUDA_MEMCPY_OPER VALUES(2,'CUDA_MEMCPY_KIND_DTOH','Device-to-Host');
+INSERT INTO ENUM_CUDA_MEMCPY_OPER VALUES(8,'CUDA_MEMCPY_KIND_DTOD','Device-to-Device');
+INSERT INTO ENUM_CUDA_MEMCPY_OPER VALUES(9,'CUDA_MEMCPY_KIND_HTOH','Host-to-Host');
+INSERT INTO ENUM_CUDA_MEMCPY_OPER VALUES(10,'CUDA_MEMCPY_KIND_PTOP','Peer-to-Peer');
+INSERT INTO ENUM_CUDA_MEMCPY_OPER VALUES(11,'CUDA_MEMCPY_KIND_UVM_HTOD','Unified Host-to-Device');
+"""
+HTOD, DTOH, DTOD = 1, 2, 8
 
 PID, OTHER_PID = 4242, 777
 MAIN = (PID << 24) | 4242          # globalTid of the main thread
@@ -42,6 +64,8 @@ class Export:
     def __init__(self):
         self.strings = {}
         self.nvtx, self.runtime, self.kernels = [], [], []
+        self.memcpy, self.memset = [], []
+        self.copy_tables, self.copy_enum = False, True
         self.corr = 100
 
     def sid(self, text):
@@ -65,9 +89,29 @@ class Export:
                              self.sid(kernel), self.sid(short or kernel), 32, *grid, *block))
         return self.corr
 
+    def copy(self, kind, nbytes, at, duration=1_000, tid=MAIN, api="cudaMemcpyAsync_v3020", memset=False):
+        """A cudaMemcpyAsync (copyKind `kind`) or cudaMemsetAsync call at `at` and the copy/memset it issues,
+        which starts 50 us later and lasts `duration` ns (real exports name API calls with a version suffix)."""
+        self.corr += 1
+        self.copy_tables = True
+        self.runtime.append((at, at + 20, 1, tid, self.corr, self.sid(api), 0))
+        start = at + 50_000
+        if memset:
+            self.memset.append((start, start + duration, 0, 1, 7, self.corr, (tid >> 24) << 24, 0, nbytes))
+        else:
+            self.memcpy.append((start, start + duration, 0, 1, 7, self.corr, (tid >> 24) << 24, nbytes, kind))
+        return self.corr
+
     def write(self, path):
         con = sqlite3.connect(path)
         con.executescript(SCHEMA)
+        if self.copy_tables:
+            con.executescript(COPY_SCHEMA + (ENUM_SCHEMA if self.copy_enum else ""))
+            con.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY (start, end, deviceId, contextId, streamId, "
+                            "correlationId, globalPid, bytes, copyKind) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            self.memcpy)
+            con.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_MEMSET (start, end, deviceId, contextId, streamId, "
+                            "correlationId, globalPid, value, bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", self.memset)
         con.executemany("INSERT INTO StringIds VALUES (?, ?)", [(i, s) for s, i in self.strings.items()])
         con.execute("INSERT INTO TARGET_INFO_GPU VALUES (0, 0, 'NVIDIA H100 80GB HBM3', '0000:01:00.0', 0, 132, 9, 0)")
         con.executemany("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid, endGlobalTid, textId, "
@@ -233,8 +277,10 @@ def test_cli_prints_tables_and_writes_files(step_db, tmp_path, capsys):
     out_csv, out_json, out_trace = tmp_path / "k.csv", tmp_path / "k.json", tmp_path / "t.json"
     assert nsys.main([step_db, "--csv", str(out_csv), "--json", str(out_json), "--trace", str(out_trace)]) == 0
     text = capsys.readouterr().out
-    for heading in ("Kernels of step 1 on H100 SXM", "Time per GPT-2 module", "Time per layer",
-                    "Time per op", "Top kernels (whole profile)", "NVTX ranges (whole profile"):
+    for heading in ("Kernels of step 1 on H100 SXM", "GPT-2 modules: parameters and time", "Time per layer",
+                    "Time per op", "Phases: forward / backward", "GPU activities (kernels, copies, memsets)",
+                    "API calls (host time)", "User ranges, PyTorch profiler layout", "Top kernels (whole profile)",
+                    "NVTX ranges projected onto the GPU"):
         assert heading in text
     assert "c_attn" in text and "matmul_backward" in text
     records, _, meta = report.read_json(str(out_json))
@@ -473,3 +519,221 @@ def test_llmc_names_map_to_layer_op_direction_and_module(tmp_path):
     tree = report.module_tree(records, num_layers=1)
     names = {node.path: node for _, node in tree.walk()}
     assert names["h.0.attn.c_attn"].calls == 1 + 3 and names["wpe"].calls == 1 and names["lm_head"].calls == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# the profiler's views of an export (gpt2np.profiling.views, the same renderers)
+
+from gpt2np.profiling import views as V  # noqa: E402
+
+
+def copies_export():
+    """Two training steps of our own range names with copies and memsets: inputs up, the loss down, a memset of the
+    gradients, a device-to-device copy in the update, and an upload before any range."""
+    e = Export()
+    e.copy(HTOD, 4096, 100)                                            # weights, before the steps
+    for step, t in ((1, 1_000), (2, 100_000)):
+        e.range(f"Train step {step}", t, t + 20_000)
+        e.range("gpt2_forward", t + 100, t + 5_000)
+        e.range("encoder_forward", t + 200, t + 900)
+        e.copy(HTOD, 256, t + 300, duration=2_000)                      # inputs
+        e.copy(HTOD, 256, t + 400, duration=2_000)                      # targets
+        e.launch("encoder_forward_kernel", t + 500)
+        e.range("Layer 0", t + 1_000, t + 3_000)
+        e.range("matmul_forward", t + 1_100, t + 1_300)
+        e.launch(GEMM, t + 1_200)
+        e.range("fused_classifier", t + 3_100, t + 3_500)
+        e.launch("fused_classifier_kernel", t + 3_200)
+        e.copy(DTOH, 128, t + 3_300, api="cudaMemcpy_v3020", duration=1_000)   # the losses
+        e.range("gpt2_backward", t + 5_100, t + 12_000)
+        e.copy(None, 8192, t + 5_200, api="cudaMemsetAsync_v3020", memset=True, duration=500)
+        e.range("matmul_backward", t + 5_300, t + 5_600)
+        e.launch(GEMM, t + 5_400)
+        e.launch(GEMM, t + 5_500)
+        e.range("gpt2_update", t + 12_100, t + 19_000)
+        e.range("adamw", t + 12_200, t + 12_500)
+        e.launch("adamw_kernel", t + 12_300)
+        e.copy(DTOD, 1024, t + 12_400, duration=700)
+    return e
+
+
+@pytest.fixture
+def copies_db(tmp_path):
+    return copies_export().write(tmp_path / "copies.sqlite")
+
+
+def nsys_views(path, **kw):
+    records, _, _, profile = nsys.read_report(path)
+    return nsys.views_profile(profile, records, **kw)
+
+
+def rows_by(table, key, value):
+    cols = [c for c, _ in table.columns]
+    return {row[cols.index(key)]: row[cols.index(value)] for row in table.rows}
+
+
+def test_copies_and_memsets_are_records_attributed_to_their_ranges(copies_db):
+    records, _, _, profile = nsys.read_report(copies_db)
+    copies = [r for r in records if r.kind != "kernel"]
+    assert len(profile.kernels) == 12 and len(copies) == 1 + 2 * 5
+    assert [r.idx for r in records] == list(range(len(records)))
+    first = records[0]
+    assert (first.kind, first.kernel, first.bytes, first.step, first.range_stack) == \
+        ("memcpy", "[CUDA memcpy HtoD]", 4096, None, ())
+    step1 = [r for r in copies if r.step == 1]
+    assert [(r.kernel, r.bytes, r.direction, r.op) for r in step1] == [
+        ("[CUDA memcpy HtoD]", 256, "fprop", "encoder_forward"),
+        ("[CUDA memcpy HtoD]", 256, "fprop", "encoder_forward"),
+        ("[CUDA memcpy DtoH]", 128, "fprop", "fused_classifier"), ("[CUDA memset]", 8192, "bprop", ""),
+        ("[CUDA memcpy DtoD]", 1024, "update", "adamw")]
+    assert step1[0].duration_ns == 2_000 and step1[0].range_stack == ("Train step 1", "gpt2_forward", "encoder_forward")
+    assert all(len(r.range_ids) == len(r.range_stack) for r in records)
+
+
+def test_copy_kinds_from_the_enum_table_or_cuptis_numbering(tmp_path):
+    assert [nsys.copy_kind_name(n) for n in ("CUDA_MEMCPY_KIND_HTOD", "CUDA_MEMCPY_KIND_PTOP",
+                                             "CUDA_MEMCPY_KIND_UVM_HTOD", "CUDA_MEMCPY_KIND_UNKNOWN")] == \
+        ["HtoD", "PtoP", "Unified HtoD", "Unknown"]
+    e = copies_export()
+    e.copy(11, 64, 500_000)
+    with_enum = [r.kernel for r in nsys.read_report(e.write(tmp_path / "a.sqlite"))[0] if r.kind == "memcpy"]
+    e.copy_enum = False                                                 # an export without ENUM_CUDA_MEMCPY_OPER
+    without = [r.kernel for r in nsys.read_report(e.write(tmp_path / "b.sqlite"))[0] if r.kind == "memcpy"]
+    assert with_enum[-1] == "[CUDA memcpy Unified HtoD]" and with_enum[:-1] == without[:-1]
+    assert V.nsys_mem_name("[CUDA memcpy Unified HtoD]") == "[CUDA memcpy Unified Host-to-Device]"
+
+
+def test_gpu_activities_and_nsys_memory_reports_of_an_export(copies_db):
+    profile = V.select(nsys_views(copies_db), "last")
+    acts = V.tables(profile, "gpu_activities")[0]
+    calls = rows_by(acts, "Name", "Calls")
+    assert calls == {"[CUDA memcpy HtoD]": 2, "[CUDA memcpy DtoH]": 1, "[CUDA memcpy DtoD]": 1, "[CUDA memset]": 1,
+                     GEMM: 3, "encoder_forward_kernel": 1, "fused_classifier_kernel": 1, "adamw_kernel": 1}
+    assert rows_by(acts, "Name", "Time")["[CUDA memcpy HtoD]"] == "4us"
+    assert acts.rows[0][-1] == "[CUDA memcpy HtoD]"                     # most time first
+    time_sum = V.tables(profile, "cuda_gpu_mem_time_sum")[0]
+    assert rows_by(time_sum, "Operation", "Count") == {"[CUDA memcpy Host-to-Device]": "2",
+                                                        "[CUDA memcpy Device-to-Host]": "1",
+                                                        "[CUDA memcpy Device-to-Device]": "1", "[CUDA memset]": "1"}
+    assert rows_by(time_sum, "Operation", "Total Time (ns)")["[CUDA memcpy Host-to-Device]"] == "4,000"
+    size_sum = V.tables(profile, "cuda_gpu_mem_size_sum")[0]
+    assert rows_by(size_sum, "Operation", "Total (MB)") == {"[CUDA memset]": "0.008", "[CUDA memcpy Device-to-Device]":
+                                                            "0.001", "[CUDA memcpy Host-to-Device]": "0.001",
+                                                            "[CUDA memcpy Device-to-Host]": "0.000"}
+    kern_sum = V.tables(profile, "cuda_gpu_kern_sum")[0]
+    assert rows_by(kern_sum, "Name", "Instances") == {GEMM: "3", "encoder_forward_kernel": "1",
+                                                       "fused_classifier_kernel": "1", "adamw_kernel": "1"}
+
+
+def test_api_calls_of_an_export(copies_db):
+    whole = nsys_views(copies_db)
+    by_idx = {r.idx: r for r in whole.records}
+    for call in whole.api:                                              # every call tied to what it issued
+        issued = by_idx[call.record]
+        assert call.name in ("cudaLaunchKernel", "cudaMemcpyAsync", "cudaMemcpy", "cudaMemsetAsync")
+        assert issued.kind == {"cudaLaunchKernel": "kernel", "cudaMemsetAsync": "memset"}.get(call.name, "memcpy")
+    profile = V.select(whole, "last")
+    api = V.tables(profile, "api_calls")[0]
+    assert rows_by(api, "Name", "Calls") == {"cudaLaunchKernel": 6, "cudaMemcpyAsync": 3, "cudaMemcpy": 1,
+                                             "cudaMemsetAsync": 1}
+    nsys_api = V.tables(profile, "cuda_api_sum")[0]
+    assert rows_by(nsys_api, "Name", "Num Calls")["cudaMemcpyAsync"] == "3"
+    assert rows_by(nsys_api, "Name", "Total Time (ns)")["cudaLaunchKernel"] == "120"
+
+
+def test_ranges_nest_per_thread_and_carry_their_step(copies_db):
+    profile = nsys_views(copies_db)
+    by_id = {r.id: r for r in profile.ranges}
+    enc = [r for r in profile.ranges if r.name == "encoder_forward"]
+    assert [r.step for r in enc] == [1, 2] and all(r.depth == 2 for r in enc)
+    assert [by_id[by_id[r.parent].parent].name for r in enc] == ["Train step 1", "Train step 2"]
+    assert all(r.parent is None for r in profile.ranges if r.name.startswith("Train step"))
+    # the training step export: a second thread's ranges nest on their own thread; a start/end range around
+    # the step is its parent
+    steps = nsys_views(training_step_export().write(str(copies_db) + ".2"))
+    names = {r.id: r.name for r in steps.ranges}
+    parent_of = {r.name: names.get(r.parent) for r in steps.ranges}
+    assert parent_of["Train step 1"] == "gpt2np:epoch" and parent_of["Layer 7"] == "data_loader"
+
+
+def test_nvtx_views_and_user_ranges_of_an_export(copies_db):
+    profile = V.select(nsys_views(copies_db), "last")
+    kern = V.tables(profile, "nvtx_kern_sum")[0]
+    rows = {(row[0], row[-1]): row for row in kern.rows}
+    assert rows[("encoder_forward", "[CUDA memcpy HtoD]")][2:4] == [1, 2]       # NVTX Inst, Kern Inst
+    assert rows[("gpt2_backward", GEMM)][3] == 2 and rows[("Train step 2", GEMM)][3] == 3
+    nvtx = V.tables(profile, "nvtx_sum")[0]
+    assert rows_by(nvtx, "Range", "Instances")["Train step 2"] == "1"
+    assert rows_by(nvtx, "Range", "Total Time (ns)")["gpt2_update"] == "6,900"
+    users = {row[0]: row for row in V.tables(profile, "user_ranges")[0].rows}
+    assert {"train_step-2", "forward", "backward", "optimizer", "cudaLaunchKernel"} <= set(users)
+    assert users["train_step-2"][3] == "100.00%"                           # CPU total %: the step is all of it
+    fwd = sum(r.duration_ns for r in profile.records if r.direction == "fprop")
+    assert users["forward"][8] == V.nvprof_time(fwd) and fwd == 2 * 2_000 + 1_000 + 3 * 300
+
+
+def test_module_tree_with_a_preset_parameters(copies_db, capsys):
+    profile = V.select(nsys_views(copies_db, module_params=nsys.preset_parameters("d12")), "last")
+    tree = V.tables(profile, "modules")[0]
+    params = {name.strip(): count for name, count in zip(*[[row[i] for row in tree.rows] for i in (0, 1)])}
+    assert params["gpt2"] == "124,475,904" and params["wpe"] == f"{1024 * 768:,}"
+    assert profile.meta["num_layers"] == 12 and len([r for r in tree.rows if r[0].strip().startswith("h.")]) == 12
+    assert nsys.main([copies_db, "--model", "d99"]) == 2
+    assert "--model d99" in one_error_line(capsys)
+
+
+def test_llmc_export_goes_through_every_view(tmp_path):
+    """llm.c's names (gpt2_backward_and_reduce, matmul_cublaslt, classifier_and_loss ...) through all the views."""
+    e = llmc_export()
+    e.copy(HTOD, 8 * 65 * 4, 1_010)                                     # llm.c uploads inputs and targets first
+    e.copy(DTOH, 8 * 64 * 4, 2_500)                                     # ... and reads the losses back
+    profile = nsys_views(e.write(tmp_path / "llmc.sqlite"), module_params=nsys.preset_parameters("d12"))
+    step = V.select(profile, "last")
+    for name in V.VIEWS:
+        result = V.tables(step, name)
+        if isinstance(result, str):
+            assert "step 3" in result.splitlines()[0], name
+            continue
+        if name in ("model", "comm"):                                   # an export knows no buffers or collectives
+            assert result[0].rows == [], name
+            continue
+        assert all(t.rows for t in result), name
+    phases = V.tables(step, "phases")[0]
+    host = rows_by(phases, "phase", "host range time (us)")
+    assert float(host["backward"]) > 0 and float(host["optimizer"]) > 0
+    assert sum(rows_by(phases, "phase", "copies+memsets").values()) == 2
+    users = {row[0] for row in V.tables(step, "user_ranges")[0].rows}
+    assert {"train_step-3", "forward", "backward", "optimizer", "clip-grads", "matmul_cublaslt"} <= users
+    kern = {(row[0], row[-1]) for row in V.tables(step, "nvtx_kern_sum")[0].rows}
+    assert ("gpt2_backward_and_reduce", "void wte_backward_kernel<int=256>") in kern
+    assert ("gpt2_update", "void adamw_kernel3<float, float>") in kern
+    pyprof = V.tables(step, "pyprof")[0]
+    assert {row[1] for row in pyprof.rows} == {"fprop", "bprop", "update", "other"}
+    text = V.render_views(profile, None, V.VIEWS)
+    assert "emulated" not in text and "[CUDA memcpy HtoD]" in text
+
+
+def test_cli_views_and_files(copies_db, tmp_path, capsys):
+    out, js, trace = tmp_path / "out", tmp_path / "p.json", tmp_path / "t.json"
+    assert nsys.main([copies_db, "--views", "gpu_activities,cuda_api_sum", "--out", str(out), "--json", str(js),
+                      "--trace", str(trace)]) == 0
+    text = capsys.readouterr().out
+    assert "GPU activities" in text and "cuda_api_sum" in text and "Kernels of step" not in text
+    assert "[CUDA memcpy DtoD]" in text
+    doc = json.loads((out / "views.json").read_text())
+    assert set(doc["views"]) >= {"gpu_activities", "nvtx_kern_sum", "user_ranges", "cuda_gpu_mem_size_sum"}
+    assert (out / "views" / "cuda_gpu_mem_time_sum.csv").read_text().startswith("Time (%),Total Time (ns),Count")
+    # the JSON file re-renders through the report tool, every view the same as the import's own
+    assert report.main([str(js), "--views", "all"]) == 0
+    again = capsys.readouterr().out
+    _, roof, _ = report.read_json(str(js))
+    assert roof.device == "H100 SXM" and again == V.render_views(nsys_views(copies_db), roof, V.VIEWS, step="last")
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {ev["args"]["name"]: ev["tid"] for ev in events if ev.get("name") == "thread_name"}
+    cats = {ev["cat"]: ev["tid"] for ev in events if ev.get("ph") == "X"}
+    assert cats["memcpy"] == cats["memset"] == tracks["copies and memsets"] and cats["api"] == tracks["CUDA API"]
+    assert nsys.main([copies_db, "--views", "bogus"]) == 2
+    assert "--views 'bogus'" in one_error_line(capsys)
+    (tmp_path / "afile").write_text("x")
+    assert nsys.main([copies_db, "--out", str(tmp_path / "afile")]) == 2
+    assert "--out" in one_error_line(capsys)

@@ -1,8 +1,17 @@
-"""Attribute every kernel of an Nsight Systems profile to its NVTX range stack.
+"""Attribute every kernel, copy and memset of an Nsight Systems profile to its NVTX range stack, and show the
+profiler's views of it (gpt2np.profiling.views: the same renderers as the built-in profiler's).
 
     nsys profile -t cuda,nvtx -o prof python train.py ...
     nsys export -t sqlite prof.nsys-rep            (or: nsys stats prof.nsys-rep, which also writes it)
-    python -m gpt2np.profiling.nsys prof.sqlite [--step N|last|all] [--csv OUT] [--json OUT] [--device NAME]
+    python -m gpt2np.profiling.nsys prof.sqlite [--views all|NAME,...] [--step N|last|all] [--model d12]
+                                    [--csv OUT] [--json OUT] [--trace OUT] [--out DIR] [--device NAME]
+
+What the views read (the export's schema, nsys 2023-2025):
+    CUPTI_ACTIVITY_KIND_KERNEL / _MEMCPY (bytes, copyKind -> ENUM_CUDA_MEMCPY_OPER.name, e.g.
+    CUDA_MEMCPY_KIND_HTOD -> "[CUDA memcpy HtoD]") / _MEMSET (bytes): device start/end -> GPU activities,
+    cuda_gpu_kern_sum, cuda_gpu_mem_time_sum, cuda_gpu_mem_size_sum, nvtx_kern_sum;
+    CUPTI_ACTIVITY_KIND_RUNTIME (nameId -> StringIds, "_v7000" suffix dropped): API calls, cuda_api_sum;
+    NVTX_EVENTS: nvtx_sum and, nested per thread, the PyTorch-profiler-style user ranges.
 
 How a kernel finds its ranges (the rule of `nsys stats --report nvtx_kern_sum`):
     CUPTI_ACTIVITY_KIND_KERNEL  (start, end, correlationId, globalPid, demangledName/shortName ->
@@ -17,17 +26,18 @@ gpt2_update -> update), layer ("Layer l"), op (innermost other range, e.g. "matm
 and the GPT-2 module (an explicit module-path range such as "h.3.attn.c_attn", else inferred
 from the op and how many ranges of that op came before it in the same layer and direction:
 the 1st..4th matmul_forward of a layer are c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj).
-Nsight records no FLOPs or bytes, so those columns stay empty (0).
+Nsight records no FLOPs or bytes of kernels, so those columns stay empty (0).
 """
 import os
 import re
 import sqlite3
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..cli import ArgumentParser, BadInput, integer, tool
 from . import report
+from . import views as V
 from .gpu_specs import lookup
 from .gpu_specs import roofline as make_roofline
 from .report import KernelRecord
@@ -146,15 +156,36 @@ class Kernel:
     launch_end: Optional[int]
     tid: Optional[int]
     stack: Tuple[NvtxRange, ...] = ()
+    kind: str = "kernel"            # or "memcpy", "memset" (named like nvprof's rows: "[CUDA memcpy HtoD]")
+    bytes: int = 0                  # bytes copied or set
+    grid: str = ""
+    block: str = ""
+
+
+@dataclass
+class ApiRow:
+    """One CUDA runtime/driver API call (CUPTI_ACTIVITY_KIND_RUNTIME): name without nsys's version suffix."""
+    name: str
+    start: int
+    end: int
+    tid: Optional[int]
+    correlation_id: Optional[int]
 
 
 @dataclass
 class Profile:
-    """Everything read from one export."""
+    """Everything read from one export: kernels, copies and memsets (activities of kind memcpy/memset, in
+    GPU start order), NVTX ranges, API calls."""
     path: str
     kernels: List[Kernel]
     ranges: List[NvtxRange]
     device: Optional[str]
+    copies: List[Kernel] = field(default_factory=list)
+    api: List[ApiRow] = field(default_factory=list)
+
+    @property
+    def activities(self) -> List[Kernel]:
+        return sorted(self.kernels + self.copies, key=lambda k: (k.start, k.correlation_id))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,26 +243,89 @@ def read_ranges(con, strings: Dict[int, str]) -> List[NvtxRange]:
     return ranges
 
 
+def _launch_join(con, table: str):
+    """(FROM ... LEFT JOIN clause, thread expression) joining an activity table (alias a) to the launch calls
+    (alias r) of the same correlationId and process."""
+    acols, rcols = _columns(con, table), _columns(con, "CUPTI_ACTIVITY_KIND_RUNTIME")
+    same_process = ("AND a.globalPid = ((r.globalTid >> 24) << 24)"
+                    if "globalPid" in acols and "globalTid" in rcols else "")
+    tid = "r.globalTid" if "globalTid" in rcols else "NULL"
+    return (f"FROM {table} AS a LEFT JOIN CUPTI_ACTIVITY_KIND_RUNTIME AS r "
+            f"ON a.correlationId = r.correlationId {same_process}"), tid
+
+
 def read_kernels(con, strings: Dict[int, str], name_column: str = "demangledName") -> List[Kernel]:
     """Kernels in GPU start order, joined to their launch call by correlationId (same process)."""
-    kcols, rcols = _columns(con, "CUPTI_ACTIVITY_KIND_KERNEL"), _columns(con, "CUPTI_ACTIVITY_KIND_RUNTIME")
+    kcols = _columns(con, "CUPTI_ACTIVITY_KIND_KERNEL")
     names = [c for c in (name_column, "demangledName", "shortName") if c in kcols]
-    name_expr = f"coalesce({', '.join('k.' + c for c in names)})" if names else "NULL"
+    name_expr = f"coalesce({', '.join('a.' + c for c in names)})" if names else "NULL"
     if len(names) == 1:
-        name_expr = f"k.{names[0]}"
-    dims = [f"k.{c}" if c in kcols else "1" for c in ("gridX", "gridY", "gridZ", "blockX", "blockY", "blockZ")]
-    same_process = ("AND k.globalPid = ((r.globalTid >> 24) << 24)"
-                    if "globalPid" in kcols and "globalTid" in rcols else "")
-    tid = "r.globalTid" if "globalTid" in rcols else "NULL"
-    query = (f"SELECT k.start, k.end, k.correlationId, {name_expr}, {', '.join(dims)}, r.start, r.end, {tid} "
-             f"FROM CUPTI_ACTIVITY_KIND_KERNEL AS k LEFT JOIN CUPTI_ACTIVITY_KIND_RUNTIME AS r "
-             f"ON k.correlationId = r.correlationId {same_process} ORDER BY k.start, k.correlationId")
+        name_expr = f"a.{names[0]}"
+    dims = [f"a.{c}" if c in kcols else "1" for c in ("gridX", "gridY", "gridZ", "blockX", "blockY", "blockZ")]
+    join, tid = _launch_join(con, "CUPTI_ACTIVITY_KIND_KERNEL")
+    query = (f"SELECT a.start, a.end, a.correlationId, {name_expr}, {', '.join(dims)}, r.start, r.end, {tid} "
+             f"{join} ORDER BY a.start, a.correlationId")
     kernels = []
     for start, end, corr, name_id, gx, gy, gz, bx, by, bz, rs, re_, thread in con.execute(query):
         name = strings.get(name_id, f"kernel#{corr}") if name_id is not None else f"kernel#{corr}"
-        params = f"grid=({gx},{gy},{gz}) block=({bx},{by},{bz})"
-        kernels.append(Kernel(start, end, corr, name, params, rs, re_, thread))
+        grid, block = f"({gx},{gy},{gz})", f"({bx},{by},{bz})"
+        kernels.append(Kernel(start, end, corr, name, f"grid={grid} block={block}", rs, re_, thread,
+                              grid=grid, block=block))
     return kernels
+
+
+def copy_kind_name(symbol: str) -> str:
+    """ENUM_CUDA_MEMCPY_OPER's symbol -> nvprof's spelling: CUDA_MEMCPY_KIND_HTOD -> HtoD,
+    CUDA_MEMCPY_KIND_UVM_DTOH -> Unified DtoH, CUDA_MEMCPY_KIND_UNKNOWN -> Unknown."""
+    text = symbol.removeprefix("CUDA_MEMCPY_KIND_")
+    unified = text.startswith("UVM_")
+    text = text.removeprefix("UVM_")
+    m = re.fullmatch(r"([A-Z])TO([A-Z])", text)
+    text = f"{m.group(1)}to{m.group(2)}" if m else text.capitalize()
+    return ("Unified " if unified else "") + text
+
+
+def _copy_kinds(con, tables) -> Dict[int, str]:
+    """copyKind -> HtoD, DtoH, ...: the export's own ENUM_CUDA_MEMCPY_OPER, else CUPTI's numbering."""
+    if "ENUM_CUDA_MEMCPY_OPER" in tables:
+        return {i: copy_kind_name(name or "") for i, name in con.execute("SELECT id, name FROM ENUM_CUDA_MEMCPY_OPER")}
+    from .cupti import MEMCPY_KINDS
+    return dict(MEMCPY_KINDS)
+
+
+def read_copies(con) -> List[Kernel]:
+    """Copies and memsets (CUPTI_ACTIVITY_KIND_MEMCPY / _MEMSET, when the export has them) as activities named
+    like nvprof's rows, "[CUDA memcpy HtoD]", "[CUDA memset]", with their bytes and launch calls."""
+    tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    out = []
+    if "CUPTI_ACTIVITY_KIND_MEMCPY" in tables:
+        kinds = _copy_kinds(con, tables)
+        join, tid = _launch_join(con, "CUPTI_ACTIVITY_KIND_MEMCPY")
+        for start, end, corr, nbytes, kind, rs, re_, thread in con.execute(
+                f"SELECT a.start, a.end, a.correlationId, a.bytes, a.copyKind, r.start, r.end, {tid} {join}"):
+            out.append(Kernel(start, end, corr, f"[CUDA memcpy {kinds.get(kind, kind)}]", f"bytes={nbytes}", rs, re_,
+                              thread, kind="memcpy", bytes=int(nbytes or 0)))
+    if "CUPTI_ACTIVITY_KIND_MEMSET" in tables:
+        join, tid = _launch_join(con, "CUPTI_ACTIVITY_KIND_MEMSET")
+        for start, end, corr, nbytes, rs, re_, thread in con.execute(
+                f"SELECT a.start, a.end, a.correlationId, a.bytes, r.start, r.end, {tid} {join}"):
+            out.append(Kernel(start, end, corr, "[CUDA memset]", f"bytes={nbytes}", rs, re_, thread, kind="memset",
+                              bytes=int(nbytes or 0)))
+    return sorted(out, key=lambda k: (k.start, k.correlation_id))
+
+
+API_VERSION_RE = re.compile(r"_v\d+$")
+
+
+def read_api(con, strings: Dict[int, str]) -> List[ApiRow]:
+    """Every runtime/driver call, in host start order; "cudaLaunchKernel_v7000" -> "cudaLaunchKernel" (as
+    nsys stats and nvprof name them)."""
+    rcols = _columns(con, "CUPTI_ACTIVITY_KIND_RUNTIME")
+    tid = "globalTid" if "globalTid" in rcols else "NULL"
+    rows = con.execute(f"SELECT start, end, {tid}, correlationId, nameId FROM CUPTI_ACTIVITY_KIND_RUNTIME "
+                       f"ORDER BY start, correlationId")
+    return [ApiRow(API_VERSION_RE.sub("", strings.get(name_id, f"api#{name_id}")), start, end, thread, corr)
+            for start, end, thread, corr, name_id in rows]
 
 
 def read_device(con) -> Optional[str]:
@@ -250,13 +344,15 @@ def load(path: str, name_column: str = "demangledName") -> Profile:
         strings = _strings(con)
         ranges = read_ranges(con, strings)
         kernels = read_kernels(con, strings, name_column)
+        copies = read_copies(con)
+        api = read_api(con, strings)
         device = read_device(con)
     except sqlite3.Error as e:
         raise NsysReportError(f"{path}: cannot read the export ({e})") from None
     finally:
         con.close()
-    assign_stacks(kernels, ranges)
-    return Profile(path, kernels, ranges, device)
+    assign_stacks(kernels + copies, ranges)
+    return Profile(path, kernels, ranges, device, copies, api)
 
 
 def assign_stacks(kernels: Sequence[Kernel], ranges: Sequence[NvtxRange]) -> None:
@@ -352,7 +448,7 @@ def parse_stack(names: Sequence[str]):
 
 
 def to_records(kernels: Sequence[Kernel]) -> List[KernelRecord]:
-    """KernelRecords in GPU order.
+    """KernelRecords in GPU order (copies and memsets among `kernels` become records of their kind).
 
     Without an explicit module range, the module of an op inside a layer is told by the op's
     position: the nth range of that op within the same "Layer l" range instance (so gradient
@@ -387,8 +483,9 @@ def to_records(kernels: Sequence[Kernel]) -> List[KernelRecord]:
         step, direction, layer, op, module = attributed[id(k)]
         records.append(KernelRecord(idx=idx, step=step, direction=direction, layer=layer, op=op,
                                     module=module, params=k.params, kernel=k.name, start_ns=k.start,
-                                    duration_ns=k.end - k.start, flops=0, bytes=0,
-                                    range_stack=tuple(r.name for r in k.stack)))
+                                    duration_ns=k.end - k.start, flops=0, bytes=k.bytes,
+                                    range_stack=tuple(r.name for r in k.stack), kind=k.kind, grid=k.grid,
+                                    block=k.block, range_ids=tuple(r.row for r in k.stack)))
     return records
 
 
@@ -416,12 +513,77 @@ def gpu_projection(kernels: Sequence[Kernel]) -> List[Tuple[str, int, int]]:
 def read_report(path: str, name_column: str = "demangledName"):
     """(records, ranges as (name, start, end, thread), device name or None, profile) of an export.
 
+    records: kernels, copies and memsets in GPU start order (record idx = position in profile.activities);
     thread: the Linux thread id (low 24 bits of globalTid), None for a start/end range that
     ended on another thread.
     """
     profile = load(path, name_column)
     ranges = [(r.name, r.start, r.end, None if r.tid is None else r.tid & 0xFFFFFF) for r in profile.ranges]
-    return to_records(profile.kernels), ranges, profile.device, profile
+    return to_records(profile.activities), ranges, profile.device, profile
+
+
+# ---------------------------------------------------------------------------------------------
+# the profiler's views (gpt2np.profiling.views) of an export
+
+TIMING = "Nsight Systems export (CUPTI device timestamps)"
+
+
+def _step_of_name(name: str) -> Optional[int]:
+    bare = name.rpartition(":")[2]
+    if GENERATION_STEP_RE.fullmatch(bare):
+        return None
+    m = STEP_RE.search(bare)
+    return int(m.group(1)) if m else None
+
+
+def range_instances(ranges: Sequence[NvtxRange]) -> List[V.RangeInstance]:
+    """Every NVTX range as a views.RangeInstance: id = its NVTX_EVENTS row (what records' range_ids hold),
+    parent = the innermost range of the same thread that contains it, step = its own "Train step N" or its
+    parent's. A start/end range that ended on another thread has no parent."""
+    out = []
+    by_thread: Dict[Optional[int], List[NvtxRange]] = {}
+    for r in sorted(ranges, key=lambda r: (r.start, -r.end, r.row)):
+        by_thread.setdefault(r.tid, []).append(r)
+    for tid, thread_ranges in by_thread.items():
+        open_: List[Tuple[NvtxRange, V.RangeInstance]] = []
+        for r in thread_ranges:
+            while open_ and (tid is None or open_[-1][0].end < r.end):
+                open_.pop()
+            parent = open_[-1][1] if open_ else None
+            step = _step_of_name(r.name)
+            if step is None and parent is not None:
+                step = parent.step
+            instance = V.RangeInstance(r.row, r.name, None if parent is None else parent.id, len(open_), r.start,
+                                       r.end, step)
+            out.append(instance)
+            open_.append((r, instance))
+    return sorted(out, key=lambda i: (i.start_ns, i.depth, i.id))
+
+
+def views_profile(profile: Profile, records: Sequence[KernelRecord], precision: str = "fp32",
+                  module_params: Optional[Dict[str, int]] = None) -> V.Profile:
+    """The export as a views.Profile: its activities (records), NVTX ranges with parents and steps, and API
+    calls tied to the activity they issued (same correlationId and thread). No memory or collectives: an
+    export does not know the model's buffers."""
+    owner = {(k.correlation_id, k.tid): i for i, k in enumerate(profile.activities) if k.tid is not None}
+    api = [V.ApiCall(a.name, a.start, a.end - a.start, owner.get((a.correlation_id, a.tid)),
+                     None if a.tid is None else a.tid & 0xFFFFFF) for a in profile.api]
+    meta = {"device": profile.device, "backend": "cuda", "runtime": "nsys", "timing": TIMING, "emulated": False,
+            "precision": precision, "source": os.path.abspath(profile.path)}
+    if module_params:
+        meta["module_params"] = dict(module_params)
+        meta["num_layers"] = 1 + max((int(p.split(".")[1]) for p in module_params if p.startswith("h.")),
+                                     default=-1)
+    return V.Profile(list(records), range_instances(profile.ranges), api, [], None, meta)
+
+
+def preset_parameters(name: str) -> Dict[str, int]:
+    """Parameters per module of a model preset (d12 ... d48) for the module tree; BadInput naming --model."""
+    from ..config import PRESETS, preset
+    from .memory import module_parameters
+    if name not in PRESETS:
+        raise BadInput(f"--model {name}: not a model preset; expected one of {', '.join(PRESETS)}")
+    return module_parameters(preset(name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,21 +603,32 @@ def _step_title(what: str, records: Sequence[KernelRecord]) -> str:
     return f"{what} of step {steps[0]}" if len(steps) == 1 else what
 
 
+NSYS_DEFAULT_VIEWS = ("kernels", "modules", "layers", "ops", "phases", "gpu_activities", "api_calls", "user_ranges")
+
+
 @tool
 def main(argv=None) -> int:
-    """The tables (and files) of an nsys export; a bad export or flag: one line, exit 2."""
+    """The views (and files) of an nsys export; a bad export or flag: one line, exit 2."""
     p = ArgumentParser(prog="python -m gpt2np.profiling.nsys",
-                                description="Attribute the kernels of an nsys SQLite export to NVTX ranges "
-                                            "(step, direction, layer, op, GPT-2 module).")
+                       description="Attribute the kernels, copies and memsets of an nsys SQLite export to NVTX "
+                                   "ranges (step, direction, layer, op, GPT-2 module) and show the profiler's views "
+                                   "of it.")
     p.add_argument("report", help="SQLite export of an Nsight Systems report (nsys export -t sqlite)")
     p.add_argument("--step", default="last",
-                   help="step for the kernel, module, layer and op tables: a number, 'last' (default) or 'all'")
-    p.add_argument("--csv", help="write every kernel's record to this CSV file")
-    p.add_argument("--json", help="write every kernel's record to this JSON file")
-    p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON of kernels and ranges")
+                   help="step for the views: a number, 'last' (default) or 'all'")
+    p.add_argument("--views", help=f"views to print, comma-separated, or 'all' ({', '.join(V.VIEWS)}); default: "
+                                   f"{','.join(NSYS_DEFAULT_VIEWS)}, the top kernels of the whole profile and the "
+                                   f"NVTX ranges projected onto the GPU")
+    p.add_argument("--csv", help="write every activity's record to this CSV file")
+    p.add_argument("--json", help="write the records, ranges and API calls to this JSON file "
+                                  "(python -m gpt2np.profiling.report FILE --views all re-renders it)")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON: kernels, copies, API calls, ranges")
     p.add_argument("--png", help="write a bar chart of time by op and direction")
+    p.add_argument("--out", help="folder for views.json, one CSV per view (views/) and the plots")
     p.add_argument("--device", help="device for the peak numbers (default: the GPU named in the export)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"))
+    p.add_argument("--model", help="model preset (d12, d24, ...) whose parameters per module the module tree "
+                                   "shows (an export does not know them)")
     p.add_argument("--short-names", action="store_true", help="use the kernels' short (base) names")
     p.add_argument("--top", type=int, default=20, help="rows in the top-kernels summary (default 20)")
     args = p.parse_args(argv)
@@ -465,9 +638,12 @@ def main(argv=None) -> int:
         path = getattr(args, flag[2:])
         if path and os.path.isdir(path):
             raise BadInput(f"{flag} {path}: is a folder; expected a file name")
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise BadInput(f"--out {args.out}: is a file; expected a folder (made if missing)")
+    names = V.parse_views(args.views) if args.views else NSYS_DEFAULT_VIEWS
+    module_params = preset_parameters(args.model) if args.model else None
     step = report.parse_step(args.step)
-    names = "shortName" if args.short_names else "demangledName"
-    records, ranges, device, profile = read_report(args.report, names)
+    records, ranges, device, profile = read_report(args.report, "shortName" if args.short_names else "demangledName")
     report.check_step(records, step, args.report)
     device = args.device or device
     roof = None
@@ -475,28 +651,33 @@ def main(argv=None) -> int:
         roof = make_roofline(args.device, args.precision)
     elif device and lookup(device) is not None:
         roof = make_roofline(device, args.precision)
-    chosen = report.select_step(records, step)
-    chosen_kernels = [profile.kernels[r.idx] for r in chosen]
-    parts = [summary_line(profile),
-             report.kernel_table(chosen, roof),
-             report.module_tree_table(chosen),
-             report.layer_table(chosen),
-             report.op_table(chosen, roof),
-             report.kernel_summary_table(records, top=args.top, title="Top kernels (whole profile)"),
-             report.range_table(gpu_projection(chosen_kernels),
-                                _step_title("NVTX ranges projected onto the GPU "
-                                            "(first kernel start to last kernel end)", chosen)),
-             report.range_table(ranges, "NVTX ranges (whole profile, CPU time)")]
+    vprofile = views_profile(profile, records, args.precision, module_params)
+    parts = [summary_line(profile), V.render_views(vprofile, roof, names, step=step).rstrip("\n")]
+    if not args.views:
+        chosen = report.kernels_only(report.select_step(records, step))
+        parts += [report.kernel_summary_table(report.kernels_only(records), top=args.top,
+                                              title="Top kernels (whole profile)"),
+                  report.range_table(gpu_projection([profile.activities[r.idx] for r in chosen]),
+                                     _step_title("NVTX ranges projected onto the GPU "
+                                                 "(first kernel start to last kernel end)", chosen))]
     sys.stdout.write("\n\n".join(parts) + "\n")
-    meta = {"source": os.path.abspath(args.report), "device": device}
+    meta = vprofile.meta | {"device": device}
     if args.csv:
         report.write_csv(records, args.csv, roof)
     if args.json:
-        report.write_json(records, args.json, roof, meta)
+        report.write_json(records, args.json, roof, meta, V.profile_doc(vprofile))
     if args.trace:
-        report.write_chrome_trace(records, args.trace, ranges, process_name=f"nsys {os.path.basename(args.report)}")
+        report.write_chrome_trace(records, args.trace, ranges, process_name=f"nsys {os.path.basename(args.report)}",
+                                  extra_events=V.trace_extra_events(vprofile))
     if args.png:
-        report.write_png(records, args.png, title=f"{os.path.basename(args.report)}: time by op and direction")
+        report.write_png(report.kernels_only(records), args.png,
+                         title=f"{os.path.basename(args.report)}: time by op and direction")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        paths = V.write_view_files(vprofile, roof, args.out, step=step)
+        log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+        paths.update(V.write_plots(vprofile, roof, args.out, title=os.path.basename(args.report), log=log, step=step))
+        print("wrote " + ", ".join(paths.values()))
     return 0
 
 

@@ -457,10 +457,11 @@ def module_tree(records: Sequence[KernelRecord], num_layers: Optional[int] = Non
     return root
 
 
-def module_tree_table(records: Sequence[KernelRecord], num_layers: Optional[int] = None, step=None,
-                      max_depth: Optional[int] = None, params: Optional[Dict[str, int]] = None) -> str:
-    """The module tree as indented text: parameters (when `params` gives them per leaf module, as
-    memory.module_parameters does), fwd, bwd, update+other time, total, % and launches."""
+def module_tree_rows(records: Sequence[KernelRecord], num_layers: Optional[int] = None, step=None,
+                     max_depth: Optional[int] = None, params: Optional[Dict[str, int]] = None):
+    """(columns, rows) of the module tree, one row per module, indented: parameters (when `params` gives them
+    per leaf module, as memory.module_parameters does), fwd, bwd, update+other time, total, % and launches.
+    The one renderer of the tree: module_tree_table and the profiler's `modules` view both use it."""
     root = module_tree(records, num_layers, step)
     total = root.time() or 1
     rows = []
@@ -472,13 +473,20 @@ def module_tree_table(records: Sequence[KernelRecord], num_layers: Optional[int]
         if params is not None:
             count = sum(n for path, n in params.items() if path == node.path or path.startswith(node.path + ".")
                         or node.path == "")
-            row.append(f"{count:,}" if count or node.path in params else "-")
+            row.append(f"{count:,}")            # 0 for modules without weights (gelu, core attention)
         rows.append(row + [_us(node.time("fprop")), _us(node.time("bprop")),
                            _us(node.time("update") + node.time("other")), _us(t),
                            f"{100.0 * t / total:.1f}", node.calls])
     columns = [("module", "l")] + ([("params", "r")] if params is not None else [])
     columns += [("fwd (us)", "r"), ("bwd (us)", "r"), ("upd+other (us)", "r"), ("total (us)", "r"), ("%", "r"),
                 ("calls", "r")]
+    return columns, rows
+
+
+def module_tree_table(records: Sequence[KernelRecord], num_layers: Optional[int] = None, step=None,
+                      max_depth: Optional[int] = None, params: Optional[Dict[str, int]] = None) -> str:
+    """The module tree as indented text (module_tree_rows)."""
+    columns, rows = module_tree_rows(records, num_layers, step, max_depth, params)
     return format_table(columns, rows, _title("Time per GPT-2 module", select_step(records, step), None))
 
 

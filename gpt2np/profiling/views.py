@@ -24,6 +24,7 @@ import csv
 import io
 import json
 import os
+import re
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -41,7 +42,7 @@ from .report import (
     kernels_only,
     label,
     layer_table,
-    module_tree,
+    module_tree_rows,
     op_table,
     read_json,
     write_png,
@@ -260,8 +261,16 @@ def cuda_gpu_kern_sum(profile: Profile, roof=None) -> List[Table]:
                         _grouped((r.kernel, r.duration_ns) for r in kernels))]
 
 
-_MEM_OPS = {"[CUDA memcpy HtoD]": "[CUDA memcpy Host-to-Device]", "[CUDA memcpy DtoH]": "[CUDA memcpy Device-to-Host]",
-            "[CUDA memcpy DtoD]": "[CUDA memcpy Device-to-Device]", "[CUDA memset]": "[CUDA memset]"}
+_MEM_ENDS = {"H": "Host", "D": "Device", "A": "Array", "P": "Peer"}
+
+
+def nsys_mem_name(name: str) -> str:
+    """nvprof's row name -> nsys's: "[CUDA memcpy HtoD]" -> "[CUDA memcpy Host-to-Device]" (also Unified
+    HtoD, DtoD, PtoP ...); other names unchanged."""
+    m = re.fullmatch(r"\[CUDA memcpy (Unified )?([HDAP])to([HDAP])\]", name)
+    if not m:
+        return name
+    return f"[CUDA memcpy {m.group(1) or ''}{_MEM_ENDS[m.group(2)]}-to-{_MEM_ENDS[m.group(3)]}]"
 
 
 def _mem_records(profile):
@@ -269,13 +278,13 @@ def _mem_records(profile):
 
 
 def cuda_gpu_mem_time_sum(profile: Profile, roof=None) -> List[Table]:
-    groups = _grouped((_MEM_OPS.get(r.kernel, r.kernel), r.duration_ns) for r in _mem_records(profile))
+    groups = _grouped((nsys_mem_name(r.kernel), r.duration_ns) for r in _mem_records(profile))
     return [_nsys_table("cuda_gpu_mem_time_sum: copies and memsets by time", groups, count="Count",
                         name="Operation")]
 
 
 def cuda_gpu_mem_size_sum(profile: Profile, roof=None) -> List[Table]:
-    groups = _grouped((_MEM_OPS.get(r.kernel, r.kernel), r.bytes / 1e6) for r in _mem_records(profile))
+    groups = _grouped((nsys_mem_name(r.kernel), r.bytes / 1e6) for r in _mem_records(profile))
     rows = []
     for op, sizes in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
         s = _stats(sizes)
@@ -326,8 +335,9 @@ def nvtx_kern_sum(profile: Profile, roof=None) -> List[Table]:
 # ---------------------------------------------------------------------------------------------
 # the split into forward / backward / optimizer / communication
 
-PHASES = (("forward", "fprop", "gpt2_forward"), ("backward", "bprop", "gpt2_backward"),
-          ("optimizer", "update", "gpt2_update"), ("other", "other", None))
+# (phase, direction, the host ranges of the phase: ours, and llm.c's gpt2_backward_and_reduce)
+PHASES = (("forward", "fprop", ("gpt2_forward",)), ("backward", "bprop", ("gpt2_backward", "gpt2_backward_and_reduce")),
+          ("optimizer", "update", ("gpt2_update", "gpt2_calculate_grad_norm")), ("other", "other", ()))
 
 
 def phases(profile: Profile, roof=None) -> List[Table]:
@@ -336,8 +346,7 @@ def phases(profile: Profile, roof=None) -> List[Table]:
     rows = []
     for label_, direction, rng in PHASES:
         recs = [r for r in profile.records if r.direction == direction]
-        host = sum(r.duration_ns for r in profile.ranges if rng and r.name in (rng, "gpt2_calculate_grad_norm"
-                                                                                 if direction == "update" else rng))
+        host = sum(r.duration_ns for r in profile.ranges if r.name in rng)
         t = sum(r.duration_ns for r in recs)
         rows.append([label_, _us(t), f"{100.0 * t / total:.1f}", sum(r.kind == "kernel" for r in recs),
                      sum(r.kind != "kernel" for r in recs), _us(host) if rng else "-"])
@@ -353,7 +362,7 @@ def phases(profile: Profile, roof=None) -> List[Table]:
 # the PyTorch profiler's user ranges
 
 TORCH_NAMES = {"gpt2_forward": "forward", "gpt2_backward": "backward", "gpt2_update": "optimizer",
-               "gpt2_calculate_grad_norm": "clip-grads"}
+               "gpt2_calculate_grad_norm": "clip-grads", "gpt2_backward_and_reduce": "backward"}
 
 
 def torch_name(name: str) -> str:
@@ -393,7 +402,8 @@ def user_ranges(profile: Profile, roof=None, row_limit: int = 30) -> List[Table]
         add(a.name, a.duration_ns, a.duration_ns, 0, 0)
     for c in profile.comms:
         add(f"nccl:{c.collective}" if profile.on_device else f"mpi:{c.collective}", 0, c.duration_ns, 0, 0)
-    cpu_all = sum(r.duration_ns for r in profile.ranges if r.parent is None) or 1
+    # the outermost ranges of the selection (a step's "Train step N" may sit inside a user's own range)
+    cpu_all = sum(r.duration_ns for r in profile.ranges if r.parent not in by_id) or 1
     dev_all = sum(r.duration_ns for r in profile.records) or 1
     dev = "CUDA" if profile.on_device else "op"
     out = []
@@ -482,20 +492,11 @@ def model_summary(profile: Profile, roof=None) -> List[Table]:
 
 def modules(profile: Profile, roof=None) -> List[Table]:
     """The GPT-2 module tree: parameters (lm_head is tied to wte), time per direction, calls."""
-    params = profile.meta.get("module_params") or {}
-    root = module_tree(kernels_only(profile.records), profile.meta.get("num_layers"))
-    total = root.time() or 1
-    rows = []
-    for depth, node in root.walk():
-        count = sum(n for path, n in params.items()
-                    if node.path == "" or path == node.path or path.startswith(node.path + "."))
-        t = node.time()
-        rows.append(["  " * depth + node.name, f"{count:,}" if params else "-", _us(node.time("fprop")),
-                     _us(node.time("bprop")), _us(node.time("update") + node.time("other")), _us(t),
-                     f"{100.0 * t / total:.1f}", node.calls])
-    columns = [("module", "l"), ("params", "r"), ("fwd (us)", "r"), ("bwd (us)", "r"), ("upd+other (us)", "r"),
-               ("total (us)", "r"), ("%", "r"), ("calls", "r")]
-    return [Table("GPT-2 modules: parameters and time", columns, rows)]
+    params = profile.meta.get("module_params")
+    columns, rows = module_tree_rows(kernels_only(profile.records), profile.meta.get("num_layers"),
+                                     params=params or None)
+    where = "" if params else " (parameters unknown: the profile was made without the model)"
+    return [Table(f"GPT-2 modules: parameters and time{where}", columns, rows)]
 
 
 # ---------------------------------------------------------------------------------------------
