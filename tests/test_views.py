@@ -289,3 +289,65 @@ def test_report_tool_re_renders_a_saved_profile(emu, tmp_path, capsys):
     assert report.main([paths["json"]]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].endswith(f"[{report.EMULATED_NOTE}]") and "params" in out
+
+
+def test_pyprof_view_gives_grid_block_tensor_cores_floor_and_percent_of_roofline():
+    from gpt2np.profiling.gpu_specs import roofline
+    roof = roofline("H100", "fp32", matmul_precision="tf32")
+    gemm = report.KernelRecord(0, 1, "fprop", 0, "matmul_forward", "h.0.attn.c_attn", "M=256,N=192,K=64",
+                               "cublasSgemm (gemm_matmul_forward)", 0, 20_000, flops=2 * 10**9, bytes=10**6)
+    ln = report.KernelRecord(1, 1, "fprop", 0, "layernorm_forward", "h.0.ln_1", "B=4,T=64,C=64", "layernorm_forward",
+                             20_000, 5_000, flops=10**5, bytes=3 * 10**6, grid="(256,1,1)", block="(128,1,1)")
+    sm80 = report.KernelRecord(2, 1, "bprop", 0, "matmul_backward", "h.0.mlp.c_fc", "", "ampere_s16816gemm_tn",
+                               25_000, 1_000)
+    for precision, tc in (("tf32", "yes"), ("fp32", "no")):
+        t = V.tables(V.Profile([gemm, ln, sm80], meta={"precision": precision}), "pyprof", roof)[0]
+        rows = {row[0]: dict(zip([c for c, _ in t.columns], row)) for row in t.rows}
+        assert rows[0]["TC"] == tc and rows[1]["TC"] == "no" and rows[2]["TC"] == "yes"
+    floor_gemm = max(gemm.flops / roof.flops_ceiling(True), gemm.bytes / roof.peak_bw) * 1e9
+    floor_ln = max(ln.flops / roof.flops_ceiling(False), ln.bytes / roof.peak_bw) * 1e9
+    assert rows[0]["Floor (us)"] == f"{floor_gemm / 1e3:.2f}" and rows[1]["Floor (us)"] == f"{floor_ln / 1e3:.2f}"
+    assert rows[0]["% of roofline"] == f"{100 * floor_gemm / gemm.duration_ns:.1f}%"
+    assert rows[1]["% of roofline"] == f"{100 * floor_ln / ln.duration_ns:.1f}%" and rows[1]["Bound"] == "memory"
+    assert (rows[1]["Grid"], rows[1]["Block"], rows[0]["Grid"]) == ("(256,1,1)", "(128,1,1)", "-")
+    assert rows[2]["Floor (us)"] == "-" and "H100" in t.title
+    assert "no floor" in V.tables(V.Profile([gemm]), "pyprof", None)[0].title
+
+
+def test_every_view_is_in_the_json_and_csv_files(cpu, tmp_path):
+    _, prof, profile = cpu
+    write_outputs(prof, tmp_path)
+    doc = json.load(open(tmp_path / "views.json"))
+    assert set(doc["views"]) == set(V.VIEWS)
+    ops = (tmp_path / "views" / "ops.csv").read_text().splitlines()
+    assert ops[0].startswith("op,dir,launches,total (us)") and any(line.startswith("matmul_backward,bprop")
+                                                                   for line in ops)
+    for name in ("kernels", "layers", "top_kernels"):
+        assert (tmp_path / "views" / f"{name}.csv").is_file()
+    assert doc["views"]["kernels"][0]["rows"][-1][0] == "total"
+
+
+def test_train_profile_on_the_emulated_cuda_path_labels_every_view(tmp_path, monkeypatch, capsys):
+    """train.py --profile on the CUDA backend over the emulator: train.py's --device offers no emulator, so the
+    trainer's backend choice is pointed at it."""
+    import train
+    from gpt2np import trainer
+    from gpt2np.checkpoint import save_model
+    from gpt2np.data import write_shard
+    model_path = tmp_path / "tiny.bin"
+    save_model(model_path, CFG, GPT2(CFG, NumpyBackend(), B, T, seed=0).params_host())
+    tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, 2000).astype(np.uint16)
+    write_shard(tmp_path / "val.bin", tokens[:500])
+    write_shard(tmp_path / "train.bin", tokens[500:])
+    monkeypatch.setattr(trainer, "resolve_name", lambda name: "emu")
+    args = ["-e", model_path, "-i", tmp_path / "train.bin", "-j", tmp_path / "val.bin", "-b", B, "-t", T,
+            "-x", 3, "-v", 0, "-s", 0, "--profile", 1, "-o", tmp_path / "run"]
+    assert train.main([str(a) for a in args]) == 0
+    out = capsys.readouterr().out
+    titles = [line for line in out.splitlines() if line.startswith(("Model summary", "GPT-2 modules", "Phases",
+                                                                    "GPU activities", "API calls", "User ranges"))]
+    assert len(titles) == 6 and all(t.endswith(f"[{report.EMULATED_NOTE}]") for t in titles), titles
+    saved = str(tmp_path / "run" / "profile" / "profile.json")
+    assert report.main([saved, "--views", "all"]) == 0
+    every = title_lines(capsys.readouterr().out)
+    assert len(every) >= len(V.VIEWS) and all(t.endswith(f"[{report.EMULATED_NOTE}]") for t in every), every

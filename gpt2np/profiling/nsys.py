@@ -554,7 +554,7 @@ def range_instances(ranges: Sequence[NvtxRange]) -> List[V.RangeInstance]:
             if step is None and parent is not None:
                 step = parent.step
             instance = V.RangeInstance(r.row, r.name, None if parent is None else parent.id, len(open_), r.start,
-                                       r.end, step)
+                                       r.end, step, r.style)
             out.append(instance)
             open_.append((r, instance))
     return sorted(out, key=lambda i: (i.start_ns, i.depth, i.id))

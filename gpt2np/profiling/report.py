@@ -184,7 +184,14 @@ def select_step(records: Sequence[KernelRecord], step) -> List[KernelRecord]:
 
 def kernel_table(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, step=None,
                  kernel_width: Optional[int] = 40, params_width: Optional[int] = 40) -> str:
-    """One row per launch, in launch order, and a total row.
+    """The kernel table as text (kernel_rows)."""
+    title, columns, rows = kernel_rows(records, roof, step, kernel_width, params_width)
+    return format_table(columns, rows, title)
+
+
+def kernel_rows(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, step=None,
+                kernel_width: Optional[int] = 40, params_width: Optional[int] = 40):
+    """(title, columns, rows): one row per launch, in launch order, and a total row.
 
     Columns: idx, dir, layer, op, module, params, kernel, time (us), FLOPs, bytes, GFLOP/s, GB/s,
     FLOP/B, bound, %peak (the work columns are left out when no record knows its FLOPs or bytes,
@@ -213,7 +220,7 @@ def kernel_table(records: Sequence[KernelRecord], roof: Optional[Roofline] = Non
         total += [_si(flops), _si(nbytes), _opt(_rate(flops, nbytes, flops, total_ns)),
                   _opt(_rate(flops, nbytes, nbytes, total_ns)), "", "", ""]
     rows.append(total)
-    return format_table(columns, rows, _title("Kernels", recs, roof))
+    return _title("Kernels", recs, roof), columns, rows
 
 
 def _title(what: str, recs: Sequence[KernelRecord], roof: Optional[Roofline]) -> str:
@@ -238,7 +245,14 @@ def _group(records, key) -> Dict:
 
 
 def layer_table(records: Sequence[KernelRecord], step=None) -> str:
-    """Time per transformer block (and '-' for everything outside them), forward/backward/update."""
+    """Time per transformer block as text (layer_rows)."""
+    title, columns, rows = layer_rows(records, step)
+    return format_table(columns, rows, title)
+
+
+def layer_rows(records: Sequence[KernelRecord], step=None):
+    """(title, columns, rows): time per transformer block (and '-' for everything outside them),
+    forward/backward/update."""
     recs = select_step(records, step)
     total = sum(r.duration_ns for r in recs) or 1
     groups = _group(recs, lambda r: -1 if r.layer_index is None else r.layer_index)
@@ -251,11 +265,18 @@ def layer_table(records: Sequence[KernelRecord], step=None) -> str:
                      _us(by_dir["update"] + by_dir["other"]), _us(t), f"{100.0 * t / total:.1f}", len(g)])
     columns = [("layer", "r"), ("fwd (us)", "r"), ("bwd (us)", "r"), ("upd+other (us)", "r"),
                ("total (us)", "r"), ("%", "r"), ("launches", "r")]
-    return format_table(columns, rows, _title("Time per layer", recs, None))
+    return _title("Time per layer", recs, None), columns, rows
 
 
 def op_table(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, step=None) -> str:
-    """Totals per (op, direction), most time first: launches, time, %, avg, GFLOP/s, GB/s, bound.
+    """Totals per op and direction as text (op_rows)."""
+    title, columns, rows = op_rows(records, roof, step)
+    return format_table(columns, rows, title)
+
+
+def op_rows(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, step=None):
+    """(title, columns, rows): totals per (op, direction), most time first: launches, time, %, avg, GFLOP/s,
+    GB/s, bound.
 
     The bound of a group is judged on its summed FLOPs and bytes, against the matmul ceiling when
     any of its kernels is a GEMM.
@@ -277,7 +298,7 @@ def op_table(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, s
     columns = [("op", "l"), ("dir", "l"), ("launches", "r"), ("total (us)", "r"), ("%", "r"), ("avg (us)", "r")]
     if with_work:
         columns += [("GFLOP/s", "r"), ("GB/s", "r"), ("bound", "l"), ("%peak", "r")]
-    return format_table(columns, rows, _title("Time per op", recs, roof))
+    return _title("Time per op", recs, roof), columns, rows
 
 
 def duration_stats(durations: Sequence[float]) -> Dict[str, float]:
@@ -305,12 +326,20 @@ _SUMMARY_COLUMNS = [("Time (%)", "r"), ("Total Time (ns)", "r"), ("Instances", "
 
 def kernel_summary_table(records: Sequence[KernelRecord], step=None, top: Optional[int] = None,
                          title: Optional[str] = None) -> str:
-    """Per kernel name, like `nsys stats --report cuda_gpu_kern_sum` (top: keep the N biggest)."""
+    """Per kernel name as text (kernel_summary_rows)."""
+    title, columns, rows = kernel_summary_rows(records, step, top, title)
+    return format_table(columns, rows, title)
+
+
+def kernel_summary_rows(records: Sequence[KernelRecord], step=None, top: Optional[int] = None,
+                        title: Optional[str] = None):
+    """(title, columns, rows) per kernel name, like `nsys stats --report cuda_gpu_kern_sum` (top: keep the N
+    biggest)."""
     recs = select_step(records, step)
     rows = _summary_rows(_group_durations((r.kernel, r.duration_ns) for r in recs))
     if top is not None:
         rows = rows[:top]
-    return format_table(_SUMMARY_COLUMNS + [("Name", "l")], rows, title or _title("Top kernels", recs, None))
+    return title or _title("Top kernels", recs, None), _SUMMARY_COLUMNS + [("Name", "l")], rows
 
 
 def _group_durations(pairs) -> Dict[str, List[float]]:

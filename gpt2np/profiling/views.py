@@ -16,7 +16,7 @@ written as CSV and JSON:
                           optimizer): Self/Total CPU and CUDA, calls
     pyprof                PyProf's kernel table plus grid, block, tensor cores, roofline floor, % of roofline
     comm                  collectives of multi-rank runs: bytes, time, algorithm and bus bandwidth
-    kernels, layers, ops, top_kernels     report.py's kernel table and per-layer / per-op totals
+    kernels, layers, ops, top_kernels     report.py's kernel table, per-layer / per-op totals, top kernels
 
 Every title line of an emulated run says that it was emulated on the CPU (report.EMULATED_NOTE).
 """
@@ -37,13 +37,13 @@ from .report import (
     _us,
     classify,
     format_table,
-    kernel_summary_table,
-    kernel_table,
+    kernel_rows,
+    kernel_summary_rows,
     kernels_only,
     label,
-    layer_table,
+    layer_rows,
     module_tree_rows,
-    op_table,
+    op_rows,
     read_json,
     write_png,
 )
@@ -54,7 +54,8 @@ MiB = 1024 * 1024
 @dataclass
 class RangeInstance:
     """One range as it ran: id (unique in the profile), name, parent id (None at the top), depth, host
-    start/end (ns) and the training step in effect when it closed."""
+    start/end (ns), the training step in effect when it closed, and NVTX's style: PushPop (nested, ours) or
+    StartEnd (an nsys import's start/end ranges)."""
     id: int
     name: str
     parent: Optional[int]
@@ -62,6 +63,7 @@ class RangeInstance:
     start_ns: int
     end_ns: int
     step: Optional[int] = None
+    style: str = "PushPop"
 
     @property
     def duration_ns(self) -> int:
@@ -250,9 +252,9 @@ def _nsys_table(title, groups, count="Instances", extra=(), name="Name") -> Tabl
 
 def nvtx_sum(profile: Profile, roof=None) -> List[Table]:
     """nsys nvtx_sum: every range name, its instances' host times (PushPop: ranges are nested)."""
-    return [_nsys_table("nvtx_sum: NVTX ranges (host time)", _grouped((r.name, r.duration_ns)
+    return [_nsys_table("nvtx_sum: NVTX ranges (host time)", _grouped(((r.style, r.name), r.duration_ns)
                                                                        for r in profile.ranges),
-                        extra=[("Style", lambda k: "PushPop")], name="Range")]
+                        extra=[("Style", lambda k: k[0])], name="Range")]
 
 
 def cuda_gpu_kern_sum(profile: Profile, roof=None) -> List[Table]:
@@ -522,11 +524,11 @@ def comm(profile: Profile, roof=None) -> List[Table]:
 
 
 # ---------------------------------------------------------------------------------------------
-# report.py's text tables as views
+# report.py's tables as views (the same rows as its text report)
 
-def _text_view(fn):
+def _report_view(rows_of):
     def view(profile: Profile, roof=None):
-        return fn(kernels_only(profile.records), roof)
+        return [Table(*rows_of(kernels_only(profile.records), roof))]
     return view
 
 
@@ -536,10 +538,10 @@ VIEWS = {
     "nvtx_sum": nvtx_sum, "cuda_gpu_kern_sum": cuda_gpu_kern_sum, "cuda_gpu_mem_time_sum": cuda_gpu_mem_time_sum,
     "cuda_gpu_mem_size_sum": cuda_gpu_mem_size_sum, "cuda_api_sum": cuda_api_sum, "nvtx_kern_sum": nvtx_kern_sum,
     "user_ranges": user_ranges, "pyprof": pyprof, "comm": comm,
-    "kernels": _text_view(lambda recs, roof: kernel_table(recs, roof)),
-    "layers": _text_view(lambda recs, roof: layer_table(recs)),
-    "ops": _text_view(lambda recs, roof: op_table(recs, roof)),
-    "top_kernels": _text_view(lambda recs, roof: kernel_summary_table(recs, top=15)),
+    "kernels": _report_view(lambda recs, roof: kernel_rows(recs, roof)),
+    "layers": _report_view(lambda recs, roof: layer_rows(recs)),
+    "ops": _report_view(lambda recs, roof: op_rows(recs, roof)),
+    "top_kernels": _report_view(lambda recs, roof: kernel_summary_rows(recs, top=15)),
 }
 DEFAULT_VIEWS = ("model", "modules", "phases", "gpu_activities", "api_calls", "ops", "user_ranges", "comm")
 
@@ -556,8 +558,8 @@ def parse_views(text: str) -> Tuple[str, ...]:
     return names
 
 
-def tables(profile: Profile, name: str, roof=None):
-    """The Tables (or text, for report.py's tables) of one view."""
+def tables(profile: Profile, name: str, roof=None) -> List[Table]:
+    """The Tables of one view."""
     return VIEWS[name](profile, roof)
 
 
@@ -567,11 +569,7 @@ def render_views(profile: Profile, roof=None, names=DEFAULT_VIEWS, step="last") 
     note = profile.note
     out = []
     for name in names:
-        result = tables(part, name, roof)
-        if isinstance(result, str):
-            out.append(label(result, note))
-        else:
-            out.extend(t.text(note) for t in result)
+        out.extend(t.text(note) for t in tables(part, name, roof))
     return "\n\n".join(out) + "\n"
 
 
@@ -584,8 +582,6 @@ def write_view_files(profile: Profile, roof, out_dir: str, step="last") -> Dict[
     note = profile.note
     for name in VIEWS:
         result = tables(part, name, roof)
-        if isinstance(result, str):
-            continue
         doc[name] = [{"title": label(t.title, note), "columns": [c for c, _ in t.columns], "rows": t.rows,
                       "footer": t.footer} for t in result]
         for i, t in enumerate(result):
