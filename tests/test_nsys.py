@@ -239,7 +239,7 @@ def test_ranges_carry_thread_and_domain(step_db):
     table = report.range_table(ranges)
     layer0 = next(line for line in table.splitlines() if line.endswith("Layer 0"))
     # two instances: 6600 ns and 4800 ns -> total 11400, avg 5700, stddev sqrt(((900)^2*2)/1)
-    assert layer0.split()[1:8] == ["11400", "2", "5700.0", "5700.0", "4800", "6600", "1272.8"]
+    assert layer0.split()[1:8] == ["11,400", "2", "5,700.0", "5,700.0", "4,800", "6,600", "1,272.8"]
 
 
 def test_short_names(step_db):

@@ -197,8 +197,8 @@ def test_nsys_style_summaries():
     table = report.range_table(ranges)
     assert table.splitlines()[1].split()[:3] == ["Time", "(%)", "Total"]
     # gpt2_forward first (2100 ns of 3000 = 70%), then Layer 0: 100, 200, 600 ns
-    assert table.splitlines()[3].split() == ["70.0", "2100", "1", "2100.0", "2100.0", "2100", "2100", "0.0",
-                                             "gpt2_forward"]
+    assert table.splitlines()[3].split() == ["70.0", "2,100", "1", "2,100.0", "2,100.0", "2,100", "2,100", "0.0",
+                                             "gpt2_forward"]                   # nsys's thousands separators
     assert cells(table, "30.0") == ["30.0", "900", "3", "300.0", "200.0", "100", "600",
                                     f"{math.sqrt(70000):.1f}", "Layer", "0"]
     kernels = report.kernel_summary_table([rec(0, kernel="a", dur=10), rec(1, kernel="b", dur=40),

@@ -309,17 +309,22 @@ def duration_stats(durations: Sequence[float]) -> Dict[str, float]:
             "stddev": statistics.stdev(d) if len(d) > 1 else 0.0}
 
 
-def _summary_rows(groups: Dict[str, List[float]]):
-    """nsys-style rows sorted by total time, largest first."""
-    stats = {name: duration_stats(d) for name, d in groups.items() if d}
+def summary_rows(groups: Dict, extra=()):
+    """nsys stats rows (Time (%), Total, count, Avg, Med, Min, Max, StdDev in ns, as nsys prints them, with
+    thousands separators) sorted by total time, largest first: the one renderer of nsys's summary layout
+    (range_table, the top kernels, and views' nvtx_sum, cuda_gpu_kern_sum, cuda_gpu_mem_time_sum, cuda_api_sum).
+    groups: key -> durations; the last cell is the key (a tuple key: its last element); extra: functions of
+    the key giving cells before it."""
+    stats = {key: duration_stats(d) for key, d in groups.items() if d}
     grand = sum(s["total"] for s in stats.values()) or 1
-    ordered = sorted(stats.items(), key=lambda kv: (-kv[1]["total"], kv[0]))
-    return [[f"{100.0 * s['total'] / grand:.1f}", f"{s['total']:.0f}", s["instances"],
-             f"{s['avg']:.1f}", f"{s['med']:.1f}", f"{s['min']:.0f}", f"{s['max']:.0f}",
-             f"{s['stddev']:.1f}", name] for name, s in ordered]
+    ordered = sorted(stats.items(), key=lambda kv: (-kv[1]["total"], str(kv[0])))
+    return [[f"{100.0 * s['total'] / grand:.1f}", f"{s['total']:,.0f}", f"{s['instances']:,}",
+             f"{s['avg']:,.1f}", f"{s['med']:,.1f}", f"{s['min']:,.0f}", f"{s['max']:,.0f}",
+             f"{s['stddev']:,.1f}"] + [cell(key) for cell in extra] + [key[-1] if isinstance(key, tuple) else key]
+            for key, s in ordered]
 
 
-_SUMMARY_COLUMNS = [("Time (%)", "r"), ("Total Time (ns)", "r"), ("Instances", "r"),
+SUMMARY_COLUMNS = [("Time (%)", "r"), ("Total Time (ns)", "r"), ("Instances", "r"),
                     ("Avg (ns)", "r"), ("Med (ns)", "r"), ("Min (ns)", "r"), ("Max (ns)", "r"),
                     ("StdDev (ns)", "r")]
 
@@ -336,10 +341,10 @@ def kernel_summary_rows(records: Sequence[KernelRecord], step=None, top: Optiona
     """(title, columns, rows) per kernel name, like `nsys stats --report cuda_gpu_kern_sum` (top: keep the N
     biggest)."""
     recs = select_step(records, step)
-    rows = _summary_rows(_group_durations((r.kernel, r.duration_ns) for r in recs))
+    rows = summary_rows(_group_durations((r.kernel, r.duration_ns) for r in recs))
     if top is not None:
         rows = rows[:top]
-    return title or _title("Top kernels", recs, None), _SUMMARY_COLUMNS + [("Name", "l")], rows
+    return title or _title("Top kernels", recs, None), SUMMARY_COLUMNS + [("Name", "l")], rows
 
 
 def _group_durations(pairs) -> Dict[str, List[float]]:
@@ -393,8 +398,8 @@ def ranges_from_records(records: Sequence[KernelRecord]) -> List[Range]:
 
 def range_table(ranges: Sequence[Range], title: str = "NVTX ranges") -> str:
     """Like `nsys stats --report nvtx_sum`: one row per range name, most total time first."""
-    rows = _summary_rows(_group_durations((r[0], r[2] - r[1]) for r in ranges))
-    return format_table(_SUMMARY_COLUMNS + [("Range", "l")], rows, title)
+    rows = summary_rows(_group_durations((r[0], r[2] - r[1]) for r in ranges))
+    return format_table(SUMMARY_COLUMNS + [("Range", "l")], rows, title)
 
 
 # ---------------------------------------------------------------------------------------------

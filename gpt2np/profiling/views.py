@@ -25,17 +25,18 @@ import io
 import json
 import os
 import re
-import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .report import (
     EMULATED_NOTE,
+    SUMMARY_COLUMNS,
     KernelRecord,
     ReportError,
     _atomic_write,
     _us,
     classify,
+    duration_stats,
     format_table,
     kernel_rows,
     kernel_summary_rows,
@@ -45,6 +46,7 @@ from .report import (
     module_tree_rows,
     op_rows,
     read_json,
+    summary_rows,
     write_png,
 )
 
@@ -185,12 +187,6 @@ def _n(value: float, digits: int = 1) -> str:
     return f"{value:,.{digits}f}"
 
 
-def _stats(values: Sequence[float]) -> dict:
-    v = list(values)
-    return {"total": sum(v), "count": len(v), "avg": statistics.fmean(v), "med": statistics.median(v),
-            "min": min(v), "max": max(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0}
-
-
 def _grouped(pairs) -> Dict[str, List[float]]:
     out: Dict[str, List[float]] = {}
     for key, value in pairs:
@@ -206,9 +202,9 @@ def _device_word(profile: Profile) -> str:
 # nvprof
 
 def _nvprof_table(title: str, groups: Dict[str, List[float]]) -> Table:
-    stats = {name: _stats(d) for name, d in groups.items() if d}
+    stats = {name: duration_stats(d) for name, d in groups.items() if d}
     grand = sum(s["total"] for s in stats.values()) or 1
-    rows = [[f"{100.0 * s['total'] / grand:.2f}%", nvprof_time(s["total"]), s["count"], nvprof_time(s["avg"]),
+    rows = [[f"{100.0 * s['total'] / grand:.2f}%", nvprof_time(s["total"]), s["instances"], nvprof_time(s["avg"]),
              nvprof_time(s["min"]), nvprof_time(s["max"]), name]
             for name, s in sorted(stats.items(), key=lambda kv: (-kv[1]["total"], kv[0]))]
     columns = [("Time(%)", "r"), ("Time", "r"), ("Calls", "r"), ("Avg", "r"), ("Min", "r"), ("Max", "r"),
@@ -234,20 +230,11 @@ def api_calls(profile: Profile, roof=None) -> List[Table]:
 # ---------------------------------------------------------------------------------------------
 # nsys stats
 
-_NSYS = [("Time (%)", "r"), ("Total Time (ns)", "r"), ("{count}", "r"), ("Avg (ns)", "r"), ("Med (ns)", "r"),
-         ("Min (ns)", "r"), ("Max (ns)", "r"), ("StdDev (ns)", "r")]
-
-
 def _nsys_table(title, groups, count="Instances", extra=(), name="Name") -> Table:
-    stats = {key: _stats(d) for key, d in groups.items() if d}
-    grand = sum(s["total"] for s in stats.values()) or 1
-    rows = []
-    for key, s in sorted(stats.items(), key=lambda kv: (-kv[1]["total"], str(kv[0]))):
-        rows.append([f"{100.0 * s['total'] / grand:.1f}", f"{s['total']:,.0f}", f"{s['count']:,}",
-                     _n(s["avg"]), _n(s["med"]), f"{s['min']:,.0f}", f"{s['max']:,.0f}", _n(s["std"])]
-                    + [e(key) for _, e in extra] + [key if isinstance(key, str) else key[-1]])
-    columns = [(h.format(count=count), a) for h, a in _NSYS] + [(h, "l") for h, _ in extra] + [(name, "l")]
-    return Table(title, columns, rows)
+    """An nsys stats summary (report.summary_rows); extra: (header, cell of the key) columns before the name."""
+    columns = [(h, a) if h != "Instances" else (count, a) for h, a in SUMMARY_COLUMNS]
+    columns += [(h, "l") for h, _ in extra] + [(name, "l")]
+    return Table(title, columns, summary_rows(groups, [cell for _, cell in extra]))
 
 
 def nvtx_sum(profile: Profile, roof=None) -> List[Table]:
@@ -289,9 +276,9 @@ def cuda_gpu_mem_size_sum(profile: Profile, roof=None) -> List[Table]:
     groups = _grouped((nsys_mem_name(r.kernel), r.bytes / 1e6) for r in _mem_records(profile))
     rows = []
     for op, sizes in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
-        s = _stats(sizes)
-        rows.append([f"{s['total']:,.3f}", s["count"], f"{s['avg']:,.3f}", f"{s['med']:,.3f}", f"{s['min']:,.3f}",
-                     f"{s['max']:,.3f}", f"{s['std']:,.3f}", op])
+        s = duration_stats(sizes)
+        rows.append([f"{s['total']:,.3f}", s["instances"], f"{s['avg']:,.3f}", f"{s['med']:,.3f}", f"{s['min']:,.3f}",
+                     f"{s['max']:,.3f}", f"{s['stddev']:,.3f}", op])
     columns = [("Total (MB)", "r"), ("Count", "r"), ("Avg (MB)", "r"), ("Med (MB)", "r"), ("Min (MB)", "r"),
                ("Max (MB)", "r"), ("StdDev (MB)", "r"), ("Operation", "l")]
     return [Table("cuda_gpu_mem_size_sum: copies and memsets by size", columns, rows)]
@@ -323,10 +310,10 @@ def nvtx_kern_sum(profile: Profile, roof=None) -> List[Table]:
             instances.setdefault(key, set()).add(rid)
     rows = []
     for (rng, kernel), d in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], -sum(kv[1]))):
-        s = _stats(d)
+        s = duration_stats(d)
         nvtx_inst = len(instances[(rng, kernel)] - {None, -1}) or "-"
-        rows.append([rng, "PushPop", nvtx_inst, s["count"], f"{s['total']:,.0f}", _n(s["avg"]), _n(s["med"]),
-                     f"{s['min']:,.0f}", f"{s['max']:,.0f}", _n(s["std"]), kernel])
+        rows.append([rng, "PushPop", nvtx_inst, s["instances"], f"{s['total']:,.0f}", _n(s["avg"]), _n(s["med"]),
+                     f"{s['min']:,.0f}", f"{s['max']:,.0f}", _n(s["stddev"]), kernel])
     columns = [("NVTX Range", "l"), ("Style", "l"), ("NVTX Inst", "r"), ("Kern Inst", "r"),
                ("Total Time (ns)", "r"), ("Avg (ns)", "r"), ("Med (ns)", "r"), ("Min (ns)", "r"),
                ("Max (ns)", "r"), ("StdDev (ns)", "r"), ("Kernel Name", "l")]
@@ -506,6 +493,9 @@ def modules(profile: Profile, roof=None) -> List[Table]:
 
 def comm(profile: Profile, roof=None) -> List[Table]:
     if not profile.comms:
+        if profile.meta.get("runtime") == "nsys":
+            return [Table("Communication: not in an nsys export's NVTX and CUDA tables (NCCL kernels are op nccl, "
+                          "module comm, in the kernel views)", [], [])]
         return [Table("Communication: none (one process)", [], [])]
     groups: Dict[Tuple[str, str, int, int], List[CommRecord]] = {}
     for c in profile.comms:
