@@ -528,6 +528,15 @@ def module_tree_table(records: Sequence[KernelRecord], num_layers: Optional[int]
 # the whole text report
 
 EMULATED_NOTE = "emulated on the CPU, times are not GPU times"
+NUMPY_NOTE = "numpy backend: CPU times, no GPU"
+
+
+def profile_note(meta: Dict) -> Optional[str]:
+    """The note every title line of a profile carries: EMULATED_NOTE for the emulator, NUMPY_NOTE for the numpy
+    backend, none for GPU times (a GPU run, an nsys or CUPTI import)."""
+    if meta.get("emulated"):
+        return EMULATED_NOTE
+    return NUMPY_NOTE if meta.get("backend") == "numpy" else None
 
 
 def label(text: str, note: Optional[str]) -> str:
@@ -810,7 +819,7 @@ def main(argv=None) -> int:
         profile, _ = views.read_profile(args.records)
         sys.stdout.write(views.render_views(profile, roof, names, step=step))
         return 0
-    note = EMULATED_NOTE if meta.get("emulated") else None
+    note = profile_note(meta)
     sys.stdout.write(render(records, roof, step, num_layers=meta.get("num_layers"), note=note,
                             params=meta.get("module_params")))
     return 0

@@ -18,7 +18,8 @@ written as CSV and JSON:
     comm                  collectives of multi-rank runs: bytes, time, algorithm and bus bandwidth
     kernels, layers, ops, top_kernels     report.py's kernel table, per-layer / per-op totals, top kernels
 
-Every title line of an emulated run says that it was emulated on the CPU (report.EMULATED_NOTE).
+Every title line of an emulated run says that it was emulated on the CPU (report.EMULATED_NOTE), every title
+line of a numpy-backend run that its times are CPU times (report.NUMPY_NOTE).
 """
 import csv
 import io
@@ -29,7 +30,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from .report import (
-    EMULATED_NOTE,
     SUMMARY_COLUMNS,
     KernelRecord,
     ReportError,
@@ -45,6 +45,7 @@ from .report import (
     layer_rows,
     module_tree_rows,
     op_rows,
+    profile_note,
     read_json,
     summary_rows,
     write_png,
@@ -125,7 +126,7 @@ class Profile:
 
     @property
     def note(self) -> Optional[str]:
-        return EMULATED_NOTE if self.meta.get("emulated") else None
+        return profile_note(self.meta)
 
     @property
     def on_device(self) -> bool:
