@@ -576,6 +576,7 @@ def test_copies_and_memsets_are_records_attributed_to_their_ranges(copies_db):
     records, _, _, profile = nsys.read_report(copies_db)
     copies = [r for r in records if r.kind != "kernel"]
     assert len(profile.kernels) == 12 and len(copies) == 1 + 2 * 5
+    assert "11 copies and memsets; 23 CUDA API calls; 20 NVTX ranges" in nsys.summary_line(profile)
     assert [r.idx for r in records] == list(range(len(records)))
     first = records[0]
     assert (first.kind, first.kernel, first.bytes, first.step, first.range_stack) == \

@@ -595,7 +595,8 @@ def summary_line(profile: Profile) -> str:
     inside = sum(1 for k in profile.kernels if k.stack)
     return (f"{profile.path}: {n} kernels on {profile.device or 'an unknown device'}: {inside} launched "
             f"inside NVTX ranges, {n - inside - no_launch} outside any range, "
-            f"{no_launch} without a launch record; {len(profile.ranges)} NVTX ranges")
+            f"{no_launch} without a launch record; {len(profile.copies)} copies and memsets; "
+            f"{len(profile.api)} CUDA API calls; {len(profile.ranges)} NVTX ranges")
 
 
 def _step_title(what: str, records: Sequence[KernelRecord]) -> str:
