@@ -142,3 +142,22 @@ def test_errors_name_the_operation(mod, kernel, block, message):
     out = aligned(np.zeros(256, np.float32))
     with pytest.raises(EmuKernelError, match=message):
         mod.get_function(kernel)((1,), (block,), (out, x))
+
+
+def test_fp32_mode_is_exact_fp32(mod):
+    """wmma_tf32=False (a test aid): __float_to_tf32 is the identity and mma_sync reads full fp32 inputs."""
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((16, 8)).astype(np.float32)
+    b = rng.standard_normal((8, 16)).astype(np.float32)
+    c = aligned(np.zeros((16, 16), np.float32))
+    mod.wmma_tf32 = False
+    try:
+        mod.get_function("wmma_gemm_tile")((1,), (32,), (c, aligned(a), aligned(b), np.int32(0), np.int32(0),
+                                                        np.int32(0), np.int32(1)))
+    finally:
+        mod.wmma_tf32 = True
+    expected = np.zeros((16, 16), np.float32)
+    for k in range(8):
+        expected += (a[:, k:k + 1] * b[k:k + 1, :]).astype(np.float32)
+    np.testing.assert_allclose(c, expected, rtol=1e-6, atol=1e-6)
+    assert not np.array_equal(c, tf32_matmul(a, b))

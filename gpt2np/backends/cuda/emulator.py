@@ -357,7 +357,7 @@ def _build(code: str, name: str, includes: list[str], macros: list[str], so_path
 class _Launcher(ctypes.Structure):
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
                 ("shared_mem", ctypes.c_ulonglong), ("schedule", ctypes.c_int),
-                ("wmma_layout", ctypes.c_uint)]
+                ("wmma_layout", ctypes.c_uint), ("wmma_tf32", ctypes.c_int)]
 
 
 _LOADED: dict[str, ctypes.CDLL] = {}
@@ -619,17 +619,19 @@ class EmuModule:
     and listed in .ignored_options). include_dirs: more -I directories. schedule: "forward" or
     "reverse" (default $GPT2NP_EMU_SCHEDULE or "forward"); settable later. wmma_layout: the element
     layout of WMMA fragments, 0 natural, any other integer a seeded permutation (default
-    $GPT2NP_EMU_WMMA_LAYOUT or 0; settable later; see emu/include/mma.h). name: file name the
+    $GPT2NP_EMU_WMMA_LAYOUT or 0; settable later; see emu/include/mma.h). wmma_tf32: WMMA inputs are
+    TF32 as on the hardware (default); False computes them in fp32, a test aid. name: file name the
     source is compiled under, shown in compiler errors and assert messages.
     Attributes: kernels ({name: [(param name, declared type)]}), path (the cached .so).
     """
 
     def __init__(self, code: str, options: tuple = (), include_dirs=(), schedule: str | None = None,
-                 name: str = "kernel.cu", wmma_layout: int | None = None):
+                 name: str = "kernel.cu", wmma_layout: int | None = None, wmma_tf32: bool = True):
         includes, macros, self.ignored_options = _split_options(options)
         includes = [str(Path(d).resolve()) for d in [*includes, *include_dirs]]
         self.schedule = schedule or os.environ.get("GPT2NP_EMU_SCHEDULE", "forward")
         self.wmma_layout = wmma_layout
+        self.wmma_tf32 = bool(wmma_tf32)
         found: dict[str, str] = {}
         _quoted_includes(code, None, [Path(d) for d in includes], found)
         key = hashlib.sha256("\0".join([
@@ -807,7 +809,7 @@ class EmuFunction:
         pointers, keep, buffers = self._pack(args)
         layout = self.module.wmma_layout if wmma_layout is None else resolve_wmma_layout(wmma_layout)
         cfg = _Launcher((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
-                        SCHEDULES[sched], layout)
+                        SCHEDULES[sched], layout, int(self.module.wmma_tf32))
         lib = self.module._lib
         with _LAUNCH_LOCK:
             rc = self._launch(ctypes.byref(cfg), pointers)

@@ -128,6 +128,7 @@ alignas(256) unsigned char g_dyn_smem[kMaxDynSmem];   // extern __shared__ memor
 unsigned long long g_dyn_smem_bytes = 0;
 alignas(16) unsigned char g_altstack[64 * 1024];
 unsigned g_wmma_layout = 0;       // which element layout WMMA fragments use this launch (include/mma.h)
+int g_wmma_tf32 = 1;              // 0: WMMA in fp32, a test aid (include/mma.h)
 
 // Static __shared__ variables live in this section; the linker brackets it.
 __attribute__((section("emu_shared"), used)) char g_shared_anchor[16];
@@ -595,6 +596,7 @@ struct LaunchConfig {          // mirrored by ctypes in emulator.py
     unsigned long long shared_mem;
     int schedule;              // 0 forward, 1 reverse
     unsigned wmma_layout;      // WMMA fragment element layout: 0 natural, else a seed (include/mma.h)
+    int wmma_tf32;             // 1: WMMA inputs are TF32 (the hardware); 0: fp32 (a test aid)
 };
 
 inline bool ensure_capacity(unsigned n) {
@@ -684,6 +686,7 @@ inline int run_grid(const LaunchConfig* c) {
     gridDim = dim3(c->grid[0], c->grid[1], c->grid[2]);
     g_dyn_smem_bytes = c->shared_mem;
     g_wmma_layout = c->wmma_layout;
+    g_wmma_tf32 = c->wmma_tf32;
     const unsigned long long gx = c->grid[0], gy = c->grid[1], gz = c->grid[2];
     const unsigned long long nblocks = gx * gy * gz;
     install_fault_handlers();

@@ -25,6 +25,9 @@
 // only the additions round. Inputs are read as TF32: their 13 low mantissa bits are dropped, so a
 // kernel that skips __float_to_tf32 gets truncated (not rounded) inputs. __float_to_tf32 rounds to
 // nearest with ties away from zero (cvt.rna.tf32.f32; the same as runtime_emu.round_to_tf32).
+// A test aid with no hardware counterpart: with wmma_tf32 off (EmuRuntime(tf32=False, wmma_tf32=False))
+// __float_to_tf32 returns its input and mma_sync reads all 23 mantissa bits, so a kernel's results can
+// be checked to fp32 rounding, apart from TF32's.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +47,7 @@ struct tf32 {};
 enum layout_t { mem_row_major, mem_col_major };
 
 inline float __float_to_tf32(float in) {
+    if (!__emu::g_wmma_tf32) return in;
     uint32_t bits;
     memcpy(&bits, &in, 4);
     if ((bits & 0x7F800000u) != 0x7F800000u) bits = (bits + 0x1000u) & 0xFFFFE000u;   // inf, NaN kept
@@ -105,6 +109,7 @@ inline const Table& table(int id, int count) {
 }
 
 inline float tf32_bits(float v) {           // what the tensor core reads of a TF32 input
+    if (!g_wmma_tf32) return v;
     uint32_t bits;
     memcpy(&bits, &v, 4);
     if ((bits & 0x7F800000u) != 0x7F800000u) bits &= 0xFFFFE000u;
