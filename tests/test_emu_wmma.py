@@ -71,9 +71,9 @@ def test_tile_matches_numpy_with_tf32_inputs(mod, a_col, b_col, c_col, layout):
     expected = tf32_matmul(a, b, c)
     for rounded in (1, 0):
         store = aligned(c.T if c_col else c)
-        mod.get_function("wmma_gemm_tile")((1,), (32,), (store, aligned(a.T if a_col else a), aligned(b.T if b_col else b),
-                                                        np.int32(a_col), np.int32(b_col), np.int32(c_col),
-                                                        np.int32(rounded)), wmma_layout=layout)
+        args = (store, aligned(a.T if a_col else a), aligned(b.T if b_col else b), np.int32(a_col), np.int32(b_col),
+                np.int32(c_col), np.int32(rounded))
+        mod.get_function("wmma_gemm_tile")((1,), (32,), args, wmma_layout=layout)
         got = store.T if c_col else store
         if rounded:
             np.testing.assert_array_equal(got, expected)

@@ -82,3 +82,19 @@ def test_flash_activations_keep_lse_not_the_probabilities():
     assert model.act["lse"].shape == (CFG.num_layers, B, CFG.num_heads, T)
     with pytest.raises(ValueError, match="unknown attention 'fast'"):
         GPT2(CFG, get_backend("numpy"), B, T, attention="fast")
+
+
+def test_resolve_attention_defaults_and_fallbacks():
+    from gpt2np.backends import resolve_attention
+    from gpt2np.cli import BadInput
+    numpy_be, emu = get_backend("numpy"), get_backend("emu")
+    assert resolve_attention(numpy_be, 64) == ("naive", None)
+    assert resolve_attention(numpy_be, 48, "flash") == ("flash", None)          # NumPy runs any head size
+    assert resolve_attention(emu, 64) == ("flash", None)
+    assert resolve_attention(emu, 64, "naive") == ("naive", None)
+    attention, note = resolve_attention(emu, 48)
+    assert attention == "naive" and "head size 64, this model's is 48" in note
+    attention, note = resolve_attention(emu, 64, capability=75)
+    assert attention == "naive" and "sm_75" in note
+    with pytest.raises(BadInput, match="--attention flash: .*sm_75.*use --attention naive"):
+        resolve_attention(emu, 64, "flash", capability=75)
