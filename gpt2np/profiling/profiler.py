@@ -529,7 +529,7 @@ def main(argv=None):
         raise BadInput(f"-t {args.seq_len}: longer than the model's max_seq_len {cfg.max_seq_len}")
     attention, note = resolve_attention(backend, cfg.channels // cfg.num_heads, args.attention)
     if note:
-        print(f"note: {note}")
+        print(f"note: {note}", file=sys.stderr)        # stdout holds the views
     model = GPT2(cfg, backend, args.batch_size, args.seq_len, seed=0 if params is None else None,
                  attention=attention)
     if params is not None:
