@@ -65,11 +65,11 @@ def make_batch(cfg: GPT2Config, B: int, T: int, seed: int = 0, data=None):
 # ----------------------------------------------------------------------------------------------
 # the gpt2np side
 
-def build_model(cfg: GPT2Config, backend_name: str, B: int, T: int, params_flat, precision="fp32"):
-    """gpt2np's GPT2 on the named backend at a precision, loaded with the model file's parameters."""
+def build_model(cfg: GPT2Config, backend_name: str, B: int, T: int, params_flat, precision="fp32", attention="naive"):
+    """gpt2np's GPT2 on the named backend at a precision and attention, loaded with the model file's parameters."""
     from .backends import get_backend
     from .model import GPT2
-    model = GPT2(cfg, get_backend(backend_name, precision), B, T)      # no random init: load_params follows
+    model = GPT2(cfg, get_backend(backend_name, precision), B, T, attention=attention)   # load_params follows
     model.load_params(params_flat)
     return model
 
@@ -220,6 +220,9 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=("fp32", "tf32"), default="fp32",
                    help="gpt2np's matmuls: fp32, or tf32 (TF32 tensor cores; cuda and emu backends) against the "
                         "same fp32 reference with the tf32 tolerances (default fp32)")
+    p.add_argument("--attention", choices=("naive", "flash"), default="naive",
+                   help="gpt2np's attention: naive, or flash (on cuda and emu: TF32 tensor cores whatever --precision "
+                        "says, so checked with the tf32 tolerances; head size 64) (default naive)")
     p.add_argument("--rel-tol", type=float, default=None,
                    help=f"relative tolerance, logits and grads (default {REL_TOL:g}; tf32: {TF32_REL_TOL:g})")
     p.add_argument("--loss-tol", type=float, default=None,
@@ -227,7 +230,8 @@ def parse_args(argv=None):
     p.add_argument("--tol", type=parse_tolerance, action="append", default=[], metavar="TENSOR=REL",
                    help="relative tolerance for one tensor (repeatable)")
     args = p.parse_args(argv)
-    tf32 = args.precision == "tf32"
+    # the flash kernels multiply on TF32 tensor cores at either precision (the NumPy backend's flash is fp32)
+    tf32 = args.precision == "tf32" or (args.attention == "flash" and args.backend != "numpy")
     if args.rel_tol is None:
         args.rel_tol = TF32_REL_TOL if tf32 else REL_TOL
     if args.loss_tol is None:
@@ -277,8 +281,9 @@ def run(args) -> int:
 
     print(f"model {args.model}: L={cfg.num_layers} NH={cfg.num_heads} C={cfg.channels} "
           f"V={cfg.vocab_size} Vp={cfg.padded_vocab_size} maxT={cfg.max_seq_len}")
-    print(f"batch B={B} T={T} ({batch}); gpt2np backend {args.backend} ({args.precision}) vs {source}")
-    model = build_model(cfg, args.backend, B, T, params, args.precision)
+    print(f"batch B={B} T={T} ({batch}); gpt2np backend {args.backend} ({args.precision}, {args.attention} "
+          f"attention) vs {source}")
+    model = build_model(cfg, args.backend, B, T, params, args.precision, args.attention)
     ours = model_state(model, x, y, cfg.vocab_size)
     checks = compare_states(ours, ref, args.rel_tol, args.loss_tol, dict(args.tol))
     print()

@@ -159,6 +159,10 @@ class TrainConfig:
                                      "tensor cores (sm_80+)", choices=("fp32", "tf32"),
                                      default_text="tf32 on a GPU with tensor cores and fp32 elsewhere")
     tf32: bool = _setting("--tf32", False, "the same as --precision tf32 (kept for llm.c-style command lines)")
+    attention: str | None = _setting("--attention", help="causal self-attention: flash (tiles, online softmax, the "
+                                     "probabilities recomputed in backward; on a GPU TF32 tensor cores, head size 64, "
+                                     "sm_80+) or naive (the (T,T) probabilities kept)", cpu_gpu=("naive", "flash"),
+                                     choices=("flash", "naive"))
     profile_steps: int = _setting("--profile", 0, "profile N steps after a warm-up step: kernel table, module tree, "
                                   "range summary; files in -o/profile", metavar="N",
                                   allowed=integer(0, words="an integer >= 0 (0 = off)"),

@@ -33,12 +33,13 @@ class GPT2:
     """
 
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, seed=None,
-                 decay_tensors=DECAYED_BY_DEFAULT):
+                 decay_tensors=DECAYED_BY_DEFAULT, attention="naive"):
         if not 0 < T <= cfg.max_seq_len:
             raise ValueError(f"sequence length T={T} must be in 1..{cfg.max_seq_len} (the model's max_seq_len)")
         if B < 1:
             raise ValueError(f"batch size B={B} must be positive")
         self.cfg, self.backend, self.B, self.T = cfg, backend, B, T
+        self.attention = attention                   # "naive" or "flash" (tensors.ATTENTIONS)
         self.num_parameters = num_parameters(cfg)
         self.param_shapes = param_shapes(cfg)
         self.decay_tensors = tuple(decay_tensors)
@@ -47,7 +48,7 @@ class GPT2:
         self._grads = backend.zeros(self.num_parameters)
         self._grad = views(self._grads, self.param_shapes)
         self.m = self.v = None                       # AdamW moments, allocated at the first update
-        self.acts = backend.zeros(layout_size(activation_shapes(cfg, B, T)))
+        self.acts = backend.zeros(layout_size(activation_shapes(cfg, B, T, attention)))
         self.inputs = backend.zeros((B, T), np.int32)
         self.targets = backend.zeros((B, T), np.int32)
         C = cfg.channels
@@ -130,7 +131,7 @@ class GPT2:
         if self._shape == (b, t):
             return
         self._shape = (b, t)
-        self.act = views(self.acts, activation_shapes(self.cfg, b, t))
+        self.act = views(self.acts, activation_shapes(self.cfg, b, t, self.attention))
         self.x = self.inputs.reshape(-1)[:b * t].reshape(b, t)
         self.y = self.targets.reshape(-1)[:b * t].reshape(b, t)
         C = self.cfg.channels
@@ -183,11 +184,16 @@ class GPT2:
                 with ranges.range(f"Layer {l}"):
                     self._op("layernorm_forward", f"{h}.ln_1", be.layernorm_forward, a["ln1"][l], a["ln1_mean"][l],
                              a["ln1_rstd"][l], residual, p["ln1w"][l], p["ln1b"][l])
-                    qkv = self.dbt3c                    # the permuted copy in qkvr is what backward keeps
+                    flash = self.attention == "flash"   # flash keeps qkv; naive its permuted copy qkvr
+                    qkv = a["qkv"][l] if flash else self.dbt3c
                     self._op("matmul_forward", f"{h}.attn.c_attn", be.matmul_forward, qkv, a["ln1"][l],
                              p["qkvw"][l], p["qkvb"][l])
-                    self._op("attention_forward", f"{h}.attn", be.attention_forward, a["atty"][l], a["qkvr"][l],
-                             a["att"][l], qkv)
+                    if flash:
+                        self._op("flash_attention_forward", f"{h}.attn", be.flash_attention_forward, a["atty"][l],
+                                 a["lse"][l], qkv)
+                    else:
+                        self._op("attention_forward", f"{h}.attn", be.attention_forward, a["atty"][l],
+                                 a["qkvr"][l], a["att"][l], qkv)
                     self._op("matmul_forward", f"{h}.attn.c_proj", be.matmul_forward, a["attproj"][l],
                              a["atty"][l], p["attprojw"][l], p["attprojb"][l])
                     self._op("residual_forward", f"{h}.residual", be.residual_forward, a["residual2"][l], residual,
@@ -257,8 +263,12 @@ class GPT2:
                     # dres now holds d(residual2[l])
                     self._op("matmul_backward", f"{h}.attn.c_proj", be.matmul_backward, dbtc, g["attprojw"][l],
                              g["attprojb"][l], dres, a["atty"][l], p["attprojw"][l], acc)
-                    self._op("attention_backward", f"{h}.attn", be.attention_backward, dbt3c, dbtc, a["qkvr"][l],
-                             a["att"][l])
+                    if self.attention == "flash":
+                        self._op("flash_attention_backward", f"{h}.attn", be.flash_attention_backward, dbt3c, dbtc,
+                                 a["qkv"][l], a["atty"][l], a["lse"][l])
+                    else:
+                        self._op("attention_backward", f"{h}.attn", be.attention_backward, dbt3c, dbtc,
+                                 a["qkvr"][l], a["att"][l])
                     self._op("matmul_backward", f"{h}.attn.c_attn", be.matmul_backward, dbtc, g["qkvw"][l],
                              g["qkvb"][l], dbt3c, a["ln1"][l], p["qkvw"][l], acc)
                     self._op("layernorm_backward", f"{h}.ln_1", be.layernorm_backward, dres, g["ln1w"][l],

@@ -41,20 +41,30 @@ def param_shapes(cfg: GPT2Config):
 DECAYED_BY_DEFAULT = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw")
 
 
-def activation_shapes(cfg: GPT2Config, B: int, T: int):
+# the attention implementations: naive (the (T,T) probabilities saved) and flash (recomputed in backward)
+ATTENTIONS = ("flash", "naive")
+
+
+def activation_shapes(cfg: GPT2Config, B: int, T: int, attention: str = "naive"):
     """{name: shape} of every activation kept for the backward pass, for a (B, T) batch.
 
     encoded (B,T,C) = wte[x] + wpe;  per layer l: ln1, ln1_mean, ln1_rstd, qkvr (3,B,NH,T,HS)
     q, k, v split per head, att (B,NH,T,T) softmax probabilities, atty (B,T,C) attention output,
     attproj, residual2, ln2..., fch (B,T,4C) pre-GELU, fch_gelu, fcproj, residual3;
     lnf, lnf_mean, lnf_rstd; logits (B,T,Vp); losses (B,T).
+    attention "flash" keeps qkv (B,T,3C) (the c_attn output) and lse (B,NH,T) instead of qkvr and att: the
+    flash attention backward recomputes the probabilities from them.
     """
     L, NH, C, Vp = cfg.num_layers, cfg.num_heads, cfg.channels, cfg.padded_vocab_size
     HS = C // NH
+    if attention not in ATTENTIONS:
+        raise ValueError(f"unknown attention {attention!r}: expected one of {', '.join(ATTENTIONS)}")
+    saved = ({"qkv": (L, B, T, 3 * C), "lse": (L, B, NH, T)} if attention == "flash"
+             else {"qkvr": (L, 3, B, NH, T, HS), "att": (L, B, NH, T, T)})
     return {
         "encoded": (B, T, C),
         "ln1": (L, B, T, C), "ln1_mean": (L, B, T), "ln1_rstd": (L, B, T),
-        "qkvr": (L, 3, B, NH, T, HS), "att": (L, B, NH, T, T), "atty": (L, B, T, C),
+        **saved, "atty": (L, B, T, C),
         "attproj": (L, B, T, C), "residual2": (L, B, T, C),
         "ln2": (L, B, T, C), "ln2_mean": (L, B, T), "ln2_rstd": (L, B, T),
         "fch": (L, B, T, 4 * C), "fch_gelu": (L, B, T, 4 * C),

@@ -17,7 +17,7 @@ import warnings
 
 import numpy as np
 
-from .backends import cuda_problem, get_backend, gpu_present, resolve_name, resolve_precision
+from .backends import cuda_problem, get_backend, gpu_present, resolve_attention, resolve_name, resolve_precision
 from .checkpoint import (
     done_path,
     load_model,
@@ -140,6 +140,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     if note:
         say(f"note: {note}")
     backend = get_backend(backend_name, precision=precision)
+    requested_attention = cfg.attention
     cfg = cfg.with_device_defaults(backend.name).validate()     # the device defaults against the other flags
     if cfg.output_dir:
         check_output_dir(cfg.output_dir)
@@ -152,6 +153,9 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     B, T = cfg.batch_size, cfg.seq_len
     if T > model_cfg.max_seq_len:
         raise ValueError(f"-t {T} is longer than the model's max_seq_len {model_cfg.max_seq_len}")
+    attention, note = resolve_attention(backend, model_cfg.channels // model_cfg.num_heads, requested_attention)
+    if note:
+        say(f"note: {note}")
     tokens_per_micro = B * T * dist.world_size
     total_batch = cfg.total_batch_size if cfg.total_batch_size and cfg.total_batch_size > 0 else tokens_per_micro
     if total_batch % tokens_per_micro:
@@ -169,8 +173,9 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     if backend.name == "cuda":        # one line saying what fits, before CuPy runs out of memory mid-allocation
         lo, hi = dist.shard(num_parameters(model_cfg))
         backend.check_memory_fits(model_cfg, B, T, optimizer_elements=hi - lo, model_name=f"-e {cfg.model}",
-                                  reserved=dist.reserved_device_memory(), sharers=dist.gpu_sharers)
-    model = GPT2(model_cfg, backend, B, T, seed=cfg.seed if params is None else None)
+                                  reserved=dist.reserved_device_memory(), sharers=dist.gpu_sharers,
+                                  attention=attention)
+    model = GPT2(model_cfg, backend, B, T, seed=cfg.seed if params is None else None, attention=attention)
     if params is not None:
         model.load_params(params)
     # under mpiexec: every rank must run this same job (settings, model, data), else all stop with one line
@@ -221,7 +226,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         ("val_max_steps", cfg.val_max_batches), ("sample_every", cfg.sample_every), ("genT", cfg.gen_tokens),
         ("overfit_single_batch", cfg.overfit_single_batch), ("seed", cfg.seed), ("processes", dist.world_size),
         ("zero stage", dist.zero_stage), ("device", f"{backend.name} ({device_name})"),
-        ("precision", PRECISION_TEXT.get(backend.precision, backend.precision)),
+        ("precision", PRECISION_TEXT.get(backend.precision, backend.precision)), ("attention", attention),
         ("model", model_desc)]))
     say(header_table([("max_sequence_length T", model_cfg.max_seq_len), ("vocab_size V", model_cfg.vocab_size),
                       ("padded_vocab_size Vp", model_cfg.padded_vocab_size), ("num_layers L", model_cfg.num_layers),

@@ -131,6 +131,10 @@ class FakeCupy:
             def pci_bus_id(self):
                 return fake.devices[self.id][2]
 
+            @property
+            def compute_capability(self):
+                return "90"
+
             def __enter__(self):
                 self._previous, fake.current = fake.current, self.id
                 return self

@@ -284,7 +284,7 @@ def stand_in(monkeypatch):
     """Route the CLI to ReferenceAsModel; `stand_in["corrupt"] = (name, scale)` corrupts a grad."""
     opts = {"corrupt": None}
     monkeypatch.setattr(compare, "build_model",
-                        lambda cfg, backend, B, T, params, precision="fp32":
+                        lambda cfg, backend, B, T, params, precision="fp32", attention="naive":
                         ReferenceAsModel(cfg, params, opts["corrupt"]))
     if not have("gpt2np.checkpoint"):
         monkeypatch.setattr(compare, "load_model_file", read_model_file)
@@ -393,4 +393,22 @@ def test_gpt2np_cuda_kernels_on_the_emulator_match_reference(small_model, capsys
     assert rc == 0, out
     assert "backend emu" in out or "emu" in out
     for name in ("logits", "loss", "wte", "qkvw", "fcprojb", "lnfb"):
+        assert any(line.split()[:1] == [name] and line.rstrip().endswith("ok") for line in out.splitlines()), name
+
+
+@needs_model
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_flash_attention_on_the_emulator_matches_reference(tmp_path, capsys, precision):
+    """The flash attention kernels (head size 64, WMMA TF32 on the emulator) in the whole model against the
+    PyTorch reference, with the tf32 tolerances (the kernels multiply in TF32 at either precision): all tensors,
+    2 steps, T=40 (two key tiles, the second partial)."""
+    cfg = GPT2Config(max_seq_len=48, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=128)
+    path = tmp_path / "flash.bin"
+    write_model_file(path, cfg, init_params(cfg))
+    rc = compare.main(["-e", str(path), "--backend", "emu", "--attention", "flash", "--precision", precision,
+                       "-b", "2", "-t", "40", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "flash attention" in out
+    for name in ("logits", "loss", "qkvw", "qkvb", "attprojw", "wpe"):
         assert any(line.split()[:1] == [name] and line.rstrip().endswith("ok") for line in out.splitlines()), name

@@ -14,11 +14,18 @@ from gpt2np.model import GPT2
 from gpt2np.profiling.profiler import profile_steps
 
 CFG = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=16)
+# the flash attention kernels need head size 64
+FLASH_CFG = GPT2Config(max_seq_len=40, vocab_size=100, padded_vocab_size=128, num_layers=1, num_heads=2, channels=128)
+CONFIGS = {"naive": CFG, "flash": FLASH_CFG}
 B, T = 2, 8
 # the op names the model's ranges use for the two ops whose backend method is named differently
 METHOD = {"adamw": "adamw_update", "global_norm": "global_norm_squared"}
-# every op a training step runs (the model folds residual_backward into the residual stream's gradient)
-STEP_OPS = set(COSTS) - {"residual_backward"}
+# every op a training step runs (the model folds residual_backward into the residual stream's gradient), with
+# one of the two attentions
+ATTENTION_OPS = {"naive": {"attention_forward", "attention_backward"},
+                 "flash": {"flash_attention_forward", "flash_attention_backward"}}
+STEP_OPS = {attention: set(COSTS) - {"residual_backward"} - ATTENTION_OPS["flash" if attention == "naive" else "naive"]
+            for attention in ATTENTION_OPS}
 
 
 def contract_methods():
@@ -82,25 +89,27 @@ def totals(records):
     return {key: tuple(row[:2]) + (frozenset(row[2]),) for key, row in out.items()}
 
 
-def test_cuda_kernels_add_up_to_the_numpy_op_cost():
+@pytest.mark.parametrize("attention", sorted(ATTENTION_OPS))
+def test_cuda_kernels_add_up_to_the_numpy_op_cost(attention):
     """One step profiled on the emulated CUDA backend and on NumPy: per op and module, the CUDA kernels'
     FLOPs and bytes add up to exactly what the NumPy op reports, the contract's one formula."""
     def step_records(backend):
-        prof = profile_steps(GPT2(CFG, backend, B, T, seed=0), batches(), steps=1)
+        prof = profile_steps(GPT2(CONFIGS[attention], backend, B, T, seed=0, attention=attention), batches(), steps=1)
         return [r for r in prof.records if r.step == 1]
 
     cuda_records = step_records(get_backend("emu"))
     numpy_records = step_records(NumpyBackend(threads=1))
     assert len(cuda_records) > len(numpy_records)            # several kernels per op
     assert totals(cuda_records) == totals(numpy_records)
-    assert {r.op for r in numpy_records} == STEP_OPS
+    assert {r.op for r in numpy_records} == STEP_OPS[attention]
     assert all(r.flops + r.bytes > 0 for r in numpy_records)
 
 
-def test_every_cuda_launch_names_a_term_of_its_op_once():
+@pytest.mark.parametrize("attention", sorted(ATTENTION_OPS))
+def test_every_cuda_launch_names_a_term_of_its_op_once(attention):
     """Straight from the launch hook: within one op call no term is carried twice, and every term is carried."""
     backend = get_backend("emu")
-    model = GPT2(CFG, backend, B, T, seed=0)
+    model = GPT2(CONFIGS[attention], backend, B, T, seed=0, attention=attention)
     x, y = batches()[0]
     current = []            # [(op, its Cost, Counter of the terms its kernels carried)] while an op runs
     checked = Counter()
@@ -134,4 +143,4 @@ def test_every_cuda_launch_names_a_term_of_its_op_once():
     finally:
         backend.on_launch = None
         ranges.remove_listener(tracker)
-    assert set(checked) == STEP_OPS and not current
+    assert set(checked) == STEP_OPS[attention] and not current

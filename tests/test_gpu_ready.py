@@ -344,18 +344,20 @@ class CountingRuntime(EmuRuntime):
         return self.free
 
 
-def test_memory_needed_covers_every_allocation_of_a_training_step():
+@pytest.mark.parametrize("attention", ["naive", "flash"])
+def test_memory_needed_covers_every_allocation_of_a_training_step(attention):
     """GPT2 + one train_step (forward, backward, AdamW, grad norm) allocate what memory_needed says, to within
     the per-step uploads (which the allocator reuses) and cuBLAS's workspace allowance."""
     B, T = 3, 16
+    cfg = SMALL if attention == "naive" else GPT2Config(32, 100, 128, 2, 2, 128)   # flash: head size 64
     be = CudaBackend(CountingRuntime())
     be.elementwise_threads = 64
-    need = be.memory_needed(SMALL, B, T)
-    model = GPT2(SMALL, be, B, T, seed=0)
+    need = be.memory_needed(cfg, B, T, attention=attention)
+    model = GPT2(cfg, be, B, T, seed=0, attention=attention)
     upload = 4 * model.num_parameters                      # init_random's weights, copied up once
     assert be.rt.allocated == need["parameters and gradients"] + need["activations"] + need["backward scratch"] + upload
     assert upload <= need["AdamW m, v"]                    # ... which the estimate's optimizer part covers
-    tokens = np.random.default_rng(0).integers(0, SMALL.vocab_size, (B, T + 1)).astype(np.int32)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
     train_step(model, lambda: (tokens[:, :-1], tokens[:, 1:]), step=0, lr=1e-3)
     assert model.m.nbytes + model.v.nbytes <= need["AdamW m, v"]
     scratch = sum(buf.nbytes for buf in be._scratch.values())
@@ -416,10 +418,10 @@ def test_cupy_runtime_free_memory_counts_the_pool():
 def test_train_py_says_what_fits_instead_of_a_traceback(monkeypatch, data_dir, capsys):
     from gpt2np import trainer
     monkeypatch.setattr(trainer, "get_backend", lambda name, precision="fp32": CudaBackend(CountingRuntime(4 << 30)))
-    code = train.main(["--device", "cpu", "-e", "d12", "-b", "8", "-t", "256", "-x", "1", "-v", "0", "-s", "0"])
+    code = train.main(["--device", "cpu", "-e", "d12", "-b", "16", "-t", "256", "-x", "1", "-v", "0", "-s", "0"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1
-    assert re.fullmatch(r"error: -b 8 -t 256: -e d12 needs .* GB is free: the largest B that fits at T=256 is \d+ .*",
+    assert re.fullmatch(r"error: -b 16 -t 256: -e d12 needs .* GB is free: the largest B that fits at T=256 is \d+ .*",
                         err[0]), err
 
 

@@ -306,6 +306,79 @@ def test_attention(cuda, shape):
     close(host(cuda, dinp), dinp_ref, atol=1e-5)
 
 
+# ---- flash attention (kernels/flash_attention.cu: WMMA TF32) ----------------------------------
+# (B, T, NH) with HS = 64: a partial last tile, three tiles, exactly one tile, a single row
+FLASH_SHAPES = {"partial": (2, 45, 2), "three_tiles": (1, 70, 1), "one_tile": (3, 32, 1), "one_row": (1, 1, 2)}
+# TF32 tolerance, relative to the largest reference value: u = 2^-11 is TF32's unit roundoff (inputs rounded to
+# nearest, 10 explicit mantissa bits). Every result chains up to four rounded factors (q and k inside the
+# exponent, then P and v; backward: dout and v in dP, then dS and q/k), each off by at most u relative; products
+# of random signs partly cancel over the HS = 64 and T terms. Measured on these shapes: out 0.5 u, lse 0.2 u,
+# dinp 0.8 u (of the largest value); 8 u leaves a 10x margin and stays far below a real bug (errors of order 1).
+TF32_TOL = 8 * 2.0 ** -11
+FLASH_LAYOUT = 0x5EED        # a second WMMA fragment layout (the fixture's runtime uses the natural one, 0)
+
+
+def tf32_close(actual, expected):
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=TF32_TOL * max(1.0, np.abs(expected).max()))
+
+
+@pytest.mark.parametrize("flash_shape", sorted(FLASH_SHAPES))
+def test_flash_attention(cuda, flash_shape):
+    """The three kernels against the NumPy op within TF32 rounding, and bitwise the same under a second WMMA
+    fragment layout (a kernel that depended on the opaque layout would differ) and on a second run."""
+    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
+    B, T, NH = FLASH_SHAPES[flash_shape]
+    C = 64 * NH
+    rng = rng_for("flash", flash_shape)
+    inp, dout = randn(rng, B, T, 3 * C), randn(rng, B, T, C)
+    out_ref, lse_ref, dinp_ref = (np.zeros(s, np.float32) for s in ((B, T, C), (B, NH, T), (B, T, 3 * C)))
+    REF.flash_attention_forward(out_ref, lse_ref, inp)
+    REF.flash_attention_backward(dinp_ref, dout, inp, out_ref, lse_ref)
+    capability = getattr(cuda.rt, "compute_capability", None)
+    if capability is not None and capability() < 80:
+        pytest.skip("the flash attention kernels need sm_80+ (TF32 tensor cores)")
+    if cuda.rt.name == "emulator":
+        other = small_launches(CudaBackend(EmuRuntime(schedule=cuda.rt.schedule, guard=cuda.rt.guard,
+                                                      wmma_layout=FLASH_LAYOUT)))
+    else:                                   # on a GPU (tests/test_gpu.py): the hardware's one layout, run twice
+        other = cuda
+    results = []
+    for be in (cuda, other, cuda):
+        out = be.from_host(np.full((B, T, C), 5.0, np.float32))                    # stale values must vanish
+        lse = be.from_host(np.full((B, NH, T), 7.0, np.float32))
+        be.flash_attention_forward(out, lse, dev(be, inp))
+        dinp = be.from_host(np.full((B, T, 3 * C), 3.0, np.float32))
+        be.flash_attention_backward(dinp, dev(be, dout), dev(be, inp), out, lse)
+        results.append([host(be, x) for x in (out, lse, dinp)])
+    out, lse, dinp = results[0]
+    tf32_close(out, out_ref)
+    tf32_close(lse, lse_ref)
+    tf32_close(dinp, dinp_ref)
+    for again in results[1:]:
+        for a, b in zip(again, results[0]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_flash_attention_needs_head_size_64(cuda):
+    B, T, NH, C = 1, 4, 2, 96                                                   # HS = 48
+    with pytest.raises(KernelArgumentError, match="head size 64.*HS=48.*--attention naive"):
+        cuda.flash_attention_forward(cuda.zeros((B, T, C)), cuda.zeros((B, NH, T)), cuda.zeros((B, T, 3 * C)))
+    with pytest.raises(KernelArgumentError, match="lse has shape"):
+        cuda.flash_attention_forward(cuda.zeros((B, T, 128)), cuda.zeros((B, T)), cuda.zeros((B, T, 384)))
+
+
+def test_flash_attention_refuses_gpus_without_tf32_tensor_cores():
+    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
+
+    class Turing(EmuRuntime):
+        def compute_capability(self):
+            return 75
+
+    be = CudaBackend(Turing())
+    with pytest.raises(KernelArgumentError, match="sm_80 or newer.*sm_75.*--attention naive"):
+        be.flash_attention_forward(be.zeros((1, 4, 64)), be.zeros((1, 1, 4)), be.zeros((1, 4, 192)))
+
+
 # ---- gelu, residual --------------------------------------------------------------------------
 def test_gelu(cuda, shape):
     B, T, C, *_ = shape

@@ -128,6 +128,50 @@ def test_attention():
     check(dx, numeric_grad(loss, x))
 
 
+def test_flash_attention():
+    HS = C // NH
+    x, w = rand(B, T, 3 * C), rand(B, T, C)
+    out, lse = np.zeros((B, T, C)), np.zeros((B, NH, T))
+
+    def loss():
+        be.flash_attention_forward(out, lse, x)
+        return float((out * w).sum())
+
+    loss()
+    # the naive op's output, and lse = logsumexp of each row of the scaled, masked scores
+    ref, qkvr, att = np.zeros((B, T, C)), np.zeros((3, B, NH, T, HS)), np.zeros((B, NH, T, T))
+    be.attention_forward(ref, qkvr, att, x)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+    q, k, _ = qkvr
+    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(HS)
+    scores[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = -np.inf
+    np.testing.assert_allclose(lse, np.log(np.exp(scores).sum(-1)), rtol=1e-12)
+    dx = np.zeros_like(x)
+    be.flash_attention_backward(dx, w, x, out, lse)
+    check(dx, numeric_grad(loss, x))
+    dx_naive = np.zeros_like(x)
+    be.attention_backward(dx_naive, w, qkvr, att)
+    np.testing.assert_allclose(dx, dx_naive, rtol=1e-10, atol=1e-12)
+
+
+def test_flash_attention_matches_naive_in_float32():
+    """The two attentions in float32: the same output and gradient within float32 rounding."""
+    be32 = NumpyBackend(threads=1)
+    Bt, Tt, NHt, HSt = 2, 33, 3, 8
+    Ct = NHt * HSt
+    r = np.random.default_rng(7)
+    x, w = r.standard_normal((Bt, Tt, 3 * Ct)).astype(np.float32), r.standard_normal((Bt, Tt, Ct)).astype(np.float32)
+    out, lse = np.zeros((Bt, Tt, Ct), np.float32), np.zeros((Bt, NHt, Tt), np.float32)
+    be32.flash_attention_forward(out, lse, x)
+    ref, qkvr, att = (np.zeros(s, np.float32) for s in ((Bt, Tt, Ct), (3, Bt, NHt, Tt, HSt), (Bt, NHt, Tt, Tt)))
+    be32.attention_forward(ref, qkvr, att, x)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    dx, dref = np.zeros_like(x), np.zeros_like(x)
+    be32.flash_attention_backward(dx, w, x, out, lse)
+    be32.attention_backward(dref, w, qkvr, att)
+    np.testing.assert_allclose(dx, dref, rtol=1e-4, atol=1e-5)
+
+
 def test_gelu():
     x, w = rand(B, T, 4 * C) * 2, rand(B, T, 4 * C)
     out = np.zeros_like(x)

@@ -147,9 +147,10 @@ def test_d12_b4_t1024_on_h100_plans_in_seconds_without_allocating(tmp_path, caps
     cfg = preset("d12")
     sizes = {b["buffer"]: b["bytes"] for b in doc["memory"]["buffers"]}
     assert sizes["parameters"] == sizes["AdamW v"] == 4 * num_parameters(cfg)
-    assert sizes["activations"] == 4 * layout_size(activation_shapes(cfg, 4, 1024))
+    assert doc["attention"] == "flash" and "flash attention" in out       # a GPU's default
+    assert sizes["activations"] == 4 * layout_size(activation_shapes(cfg, 4, 1024, "flash"))
     acts = {a["buffer"]: a["bytes"] for a in doc["memory"]["activations"]}
-    assert acts["att"] == 4 * 12 * 4 * 12 * 1024 * 1024
+    assert acts["lse"] == 4 * 12 * 4 * 12 * 1024 and "att" not in acts
     rows = list(csv.DictReader(open(tmp_path / "plan.csv")))
     kernels = [r for r in rows if r["kind"] == "kernel"]
     assert len(kernels) == launches
@@ -159,6 +160,19 @@ def test_d12_b4_t1024_on_h100_plans_in_seconds_without_allocating(tmp_path, caps
     assert 6 * num_parameters(cfg) * tokens < total["flops"] < 1.2 * 6 * num_parameters(cfg) * tokens
     ops = list(csv.DictReader(open(tmp_path / "plan_ops.csv")))
     assert {r["direction"] for r in ops} >= {"fprop", "bprop", "update"}
+    assert {"flash_attention_forward", "flash_attention_backward"} <= {r["op"] for r in ops}
+
+    # the naive attention keeps the (T,T) probabilities: more memory, twice the traffic, a slower floor
+    naive_dir = tmp_path / "naive"
+    assert main(["--plan", "--gpu", "H100", "-e", "d12", "-b", "4", "-t", "1024", "--attention", "naive",
+                 "--out", str(naive_dir)]) == 0
+    naive = json.load(open(naive_dir / "plan.json"))
+    assert naive["attention"] == "naive"
+    naive_acts = {a["buffer"]: a["bytes"] for a in naive["memory"]["activations"]}
+    assert naive_acts["att"] == 4 * 12 * 4 * 12 * 1024 * 1024
+    assert naive["total"]["bytes"] > 1.5 * total["bytes"]
+    assert naive["total"]["memory_bytes"] > total["memory_bytes"] + 2e9
+    assert naive["total"]["floor_ns"] > total["floor_ns"]
 
 
 def test_every_launch_is_printed_when_asked(tmp_path, capsys):

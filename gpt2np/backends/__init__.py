@@ -174,6 +174,35 @@ def resolve_precision(name: str, requested: str | None = None, capability=None):
     return "tf32", None
 
 
+def resolve_attention(backend, head_size: int, requested: str | None = None, capability=None):
+    """(attention, note) for a model of this head size on `backend`, for a requested attention (None: the default,
+    flash on the cuda backend and naive on the CPU, as TrainConfig's --attention says).
+
+    The CUDA flash kernels need head size 64 and TF32 tensor cores (sm_80+): where they cannot run, the default
+    falls back to naive with a note, and an explicit --attention flash is BadInput (one line). The NumPy backend
+    runs either at any head size. capability: the GPU's compute capability (default: asked from its runtime)."""
+    from ..cli import BadInput
+    from ..tensors import ATTENTIONS
+    if requested not in (None, *ATTENTIONS):
+        raise BadInput(f"--attention {requested}: expected {' or '.join(ATTENTIONS)}")
+    attention = requested or ("flash" if backend.name == "cuda" else "naive")
+    if attention == "naive" or backend.name != "cuda":
+        return attention, None
+    if capability is None:
+        ask = getattr(getattr(backend, "rt", None), "compute_capability", None)
+        capability = ask() if ask else None
+    problem = None
+    if head_size != 64:
+        problem = f"the flash attention kernels need head size 64, this model's is {head_size}"
+    elif capability is not None and int(capability) < TENSOR_CORE_TF32:
+        problem = f"the flash attention kernels need TF32 tensor cores (sm_80 and newer), this GPU is sm_{capability}"
+    if problem is None:
+        return "flash", None
+    if requested == "flash":
+        raise BadInput(f"--attention flash: {problem}; use --attention naive")
+    return "naive", f"{problem}: attention runs naive"
+
+
 def get_backend(name: str = "numpy", precision: str = "fp32", **options):
     """A backend instance; options go to the backend (numpy: threads) or the runtime (emulator: schedule).
 

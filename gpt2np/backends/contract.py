@@ -83,6 +83,17 @@ class Backend(Protocol):
     def attention_backward(self, dinp, dout, qkvr, att):
         """dinp (B,T,3C) = d[q|k|v] from dout (B,T,C), the saved qkvr (3,B,NH,T,HS) and att (B,NH,T,T)."""
 
+    def flash_attention_forward(self, out, lse, inp):
+        """Causal self-attention without the (T,T) matrix. inp (B,T,3C) = [q | k | v] (heads of HS = C/NH
+        channels, NH from lse); out (B,T,C) = softmax(q k^T / sqrt(HS), future masked) @ v, heads concatenated;
+        lse (B,NH,T) = the log-sum-exp of each row of the scaled, masked scores (what backward needs to
+        recompute the probabilities)."""
+
+    def flash_attention_backward(self, dinp, dout, inp, out, lse):
+        """dinp (B,T,3C) = d[q|k|v] from dout (B,T,C) and forward's inp (B,T,3C), out (B,T,C), lse (B,NH,T):
+        the probabilities are recomputed from q, k and lse, with D = rowsum(dout * out) per head
+        (FlashAttention-2's backward)."""
+
     # ---- gelu -----------------------------------------------------------------------
     def gelu_forward(self, out, inp):
         """out (B,T,4C) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), x = inp (B,T,4C)."""
@@ -239,6 +250,35 @@ def attention_backward_cost(dinp, dout, qkvr, att) -> Cost:
     })
 
 
+def _flash_shape(inp, lse):
+    B, T, C3 = inp.shape
+    NH = lse.shape[1]
+    HS = C3 // 3 // NH
+    pairs = B * NH * T * (T + 1) // 2          # (query, key) pairs the causal mask keeps
+    return B, T, NH, HS, pairs
+
+
+def flash_attention_forward_cost(out, lse, inp) -> Cost:
+    B, T, NH, HS, pairs = _flash_shape(inp, lse)
+    n = B * T * NH * HS
+    # q k^T and P v over the causal half; scale, max, exp, sum, divide per pair; reads qkv, writes out and lse
+    return Cost(f"B={B},T={T},NH={NH},HS={HS}", {
+        "attention": (4 * HS * pairs + 5 * pairs, F32 * (3 * n + n + B * NH * T)),
+    })
+
+
+def flash_attention_backward_cost(dinp, dout, inp, out, lse) -> Cost:
+    B, T, NH, HS, pairs = _flash_shape(inp, lse)
+    n = B * T * NH * HS
+    return Cost(f"B={B},T={T},NH={NH},HS={HS}", {
+        "delta": (2 * n, F32 * 2 * n),                                  # D = rowsum(dout * out): reads dout, out
+        # recompute q k^T and P, dV = P^T dout, dP = dout v^T, dS = P (dP - D), dK = dS^T q: reads q, k, v, lse;
+        # writes dk, dv
+        "dkv": (8 * HS * pairs + 6 * pairs, F32 * (3 * n + B * NH * T + 2 * n)),
+        "dq": (2 * HS * pairs, F32 * n),                                 # dQ = dS k: writes dq
+    })
+
+
 def gelu_forward_cost(out, inp) -> Cost:
     n = _size(inp)
     return Cost(f"N={n}", {"gelu": (10 * n, F32 * 2 * n)})
@@ -290,6 +330,8 @@ COSTS: Dict[str, Callable[..., Cost]] = {
     "matmul_backward": matmul_backward_cost,
     "attention_forward": attention_forward_cost,
     "attention_backward": attention_backward_cost,
+    "flash_attention_forward": flash_attention_forward_cost,
+    "flash_attention_backward": flash_attention_backward_cost,
     "gelu_forward": gelu_forward_cost,
     "gelu_backward": gelu_backward_cost,
     "residual_forward": residual_forward_cost,

@@ -304,6 +304,75 @@ class NumpyBackend:
 
         self._parallel(fused if kernels else batch, B, 4 * NH * T * T * HS)
 
+    # ---- flash attention ------------------------------------------------------------------
+    # The same math as attention_forward/backward, saving lse (B,NH,T) instead of the probabilities: backward
+    # recomputes them as P = exp(scale * q k^T - lse). Here the (T,T) scores of a batch slice live in scratch
+    # only during the call; the CUDA kernels never hold more than a tile of them.
+    @staticmethod
+    def _heads(x, lo, hi, NH, HS, part=0, parts=1):
+        """(b,NH,T,HS) view of part `part` of x[lo:hi] (B,T,parts*NH*HS)."""
+        b, T = hi - lo, x.shape[1]
+        return x[lo:hi].reshape(b, T, parts, NH, HS)[:, :, part].transpose(0, 2, 1, 3)
+
+    def flash_attention_forward(self, out, lse, inp):
+        """Causal self-attention. inp (B,T,3C) = [q | k | v];  out (B,T,C) = softmax(q k^T / sqrt(HS), future
+        masked) @ v with heads concatenated;  lse (B,NH,T) = logsumexp of each row of the scaled, masked scores."""
+        B, T, C3 = inp.shape
+        NH = lse.shape[1]
+        HS = C3 // 3 // NH
+        scale = 1.0 / math.sqrt(HS)
+        mask = self._causal_mask(T)
+        scores = self.scratch("flash_scores", (B, NH, T, T))
+
+        def batch(lo, hi):
+            q, k, v = (self._heads(inp, lo, hi, NH, HS, i, 3) for i in range(3))
+            s = scores[lo:hi]
+            np.matmul(q, k.transpose(0, 1, 3, 2), out=s)
+            s *= scale
+            s += mask
+            m = s.max(axis=-1, keepdims=True)
+            s -= m
+            np.exp(s, out=s)
+            total = s.sum(axis=-1, keepdims=True)
+            s /= total
+            np.log(total[..., 0], out=lse[lo:hi])
+            lse[lo:hi] += m[..., 0]
+            self._heads(out, lo, hi, NH, HS)[...] = np.matmul(s, v)
+
+        self._parallel(batch, B, 2 * NH * T * T * HS)
+
+    def flash_attention_backward(self, dinp, dout, inp, out, lse):
+        """dinp (B,T,3C) = d[q|k|v] from dout (B,T,C), inp (B,T,3C), out (B,T,C), lse (B,NH,T): P = exp(scale q k^T
+        - lse) (0 in the future), dV = P^T dout, dP = dout v^T, D = rowsum(dout * out), dS = P (dP - D) scale,
+        dQ = dS k, dK = dS^T q."""
+        B, T, C = dout.shape
+        NH = lse.shape[1]
+        HS = C // NH
+        scale = 1.0 / math.sqrt(HS)
+        mask = self._causal_mask(T)
+        probs = self.scratch("flash_probs", (B, NH, T, T))
+        dprobs = self.scratch("flash_dprobs", (B, NH, T, T))
+
+        def batch(lo, hi):
+            q, k, v = (self._heads(inp, lo, hi, NH, HS, i, 3) for i in range(3))
+            dq, dk, dv = (self._heads(dinp, lo, hi, NH, HS, i, 3) for i in range(3))
+            do, o = self._heads(dout, lo, hi, NH, HS), self._heads(out, lo, hi, NH, HS)
+            p, dp = probs[lo:hi], dprobs[lo:hi]
+            np.matmul(q, k.transpose(0, 1, 3, 2), out=p)
+            p *= scale
+            p += mask
+            p -= lse[lo:hi, ..., None]
+            np.exp(p, out=p)                                   # the forward's probabilities, recomputed
+            dv[...] = np.matmul(p.transpose(0, 1, 3, 2), do)
+            np.matmul(do, v.transpose(0, 1, 3, 2), out=dp)
+            dp -= np.einsum("bhtd,bhtd->bht", do, o)[..., None]  # D = rowsum(dout * out) = rowsum(P * dP)
+            dp *= p
+            dp *= scale
+            dq[...] = np.matmul(dp, k)
+            dk[...] = np.matmul(dp.transpose(0, 1, 3, 2), q)
+
+        self._parallel(batch, B, 4 * NH * T * T * HS)
+
     # ---- gelu ---------------------------------------------------------------------------
     def gelu_forward(self, out, inp):
         """out (B,T,4C) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), x = inp."""

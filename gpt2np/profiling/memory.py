@@ -71,7 +71,7 @@ def memory_summary(model, peak: Optional[dict] = None) -> dict:
                  f"{len(scratch)} work buffers of the {model.backend.name} backend"))
     buffers = [{"buffer": name, "bytes": int(n), "what": what} for name, n, what in rows]
     acts = []
-    for name, shape in activation_shapes(cfg, model.B, model.T).items():
+    for name, shape in activation_shapes(cfg, model.B, model.T, getattr(model, "attention", "naive")).items():
         acts.append({"buffer": name, "bytes": int(np.prod(shape)) * int(model.acts.dtype.itemsize),
                      "shape": list(shape)})
     acts.sort(key=lambda a: -a["bytes"])

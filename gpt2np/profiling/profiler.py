@@ -476,7 +476,7 @@ def profile_steps(model, batches, steps, lr=1e-4, activity_source="auto"):
 @tool
 def main(argv=None):
     """Profile a few training steps and write the report; bad flags and files: one line, exit 2."""
-    from ..backends import get_backend
+    from ..backends import get_backend, resolve_attention
     from ..model import GPT2
     from ..starter import resolve_model
 
@@ -487,6 +487,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=1, help="profiled steps after one warm-up step")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "numpy", "cuda", "emu"])
     ap.add_argument("--out", default="profile", help="folder for CSV, JSON, trace and PNG (default ./profile)")
+    ap.add_argument("--attention", choices=["flash", "naive"],
+                    help="the model's attention (default: flash on a GPU, the emulator and --plan; naive on the CPU)")
     ap.add_argument("--views", default=",".join(V.DEFAULT_VIEWS),
                     help=f"views to print, comma-separated, or 'all' (default {','.join(V.DEFAULT_VIEWS)}; "
                          f"all: {','.join(V.VIEWS)})")
@@ -525,7 +527,11 @@ def main(argv=None):
     cfg, params, desc = resolve_model(args.model)
     if args.seq_len > cfg.max_seq_len:
         raise BadInput(f"-t {args.seq_len}: longer than the model's max_seq_len {cfg.max_seq_len}")
-    model = GPT2(cfg, backend, args.batch_size, args.seq_len, seed=0 if params is None else None)
+    attention, note = resolve_attention(backend, cfg.channels // cfg.num_heads, args.attention)
+    if note:
+        print(f"note: {note}", file=sys.stderr)        # stdout holds the views
+    model = GPT2(cfg, backend, args.batch_size, args.seq_len, seed=0 if params is None else None,
+                 attention=attention)
     if params is not None:
         model.load_params(params)
     rng = np.random.default_rng(0)

@@ -97,6 +97,8 @@ LAUNCH_SETTINGS = {
     "norm_max_blocks": (1, INT_LIMIT, 1, "most blocks of the global norm's first stage"),
     "encoder_token_blocks": (1, GRID_Y_LIMIT, 1, "most block rows of encoder_backward_wte_grouped"),
 }
+# kernels/flash_attention.cu's compile-time shape: head size, rows per tile, threads per block
+FLASH_HEAD_SIZE, FLASH_TILE, FLASH_THREADS = 64, 32, 128
 CUBLAS_WORKSPACE = 32 << 20      # cuBLAS's default workspace per handle on Hopper (4 MiB before): an allowance
 MEMORY_HEADROOM = 256 << 20      # CUDA context growth, NVRTC modules, allocator rounding: kept free
 
@@ -222,27 +224,28 @@ class CudaBackend:
         free = getattr(self.rt, "free_memory", None)
         return None if free is None else free()
 
-    def scratch_needed(self, cfg, B, T):
+    def scratch_needed(self, cfg, B, T, attention="naive"):
         """Peak bytes of this backend's scratch buffers (scratch()) for a training step of model cfg at (B, T):
-        the attention work buffers, the column reductions' partial sums, the global norm's partials, the upload
-        of encoder_backward's token groups, and cuBLAS's workspace (an allowance)."""
+        the attention work buffers (flash: only D), the column reductions' partial sums, the global norm's
+        partials, the upload of encoder_backward's token groups, and cuBLAS's workspace (an allowance)."""
         C, NH = cfg.channels, cfg.num_heads
         N = B * T
         chunk = max(1, self.reduce_rows_per_chunk, -(-N // GRID_Y_LIMIT))     # as in _column_sums
         widest = 4 * C            # partial sums per chunk: layernorm (2, C), bias gradients (1, OC <= 4C)
-        floats = (2 * N * C                        # attention_y, attention_dy
-                  + 3 * N * C                      # attention_dqkvr
-                  + B * NH * T * T                 # attention_datt
+        attention_floats = (B * NH * T if attention == "flash"         # flash_delta
+                            else 2 * N * C + 3 * N * C + B * NH * T * T)  # attention_y, _dy, _dqkvr, _datt
+        floats = (attention_floats
                   + -(-N // chunk) * widest        # column_partial (the widest reduction)
                   + self.norm_max_blocks + 1)      # norm_partial, norm_total
         uploads = 2 * N + (2 * N + 1 + N)          # inputs, targets; encoder_backward's token groups (int32)
         return 4 * (floats + uploads) + CUBLAS_WORKSPACE
 
-    def memory_needed(self, cfg, B, T, optimizer_elements=None):
+    def memory_needed(self, cfg, B, T, optimizer_elements=None, attention="naive"):
         """{part: bytes} a training run of model cfg at micro-batch (B, T) allocates on this device: the model's
         parameters and gradients, AdamW's m and v (optimizer_elements each: this rank's ZeRO-1 shard, default
         all parameters), the activations and token buffers, the backward's gradient scratch, this backend's
-        scratch. gpt2np.model.GPT2 allocates exactly the model's parts (tests/test_gpu_ready.py checks it)."""
+        scratch. gpt2np.model.GPT2 allocates exactly the model's parts (tests/test_gpu_ready.py checks it).
+        attention: the model's ("naive" or "flash": its activations and scratch differ)."""
         from ...tensors import activation_shapes, layout_size, num_parameters
         P = num_parameters(cfg)
         opt = P if optimizer_elements is None else int(optimizer_elements)
@@ -250,12 +253,13 @@ class CudaBackend:
         return {
             "parameters and gradients": 4 * 2 * P,
             "AdamW m, v": 4 * max(2 * opt, P),            # at least the one-time upload of loaded weights
-            "activations": 4 * layout_size(activation_shapes(cfg, B, T)) + 4 * 2 * B * T,
+            "activations": 4 * layout_size(activation_shapes(cfg, B, T, attention)) + 4 * 2 * B * T,
             "backward scratch": 4 * B * T * C * (1 + 1 + 3 + 4),
-            "kernel scratch": self.scratch_needed(cfg, B, T),
+            "kernel scratch": self.scratch_needed(cfg, B, T, attention),
         }
 
-    def check_memory_fits(self, cfg, B, T, optimizer_elements=None, model_name="the model", reserved=0, sharers=1):
+    def check_memory_fits(self, cfg, B, T, optimizer_elements=None, model_name="the model", reserved=0, sharers=1,
+                          attention="naive"):
         """Raise DeviceMemoryError with one line when a training run at (B, T) needs more than its share of the
         device's free memory (split between `sharers` processes on this GPU, less MEMORY_HEADROOM and `reserved`,
         e.g. NCCL's buffers); the line says what is needed, what is free, and the largest B that fits at this T
@@ -266,13 +270,13 @@ class CudaBackend:
         budget = free // max(1, sharers) - MEMORY_HEADROOM - reserved
 
         def needed(b, t):
-            return sum(self.memory_needed(cfg, b, t, optimizer_elements).values())
+            return sum(self.memory_needed(cfg, b, t, optimizer_elements, attention).values())
 
         total = needed(B, T)
         if total <= budget:
             return total
         gb = 1e9
-        parts = self.memory_needed(cfg, B, T, optimizer_elements)
+        parts = self.memory_needed(cfg, B, T, optimizer_elements, attention)
         biggest = max(parts, key=parts.get)
         line = (f"-b {B} -t {T}: {model_name} needs {total / gb:.1f} GB on {self.device_name()} "
                 f"({biggest} {parts[biggest] / gb:.1f} GB), {free / gb:.1f} GB is free"
@@ -581,6 +585,57 @@ class CudaBackend:
                    batch=BH, stride_a=mat, stride_b=head, stride_c=head)
         self._launch("permute_backward", *self._elementwise(3 * n),
                      (dinp, dqkvr, _i32(B), _i32(T), _i32(NH), _i32(HS)), term="permute_backward")
+
+    # ---- flash attention ----------------------------------------------------------------
+    def _flash_shapes(self, op, inp, lse):
+        """(B, T, NH, C) of a flash attention call, checked against what kernels/flash_attention.cu can run."""
+        B, T, C3 = inp.shape
+        C = C3 // 3
+        NH = lse.shape[1] if lse.ndim == 3 else 0
+        self._check_shape(op, "lse", lse, (B, NH, T))
+        if C3 != 3 * C or NH < 1 or NH * FLASH_HEAD_SIZE != C:
+            raise KernelArgumentError(f"CudaBackend.{op}: the flash attention kernels need head size {FLASH_HEAD_SIZE} "
+                                      f"(kernels/flash_attention.cu), got C={C}, NH={NH} (HS={C / max(NH, 1):g}); "
+                                      f"use --attention naive")
+        if B * NH > GRID_Y_LIMIT:
+            raise KernelArgumentError(f"CudaBackend.{op}: B*NH={B * NH} blocks per column exceeds gridDim.y's limit "
+                                      f"{GRID_Y_LIMIT}; use a smaller batch")
+        self._check_int_size(op, "inp", B * T * C3)
+        capability = getattr(self.rt, "compute_capability", None)
+        if capability is not None and capability() < 80:
+            raise KernelArgumentError(f"CudaBackend.{op}: the flash attention kernels need TF32 tensor cores "
+                                      f"(sm_80 or newer), {self.device_name()} is sm_{capability()}; "
+                                      f"use --attention naive")
+        return B, T, NH, C
+
+    def flash_attention_forward(self, out, lse, inp):
+        """Causal self-attention without the (T,T) matrix: inp (B,T,3C) -> out (B,T,C), lse (B,NH,T) (the log-sum-exp
+        of each row of the scaled, masked scores). One kernel: a block per (32-query tile, batch*head), online
+        softmax over the key tiles, tensor-core (WMMA TF32) products; head size 64 only."""
+        op = "flash_attention_forward"
+        B, T, NH, C = self._flash_shapes(op, inp, lse)
+        self._check_shape(op, "out", out, (B, T, C))
+        self._launch(op, (-(-T // FLASH_TILE), B * NH), (FLASH_THREADS,),
+                     (out, lse, inp, _i32(B), _i32(T), _i32(NH), _f32(1 / math.sqrt(FLASH_HEAD_SIZE))),
+                     term="attention")
+
+    def flash_attention_backward(self, dinp, dout, inp, out, lse):
+        """dinp (B,T,3C) = d[q|k|v] from dout (B,T,C) and forward's inp, out, lse; probabilities recomputed.
+        Three kernels, no atomics (bitwise reproducible): D = rowsum(dout * out) per head, then dK and dV (a block
+        per key tile looping over the query tiles), then dQ (a block per query tile looping over the key tiles)."""
+        op = "flash_attention_backward"
+        B, T, NH, C = self._flash_shapes(op, inp, lse)
+        self._check_shape(op, "dinp", dinp, inp.shape)
+        self._check_shape(op, "dout", dout, (B, T, C))
+        self._check_shape(op, "out", out, (B, T, C))
+        delta = self.scratch("flash_delta", (B, NH, T))
+        rows = B * NH * T
+        self._launch("flash_attention_backward_delta", *self._row_launch(rows),
+                     (delta, dout, out, _i32(B), _i32(T), _i32(NH), _i32(FLASH_HEAD_SIZE)), term="delta")
+        grid, block = (-(-T // FLASH_TILE), B * NH), (FLASH_THREADS,)
+        args = (dinp, dout, inp, lse, delta, _i32(B), _i32(T), _i32(NH), _f32(1 / math.sqrt(FLASH_HEAD_SIZE)))
+        self._launch("flash_attention_backward_dkv", grid, block, args, term="dkv")
+        self._launch("flash_attention_backward_dq", grid, block, args, term="dq")
 
     # ---- gelu ---------------------------------------------------------------------------
     def gelu_forward(self, out, inp):

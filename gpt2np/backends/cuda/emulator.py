@@ -23,6 +23,11 @@ Supported CUDA subset (details at the top of emu/cuda_emu.h):
     votes (__all_sync, __any_sync, __ballot_sync), __reduce_*_sync, __match_*_sync,
     atomics via std::atomic_ref, and a cooperative_groups subset (thread_block,
     tiled_partition<N>, tile shuffles/votes, cg::reduce with cg::plus/less/greater, scans).
+  * <mma.h>: nvcuda::wmma m16n16k8 TF32 fragments (load/store/mma_sync as warp collectives,
+    fill_fragment, __float_to_tf32), TF32 inputs and fp32 accumulation (emu/include/mma.h). The
+    element layout of fragments is picked per launch (wmma_layout: 0 natural, else a seeded
+    permutation; GPT2NP_EMU_WMMA_LAYOUT), so comparing two layouts catches a kernel that
+    depends on the layout, which CUDA leaves unspecified.
   * Not emulated: half/bfloat16, textures, grid-wide sync, memcpy_async, inline PTX.
 
 Semantics and checks:
@@ -96,7 +101,7 @@ from ...paths import EMU_HEADERS_DIR
 EMU_DIR = EMU_HEADERS_DIR
 SHIM_HEADER = EMU_DIR / "cuda_emu.h"
 SHIM_INCLUDE_DIR = EMU_DIR / "include"
-EMULATOR_VERSION = "1"          # bump to invalidate every cached module
+EMULATOR_VERSION = "2"          # bump to invalidate every cached module
 
 SCHEDULES = {"forward": 0, "reverse": 1}
 DEFAULT_DYNAMIC_SHARED = 48 * 1024      # as CUDA, without cudaFuncSetAttribute
@@ -351,7 +356,8 @@ def _build(code: str, name: str, includes: list[str], macros: list[str], so_path
 
 class _Launcher(ctypes.Structure):
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("shared_mem", ctypes.c_ulonglong), ("schedule", ctypes.c_int)]
+                ("shared_mem", ctypes.c_ulonglong), ("schedule", ctypes.c_int),
+                ("wmma_layout", ctypes.c_uint), ("wmma_tf32", ctypes.c_int)]
 
 
 _LOADED: dict[str, ctypes.CDLL] = {}
@@ -371,6 +377,21 @@ def _load(so_path: Path) -> ctypes.CDLL:
             lib.gpt2np_emu_module_info.restype = ctypes.c_char_p
             _LOADED[key] = lib
         return _LOADED[key]
+
+
+def resolve_wmma_layout(value=None) -> int:
+    """The WMMA fragment element layout: `value`, else $GPT2NP_EMU_WMMA_LAYOUT, else 0 (the natural one);
+    any other integer in [0, 2^32) seeds a permutation (see emu/include/mma.h)."""
+    if value is None:
+        value = os.environ.get("GPT2NP_EMU_WMMA_LAYOUT") or 0
+    try:
+        layout = int(value)
+    except (TypeError, ValueError):
+        layout = -1
+    if not 0 <= layout < 2 ** 32 or isinstance(value, bool):
+        raise ValueError(f"CUDA emulator: WMMA layout must be an integer in [0, 2^32), got {value!r} "
+                         f"(GPT2NP_EMU_WMMA_LAYOUT or wmma_layout=...)")
+    return layout
 
 
 def _check_schedule(schedule: str) -> str:
@@ -596,16 +617,21 @@ class EmuModule:
 
     code: the CUDA source text. options: NVRTC-style options (-I, -D, -U used; others ignored
     and listed in .ignored_options). include_dirs: more -I directories. schedule: "forward" or
-    "reverse" (default $GPT2NP_EMU_SCHEDULE or "forward"); settable later. name: file name the
+    "reverse" (default $GPT2NP_EMU_SCHEDULE or "forward"); settable later. wmma_layout: the element
+    layout of WMMA fragments, 0 natural, any other integer a seeded permutation (default
+    $GPT2NP_EMU_WMMA_LAYOUT or 0; settable later; see emu/include/mma.h). wmma_tf32: WMMA inputs are
+    TF32 as on the hardware (default); False computes them in fp32, a test aid. name: file name the
     source is compiled under, shown in compiler errors and assert messages.
     Attributes: kernels ({name: [(param name, declared type)]}), path (the cached .so).
     """
 
     def __init__(self, code: str, options: tuple = (), include_dirs=(), schedule: str | None = None,
-                 name: str = "kernel.cu"):
+                 name: str = "kernel.cu", wmma_layout: int | None = None, wmma_tf32: bool = True):
         includes, macros, self.ignored_options = _split_options(options)
         includes = [str(Path(d).resolve()) for d in [*includes, *include_dirs]]
         self.schedule = schedule or os.environ.get("GPT2NP_EMU_SCHEDULE", "forward")
+        self.wmma_layout = wmma_layout
+        self.wmma_tf32 = bool(wmma_tf32)
         found: dict[str, str] = {}
         _quoted_includes(code, None, [Path(d) for d in includes], found)
         key = hashlib.sha256("\0".join([
@@ -626,6 +652,14 @@ class EmuModule:
     @schedule.setter
     def schedule(self, value: str) -> None:
         self._schedule = _check_schedule(value)
+
+    @property
+    def wmma_layout(self) -> int:
+        return self._wmma_layout
+
+    @wmma_layout.setter
+    def wmma_layout(self, value) -> None:
+        self._wmma_layout = resolve_wmma_layout(value)
 
     def get_function(self, name: str) -> EmuFunction:
         if name not in self.kernels:
@@ -755,7 +789,8 @@ class EmuFunction:
             hint += " (CuPy would pass a Python int as int64 and a float as double)"
         raise self._arg_error(k, f"expected a numpy.{want} scalar, got {_describe(arg)}; {hint}")
 
-    def __call__(self, grid, block, args, *, shared_mem: int = 0, schedule: str | None = None):
+    def __call__(self, grid, block, args, *, shared_mem: int = 0, schedule: str | None = None,
+                 wmma_layout: int | None = None):
         grid = _dims(grid, "grid", self.name)
         block = _dims(block, "block", self.name)
         if block[0] > 1024 or block[1] > 1024 or block[2] > 64 or block[0] * block[1] * block[2] > 1024:
@@ -772,8 +807,9 @@ class EmuFunction:
                              f"{MAX_DYNAMIC_SHARED})")
         sched = _check_schedule(schedule) if schedule is not None else self.module.schedule
         pointers, keep, buffers = self._pack(args)
+        layout = self.module.wmma_layout if wmma_layout is None else resolve_wmma_layout(wmma_layout)
         cfg = _Launcher((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
-                        SCHEDULES[sched])
+                        SCHEDULES[sched], layout, int(self.module.wmma_tf32))
         lib = self.module._lib
         with _LAUNCH_LOCK:
             rc = self._launch(ctypes.byref(cfg), pointers)

@@ -41,7 +41,27 @@ def nvrtc_options(kernel_dir):
     digest = hashlib.sha1()
     for header in sorted(kernel_dir.glob("*.cuh")):
         digest.update(header.name.encode() + b"\0" + header.read_bytes())
-    return ("--std=c++17", f"-I{kernel_dir}", f"-DGPT2NP_HEADERS_SHA1={digest.hexdigest()[:16]}")
+    return ("--std=c++17", f"-I{kernel_dir}", f"-DGPT2NP_HEADERS_SHA1={digest.hexdigest()[:16]}",
+            *(f"-I{d}" for d in wmma_include_dirs()))
+
+
+def wmma_include_dirs():
+    """Where NVRTC finds <mma.h>'s "crt/mma.h" (kernels/flash_attention.cu uses nvcuda::wmma): nothing when the
+    nvidia-cuda-runtime wheel's include folder (on CuPy's include path) has it (the nvidia-cuda-crt wheel puts it
+    there), else a CUDA toolkit's include folder that has it ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda)."""
+    import os
+    try:
+        import nvidia
+        wheels = [Path(p) / "cu13" / "include" for p in nvidia.__path__]
+    except ImportError:
+        wheels = []
+    if any((d / "crt" / "mma.h").is_file() for d in wheels):
+        return ()
+    toolkits = [Path(os.environ[v]) / "include" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    for d in toolkits + [Path("/usr/local/cuda/include")]:
+        if (d / "crt" / "mma.h").is_file():
+            return (str(d.resolve()),)
+    return ()
 
 
 class CupyRuntime:
@@ -99,6 +119,10 @@ class CupyRuntime:
 
     def total_memory(self):
         return int(self.cp.cuda.runtime.memGetInfo()[1])
+
+    def compute_capability(self):
+        """The current device's compute capability as an int, e.g. 80 for sm_80."""
+        return int(self.cp.cuda.Device().compute_capability)
 
     def device_name(self):
         props = self.cp.cuda.runtime.getDeviceProperties(self.cp.cuda.Device().id)

@@ -51,16 +51,22 @@ class EmuRuntime:
     name = "emulator"
     tf32 = False            # GEMMs in exact fp32 NumPy; EmuRuntime(tf32=True) rounds their inputs to TF32
 
-    def __init__(self, schedule=None, guard=None, tf32=False):
+    def __init__(self, schedule=None, guard=None, tf32=False, wmma_layout=None, wmma_tf32=True):
         """schedule: "forward", "reverse", or None for the emulator's default ($GPT2NP_EMU_SCHEDULE or forward).
         guard: where each device allocation's PROT_NONE guard page goes: "after" (the last byte touches it, so
         an overrun faults), "before" (the first byte follows it: underruns fault) or "off" (plain NumPy arrays);
         None for $GPT2NP_EMU_GUARD or "after". See emulator.device_array.
-        tf32: round the GEMM inputs to TF32 as tensor cores do (see the module docstring)."""
+        tf32: round the GEMM inputs to TF32 as tensor cores do (see the module docstring).
+        wmma_layout: the element layout of WMMA fragments in kernels (0 natural, any other integer a seeded
+        permutation; None for $GPT2NP_EMU_WMMA_LAYOUT or 0): results must not depend on it.
+        wmma_tf32: kernels' WMMA (tensor core) inputs are TF32, as on every GPU; False computes them in fp32, a test
+        aid that checks a kernel's algorithm to fp32 rounding (emu/include/mma.h)."""
         if schedule not in (None, "forward", "reverse"):
             raise ValueError(f"EmuRuntime: schedule must be 'forward' or 'reverse', got {schedule!r}")
-        from .emulator import guard_mode
+        from .emulator import guard_mode, resolve_wmma_layout
         self.schedule = schedule
+        self.wmma_layout = resolve_wmma_layout(wmma_layout)
+        self.wmma_tf32 = bool(wmma_tf32)
         self.tf32 = bool(tf32)
         self.guard = guard_mode(guard)
 
@@ -72,7 +78,8 @@ class EmuRuntime:
         """Compile kernels/<file>.cu (its directory is the include path) -> module."""
         from .emulator import EmuModule
         path = Path(path)
-        return EmuModule(path.read_text(), include_dirs=(str(path.parent),), schedule=self.schedule, name=path.name)
+        return EmuModule(path.read_text(), include_dirs=(str(path.parent),), schedule=self.schedule, name=path.name,
+                         wmma_layout=self.wmma_layout, wmma_tf32=self.wmma_tf32)
 
     def launch(self, function, grid, block, args, shared_mem=0):
         function(grid, block, args, shared_mem=shared_mem)

@@ -57,6 +57,7 @@ enum : uint8_t {
     OP_SHFL_IDX, OP_SHFL_UP, OP_SHFL_DOWN, OP_SHFL_XOR, OP_ALL, OP_ANY, OP_BALLOT, OP_SYNCWARP,
     OP_REDUCE_ADD_I, OP_REDUCE_ADD_U, OP_REDUCE_MIN_I, OP_REDUCE_MIN_U, OP_REDUCE_MAX_I,
     OP_REDUCE_MAX_U, OP_REDUCE_AND, OP_REDUCE_OR, OP_REDUCE_XOR, OP_MATCH_ANY, OP_MATCH_ALL,
+    OP_WMMA_LOAD, OP_WMMA_STORE, OP_WMMA_MMA,
     OP_COUNT
 };
 static const char* const kOpNames[OP_COUNT] = {
@@ -64,7 +65,7 @@ static const char* const kOpNames[OP_COUNT] = {
     "__any_sync", "__ballot_sync", "__syncwarp", "__reduce_add_sync", "__reduce_add_sync",
     "__reduce_min_sync", "__reduce_min_sync", "__reduce_max_sync", "__reduce_max_sync",
     "__reduce_and_sync", "__reduce_or_sync", "__reduce_xor_sync", "__match_any_sync",
-    "__match_all_sync"};
+    "__match_all_sync", "wmma::load_matrix_sync", "wmma::store_matrix_sync", "wmma::mma_sync"};
 
 // Block barriers: __syncthreads and its predicate-reducing variants.
 enum : uint8_t { BAR_SYNC, BAR_COUNT, BAR_AND, BAR_OR };
@@ -126,6 +127,8 @@ int g_fault_access = 0;           // 0 none, 1 read, 2 write, 3 unknown (see gpt
 alignas(256) unsigned char g_dyn_smem[kMaxDynSmem];   // extern __shared__ memory
 unsigned long long g_dyn_smem_bytes = 0;
 alignas(16) unsigned char g_altstack[64 * 1024];
+unsigned g_wmma_layout = 0;       // which element layout WMMA fragments use this launch (include/mma.h)
+int g_wmma_tf32 = 1;              // 0: WMMA in fp32, a test aid (include/mma.h)
 
 // Static __shared__ variables live in this section; the linker brackets it.
 __attribute__((section("emu_shared"), used)) char g_shared_anchor[16];
@@ -355,6 +358,24 @@ inline void complete_warp_op(unsigned w, WarpOp& op) {
     }
     case OP_SYNCWARP:
         break;
+    case OP_WMMA_LOAD: case OP_WMMA_STORE: case OP_WMMA_MMA: {
+        // a warp-wide WMMA operation (include/mma.h): each lane handed in a pointer to its request
+        // and the function that completes the operation for the whole warp; it runs once, here,
+        // while every lane waits, so it may read and write every lane's fragment.
+        void* requests[32];
+        void (*finish)(void* const*) = nullptr;
+        for (unsigned l = 0; l < 32; l++) {
+            memcpy(&requests[l], lanes[l].in, sizeof(void*));
+            void (*fn)(void* const*);
+            memcpy(&fn, lanes[l].in + sizeof(void*), sizeof fn);
+            if (finish && fn != finish)
+                fail("lanes of warp %u reached %s with different fragment types or layouts: every "
+                     "lane of the warp must call the same WMMA operation", w, kOpNames[op.kind]);
+            finish = fn;
+        }
+        finish(requests);
+        break;
+    }
     case OP_MATCH_ANY: case OP_MATCH_ALL: {
         bool all_equal = true;
         unsigned first = __builtin_ctz(m);
@@ -574,6 +595,8 @@ struct LaunchConfig {          // mirrored by ctypes in emulator.py
     unsigned block[3];
     unsigned long long shared_mem;
     int schedule;              // 0 forward, 1 reverse
+    unsigned wmma_layout;      // WMMA fragment element layout: 0 natural, else a seed (include/mma.h)
+    int wmma_tf32;             // 1: WMMA inputs are TF32 (the hardware); 0: fp32 (a test aid)
 };
 
 inline bool ensure_capacity(unsigned n) {
@@ -662,6 +685,8 @@ inline int run_grid(const LaunchConfig* c) {
     blockDim = dim3(bx, by, bz);
     gridDim = dim3(c->grid[0], c->grid[1], c->grid[2]);
     g_dyn_smem_bytes = c->shared_mem;
+    g_wmma_layout = c->wmma_layout;
+    g_wmma_tf32 = c->wmma_tf32;
     const unsigned long long gx = c->grid[0], gy = c->grid[1], gz = c->grid[2];
     const unsigned long long nblocks = gx * gy * gz;
     install_fault_handlers();
