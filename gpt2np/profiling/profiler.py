@@ -41,6 +41,7 @@ TERM_MODULES = {("encoder_backward", "dwpe"): "wpe", ("encoder_forward", "dwpe")
 
 # the CUDA call each Runtime method stands for (API rows when CUPTI does not record the real ones)
 API_NAMES = {"launch": "cuLaunchKernel", "gemm": "cublasSgemm_v2", "gemm_batched": "cublasSgemmStridedBatched",
+             "gemm_epilogue": "cublasLtMatmul",
              "from_host": "cudaMemcpyAsync", "to_host": "cudaMemcpy", "copy": "cudaMemcpyAsync",
              "fill": "cudaMemsetAsync", "zeros": "cudaMalloc", "empty": "cudaMalloc",
              "synchronize": "cudaStreamSynchronize", "event": "cudaEventCreate", "compile": "cuModuleLoadData"}
@@ -82,8 +83,10 @@ class RecordingRuntime:
         self._prof._set_dims(grid, block)
         return self._call(API_NAMES["launch"], self._rt.launch, function, grid, block, args, shared_mem)
 
-    def gemm(self, *args):
+    def gemm(self, *args, **epilogue):
         batch = args[-1] if len(args) > 17 else 1
+        if epilogue:                          # a GEMM with an epilogue (runtime.EPILOGUES): cuBLASLt's call
+            return self._call(API_NAMES["gemm_epilogue"], lambda *a: self._rt.gemm(*a, **epilogue), *args)
         return self._call(API_NAMES["gemm_batched" if batch > 1 else "gemm"], self._rt.gemm, *args)
 
     def from_host(self, array):
