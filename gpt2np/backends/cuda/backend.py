@@ -101,6 +101,7 @@ LAUNCH_SETTINGS = {
 SHARED_LIMIT = 48 << 10          # dynamic shared memory a kernel gets without opting in to more
 EPILOGUE_ALIGNMENT = 16          # bytes: what we ask of the bias and aux pointers of a GEMM epilogue
 CUBLAS_WORKSPACE = 32 << 20      # cuBLAS's default workspace per handle on Hopper (4 MiB before): an allowance
+CUBLASLT_WORKSPACE = 32 << 20    # the cuBLASLt workspace of the epilogue GEMMs (runtime_cupy.LT_WORKSPACE)
 MEMORY_HEADROOM = 256 << 20      # CUDA context growth, NVRTC modules, allocator rounding: kept free
 
 
@@ -234,7 +235,7 @@ class CudaBackend:
     def scratch_needed(self, cfg, B, T):
         """Peak bytes of this backend's scratch buffers (scratch()) for a training step of model cfg at (B, T):
         the attention work buffers, the column reductions' partial sums, the global norm's partials, the upload
-        of encoder_backward's token groups, and cuBLAS's workspace (an allowance)."""
+        of encoder_backward's token groups, and cuBLAS's (and cuBLASLt's) workspace (an allowance)."""
         C, NH = cfg.channels, cfg.num_heads
         N = B * T
         chunk = max(1, self.reduce_rows_per_chunk, -(-N // GRID_Y_LIMIT))     # as in _column_sums
@@ -247,7 +248,8 @@ class CudaBackend:
                   + 4 * C                          # bias_grad (an epilogue's bias gradient, before it is added)
                   + self.norm_max_blocks + 1)      # norm_partial, norm_total
         uploads = 2 * N + (2 * N + 1 + N)          # inputs, targets; encoder_backward's token groups (int32)
-        return 4 * (floats + uploads) + CUBLAS_WORKSPACE
+        lt = CUBLASLT_WORKSPACE if getattr(self.rt, "epilogues", False) else 0
+        return 4 * (floats + uploads) + CUBLAS_WORKSPACE + lt
 
     def memory_needed(self, cfg, B, T, optimizer_elements=None):
         """{part: bytes} a training run of model cfg at micro-batch (B, T) allocates on this device: the model's
@@ -388,10 +390,11 @@ class CudaBackend:
             raise KernelArgumentError(f"CudaBackend.{op}: {what} is not {alignment}-byte aligned "
                                       f"(address {address:#x}); the kernel loads float4")
 
-    def _epilogues_ok(self, *arrays):
-        """Whether a GEMM epilogue can run here on these bias/aux arrays: the runtime has epilogues and each array
-        starts EPILOGUE_ALIGNMENT-aligned (the model's views are; a stray view falls back to separate kernels)."""
-        return bool(getattr(self.rt, "epilogues", False)) and all(
+    def _epilogues_ok(self, *arrays, ld_aux=8):
+        """Whether a GEMM epilogue can run here on these bias/aux arrays: the runtime has epilogues, each array
+        starts EPILOGUE_ALIGNMENT-aligned (the model's views are; a stray view falls back to separate kernels), and
+        the aux matrix's row stride is a multiple of 8 (cuBLASLt's rule for CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD)."""
+        return bool(getattr(self.rt, "epilogues", False)) and ld_aux % 8 == 0 and all(
             self.rt.pointer(x) % EPILOGUE_ALIGNMENT == 0 for x in arrays if x is not None)
 
     def _row_launch(self, rows):
@@ -604,7 +607,7 @@ class CudaBackend:
         for what, array in (("out", out), ("pre", pre)):
             self._check_shape(op, what, array, (*inp.shape[:-1], OC))
         self._check_shape(op, "bias", bias, (OC,))
-        if self._epilogues_ok(bias, pre):
+        if self._epilogues_ok(bias, pre, ld_aux=OC):
             self._gemm("gemm_" + op, False, True, N, OC, C, inp, C, weight, C, out, OC, term="gemm",
                        epilogue="gelu_bias", bias=bias, aux=pre, ld_aux=OC)
             return
@@ -624,7 +627,7 @@ class CudaBackend:
         self._check_shape(op, "dinp", dinp, inp.shape)
         self._check_shape(op, "pre", pre, inp.shape)
         self._check_shape(op, "dweight", dweight, weight.shape)
-        if self._epilogues_ok(pre):
+        if self._epilogues_ok(pre, ld_aux=C):
             self._gemm("gemm_" + op + "_dinp", False, False, N, C, OC, dout, OC, weight, C, dinp, C, term="dinp",
                        epilogue="dgelu", aux=pre, ld_aux=C)
         else:
