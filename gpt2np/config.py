@@ -159,6 +159,10 @@ class TrainConfig:
                                      "tensor cores (sm_80+)", choices=("fp32", "tf32"),
                                      default_text="tf32 on a GPU with tensor cores and fp32 elsewhere")
     tf32: bool = _setting("--tf32", False, "the same as --precision tf32 (kept for llm.c-style command lines)")
+    fuse: int | None = _setting("--fuse", help="1 = fused kernels: bias, GELU, dGELU and bias-gradient GEMM epilogues "
+                                "(cuBLASLt), residual + LayerNorm in one kernel, one-pass LayerNorm backward; 0 = one "
+                                "kernel per op. On the CPU the fused ops compose the same NumPy ops (same numbers)",
+                                cpu_gpu=(0, 1), choices=(0, 1))
     profile_steps: int = _setting("--profile", 0, "profile N steps after a warm-up step: kernel table, module tree, "
                                   "range summary; files in -o/profile", metavar="N",
                                   allowed=integer(0, words="an integer >= 0 (0 = off)"),

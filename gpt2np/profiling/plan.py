@@ -95,6 +95,7 @@ class Plan:
     syncs: List[dict]
     notes: List[str] = field(default_factory=list)
     measured: Optional[dict] = None     # {"device", "timing", "emulated", "precision", "records"}
+    fuse: bool = True                   # the model's fused ops (GEMM epilogues, residual + LayerNorm): --fuse
 
     @property
     def kernels(self) -> List[Launch]:
@@ -194,8 +195,9 @@ def launch_floor(record: KernelRecord, roof: Roofline):
     return floor, "compute" if compute * 1e9 >= floor else "memory"
 
 
-def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name="") -> Plan:
-    """Plan one training step of GPT-2 `cfg` at micro-batch (B, T) on `gpu` (see the module docstring)."""
+def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name="", fuse=True) -> Plan:
+    """Plan one training step of GPT-2 `cfg` at micro-batch (B, T) on `gpu` (see the module docstring); fuse: the
+    model's fused ops (GPT2's `fuse`, the trainer's --fuse)."""
     from ..backends.cuda.backend import CudaBackend
     from ..backends.cuda.runtime_plan import PlanRuntime
     from ..model import GPT2
@@ -204,7 +206,7 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
     roof = roofline(spec, "fp32", matmul_precision=precision)
     rt = PlanRuntime(spec.name, tf32=precision == "tf32")
     backend = CudaBackend(rt)
-    model = GPT2(cfg, backend, B, T)                  # no seed: nothing to initialise, nothing to upload
+    model = GPT2(cfg, backend, B, T, fuse=fuse)       # no seed: nothing to initialise, nothing to upload
     batches = batches or random_batches(cfg, B, T)
 
     def before():
@@ -218,7 +220,8 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
         term = next(kernels) if record.kind == "kernel" else None
         launches.append(Launch(record, term, *launch_floor(record, roof)))
     syncs = [dict(s, where=list(s["where"])) for s in rt.syncs]
-    return Plan(model_name or "GPT-2", cfg, B, T, spec, precision, roof, launches, prof.memory, syncs, notes)
+    return Plan(model_name or "GPT-2", cfg, B, T, spec, precision, roof, launches, prof.memory, syncs, notes,
+                fuse=bool(fuse))
 
 
 def measure(plan: Plan, backend, params=None, batches=None, activity_source="auto") -> Plan:
@@ -226,7 +229,7 @@ def measure(plan: Plan, backend, params=None, batches=None, activity_source="aut
     time of each launch beside its floor (plan.measured, Launch.measured_ns). params: the model's weights (host
     array), else a random init."""
     from ..model import GPT2
-    model = GPT2(plan.cfg, backend, plan.B, plan.T, seed=0 if params is None else None)
+    model = GPT2(plan.cfg, backend, plan.B, plan.T, seed=0 if params is None else None, fuse=plan.fuse)
     if params is not None:
         model.load_params(params)
     prof, _ = profiled_step(model, batches or random_batches(plan.cfg, plan.B, plan.T),
@@ -353,7 +356,8 @@ def header(plan: Plan) -> str:
     spec, roof = plan.gpu, plan.roof
     gemm = f"{roof.matmul_peak_flops / 1e12:g} TFLOP/s {plan.precision} GEMMs" + (
         " on tensor cores" if plan.precision != "fp32" else " on CUDA cores")
-    lines = [f"Plan of one training step: {plan.model}, B={plan.B}, T={plan.T}, on {spec.name} [{PLAN_NOTE}]",
+    lines = [f"Plan of one training step: {plan.model}, B={plan.B}, T={plan.T}, on {spec.name}"
+             f"{'' if plan.fuse else ' (--fuse 0: one kernel per op)'} [{PLAN_NOTE}]",
              f"peaks: {spec.fp32:g} TFLOP/s fp32 kernels, {gemm}, {spec.mem_gbps:g} GB/s HBM",
              "floor of a launch = max(FLOPs / peak, minimum bytes / bandwidth), FLOPs and bytes from the op "
              "contract's cost formulas"]
@@ -558,7 +562,8 @@ def run(args, cfg, params, desc) -> int:
             raise BadInput(f"--measure on {gpu}: gpu_specs has no peak numbers for it; name the GPU to plan "
                            f"for with --gpu")
     batches = random_batches(cfg, args.batch_size, args.seq_len)
-    plan = plan_step(cfg, args.batch_size, args.seq_len, gpu, precision, batches, model_name=desc)
+    plan = plan_step(cfg, args.batch_size, args.seq_len, gpu, precision, batches, model_name=desc,
+                     fuse=bool(args.fuse))
     if backend is not None:
         measure(plan, backend, params, batches)
     print(render(plan, launches=args.plan_launches), end="")

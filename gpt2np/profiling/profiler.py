@@ -503,6 +503,9 @@ def main(argv=None):
     plan.add_argument("--precision", choices=["tf32", "fp32"],
                       help="GEMM math of the plan: tf32 tensor cores (default) or fp32 CUDA cores")
     plan.add_argument("--plan-launches", action="store_true", help="print every launch of the plan")
+    plan.add_argument("--fuse", type=int, choices=[0, 1], default=1,
+                      help="1 = the fused ops (GEMM epilogues, residual + LayerNorm, one-pass LayerNorm backward), "
+                           "0 = one kernel per op, as train.py's --fuse (default 1)")
     plan.add_argument("--measure", action="store_true",
                       help="run the planned step for real (--device cuda, or emu: CPU times) and print the measured "
                            "time beside each floor")
@@ -511,7 +514,7 @@ def main(argv=None):
     integer(1).check("-t", args.seq_len, "the sequence length T")
     integer(1).check("--steps", args.steps, "the number of profiled steps")
     planning = {"--gpu": args.gpu is not None, "--precision": args.precision is not None,
-                "--plan-launches": args.plan_launches, "--measure": args.measure}
+                "--plan-launches": args.plan_launches, "--measure": args.measure, "--fuse": args.fuse != 1}
     if not args.plan and any(planning.values()):
         raise BadInput(f"{next(flag for flag, given in planning.items() if given)} needs --plan")
     views = V.parse_views(args.views)
