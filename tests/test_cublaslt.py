@@ -141,8 +141,9 @@ def test_fake_cublaslt_has_nvmaths_interface_and_values():
     """Where nvmath-python is installed (the cuda extra): the fake's signatures and attribute types are the real
     bindings', and runtime_cupy's enum values are nvmath's."""
     lt = pytest.importorskip("nvmath.bindings.cublasLt")
-    from nvmath.bindings import cublas
     import inspect
+
+    from nvmath.bindings import cublas
     fake = FakeCublasLt()
     for name in ("create", "destroy", "matrix_layout_create", "matrix_layout_destroy", "matmul_desc_create",
                  "matmul_desc_destroy", "matmul_desc_set_attribute", "matmul_preference_create",
