@@ -65,7 +65,7 @@ def other_cores(before, after):
 def step_gemms(op, args):
     """The GEMMs one op call runs, as (m, n, k, batch, a_transposed, b_transposed): C (m,n) = A (m,k) B (k,n)."""
     if op == "matmul_forward":
-        out, inp, weight, bias = args
+        out, inp, weight, bias = args[:4]               # (and `fused`, when the model passes it)
         OC, C = weight.shape
         return [(inp.size // C, OC, C, 1, False, True)]
     if op == "matmul_backward":

@@ -163,6 +163,10 @@ class TrainConfig:
                                      "probabilities recomputed in backward; on a GPU TF32 tensor cores, head size 64, "
                                      "sm_80+) or naive (the (T,T) probabilities kept)", cpu_gpu=("naive", "flash"),
                                      choices=("flash", "naive"))
+    fuse: int | None = _setting("--fuse", help="1 = fused kernels: bias, GELU, dGELU and bias-gradient GEMM epilogues "
+                                "(cuBLASLt), residual + LayerNorm in one kernel, one-pass LayerNorm backward; 0 = one "
+                                "kernel per op. On the CPU the fused ops compose the same NumPy ops (same numbers)",
+                                cpu_gpu=(0, 1), choices=(0, 1))
     profile_steps: int = _setting("--profile", 0, "profile N steps after a warm-up step: kernel table, module tree, "
                                   "range summary; files in -o/profile", metavar="N",
                                   allowed=integer(0, words="an integer >= 0 (0 = off)"),

@@ -33,7 +33,9 @@ class GPT2:
     """
 
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, seed=None,
-                 decay_tensors=DECAYED_BY_DEFAULT, attention="naive"):
+                 decay_tensors=DECAYED_BY_DEFAULT, attention="naive", fuse=None):
+        """fuse: call the fused ops (GEMM epilogues, residual + LayerNorm, one-pass LayerNorm backward); None = on
+        backends that launch kernels (CUDA), off on NumPy, where they would only compose the same ops."""
         if not 0 < T <= cfg.max_seq_len:
             raise ValueError(f"sequence length T={T} must be in 1..{cfg.max_seq_len} (the model's max_seq_len)")
         if B < 1:
@@ -43,6 +45,7 @@ class GPT2:
         self.num_parameters = num_parameters(cfg)
         self.param_shapes = param_shapes(cfg)
         self.decay_tensors = tuple(decay_tensors)
+        self.fuse = bool(backend.launches_kernels if fuse is None else fuse)
         self.params = backend.zeros(self.num_parameters)
         self.param = views(self.params, self.param_shapes)
         self._grads = backend.zeros(self.num_parameters)
@@ -178,16 +181,18 @@ class GPT2:
         a, p, L = self.act, self.param, cfg.num_layers
         with ranges.range("gpt2_forward"):
             self._op("encoder_forward", "wte", be.encoder_forward, a["encoded"], self.x, p["wte"], p["wpe"])
+            fuse = self.fuse
             for l in range(L):
                 h = f"h.{l}"
                 residual = a["encoded"] if l == 0 else a["residual3"][l - 1]
                 with ranges.range(f"Layer {l}"):
-                    self._op("layernorm_forward", f"{h}.ln_1", be.layernorm_forward, a["ln1"][l], a["ln1_mean"][l],
-                             a["ln1_rstd"][l], residual, p["ln1w"][l], p["ln1b"][l])
+                    if l == 0 or not fuse:           # fused: the previous layer's last op normalized residual3
+                        self._op("layernorm_forward", f"{h}.ln_1", be.layernorm_forward, a["ln1"][l],
+                                 a["ln1_mean"][l], a["ln1_rstd"][l], residual, p["ln1w"][l], p["ln1b"][l])
                     flash = self.attention == "flash"   # flash keeps qkv; naive its permuted copy qkvr
                     qkv = a["qkv"][l] if flash else self.dbt3c
                     self._op("matmul_forward", f"{h}.attn.c_attn", be.matmul_forward, qkv, a["ln1"][l],
-                             p["qkvw"][l], p["qkvb"][l])
+                             p["qkvw"][l], p["qkvb"][l], fuse)
                     if flash:
                         self._op("flash_attention_forward", f"{h}.attn", be.flash_attention_forward, a["atty"][l],
                                  a["lse"][l], qkv)
@@ -195,21 +200,37 @@ class GPT2:
                         self._op("attention_forward", f"{h}.attn", be.attention_forward, a["atty"][l],
                                  a["qkvr"][l], a["att"][l], qkv)
                     self._op("matmul_forward", f"{h}.attn.c_proj", be.matmul_forward, a["attproj"][l],
-                             a["atty"][l], p["attprojw"][l], p["attprojb"][l])
-                    self._op("residual_forward", f"{h}.residual", be.residual_forward, a["residual2"][l], residual,
-                             a["attproj"][l])
-                    self._op("layernorm_forward", f"{h}.ln_2", be.layernorm_forward, a["ln2"][l], a["ln2_mean"][l],
-                             a["ln2_rstd"][l], a["residual2"][l], p["ln2w"][l], p["ln2b"][l])
-                    self._op("matmul_forward", f"{h}.mlp.c_fc", be.matmul_forward, a["fch"][l], a["ln2"][l],
-                             p["fcw"][l], p["fcb"][l])
-                    self._op("gelu_forward", f"{h}.mlp.gelu", be.gelu_forward, a["fch_gelu"][l], a["fch"][l])
+                             a["atty"][l], p["attprojw"][l], p["attprojb"][l], fuse)
+                    if fuse:
+                        self._op("fused_residual_layernorm_forward", f"{h}.ln_2", be.fused_residual_layernorm_forward,
+                                 a["residual2"][l], a["ln2"][l], a["ln2_mean"][l], a["ln2_rstd"][l], residual,
+                                 a["attproj"][l], p["ln2w"][l], p["ln2b"][l])
+                        self._op("matmul_gelu_forward", f"{h}.mlp.c_fc", be.matmul_gelu_forward, a["fch_gelu"][l],
+                                 a["fch"][l], a["ln2"][l], p["fcw"][l], p["fcb"][l])
+                    else:
+                        self._op("residual_forward", f"{h}.residual", be.residual_forward, a["residual2"][l],
+                                 residual, a["attproj"][l])
+                        self._op("layernorm_forward", f"{h}.ln_2", be.layernorm_forward, a["ln2"][l],
+                                 a["ln2_mean"][l], a["ln2_rstd"][l], a["residual2"][l], p["ln2w"][l], p["ln2b"][l])
+                        self._op("matmul_forward", f"{h}.mlp.c_fc", be.matmul_forward, a["fch"][l], a["ln2"][l],
+                                 p["fcw"][l], p["fcb"][l])
+                        self._op("gelu_forward", f"{h}.mlp.gelu", be.gelu_forward, a["fch_gelu"][l], a["fch"][l])
                     self._op("matmul_forward", f"{h}.mlp.c_proj", be.matmul_forward, a["fcproj"][l],
-                             a["fch_gelu"][l], p["fcprojw"][l], p["fcprojb"][l])
-                    self._op("residual_forward", f"{h}.residual", be.residual_forward, a["residual3"][l],
-                             a["residual2"][l], a["fcproj"][l])
-            self._op("layernorm_forward", "ln_f", be.layernorm_forward, a["lnf"], a["lnf_mean"], a["lnf_rstd"],
-                     a["residual3"][L - 1], p["lnfw"], p["lnfb"])
-            self._op("matmul_forward", "lm_head", be.matmul_forward, a["logits"], a["lnf"], p["wte"], None)
+                             a["fch_gelu"][l], p["fcprojw"][l], p["fcprojb"][l], fuse)
+                    if fuse:                         # residual3 and the next LayerNorm (ln_1, or ln_f after the last)
+                        nxt = ((f"h.{l + 1}.ln_1", a["ln1"][l + 1], a["ln1_mean"][l + 1], a["ln1_rstd"][l + 1],
+                                p["ln1w"][l + 1], p["ln1b"][l + 1]) if l + 1 < L else
+                               ("ln_f", a["lnf"], a["lnf_mean"], a["lnf_rstd"], p["lnfw"], p["lnfb"]))
+                        self._op("fused_residual_layernorm_forward", nxt[0], be.fused_residual_layernorm_forward,
+                                 a["residual3"][l], nxt[1], nxt[2], nxt[3], a["residual2"][l], a["fcproj"][l],
+                                 nxt[4], nxt[5])
+                    else:
+                        self._op("residual_forward", f"{h}.residual", be.residual_forward, a["residual3"][l],
+                                 a["residual2"][l], a["fcproj"][l])
+            if not fuse:
+                self._op("layernorm_forward", "ln_f", be.layernorm_forward, a["lnf"], a["lnf_mean"], a["lnf_rstd"],
+                         a["residual3"][L - 1], p["lnfw"], p["lnfb"])
+            self._op("matmul_forward", "lm_head", be.matmul_forward, a["logits"], a["lnf"], p["wte"], None, fuse)
             self._dlogits_ready = False
             self.mean_loss = None
             if targets is not None:
@@ -243,26 +264,32 @@ class GPT2:
                 self._classifier(True, grad_accum_steps)
             dlogits = a["logits"]
             be.fill_(dres, 0.0)
+            fuse = self.fuse
             self._op("matmul_backward", "lm_head", be.matmul_backward, dbtc, g["wte"], None, dlogits, a["lnf"],
-                     p["wte"], acc)
+                     p["wte"], acc, fuse)
             self._op("layernorm_backward", "ln_f", be.layernorm_backward, dres, g["lnfw"], g["lnfb"], dbtc,
-                     a["residual3"][L - 1], p["lnfw"], a["lnf_mean"], a["lnf_rstd"], acc)
+                     a["residual3"][L - 1], p["lnfw"], a["lnf_mean"], a["lnf_rstd"], acc, fuse)
             for l in reversed(range(L)):
                 h = f"h.{l}"
                 residual = a["encoded"] if l == 0 else a["residual3"][l - 1]
                 with ranges.range(f"Layer {l}"):
                     # dres holds d(residual3[l]); the residual's backward is the identity, so it flows on
-                    self._op("matmul_backward", f"{h}.mlp.c_proj", be.matmul_backward, dbt4c, g["fcprojw"][l],
-                             g["fcprojb"][l], dres, a["fch_gelu"][l], p["fcprojw"][l], acc)
-                    self._op("gelu_backward", f"{h}.mlp.gelu", be.gelu_backward, dbt4c, a["fch"][l], dbt4c)
+                    if fuse:                         # c_proj's dinp GEMM applies gelu' (the saved fch) itself
+                        self._op("gelu_matmul_backward", f"{h}.mlp.c_proj", be.gelu_matmul_backward, dbt4c,
+                                 g["fcprojw"][l], g["fcprojb"][l], dres, a["fch_gelu"][l], p["fcprojw"][l],
+                                 a["fch"][l], acc)
+                    else:
+                        self._op("matmul_backward", f"{h}.mlp.c_proj", be.matmul_backward, dbt4c, g["fcprojw"][l],
+                                 g["fcprojb"][l], dres, a["fch_gelu"][l], p["fcprojw"][l], acc)
+                        self._op("gelu_backward", f"{h}.mlp.gelu", be.gelu_backward, dbt4c, a["fch"][l], dbt4c)
                     self._op("matmul_backward", f"{h}.mlp.c_fc", be.matmul_backward, dbtc, g["fcw"][l], g["fcb"][l],
-                             dbt4c, a["ln2"][l], p["fcw"][l], acc)
+                             dbt4c, a["ln2"][l], p["fcw"][l], acc, fuse)
                     self._op("layernorm_backward", f"{h}.ln_2", be.layernorm_backward, dres, g["ln2w"][l],
                              g["ln2b"][l], dbtc, a["residual2"][l], p["ln2w"][l], a["ln2_mean"][l], a["ln2_rstd"][l],
-                             acc)
+                             acc, fuse)
                     # dres now holds d(residual2[l])
                     self._op("matmul_backward", f"{h}.attn.c_proj", be.matmul_backward, dbtc, g["attprojw"][l],
-                             g["attprojb"][l], dres, a["atty"][l], p["attprojw"][l], acc)
+                             g["attprojb"][l], dres, a["atty"][l], p["attprojw"][l], acc, fuse)
                     if self.attention == "flash":
                         self._op("flash_attention_backward", f"{h}.attn", be.flash_attention_backward, dbt3c, dbtc,
                                  a["qkv"][l], a["atty"][l], a["lse"][l])
@@ -270,9 +297,10 @@ class GPT2:
                         self._op("attention_backward", f"{h}.attn", be.attention_backward, dbt3c, dbtc,
                                  a["qkvr"][l], a["att"][l])
                     self._op("matmul_backward", f"{h}.attn.c_attn", be.matmul_backward, dbtc, g["qkvw"][l],
-                             g["qkvb"][l], dbt3c, a["ln1"][l], p["qkvw"][l], acc)
+                             g["qkvb"][l], dbt3c, a["ln1"][l], p["qkvw"][l], acc, fuse)
                     self._op("layernorm_backward", f"{h}.ln_1", be.layernorm_backward, dres, g["ln1w"][l],
-                             g["ln1b"][l], dbtc, residual, p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l], acc)
+                             g["ln1b"][l], dbtc, residual, p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l], acc,
+                             fuse)
             self._op("encoder_backward", "wte", be.encoder_backward, g["wte"], g["wpe"], dres, self.x, acc)
         self._has_targets = False                   # the logits buffer now holds dlogits
         self._grads_zero = self._zero_fill_pending = False

@@ -175,7 +175,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         backend.check_memory_fits(model_cfg, B, T, optimizer_elements=hi - lo, model_name=f"-e {cfg.model}",
                                   reserved=dist.reserved_device_memory(), sharers=dist.gpu_sharers,
                                   attention=attention)
-    model = GPT2(model_cfg, backend, B, T, seed=cfg.seed if params is None else None, attention=attention)
+    model = GPT2(model_cfg, backend, B, T, seed=cfg.seed if params is None else None, attention=attention,
+                 fuse=bool(cfg.fuse))
     if params is not None:
         model.load_params(params)
     # under mpiexec: every rank must run this same job (settings, model, data), else all stop with one line

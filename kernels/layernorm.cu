@@ -6,9 +6,15 @@
 //             dweight (C) += sum_rows dout * norm;  dbias (C) += sum_rows dout
 //             (accumulate == 0: dweight, dbias = those sums, old contents never read; dinp always +=)
 //
+//   fused_residual_layernorm_forward: residual = inp1 + inp2, then the forward on residual, one kernel
+//             (the residual stream's add and the next LayerNorm: the sum is normalized while in cache)
+//   layernorm_backward_fused: the backward in one pass over dout and inp: dinp, and per-block partial
+//             sums of dweight, dbias (then ..._params_finish)
+//
 // N = B*T rows. Row kernels use one warp per row (blockDim.x = 32 * rows per block). The
 // parameter gradients are column sums done in two deterministic stages: per-chunk partial sums
-// (layernorm_backward_params_partial) and a fixed-order sum over chunks (..._finish).
+// (layernorm_backward_params_partial, or layernorm_backward_fused) and a fixed-order sum over
+// chunks (..._finish); no atomics, so the sums are the same bitwise on every run.
 #include "common.cuh"
 
 #define LN_EPS 1e-5f
@@ -37,6 +43,45 @@ extern "C" __global__ void layernorm_forward(float* __restrict__ out, float* __r
     float* o = out + (long long)row * C;
     for (int c = lane; c < C; c += WARP_SIZE) {
         o[c] = (x[c] - m) * s * weight[c] + bias[c];
+    }
+    if (lane == 0) {
+        mean[row] = m;
+        rstd[row] = s;
+    }
+}
+
+// residual = inp1 + inp2 and out = layernorm(residual), one warp per row. The arithmetic is
+// residual_forward's and layernorm_forward's, in the same order, so the results are bitwise theirs.
+// Each lane reads back only the residual values it wrote itself (no barrier needed).
+extern "C" __global__ void fused_residual_layernorm_forward(float* __restrict__ residual, float* __restrict__ out,
+                                                            float* __restrict__ mean, float* __restrict__ rstd,
+                                                            const float* __restrict__ inp1,
+                                                            const float* __restrict__ inp2,
+                                                            const float* __restrict__ weight,
+                                                            const float* __restrict__ bias, int N, int C) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    if (row >= N) {
+        return;
+    }
+    const long long base = (long long)row * C;
+    float* r = residual + base;
+    float sum = 0.0f;
+    for (int c = lane; c < C; c += WARP_SIZE) {
+        const float v = inp1[base + c] + inp2[base + c];
+        r[c] = v;
+        sum += v;
+    }
+    const float m = warp_sum(sum) / C;
+    float sq = 0.0f;
+    for (int c = lane; c < C; c += WARP_SIZE) {
+        const float d = r[c] - m;
+        sq += d * d;
+    }
+    const float s = rsqrtf(warp_sum(sq) / C + LN_EPS);
+    float* o = out + base;
+    for (int c = lane; c < C; c += WARP_SIZE) {
+        o[c] = (r[c] - m) * s * weight[c] + bias[c];
     }
     if (lane == 0) {
         mean[row] = m;
@@ -126,4 +171,63 @@ extern "C" __global__ void layernorm_backward_params_finish(float* __restrict__ 
     }
     dweight[c] = accumulate ? dweight[c] + dw : dw;
     dbias[c] = accumulate ? dbias[c] + db : db;
+}
+
+// The whole backward in one pass. Block k owns rows [k*rows_per_block, (k+1)*rows_per_block), one
+// warp per row at a time (blockDim.x = 32 * W): per row, the two row sums, then dinp += ... and the
+// row's dout*norm and dout added into the warp's own columns of the dynamic shared memory
+// acc[W][2][C] (lane owns columns lane, lane+32, ...: no two threads touch a slot, no atomics). Then
+// the block sums its W warps in warp order into partial[k][0][c] (dweight) and partial[k][1][c]
+// (dbias); layernorm_backward_params_finish adds the blocks in order. Shared memory: W*2*C floats.
+extern "C" __global__ void layernorm_backward_fused(float* __restrict__ partial, float* __restrict__ dinp,
+                                                    const float* __restrict__ dout, const float* __restrict__ inp,
+                                                    const float* __restrict__ weight, const float* __restrict__ mean,
+                                                    const float* __restrict__ rstd, int N, int C,
+                                                    int rows_per_block) {
+    extern __shared__ float acc[];
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int num_warps = blockDim.x / WARP_SIZE;
+    float* dw = acc + (long long)warp * 2 * C;
+    float* db = dw + C;
+    for (int c = lane; c < C; c += WARP_SIZE) {
+        dw[c] = 0.0f;
+        db[c] = 0.0f;
+    }
+    const int row_begin = blockIdx.x * rows_per_block;
+    const int row_end = min(N, row_begin + rows_per_block);
+    for (int row = row_begin + warp; row < row_end; row += num_warps) {
+        const long long base = (long long)row * C;
+        const float m = mean[row];
+        const float s = rstd[row];
+        float dnorm_sum = 0.0f;
+        float dnorm_norm_sum = 0.0f;
+        for (int c = lane; c < C; c += WARP_SIZE) {
+            const float norm = (inp[base + c] - m) * s;
+            const float dnorm = dout[base + c] * weight[c];
+            dnorm_sum += dnorm;
+            dnorm_norm_sum += dnorm * norm;
+        }
+        const float dnorm_mean = warp_sum(dnorm_sum) / C;
+        const float dnorm_norm_mean = warp_sum(dnorm_norm_sum) / C;
+        for (int c = lane; c < C; c += WARP_SIZE) {
+            const float norm = (inp[base + c] - m) * s;
+            const float g = dout[base + c];
+            const float dnorm = g * weight[c];
+            dinp[base + c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
+            dw[c] += g * norm;
+            db[c] += g;
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float sw = 0.0f;
+        float sb = 0.0f;
+        for (int w = 0; w < num_warps; w++) {
+            sw += acc[(long long)w * 2 * C + c];
+            sb += acc[(long long)w * 2 * C + C + c];
+        }
+        partial[((long long)blockIdx.x * 2) * C + c] = sw;
+        partial[((long long)blockIdx.x * 2 + 1) * C + c] = sb;
+    }
 }

@@ -3,6 +3,9 @@
 * FakeCublas: cupy_backends.cuda.libs.cublas's functions used by CupyRuntime (create, destroy, setStream,
   setPointerMode, setMathMode, sgemm, sgemmStridedBatched), recording every call; like CuPy 14 it defines only
   CUBLAS_DEFAULT_MATH and CUBLAS_TENSOR_OP_MATH (no CUBLAS_TF32_TENSOR_OP_MATH).
+* FakeCublasLt: nvmath.bindings.cublasLt's functions used by CupyRuntime's epilogue GEMMs (create, layouts, matmul
+  descriptor and preference attributes with the C types nvmath-python 1.0.0 gives them, the heuristic, matmul),
+  recording every call with the attribute values read back from the buffers passed by address.
 * FakeCupy: the parts of cupy that gpt2np's startup check, CupyRuntime and select_gpu read (driver and device
   queries, memGetInfo, the memory pool, streams, devices with PCI bus ids, NVRTC's version).
 * Group / ThreadComm: in-process "ranks" (threads) and an mpi4py-like communicator over them (Get_rank,
@@ -66,6 +69,113 @@ class FakeCublas(types.SimpleNamespace):
                             C, ldc, strideC, batchCount):
         self._record("sgemmStridedBatched", handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb,
                      strideB, beta, C, ldc, strideC, batchCount)
+
+    def of(self, name):
+        return [c for c in self.calls if c[0] == name]
+
+
+class FakeCublasLt(types.SimpleNamespace):
+    """nvmath.bindings.cublasLt as CupyRuntime uses it, recording calls. Attribute setters read the value from the
+    buffer address with the attribute's C type (get_*_attribute_dtype, as nvmath-python 1.0.0 answers), so a wrong
+    size or type shows up as a wrong recorded value. algorithms: how many the heuristic finds (0: none)."""
+
+    DESC_DTYPES = {0: np.int32, 1: np.int32, 3: np.int32, 4: np.int32, 7: np.uint32, 8: np.int64, 11: np.int64,
+                   12: np.int64}
+    PREF_DTYPES = {1: np.uint64, 5: np.uint32, 6: np.uint32, 7: np.uint32, 8: np.uint32}
+    matmul_heuristic_result_dtype = np.dtype([("algo", [("data_", "<u8", (8,))]), ("workspace_size", "<u8"),
+                                              ("state", "<i4"), ("waves_count", "<f4"), ("reserved", "<i4", (4,))])
+
+    def __init__(self, algorithms=1, fail_create=None):
+        super().__init__(calls=[], live=set(), descs={}, prefs={}, layouts={}, algorithms=algorithms,
+                         fail_create=fail_create, _next=0x9000)
+
+    def _new(self, kind):
+        self._next += 0x10
+        self.live.add(self._next)
+        self.calls.append((kind, self._next))
+        return self._next
+
+    def _record(self, name, *args):
+        for a in args:                      # Cython converts to intptr_t / int: Python ints (or numpy ints) only
+            operator.index(a)
+        self.calls.append((name, *args))
+
+    def _read(self, buf, size, dtype):
+        dtype = np.dtype(dtype)
+        if size != dtype.itemsize:
+            raise ValueError(f"attribute buffer of {size} bytes, the attribute is a {dtype} ({dtype.itemsize} bytes)")
+        return np.frombuffer(ctypes.string_at(buf, size), dtype)[0].item()
+
+    def create(self):
+        if self.fail_create:
+            raise self.fail_create
+        return self._new("create")
+
+    def destroy(self, light_handle):
+        self.live.discard(light_handle)
+        self.calls.append(("destroy", light_handle))
+
+    def matrix_layout_create(self, type, rows, cols, ld):
+        self._record("matrix_layout_create", type, rows, cols, ld)
+        layout = self._new("layout")
+        self.layouts[layout] = (type, rows, cols, ld)
+        return layout
+
+    def matrix_layout_destroy(self, mat_layout):
+        self.live.discard(mat_layout)
+        self.calls.append(("matrix_layout_destroy", mat_layout))
+
+    def matmul_desc_create(self, compute_type, scale_type):
+        self._record("matmul_desc_create", compute_type, scale_type)
+        desc = self._new("desc")
+        self.descs[desc] = {}
+        return desc
+
+    def matmul_desc_destroy(self, matmul_desc):
+        self.live.discard(matmul_desc)
+        self.calls.append(("matmul_desc_destroy", matmul_desc))
+
+    def get_matmul_desc_attribute_dtype(self, attr):
+        return self.DESC_DTYPES[attr]
+
+    def matmul_desc_set_attribute(self, matmul_desc, attr, buf, size_in_bytes):
+        self._record("matmul_desc_set_attribute", matmul_desc, attr, buf, size_in_bytes)
+        self.descs[matmul_desc][attr] = self._read(buf, size_in_bytes, self.DESC_DTYPES[attr])
+
+    def matmul_preference_create(self):
+        pref = self._new("preference")
+        self.prefs[pref] = {}
+        return pref
+
+    def matmul_preference_destroy(self, pref):
+        self.live.discard(pref)
+        self.calls.append(("matmul_preference_destroy", pref))
+
+    def get_matmul_preference_attribute_dtype(self, attr):
+        return self.PREF_DTYPES[attr]
+
+    def matmul_preference_set_attribute(self, pref, attr, buf, size_in_bytes):
+        self._record("matmul_preference_set_attribute", pref, attr, buf, size_in_bytes)
+        self.prefs[pref][attr] = self._read(buf, size_in_bytes, self.PREF_DTYPES[attr])
+
+    def matmul_algo_get_heuristic(self, light_handle, operation_desc, adesc, bdesc, cdesc, ddesc, preference,
+                                  requested_algo_count, heuristic_results_array, return_algo_count):
+        self._record("matmul_algo_get_heuristic", light_handle, operation_desc, adesc, bdesc, cdesc, ddesc, preference,
+                     requested_algo_count, heuristic_results_array, return_algo_count)
+        self.calls[-1] += (dict(self.prefs[preference]),)
+        ctypes.c_int32.from_address(return_algo_count).value = min(self.algorithms, requested_algo_count)
+
+    def matmul(self, light_handle, compute_desc, alpha, a, adesc, b, bdesc, beta, c, cdesc, d, ddesc, algo, workspace,
+               workspace_size_in_bytes, stream):
+        self._record("matmul", light_handle, compute_desc, alpha, a, adesc, b, bdesc, beta, c, cdesc, d, ddesc, algo,
+                     workspace, workspace_size_in_bytes, stream)
+        if light_handle not in self.live:
+            raise RuntimeError("cublasLt.matmul: handle was not created by cublasLt.create()")
+        # what cuBLASLt reads at the call: alpha, beta (host float32), the descriptor's attributes, the layouts
+        self.calls[-1] += ({"alpha": ctypes.c_float.from_address(alpha).value,
+                            "beta": ctypes.c_float.from_address(beta).value,
+                            "desc": dict(self.descs[compute_desc]),
+                            "layouts": [self.layouts[x] for x in (adesc, bdesc, cdesc, ddesc)]},)
 
     def of(self, name):
         return [c for c in self.calls if c[0] == name]
@@ -158,6 +268,13 @@ class FakeCupy:
                                           get_current_stream=lambda: fake.stream,
                                           device=types.SimpleNamespace(get_cublas_handle=self._shared_handle))
         self.get_default_memory_pool = Pool
+        self._next_address = 0x7000_0000
+
+    def empty(self, shape, dtype):
+        """A device allocation stand-in: its address (data.ptr) only (CupyRuntime's cuBLASLt workspace)."""
+        self._next_address += 1 << 26
+        return types.SimpleNamespace(data=types.SimpleNamespace(ptr=self._next_address), shape=shape,
+                                     dtype=np.dtype(dtype))
 
     @staticmethod
     def _shared_handle():

@@ -21,11 +21,15 @@ B, T = 2, 8
 # the op names the model's ranges use for the two ops whose backend method is named differently
 METHOD = {"adamw": "adamw_update", "global_norm": "global_norm_squared"}
 # every op a training step runs (the model folds residual_backward into the residual stream's gradient), with
-# one of the two attentions
+# one of the two attentions, unfused or fused (GPT2(fuse=...): the fused ops replace residual_forward and the GELU ops)
 ATTENTION_OPS = {"naive": {"attention_forward", "attention_backward"},
                  "flash": {"flash_attention_forward", "flash_attention_backward"}}
-STEP_OPS = {attention: set(COSTS) - {"residual_backward"} - ATTENTION_OPS["flash" if attention == "naive" else "naive"]
-            for attention in ATTENTION_OPS}
+FUSED_OPS = {"fused_residual_layernorm_forward", "matmul_gelu_forward", "gelu_matmul_backward"}
+STEP_OPS = {(attention, fuse): set(COSTS) - {"residual_backward"}
+            - ATTENTION_OPS["flash" if attention == "naive" else "naive"]
+            - ({"residual_forward", "gelu_forward", "gelu_backward"} if fuse else FUSED_OPS)
+            for attention in ATTENTION_OPS for fuse in (False, True)}
+CASES = sorted(STEP_OPS)
 
 
 def contract_methods():
@@ -89,27 +93,28 @@ def totals(records):
     return {key: tuple(row[:2]) + (frozenset(row[2]),) for key, row in out.items()}
 
 
-@pytest.mark.parametrize("attention", sorted(ATTENTION_OPS))
-def test_cuda_kernels_add_up_to_the_numpy_op_cost(attention):
+@pytest.mark.parametrize("attention,fuse", CASES)
+def test_cuda_kernels_add_up_to_the_numpy_op_cost(attention, fuse):
     """One step profiled on the emulated CUDA backend and on NumPy: per op and module, the CUDA kernels'
-    FLOPs and bytes add up to exactly what the NumPy op reports, the contract's one formula."""
+    FLOPs and bytes add up to exactly what the NumPy op reports, the contract's one formula (fused or not)."""
     def step_records(backend):
-        prof = profile_steps(GPT2(CONFIGS[attention], backend, B, T, seed=0, attention=attention), batches(), steps=1)
+        prof = profile_steps(GPT2(CONFIGS[attention], backend, B, T, seed=0, attention=attention, fuse=fuse),
+                             batches(), steps=1)
         return [r for r in prof.records if r.step == 1]
 
     cuda_records = step_records(get_backend("emu"))
     numpy_records = step_records(NumpyBackend(threads=1))
     assert len(cuda_records) > len(numpy_records)            # several kernels per op
     assert totals(cuda_records) == totals(numpy_records)
-    assert {r.op for r in numpy_records} == STEP_OPS[attention]
+    assert {r.op for r in numpy_records} == STEP_OPS[attention, fuse]
     assert all(r.flops + r.bytes > 0 for r in numpy_records)
 
 
-@pytest.mark.parametrize("attention", sorted(ATTENTION_OPS))
-def test_every_cuda_launch_names_a_term_of_its_op_once(attention):
+@pytest.mark.parametrize("attention,fuse", CASES)
+def test_every_cuda_launch_names_a_term_of_its_op_once(attention, fuse):
     """Straight from the launch hook: within one op call no term is carried twice, and every term is carried."""
     backend = get_backend("emu")
-    model = GPT2(CONFIGS[attention], backend, B, T, seed=0, attention=attention)
+    model = GPT2(CONFIGS[attention], backend, B, T, seed=0, attention=attention, fuse=fuse)
     x, y = batches()[0]
     current = []            # [(op, its Cost, Counter of the terms its kernels carried)] while an op runs
     checked = Counter()
@@ -143,4 +148,28 @@ def test_every_cuda_launch_names_a_term_of_its_op_once(attention):
     finally:
         backend.on_launch = None
         ranges.remove_listener(tracker)
-    assert set(checked) == STEP_OPS[attention] and not current
+    assert set(checked) == STEP_OPS[attention, fuse] and not current
+
+
+def test_fused_costs_move_less_data():
+    """The fused forms' formulas: the bias in the GEMM saves a pass over out, the bias gradient in the dweight GEMM
+    a pass over dout, residual + LayerNorm a write and a read of the residual, the one-pass backward a read of
+    dout and inp; the FLOPs stay."""
+    z = np.zeros
+    x, w, b, out = z((2, 4, 16)), z((48, 16)), z(48), z((2, 4, 48))
+    assert op_cost("matmul_forward", (out, x, w, b, True)).bytes < op_cost("matmul_forward", (out, x, w, b)).bytes
+    assert op_cost("matmul_forward", (out, x, w, b, True)).flops == op_cost("matmul_forward", (out, x, w, b)).flops
+    for acc in (True, False):
+        args = (x, w, b, out, x, w, acc)
+        assert op_cost("matmul_backward", args + (True,)).bytes < op_cost("matmul_backward", args).bytes
+    y, m = z((2, 4, 16)), z((2, 4))
+    fused = op_cost("fused_residual_layernorm_forward", (y, y, m, m, y, y, z(16), z(16)))
+    apart = op_cost("residual_forward", (y, y, y)), op_cost("layernorm_forward", (y, m, m, y, z(16), z(16)))
+    assert fused.bytes < sum(c.bytes for c in apart) and fused.flops == sum(c.flops for c in apart)
+    ln = (y, z(16), z(16), y, y, z(16), m, m, True)
+    assert op_cost("layernorm_backward", ln + (True,)).bytes < op_cost("layernorm_backward", ln).bytes
+    assert op_cost("layernorm_backward", ln + (True,)).flops == op_cost("layernorm_backward", ln).flops
+    h = z((2, 4, 64))
+    gelu = op_cost("matmul_gelu_forward", (h, h, x, z((64, 16)), z(64)))
+    apart = op_cost("matmul_forward", (h, x, z((64, 16)), z(64))), op_cost("gelu_forward", (h, h))
+    assert gelu.bytes < sum(c.bytes for c in apart) and gelu.flops == sum(c.flops for c in apart)

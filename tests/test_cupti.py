@@ -106,9 +106,9 @@ class FakeGpu(EmuRuntime):
                 return fn
         return Named()
 
-    def gemm(self, *args):
-        super().gemm(*args)
-        extra = [kernel("splitKreduce_kernel")] if args[-1] > 1 else []
+    def gemm(self, *args, **epilogue):
+        super().gemm(*args, **epilogue)
+        extra = [kernel("splitKreduce_kernel")] if args[16] > 1 else []
         self.source.emit(2, kernel("ampere_sgemm_128x64_tn", (8, 2, 1), (256, 1, 1)), *extra)
 
     def from_host(self, array):

@@ -34,6 +34,7 @@ def small_launches(be):
     be.norm_threads = 64
     be.norm_max_blocks = 3
     be.encoder_token_blocks = 2
+    be.layernorm_rows_per_block = 3
     return be
 
 
@@ -239,6 +240,68 @@ def test_layernorm(cuda, shape):
     close(host(cuda, db), db_ref, atol=1e-4)
 
 
+def test_fused_residual_layernorm_forward(cuda, shape):
+    """residual + LayerNorm in one kernel: NumPy's residual_forward then layernorm_forward, and bitwise the two
+    CUDA kernels it replaces (the same arithmetic in the same order)."""
+    B, T, C, *_ = shape
+    rng = rng_for("fused_residual_layernorm", shape)
+    a, b, w, bias = randn(rng, B, T, C, scale=2.0) + 0.5, randn(rng, B, T, C), randn(rng, C), randn(rng, C)
+    res_ref, out_ref = np.zeros((B, T, C), np.float32), np.zeros((B, T, C), np.float32)
+    mean_ref, rstd_ref = np.zeros((B, T), np.float32), np.zeros((B, T), np.float32)
+    REF.fused_residual_layernorm_forward(res_ref, out_ref, mean_ref, rstd_ref, a, b, w, bias)
+    args = dev(cuda, a), dev(cuda, b), dev(cuda, w), dev(cuda, bias)
+    res, out, mean, rstd = cuda.zeros((B, T, C)), cuda.zeros((B, T, C)), cuda.zeros((B, T)), cuda.zeros((B, T))
+    cuda.fused_residual_layernorm_forward(res, out, mean, rstd, *args)
+    close(host(cuda, res), a + b, rtol=0, atol=0)
+    close(host(cuda, out), out_ref, atol=1e-5)
+    close(host(cuda, mean), mean_ref)
+    close(host(cuda, rstd), rstd_ref)
+    res2, out2, mean2, rstd2 = cuda.zeros((B, T, C)), cuda.zeros((B, T, C)), cuda.zeros((B, T)), cuda.zeros((B, T))
+    cuda.residual_forward(res2, args[0], args[1])
+    cuda.layernorm_forward(out2, mean2, rstd2, res2, args[2], args[3])
+    for fused, unfused in ((res, res2), (out, out2), (mean, mean2), (rstd, rstd2)):
+        assert np.array_equal(host(cuda, fused), host(cuda, unfused))
+
+
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_layernorm_backward_fused(cuda, shape, accumulate):
+    """The one-pass backward (dinp and per-block partial sums, then the fixed-order finish) against NumPy; without
+    accumulate dweight/dbias start as NaN and are overwritten, dinp always accumulates."""
+    B, T, C, *_ = shape
+    rng = rng_for("layernorm_backward_fused", shape, accumulate)
+    x, w, b = randn(rng, B, T, C, scale=2.0) + 0.5, randn(rng, C), randn(rng, C)
+    out, mean, rstd = np.zeros((B, T, C), np.float32), np.zeros((B, T), np.float32), np.zeros((B, T), np.float32)
+    REF.layernorm_forward(out, mean, rstd, x, w, b)
+    dout, dinp0 = randn(rng, B, T, C), randn(rng, B, T, C)
+    dw0, db0 = (randn(rng, C), randn(rng, C)) if accumulate else (np.full(C, np.nan, np.float32),) * 2
+    dinp_ref, dw_ref, db_ref = dinp0.copy(), dw0.copy(), db0.copy()
+    REF.layernorm_backward(dinp_ref, dw_ref, db_ref, dout, x, w, mean, rstd, accumulate)
+    dinp, dw, db = dev(cuda, dinp0), dev(cuda, dw0), dev(cuda, db0)
+    cuda.layernorm_backward(dinp, dw, db, dev(cuda, dout), dev(cuda, x), dev(cuda, w), dev(cuda, mean),
+                            dev(cuda, rstd), accumulate, fused=True)
+    close(host(cuda, dinp), dinp_ref, atol=1e-4)
+    close(host(cuda, dw), dw_ref, atol=1e-4)
+    close(host(cuda, db), db_ref, atol=1e-4)
+
+
+def test_layernorm_backward_fused_is_bitwise_the_same_on_both_schedules():
+    """No atomics: the parameter gradients' order of additions is fixed by the launch shape, not the schedule."""
+    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
+    B, T, C = 3, 7, 40
+    rng = rng_for("layernorm_backward_fused_determinism")
+    x, w, dout = randn(rng, B, T, C), randn(rng, C), randn(rng, B, T, C)
+    mean, rstd = x.mean(-1), (1 / np.sqrt(x.var(-1) + 1e-5)).astype(np.float32)
+    results = []
+    for schedule in ("forward", "reverse"):
+        be = small_launches(CudaBackend(EmuRuntime(schedule=schedule)))
+        dinp, dw, db = be.zeros((B, T, C)), be.zeros(C), be.zeros(C)
+        be.layernorm_backward(dinp, dw, db, dev(be, dout), dev(be, x), dev(be, w), dev(be, mean), dev(be, rstd),
+                              accumulate=False, fused=True)
+        results.append([host(be, a) for a in (dinp, dw, db)])
+    for first, second in zip(*results):
+        assert np.array_equal(first, second)
+
+
 # ---- matmul ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_matmul(cuda, shape, with_bias):
@@ -277,6 +340,59 @@ def test_matmul(cuda, shape, with_bias):
         close(host(cuda, db), db_ref, atol=1e-4)
     else:
         assert np.all(np.isnan(host(cuda, db)))                  # no bias: dbias untouched
+
+
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_matmul_fused_epilogues(cuda, shape, accumulate):
+    """fused=True: the bias in the forward GEMM's epilogue, dbias from the dweight GEMM's bias-gradient epilogue
+    (written, then added when accumulating; overwritten from NaN otherwise)."""
+    B, T, C, *_ = shape
+    OC = 3 * C + 5
+    rng = rng_for("matmul_fused", shape, accumulate)
+    x, w, b, dout = randn(rng, B, T, C), randn(rng, OC, C), randn(rng, OC), randn(rng, B, T, OC)
+    out_ref = np.zeros((B, T, OC), np.float32)
+    REF.matmul_forward(out_ref, x, w, b)
+    out, X, Wt = cuda.zeros((B, T, OC)), dev(cuda, x), dev(cuda, w)
+    cuda.matmul_forward(out, X, Wt, dev(cuda, b), fused=True)
+    close(host(cuda, out), out_ref, atol=1e-4)
+
+    dw0, db0 = (randn(rng, OC, C), randn(rng, OC)) if accumulate else (np.full((OC, C), np.nan, np.float32),
+                                                                       np.full(OC, np.nan, np.float32))
+    dinp_ref, dw_ref, db_ref = np.zeros((B, T, C), np.float32), dw0.copy(), db0.copy()
+    REF.matmul_backward(dinp_ref, dw_ref, db_ref, dout, x, w, accumulate)
+    dinp, dw, db = cuda.from_host(np.full((B, T, C), 7.0, np.float32)), dev(cuda, dw0), dev(cuda, db0)
+    cuda.matmul_backward(dinp, dw, db, dev(cuda, dout), X, Wt, accumulate, fused=True)
+    close(host(cuda, dinp), dinp_ref, atol=1e-4)
+    close(host(cuda, dw), dw_ref, atol=1e-4)
+    close(host(cuda, db), db_ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_matmul_gelu_and_gelu_matmul_backward(cuda, shape, accumulate):
+    """c_fc's GEMM with the bias + GELU epilogue (pre kept as aux), c_proj's backward with the dGELU epilogue,
+    against NumPy's matmul + gelu sequences."""
+    B, T, C, *_ = shape
+    H = 4 * C
+    rng = rng_for("matmul_gelu", shape, accumulate)
+    x, w, b = randn(rng, B, T, C), randn(rng, H, C, scale=0.5), randn(rng, H)
+    out_ref, pre_ref = np.zeros((B, T, H), np.float32), np.zeros((B, T, H), np.float32)
+    REF.matmul_gelu_forward(out_ref, pre_ref, x, w, b)
+    out, pre = cuda.zeros((B, T, H)), cuda.zeros((B, T, H))
+    cuda.matmul_gelu_forward(out, pre, dev(cuda, x), dev(cuda, w), dev(cuda, b))
+    close(host(cuda, pre), pre_ref, atol=1e-4)
+    close(host(cuda, out), out_ref, atol=1e-4)
+
+    # c_proj: (B,T,H) -> (B,T,C); its backward's dinp is multiplied by gelu'(pre)
+    wp, dout = randn(rng, C, H), randn(rng, B, T, C)
+    dw0, db0 = (randn(rng, C, H), randn(rng, C)) if accumulate else (np.full((C, H), np.nan, np.float32),
+                                                                      np.full(C, np.nan, np.float32))
+    dinp_ref, dw_ref, db_ref = np.zeros((B, T, H), np.float32), dw0.copy(), db0.copy()
+    REF.gelu_matmul_backward(dinp_ref, dw_ref, db_ref, dout, out_ref, wp, pre_ref, accumulate)
+    dinp, dw, db = cuda.from_host(np.full((B, T, H), 7.0, np.float32)), dev(cuda, dw0), dev(cuda, db0)
+    cuda.gelu_matmul_backward(dinp, dw, db, dev(cuda, dout), out, dev(cuda, wp), pre, accumulate)
+    close(host(cuda, dinp), dinp_ref, atol=1e-4)
+    close(host(cuda, dw), dw_ref, atol=1e-4)
+    close(host(cuda, db), db_ref, atol=1e-4)
 
 
 # ---- attention -------------------------------------------------------------------------------
@@ -483,3 +599,10 @@ def test_every_launch_and_gemm_goes_through_on_launch(cuda):
         cuda.on_launch = None
     # each launch names the term of matmul_forward's cost (backends.contract) that it carries
     assert seen == [("gemm_matmul_forward", "gemm", "gemm"), ("add_bias", "kernel", "bias")]
+    seen.clear()
+    cuda.on_launch = hook
+    try:                                   # fused: the bias is the GEMM's epilogue, one launch
+        cuda.matmul_forward(out, cuda.zeros((B, T, C)), cuda.zeros((OC, C)), cuda.zeros(OC), fused=True)
+    finally:
+        cuda.on_launch = None
+    assert seen == [("gemm_matmul_forward", "gemm", "gemm")]

@@ -240,3 +240,21 @@ def test_planned_arrays_are_shapes_and_addresses_only():
         rt.launch(module.get_function("gelu_forward"), (1,), (2048,), ())
     with pytest.raises(KeyError):
         module.get_function("layernorm_forward")
+
+
+def test_fusion_plans_fewer_launches_and_less_traffic(small_plan):
+    """--fuse 1 (the default) against --fuse 0: the same FLOPs (the epilogues do the bias and GELU arithmetic),
+    fewer launches and fewer bytes; no separate bias, bias-gradient, GELU or residual kernels."""
+    unfused = P.plan_step(CFG, B, T, "H100", "tf32", fuse=False)
+    assert small_plan.fuse and not unfused.fuse
+    assert len(small_plan.kernels) < len(unfused.kernels) and small_plan.bytes < unfused.bytes
+    assert small_plan.flops == unfused.flops
+    ops = {x.record.op for x in small_plan.kernels}
+    assert {"matmul_gelu_forward", "gelu_matmul_backward", "fused_residual_layernorm_forward"} <= ops
+    assert not {"gelu_forward", "gelu_backward", "residual_forward"} & ops
+    assert not {x.record.kernel for x in small_plan.kernels} & {"add_bias", "bias_grad_partial", "gelu_forward"}
+
+
+def test_fuse_flag_needs_plan(capsys):
+    assert main(["--fuse", "0", "-e", "d12"]) == 2
+    assert "--fuse needs --plan" in capsys.readouterr().err

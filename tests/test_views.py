@@ -27,7 +27,7 @@ def batches():
 
 @pytest.fixture(scope="module")
 def emu():
-    model = GPT2(CFG, get_backend("emu"), B, T, seed=0)
+    model = GPT2(CFG, get_backend("emu"), B, T, seed=0, fuse=False)      # one kernel per op: the counts below
     prof = profile_steps(model, batches(), steps=1)
     return model, prof, prof.profile()
 
@@ -142,8 +142,8 @@ def test_api_calls_one_per_launch_and_copy(emu):
     kernels = [r for r in step.records if r.kind == "kernel"]
     api = Counter(a.name for a in step.api)
     assert api["cuLaunchKernel"] == sum(not r.kernel.startswith("cublas") for r in kernels)
-    assert api["cublasSgemm_v2"] + api["cublasSgemmStridedBatched"] == sum(r.kernel.startswith("cublas")
-                                                                          for r in kernels)
+    assert api["cublasSgemm_v2"] + api["cublasSgemmStridedBatched"] + api["cublasLtMatmul"] == sum(
+        r.kernel.startswith("cublas") for r in kernels)
     assert api["cudaStreamSynchronize"] >= 1
     by_idx = {r.idx: r for r in step.records}
     for a in step.api:
@@ -153,6 +153,16 @@ def test_api_calls_one_per_launch_and_copy(emu):
     assert dict(zip(column(t, "Name"), column(t, "Calls")))["cuLaunchKernel"] == api["cuLaunchKernel"]
     nsys = table(profile, "cuda_api_sum")
     assert dict(zip(column(nsys, "Name"), column(nsys, "Num Calls")))["cuLaunchKernel"] == str(api["cuLaunchKernel"])
+
+
+def test_gemms_with_an_epilogue_are_cublaslt_calls():
+    """--fuse 1: the matmuls with a bias, GELU, dGELU or bias-gradient epilogue are cublasLtMatmul API rows."""
+    prof = profile_steps(GPT2(CFG, get_backend("emu"), B, T, seed=0, fuse=True), batches(), steps=1)
+    step = V.select(prof.profile(), "last")
+    api = Counter(a.name for a in step.api)
+    # per layer: the 4 forward GEMMs (bias; c_fc's bias + GELU), mlp.c_proj's dinp (dGELU), the 4 dweights (bias
+    # gradient); lm_head has no bias: plain cuBLAS
+    assert api["cublasLtMatmul"] == CFG.num_layers * (4 + 1 + 4)
 
 
 def test_nvtx_kern_sum_groups_activities_by_the_ranges_that_launched_them(emu):

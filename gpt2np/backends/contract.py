@@ -4,6 +4,13 @@ Each op writes into buffers the caller preallocated (llm.c's discipline): nothin
 allocated per call. Shapes: B batch, T time, C channels, OC output channels, NH heads, HS = C / NH head size,
 N = B * T rows, V vocabulary, Vp padded vocabulary, maxT the model's longest sequence.
 
+`fused` (matmul_forward, matmul_backward, layernorm_backward): the same math, asked of the backend in fewer passes
+over memory: the bias added in the GEMM's epilogue, the bias gradient produced by the weight-gradient GEMM, the
+LayerNorm backward in one pass. Backends without such kernels (NumPy) compute the same thing either way; the
+op's cost (below) is that of the fused form. Three ops are fusions by name: matmul_gelu_forward (matmul + bias +
+GELU), gelu_matmul_backward (matmul_backward whose dinp is multiplied by gelu'), fused_residual_layernorm_forward
+(residual_forward + layernorm_forward); each equals the sequence it replaces.
+
 `accumulate`: parameter gradients (dweight, dbias, dwpe) are added to (gradient accumulation over
 micro-batches, and wte is used twice) unless the op is called with accumulate=False, when it overwrites
 them and ignores their old contents. The model passes accumulate=False right after zero_grad(), so the
@@ -62,17 +69,32 @@ class Backend(Protocol):
     def layernorm_forward(self, out, mean, rstd, inp, weight, bias):
         """out (B,T,C) = (inp - mean) * rstd * weight (C) + bias (C); saves mean, rstd (B,T)."""
 
-    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
+    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True, fused=False):
         """dinp (B,T,C) += d inp; dweight (C), dbias (C) += (or = without accumulate), from dout (B,T,C),
-        inp (B,T,C), weight (C) and the saved mean, rstd (B,T)."""
+        inp (B,T,C), weight (C) and the saved mean, rstd (B,T). fused: all three in one pass over the rows."""
+
+    def fused_residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, weight, bias):
+        """residual (B,T,C) = inp1 + inp2 (B,T,C); out (B,T,C) = layernorm(residual) with weight, bias (C),
+        saving mean, rstd (B,T): residual_forward then layernorm_forward, in one pass."""
 
     # ---- matmul ---------------------------------------------------------------------
-    def matmul_forward(self, out, inp, weight, bias):
-        """out (B,T,OC) = inp (B,T,C) @ weight (OC,C)^T + bias (OC); bias may be None."""
+    def matmul_forward(self, out, inp, weight, bias, fused=False):
+        """out (B,T,OC) = inp (B,T,C) @ weight (OC,C)^T + bias (OC); bias may be None.
+        fused: the bias is added by the GEMM (its epilogue), not by a second pass over out."""
 
-    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True):
+    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True, fused=False):
         """dinp (B,T,C) = dout (B,T,OC) @ weight (OC,C);  dweight (OC,C) += dout^T @ inp;
-        dbias (OC) += sum of dout over (B,T) (dbias may be None). accumulate=False: = instead of +=."""
+        dbias (OC) += sum of dout over (B,T) (dbias may be None). accumulate=False: = instead of +=.
+        fused: dbias comes out of the dweight GEMM (its epilogue reads dout as it goes)."""
+
+    def matmul_gelu_forward(self, out, pre, inp, weight, bias):
+        """pre (B,T,OC) = inp (B,T,C) @ weight (OC,C)^T + bias (OC);  out (B,T,OC) = gelu(pre): matmul_forward
+        then gelu_forward, one GEMM with a bias + GELU epilogue that also writes pre (the backward needs it)."""
+
+    def gelu_matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, pre, accumulate=True):
+        """The backward of out = gelu(pre) @ weight^T + bias, with inp = gelu(pre) (B,T,C):
+        dinp (B,T,C) = (dout (B,T,OC) @ weight (OC,C)) * gelu'(pre (B,T,C));  dweight (OC,C), dbias (OC) as
+        matmul_backward. matmul_backward(fused) then gelu_backward, the gelu' in the dinp GEMM's epilogue."""
 
     # ---- attention ------------------------------------------------------------------
     def attention_forward(self, out, qkvr, att, inp):
@@ -191,9 +213,19 @@ def layernorm_forward_cost(out, mean, rstd, inp, weight, bias) -> Cost:
     return Cost(_btc(inp), {"normalize": (8 * N * C, F32 * (2 * N * C + 2 * C + 2 * N))})
 
 
-def layernorm_backward_cost(dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True) -> Cost:
+def fused_residual_layernorm_forward_cost(residual, out, mean, rstd, inp1, inp2, weight, bias) -> Cost:
+    C = inp1.shape[-1]
+    N = _size(inp1) // C
+    # reads inp1, inp2, weight, bias; writes residual, out, mean, rstd: the residual is never read back
+    return Cost(_btc(inp1), {"residual_normalize": (9 * N * C, F32 * (4 * N * C + 2 * C + 2 * N))})
+
+
+def layernorm_backward_cost(dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True,
+                            fused=False) -> Cost:
     C = inp.shape[-1]
     N = _size(inp) // C
+    if fused:      # one pass: dout and inp read once for dinp and the parameter gradients together
+        return Cost(_btc(inp), {"backward": (17 * N * C, F32 * (4 * N * C + C + 2 * N + _rmw(accumulate) * 2 * C))})
     return Cost(_btc(inp), {
         "dinp": (14 * N * C, F32 * (4 * N * C + C + 2 * N)),
         "dparams": (3 * N * C, F32 * (2 * N * C + 2 * N + _rmw(accumulate) * 2 * C)),
@@ -206,22 +238,51 @@ def _matmul_params(x, C, OC):
     return f"{lead}C={C},OC={OC},M={N},N={OC},K={C}"
 
 
-def matmul_forward_cost(out, inp, weight, bias) -> Cost:
+def _plus(term, flops, nbytes) -> Term:
+    return term[0] + flops, term[1] + nbytes
+
+
+def matmul_forward_cost(out, inp, weight, bias, fused=False) -> Cost:
     OC, C = weight.shape
     N = _size(inp) // C
     terms = {"gemm": gemm_term(N, OC, C)}
-    if bias is not None:
+    if bias is not None and fused:        # the epilogue adds the bias as it writes out: one read of bias
+        terms["gemm"] = _plus(terms["gemm"], N * OC, F32 * OC)
+    elif bias is not None:                # a second pass: out read and written again
         terms["bias"] = (N * OC, F32 * (2 * N * OC + OC))
     return Cost(_matmul_params(inp, C, OC), terms)
 
 
-def matmul_backward_cost(dinp, dweight, dbias, dout, inp, weight, accumulate=True) -> Cost:
+def matmul_backward_cost(dinp, dweight, dbias, dout, inp, weight, accumulate=True, fused=False) -> Cost:
     OC, C = weight.shape
     N = _size(inp) // C
     terms = {"dinp": gemm_term(N, C, OC), "dweight": gemm_term(OC, C, N, accumulate=accumulate)}
-    if dbias is not None:
+    if dbias is not None and fused:
+        # the dweight GEMM sums dout's columns as it reads dout and writes the OC sums; adding them into an
+        # accumulating dbias is a small pass of its own (read the sums and dbias, write dbias)
+        terms["dweight"] = _plus(terms["dweight"], N * OC, F32 * OC)
+        if accumulate:
+            terms["dbias"] = (OC, F32 * 3 * OC)
+    elif dbias is not None:
         terms["dbias"] = (N * OC, F32 * (N * OC + _rmw(accumulate) * OC))
     return Cost(_matmul_params(inp, C, OC), terms)
+
+
+def matmul_gelu_forward_cost(out, pre, inp, weight, bias) -> Cost:
+    OC, C = weight.shape
+    N = _size(inp) // C
+    # the GEMM plus its epilogue: bias and GELU per output (gelu_forward's 10 FLOPs), bias read, pre written too
+    gemm = _plus(gemm_term(N, OC, C), N * OC * (1 + 10), F32 * (OC + N * OC))
+    return Cost(_matmul_params(inp, C, OC), {"gemm": gemm})
+
+
+def gelu_matmul_backward_cost(dinp, dweight, dbias, dout, inp, weight, pre, accumulate=True) -> Cost:
+    OC, C = weight.shape
+    N = _size(inp) // C
+    cost = matmul_backward_cost(dinp, dweight, dbias, dout, inp, weight, accumulate, True)
+    # gelu' (gelu_backward's 20 FLOPs) applied by the dinp GEMM's epilogue, reading pre
+    cost.terms["dinp"] = _plus(cost.terms["dinp"], 20 * N * C, F32 * N * C)
+    return cost
 
 
 def attention_forward_cost(out, qkvr, att, inp) -> Cost:
@@ -328,6 +389,9 @@ COSTS: Dict[str, Callable[..., Cost]] = {
     "layernorm_backward": layernorm_backward_cost,
     "matmul_forward": matmul_forward_cost,
     "matmul_backward": matmul_backward_cost,
+    "matmul_gelu_forward": matmul_gelu_forward_cost,
+    "gelu_matmul_backward": gelu_matmul_backward_cost,
+    "fused_residual_layernorm_forward": fused_residual_layernorm_forward_cost,
     "attention_forward": attention_forward_cost,
     "attention_backward": attention_backward_cost,
     "flash_attention_forward": flash_attention_forward_cost,

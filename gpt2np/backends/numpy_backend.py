@@ -144,10 +144,11 @@ class NumpyBackend:
 
         self._parallel(fused if kernels else rows, inp.shape[0], 2 * C)
 
-    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
+    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True, fused=False):
         """dinp (B,T,C) +=, dweight (C) +=, dbias (C) +=, from dout and the saved mean, rstd.
 
-        accumulate=False overwrites dweight and dbias instead (dinp always accumulates).
+        accumulate=False overwrites dweight and dbias instead (dinp always accumulates). `fused` (the CUDA
+        backend's one-pass kernel) changes nothing here.
         """
         C = inp.shape[-1]
         N = inp.size // C
@@ -188,19 +189,26 @@ class NumpyBackend:
         write_or_add(dbias, sums, accumulate)
         write_or_add(dweight, dots, accumulate)
 
+    def fused_residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, weight, bias):
+        """residual = inp1 + inp2; out = layernorm(residual): residual_forward then layernorm_forward (the
+        same results bitwise)."""
+        self.residual_forward(residual, inp1, inp2)
+        self.layernorm_forward(out, mean, rstd, residual, weight, bias)
+
     # ---- matmul -------------------------------------------------------------------------
-    def matmul_forward(self, out, inp, weight, bias):
-        """out (B,T,OC) = inp (B,T,C) @ weight (OC,C)^T + bias (OC)."""
+    def matmul_forward(self, out, inp, weight, bias, fused=False):
+        """out (B,T,OC) = inp (B,T,C) @ weight (OC,C)^T + bias (OC); `fused` changes nothing here."""
         OC, C = weight.shape
         out2 = out.reshape(-1, OC)
         np.matmul(inp.reshape(-1, C), weight.T, out=out2)
         if bias is not None:
             self._parallel(lambda lo, hi: np.add(out2[lo:hi], bias, out=out2[lo:hi]), out2.shape[0], OC)
 
-    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True):
+    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True, fused=False):
         """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp;  dbias (OC) += sum dout over (B,T).
 
-        accumulate=False overwrites dweight and dbias instead (their old contents are ignored).
+        accumulate=False overwrites dweight and dbias instead (their old contents are ignored). `fused` changes
+        nothing here.
         """
         OC, C = weight.shape
         dout2 = dout.reshape(-1, OC)
@@ -214,6 +222,17 @@ class NumpyBackend:
         if dbias is not None:
             sums = self._column_sums(dout2)[0] if OC > 1 and self._fusable(dout2) else dout2.sum(axis=0)
             write_or_add(dbias, sums, accumulate)
+
+    def matmul_gelu_forward(self, out, pre, inp, weight, bias):
+        """pre (B,T,OC) = inp @ weight^T + bias; out = gelu(pre): matmul_forward then gelu_forward (bitwise)."""
+        self.matmul_forward(pre, inp, weight, bias)
+        self.gelu_forward(out, pre)
+
+    def gelu_matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, pre, accumulate=True):
+        """dinp (B,T,C) = (dout @ weight) * gelu'(pre); dweight, dbias as matmul_backward: matmul_backward then
+        gelu_backward in place (bitwise)."""
+        self.matmul_backward(dinp, dweight, dbias, dout, inp, weight, accumulate)
+        self.gelu_backward(dinp, pre, dinp)
 
     # ---- attention ----------------------------------------------------------------------
     def attention_forward(self, out, qkvr, att, inp):

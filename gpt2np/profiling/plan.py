@@ -96,6 +96,7 @@ class Plan:
     notes: List[str] = field(default_factory=list)
     measured: Optional[dict] = None     # {"device", "timing", "emulated", "precision", "records"}
     attention: str = "naive"            # the model's attention: "flash" or "naive" (tensors.ATTENTIONS)
+    fuse: bool = True                   # the model's fused ops (GEMM epilogues, residual + LayerNorm): --fuse
 
     @property
     def kernels(self) -> List[Launch]:
@@ -195,9 +196,11 @@ def launch_floor(record: KernelRecord, roof: Roofline):
     return floor, "compute" if compute * 1e9 >= floor else "memory"
 
 
-def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name="", attention=None) -> Plan:
+def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name="", attention=None,
+              fuse=True) -> Plan:
     """Plan one training step of GPT-2 `cfg` at micro-batch (B, T) on `gpu` (see the module docstring), with
-    `attention` "flash" or "naive" (None: training's default on a GPU, see backends.resolve_attention)."""
+    `attention` "flash" or "naive" (None: training's default on a GPU, see backends.resolve_attention); fuse: the
+    model's fused ops (GPT2's `fuse`, the trainer's --fuse)."""
     from ..backends import resolve_attention
     from ..backends.cuda.backend import CudaBackend
     from ..backends.cuda.runtime_plan import PlanRuntime
@@ -210,7 +213,7 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
     capability = 80 if spec.tf32 is not None else 75      # a GPU without TF32 tensor cores has no flash kernels
     attention, note = resolve_attention(backend, cfg.channels // cfg.num_heads, attention, capability)
     notes = notes + ([note] if note else [])
-    model = GPT2(cfg, backend, B, T, attention=attention)   # no seed: nothing to initialise, nothing to upload
+    model = GPT2(cfg, backend, B, T, attention=attention, fuse=fuse)   # no seed: nothing to initialise or upload
     batches = batches or random_batches(cfg, B, T)
 
     def before():
@@ -225,7 +228,7 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
         launches.append(Launch(record, term, *launch_floor(record, roof)))
     syncs = [dict(s, where=list(s["where"])) for s in rt.syncs]
     return Plan(model_name or "GPT-2", cfg, B, T, spec, precision, roof, launches, prof.memory, syncs, notes,
-                attention=attention)
+                attention=attention, fuse=bool(fuse))
 
 
 def measure(plan: Plan, backend, params=None, batches=None, activity_source="auto") -> Plan:
@@ -233,7 +236,8 @@ def measure(plan: Plan, backend, params=None, batches=None, activity_source="aut
     time of each launch beside its floor (plan.measured, Launch.measured_ns). params: the model's weights (host
     array), else a random init."""
     from ..model import GPT2
-    model = GPT2(plan.cfg, backend, plan.B, plan.T, seed=0 if params is None else None, attention=plan.attention)
+    model = GPT2(plan.cfg, backend, plan.B, plan.T, seed=0 if params is None else None, attention=plan.attention,
+                 fuse=plan.fuse)
     if params is not None:
         model.load_params(params)
     prof, _ = profiled_step(model, batches or random_batches(plan.cfg, plan.B, plan.T),
@@ -361,7 +365,7 @@ def header(plan: Plan) -> str:
     gemm = f"{roof.matmul_peak_flops / 1e12:g} TFLOP/s {plan.precision} GEMMs" + (
         " on tensor cores" if plan.precision != "fp32" else " on CUDA cores")
     lines = [f"Plan of one training step: {plan.model}, B={plan.B}, T={plan.T}, {plan.attention} attention, on "
-             f"{spec.name} [{PLAN_NOTE}]",
+             f"{spec.name}{'' if plan.fuse else ' (--fuse 0: one kernel per op)'} [{PLAN_NOTE}]",
              f"peaks: {spec.fp32:g} TFLOP/s fp32 kernels, {gemm}, {spec.mem_gbps:g} GB/s HBM",
              "floor of a launch = max(FLOPs / peak, minimum bytes / bandwidth), FLOPs and bytes from the op "
              "contract's cost formulas"]
@@ -567,7 +571,7 @@ def run(args, cfg, params, desc) -> int:
                            f"for with --gpu")
     batches = random_batches(cfg, args.batch_size, args.seq_len)
     plan = plan_step(cfg, args.batch_size, args.seq_len, gpu, precision, batches, model_name=desc,
-                     attention=args.attention)
+                     attention=args.attention, fuse=bool(args.fuse))
     if backend is not None:
         measure(plan, backend, params, batches)
     print(render(plan, launches=args.plan_launches), end="")

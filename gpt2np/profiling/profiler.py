@@ -41,6 +41,7 @@ TERM_MODULES = {("encoder_backward", "dwpe"): "wpe", ("encoder_forward", "dwpe")
 
 # the CUDA call each Runtime method stands for (API rows when CUPTI does not record the real ones)
 API_NAMES = {"launch": "cuLaunchKernel", "gemm": "cublasSgemm_v2", "gemm_batched": "cublasSgemmStridedBatched",
+             "gemm_epilogue": "cublasLtMatmul",
              "from_host": "cudaMemcpyAsync", "to_host": "cudaMemcpy", "copy": "cudaMemcpyAsync",
              "fill": "cudaMemsetAsync", "zeros": "cudaMalloc", "empty": "cudaMalloc",
              "synchronize": "cudaStreamSynchronize", "event": "cudaEventCreate", "compile": "cuModuleLoadData"}
@@ -82,8 +83,10 @@ class RecordingRuntime:
         self._prof._set_dims(grid, block)
         return self._call(API_NAMES["launch"], self._rt.launch, function, grid, block, args, shared_mem)
 
-    def gemm(self, *args):
+    def gemm(self, *args, **epilogue):
         batch = args[-1] if len(args) > 17 else 1
+        if epilogue:                          # a GEMM with an epilogue (runtime.EPILOGUES): cuBLASLt's call
+            return self._call(API_NAMES["gemm_epilogue"], lambda *a: self._rt.gemm(*a, **epilogue), *args)
         return self._call(API_NAMES["gemm_batched" if batch > 1 else "gemm"], self._rt.gemm, *args)
 
     def from_host(self, array):
@@ -502,6 +505,9 @@ def main(argv=None):
     plan.add_argument("--precision", choices=["tf32", "fp32"],
                       help="GEMM math of the plan: tf32 tensor cores (default) or fp32 CUDA cores")
     plan.add_argument("--plan-launches", action="store_true", help="print every launch of the plan")
+    plan.add_argument("--fuse", type=int, choices=[0, 1], default=1,
+                      help="1 = the fused ops (GEMM epilogues, residual + LayerNorm, one-pass LayerNorm backward), "
+                           "0 = one kernel per op, as train.py's --fuse (default 1)")
     plan.add_argument("--measure", action="store_true",
                       help="run the planned step for real (--device cuda, or emu: CPU times) and print the measured "
                            "time beside each floor")
@@ -510,7 +516,7 @@ def main(argv=None):
     integer(1).check("-t", args.seq_len, "the sequence length T")
     integer(1).check("--steps", args.steps, "the number of profiled steps")
     planning = {"--gpu": args.gpu is not None, "--precision": args.precision is not None,
-                "--plan-launches": args.plan_launches, "--measure": args.measure}
+                "--plan-launches": args.plan_launches, "--measure": args.measure, "--fuse": args.fuse != 1}
     if not args.plan and any(planning.values()):
         raise BadInput(f"{next(flag for flag, given in planning.items() if given)} needs --plan")
     views = V.parse_views(args.views)

@@ -96,10 +96,14 @@ LAUNCH_SETTINGS = {
     "norm_threads": (32, MAX_BLOCK, 32, "threads per block of the global norm"),
     "norm_max_blocks": (1, INT_LIMIT, 1, "most blocks of the global norm's first stage"),
     "encoder_token_blocks": (1, GRID_Y_LIMIT, 1, "most block rows of encoder_backward_wte_grouped"),
+    "layernorm_rows_per_block": (1, INT_LIMIT, 1, "rows per block of the one-pass LayerNorm backward"),
 }
 # kernels/flash_attention.cu's compile-time shape: head size, rows per tile, threads per block
 FLASH_HEAD_SIZE, FLASH_TILE, FLASH_THREADS = 64, 32, 128
+SHARED_LIMIT = 48 << 10          # dynamic shared memory a kernel gets without opting in to more
+EPILOGUE_ALIGNMENT = 16          # bytes: what we ask of the bias and aux pointers of a GEMM epilogue
 CUBLAS_WORKSPACE = 32 << 20      # cuBLAS's default workspace per handle on Hopper (4 MiB before): an allowance
+CUBLASLT_WORKSPACE = 32 << 20    # the cuBLASLt workspace of the epilogue GEMMs (runtime_cupy.LT_WORKSPACE)
 MEMORY_HEADROOM = 256 << 20      # CUDA context growth, NVRTC modules, allocator rounding: kept free
 
 
@@ -140,6 +144,11 @@ class CudaBackend:
       norm_threads, norm_max_blocks: the global norm's first stage
       encoder_token_blocks: most block rows (gridDim.y) of encoder_backward_wte_grouped; each row
         loops over every gridDim.y-th unique token (at most GRID_Y_LIMIT)
+      layernorm_rows_per_block: rows each block of layernorm_backward_fused owns (its partial sums' row chunk)
+
+    Fusion (the ops' `fused` flag and the fused ops): bias, bias + GELU, dGELU and bias-gradient GEMM epilogues
+    where the runtime has them (runtime.epilogues: the emulator, the planner, CupyRuntime with cuBLASLt), else the
+    same math as a GEMM plus the unfused kernels (which then carry no cost term but the op's first).
     """
 
     name = "cuda"
@@ -169,6 +178,7 @@ class CudaBackend:
         self.norm_threads = 512
         self.norm_max_blocks = 1024
         self.encoder_token_blocks = GRID_Y_LIMIT
+        self.layernorm_rows_per_block = 32
         self._modules = {}
         self._functions = {}
         self._scratch = {}
@@ -227,7 +237,8 @@ class CudaBackend:
     def scratch_needed(self, cfg, B, T, attention="naive"):
         """Peak bytes of this backend's scratch buffers (scratch()) for a training step of model cfg at (B, T):
         the attention work buffers (flash: only D), the column reductions' partial sums, the global norm's
-        partials, the upload of encoder_backward's token groups, and cuBLAS's workspace (an allowance)."""
+        partials, the upload of encoder_backward's token groups, and cuBLAS's (and cuBLASLt's) workspace (an
+        allowance)."""
         C, NH = cfg.channels, cfg.num_heads
         N = B * T
         chunk = max(1, self.reduce_rows_per_chunk, -(-N // GRID_Y_LIMIT))     # as in _column_sums
@@ -236,9 +247,12 @@ class CudaBackend:
                             else 2 * N * C + 3 * N * C + B * NH * T * T)  # attention_y, _dy, _dqkvr, _datt
         floats = (attention_floats
                   + -(-N // chunk) * widest        # column_partial (the widest reduction)
+                  + -(-N // self.layernorm_rows_per_block) * 2 * C   # layernorm_partial (one-pass backward)
+                  + 4 * C                          # bias_grad (an epilogue's bias gradient, before it is added)
                   + self.norm_max_blocks + 1)      # norm_partial, norm_total
         uploads = 2 * N + (2 * N + 1 + N)          # inputs, targets; encoder_backward's token groups (int32)
-        return 4 * (floats + uploads) + CUBLAS_WORKSPACE
+        lt = CUBLASLT_WORKSPACE if getattr(self.rt, "epilogues", False) else 0
+        return 4 * (floats + uploads) + CUBLAS_WORKSPACE + lt
 
     def memory_needed(self, cfg, B, T, optimizer_elements=None, attention="naive"):
         """{part: bytes} a training run of model cfg at micro-batch (B, T) allocates on this device: the model's
@@ -320,12 +334,18 @@ class CudaBackend:
             self.on_launch(name, "kernel", term, run)
 
     def _gemm(self, name, transa, transb, m, n, k, a, lda, b, ldb, c, ldc, *, term, alpha=1.0, beta=0.0,
-              batch=1, stride_a=0, stride_b=0, stride_c=0):
-        """Row-major C[i] (m,n) = alpha op(A[i]) op(B[i]) + beta C[i] via the runtime's cuBLAS/NumPy,
-        carrying `term` of its op's cost; the one place GEMMs are run."""
-        def run():
-            self.rt.gemm(transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc,
-                         stride_c, batch)
+              batch=1, stride_a=0, stride_b=0, stride_c=0, epilogue="none", bias=None, aux=None, ld_aux=0):
+        """Row-major C[i] (m,n) = alpha op(A[i]) op(B[i]) + beta C[i] via the runtime's cuBLAS/NumPy, then
+        `epilogue` (runtime.EPILOGUES) with its bias vector and aux matrix, carrying `term` of its op's cost;
+        the one place GEMMs are run."""
+        if epilogue == "none":
+            def run():
+                self.rt.gemm(transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc,
+                             stride_c, batch)
+        else:
+            def run():
+                self.rt.gemm(transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc,
+                             stride_c, batch, epilogue=epilogue, bias=bias, aux=aux, ld_aux=ld_aux)
 
         if self.on_launch is None:
             run()
@@ -374,6 +394,13 @@ class CudaBackend:
         if address % alignment:
             raise KernelArgumentError(f"CudaBackend.{op}: {what} is not {alignment}-byte aligned "
                                       f"(address {address:#x}); the kernel loads float4")
+
+    def _epilogues_ok(self, *arrays, ld_aux=8):
+        """Whether a GEMM epilogue can run here on these bias/aux arrays: the runtime has epilogues, each array
+        starts EPILOGUE_ALIGNMENT-aligned (the model's views are; a stray view falls back to separate kernels), and
+        the aux matrix's row stride is a multiple of 8 (cuBLASLt's rule for CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD)."""
+        return bool(getattr(self.rt, "epilogues", False)) and ld_aux % 8 == 0 and all(
+            self.rt.pointer(x) % EPILOGUE_ALIGNMENT == 0 for x in arrays if x is not None)
 
     def _row_launch(self, rows):
         """(grid, block) for one-warp-per-row kernels."""
@@ -479,36 +506,71 @@ class CudaBackend:
         self._launch(op, *self._row_launch(N), (out, mean, rstd, inp, weight, bias, _i32(N), _i32(C)),
                      term="normalize")
 
-    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
+    def fused_residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, weight, bias):
+        """residual = inp1 + inp2 (B,T,C); out = layernorm(residual), saving mean, rstd (B,T): one kernel."""
+        op = "fused_residual_layernorm_forward"
+        *lead, C = inp1.shape
+        N = int(np.prod(lead))
+        for what, array in (("residual", residual), ("out", out), ("inp2", inp2)):
+            self._check_shape(op, what, array, inp1.shape)
+        self._check_shape(op, "mean", mean, lead)
+        self._check_shape(op, "rstd", rstd, lead)
+        self._check_int_size(op, "inp1", N * C)
+        self._launch(op, *self._row_launch(N),
+                     (residual, out, mean, rstd, inp1, inp2, weight, bias, _i32(N), _i32(C)),
+                     term="residual_normalize")
+
+    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True, fused=False):
         """dinp (B,T,C) +=, dweight (C) +=, dbias (C) +=, from dout and the saved mean, rstd.
-        accumulate=False overwrites dweight and dbias (their old contents are ignored); dinp always +=."""
+        accumulate=False overwrites dweight and dbias (their old contents are ignored); dinp always +=.
+        fused: one pass (layernorm_backward_fused: dinp and per-block partial sums, then the fixed-order finish);
+        else a row kernel for dinp and a two-stage column reduction that reads dout and inp again."""
         op = "layernorm_backward"
         *lead, C = inp.shape
         N = int(np.prod(lead))
         for what, array in (("dinp", dinp), ("dout", dout)):
             self._check_shape(op, what, array, inp.shape)
         self._check_int_size(op, "inp", N * C)
+        warps = min(self.row_warps, self.layernorm_rows_per_block, SHARED_LIMIT // (4 * 2 * C))  # acc: W*2*C floats
+        if fused and warps >= 1:
+            rows = int(self.layernorm_rows_per_block)
+            blocks = -(-N // rows)
+            partial = self.scratch("layernorm_partial", (blocks, 2, C))
+            self._launch("layernorm_backward_fused", (blocks,), (32 * warps,),
+                         (partial, dinp, dout, inp, weight, mean, rstd, _i32(N), _i32(C), _i32(rows)),
+                         term="backward", shared_mem=4 * 2 * C * warps)
+            threads = _threads_for(C, 256)
+            self._launch("layernorm_backward_params_finish", _blocks(C, threads), (threads,),
+                         (dweight, dbias, partial, _i32(blocks), _i32(C), _i32(bool(accumulate))))
+            return
         self._launch("layernorm_backward_dinp", *self._row_launch(N),
-                     (dinp, dout, inp, weight, mean, rstd, _i32(N), _i32(C)), term="dinp")
+                     (dinp, dout, inp, weight, mean, rstd, _i32(N), _i32(C)), term="backward" if fused else "dinp")
         self._column_sums("layernorm_backward_params_partial", "layernorm_backward_params_finish",
-                          N, C, 2, (dout, inp, mean, rstd), (dweight, dbias), accumulate, "dparams")
+                          N, C, 2, (dout, inp, mean, rstd), (dweight, dbias), accumulate, None if fused else "dparams")
 
     # ---- matmul -------------------------------------------------------------------------
-    def matmul_forward(self, out, inp, weight, bias):
-        """out (B,T,OC) = inp (B,T,C) @ weight (OC,C)^T + bias (OC) (bias may be None)."""
+    def matmul_forward(self, out, inp, weight, bias, fused=False):
+        """out (B,T,OC) = inp (B,T,C) @ weight (OC,C)^T + bias (OC) (bias may be None).
+        fused: the bias is added by the GEMM's epilogue (else by add_bias, a second pass over out)."""
         op = "matmul_forward"
         OC, C = weight.shape
         N = inp.size // C
         self._check_shape(op, "inp", inp, (*inp.shape[:-1], C))
         self._check_shape(op, "out", out, (*inp.shape[:-1], OC))
+        if bias is not None and fused and self._epilogues_ok(bias):
+            self._gemm("gemm_" + op, False, True, N, OC, C, inp, C, weight, C, out, OC, term="gemm",
+                       epilogue="bias", bias=bias)
+            return
         self._gemm("gemm_" + op, False, True, N, OC, C, inp, C, weight, C, out, OC, term="gemm")
         if bias is not None:
             self._check_int_size(op, "out", N * OC)
-            self._launch("add_bias", *self._elementwise(N * OC), (out, bias, _i32(N), _i32(OC)), term="bias")
+            self._launch("add_bias", *self._elementwise(N * OC), (out, bias, _i32(N), _i32(OC)),
+                         term=None if fused else "bias")
 
-    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True):
+    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True, fused=False):
         """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp;  dbias (OC) += sum dout.
-        accumulate=False overwrites dweight (cuBLAS beta 0) and dbias instead (old contents ignored)."""
+        accumulate=False overwrites dweight (cuBLAS beta 0) and dbias instead (old contents ignored).
+        fused: dbias from the dweight GEMM's bias-gradient epilogue (else a two-stage column reduction)."""
         op = "matmul_backward"
         OC, C = weight.shape
         N = inp.size // C
@@ -517,12 +579,67 @@ class CudaBackend:
         self._check_shape(op, "dinp", dinp, inp.shape)
         self._check_shape(op, "dweight", dweight, weight.shape)
         self._gemm("gemm_matmul_backward_dinp", False, False, N, C, OC, dout, OC, weight, C, dinp, C, term="dinp")
+        self._weight_grads(op, dweight, dbias, dout, inp, N, C, OC, accumulate, fused)
+
+    def _weight_grads(self, op, dweight, dbias, dout, inp, N, C, OC, accumulate, fused):
+        """dweight (OC,C) += dout^T @ inp and dbias (OC) += the column sums of dout (N,OC) (= without accumulate).
+        Fused: the GEMM's "bgrad" epilogue sums dout's columns while it reads them; it writes (never adds), so an
+        accumulating dbias gets the sums in a scratch vector, then one small add (bias_grad_finish over 1 chunk)."""
+        beta = 1.0 if accumulate else 0.0
+        if dbias is not None and fused and self._epilogues_ok(dbias):
+            sums = self.scratch("bias_grad", (OC,)) if accumulate else dbias
+            self._gemm("gemm_matmul_backward_dweight", True, False, OC, C, N, dout, OC, inp, C, dweight, C,
+                       term="dweight", beta=beta, epilogue="bgrad", bias=sums)
+            if accumulate:
+                threads = _threads_for(OC, 256)
+                self._launch("bias_grad_finish", _blocks(OC, threads), (threads,),
+                             (dbias, sums, _i32(1), _i32(OC), _i32(1)), term="dbias")
+            return
         self._gemm("gemm_matmul_backward_dweight", True, False, OC, C, N, dout, OC, inp, C, dweight, C,
-                   term="dweight", beta=1.0 if accumulate else 0.0)
+                   term="dweight", beta=beta)
         if dbias is not None:
             self._check_int_size(op, "dout", N * OC)
-            self._column_sums("bias_grad_partial", "bias_grad_finish", N, OC, 1, (dout,), (dbias,), accumulate,
-                              "dbias")
+            term = "dbias" if not fused or accumulate else None    # the fused cost's dbias term is the add
+            self._column_sums("bias_grad_partial", "bias_grad_finish", N, OC, 1, (dout,), (dbias,), accumulate, term)
+
+    def matmul_gelu_forward(self, out, pre, inp, weight, bias):
+        """pre (B,T,OC) = inp (B,T,C) @ weight (OC,C)^T + bias (OC); out = gelu(pre): one GEMM whose epilogue adds
+        the bias, writes pre (aux) and out = gelu(pre)."""
+        op = "matmul_gelu_forward"
+        OC, C = weight.shape
+        N = inp.size // C
+        self._check_shape(op, "inp", inp, (*inp.shape[:-1], C))
+        for what, array in (("out", out), ("pre", pre)):
+            self._check_shape(op, what, array, (*inp.shape[:-1], OC))
+        self._check_shape(op, "bias", bias, (OC,))
+        if self._epilogues_ok(bias, pre, ld_aux=OC):
+            self._gemm("gemm_" + op, False, True, N, OC, C, inp, C, weight, C, out, OC, term="gemm",
+                       epilogue="gelu_bias", bias=bias, aux=pre, ld_aux=OC)
+            return
+        self._gemm("gemm_" + op, False, True, N, OC, C, inp, C, weight, C, pre, OC, term="gemm")
+        self._check_int_size(op, "out", N * OC)
+        self._launch("add_bias", *self._elementwise(N * OC), (pre, bias, _i32(N), _i32(OC)))
+        self._launch("gelu_forward", *self._elementwise(N * OC), (out, pre, _i32(N * OC)))
+
+    def gelu_matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, pre, accumulate=True):
+        """dinp (B,T,C) = (dout (B,T,OC) @ weight (OC,C)) * gelu'(pre (B,T,C)), the gelu' in the GEMM's epilogue;
+        dweight += dout^T @ inp (inp = gelu(pre)), dbias += sum dout, as matmul_backward(fused=True)."""
+        op = "gelu_matmul_backward"
+        OC, C = weight.shape
+        N = inp.size // C
+        self._check_shape(op, "inp", inp, (*inp.shape[:-1], C))
+        self._check_shape(op, "dout", dout, (*inp.shape[:-1], OC))
+        self._check_shape(op, "dinp", dinp, inp.shape)
+        self._check_shape(op, "pre", pre, inp.shape)
+        self._check_shape(op, "dweight", dweight, weight.shape)
+        if self._epilogues_ok(pre, ld_aux=C):
+            self._gemm("gemm_" + op + "_dinp", False, False, N, C, OC, dout, OC, weight, C, dinp, C, term="dinp",
+                       epilogue="dgelu", aux=pre, ld_aux=C)
+        else:
+            self._gemm("gemm_" + op + "_dinp", False, False, N, C, OC, dout, OC, weight, C, dinp, C, term="dinp")
+            self._check_int_size(op, "dinp", N * C)
+            self._launch("gelu_backward", *self._elementwise(N * C), (dinp, pre, dinp, _i32(N * C)))
+        self._weight_grads(op, dweight, dbias, dout, inp, N, C, OC, accumulate, True)
 
     # ---- attention ----------------------------------------------------------------------
     def attention_forward(self, out, qkvr, att, inp):

@@ -21,9 +21,20 @@ class Module(Protocol):
     def get_function(self, name: str) -> Function: """The extern "C" kernel `name` of the module."""
 
 
+# GEMM epilogues (Runtime.gemm's `epilogue`), row-major. GELU is GPT-2's tanh form, gelu(x) = 0.5 x (1 +
+# tanh(sqrt(2/pi) (x + 0.044715 x^3))), gelu' its derivative. Single GEMMs only (batch 1), alpha 1.
+#   "none"       C = alpha op(A) op(B) + beta C
+#   "bias"       C = op(A) op(B) + beta C + bias[None, :]           bias (n,): one value per column of C
+#   "gelu_bias"  aux = op(A) op(B) + beta C + bias[None, :];  C = gelu(aux)     aux (m,n), row stride ld_aux
+#   "dgelu"      C = (op(A) op(B) + beta C) * gelu'(aux)           aux (m,n) read: the saved pre-activation
+#   "bgrad"      C = op(A) op(B) + beta C;  bias[i] = sum_k op(A)[i, k]   bias (m,) written (never added to)
+EPILOGUES = ("none", "bias", "gelu_bias", "dgelu", "bgrad")
+
+
 class Runtime(Protocol):
     name: str          # "cupy" or "emulator"
     tf32: bool         # GEMMs on TF32 tensor cores (else exact fp32)
+    epilogues: bool    # gemm takes an epilogue other than "none" (CupyRuntime: when cuBLASLt loads)
 
     # ---- kernels ----------------------------------------------------------------------
     def compile(self, path: Path) -> Module:
@@ -34,9 +45,12 @@ class Runtime(Protocol):
         """Queue one kernel launch. args: device arrays (passed as pointers), np.int32 and np.float32 scalars."""
 
     def gemm(self, transa: bool, transb: bool, m: int, n: int, k: int, alpha: float, a, lda: int, stride_a: int,
-             b, ldb: int, stride_b: int, beta: float, c, ldc: int, stride_c: int, batch: int) -> None:
+             b, ldb: int, stride_b: int, beta: float, c, ldc: int, stride_c: int, batch: int,
+             epilogue: str = "none", bias=None, aux=None, ld_aux: int = 0) -> None:
         """Row-major, strided-batched: C[i] (m,n) = alpha op(A[i]) op(B[i]) + beta C[i], i < batch, where
-        op(X) is X or X^T; ld* are row strides (elements), stride_* the distance between batch items."""
+        op(X) is X or X^T; ld* are row strides (elements), stride_* the distance between batch items.
+        epilogue (EPILOGUES, batch 1): work done on C as the GEMM writes it, with the bias vector and the aux
+        matrix it names."""
 
     # ---- memory -----------------------------------------------------------------------
     def zeros(self, shape, dtype): """A new zero-filled device array."""

@@ -12,8 +12,15 @@ reference; tf32=True sets the handle's math mode to CUBLAS_TF32_TENSOR_OP_MATH (
 rounded to a 10-bit mantissa, fp32 accumulation). CuPy's cublas module defines only CUBLAS_DEFAULT_MATH and
 CUBLAS_TENSOR_OP_MATH, so the values come from cuBLAS's own header (cublas_api.h, cublasMath_t) where CuPy
 has none.
+
+GEMM epilogues (runtime.EPILOGUES: bias, bias + GELU writing the pre-activation, dGELU, bias gradient): cuBLASLt
+through nvmath-python's low-level bindings (nvmath.bindings.cublasLt, the `cuda` extra), a cublasLt handle of our
+own, a 32 MiB workspace, TF32 through the compute type. Without nvmath or cuBLASLt the runtime says so in one line
+and has no epilogues (`epilogues` False): CudaBackend then runs the same math as plain cuBLAS GEMMs plus its own
+kernels.
 """
 import hashlib
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +28,50 @@ import numpy as np
 # cublasMath_t in cublas_api.h (CUDA 11 and newer); CuPy 14's cublas module has no name for the TF32 mode
 CUBLAS_DEFAULT_MATH = 0
 CUBLAS_TF32_TENSOR_OP_MATH = 3
+
+
+# cuBLASLt's enum values, as nvmath-python 1.0.0 declares them from the cuBLAS headers: nvmath/bindings/cycublasLt.pxd
+# (cublasLtMatmulDescAttributes_t, cublasLtEpilogue_t, cublasLtMatmulPreferenceAttributes_t) and cycublas.pxd
+# (cublasComputeType_t, cublasOperation_t); cudaDataType_t from library_types.h.
+CUDA_R_32F = 0
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUBLAS_COMPUTE_32F = 68                      # exact fp32
+CUBLAS_COMPUTE_32F_FAST_TF32 = 77            # TF32 tensor cores, fp32 accumulation
+MATMUL_DESC_TRANSA, MATMUL_DESC_TRANSB, MATMUL_DESC_EPILOGUE = 3, 4, 7
+MATMUL_DESC_BIAS_POINTER, MATMUL_DESC_EPILOGUE_AUX_POINTER, MATMUL_DESC_EPILOGUE_AUX_LD = 8, 11, 12
+MATMUL_PREF_MAX_WORKSPACE_BYTES = 1
+MATMUL_PREF_MIN_ALIGNMENT_BYTES = {"A": 5, "B": 6, "C": 7, "D": 8}
+EPILOGUE_BIAS, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_DGELU, EPILOGUE_BGRADB = 4, 164, 192, 512
+# Our row-major epilogue -> cuBLASLt's, on the column-major product D^T = op(B)^T op(A)^T that gemm asks for (our B is
+# cuBLASLt's A, our A its B): a bias per column of our C is one per row of D (BIAS, GELU_AUX_BIAS); the sums of our
+# op(A) over k are those of cuBLASLt's op(B) over k, one per column of D (BGRADB, as llm.c's dweight GEMM uses it).
+# GELU: cuBLASLt's GELU epilogues compute the tanh form, GPT-2's (the cuBLAS docs say only "GELU"; NVIDIA's own tests
+# of these epilogues check GELU against 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.0447 x^3))) and DGELU against that
+# form's derivative: NVIDIA/nvmath-python tests/nvmath_tests/linalg/advanced/matmul/test_epilog.py). On a GPU,
+# tests/test_kernels.py (rerun by test_gpu.py) compares the epilogue with the NumPy tanh GELU at 1e-4, tighter
+# than the 4e-4 that separates the two forms. The aux matrix's leading dimension must be a multiple of 8
+# (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD); CudaBackend falls back to separate kernels where it is not.
+LT_EPILOGUES = {"bias": EPILOGUE_BIAS, "gelu_bias": EPILOGUE_GELU_AUX_BIAS, "dgelu": EPILOGUE_DGELU,
+                "bgrad": EPILOGUE_BGRADB}
+LT_WORKSPACE = 32 << 20                      # bytes; cuBLASLt is told 256 less (nvmath adds 16 for epilogues)
+_said_no_cublaslt = []
+
+
+def load_cublaslt():
+    """nvmath.bindings.cublasLt, or (None, why) when nvmath-python or libcublasLt is missing."""
+    try:
+        from nvmath.bindings import cublasLt
+        return cublasLt, None
+    except Exception as e:                 # ImportError, or the library failing to load
+        return None, f"{type(e).__name__}: {e}"
+
+
+def pointer_alignment(ptr: int) -> int:
+    """The largest power of two (at most 256) dividing a device address: what cuBLASLt may assume of it."""
+    align = 256
+    while align > 4 and ptr % align:
+        align //= 2
+    return align
 
 
 def math_mode(cublas, tf32: bool) -> int:
@@ -69,8 +120,8 @@ class CupyRuntime:
 
     name = "cupy"
 
-    def __init__(self, tf32=False, cupy=None, cublas=None):
-        """cupy, cublas: stand-ins for tests (default: the real modules)."""
+    def __init__(self, tf32=False, cupy=None, cublas=None, cublaslt=None):
+        """cupy, cublas, cublaslt: stand-ins for tests (default: the real modules; cublaslt=False: none)."""
         if cupy is None:
             import cupy
         if cublas is None:
@@ -86,16 +137,36 @@ class CupyRuntime:
         # host scalars for alpha/beta (pointer mode host: cuBLAS reads them before returning)
         self._alpha = np.zeros(1, np.float32)
         self._beta = np.zeros(1, np.float32)
+        # cuBLASLt for the epilogues: its own handle; layouts, descriptor and algorithm cached per GEMM shape
+        why = "turned off"
+        if cublaslt is None:
+            cublaslt, why = load_cublaslt()
+        self.lt, self.lt_handle, self._lt_plans, self._workspace = None, None, {}, None
+        if cublaslt:
+            try:
+                self.lt_handle = cublaslt.create()
+                self.lt = cublaslt
+            except Exception as e:          # no GPU, or a cuBLASLt too old for the bindings
+                why = f"{type(e).__name__}: {e}"
+        self.epilogues = self.lt is not None
+        if not self.epilogues and cublaslt is not False and not _said_no_cublaslt:
+            _said_no_cublaslt.append(why)
+            print(f"gpt2np: cuBLASLt unavailable ({why}): GEMM epilogues run as separate kernels", file=sys.stderr)
 
     def close(self):
         """Destroy the cuBLAS handle (also done when the runtime is garbage collected)."""
         handle, self.handle = getattr(self, "handle", None), None
-        if handle is not None:
-            try:
-                with self.cp.cuda.Device(self.device_id):
+        lt_handle, self.lt_handle = getattr(self, "lt_handle", None), None
+        try:
+            with self.cp.cuda.Device(self.device_id):
+                if handle is not None:
                     self.cublas.destroy(handle)
-            except Exception:          # at interpreter exit the context may be gone already
-                pass
+                if lt_handle is not None:
+                    for plan in self._lt_plans.values():
+                        plan.destroy(self.lt)
+                    self.lt.destroy(lt_handle)
+        except Exception:              # at interpreter exit the context may be gone already
+            pass
 
     def __del__(self):
         self.close()
@@ -146,7 +217,7 @@ class CupyRuntime:
 
     # ---- GEMM -----------------------------------------------------------------------------
     def gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
-             batch=1):
+             batch=1, epilogue="none", bias=None, aux=None, ld_aux=0):
         """Row-major, batched: C[i] (m,n) = alpha op(A[i]) @ op(B[i]) + beta C[i], i < batch.
 
         op(A) is (m,k): A[i] is stored (m,k) with row stride lda, or (k,m) when transa; likewise
@@ -156,6 +227,10 @@ class CupyRuntime:
         (c,r) transpose with leading dimension ld. So we ask cuBLAS for C^T = op(B)^T op(A)^T:
         swap the operands and m <-> n; each operand keeps its own transpose flag.
         """
+        if epilogue != "none":
+            self._lt_gemm(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, batch, epilogue, bias, aux,
+                          ld_aux)
+            return
         cublas = self.cublas
         op_a = cublas.CUBLAS_OP_T if transa else cublas.CUBLAS_OP_N
         op_b = cublas.CUBLAS_OP_T if transb else cublas.CUBLAS_OP_N
@@ -170,6 +245,34 @@ class CupyRuntime:
             cublas.sgemmStridedBatched(self.handle, op_b, op_a, n, m, k, alpha_ptr,
                                        b.data.ptr, ldb, stride_b, a.data.ptr, lda, stride_a,
                                        beta_ptr, c.data.ptr, ldc, stride_c, batch)
+
+    def _lt_gemm(self, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, batch, epilogue, bias, aux,
+                 ld_aux):
+        """One GEMM with an epilogue through cublasLtMatmul, row-major as gemm: cuBLASLt computes the column-major
+        D (n,m) = op(B)^T op(A)^T in place of C (D and C the same matrix), the epilogue reading bias/aux by pointer."""
+        from .runtime_emu import check_epilogue
+        if self.lt is None:
+            raise RuntimeError(f"gemm epilogue {epilogue}: cuBLASLt is not available (CupyRuntime.epilogues is False)")
+        check_epilogue(epilogue, m, n, alpha, batch, bias, aux, ld_aux)
+        lt = self.lt
+        ptrs = {"A": b.data.ptr, "B": a.data.ptr, "C": c.data.ptr, "D": c.data.ptr}
+        key = (transa, transb, m, n, k, lda, ldb, ldc, epilogue, ld_aux,
+               tuple(pointer_alignment(p) for p in ptrs.values()))
+        plan = self._lt_plans.get(key)
+        if plan is None:
+            plan = self._lt_plans[key] = LtPlan(lt, self.lt_handle, self.tf32, transa, transb, m, n, k, lda, ldb,
+                                                ldc, epilogue, ld_aux, ptrs)
+        plan.set_pointer(lt, MATMUL_DESC_BIAS_POINTER, bias)
+        plan.set_pointer(lt, MATMUL_DESC_EPILOGUE_AUX_POINTER, aux)
+        if self._workspace is None:
+            self._workspace = self.cp.empty(LT_WORKSPACE, np.uint8)
+        self._alpha[0] = alpha
+        self._beta[0] = beta
+        # cublasLtMatmul(handle, desc, alpha, A, Adesc, B, Bdesc, beta, C, Cdesc, D, Ddesc, algo, workspace, size,
+        # stream): nvmath/bindings/cublasLt.pxd's matmul, every pointer an int
+        lt.matmul(self.lt_handle, plan.desc, self._alpha.ctypes.data, ptrs["A"], plan.layouts[0], ptrs["B"],
+                  plan.layouts[1], self._beta.ctypes.data, ptrs["C"], plan.layouts[2], ptrs["D"], plan.layouts[2],
+                  plan.algo.ctypes.data, self._workspace.data.ptr, LT_WORKSPACE, self.stream_ptr())
 
     # ---- memory ---------------------------------------------------------------------------
     def zeros(self, shape, dtype):
@@ -210,3 +313,58 @@ class CupyRuntime:
 
     def synchronize(self):
         self.cp.cuda.get_current_stream().synchronize()
+
+
+class LtPlan:
+    """The cuBLASLt objects of one GEMM shape with an epilogue: the three matrix layouts, the matmul descriptor (its
+    transposes, compute type, epilogue, aux ld; the bias/aux pointers are set per call) and the algorithm the
+    heuristic picks for operands of these alignments."""
+
+    def __init__(self, lt, handle, tf32, transa, transb, m, n, k, lda, ldb, ldc, epilogue, ld_aux, ptrs):
+        # column-major views of our row-major operands: our B (k,n) [or (n,k) when transb] is cuBLASLt's A, stored
+        # (n,k) [(k,n)] with leading dimension ldb; our A is cuBLASLt's B; our C (m,n) is D (n,m), ld ldc
+        self.layouts = [lt.matrix_layout_create(CUDA_R_32F, *((k, n) if transb else (n, k)), ldb),
+                        lt.matrix_layout_create(CUDA_R_32F, *((m, k) if transa else (k, m)), lda),
+                        lt.matrix_layout_create(CUDA_R_32F, n, m, ldc)]
+        self.desc = lt.matmul_desc_create(CUBLAS_COMPUTE_32F_FAST_TF32 if tf32 else CUBLAS_COMPUTE_32F, CUDA_R_32F)
+        self.set(lt, MATMUL_DESC_TRANSA, CUBLAS_OP_T if transb else CUBLAS_OP_N)
+        self.set(lt, MATMUL_DESC_TRANSB, CUBLAS_OP_T if transa else CUBLAS_OP_N)
+        self.set(lt, MATMUL_DESC_EPILOGUE, LT_EPILOGUES[epilogue])
+        if epilogue in ("gelu_bias", "dgelu"):
+            self.set(lt, MATMUL_DESC_EPILOGUE_AUX_LD, ld_aux)
+        preference = lt.matmul_preference_create()
+        try:
+            _set_attribute(lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype, preference,
+                           MATMUL_PREF_MAX_WORKSPACE_BYTES, LT_WORKSPACE - 256)
+            for operand, attr in MATMUL_PREF_MIN_ALIGNMENT_BYTES.items():
+                _set_attribute(lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype,
+                               preference, attr, pointer_alignment(ptrs[operand]))
+            self.algo = np.zeros(1, lt.matmul_heuristic_result_dtype)    # the algo struct is its first field
+            count = np.zeros(1, np.int32)
+            lt.matmul_algo_get_heuristic(handle, self.desc, *self.layouts, self.layouts[2], preference, 1,
+                                         self.algo.ctypes.data, count.ctypes.data)
+        finally:
+            lt.matmul_preference_destroy(preference)
+        if count[0] < 1:
+            self.destroy(lt)
+            raise RuntimeError(f"cuBLASLt has no algorithm for a {m}x{n}x{k} GEMM with the {epilogue} epilogue "
+                               f"(ld_aux {ld_aux}); run with --fuse 0")
+
+    def set(self, lt, attr, value):
+        _set_attribute(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, self.desc, attr, value)
+
+    def set_pointer(self, lt, attr, array):
+        if array is not None:
+            self.set(lt, attr, array.data.ptr)
+
+    def destroy(self, lt):
+        for layout in self.layouts:
+            lt.matrix_layout_destroy(layout)
+        lt.matmul_desc_destroy(self.desc)
+        self.layouts = []
+
+
+def _set_attribute(setter, dtype_of, obj, attr, value):
+    """setter(obj, attr, buffer address, size): the attribute's value in the C type the bindings name for it."""
+    buf = np.array([value], dtype=dtype_of(attr))
+    setter(obj, attr, buf.ctypes.data, buf.itemsize)

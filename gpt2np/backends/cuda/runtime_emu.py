@@ -14,6 +14,11 @@ whose tensor-op kernels cuBLAS's derive from, converts fp32 to tf32 with Preferr
 float> = round_half_ulp_truncate (add half a TF32 ulp, drop the 13 low bits), the same as PTX's
 cvt.rna.tf32.f32. A kernel that fed raw fp32 bits (truncation) would differ by at most one TF32 ulp per input
 (2^-10 relative instead of 2^-11); tests/test_tf32.py bounds the error so that either passes.
+
+Epilogues (runtime.EPILOGUES): applied in NumPy float32 to the fp32 product, after the TF32 rounding of the
+inputs (the epilogue's own math is fp32 on the GPU too); GELU and its derivative are written as
+numpy_backend's gelu_forward / gelu_backward compute them. The bias gradient ("bgrad") sums the fp32 values of
+op(A) (cuBLASLt's order of that sum is not documented; a kernel's order differs in the last bits).
 """
 import time
 from pathlib import Path
@@ -49,6 +54,7 @@ class EmuRuntime:
     """Runs kernels on the CPU emulator; arrays are NumPy arrays."""
 
     name = "emulator"
+    epilogues = True        # bias, GELU, dGELU and bias-gradient epilogues, in NumPy after the product
     tf32 = False            # GEMMs in exact fp32 NumPy; EmuRuntime(tf32=True) rounds their inputs to TF32
 
     def __init__(self, schedule=None, guard=None, tf32=False, wmma_layout=None, wmma_tf32=True):
@@ -86,7 +92,7 @@ class EmuRuntime:
 
     # ---- GEMM -----------------------------------------------------------------------------
     def gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
-             batch=1):
+             batch=1, epilogue="none", bias=None, aux=None, ld_aux=0):
         """Row-major, batched: C[i] (m,n) = alpha op(A[i]) @ op(B[i]) + beta C[i], i < batch.
 
         op(A) is (m,k): A[i] is stored (m,k) with row stride lda, or (k,m) when transa. Likewise
@@ -100,9 +106,13 @@ class EmuRuntime:
             A = A.transpose(0, 2, 1)
         if transb:
             B = B.transpose(0, 2, 1)
+        exact_a = A
         if self.tf32:
             A, B = round_to_tf32(A), round_to_tf32(B)
         prod = np.matmul(A, B)
+        if epilogue != "none":
+            self._epilogue(epilogue, prod[0], exact_a[0], beta, Cm[0], m, n, alpha, batch, bias, aux, ld_aux)
+            return
         if alpha != 1.0:
             prod *= np.float32(alpha)
         if beta == 0.0:
@@ -111,6 +121,25 @@ class EmuRuntime:
             if beta != 1.0:
                 Cm *= np.float32(beta)
             Cm += prod
+
+    @staticmethod
+    def _epilogue(epilogue, prod, A, beta, C, m, n, alpha, batch, bias, aux, ld_aux):
+        """C (m,n) = epilogue(prod + beta C): see runtime.EPILOGUES."""
+        check_epilogue(epilogue, m, n, alpha, batch, bias, aux, ld_aux)
+        if beta != 0.0:
+            prod += np.float32(beta) * C
+        if epilogue == "bias":
+            np.add(prod, bias, out=C)
+        elif epilogue == "gelu_bias":
+            pre = _matrices(aux, 1, (m, n), ld_aux, 0, "aux")[0]
+            np.add(prod, bias, out=pre)
+            C[...] = gelu(pre)
+        elif epilogue == "dgelu":
+            pre = _matrices(aux, 1, (m, n), ld_aux, 0, "aux")[0]
+            np.multiply(prod, gelu_grad(pre), out=C)
+        else:                                              # bgrad: the row sums of op(A) (m,k)
+            C[...] = prod
+            np.sum(A, axis=1, dtype=np.float32, out=bias.reshape(m))
 
     # ---- memory ---------------------------------------------------------------------------
     def zeros(self, shape, dtype):
@@ -153,6 +182,47 @@ class EmuRuntime:
 
     def synchronize(self):
         pass
+
+
+def check_epilogue(epilogue, m, n, alpha, batch, bias, aux, ld_aux):
+    """The arguments an epilogue needs (runtime.EPILOGUES): a bias vector of the right length, an aux matrix."""
+    from .runtime import EPILOGUES
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"gemm: unknown epilogue {epilogue!r}; known: {', '.join(EPILOGUES)}")
+    if epilogue == "none":
+        return
+    if batch != 1 or alpha != 1.0:
+        raise ValueError(f"gemm epilogue {epilogue}: single GEMMs with alpha 1 only (batch {batch}, alpha {alpha})")
+    want = m if epilogue == "bgrad" else n
+    if epilogue != "dgelu" and (bias is None or bias.size != want or bias.dtype != np.float32):
+        raise ValueError(f"gemm epilogue {epilogue}: needs a float32 bias vector of {want} elements")
+    if epilogue in ("gelu_bias", "dgelu"):
+        if aux is None or ld_aux < n:
+            raise ValueError(f"gemm epilogue {epilogue}: needs the aux matrix ({m},{n}) with ld_aux >= {n}")
+
+
+def gelu(x):
+    """GPT-2's GELU (tanh form) in float32, numpy_backend.gelu_forward's operations."""
+    from ..numpy_backend import GELU_CUBE, GELU_SCALE
+    y = np.multiply(x, x)
+    y *= GELU_CUBE
+    y += 1.0
+    y *= x
+    y *= GELU_SCALE
+    np.tanh(y, out=y)
+    y += 1.0
+    y *= x
+    y *= 0.5
+    return y
+
+
+def gelu_grad(x):
+    """gelu'(x) in float32, numpy_backend.gelu_backward's operations."""
+    from ..numpy_backend import GELU_CUBE, GELU_SCALE
+    x2 = np.multiply(x, x)
+    th = np.tanh(GELU_SCALE * ((x2 * np.float32(GELU_CUBE) + 1.0) * x))
+    slope = (x2 * np.float32(3.0 * GELU_CUBE) + 1.0) * np.float32(GELU_SCALE * 0.5) * x * (1.0 - th * th)
+    return (slope + (th + 1.0) * 0.5).astype(np.float32, copy=False)
 
 
 def _matrices(array, batch, shape, ld, stride, what):

@@ -161,6 +161,7 @@ class PlanRuntime:
     for; tf32: GEMMs on TF32 tensor cores (CudaBackend.precision reads it)."""
 
     name = "plan"
+    epilogues = True          # plans the cuBLASLt path (bias, GELU, dGELU, bias-gradient epilogues)
 
     def __init__(self, device="H100", tf32=True):
         self.device = str(device)
@@ -194,10 +195,14 @@ class PlanRuntime:
                              f"(x <= {GRID_X_LIMIT}, y, z <= {GRID_YZ_LIMIT}, all >= 1)")
 
     def gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
-             batch=1):
+             batch=1, epilogue="none", bias=None, aux=None, ld_aux=0):
+        from .runtime_emu import check_epilogue
         _check_operand(a, batch, (k, m) if transa else (m, k), lda, stride_a, "A")
         _check_operand(b, batch, (n, k) if transb else (k, n), ldb, stride_b, "B")
         _check_operand(c, batch, (m, n), ldc, stride_c, "C")
+        check_epilogue(epilogue, m, n, alpha, batch, bias, aux, ld_aux)
+        if aux is not None:
+            _check_operand(aux, 1, (m, n), ld_aux, 0, "aux")
 
     # ---- memory ---------------------------------------------------------------------------
     def _allocate(self, shape, dtype):
