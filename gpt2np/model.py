@@ -20,7 +20,6 @@ from .tensors import (
     views,
 )
 
-
 # the device step's buffers (CUDA backend: nothing read back inside a step, see gpt2np.train_step)
 STATS = 2            # stats: [mean loss over the micro-batches, squared global gradient norm]
 STEP_SCALARS = 3     # step_scalars: [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t), 1 - lr weight_decay]
@@ -205,7 +204,7 @@ class GPT2:
         dlogits (scaled by 1/(b*t*grad_accum_steps)) over the logits now, as llm.c's trainer does,
         so backward() need not recompute the softmax.
         """
-        be, cfg = self.backend, self.cfg
+        be = self.backend
         inputs = self._check_tokens(inputs, "inputs")
         b, t = inputs.shape
         self._set_shape(b, t)

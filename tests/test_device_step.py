@@ -189,6 +189,6 @@ def test_a_non_finite_device_step_changes_nothing_and_raises_when_read():
     assert model.params_host().tobytes() == params.tobytes()            # not updated
     assert [a.tobytes() for a in model.optimizer_state_host()] == [m.tobytes(), v.tobytes()]
     with pytest.raises(NonFiniteError, match=r"^step 5: the ") as caught:
-        result.loss
+        _ = result.loss
     assert caught.value.step == 4
     assert model.stats.shape == (STATS,) and model.step_scalars.shape == (STEP_SCALARS,)
