@@ -192,3 +192,117 @@ def test_a_non_finite_device_step_changes_nothing_and_raises_when_read():
         _ = result.loss
     assert caught.value.step == 4
     assert model.stats.shape == (STATS,) and model.step_scalars.shape == (STEP_SCALARS,)
+
+
+# ---- CupyRuntime's asynchronous copies and graph capture, on fakes -------------------------------------------
+
+class _Pinned(bytearray):
+    """alloc_pinned_memory's block: a buffer with its address in .ptr."""
+
+    @property
+    def ptr(self):
+        import ctypes
+        return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
+
+
+class _Mem:
+    def __init__(self, fake, array):
+        self.fake, self.array = fake, array
+        self.ptr = array.ctypes.data
+
+    def copy_from_host_async(self, ptr, nbytes, stream):
+        import ctypes
+        self.fake.log.append(("HtoD", nbytes, stream.ptr))
+        ctypes.memmove(self.array.ctypes.data, ptr, nbytes)
+
+    def copy_to_host_async(self, ptr, nbytes, stream):
+        import ctypes
+        self.fake.log.append(("DtoH", nbytes, stream.ptr))
+        ctypes.memmove(ptr, self.array.ctypes.data, nbytes)
+
+
+class _Array:
+    def __init__(self, fake, array):
+        self.host, self.data = array, _Mem(fake, array)
+        self.dtype, self.shape, self.size, self.nbytes = array.dtype, array.shape, array.size, array.nbytes
+
+
+def _async_cupy():
+    """FakeCupy plus pinned memory, events, streams with capture, graphs; `log` lists what was queued where."""
+    from fake_gpu import FakeCupy, FakeStream
+    fake = FakeCupy(stream=7)
+    fake.log = []
+
+    class Event:
+        def __init__(self, disable_timing=False):
+            self.done, self.waited = False, 0
+
+        def record(self, stream=None):
+            fake.log.append(("record", (stream or fake.stream).ptr))
+
+        def synchronize(self):
+            self.waited += 1
+            self.done = True
+
+    class Graph:
+        def launch(self, stream=None):
+            fake.log.append(("graph", stream.ptr))
+
+    class Stream(FakeStream):
+        def __init__(self, non_blocking=False):
+            super().__init__(99)
+
+        def use(self):
+            fake.stream = self
+
+        def wait_event(self, event):
+            fake.log.append(("wait", self.ptr))
+
+        def begin_capture(self):
+            fake.log.append(("begin_capture", self.ptr))
+
+        def end_capture(self):
+            fake.log.append(("end_capture", self.ptr))
+            return Graph()
+
+    def record(stream=fake.stream):
+        event = Event()
+        event.record(stream)
+        return event
+
+    fake.stream.record = record
+    fake.stream.use = lambda: setattr(fake, "stream", fake_default)
+    fake_default = fake.stream
+    fake.cuda.alloc_pinned_memory = _Pinned
+    fake.cuda.Event = Event
+    fake.cuda.Stream = Stream
+    fake.cuda.get_current_stream = lambda: fake.stream
+    return fake
+
+
+def test_cupy_runtime_uploads_and_reads_back_asynchronously_and_captures_on_its_own_stream():
+    from fake_gpu import FakeCublas
+
+    from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
+    cupy, cublas = _async_cupy(), FakeCublas()
+    workspaces = []
+    cupy.empty = lambda n, dtype: _Array(cupy, np.zeros(n, dtype))
+    rt = CupyRuntime(cupy=cupy, cublas=cublas, set_workspace=lambda *a: workspaces.append(a))
+    dst = _Array(cupy, np.zeros(5, np.float32))
+    values = np.arange(5, dtype=np.float32)
+    rt.upload(dst, values)
+    values[:] = -1                                   # reusable at once: it was staged in pinned memory
+    assert dst.host.tolist() == [0, 1, 2, 3, 4] and cupy.log[:2] == [("HtoD", 20, 7), ("record", 7)]
+    readback = rt.read_async(dst)
+    assert not readback.done()
+    assert readback.result().tolist() == [0, 1, 2, 3, 4] and readback.done()
+    rt.begin_capture()
+    with pytest.raises(RuntimeError, match="while capturing"):
+        rt.upload(dst, values)
+    rt._set_stream()                                 # a GEMM inside the capture: the handle goes to stream 99 ...
+    assert cublas.of("setStream")[-1][2] == 99 and workspaces[-1][2] > 0         # ... with our workspace
+    graph = rt.end_capture()
+    assert cupy.stream.ptr == 7                      # the current stream again
+    graph.launch()
+    assert [e for e in cupy.log if e[0] in ("wait", "begin_capture", "end_capture", "graph")] == [
+        ("wait", 99), ("begin_capture", 99), ("end_capture", 99), ("graph", 7)]
