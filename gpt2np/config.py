@@ -174,6 +174,9 @@ class TrainConfig:
     nvtx: int = _setting("--nvtx", 1, "NVTX ranges for nsys, free without a profiler", choices=(0, 1))
     overwrite: bool = _setting("--overwrite", False, "start a new run in an -o that holds another run's files: "
                                "move them into -o/previous-TIME/ first (nothing is deleted)")
+    cuda_graphs: int = _setting("--cuda-graphs", 1, "CUDA backend: capture each training step's launches once per "
+                                "shape as a CUDA graph and replay it (one launch per step); 0 = launch eagerly "
+                                "(profiling always does, for per-kernel numbers)", choices=(0, 1))
     skip_nonfinite: int = _setting("--skip-nonfinite", 0, "skip (do not apply) up to N steps whose loss or grad "
                                    "norm is NaN/Inf before stopping; 0 = stop at the first", metavar="N",
                                    allowed=integer(0), what="the number of non-finite steps to skip")

@@ -95,6 +95,9 @@ class SingleProcess:
     def average(self, value):
         return value
 
+    def reduce_stats(self, model):
+        pass
+
     def barrier(self):
         pass
 
@@ -183,6 +186,11 @@ class HostCollectives:
         self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         buf /= self.world_size
 
+    def all_reduce_sum(self, buf):
+        """buf (n,) = the sum of buf over the ranks, in place."""
+        from mpi4py import MPI
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
     def reduce_scatter_mean(self, buf, bounds):
         """buf[lo:hi] of this rank's shard = the mean of that slice over the ranks (the rest is left stale)."""
         from mpi4py import MPI
@@ -232,10 +240,15 @@ class NcclCollectives:
         return types[buf.dtype]
 
     def all_reduce_mean(self, buf):
-        ptr = self.rt.pointer(buf)
-        self.comm.allReduce(ptr, ptr, buf.size, self._dtype(buf), self.nccl.NCCL_SUM, self.stream_ptr())
+        self.all_reduce_sum(buf)
         buf /= self.world_size
         self.rt.synchronize()
+
+    def all_reduce_sum(self, buf, wait=True):
+        ptr = self.rt.pointer(buf)
+        self.comm.allReduce(ptr, ptr, buf.size, self._dtype(buf), self.nccl.NCCL_SUM, self.stream_ptr())
+        if wait:
+            self.rt.synchronize()
 
     def reduce_scatter_mean(self, buf, bounds):
         """In place: NCCL's reduce-scatter takes equal counts, so the ranks' equal parts go through it and
@@ -285,6 +298,9 @@ class StagedCollectives:
 
     def all_reduce_mean(self, buf):
         self._through_host(buf, self.host.all_reduce_mean)
+
+    def all_reduce_sum(self, buf):
+        self._through_host(buf, self.host.all_reduce_sum)
 
     def reduce_scatter_mean(self, buf, bounds):
         self._through_host(buf, self.host.reduce_scatter_mean, bounds)
@@ -391,6 +407,21 @@ class MpiProcessGroup:
             with self.watchdog.guard("all-gather of the parameters"), ranges.range(
                     "allgather_params", ranges.Collective("all_gather", model.params.nbytes, self.world_size)):
                 coll.all_gather(model.params, shard_bounds(model.num_parameters, self.world_size))
+
+    def reduce_stats(self, model):
+        """The device step's statistics over the ranks (model.stats: [loss, squared grad norm]): the loss
+        averaged; under ZeRO-1 the squared norms of the shards summed (under ZeRO-0 every rank has the whole
+        norm already). One all-reduce of the two floats: the loss is divided by the ranks first, so a sum
+        averages it. On NCCL this waits for the stream (the watchdog's guard, as every collective here): the
+        multi-rank step's host syncs are these and the gradient collectives'."""
+        coll = self._device_collectives(model.backend, model.stats)
+        with self.watchdog.guard("all-reduce of the step's loss and grad norm"), ranges.range(
+                "allreduce_stats", ranges.Collective("all_reduce", model.stats.nbytes, self.world_size)):
+            if self.zero_stage == 1:
+                model.stats[:1] /= self.world_size
+                coll.all_reduce_sum(model.stats)
+            else:
+                coll.all_reduce_mean(model.stats[:1])
 
     def average(self, value):
         """The mean of a host scalar over the ranks."""

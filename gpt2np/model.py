@@ -20,6 +20,10 @@ from .tensors import (
     views,
 )
 
+# the device step's buffers (CUDA backend: nothing read back inside a step, see gpt2np.train_step)
+STATS = 2            # stats: [mean loss over the micro-batches, squared global gradient norm]
+STEP_SCALARS = 3     # step_scalars: [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t), 1 - lr weight_decay]
+
 
 class TokenError(ValueError):
     """A token id outside [0, V)."""
@@ -61,6 +65,10 @@ class GPT2:
         self.d_bt3c = backend.zeros((B, T, 3 * C))
         self.d_bt4c = backend.zeros((B, T, 4 * C))
         self.mean_loss = None
+        self.stats = self.step_scalars = None        # the device step's buffers, made on first use
+        self.token_slots = []                        # [(inputs, targets)] (B, T) device buffers, one per micro-batch
+        self._loss_on_device = False                 # the classifier adds its mean loss into stats (device step)
+        self._loss_accumulates = False               # ... into what an earlier micro-batch of the step left there
         self._shape = None
         self._set_shape(B, T)
         self._dlogits_ready = False
@@ -160,6 +168,39 @@ class GPT2:
             fn(*args)
 
     # ---- forward ------------------------------------------------------------------------
+    def stage_batch(self, slot, inputs, targets):
+        """The device step's upload: check the host (b, t) token arrays and queue them into token slot `slot`
+        (0-based micro-batch of the step), with encoder_backward's grouping of the inputs made from this host copy
+        (backend.upload_tokens), so nothing is read back. forward_staged(slot) then runs on them."""
+        be = self.backend
+        inputs = self._check_tokens(inputs, "inputs")
+        targets = self._check_tokens(targets, "targets")
+        if targets.shape != inputs.shape:
+            raise ValueError(f"targets {targets.shape} and inputs {inputs.shape} differ in shape")
+        if self.stats is None:
+            self.stats = be.zeros(STATS)
+            self.step_scalars = be.zeros(STEP_SCALARS)
+        while len(self.token_slots) <= slot:
+            self.token_slots.append((self.inputs, self.targets) if not self.token_slots else
+                                    (be.zeros((self.B, self.T), np.int32), be.zeros((self.B, self.T), np.int32)))
+        b, t = inputs.shape
+        x, y = (buf.reshape(-1)[:b * t].reshape(b, t) for buf in self.token_slots[slot])
+        be.upload_tokens(x, inputs)
+        be.upload_(y, targets)
+
+    def forward_staged(self, slot, shape, grad_accum_steps=1):
+        """forward(for_backward=True) on the (b, t) = shape tokens stage_batch put in `slot`; the mean loss / steps
+        is added into stats[0] on the device (the first micro-batch of a step, after zero_grad, overwrites it)."""
+        b, t = shape
+        self._set_shape(b, t)
+        self.x, self.y = (buf.reshape(-1)[:b * t].reshape(b, t) for buf in self.token_slots[slot])
+        self._has_targets = True
+        self._loss_on_device = True
+        try:
+            self._network(True, grad_accum_steps)
+        finally:
+            self._loss_on_device = False
+
     def forward(self, inputs, targets=None, *, for_backward=False, grad_accum_steps=1):
         """inputs, targets (b, t) token ids -> mean loss (None without targets).
 
@@ -167,10 +208,12 @@ class GPT2:
         dlogits (scaled by 1/(b*t*grad_accum_steps)) over the logits now, as llm.c's trainer does,
         so backward() need not recompute the softmax.
         """
-        be, cfg = self.backend, self.cfg
+        be = self.backend
         inputs = self._check_tokens(inputs, "inputs")
         b, t = inputs.shape
         self._set_shape(b, t)
+        self.x = self.inputs.reshape(-1)[:b * t].reshape(b, t)      # (forward_staged points them at a slot)
+        self.y = self.targets.reshape(-1)[:b * t].reshape(b, t)
         be.copy_(self.x, be.from_host(inputs))
         if targets is not None:
             targets = self._check_tokens(targets, "targets")
@@ -178,6 +221,11 @@ class GPT2:
                 raise ValueError(f"targets {targets.shape} and inputs {inputs.shape} differ in shape")
             be.copy_(self.y, be.from_host(targets))
         self._has_targets = targets is not None
+        return self._network(for_backward, grad_accum_steps)
+
+    def _network(self, for_backward, grad_accum_steps):
+        """The forward pass on the tokens in self.x (and self.y when _has_targets)."""
+        be, cfg = self.backend, self.cfg
         a, p, L = self.act, self.param, cfg.num_layers
         with ranges.range("gpt2_forward"):
             self._op("encoder_forward", "wte", be.encoder_forward, a["encoded"], self.x, p["wte"], p["wpe"])
@@ -233,7 +281,7 @@ class GPT2:
             self._op("matmul_forward", "lm_head", be.matmul_forward, a["logits"], a["lnf"], p["wte"], None, fuse)
             self._dlogits_ready = False
             self.mean_loss = None
-            if targets is not None:
+            if self._has_targets:
                 self._classifier(for_backward, grad_accum_steps)
         return self.mean_loss
 
@@ -242,7 +290,12 @@ class GPT2:
         dloss = 1.0 / (b * t * grad_accum_steps)
         self._op("fused_classifier", "lm_head", self.backend.fused_classifier, self.act["logits"],
                  self.act["losses"], self.y, self.cfg.vocab_size, dloss, write_dlogits)
-        self.mean_loss = float(self.backend.to_host(self.act["losses"]).mean(dtype=np.float64))
+        if self._loss_on_device:        # the device step: the mean stays on the device, in stats[0]
+            self._op("loss_mean", "lm_head", self.backend.loss_mean, self.stats, self.act["losses"],
+                     grad_accum_steps, self._loss_accumulates)
+            self._loss_accumulates = True
+        else:
+            self.mean_loss = float(self.backend.to_host(self.act["losses"]).mean(dtype=np.float64))
         self._dlogits_ready = write_dlogits
 
     # ---- backward -----------------------------------------------------------------------
@@ -251,6 +304,7 @@ class GPT2:
         adding to it (one pass less over the 4-bytes-per-parameter buffer); reading `grads` first fills."""
         self._grads_zero = True
         self._zero_fill_pending = True
+        self._loss_accumulates = False               # the step's first device loss overwrites stats[0]
 
     def backward(self, grad_accum_steps=1):
         """Accumulate d(mean loss / grad_accum_steps)/d(params) into grads; needs forward with targets."""
@@ -326,6 +380,46 @@ class GPT2:
             self._op("global_norm", "optimizer", lambda g: box.append(self.backend.global_norm_squared(g)),
                      self.grads)
         return math.sqrt(box[0])
+
+    def grad_norm_device(self, shard=None):
+        """stats[1] = the squared L2 norm of the gradients (of params[lo:hi] for a shard), left on the device."""
+        lo, hi = shard or (0, self.num_parameters)
+        with ranges.range("gpt2_calculate_grad_norm"):
+            self._op("global_norm", "optimizer", self.backend.global_norm_squared_device, self.grads[lo:hi],
+                     self.stats)
+
+    def set_step_scalars(self, lr, beta1, beta2, weight_decay, step):
+        """Queue the upload of the step's AdamW scalars (t = step >= 1) into step_scalars: computed in double as
+        update() computes them, rounded to float32 as its kernel arguments are."""
+        if step < 1:
+            raise ValueError("AdamW step t counts from 1")
+        scalars = np.array([lr / (1.0 - beta1 ** step), 1.0 / math.sqrt(1.0 - beta2 ** step),
+                            1.0 - lr * weight_decay], np.float32)
+        self.backend.upload_(self.step_scalars, scalars)
+
+    def update_device(self, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=1.0, shard=None):
+        """update() as the device step runs it: lr, t and the decay from step_scalars (set_step_scalars), the
+        clipping from the norm in stats (grad_norm_device), and no update at all when stats' loss or norm is not
+        finite; all of it decided on the device."""
+        be = self.backend
+        lo, hi = shard or (0, self.num_parameters)
+        if not 0 <= lo <= hi <= self.num_parameters:
+            raise ValueError(f"update shard {shard} is not inside [0, {self.num_parameters}]")
+        if self.m is None:
+            self.m = be.zeros(hi - lo)
+            self.v = be.zeros(hi - lo)
+        if self.m.size != hi - lo:
+            raise ValueError(f"AdamW state holds {self.m.size} values, the update shard {lo}:{hi} has {hi - lo}")
+        with ranges.range("gpt2_update"):
+            start = 0
+            for name in PARAM_NAMES:
+                end = start + int(np.prod(self.param_shapes[name]))
+                a, b = max(start, lo), min(end, hi)          # this tensor's part of the shard
+                if a < b:
+                    self._op("adamw", "optimizer", be.adamw_update_device, self.params[a:b], self.grads[a:b],
+                             self.m[a - lo:b - lo], self.v[a - lo:b - lo], self.step_scalars, self.stats, beta1,
+                             beta2, eps, name in self.decay_tensors, grad_clip)
+                start = end
 
     def update(self, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1, grad_clip=1.0,
                grad_norm=None, shard=None):

@@ -2,10 +2,25 @@
 average across processes, global-norm clipping and AdamW. The trainer, the profiler, compare, the benches
 and data parallel all run this function, so they cannot drift apart.
 
-A step whose loss or gradient norm is NaN or infinite raises NonFiniteError before the update: the weights
-and AdamW's moments stay as they were (the trainer then stops, or skips the step with --skip-nonfinite).
+A step whose loss or gradient norm is NaN or infinite changes nothing (the weights and AdamW's moments stay as
+they were) and raises NonFiniteError, naming the step (the trainer then stops, or skips the step with
+--skip-nonfinite).
+
+Two ways to run it, the same math:
+  * the host step (the NumPy backend): the loss and the norm are host floats, checked before the update;
+    train_step returns a StepResult and raises NonFiniteError itself.
+  * the device step (backends with upload_tokens, i.e. CUDA): the host never waits for the device inside the
+    step. The micro-batches' tokens go up first (with encoder_backward's token grouping, made from the host
+    copy), and the step's AdamW scalars (lr, bias corrections) into a small device buffer; the mean loss and the
+    squared grad norm are reduced on the device into model.stats; AdamW reads them there, clips by them and skips
+    the whole update when either is not finite. train_step returns a PendingStep: its loss and grad_norm arrive
+    by an asynchronous copy and are resolved when read (raising NonFiniteError then), so the trainer prints
+    step N while step N+1 runs. With cuda_graphs, the device work of a step is captured once per shape as a
+    CUDA graph (after one eager step, which makes every lazily allocated buffer) and replayed afterwards: one
+    launch per step instead of hundreds.
 """
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Tuple
 
@@ -28,7 +43,7 @@ class AdamW:
 
 
 class NonFiniteError(RuntimeError):
-    """A step's loss or gradient norm is NaN or infinite; raised before the update, so the model is unchanged.
+    """A step's loss or gradient norm is NaN or infinite; the update was not applied, the model is unchanged.
 
     step is train_step's 0-based index; the message counts from 1, as the trainer's step lines do.
     """
@@ -46,19 +61,61 @@ class StepResult(NamedTuple):
     grad_norm: float              # global gradient norm before clipping
 
 
+class PendingStep:
+    """The result of a device step, read back asynchronously: loss and grad_norm (or unpacking it, as a
+    StepResult) wait for the copy of the step's statistics and raise NonFiniteError when the step was not
+    finite (the device skipped its update). done() says whether it is there without waiting."""
+
+    def __init__(self, step: int, readback):
+        self.step, self._readback, self._result = step, readback, None
+
+    def done(self) -> bool:
+        return self._result is not None or self._readback.done()
+
+    def resolve(self) -> StepResult:
+        """The StepResult (waits for the copy: a host sync); raises NonFiniteError for a non-finite step."""
+        if self._result is None:
+            stats = self._readback.result()
+            self._result = StepResult(float(stats[0]), math.sqrt(float(stats[1])) if stats[1] >= 0 else math.nan)
+        loss, norm = self._result
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise NonFiniteError(self.step, loss, norm)
+        return self._result
+
+    @property
+    def loss(self) -> float:
+        return self.resolve().loss
+
+    @property
+    def grad_norm(self) -> float:
+        return self.resolve().grad_norm
+
+    def __iter__(self):
+        return iter(self.resolve())
+
+    def __getitem__(self, i):
+        return self.resolve()[i]
+
+
 def train_step(model, next_batch: Callable[[], Batch], *, step: int, lr: float, accum_steps: int = 1,
-               adamw: AdamW = AdamW(), dist=None) -> StepResult:
+               adamw: AdamW = AdamW(), dist=None, cuda_graphs: bool = False):
     """One optimizer step of `model` on `accum_steps` micro-batches from next_batch().
 
     step: 0-based index (the NVTX range is "Train step {step}", AdamW's t is step + 1).
     dist: a process group (gpt2np.dist); None = this process alone. The loss and the gradients are
     averaged over micro-batches and processes; the grad norm is the global one, before clipping.
-    Raises NonFiniteError, with nothing updated, when the loss or the grad norm is not finite (every process
-    sees the same averaged loss and global norm, so all of them raise together).
+    cuda_graphs: on the device step, capture the step as a CUDA graph once per shape and replay it (single
+    process only; ignored while a profiler watches the launches, and on the host step).
+    Returns a StepResult (host step) or a PendingStep (device step, see the module docstring). A step whose loss
+    or grad norm is not finite updates nothing and raises NonFiniteError: at once on the host step, when its
+    result is read on the device step (every process sees the same averaged loss and global norm, so all of them
+    raise together).
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
     dist = dist or SingleProcess()
+    if hasattr(model.backend, "upload_tokens"):
+        return _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_graphs)
     with ranges.range(f"Train step {step}"):
         model.zero_grad()
         loss = 0.0
@@ -76,3 +133,70 @@ def train_step(model, next_batch: Callable[[], Batch], *, step: int, lr: float, 
         dist.gather_params(model)
         model.backend.synchronize()
     return StepResult(float(loss), float(norm))
+
+
+# model -> {shape key: _Captured}: the captured graphs of each model's device step
+_GRAPHS = weakref.WeakKeyDictionary()
+
+
+class _Captured(NamedTuple):
+    graph: object
+    generation: int               # backend.scratch_generation when captured (a newer one: buffers moved)
+    state: tuple                  # model.m, model.v when captured (load_optimizer_state replaces them)
+
+
+def _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_graphs):
+    be = model.backend
+    with ranges.range(f"Train step {step}"):
+        shape = None
+        for i in range(accum_steps):                    # the uploads: tokens, their grouping (no host wait)
+            x, y = next_batch()
+            model.stage_batch(i, x, y)
+            if shape not in (None, np.shape(x)):
+                raise ValueError(f"micro-batch {i} is {np.shape(x)}, the first was {shape}")
+            shape = np.shape(x)
+        model.set_step_scalars(lr, adamw.beta1, adamw.beta2, adamw.weight_decay, step + 1)
+        shard = dist.shard(model.num_parameters)
+
+        def body():
+            _device_body(model, shape, accum_steps, adamw, dist, shard)
+
+        graphs_ok = cuda_graphs and dist.world_size == 1 and be.on_launch is None and hasattr(be.rt, "begin_capture")
+        if not graphs_ok:
+            body()
+        else:
+            cache = _GRAPHS.setdefault(model, {})
+            key = (shape, accum_steps, adamw, shard)
+            held = cache.get(key)
+            state = (model.m, model.v)
+            fresh = (held is not None and held.generation == be.scratch_generation
+                     and all(a is b for a, b in zip(held.state, state)))
+            if fresh:
+                held.graph.launch()
+            elif model.m is None or held is None and not cache.get(("warm", key)):
+                body()                                   # eager first: it allocates what the step needs
+                cache[("warm", key)] = True
+            else:
+                be.rt.begin_capture()
+                try:
+                    body()
+                except BaseException:
+                    be.rt.end_capture()
+                    raise
+                graph = be.rt.end_capture()
+                cache[key] = _Captured(graph, be.scratch_generation, state)
+                graph.launch()
+        return PendingStep(step, be.read_async(model.stats))
+
+
+def _device_body(model, shape, accum_steps, adamw, dist, shard):
+    """The device work of a step, everything after the uploads: what a CUDA graph captures."""
+    model.zero_grad()
+    for i in range(accum_steps):
+        model.forward_staged(i, shape, grad_accum_steps=accum_steps)
+        model.backward(grad_accum_steps=accum_steps)
+    dist.average_grads(model)
+    model.grad_norm_device(shard if dist.zero_stage == 1 else None)
+    dist.reduce_stats(model)
+    model.update_device(adamw.beta1, adamw.beta2, adamw.eps, adamw.grad_clip, shard=shard)
+    dist.gather_params(model)

@@ -42,7 +42,7 @@ from .sample import generate
 from .schedule import learning_rate
 from .starter import Decoder, resolve_data, resolve_model
 from .tensors import num_parameters
-from .train_step import AdamW, NonFiniteError, train_step
+from .train_step import AdamW, NonFiniteError, PendingStep, train_step
 
 PRECISION_TEXT = {"fp32": "fp32 (exact fp32 matmuls)", "tf32": "tf32 (matmuls on TF32 tensor cores)"}
 
@@ -262,10 +262,57 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         save_checkpoint(cfg.output_dir, step, model, train_loader, rng, dist, nonfinite_skipped=skipped)
         last_saved = step
 
+    # A device step (CUDA) returns before the device has run it (gpt2np.train_step.PendingStep): its line is
+    # printed when the next step has been queued (one step late), or before anything else the loop does
+    # (validation, sampling, checkpoints, a stop), so a non-finite step still stops the run before a checkpoint.
+    pending = None                                # (step, lr, result, t0) of the step whose line is not out yet
+    last_report = None                            # when the previous line's result arrived
+
+    def report(entry):
+        nonlocal skipped, last_report
+        step_, lr_, result, t0 = entry
+        try:
+            if isinstance(result, NonFiniteError):
+                raise result
+            loss, norm = result
+            applied = True
+        except NonFiniteError as e:               # the update was not applied: the model is still step's
+            if skipped >= cfg.skip_nonfinite:
+                kept = (f"the last checkpoint, step {last_saved}, is untouched" if last_saved
+                        else "no checkpoint was written" if cfg.output_dir else "no -o, no checkpoint")
+                more = f" after skipping {skipped} (--skip-nonfinite {cfg.skip_nonfinite})" if skipped else ""
+                raise RuntimeError(f"{e}; stopping{more} ({kept})") from None
+            skipped += 1
+            loss, norm, applied = e.loss, e.grad_norm, False
+        now = time.perf_counter()
+        dt = now - max(t0, last_report or t0)     # queued steps: from the previous result to this one
+        last_report = now
+        step_times.append(dt)
+        tok_s = total_batch / dt
+        if backend.name == "cuda":
+            util = mfu(fpt, tok_s, device_name, backend.precision)
+            perf = f"{100 * util:.1f}% MFU" if util is not None else "MFU n/a"
+        else:
+            perf = f"{fpt * tok_s / 1e9:.1f} GFLOP/s"
+        if applied:
+            say(f"step {step_ + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr_:.2e} | "
+                f"{dt * 1e3:.2f} ms | {perf} | {tok_s:.0f} tok/s", flush=True)
+            logger.log(f"s:{step_} trl:{loss:.6f} lr:{lr_:.6g} norm:{norm:.4f}")
+        else:                                     # not in main.log: the step changed nothing
+            say(f"step {step_ + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr_:.2e} | skipped: "
+                f"not finite ({skipped} of --skip-nonfinite {cfg.skip_nonfinite})", flush=True)
+
     for step in range(start_step, total_steps + 1):
         last = step == total_steps
         resumed_here = step == start_step and start_step > 0
-        if signal_received(signals, dist):        # between two steps: stop here, with a checkpoint
+        stopping = signal_received(signals, dist)
+        busy = (last or stopping or val_loader and step % cfg.val_every == 0 or hellaswag_total
+                and step % cfg.hellaswag_every == 0 or decoder and step > 0 and step % cfg.sample_every == 0
+                or cfg.output_dir and cfg.checkpoint_every > 0 and step > 0 and step % cfg.checkpoint_every == 0)
+        if pending and busy:                      # the queued step's numbers first
+            entry, pending = pending, None
+            report(entry)
+        if stopping:                              # between two steps: stop here, with a checkpoint
             trained_here = step > start_step
             stop_on_signal(signals, step, checkpoint if cfg.output_dir and trained_here else None, cfg.output_dir,
                            rank0)
@@ -289,32 +336,19 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
             profiler = Profiler(model.backend, model=model).__enter__()
         t0 = time.perf_counter()
         try:
-            loss, norm = train_step(model, next_batch, step=step, lr=lr, accum_steps=accum, adamw=adamw, dist=dist)
-            applied = True
-        except NonFiniteError as e:               # the update was not applied: the model is still step's
-            if skipped >= cfg.skip_nonfinite:
-                kept = (f"the last checkpoint, step {last_saved}, is untouched" if last_saved
-                        else "no checkpoint was written" if cfg.output_dir else "no -o, no checkpoint")
-                more = f" after skipping {skipped} (--skip-nonfinite {cfg.skip_nonfinite})" if skipped else ""
-                raise RuntimeError(f"{e}; stopping{more} ({kept})") from None
-            skipped += 1
-            loss, norm, applied = e.loss, e.grad_norm, False
-        dt = time.perf_counter() - t0
-        step_times.append(dt)
-        tok_s = total_batch / dt
-        if backend.name == "cuda":
-            util = mfu(fpt, tok_s, device_name, backend.precision)
-            perf = f"{100 * util:.1f}% MFU" if util is not None else "MFU n/a"
-        else:
-            perf = f"{fpt * tok_s / 1e9:.1f} GFLOP/s"
-        if applied:
-            say(f"step {step + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | "
-                f"{dt * 1e3:.2f} ms | {perf} | {tok_s:.0f} tok/s", flush=True)
-            logger.log(f"s:{step} trl:{loss:.6f} lr:{lr:.6g} norm:{norm:.4f}")
-        else:                                     # not in main.log: the step changed nothing
-            say(f"step {step + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | skipped: "
-                f"not finite ({skipped} of --skip-nonfinite {cfg.skip_nonfinite})", flush=True)
+            result = train_step(model, next_batch, step=step, lr=lr, accum_steps=accum, adamw=adamw, dist=dist,
+                                cuda_graphs=bool(cfg.cuda_graphs))
+        except NonFiniteError as e:               # the host step raises at once
+            result = e
+        entry = (step, lr, result, t0)
+        if isinstance(result, PendingStep):       # the device step: report the previous one while this one runs
+            entry, pending = pending, entry
+        if entry is not None:
+            report(entry)
         if profiler and (step == start_step + cfg.profile_steps or step == total_steps - 1):
+            if pending:                           # its line before the report
+                entry, pending = pending, None
+                report(entry)
             profiler.__exit__(None, None, None)
             if rank0:
                 report_profile(profiler, backend, model_cfg, cfg)

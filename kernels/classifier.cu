@@ -80,3 +80,29 @@ fused_classifier(float* logits, float* __restrict__ losses, const int* __restric
         }
     }
 }
+
+// The step's mean loss on the device (no read-back): one block of blockDim.x threads (a power of two,
+// <= 1024); thread i sums losses[i], losses[i + blockDim.x], ... in double, then the partial sums are
+// combined in a fixed tree order, so the result is deterministic (no atomics). With accumulate == 0:
+// stats[0] = mean / count, else stats[0] += mean / count (count: the micro-batches of the step, so
+// stats[0] ends as the mean over them).
+extern "C" __global__ void __launch_bounds__(1024)
+loss_mean(float* __restrict__ stats, const float* __restrict__ losses, int N, int count, int accumulate) {
+    __shared__ double partial[1024];
+    double sum = 0.0;
+    for (int i = threadIdx.x; i < N; i += blockDim.x) {
+        sum += (double)losses[i];
+    }
+    partial[threadIdx.x] = sum;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half >>= 1) {
+        if (threadIdx.x < half) {
+            partial[threadIdx.x] += partial[threadIdx.x + half];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        const float mean = (float)(partial[0] / N / count);
+        stats[0] = accumulate ? stats[0] + mean : mean;
+    }
+}

@@ -32,19 +32,24 @@ extern "C" __global__ void encoder_forward(float* __restrict__ out, const int* _
     reinterpret_cast<float4*>(out)[idx] = make_float4(e.x + p.x, e.y + p.y, e.z + p.z, e.w + p.w);
 }
 
-// dwte (Vp,C) += dout (B,T,C) rows grouped by token id, no atomics. Grid (ceil(C / blockDim.x),
-// gridDim.y <= num_unique), 1-D blocks: thread (blockIdx.x, threadIdx.x) owns channel c, block row
-// blockIdx.y the unique tokens u = blockIdx.y, blockIdx.y + gridDim.y, ... < num_unique. Token
-// tokens[u] occurs at the positions positions[offsets[u] .. offsets[u+1]) (ascending b*T+t); each
-// (token, c) is written by exactly one thread, which adds those rows into dwte in that order.
+// dwte (Vp,C) += dout (B,T,C) rows grouped by token id, no atomics. groups (int32, 3 * capacity + 2, uploaded by
+// the host with the batch, see CudaBackend.upload_tokens): [U | offsets (capacity + 1) | positions (capacity) |
+// tokens (capacity)], U the number of distinct tokens, capacity >= B*T. Token tokens[u] occurs at the positions
+// positions[offsets[u] .. offsets[u+1]) (ascending b*T+t). U is read on the device, so the launch does not
+// depend on the batch (a captured graph replays it): grid (ceil(C / blockDim.x), gridDim.y sized for the worst
+// case), 1-D blocks; thread (blockIdx.x, threadIdx.x) owns channel c, block row blockIdx.y the unique tokens
+// u = blockIdx.y, blockIdx.y + gridDim.y, ... < U. Each (token, c) is written by exactly one thread, which adds
+// the token's rows into dwte in position order.
 extern "C" __global__ void encoder_backward_wte_grouped(float* __restrict__ dwte, const float* __restrict__ dout,
-                                                       const int* __restrict__ offsets,
-                                                       const int* __restrict__ positions,
-                                                       const int* __restrict__ tokens, int num_unique, int C) {
+                                                       const int* __restrict__ groups, int capacity, int C) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) {
         return;
     }
+    const int num_unique = groups[0];
+    const int* offsets = groups + 1;
+    const int* positions = offsets + capacity + 1;
+    const int* tokens = positions + capacity;
     for (int u = blockIdx.y; u < num_unique; u += gridDim.y) {
         const int end = offsets[u + 1];
         float* row = dwte + (long long)tokens[u] * C;

@@ -120,6 +120,14 @@ class FakeGpu(EmuRuntime):
         self.source.emit(3, SimpleNamespace(kind=C.KIND_MEMCPY, copy_kind=2, bytes=array.nbytes))
         return super().to_host(array)
 
+    def upload(self, dst, array):
+        super().upload(dst, array)
+        self.source.emit(3, SimpleNamespace(kind=C.KIND_MEMCPY, copy_kind=1, bytes=dst.nbytes))
+
+    def read_async(self, array):
+        self.source.emit(3, SimpleNamespace(kind=C.KIND_MEMCPY, copy_kind=2, bytes=array.nbytes))
+        return super().read_async(array)
+
     def copy(self, dst, src):
         super().copy(dst, src)
         self.source.emit(3, SimpleNamespace(kind=C.KIND_MEMCPY, copy_kind=8, bytes=dst.nbytes))

@@ -22,6 +22,7 @@ import pytest
 import train
 from gpt2np import trainer
 from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.backends.runtime_base import Ready
 from gpt2np.checkpoint import (
     CheckpointError,
     atomic_write,
@@ -40,7 +41,7 @@ from gpt2np.rundir import TEMP_FILE
 from gpt2np.starter import write_byte_tokenizer
 from gpt2np.tensors import offsets, param_shapes, views
 from gpt2np.tokenizer import TOKENIZER_BIN
-from gpt2np.train_step import NonFiniteError, train_step
+from gpt2np.train_step import NonFiniteError, PendingStep, train_step
 
 REPO = Path(__file__).resolve().parent.parent
 # byte-level vocabulary (256 bytes + <|endoftext|> = 256), so samples decode with a tokenizer file beside the data
@@ -287,17 +288,22 @@ def test_train_step_raises_before_the_update():
     assert not m.any() and not v.any()
 
 
-def test_skip_nonfinite(files, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_skip_nonfinite(files, tmp_path, capsys, monkeypatch, deferred):
     """--skip-nonfinite N: the step is skipped (not applied, not logged), the count survives a resume, the
-    N+1-th stops the run."""
+    N+1-th stops the run. deferred: as the device step (CUDA) reports it, a PendingStep that raises when read,
+    after the trainer has queued the next step."""
     real_step = trainer.train_step
     bad_steps = {2, 5}
 
     def flaky_step(model, next_batch, *, step, **kwargs):
         if step in bad_steps:            # what train_step does with a NaN loss: consume the batch, raise
             next_batch()
+            if deferred:
+                return PendingStep(step, Ready(np.array([np.nan, np.nan], np.float32)))
             raise NonFiniteError(step, float("nan"), float("nan"))
-        return real_step(model, next_batch, step=step, **kwargs)
+        result = real_step(model, next_batch, step=step, **kwargs)
+        return PendingStep(step, Ready(np.array([result.loss, result.grad_norm ** 2]))) if deferred else result
 
     monkeypatch.setattr(trainer, "train_step", flaky_step)
     out = tmp_path / "out"
@@ -479,3 +485,28 @@ def test_kill_9_at_random_moments_then_resume_is_bit_identical(files, tmp_path, 
     same_checkpoint(reference, out, steps)
     assert (out / "main.log").read_text() == (reference / "main.log").read_text()
     assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
+
+
+def test_a_deferred_non_finite_step_stops_the_run_before_its_successor_is_reported(files, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """A device step's numbers arrive one step late: the run stops at the bad step's line (the next step was
+    queued, its line never comes and nothing is written after it)."""
+    real_step = trainer.train_step
+    queued = []
+
+    def deferred_step(model, next_batch, *, step, **kwargs):
+        queued.append(step)
+        if step == 2:
+            next_batch()
+            return PendingStep(step, Ready(np.array([np.inf, 1.0], np.float32)))
+        result = real_step(model, next_batch, step=step, **kwargs)
+        return PendingStep(step, Ready(np.array([result.loss, result.grad_norm ** 2])))
+
+    monkeypatch.setattr(trainer, "train_step", deferred_step)
+    out = tmp_path / "out"
+    code, stdout, err = run(args(files, out, "-x", 6), capsys)
+    assert code == 1
+    one_error_line(err, "step 3: the loss is inf; stopping (no checkpoint was written)")
+    assert queued == [0, 1, 2, 3]                       # step 3 was queued before step 2's numbers were read
+    assert [line.split()[0] for line in (out / "main.log").read_text().splitlines()] == ["s:0", "s:1"]
+    assert re.findall(r"step +(\d)/6", stdout) == ["1", "2"]

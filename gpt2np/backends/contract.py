@@ -55,6 +55,8 @@ class Backend(Protocol):
     def to_host(self, array): """A host (NumPy) copy of a backend array."""
     def copy_(self, dst, src): """dst[...] = src (same shape)."""
     def fill_(self, array, value): """array[...] = value."""
+    def upload_(self, dst, array): """dst[...] = host array, queued: no host wait, `array` may be reused at once."""
+    def read_async(self, array): """A Readback of a host copy of `array` queued now: done(), result() (waits)."""
     def synchronize(self): """Wait until all queued work is done."""
 
     # ---- encoder --------------------------------------------------------------------
@@ -136,13 +138,26 @@ class Backend(Protocol):
         int32. With write_dlogits, logits becomes dlogits = (softmax - onehot(target)) * dloss over [:V] and
         0 over the padding [V:Vp]."""
 
+    def loss_mean(self, stats, losses, count, accumulate):
+        """stats (STATS) float32, stats[0] = mean of losses (B,T) / count (+= with accumulate), on the device in a
+        fixed order (the step's mean loss over `count` micro-batches, never read back during the step)."""
+
     # ---- optimizer ------------------------------------------------------------------
     def adamw_update(self, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
         """AdamW on flat float32 segments (n), in place: g = grad_scale * grads; m, v moments with bias
         correction for step t >= 1; params -= lr * (mhat / (sqrt(vhat) + eps) + weight_decay * params)."""
 
+    def adamw_update_device(self, params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed, grad_clip):
+        """AdamW on flat float32 segments (n) as the CUDA kernel computes it, with every per-step value in device
+        buffers: scalars (STEP_SCALARS) = [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t), 1 - lr weight_decay] (the
+        decay where `decayed`); stats (STATS) = [loss, squared grad norm], from which the clip scale (grad_clip /
+        norm when norm > grad_clip > 0) is computed; a non-finite loss or norm leaves params, m, v untouched."""
+
     def global_norm_squared(self, grads) -> float:
         """sum(grads^2) over a flat (n) buffer, as a Python float."""
+
+    def global_norm_squared_device(self, grads, stats):
+        """stats (STATS) float32, stats[1] = sum(grads^2) over a flat (n) buffer, left on the device."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,7 +391,12 @@ def adamw_cost(params, grads, m, v, *hyperparameters) -> Cost:
     return Cost(f"N={n}", {"update": (14 * n, F32 * 7 * n)})   # reads p, g, m, v; writes p, m, v
 
 
-def global_norm_cost(grads) -> Cost:
+def loss_mean_cost(stats, losses, count, accumulate) -> Cost:
+    n = _size(losses)
+    return Cost(f"N={n}", {"mean": (n, F32 * (n + _rmw(accumulate)))})
+
+
+def global_norm_cost(grads, *device_stats) -> Cost:
     n = _size(grads)
     return Cost(f"N={n}", {"sum_squares": (2 * n, F32 * n)})
 
@@ -401,9 +421,15 @@ COSTS: Dict[str, Callable[..., Cost]] = {
     "residual_forward": residual_forward_cost,
     "residual_backward": residual_backward_cost,
     "fused_classifier": fused_classifier_cost,
-    "adamw": adamw_cost,                 # Backend.adamw_update
-    "global_norm": global_norm_cost,     # Backend.global_norm_squared
+    "loss_mean": loss_mean_cost,         # the device step only (the host step reads the losses back)
+    "adamw": adamw_cost,                 # Backend.adamw_update, adamw_update_device
+    "global_norm": global_norm_cost,     # Backend.global_norm_squared, global_norm_squared_device
 }
+# the op name -> the backend methods that run it, where they are named differently
+OP_METHODS = {"adamw": ("adamw_update", "adamw_update_device"),
+              "global_norm": ("global_norm_squared", "global_norm_squared_device")}
+# ops that only the device step (train_step on a backend with device_step) runs
+DEVICE_STEP_OPS = ("loss_mean",)
 
 
 def op_cost(op: str, args) -> Cost:

@@ -83,6 +83,13 @@ class NumpyBackend:
     def fill_(self, array, value):
         array.fill(value)
 
+    def upload_(self, dst, array):
+        np.copyto(dst, np.asarray(array, dst.dtype).reshape(dst.shape))
+
+    def read_async(self, array):
+        from .runtime_base import Ready
+        return Ready(np.array(array, copy=True))
+
     def synchronize(self):
         pass
 
@@ -543,6 +550,33 @@ class NumpyBackend:
             p -= upd
 
         self._chunked(chunk, params.size)
+
+    def adamw_update_device(self, params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed, grad_clip):
+        """The CUDA kernel adamw_update_device's arithmetic in float32 (the reference its emulated runs are checked
+        against; the NumPy training step runs adamw_update): scalars = [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t),
+        1 - lr wd], stats = [loss, squared grad norm]; nothing changes when either statistic is not finite."""
+        f32 = np.float32
+        loss, norm_squared = f32(stats[0]), f32(stats[1])
+        if not (np.isfinite(loss) and np.isfinite(norm_squared)):
+            return
+        norm = math.sqrt(float(norm_squared))
+        clip = float(f32(grad_clip)) if grad_clip is not None and grad_clip > 0 else 0.0
+        scale = f32(clip / norm) if clip > 0 and norm > clip else f32(1.0)
+        step_size, inv_sqrt_bc2 = f32(scalars[0]), f32(scalars[1])
+        decay = f32(scalars[2]) if decayed else f32(1.0)
+        g = grads * scale
+        m[...] = f32(beta1) * m + f32(1.0 - beta1) * g
+        v[...] = f32(beta2) * v + f32(1.0 - beta2) * (g * g)
+        denom = np.sqrt(v) * inv_sqrt_bc2 + f32(eps)
+        params[...] = params * decay - step_size * (m / denom)
+
+    def loss_mean(self, stats, losses, count, accumulate):
+        """stats[0] = mean(losses) / count as float32 (+= with accumulate); the sum in float64."""
+        mean = np.float32(float(np.sum(losses, dtype=np.float64)) / losses.size / count)
+        stats[0] = stats[0] + mean if accumulate else mean
+
+    def global_norm_squared_device(self, grads, stats):
+        stats[1] = self.global_norm_squared(grads)
 
     def global_norm_squared(self, grads):
         """sum(grads^2) of a flat buffer, accumulated per chunk in float64."""

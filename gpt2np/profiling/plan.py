@@ -16,8 +16,12 @@ GEMM peak at the precision in use for cuBLAS calls (tf32 tensor cores by default
 cores) and the fp32 CUDA-core peak for the hand-written kernels; a memset counts its bytes, a device-to-device
 copy its bytes twice (read and write); host<->device copies go over PCIe and get no floor. Helper kernels
 that carry no term of their op's cost (a reduction's finishing stage) have no work, so no floor.
-Host syncs: every point where the host waits for the device inside the step (a device->host read: the token
-grouping of encoder_backward, the loss, the grad norm; the stream synchronize at the end of the step).
+Host syncs: every point where the host waits for the device inside the step (a device->host read, a stream
+synchronize, an event wait). The single-process CUDA step makes none (gpt2np.train_step: the token grouping
+goes up with the batch, the loss and the grad norm stay on the device, the results come back asynchronously);
+a multi-rank step waits after each NCCL collective (gpt2np.dist), which a plan does not run.
+CUDA graphs: after the planned (eager, so every launch is attributed) step, two more steps run with cuda_graphs
+on, capturing and replaying the step; the graph launches of the replayed one are counted (1: the whole step).
 Memory: the model's buffers (profiling.memory.memory_summary: parameters, gradients, AdamW m and v,
 activations by name, gradient scratch, tokens, the backend's work buffers) as the planned run allocates them.
 
@@ -27,7 +31,7 @@ launch where the measured launches of an op match the planned ones.
 
 Output: per op and direction sums, a per-direction summary, the memory, the host syncs, optionally every
 launch (--plan-launches), then plan.csv (every launch), plan_ops.csv and plan.json in --out, and a last line
-`total: X GB, Y GFLOP, floor Z ms, N launches, S host syncs`.
+`total: X GB, Y GFLOP, floor Z ms, N launches, S host syncs, G graph launches per step`.
 """
 import csv
 import io
@@ -97,6 +101,7 @@ class Plan:
     measured: Optional[dict] = None     # {"device", "timing", "emulated", "precision", "records"}
     attention: str = "naive"            # the model's attention: "flash" or "naive" (tensors.ATTENTIONS)
     fuse: bool = True                   # the model's fused ops (GEMM epilogues, residual + LayerNorm): --fuse
+    graph_launches: int = 0             # CUDA graph launches of a replayed step (cuda_graphs on), 0 if not planned
 
     @property
     def kernels(self) -> List[Launch]:
@@ -124,7 +129,8 @@ class Plan:
 
     def total_line(self) -> str:
         return (f"total: {self.memory_bytes / GB:.2f} GB, {self.flops / 1e9:,.1f} GFLOP, floor "
-                f"{self.floor_ns / 1e6:.2f} ms, {len(self.kernels)} launches, {self.host_syncs} host syncs")
+                f"{self.floor_ns / 1e6:.2f} ms, {len(self.kernels)} launches, {self.host_syncs} host syncs, "
+                f"{self.graph_launches} graph launches per step")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +234,20 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
         launches.append(Launch(record, term, *launch_floor(record, roof)))
     syncs = [dict(s, where=list(s["where"])) for s in rt.syncs]
     return Plan(model_name or "GPT-2", cfg, B, T, spec, precision, roof, launches, prof.memory, syncs, notes,
-                attention=attention, fuse=bool(fuse))
+                attention=attention, fuse=bool(fuse), graph_launches=graph_launches_per_step(model, batches))
+
+
+def graph_launches_per_step(model, batches) -> int:
+    """Graph launches of one replayed step with cuda_graphs on (steps 2 and 3: capture, then replay); raises if
+    the replayed step syncs the host."""
+    from ..train_step import train_step
+    rt = model.backend.rt
+    train_step(model, lambda: batches[0], step=2, lr=LR, cuda_graphs=True)
+    launched, synced = rt.graph_launches, len(rt.syncs)
+    train_step(model, lambda: batches[1 % len(batches)], step=3, lr=LR, cuda_graphs=True)
+    if len(rt.syncs) != synced:
+        raise AssertionError(f"a replayed step synced the host: {rt.syncs[synced:]}")
+    return rt.graph_launches - launched
 
 
 def measure(plan: Plan, backend, params=None, batches=None, activity_source="auto") -> Plan:
@@ -527,7 +546,8 @@ def to_json(plan: Plan) -> dict:
         "gpu": {"name": spec.name, "fp32_tflops": spec.fp32, "tf32_tflops": spec.tf32, "hbm_gbps": spec.mem_gbps},
         "precision": plan.precision, "attention": plan.attention, "notes": plan.notes,
         "total": {"memory_bytes": plan.memory_bytes, "flops": plan.flops, "bytes": plan.bytes,
-                  "floor_ns": plan.floor_ns, "launches": len(plan.kernels), "host_syncs": plan.host_syncs},
+                  "floor_ns": plan.floor_ns, "launches": len(plan.kernels), "host_syncs": plan.host_syncs,
+                  "graph_launches_per_step": plan.graph_launches},
         "directions": direction_rows(plan), "ops": op_rows(plan), "memory": plan.memory, "host_syncs": plan.syncs,
         "measured": measured, "launches": launch_dicts(plan),
     }

@@ -43,6 +43,7 @@ TERM_MODULES = {("encoder_backward", "dwpe"): "wpe", ("encoder_forward", "dwpe")
 API_NAMES = {"launch": "cuLaunchKernel", "gemm": "cublasSgemm_v2", "gemm_batched": "cublasSgemmStridedBatched",
              "gemm_epilogue": "cublasLtMatmul",
              "from_host": "cudaMemcpyAsync", "to_host": "cudaMemcpy", "copy": "cudaMemcpyAsync",
+             "upload": "cudaMemcpyAsync", "read_async": "cudaMemcpyAsync",
              "fill": "cudaMemsetAsync", "zeros": "cudaMalloc", "empty": "cudaMalloc",
              "synchronize": "cudaStreamSynchronize", "event": "cudaEventCreate", "compile": "cuModuleLoadData"}
 
@@ -96,6 +97,14 @@ class RecordingRuntime:
     def to_host(self, array):
         return self._prof._transfer("memcpy", "DtoH", _nbytes(array), API_NAMES["to_host"],
                                     lambda: self._rt.to_host(array))
+
+    def upload(self, dst, array):
+        return self._prof._transfer("memcpy", "HtoD", _nbytes(dst), API_NAMES["upload"],
+                                    lambda: self._rt.upload(dst, array))
+
+    def read_async(self, array):
+        return self._prof._transfer("memcpy", "DtoH", _nbytes(array), API_NAMES["read_async"],
+                                    lambda: self._rt.read_async(array))
 
     def copy(self, dst, src):
         return self._prof._transfer("memcpy", "DtoD", _nbytes(dst), API_NAMES["copy"],

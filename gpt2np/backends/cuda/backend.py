@@ -182,6 +182,9 @@ class CudaBackend:
         self._modules = {}
         self._functions = {}
         self._scratch = {}
+        self.scratch_generation = 0       # bumped when a scratch buffer is (re)allocated
+        self._token_groups = {}           # device address of a token buffer -> (shape, groups, max id, min id)
+        self._group_buffers = {}          # device address of a token buffer -> its fixed token-groups buffer
 
     def device_name(self):
         return self.rt.device_name()
@@ -205,7 +208,22 @@ class CudaBackend:
         return self.rt.to_host(array)
 
     def copy_(self, dst, src):
+        self._forget_groups(dst)
         self.rt.copy(dst, src)
+
+    def upload_(self, dst, array):
+        """dst[...] = host array, queued on the stream (no host wait; `array` may be reused at once)."""
+        self._forget_groups(dst)
+        self.rt.upload(dst, np.ascontiguousarray(array, dtype=dst.dtype).reshape(dst.shape))
+
+    def _forget_groups(self, dst):
+        """dst is written by other means than upload_tokens: token groups kept for it are stale."""
+        if self._token_groups and dst.dtype == np.int32:
+            self._token_groups.pop(self.rt.pointer(dst), None)
+
+    def read_async(self, array):
+        """A Readback of a copy of `array` queued now; its result() waits for it (a host sync), done() does not."""
+        return self.rt.read_async(array)
 
     def fill_(self, array, value):
         self.rt.fill(array, value)
@@ -227,6 +245,7 @@ class CudaBackend:
         if buf is None or buf.size < size:
             buf = self.rt.empty(max(size, 1), dtype)
             self._scratch[(key, dtype)] = buf
+            self.scratch_generation += 1          # captured CUDA graphs that used the old buffer are stale
         return buf[:size].reshape(shape)
 
     def free_memory(self):
@@ -250,7 +269,7 @@ class CudaBackend:
                   + -(-N // self.layernorm_rows_per_block) * 2 * C   # layernorm_partial (one-pass backward)
                   + 4 * C                          # bias_grad (an epilogue's bias gradient, before it is added)
                   + self.norm_max_blocks + 1)      # norm_partial, norm_total
-        uploads = 2 * N + (2 * N + 1 + N)          # inputs, targets; encoder_backward's token groups (int32)
+        uploads = 2 * N + (3 * N + 2)              # inputs, targets; encoder_backward's token groups (int32)
         lt = CUBLASLT_WORKSPACE if getattr(self.rt, "epilogues", False) else 0
         return 4 * (floats + uploads) + CUBLAS_WORKSPACE + lt
 
@@ -443,25 +462,54 @@ class CudaBackend:
                      term="encode")
 
     @staticmethod
-    def _group_tokens(inp):
-        """The B*T positions of host inp (B,T) grouped by token id, as int32 arrays (tokens, offsets,
-        positions): tokens (U) the distinct ids ascending; positions (B*T) the flat positions b*T+t,
-        those of tokens[u] at positions[offsets[u]:offsets[u+1]], ascending (a stable sort)."""
+    def _group_tokens(inp, capacity=None):
+        """The B*T positions of host inp (B,T) grouped by token id, in encoder_backward_wte_grouped's layout:
+        one int32 array [U | offsets (capacity+1) | positions (capacity) | tokens (capacity)] (capacity >= B*T,
+        default B*T): tokens[:U] the distinct ids ascending; positions[:B*T] the flat positions b*T+t, those of
+        tokens[u] at positions[offsets[u]:offsets[u+1]], ascending (a stable sort). Unused entries are 0."""
         flat = np.ascontiguousarray(inp, dtype=np.int32).reshape(-1)
-        positions = np.argsort(flat, kind="stable").astype(np.int32)
+        N = flat.size
+        cap = N if capacity is None else int(capacity)
+        if cap < N:
+            raise KernelArgumentError(f"CudaBackend.encoder_backward: {N} positions, token groups hold {cap}")
         tokens, counts = np.unique(flat, return_counts=True)
-        offsets = np.zeros(len(tokens) + 1, np.int32)
-        np.cumsum(counts, out=offsets[1:])
-        return tokens.astype(np.int32), offsets, positions
+        U = len(tokens)
+        groups = np.zeros(3 * cap + 2, np.int32)
+        groups[0] = U
+        offsets = groups[1:cap + 2]
+        np.cumsum(counts, out=offsets[1:U + 1])
+        offsets[U + 1:] = N
+        groups[cap + 2:cap + 2 + N] = np.argsort(flat, kind="stable")
+        groups[2 * cap + 2:2 * cap + 2 + U] = tokens
+        return groups
+
+    def upload_tokens(self, dst, tokens, group=True):
+        """dst (b,t) int32 device buffer := host tokens (b,t), queued (no host wait). With `group`, the positions
+        grouped by token id (_group_tokens, on the host copy) go up with them into a fixed buffer kept for dst's
+        address (sized by its first, largest, batch), which encoder_backward(inp=dst) then uses instead of reading
+        inp back (a sync). encoder_backward checks the ids against dwte's rows; the model against V first."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        self._check_shape("upload_tokens", "tokens", tokens, dst.shape)
+        self.upload_(dst, tokens)                 # (forgets dst's old groups)
+        if not group:
+            return
+        key = self.rt.pointer(dst)
+        buf = self._group_buffers.get(key)
+        if buf is None or (buf.size - 2) // 3 < tokens.size:
+            buf = self._group_buffers[key] = self.rt.zeros(3 * tokens.size + 2, np.dtype(np.int32))
+            self.scratch_generation += 1
+        self.rt.upload(buf, self._group_tokens(tokens, (buf.size - 2) // 3))
+        self._token_groups[key] = (tuple(dst.shape), buf, int(tokens.max(initial=0)), int(tokens.min(initial=0)))
 
     def encoder_backward(self, dwte, dwpe, dout, inp, accumulate=True):
         """dwte[inp[b,t]] += dout[b,t] (always accumulates: the tied lm_head wrote it first);
         dwpe[t] += sum_b dout[b,t]. accumulate=False overwrites dwpe instead (its old contents are
         ignored): dwpe[:T] = the sums, dwpe[T:] = 0.
 
-        Both are deterministic (bitwise, whatever the schedule): dwte without atomics, by copying inp
-        to the host (a sync), grouping the positions by token id there (_group_tokens) and adding each
-        token's dout rows into dwte in ascending (b, t) order, one thread per (token, channel)."""
+        Both are deterministic (bitwise, whatever the schedule): dwte without atomics, from the positions
+        grouped by token id on the host (_group_tokens), adding each token's dout rows into dwte in ascending
+        (b, t) order, one thread per (token, channel). The groups come up with the batch when inp was filled by
+        upload_tokens (no host wait); otherwise inp is copied to the host here to group it (a sync)."""
         op = "encoder_backward"
         B, T, C = dout.shape
         self._check_shape(op, "inp", inp, (B, T))
@@ -474,20 +522,24 @@ class CudaBackend:
         n = B * T * C
         self._check_int_size(op, "dout", n)
         self._check_int_size(op, "dwte", dwte.size)
-        tokens, offsets, positions = self._group_tokens(self.to_host(inp))
-        U = len(tokens)
-        if U and (tokens[0] < 0 or tokens[-1] >= dwte.shape[0]):
-            bad = int(tokens[0] if tokens[0] < 0 else tokens[-1])
+        held = self._token_groups.get(self.rt.pointer(inp))
+        if held is not None and held[0] == (B, T):
+            _, groups, high, low = held
+        else:
+            host = self._group_tokens(self.to_host(inp))
+            U = int(host[0])
+            low, high = (int(host[2 * B * T + 2]), int(host[2 * B * T + 1 + U])) if U else (0, 0)
+            groups = self.scratch("encoder_token_groups", host.shape, np.int32)
+            self.upload_(groups, host)
+        if low < 0 or high >= dwte.shape[0]:
+            bad = low if low < 0 else high
             raise KernelArgumentError(f"CudaBackend.{op}: inp holds token id {bad}, outside [0, {dwte.shape[0]}) "
                                       f"(the rows of dwte)")
-        if U:
-            # one upload: [offsets (U+1) | positions (B*T) | tokens (U)]
-            groups = self.from_host(np.concatenate((offsets, positions, tokens)))
-            d_offsets, d_positions, d_tokens = groups[:U + 1], groups[U + 1:U + 1 + B * T], groups[U + 1 + B * T:]
-            threads = _threads_for(C, self.elementwise_threads)
-            rows = int(max(1, min(U, self.encoder_token_blocks, GRID_Y_LIMIT)))
-            self._launch("encoder_backward_wte_grouped", (-(-C // threads), rows), (threads,),
-                         (dwte, dout, d_offsets, d_positions, d_tokens, _i32(U), _i32(C)), term="dwte")
+        capacity = (groups.size - 2) // 3
+        threads = _threads_for(C, self.elementwise_threads)
+        rows = int(max(1, min(B * T, self.encoder_token_blocks, GRID_Y_LIMIT)))     # the worst case: U = B*T
+        self._launch("encoder_backward_wte_grouped", (-(-C // threads), rows), (threads,),
+                     (dwte, dout, groups, _i32(capacity), _i32(C)), term="dwte")
         self._launch("encoder_backward_wpe", *self._elementwise(T * C),
                      (dwpe, dout, _i32(B), _i32(T), _i32(C), _i32(bool(accumulate))), term="dwpe")
         if not accumulate and dwpe.shape[0] > T:
@@ -818,17 +870,49 @@ class CudaBackend:
                 _f32(1.0 - lr * weight_decay), _f32(grad_scale))
         self._launch(op, *self._elementwise(n), args, term="update")
 
+    def adamw_update_device(self, params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed, grad_clip):
+        """adamw_update with the step's scalars and clipping from device buffers (no host value changes per step,
+        so a captured graph replays it): scalars (STEP_SCALARS) = [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t),
+        1 - lr weight_decay] (model.step_scalars, rounded to float32 from double on the host); stats (STATS) =
+        [loss, squared grad norm]; grad_scale = grad_clip / norm when norm > grad_clip > 0 (clip <= 0: off); the
+        decay applies when `decayed`. A non-finite loss or norm leaves params, m, v untouched."""
+        op = "adamw_update"
+        n = params.size
+        for what, array in (("grads", grads), ("m", m), ("v", v)):
+            self._check_shape(op, what, array, params.shape)
+        self._check_int_size(op, "params", n)
+        clip = grad_clip if grad_clip is not None and grad_clip > 0 else 0.0
+        args = (params, grads, m, v, _i32(n), scalars, stats, _i32(bool(decayed)), _f32(beta1), _f32(1.0 - beta1),
+                _f32(beta2), _f32(1.0 - beta2), _f32(eps), _f32(clip))
+        self._launch("adamw_update_device", *self._elementwise(n), args, term="update")
+
+    def loss_mean(self, stats, losses, count, accumulate):
+        """stats[LOSS] = mean(losses (B,T)) / count (+= with accumulate), on the device, deterministic."""
+        N = losses.size
+        self._check_int_size("loss_mean", "losses", N)
+        threads = 1 << max(5, min(10, (N - 1).bit_length()))      # a power of two, 32..1024
+        self._launch("loss_mean", (1,), (threads,), (stats[:1], losses.reshape(-1), _i32(N), _i32(count),
+                                                     _i32(bool(accumulate))), term="mean")
+
+    def global_norm_squared_device(self, grads, stats):
+        """stats[NORM_SQUARED] = sum(grads^2) of a flat buffer, left on the device (no sync)."""
+        self._global_norm_squared(grads, stats[1:2])
+
     def global_norm_squared(self, grads):
         """sum(grads^2) of a flat buffer, as a Python float (synchronizes)."""
+        total = self.scratch("norm_total", (1,))
+        self._global_norm_squared(grads, total)
+        return float(self.rt.to_host(total)[0])
+
+    def _global_norm_squared(self, grads, total):
+        """total (1) = sum(grads^2): two deterministic stages."""
         op = "global_norm_squared"
         n = grads.size
         self._check_int_size(op, "grads", n)
         threads = int(self.norm_threads)
         blocks = int(max(1, min(self.norm_max_blocks, -(-n // threads))))
         partial = self.scratch("norm_partial", (blocks,))
-        total = self.scratch("norm_total", (1,))
         self._launch("global_norm_squared_partial", (blocks,), (threads,), (partial, grads, _i32(n)),
                      term="sum_squares")
         finish_threads = _threads_for(blocks, 1024)
         self._launch("global_norm_squared_finish", (1,), (finish_threads,), (total, partial, _i32(blocks)))
-        return float(self.rt.to_host(total)[0])

@@ -3,7 +3,11 @@
 compiled by g++ and run on the CPU emulator, GEMMs in NumPy), so the whole CUDA path runs in CI.
 
 Arrays are the runtime's own device arrays (CuPy arrays, or NumPy arrays on the emulator); kernels take
-them as raw pointers, so they must be C-contiguous.
+them as raw pointers, so they must be C-contiguous. A third runtime, runtime_plan.PlanRuntime, does no work
+at all (the planner).
+
+Host syncs (the host waiting for the device): to_host, synchronize, elapsed_ms and Readback.result(). A
+training step makes none (gpt2np.train_step); EmuRuntime and PlanRuntime list the ones made in `syncs`.
 """
 from pathlib import Path
 from typing import Any, Protocol, Tuple
@@ -11,6 +15,17 @@ from typing import Any, Protocol, Tuple
 
 class Event(Protocol):
     def record(self) -> None: """Mark this point of the stream."""
+
+
+class Readback(Protocol):
+    """A device->host copy queued on the stream: nothing waits until result() is called."""
+    def done(self) -> bool: """Whether the copy has finished (never waits)."""
+    def result(self): """The host (NumPy) array; waits for the copy if it has not finished (a host sync)."""
+
+
+class Graph(Protocol):
+    """A captured sequence of launches, GEMMs, copies and fills (a CUDA graph)."""
+    def launch(self) -> None: """Queue the whole sequence again, with the same arguments (the same buffers)."""
 
 
 class Function(Protocol):
@@ -57,6 +72,9 @@ class Runtime(Protocol):
     def empty(self, shape, dtype): """A new uninitialised device array."""
     def from_host(self, array): """A device copy of a host (NumPy) array."""
     def to_host(self, array): """A host (NumPy) copy of a device array (synchronizes)."""
+    def upload(self, dst, array): """dst[...] = host array (same shape and dtype), queued; `array` may be reused at
+    once and the host never waits (CupyRuntime stages it in pinned memory). Not allowed while capturing."""
+    def read_async(self, array) -> Readback: """A host copy of `array` queued now (pinned memory and an event)."""
     def copy(self, dst, src): """dst[...] = src, device to device."""
     def fill(self, array, value): """array[...] = value."""
     def pointer(self, array) -> int: """The device address of the array's first element."""
@@ -65,4 +83,11 @@ class Runtime(Protocol):
     def event(self) -> Event: """A timing event (record() it, then elapsed_ms between two)."""
     def elapsed_ms(self, start: Event, end: Event) -> float: """Milliseconds between two recorded events."""
     def synchronize(self) -> None: """Wait until all queued work is done."""
+
+    # ---- CUDA graphs ------------------------------------------------------------------
+    def begin_capture(self) -> None:
+        """From now on launches, GEMMs, copies and fills are recorded, not run, until end_capture. The buffers
+        they use must outlive the graph (they are preallocated); nothing may read back or wait meanwhile."""
+
+    def end_capture(self) -> Graph: """Stop recording; the recorded work as a Graph to launch() any number of times."""
     def device_name(self) -> str: """The GPU's name ("NVIDIA H100 80GB HBM3"), or the emulator's."""

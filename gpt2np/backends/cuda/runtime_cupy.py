@@ -115,13 +115,63 @@ def wmma_include_dirs():
     return ()
 
 
+CUBLAS_WORKSPACE_BYTES = 32 << 20     # cuBLAS's own default on Hopper; ours, set on the handle (graph capture)
+CUBLAS_LIBRARIES = ("libcublas.so.13", "libcublas.so.12", "libcublas.so")
+
+
+def cublas_set_workspace():
+    """cublasSetWorkspace_v2(handle, ptr, bytes) from the cuBLAS library CuPy loaded, or None where it cannot be
+    found. CuPy's cublas module has no binding for it. A workspace of our own keeps cuBLAS from allocating one
+    while a CUDA graph is captured; cublasSetStream resets it to cuBLAS's pool, so it is set after each."""
+    import ctypes
+    for name in CUBLAS_LIBRARIES:
+        try:
+            fn = ctypes.CDLL(name).cublasSetWorkspace_v2
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_int
+
+        def set_workspace(handle, ptr, nbytes, fn=fn):
+            status = fn(handle, ptr, nbytes)
+            if status != 0:
+                raise RuntimeError(f"cublasSetWorkspace failed with status {status}")
+        return set_workspace
+    return None
+
+
+class CupyReadback:
+    """A device->host copy into pinned memory with an event behind it (runtime.Readback)."""
+
+    def __init__(self, host, event, memory):
+        self._host, self._event, self._memory = host, event, memory
+
+    def done(self):
+        return bool(self._event.done)
+
+    def result(self):
+        self._event.synchronize()
+        return self._host.copy()
+
+
+class CupyGraph:
+    """A captured cupy.cuda.Graph, launched on the runtime's current stream."""
+
+    def __init__(self, runtime, graph):
+        self.runtime, self.graph = runtime, graph
+
+    def launch(self):
+        self.graph.launch(stream=self.runtime.cp.cuda.get_current_stream())
+
+
 class CupyRuntime:
     """NVRTC-compiled kernels, cuBLAS GEMMs and CUDA events through CuPy on the current device."""
 
     name = "cupy"
 
-    def __init__(self, tf32=False, cupy=None, cublas=None, cublaslt=None):
-        """cupy, cublas, cublaslt: stand-ins for tests (default: the real modules; cublaslt=False: none)."""
+    def __init__(self, tf32=False, cupy=None, cublas=None, cublaslt=None, set_workspace=None):
+        """cupy, cublas, cublaslt, set_workspace (cublas_set_workspace's function): stand-ins for tests (default:
+        the real ones; cublaslt=False: none)."""
         if cupy is None:
             import cupy
         if cublas is None:
@@ -152,6 +202,12 @@ class CupyRuntime:
         if not self.epilogues and cublaslt is not False and not _said_no_cublaslt:
             _said_no_cublaslt.append(why)
             print(f"gpt2np: cuBLASLt unavailable ({why}): GEMM epilogues run as separate kernels", file=sys.stderr)
+        self._set_workspace = set_workspace if set_workspace is not None else (
+            cublas_set_workspace() if getattr(cupy, "__name__", "") == "cupy" else None)
+        self._cublas_workspace = None
+        self._staged = []            # (event, pinned memory) of uploads not known to be done yet
+        self._capture_stream = None  # the stream a capture runs on (CUDA cannot capture the legacy default one)
+        self._outer_stream = None
 
     def close(self):
         """Destroy the cuBLAS handle (also done when the runtime is garbage collected)."""
@@ -177,6 +233,10 @@ class CupyRuntime:
         if stream != self._stream:
             self.cublas.setStream(self.handle, stream)
             self._stream = stream
+            if self._set_workspace is not None:          # setStream dropped it
+                if self._cublas_workspace is None:
+                    self._cublas_workspace = self.cp.empty(CUBLAS_WORKSPACE_BYTES, np.uint8)
+                self._set_workspace(self.handle, self._cublas_workspace.data.ptr, CUBLAS_WORKSPACE_BYTES)
 
     def stream_ptr(self):
         """The current CUDA stream (cudaStream_t as an int), as NCCL takes it."""
@@ -287,6 +347,32 @@ class CupyRuntime:
     def to_host(self, array):
         return self.cp.asnumpy(array)
 
+    def _pinned(self, nbytes):
+        memory = self.cp.cuda.alloc_pinned_memory(max(int(nbytes), 1))
+        return memory, np.frombuffer(memory, np.uint8, max(int(nbytes), 1))
+
+    def upload(self, dst, array):
+        """Copy into pinned memory, then an asynchronous copy on the stream: the host never waits. The pinned
+        block stays referenced until its copy is done (checked with event queries, never waited on)."""
+        if self._outer_stream is not None:
+            raise RuntimeError("CupyRuntime.upload while capturing: uploads go before the graph's launch")
+        array = np.ascontiguousarray(array, dtype=dst.dtype)
+        memory, host = self._pinned(array.nbytes)
+        host[:array.nbytes] = array.reshape(-1).view(np.uint8)
+        stream = self.cp.cuda.get_current_stream()
+        dst.data.copy_from_host_async(memory.ptr, array.nbytes, stream)
+        event = self.cp.cuda.Event(disable_timing=True)
+        event.record(stream)
+        self._staged = [(e, m) for e, m in self._staged if not e.done] + [(event, memory)]
+
+    def read_async(self, array):
+        memory, host = self._pinned(array.nbytes)
+        stream = self.cp.cuda.get_current_stream()
+        array.data.copy_to_host_async(memory.ptr, array.nbytes, stream)
+        event = self.cp.cuda.Event(disable_timing=True)
+        event.record(stream)
+        return CupyReadback(host[:array.nbytes].view(array.dtype).reshape(array.shape), event, memory)
+
     def copy(self, dst, src):
         if (dst.dtype == src.dtype and dst.size == src.size and dst.flags.c_contiguous
                 and src.flags.c_contiguous):
@@ -313,6 +399,32 @@ class CupyRuntime:
 
     def synchronize(self):
         self.cp.cuda.get_current_stream().synchronize()
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+    def begin_capture(self):
+        """Capture on a stream of our own (the legacy default stream cannot be captured), made current until
+        end_capture so that kernels, copies and our cuBLAS handle all go to it. The capture stream first waits
+        for the work already queued on the current stream."""
+        if self._outer_stream is not None:
+            raise RuntimeError("CupyRuntime.begin_capture: already capturing")
+        if self._capture_stream is None:
+            self._capture_stream = self.cp.cuda.Stream(non_blocking=True)
+        outer = self.cp.cuda.get_current_stream()
+        self._capture_stream.wait_event(outer.record())
+        self._outer_stream = outer
+        self._capture_stream.use()
+        self._capture_stream.begin_capture()
+
+    def end_capture(self):
+        if self._outer_stream is None:
+            raise RuntimeError("CupyRuntime.end_capture without begin_capture")
+        stream, outer = self._capture_stream, self._outer_stream
+        try:
+            graph = stream.end_capture()
+        finally:
+            self._outer_stream = None
+            outer.use()
+        return CupyGraph(self, graph)
 
 
 class LtPlan:

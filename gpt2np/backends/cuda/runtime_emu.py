@@ -40,6 +40,39 @@ class EmuEvent:
         pass
 
 
+class EmuReadback:
+    """A read-back: the copy is taken when queued (the emulator runs everything at once); result() is still a
+    host wait on a GPU, so it is listed in the runtime's syncs."""
+
+    def __init__(self, runtime, value):
+        self.runtime, self.value = runtime, value
+
+    def done(self):
+        return True
+
+    def result(self):
+        self.runtime._sync("event_wait", self.value)
+        return self.value
+
+
+class EmuGraph:
+    """The launches, GEMMs, copies and fills recorded between begin_capture and end_capture, replayed in order
+    with the same arguments (the same arrays: every buffer a step uses is preallocated)."""
+
+    def __init__(self, runtime, work):
+        self.runtime, self.work = runtime, tuple(work)
+
+    def launch(self):
+        if self.runtime._capture is not None:
+            raise RuntimeError("EmuGraph.launch while capturing")
+        self.runtime.graph_launches += 1
+        for run in self.work:
+            run()
+
+    def __len__(self):
+        return len(self.work)
+
+
 def round_to_tf32(x):
     """float32 array -> a float32 copy rounded to TF32 (1 sign, 8 exponent, 10 mantissa bits): round to nearest,
     ties away from zero (add half a TF32 ulp, 0x1000, to the bits, clear the 13 low bits). Inf and NaN are
@@ -75,6 +108,33 @@ class EmuRuntime:
         self.wmma_tf32 = bool(wmma_tf32)
         self.tf32 = bool(tf32)
         self.guard = guard_mode(guard)
+        self.syncs = []                # host syncs: {"kind", "bytes"} (to_host, synchronize, elapsed, event_wait)
+        self.graph_launches = 0
+        self._capture = None           # the work recorded while capturing (a list), else None
+
+    def _sync(self, kind, array=None):
+        if self._capture is not None:
+            raise RuntimeError(f"EmuRuntime: a host sync ({kind}) while capturing a graph")
+        self.syncs.append({"kind": kind, "bytes": 0 if array is None else int(np.asarray(array).nbytes)})
+
+    def _queue(self, run):
+        """Run now, or record for the graph being captured."""
+        if self._capture is None:
+            run()
+        else:
+            self._capture.append(run)
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+    def begin_capture(self):
+        if self._capture is not None:
+            raise RuntimeError("EmuRuntime.begin_capture: already capturing")
+        self._capture = []
+
+    def end_capture(self):
+        if self._capture is None:
+            raise RuntimeError("EmuRuntime.end_capture without begin_capture")
+        work, self._capture = self._capture, None
+        return EmuGraph(self, work)
 
     def device_name(self):
         return "cpu"
@@ -88,7 +148,8 @@ class EmuRuntime:
                          wmma_layout=self.wmma_layout, wmma_tf32=self.wmma_tf32)
 
     def launch(self, function, grid, block, args, shared_mem=0):
-        function(grid, block, args, shared_mem=shared_mem)
+        args = tuple(args)
+        self._queue(lambda: function(grid, block, args, shared_mem=shared_mem))
 
     # ---- GEMM -----------------------------------------------------------------------------
     def gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
@@ -99,6 +160,11 @@ class EmuRuntime:
         op(B) (k,n) from B[i] stored (k,n), or (n,k) when transb. Matrix i starts stride_* elements
         after matrix i-1 of the same operand.
         """
+        self._queue(lambda: self._gemm(transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c,
+                                       ldc, stride_c, batch))
+
+    def _gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
+              batch):
         A = _matrices(a, batch, (k, m) if transa else (m, k), lda, stride_a, "A")
         B = _matrices(b, batch, (n, k) if transb else (k, n), ldb, stride_b, "B")
         Cm = _matrices(c, batch, (m, n), ldc, stride_c, "C")
@@ -162,13 +228,24 @@ class EmuRuntime:
         return out
 
     def to_host(self, array):
+        self._sync("to_host", array)
         return np.array(array, copy=True)
 
+    def upload(self, dst, array):
+        if self._capture is not None:
+            raise RuntimeError("EmuRuntime.upload while capturing: uploads go before the graph's launch")
+        np.copyto(dst, array)
+
+    def read_async(self, array):
+        if self._capture is not None:
+            raise RuntimeError("EmuRuntime.read_async while capturing")
+        return EmuReadback(self, np.array(array, copy=True))
+
     def copy(self, dst, src):
-        np.copyto(dst, src)
+        self._queue(lambda: np.copyto(dst, src))
 
     def fill(self, array, value):
-        array.fill(value)
+        self._queue(lambda: array.fill(value))
 
     def pointer(self, array):
         return array.__array_interface__["data"][0]
@@ -178,10 +255,11 @@ class EmuRuntime:
         return EmuEvent()
 
     def elapsed_ms(self, start, end):
+        self._sync("elapsed")
         return (end.t - start.t) * 1e3
 
     def synchronize(self):
-        pass
+        self._sync("synchronize")
 
 
 def check_epilogue(epilogue, m, n, alpha, batch, bias, aux, ld_aux):

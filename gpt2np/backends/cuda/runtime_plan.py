@@ -11,7 +11,10 @@ What each call does here:
                   what the host reads of them (the token grouping) is what a real step reads
   from_host       a PlanArray of the host array's shape (integers: a real copy); counted as an upload
   to_host         a host sync: counted in `syncs` (with `where()`, which the planner points at the range
-                  stack), returns the integer buffer's contents or zeros of the right shape
+                  stack), returns the integer buffer's contents or zeros of the right shape; so are
+                  synchronize and a read_async's result() (an event wait)
+  upload          counted as an upload (integers: a real copy), no sync
+  begin/end_capture  a PlanGraph; its launch() counts one graph launch (graph_launches)
   copy, fill      nothing (real for two integer arrays)
   compile         a module with every kernel the registry finds in that .cu file
   launch, gemm    nothing but the limits a real launch has: block and grid sizes, GEMM operands large
@@ -152,6 +155,32 @@ class PlanEvent:
         pass
 
 
+class PlanReadback:
+    """A planned device->host copy: result() is a host sync (listed in the runtime's syncs)."""
+
+    def __init__(self, runtime, array):
+        self.runtime, self.array = runtime, array
+
+    def done(self):
+        return False
+
+    def result(self):
+        self.runtime._sync("event_wait", self.array)
+        if _is_planned(self.array):
+            return np.zeros(self.array.shape, self.array.dtype)
+        return np.array(self.array, copy=True)
+
+
+class PlanGraph:
+    """A captured step: launching it counts one graph launch."""
+
+    def __init__(self, runtime, launches):
+        self.runtime, self.launches = runtime, launches
+
+    def launch(self):
+        self.runtime.graph_launches += 1
+
+
 def _is_planned(array) -> bool:
     return isinstance(array, PlanArray)
 
@@ -170,7 +199,22 @@ class PlanRuntime:
         self.uploads = 0                  # from_host calls
         self.allocated = 0                # bytes handed out (nothing is ever freed)
         self.where = lambda: ""           # the planner points this at the range stack
+        self.graph_launches = 0           # CUDA graph launches (a captured step is one)
+        self._capturing = None            # launches recorded while capturing, else None
         self._next = BASE_ADDRESS
+
+    def _sync(self, kind, array=None):
+        nbytes = 0 if array is None else int(array.size) * int(array.dtype.itemsize)
+        self.syncs.append({"kind": kind, "bytes": nbytes, "shape": () if array is None else tuple(array.shape),
+                           "dtype": "" if array is None else str(array.dtype), "where": self.where()})
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+    def begin_capture(self):
+        self._capturing = 0
+
+    def end_capture(self):
+        launches, self._capturing = self._capturing, None
+        return PlanGraph(self, launches)
 
     def device_name(self):
         return self.device
@@ -193,6 +237,8 @@ class PlanRuntime:
         if not (1 <= len(grid) <= 3 and all(1 <= g <= lim for g, lim in zip(grid, limits))):
             raise ValueError(f"kernel {function.name}: grid {grid} is outside CUDA's limits "
                              f"(x <= {GRID_X_LIMIT}, y, z <= {GRID_YZ_LIMIT}, all >= 1)")
+        if self._capturing is not None:
+            self._capturing += 1
 
     def gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
              batch=1, epilogue="none", bias=None, aux=None, ld_aux=0):
@@ -228,10 +274,17 @@ class PlanRuntime:
             out[...] = array
         return out
 
+    def upload(self, dst, array):
+        array = np.asarray(array)
+        self.uploads += 1
+        if not _is_planned(dst):
+            np.copyto(dst, array)
+
+    def read_async(self, array):
+        return PlanReadback(self, array)
+
     def to_host(self, array):
-        nbytes = int(array.size) * int(array.dtype.itemsize)
-        self.syncs.append({"kind": "to_host", "bytes": nbytes, "shape": tuple(array.shape),
-                           "dtype": str(array.dtype), "where": self.where()})
+        self._sync("to_host", array)
         if _is_planned(array):
             return np.zeros(array.shape, array.dtype)
         return np.array(array, copy=True)
@@ -259,7 +312,7 @@ class PlanRuntime:
         return 0.0
 
     def synchronize(self):
-        self.syncs.append({"kind": "synchronize", "bytes": 0, "shape": (), "dtype": "", "where": self.where()})
+        self._sync("synchronize")
 
 
 def _check_operand(array, batch, shape, ld, stride, what):
