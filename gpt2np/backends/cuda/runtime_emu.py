@@ -161,10 +161,10 @@ class EmuRuntime:
         after matrix i-1 of the same operand.
         """
         self._queue(lambda: self._gemm(transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c,
-                                       ldc, stride_c, batch))
+                                       ldc, stride_c, batch, epilogue, bias, aux, ld_aux))
 
     def _gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
-              batch):
+              batch, epilogue="none", bias=None, aux=None, ld_aux=0):
         A = _matrices(a, batch, (k, m) if transa else (m, k), lda, stride_a, "A")
         B = _matrices(b, batch, (n, k) if transb else (k, n), ldb, stride_b, "B")
         Cm = _matrices(c, batch, (m, n), ldc, stride_c, "C")
