@@ -15,6 +15,7 @@ from gpt2np.config import GPT2Config
 from gpt2np.data import write_shard
 from gpt2np.model import GPT2
 from gpt2np.profiling.memory import memory_summary
+from gpt2np.tensors import PARAM_NAMES
 from gpt2np.train_step import train_step
 
 ONE_ROUNDING = 2.0 ** -8
@@ -335,3 +336,28 @@ def test_bf16_on_cuda_is_one_line(files, capsys):
     assert capsys.readouterr().err.strip() == f"error: {NO_BF16_KERNELS}"
     assert train.main(["--tf32", "--precision", "bf16", "-e", "d12"]) == 2
     assert "--tf32 with --precision bf16" in capsys.readouterr().err
+
+
+# ---- compare --precision bf16 -----------------------------------------------------------------------
+
+def test_compare_bf16_against_autocast(files, capsys):
+    """gpt2np bf16 and PyTorch autocast bf16 against PyTorch fp32 on a tiny model: every row printed, the 10-step
+    curve within autocast's band. The 1.5x criterion itself is not met today on the logits, wte, wpe and lnfw
+    (ratios about 1.5-1.9: gpt2np keeps llm.c's bf16 residual stream and weights, autocast keeps both in fp32;
+    see the README), so this pins the measured ratios below 2.5 rather than asserting a pass."""
+    pytest.importorskip("torch")
+    from gpt2np import compare
+    rc = compare.main(["-e", str(files / "tiny.bin"), "--precision", "bf16", "-b", "4", "-t", "32"])
+    out = capsys.readouterr().out
+    assert rc in (0, 1), out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.split() and line.split()[0] in ("logits", "losses") + PARAM_NAMES and len(line.split()) == 5}
+    assert len(rows) == 18, out
+    for name, (_, ours, ac, ratio, ok) in rows.items():
+        assert 0 < float(ours) and 0 < float(ac) and float(ratio) < 2.5, (name, out)
+        assert (ok == "ok") == (float(ours) <= 1.5 * float(ac))
+    curve = [line for line in out.splitlines() if line.strip()[:2].strip().isdigit() and len(line.split()) == 6]
+    assert len(curve) == 10 and all(line.endswith("ok") for line in curve), out
+    assert ("OK: all 28 checks" in out) == (rc == 0)
+    assert compare.main(["-e", str(files / "tiny.bin"), "--precision", "bf16", "--backend", "emu"]) == 2
+    assert "no bf16 kernels yet" in capsys.readouterr().err
