@@ -361,3 +361,24 @@ def test_compare_bf16_against_autocast(files, capsys):
     assert ("OK: all 28 checks" in out) == (rc == 0)
     assert compare.main(["-e", str(files / "tiny.bin"), "--precision", "bf16", "--backend", "emu"]) == 2
     assert "no bf16 kernels yet" in capsys.readouterr().err
+
+
+def test_stochastic_rounding_noise_is_the_documented_splitmix64():
+    """The noise, written out with Python integers from bf16.py's docstring: what a CUDA kernel must reproduce."""
+    M = (1 << 64) - 1
+
+    def mix(z):
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+        return z ^ (z >> 31)
+
+    seed, t, offset = 1337, 12, 5_000_000_000 % (1 << 32)
+    stream = mix(((seed & 0xFFFFFFFF) << 32) | t)
+    assert int(stream_key(seed, t)) == stream
+    expect = [mix((stream + (i + 1) * 0x9E3779B97F4A7C15) & M) >> 48 for i in range(offset, offset + 50)]
+    assert random_bits16(stream, offset, 50).tolist() == expect
+    x = np.random.default_rng(5).standard_normal(50).astype(np.float32)
+    u = x.view(np.uint32).astype(np.int64)
+    want = [(int(ui) >> 16) + (r < (int(ui) & 0xFFFF)) for ui, r in zip(u, expect)]
+    got = round_stochastic(x, np.zeros(50, BF16), seed, t, offset).view(np.uint16)
+    assert got.tolist() == want

@@ -56,11 +56,21 @@ def stream_key(seed: int, t: int) -> np.uint64:
 
 
 def random_bits16(key, offset: int, n: int):
-    """(n,) uint64 holding r(i) for i = offset .. offset + n - 1 (16 random bits each, the hash's top bits)."""
-    i = np.arange(offset + 1, offset + n + 1, dtype=np.uint64)
+    """(n,) uint64 holding r(i) for i = offset .. offset + n - 1 (16 random bits each, the hash's top bits).
+    mix64 of `stream + (i + 1) * GAMMA`, written in place (one work array) to stay near memory speed."""
+    z = np.arange(offset + 1, offset + n + 1, dtype=np.uint64)
+    tmp = np.empty_like(z)
     with np.errstate(over="ignore"):
-        z = mix64(i * GAMMA + np.uint64(key))
-    return z >> np.uint64(48)
+        z *= GAMMA
+        z += np.uint64(key)
+        for shift, mul in ((30, MIX1), (27, MIX2)):
+            np.right_shift(z, np.uint64(shift), out=tmp)
+            z ^= tmp
+            z *= mul
+        np.right_shift(z, np.uint64(31), out=tmp)
+        z ^= tmp
+    z >>= np.uint64(48)
+    return z
 
 
 def round_stochastic(x, out, seed: int, t: int, offset: int):
