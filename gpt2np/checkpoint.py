@@ -3,7 +3,10 @@
 Model file: a 256 x int32 header [magic 20240326, version, maxT, V, L, NH, C, Vp], then all 16
 parameter tensors in llm.c's order (wte padded to Vp rows), float32 (v3) or bfloat16 (v5).
 State file: what a resumed run needs beside the model: step, AdamW m and v, the data loaders'
-positions and the sampling RNG (a small JSON header, then m and v as float32).
+positions and the sampling RNG (a small JSON header, then m and v as float32). A bf16 run's state also holds
+its fp32 master weights after v (the JSON's "master_weights": true), so that a resume is bitwise.
+bf16 model files load without an fp32 round trip when asked (load_model(keep_bf16=True): ml_dtypes bfloat16),
+and bf16 parameters are written as they are.
 Every write goes to a temporary file in the same folder and is renamed into place.
 Reading checks everything that can be checked cheaply: magic, version, sizes against the file size, the
 state's required keys, and that a model's weights are all finite; the message names the file and the problem.
@@ -66,17 +69,20 @@ def read_model_header(path):
     return cfg, version
 
 
-def load_model(path):
-    """(GPT2Config, float32 flat parameters) from an llm.c model file; bf16 is upcast."""
+def load_model(path, keep_bf16=False):
+    """(GPT2Config, flat parameters) from an llm.c model file: float32; a bf16 (v5) file is upcast, or with
+    keep_bf16 returned as it is stored (ml_dtypes bfloat16, no conversion)."""
     cfg, version = read_model_header(path)
     n = num_parameters(cfg)
     with open(path, "rb") as f:
         f.seek(HEADER_INTS * 4)
         if version == VERSION_FP32:
-            params = np.fromfile(f, dtype="<f4", count=n)
+            params = np.fromfile(f, dtype="<f4", count=n).astype(np.float32, copy=False)
+        elif keep_bf16:
+            from .backends.bf16 import BF16
+            params = np.fromfile(f, dtype="<u2", count=n).view(BF16)
         else:
             params = bf16_to_fp32(np.fromfile(f, dtype="<u2", count=n))
-    params = params.astype(np.float32, copy=False)
     check_finite_params(path, cfg, params)
     return cfg, params
 
@@ -99,8 +105,13 @@ def check_finite_params(path, cfg: GPT2Config, params):
 
 
 def save_model(path, cfg: GPT2Config, params, dtype="fp32"):
-    """Write an llm.c model file (dtype 'fp32' -> version 3, 'bf16' -> version 5), atomically."""
-    params = np.asarray(params, dtype=np.float32).reshape(-1)
+    """Write an llm.c model file (dtype 'fp32' -> version 3, 'bf16' -> version 5), atomically. float32 params
+    are rounded to nearest even for bf16; bf16 params (ml_dtypes) are written bit for bit."""
+    params = np.asarray(params).reshape(-1)
+    if params.dtype.name == "bfloat16" and dtype == "bf16":
+        bits = params.view("<u2")
+    else:
+        params, bits = params.astype(np.float32, copy=False), None
     if params.size != num_parameters(cfg):
         raise ValueError(f"{path}: {params.size} parameters do not match the config ({num_parameters(cfg)})")
     if dtype not in ("fp32", "bf16"):
@@ -108,7 +119,7 @@ def save_model(path, cfg: GPT2Config, params, dtype="fp32"):
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:8] = [MODEL_MAGIC, VERSION_FP32 if dtype == "fp32" else VERSION_BF16, cfg.max_seq_len,
                   cfg.vocab_size, cfg.num_layers, cfg.num_heads, cfg.channels, cfg.padded_vocab_size]
-    body = params.astype("<f4", copy=False) if dtype == "fp32" else fp32_to_bf16(params)
+    body = params.astype("<f4", copy=False) if dtype == "fp32" else bits if bits is not None else fp32_to_bf16(params)
     with atomic_write(path) as f:
         f.write(header.tobytes())
         body.tofile(f)
@@ -130,16 +141,20 @@ def fp32_to_bf16(x):
 
 
 # ---- training state -----------------------------------------------------------------------
-def save_state(path, info: dict, m, v):
-    """A resumable training state: JSON `info` (step, loaders, rng...) then AdamW m, v (float32)."""
+def save_state(path, info: dict, m, v, master=None):
+    """A resumable training state: JSON `info` (step, loaders, rng...) then AdamW m, v (float32) and, for a
+    bf16 run, its fp32 master weights (info gets "master_weights": true)."""
+    if master is not None:
+        info = dict(info, master_weights=True)
     blob = json.dumps(info, sort_keys=True).encode()
-    m = np.asarray(m, np.float32).reshape(-1)
-    v = np.asarray(v, np.float32).reshape(-1)
+    arrays = [np.asarray(a, np.float32).reshape(-1) for a in (m, v) + (() if master is None else (master,))]
+    if any(a.size != arrays[0].size for a in arrays):
+        raise ValueError(f"{path}: m, v and the master weights differ in size")
     with atomic_write(path) as f:
-        f.write(STATE_MAGIC + struct.pack("<iqq", STATE_VERSION, len(blob), m.size))
+        f.write(STATE_MAGIC + struct.pack("<iqq", STATE_VERSION, len(blob), arrays[0].size))
         f.write(blob)
-        m.tofile(f)
-        v.tofile(f)
+        for a in arrays:
+            a.tofile(f)
 
 
 def read_state_header(path, num_params=None):
@@ -154,17 +169,20 @@ def read_state_header(path, num_params=None):
         version, blob_len, n = struct.unpack("<iqq", head[len(STATE_MAGIC):])
         if version != STATE_VERSION:
             raise CheckpointError(f"{path}: unsupported state version {version} (expected {STATE_VERSION})")
-        expected = len(head) + blob_len + 8 * n
-        if blob_len < 0 or n < 0 or size != expected:
-            raise CheckpointError(f"{path}: {size} bytes, the header says {expected}: truncated or corrupt")
-        if num_params is not None and n != num_params:
-            raise CheckpointError(f"{path}: optimizer state for {n} parameters, the model has {num_params}")
+        if blob_len < 0 or n < 0 or size < len(head) + blob_len + 8 * n:
+            raise CheckpointError(f"{path}: {size} bytes, the header says at least {len(head) + blob_len + 8 * n}: "
+                                  f"truncated or corrupt")
         try:
             info = json.loads(f.read(blob_len))
         except ValueError:
             raise CheckpointError(f"{path}: corrupt JSON header") from None
     if not isinstance(info, dict):
         raise CheckpointError(f"{path}: corrupt JSON header (not an object)")
+    expected = len(head) + blob_len + 4 * n * state_arrays(info)
+    if size != expected:
+        raise CheckpointError(f"{path}: {size} bytes, the header says {expected}: truncated or corrupt")
+    if num_params is not None and n != num_params:
+        raise CheckpointError(f"{path}: optimizer state for {n} parameters, the model has {num_params}")
     missing = [key for key in STATE_REQUIRED_KEYS if key not in info]
     if missing:
         raise CheckpointError(f"{path}: the state lacks the key {missing[0]!r}: not written by gpt2np's trainer, "
@@ -172,14 +190,22 @@ def read_state_header(path, num_params=None):
     return info, n
 
 
-def load_state(path, num_params=None):
-    """(info, m, v) from a state file; checks magic, version, sizes and the required keys (read_state_header)."""
+def state_arrays(info) -> int:
+    """How many float32 arrays of n follow a state's JSON: m, v, and the master weights of a bf16 run."""
+    return 3 if info.get("master_weights") else 2
+
+
+def load_state(path, num_params=None, with_master=False):
+    """(info, m, v) from a state file; checks magic, version, sizes and the required keys (read_state_header).
+    with_master: (info, m, v, master), master None when the file has no master weights (an fp32 run's)."""
     info, n = read_state_header(path, num_params)
+    count = state_arrays(info)
     with open(path, "rb") as f:
-        f.seek(os.path.getsize(path) - 8 * n)
+        f.seek(os.path.getsize(path) - 4 * n * count)
         m = np.fromfile(f, dtype="<f4", count=n)
         v = np.fromfile(f, dtype="<f4", count=n)
-    return info, m, v
+        master = np.fromfile(f, dtype="<f4", count=n) if count == 3 else None
+    return (info, m, v, master) if with_master else (info, m, v)
 
 
 def model_path(out_dir, step):

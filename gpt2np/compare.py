@@ -8,6 +8,17 @@ steps on that batch in both and compares the two loss curves step by step.
     python -m gpt2np.compare -e gpt2_124M.bin --debug-state gpt2_124M_debug_state.bin --steps 0
                                                                      # (llm.c's file; needs no torch)
 Error measure, per tensor: max|gpt2np - ref| / max|ref| (the error relative to the tensor's scale).
+
+    python -m gpt2np.compare -e gpt2_124M.bin --precision bf16     # bf16 reference vs PyTorch autocast bf16
+
+--precision bf16 measures gpt2np's bf16 against PyTorch fp32 next to PyTorch's own bf16 mixed precision (CPU
+autocast, reference.TorchGPT2(autocast=True)) against the same fp32, all three from the same weights: the model
+file's rounded to bf16 once (gpt2np stores bf16 weights; autocast and fp32 get those values in fp32; how far that
+rounding alone moves the fp32 logits is printed beside). Error: relative L2 per tensor, ||x - fp32|| / ||fp32||,
+on the logits, the per-token losses (B,T) and every gradient (the mean loss's difference is printed too; being one
+signed sum it can cancel by luck). It passes when gpt2np's error is at most BF16_RATIO (1.5) times autocast's on
+each, and when every step of a 10-step loss curve stays within the band autocast's curve sets:
+|gpt2np - fp32| <= BF16_RATIO * max over the steps of |autocast - fp32|.
 Exit code: 0 when every check is within tolerance, 1 when one is not (or the run failed: a device or a
 kernel compiler), 2 on bad input (one line).
 """
@@ -35,6 +46,8 @@ REL_TOL_OVERRIDES = {}
 # tensor's scale and 2e-5 on the loss, so 1e-2 and 2e-3 leave room for deeper models and the GPU's summation order.
 TF32_REL_TOL = 1e-2
 TF32_LOSS_ABS_TOL = 2e-3
+# --precision bf16: gpt2np's error against fp32 may be at most this many times PyTorch autocast's (issue 15)
+BF16_RATIO = 1.5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,9 +230,11 @@ def parse_args(argv=None):
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--ref-dtype", choices=("float32", "float64"), default="float32",
                    help="precision of the PyTorch reference")
-    p.add_argument("--precision", choices=("fp32", "tf32"), default="fp32",
+    p.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="fp32",
                    help="gpt2np's matmuls: fp32, or tf32 (TF32 tensor cores; cuda and emu backends) against the "
-                        "same fp32 reference with the tf32 tolerances (default fp32)")
+                        "same fp32 reference with the tf32 tolerances; bf16 (numpy backend): gpt2np's bf16 and "
+                        "PyTorch autocast bf16, each against PyTorch fp32, gpt2np's error at most "
+                        f"{BF16_RATIO:g}x autocast's (default fp32)")
     p.add_argument("--attention", choices=("naive", "flash"), default="naive",
                    help="gpt2np's attention: naive, or flash (on cuda and emu: TF32 tensor cores whatever --precision "
                         "says, so checked with the tf32 tolerances; head size 64) (default naive)")
@@ -255,6 +270,8 @@ def run(args) -> int:
     """The comparison; returns the exit code. Bad input raises ValueError/OSError/ImportError."""
     from .reference import TorchGPT2  # imports no torch until a TorchGPT2 is built
     cfg, params = load_model_file(args.model)
+    if args.precision == "bf16":
+        return run_bf16(args, cfg, params)
     ref_model = None
     if args.debug_state:
         ref = read_debug_state(args.debug_state, cfg)
@@ -312,6 +329,112 @@ def run(args) -> int:
         print(f"\nFAIL: {len(failed)} of {total} checks out of tolerance: {', '.join(failed)}")
         return 1
     print(f"\nOK: all {total} checks within tolerance")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# --precision bf16: against PyTorch fp32, next to PyTorch autocast bf16
+
+def relative_l2(ours, ref) -> float:
+    """||ours - ref||_2 / ||ref||_2 over the whole tensor, in float64 (NaN anywhere: NaN)."""
+    a, b = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    norm = float(np.linalg.norm(b))
+    diff = float(np.linalg.norm(a - b))
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def token_losses(logits, y):
+    """(B,T) logsumexp(logits) - logits[y] in float64, from (B,T,V) logits."""
+    z = np.asarray(logits, np.float64)
+    top = z.max(axis=-1)
+    lse = np.log(np.exp(z - top[..., None]).sum(axis=-1)) + top
+    return lse - np.take_along_axis(z, np.asarray(y)[..., None], axis=-1)[..., 0]
+
+
+def bf16_errors(ours: DebugState, autocast: DebugState, ref: DebugState):
+    """[(name, gpt2np error, autocast error)]: relative L2 on logits, per-token losses and the 16 gradients."""
+    losses = [token_losses(s.logits, ref.y) for s in (ours, autocast, ref)]
+    rows = [("logits", relative_l2(ours.logits, ref.logits), relative_l2(autocast.logits, ref.logits)),
+            ("losses", relative_l2(losses[0], losses[2]), relative_l2(losses[1], losses[2]))]
+    rows += [(name, relative_l2(ours.grads[name], ref.grads[name]), relative_l2(autocast.grads[name], ref.grads[name]))
+             for name in PARAM_NAMES]
+    return rows
+
+
+def bf16_ok(ours: float, autocast: float) -> bool:
+    return bool(ours <= BF16_RATIO * autocast)         # False for NaN
+
+
+def format_bf16(rows) -> str:
+    lines = [f"{'tensor':<10} {'gpt2np bf16':>12} {'autocast':>12} {'ratio':>8}  ok (ratio <= {BF16_RATIO:g})"]
+    for name, ours, ac in rows:
+        ratio = ours / ac if ac > 0 else float("inf") if ours > 0 else 0.0
+        lines.append(f"{name:<10} {ours:>12.3e} {ac:>12.3e} {ratio:>8.2f}  {'ok' if bf16_ok(ours, ac) else 'FAIL'}")
+    lines.append("error against PyTorch fp32: ||x - fp32||_2 / ||fp32||_2 per tensor (relative L2; losses: the (B,T) "
+                 "per-token losses); autocast = PyTorch's bf16 mixed precision (torch.autocast('cpu', bfloat16), fp32 "
+                 "weights); all three start from the same bf16-representable weights")
+    return "\n".join(lines)
+
+
+def run_bf16(args, cfg, params) -> int:
+    """gpt2np bf16 and PyTorch autocast bf16, each against PyTorch fp32 on the same batch and weights."""
+    from .reference import TorchGPT2
+    if args.debug_state:
+        raise ValueError("--precision bf16 compares against PyTorch (fp32 and autocast bf16); it takes no "
+                         "--debug-state")
+    B = 4 if args.batch_size is None else args.batch_size
+    T = min(64, cfg.max_seq_len) if args.seq_len is None else args.seq_len
+    if B <= 0 or not 0 < T <= cfg.max_seq_len:
+        raise ValueError(f"need B > 0 and 0 < T <= max_seq_len {cfg.max_seq_len}, got B={B} T={T}")
+    x, y = make_batch(cfg, B, T, args.seed, args.data)
+    model = build_model(cfg, args.backend, B, T, params, "bf16")      # rounds the weights to bf16 (RNE) once
+    start = np.asarray(model.params_host(), np.float32)               # the same weights for all three
+    weights_only = relative_l2(TorchGPT2(cfg, start).forward_backward(x, y).logits,
+                               TorchGPT2(cfg, params).forward_backward(x, y).logits)
+    ref_model, ac_model = TorchGPT2(cfg, start, "float32"), TorchGPT2(cfg, start, "float32", autocast=True)
+    states = []
+    for m in (ref_model, ac_model):
+        out = m.forward_backward(x, y)
+        states.append(DebugState(x, y, out.logits, out.loss, out.grads))
+    ref, ac = states
+    ours = model_state(model, x, y, cfg.vocab_size)
+    ours = DebugState(x, y, np.asarray(ours.logits, np.float32), ours.loss,
+                      {n: np.asarray(g, np.float32) for n, g in ours.grads.items()})
+    batch = f"tokens of {args.data}" if args.data else f"random tokens, seed {args.seed}"
+    print(f"model {args.model}: L={cfg.num_layers} NH={cfg.num_heads} C={cfg.channels} "
+          f"V={cfg.vocab_size} Vp={cfg.padded_vocab_size} maxT={cfg.max_seq_len}")
+    print(f"batch B={B} T={T} ({batch}); gpt2np backend {args.backend} (bf16: bf16 weights, activations and "
+          f"gradients, fp32 math) and PyTorch autocast bf16, each against PyTorch fp32\n")
+    rows = bf16_errors(ours, ac, ref)
+    print(format_bf16(rows))
+    print(f"mean loss: fp32 {ref.loss:.6f}, autocast {ac.loss:.6f} ({ac.loss - ref.loss:+.2e}), gpt2np bf16 "
+          f"{ours.loss:.6f} ({ours.loss - ref.loss:+.2e})")
+    print(f"(rounding the model file's weights to bf16 alone moves the fp32 logits by {weights_only:.3e}, relative L2)")
+    failed = [name for name, o, a in rows if not bf16_ok(o, a)]
+    if args.steps > 0:
+        adamw = AdamW(args.beta1, args.beta2, args.eps, args.weight_decay, args.grad_clip)
+        curves = {"gpt2np": [], "fp32": [], "autocast": []}
+        for step in range(1, args.steps + 1):
+            curves["gpt2np"].append(model_step(model, x, y, step, args.lr, adamw)[0])
+            for name, m in (("fp32", ref_model), ("autocast", ac_model)):
+                curves[name].append(m.step(x, y, args.lr, adamw.beta1, adamw.beta2, adamw.eps, adamw.weight_decay,
+                                           DECAYED_BY_DEFAULT, adamw.grad_clip)[0])
+        band = BF16_RATIO * max(abs(a - f) for a, f in zip(curves["autocast"], curves["fp32"]))
+        print(f"\n{args.steps} AdamW steps on this batch ({describe_adamw(args.lr, adamw)}): loss of each")
+        print(f"{'step':>4} {'fp32':>12} {'autocast':>12} {'gpt2np bf16':>12} {'|gpt2np-fp32|':>14}  ok")
+        for i, (f, a, o) in enumerate(zip(curves["fp32"], curves["autocast"], curves["gpt2np"]), start=1):
+            ok = abs(o - f) <= band
+            print(f"{i:>4} {f:>12.6f} {a:>12.6f} {o:>12.6f} {abs(o - f):>14.3e}  {'ok' if ok else 'FAIL'}")
+            if not ok:
+                failed.append(f"loss at step {i}")
+        print(f"band: |gpt2np - fp32| <= {BF16_RATIO:g} x max over the steps of |autocast - fp32| = {band:.3e}")
+    total = len(rows) + args.steps
+    if failed:
+        print(f"\nFAIL: {len(failed)} of {total} checks above {BF16_RATIO:g}x autocast's error: {', '.join(failed)}")
+        return 1
+    print(f"\nOK: all {total} checks within {BF16_RATIO:g}x autocast's error")
     return 0
 
 

@@ -156,7 +156,9 @@ class TrainConfig:
     eps: float = _setting("--eps", 1e-8, "AdamW epsilon", allowed=number(0, low_open=True), what="AdamW's epsilon")
     precision: str | None = _setting("--precision", None, "math of the matmuls: tf32 (TF32 tensor cores, 10-bit "
                                      "mantissa inputs, fp32 accumulation) or fp32 (exact); tf32 needs a GPU with "
-                                     "tensor cores (sm_80+)", choices=("fp32", "tf32"),
+                                     "tensor cores (sm_80+); bf16: bf16 weights, gradients and activations, fp32 "
+                                     "math, master weights and AdamW (the NumPy reference; no GPU kernels yet)",
+                                     choices=("fp32", "tf32", "bf16"),
                                      default_text="tf32 on a GPU with tensor cores and fp32 elsewhere")
     tf32: bool = _setting("--tf32", False, "the same as --precision tf32 (kept for llm.c-style command lines)")
     attention: str | None = _setting("--attention", help="causal self-attention: flash (tiles, online softmax, the "
@@ -191,8 +193,12 @@ class TrainConfig:
                 continue
             allowed(f).check(f.metadata["flag"], value, f.metadata["what"])
         B, T, steps, profiled = self.batch_size, self.seq_len, self.max_steps, self.profile_steps
-        if self.tf32 and self.precision == "fp32":
-            raise BadInput("--tf32 with --precision fp32: --tf32 means --precision tf32; give one of them")
+        if self.tf32 and self.precision in ("fp32", "bf16"):
+            raise BadInput(f"--tf32 with --precision {self.precision}: --tf32 means --precision tf32; give one of "
+                           f"them")
+        if self.precision == "bf16" and self.device == "cuda":
+            from .backends import NO_BF16_KERNELS
+            raise BadInput(NO_BF16_KERNELS)
         if self.resume and not self.output_dir:
             raise BadInput("-y 1 without -o: resuming reads the checkpoints in -o DIR")
         if self.checkpoint_every > 0 and not self.output_dir:

@@ -3,7 +3,14 @@
 The model owns flat buffers in llm.c's discipline: parameters, gradients and the AdamW moments m, v
 are each one buffer with named views (tensors.PARAM_NAMES order); activations are preallocated for
 (B, T). It knows the network, not the device: every op is a call on `backend`.
+
+Precision: the buffers take the backend's dtype (`backend.zeros`). With bf16 storage (precision "bf16") what
+llm.c keeps in fp32 stays fp32: the LayerNorm statistics and the losses (a second activation buffer,
+tensors.FP32_ACTIVATIONS), AdamW's m and v, and the master weights: an fp32 copy of the parameters (this
+process's update shard), made from the bf16 parameters at the first update as llm.c does; AdamW updates it
+and writes the bf16 parameters from it with stochastic rounding seeded by (rounding_seed, step, index).
 """
+import functools
 import math
 
 import numpy as np
@@ -12,6 +19,7 @@ from .config import GPT2Config
 from .profiling import ranges
 from .tensors import (
     DECAYED_BY_DEFAULT,
+    FP32_ACTIVATIONS,
     PARAM_NAMES,
     activation_shapes,
     layout_size,
@@ -55,7 +63,13 @@ class GPT2:
         self._grads = backend.zeros(self.num_parameters)
         self._grad = views(self._grads, self.param_shapes)
         self.m = self.v = None                       # AdamW moments, allocated at the first update
-        self.acts = backend.zeros(layout_size(activation_shapes(cfg, B, T, attention)))
+        self.master = None                           # fp32 master weights (bf16 storage only), ditto
+        self.rounding_seed = 1337                    # stochastic rounding's seed (bf16; the trainer sets --seed)
+        # bf16 storage keeps the LayerNorm statistics and the losses in a second, fp32 buffer (llm.c's floats)
+        self._fp32_stats = np.dtype(backend.dtype) != np.float32
+        main, stats = self._activation_layouts(B, T)
+        self.acts = backend.zeros(layout_size(main))
+        self.acts_fp32 = backend.zeros(layout_size(stats), np.float32) if self._fp32_stats else None
         self.inputs = backend.zeros((B, T), np.int32)
         self.targets = backend.zeros((B, T), np.int32)
         C = cfg.channels
@@ -105,6 +119,7 @@ class GPT2:
         if flat.shape != (self.num_parameters,):
             raise ValueError(f"expected {self.num_parameters} parameters, got {flat.shape}")
         self.backend.copy_(self.params, self.backend.from_host(flat, self.params.dtype))
+        self.master = None                   # bf16: the next update makes the master weights from these
 
     def params_host(self):
         return self.backend.to_host(self.params)
@@ -142,7 +157,10 @@ class GPT2:
         if self._shape == (b, t):
             return
         self._shape = (b, t)
-        self.act = views(self.acts, activation_shapes(self.cfg, b, t, self.attention))
+        main, stats = self._activation_layouts(b, t)
+        self.act = views(self.acts, main)
+        if stats:
+            self.act.update(views(self.acts_fp32, stats))
         self.x = self.inputs.reshape(-1)[:b * t].reshape(b, t)
         self.y = self.targets.reshape(-1)[:b * t].reshape(b, t)
         C = self.cfg.channels
@@ -150,6 +168,14 @@ class GPT2:
         self.dbtc = self.d_btc.reshape(-1)[:b * t * C].reshape(b, t, C)
         self.dbt3c = self.d_bt3c.reshape(-1)[:b * t * 3 * C].reshape(b, t, 3 * C)
         self.dbt4c = self.d_bt4c.reshape(-1)[:b * t * 4 * C].reshape(b, t, 4 * C)
+
+    def _activation_layouts(self, b, t):
+        """({name: shape} of the activation buffer, {name: shape} of the fp32 one, empty when all are one dtype)."""
+        shapes = activation_shapes(self.cfg, b, t, self.attention)
+        if not self._fp32_stats:
+            return shapes, {}
+        return ({n: s for n, s in shapes.items() if n not in FP32_ACTIVATIONS},
+                {n: s for n, s in shapes.items() if n in FP32_ACTIVATIONS})
 
     def _check_tokens(self, tokens, what):
         tokens = np.asarray(tokens)
@@ -368,10 +394,28 @@ class GPT2:
             return np.zeros(hi - lo, np.float32), np.zeros(hi - lo, np.float32)
         return self.backend.to_host(self.m), self.backend.to_host(self.v)
 
-    def load_optimizer_state(self, m, v):
-        """Set m, v (host arrays, (num_parameters,) or, under ZeRO-1, this process's shard's size)."""
+    def load_optimizer_state(self, m, v, master=None):
+        """Set m, v (host arrays, (num_parameters,) or, under ZeRO-1, this process's shard's size) and, for bf16
+        parameters, the fp32 master weights of the same span (None: made from the parameters at the next
+        update)."""
         self.m = self.backend.from_host(np.asarray(m, np.float32))
         self.v = self.backend.from_host(np.asarray(v, np.float32))
+        self.master = None if master is None else self.backend.from_host(np.asarray(master, np.float32))
+
+    @property
+    def has_master_weights(self) -> bool:
+        """Whether the parameters are stored in a lower precision than fp32 (so AdamW keeps fp32 masters)."""
+        return np.dtype(self.params.dtype) != np.float32
+
+    def master_weights_host(self, shard=None):
+        """Host fp32 copy of the master weights over `shard` (lo, hi); before the first update, the parameters
+        upcast (what the first update starts from). None when the parameters are fp32."""
+        if not self.has_master_weights:
+            return None
+        if self.master is not None:
+            return self.backend.to_host(self.master)
+        lo, hi = shard or (0, self.num_parameters)
+        return np.asarray(self.backend.to_host(self.params[lo:hi]), np.float32)
 
     def grad_norm(self):
         """Global L2 norm of all gradients."""
@@ -441,8 +485,11 @@ class GPT2:
         if not 0 <= lo <= hi <= self.num_parameters:
             raise ValueError(f"update shard {shard} is not inside [0, {self.num_parameters}]")
         if self.m is None:
-            self.m = be.zeros(hi - lo)
-            self.v = be.zeros(hi - lo)
+            self.m = be.zeros(hi - lo, np.float32)
+            self.v = be.zeros(hi - lo, np.float32)
+        if self.has_master_weights and self.master is None:     # llm.c: the masters start as the parameters
+            self.master = be.zeros(hi - lo, np.float32)
+            be.copy_(self.master, self.params[lo:hi])
         if self.m.size != hi - lo:
             raise ValueError(f"AdamW state holds {self.m.size} values, the update shard {lo}:{hi} has {hi - lo}")
         with ranges.range("gpt2_update"):
@@ -452,7 +499,11 @@ class GPT2:
                 a, b = max(start, lo), min(end, hi)          # this tensor's part of the shard
                 if a < b:
                     wd = weight_decay if name in self.decay_tensors else 0.0
-                    self._op("adamw", "optimizer", be.adamw_update, self.params[a:b], self.grads[a:b],
+                    adamw = be.adamw_update
+                    if self.master is not None:                  # bf16: fp32 masters, stochastic rounding
+                        adamw = functools.partial(adamw, master=self.master[a - lo:b - lo], seed=self.rounding_seed,
+                                                  offset=a)
+                    self._op("adamw", "optimizer", adamw, self.params[a:b], self.grads[a:b],
                              self.m[a - lo:b - lo], self.v[a - lo:b - lo], lr, beta1, beta2, eps, wd, step,
                              grad_scale)
                 start = end

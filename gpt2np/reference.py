@@ -9,6 +9,11 @@ Forward and backward use autograd; AdamW is written out by hand with llm.c's upd
     out = ref.forward_backward(x, y)            # x, y: (B,T) ints
     out.logits (B,T,V), out.loss (float), out.grads {name: array in tensors.param_shapes(cfg)}
     losses = ref.take_steps(x, y, 10, lr=1e-4)  # the loss before each update, like llm.c's loop
+    ac = TorchGPT2(cfg, params_flat, autocast=True)   # PyTorch's bf16 mixed precision, for compare --precision bf16
+
+autocast=True runs the forward pass under torch.autocast("cpu", dtype=torch.bfloat16), as a PyTorch user trains in
+bf16: fp32 parameters, gradients and AdamW; matmuls on bf16 inputs; LayerNorm and GELU as PyTorch's own ops
+(F.layer_norm, F.gelu: fp32 math inside, bf16 out under autocast); the loss in fp32 from the bf16 logits.
 
 PyTorch is optional: importing this module works without it; building a TorchGPT2 without it raises
 ReferenceUnavailableError with a one-line install hint.
@@ -54,6 +59,18 @@ def gelu_tanh(x):
     return 0.5 * x * (1.0 + (math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)).tanh())
 
 
+def torch_layernorm(x, w, b):
+    """layernorm by PyTorch's F.layer_norm."""
+    import torch.nn.functional as F
+    return F.layer_norm(x, (x.shape[-1],), w, b, LN_EPS)
+
+
+def torch_gelu_tanh(x):
+    """gelu_tanh by PyTorch's F.gelu."""
+    import torch.nn.functional as F
+    return F.gelu(x, approximate="tanh")
+
+
 def linear(x, w, b):
     """x (..., IN), w (OUT, IN), b (OUT) -> x @ w^T + b  (llm.c stores weights as (out, in))."""
     return x @ w.transpose(0, 1) + b
@@ -75,19 +92,21 @@ def causal_self_attention(qkv, num_heads):
     return (att @ v).transpose(1, 2).reshape(B, T, C)                            # (B,T,C)
 
 
-def gpt2_logits(p, cfg: GPT2Config, x):
-    """x (B,T) int64 token ids -> logits (B,T,V) over the real vocabulary (lm_head tied to wte[:V])."""
+def gpt2_logits(p, cfg: GPT2Config, x, torch_ops=False):
+    """x (B,T) int64 token ids -> logits (B,T,V) over the real vocabulary (lm_head tied to wte[:V]).
+    torch_ops: LayerNorm and GELU by F.layer_norm and F.gelu (what autocast gives its bf16 policy to)."""
+    ln, gelu = (torch_layernorm, torch_gelu_tanh) if torch_ops else (layernorm, gelu_tanh)
     T = x.shape[1]
     # unbind (not p[name][l]) so that backward stacks each (L, ...) gradient once
     layer = {name: p[name].unbind(0) for name in PARAM_NAMES[2:14]}
     h = p["wte"][x] + p["wpe"][:T]                                               # (B,T,C)
     for l in range(cfg.num_layers):
         w = {name: tensors[l] for name, tensors in layer.items()}
-        qkv = linear(layernorm(h, w["ln1w"], w["ln1b"]), w["qkvw"], w["qkvb"])
+        qkv = linear(ln(h, w["ln1w"], w["ln1b"]), w["qkvw"], w["qkvb"])
         h = h + linear(causal_self_attention(qkv, cfg.num_heads), w["attprojw"], w["attprojb"])
-        fch = linear(layernorm(h, w["ln2w"], w["ln2b"]), w["fcw"], w["fcb"])
-        h = h + linear(gelu_tanh(fch), w["fcprojw"], w["fcprojb"])
-    h = layernorm(h, p["lnfw"], p["lnfb"])
+        fch = linear(ln(h, w["ln2w"], w["ln2b"]), w["fcw"], w["fcb"])
+        h = h + linear(gelu(fch), w["fcprojw"], w["fcprojb"])
+    h = ln(h, p["lnfw"], p["lnfb"])
     return h @ p["wte"][:cfg.vocab_size].transpose(0, 1)                         # (B,T,V)
 
 
@@ -110,9 +129,10 @@ class ReferenceOutput:
 class TorchGPT2:
     """GPT-2 on llm.c's flat parameter buffer, in float32 (or float64 for tests), on the CPU."""
 
-    def __init__(self, cfg: GPT2Config, params_flat, dtype: str = "float32"):
+    def __init__(self, cfg: GPT2Config, params_flat, dtype: str = "float32", autocast: bool = False):
         torch = require_torch()
         self.torch = torch
+        self.autocast = autocast
         if dtype not in ("float32", "float64"):
             raise ValueError(f"reference dtype must be float32 or float64, got {dtype!r}")
         params_flat = np.asarray(params_flat)
@@ -143,7 +163,12 @@ class TorchGPT2:
     def forward(self, x, y=None):
         """-> (logits (B,T,V) tensor, mean loss tensor or None); differentiable w.r.t. self.params."""
         x_t = self._tokens(x, "x")
-        logits = gpt2_logits(self.params, self.cfg, x_t)
+        if self.autocast:
+            with self.torch.autocast("cpu", dtype=self.torch.bfloat16):
+                logits = gpt2_logits(self.params, self.cfg, x_t, torch_ops=True)
+            logits = logits.float()                          # the loss in fp32, as F.cross_entropy under autocast
+        else:
+            logits = gpt2_logits(self.params, self.cfg, x_t)
         if y is None:
             return logits, None
         y_t = self._tokens(y, "y")

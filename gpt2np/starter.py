@@ -32,12 +32,13 @@ def note(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def resolve_model(spec, timeout=10):
+def resolve_model(spec, timeout=10, keep_bf16=False):
     """(cfg, params or None, description) for -e: a preset name (random init), an llm.c file, the default, or
     a transformers GPT-2 folder or Hugging Face Hub id (gpt2np.hf; the hf extra).
 
     A missing default file (gpt2_124M.bin) is fetched; if that fails, d12 from random init is used
-    with one line saying why. Any other missing file is an error.
+    with one line saying why. Any other missing file is an error. keep_bf16: a bf16 (v5) file's parameters as
+    stored (ml_dtypes bfloat16; a bf16 run loads them without an fp32 round trip).
     """
     if spec in PRESETS:
         return preset(spec), None, f"{spec} (random init)"
@@ -57,7 +58,7 @@ def resolve_model(spec, timeout=10):
             return cfg, params, f"{spec} (Hugging Face)"
         raise FileNotFoundError(f"{spec}: no such model file (give an llm.c model file or one of "
                                 f"{', '.join(PRESETS)})")
-    cfg, params = load_model(path)
+    cfg, params = load_model(path, keep_bf16=keep_bf16)
     return cfg, params, str(path)
 
 

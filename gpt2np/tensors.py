@@ -74,6 +74,11 @@ def activation_shapes(cfg: GPT2Config, B: int, T: int, attention: str = "naive")
     }
 
 
+# Activations that stay float32 when the others are stored in bf16 (llm.c's train_gpt2.cu keeps them `float`):
+# the LayerNorm statistics and the per-token losses.
+FP32_ACTIVATIONS = ("ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "lnf_mean", "lnf_rstd", "losses", "lse")
+
+
 def layout_size(shapes) -> int:
     return int(sum(int(np.prod(s)) for s in shapes.values()))
 

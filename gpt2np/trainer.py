@@ -44,7 +44,8 @@ from .starter import Decoder, resolve_data, resolve_model
 from .tensors import num_parameters
 from .train_step import AdamW, NonFiniteError, PendingStep, train_step
 
-PRECISION_TEXT = {"fp32": "fp32 (exact fp32 matmuls)", "tf32": "tf32 (matmuls on TF32 tensor cores)"}
+PRECISION_TEXT = {"fp32": "fp32 (exact fp32 matmuls)", "tf32": "tf32 (matmuls on TF32 tensor cores)",
+                  "bf16": "bf16 (bf16 storage, fp32 math and master weights)"}
 
 
 def header_table(rows):
@@ -146,7 +147,11 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         check_output_dir(cfg.output_dir)
     if dist.rank != 0:
         dist.barrier()                # rank 0 fetches and prepares what is missing, alone
-    model_cfg, params, model_desc = resolve_model(cfg.model)
+    bf16 = backend.precision == "bf16"
+    if bf16 and dist.world_size > 1:
+        raise ValueError("--precision bf16 under mpiexec: the bf16 reference runs in one process for now (its "
+                         "gradients would need a bf16 all-reduce); run it without mpiexec")
+    model_cfg, params, model_desc = resolve_model(cfg.model, keep_bf16=bf16)
     train_pattern, val_pattern = resolve_data(cfg.train_data, cfg.val_data)
     if dist.rank == 0:
         dist.barrier()
@@ -177,6 +182,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
                                   attention=attention)
     model = GPT2(model_cfg, backend, B, T, seed=cfg.seed if params is None else None, attention=attention,
                  fuse=bool(cfg.fuse))
+    model.rounding_seed = cfg.seed            # bf16: the stochastic rounding of the parameters (AdamW)
     if params is not None:
         model.load_params(params)
     # under mpiexec: every rank must run this same job (settings, model, data), else all stop with one line
@@ -201,6 +207,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
                     "overfit_single_batch": cfg.overfit_single_batch, "learning_rate": cfg.learning_rate,
                     "warmup_steps": cfg.warmup_steps, "final_lr_frac": cfg.final_lr_frac,
                     "lr_schedule": cfg.lr_schedule}
+        if bf16:                                  # bf16 checkpoints hold master weights an fp32 run cannot use
+            settings["precision"] = "bf16"
         identity = run_identity(model_cfg, params, train_loader.files, val_loader.files if val_loader else None,
                                 settings)
         start_step = prepare_run_dir(cfg.output_dir, identity, dist, resume=bool(cfg.resume),
@@ -398,13 +406,15 @@ def stop_on_signal(signals: StopSignals, step, checkpoint, out_dir, rank0):
 
 def save_checkpoint(out_dir, step, model, train_loader, rng, dist, nonfinite_skipped=0):
     """model_STEP.bin (rank 0), state_STEP_RANK.bin (each rank), then DONE_STEP once all are written."""
+    bf16 = model.has_master_weights              # llm.c's v5 file; the fp32 master weights go into the state
     if dist.rank == 0:
-        save_model(model_path(out_dir, step), model.cfg, model.params_host())
+        save_model(model_path(out_dir, step), model.cfg, model.params_host(), dtype="bf16" if bf16 else "fp32")
     info = {"step": step, "train_loader": train_loader.state(), "rng": rng.bit_generator.state,
             "world_size": dist.world_size, "rank": dist.rank, "zero_stage": dist.zero_stage,
             "shard": list(dist.shard(model.num_parameters)), "nonfinite_skipped": nonfinite_skipped}
     m, v = model.optimizer_state_host(dist.shard(model.num_parameters))
-    save_state(state_path(out_dir, step, dist.rank), info, m, v)
+    master = model.master_weights_host(dist.shard(model.num_parameters))
+    save_state(state_path(out_dir, step, dist.rank), info, m, v, master)
     dist.barrier()
     if dist.rank == 0:
         with open(done_path(out_dir, step), "w"):
@@ -414,17 +424,19 @@ def save_checkpoint(out_dir, step, model, train_loader, rng, dist, nonfinite_ski
 def resume(out_dir, step, model, train_loader, rng, dist):
     """Load the checkpoint of `step` in -o (rundir.prepare_run_dir chose it and checked it is this run's, whole,
     and written by as many processes with the same ZeRO stage); returns its state's info."""
-    saved_cfg, params = load_model(model_path(out_dir, step))
+    saved_cfg, params = load_model(model_path(out_dir, step), keep_bf16=model.has_master_weights)
     if saved_cfg != model.cfg:
         raise ValueError(f"{model_path(out_dir, step)}: model config {saved_cfg} differs from -e's {model.cfg}")
     model.load_params(params)
     path = state_path(out_dir, step, dist.rank)
-    info, m, v = load_state(path)
+    info, m, v, master = load_state(path, with_master=True)
     lo, hi = dist.shard(model.num_parameters)
     if m.size != hi - lo:
         raise ValueError(f"{path}: optimizer state for {m.size} parameters, this rank's share of the model "
                          f"has {hi - lo}")
-    model.load_optimizer_state(m, v)
+    if not model.has_master_weights:
+        master = None                         # an fp32 run keeps no master weights
+    model.load_optimizer_state(m, v, master)
     train_loader.load_state(info["train_loader"])
     rng.bit_generator.state = info["rng"]
     if dist.rank == 0:

@@ -132,7 +132,10 @@ def test_precision_flags():
     with pytest.raises(BadInput, match="--tf32 with --precision fp32"):
         train.parse_config(["--tf32", "--precision", "fp32"]).validate()
     with pytest.raises(SystemExit):
-        train.parse_config(["--precision", "bf16"])
+        train.parse_config(["--precision", "fp16"])
+    assert train.parse_config(["--precision", "bf16", "--device", "cpu"]).validate().requested_precision == "bf16"
+    with pytest.raises(BadInput, match="no bf16 kernels yet"):               # until the bf16 kernels exist
+        train.parse_config(["--precision", "bf16", "--device", "cuda"]).validate()
 
 
 class Chosen(Exception):

@@ -18,7 +18,7 @@ def package_modules():
 def mapped_names():
     """File names in the doc's tree (the first code block), e.g. 'model.py', 'runtime_cupy.py'."""
     tree = DOC.read_text().split("```")[1]
-    return set(re.findall(r"\b([a-z_]+\.py)\b", tree))
+    return set(re.findall(r"\b([a-z0-9_]+\.py)\b", tree))
 
 
 def test_every_module_is_in_the_architecture_map_and_back():

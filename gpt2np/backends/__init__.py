@@ -1,6 +1,8 @@
 """Pick a backend by name: 'numpy' (CPU reference), 'cuda' (CuPy on a GPU), 'emu' (CUDA kernels on the CPU
 emulator, for tests) or 'auto' (cuda when a GPU is usable, else numpy), at a precision: 'fp32' everywhere,
-'tf32' (TF32 tensor cores for the cuBLAS matmuls; the emulator rounds the GEMM inputs the same way).
+'tf32' (TF32 tensor cores for the cuBLAS matmuls; the emulator rounds the GEMM inputs the same way), 'bf16'
+(bf16 storage, fp32 compute and accumulation, fp32 master weights: on the numpy backend only for now, the
+reference the bf16 CUDA kernels will be tested against; see numpy_bf16.py).
 
 Whether the GPU can be used is one function, cuda_problem(): None, or one line saying what is missing or wrong
 (CuPy, the driver, a GPU, cuBLAS, NVRTC) and how to fix it; `--device cuda` without a usable GPU ends with it.
@@ -9,7 +11,10 @@ Training's default precision is resolve_precision(): tf32 on a GPU with tensor c
 import importlib
 import os
 
-PRECISIONS = {"numpy": ("fp32",), "cuda": ("fp32", "tf32"), "emu": ("fp32", "tf32")}
+PRECISIONS = {"numpy": ("fp32", "bf16"), "cuda": ("fp32", "tf32"), "emu": ("fp32", "tf32")}
+# what a bf16 request on a backend without bf16 says (cuda, emu: the bf16 kernels are not written yet, issue 15)
+NO_BF16_KERNELS = ("--precision bf16: the CUDA backend has no bf16 kernels yet (issue 15); the bf16 reference runs "
+                   "on the CPU (--device cpu), or use --precision fp32 or tf32 on the GPU")
 
 CUDA_MAJOR = 13                  # the CUDA that cupy-cuda13x and the nvidia-*-cu13 wheels are built for
 MIN_DRIVER_CUDA = 13000          # cudaDriverGetVersion() of a driver for CUDA 13.0 (R580 and newer)
@@ -20,6 +25,10 @@ INSTALL = 'pip install -e ".[cuda]"'
 
 class BackendUnavailable(RuntimeError):
     """The requested backend cannot run on this machine."""
+
+
+class PrecisionUnavailable(ValueError):
+    """The requested precision has no implementation on that backend (bad input: exit 2, one line)."""
 
 
 def cuda_status(cupy=None, import_module=importlib.import_module):
@@ -150,8 +159,12 @@ def resolve_precision(name: str, requested: str | None = None, capability=None):
     name = resolve_name(name)
     if name not in PRECISIONS:
         raise ValueError(f"unknown backend {name!r}: expected numpy, cuda, emu or auto")
-    if requested not in (None, "fp32", "tf32"):
-        raise ValueError(f"unknown precision {requested!r}: expected fp32 or tf32")
+    if requested not in (None, "fp32", "tf32", "bf16"):
+        raise ValueError(f"unknown precision {requested!r}: expected fp32, tf32 or bf16")
+    if requested == "bf16":
+        if "bf16" not in PRECISIONS[name]:
+            raise PrecisionUnavailable(NO_BF16_KERNELS)
+        return "bf16", None
     if name == "emu":
         return requested or "fp32", None
     if name == "numpy":
@@ -210,8 +223,13 @@ def get_backend(name: str = "numpy", precision: str = "fp32", **options):
     name = resolve_name(name)
     if name not in PRECISIONS:
         raise ValueError(f"unknown backend {name!r}: expected numpy, cuda, emu or auto")
+    if precision == "bf16" and precision not in PRECISIONS[name]:
+        raise PrecisionUnavailable(NO_BF16_KERNELS)
     if precision not in PRECISIONS[name]:
         raise ValueError(f"backend {name} has no precision {precision!r}: expected {', '.join(PRECISIONS[name])}")
+    if name == "numpy" and precision == "bf16":
+        from .numpy_bf16 import Bf16NumpyBackend
+        return Bf16NumpyBackend(**options)
     if name == "numpy":
         from .numpy_backend import NumpyBackend
         return NumpyBackend(**options)

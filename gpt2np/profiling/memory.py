@@ -4,7 +4,9 @@
     memory_summary(model)  -> {"buffers": [{"buffer", "bytes", "what"}...], "total": ..., "peak": ..., ...}
 
 The numbers come from the model's own buffers (llm.c's discipline: a few flat buffers allocated up front):
-parameters, gradients, AdamW m and v, activations (per activation tensor too), the gradient scratch
+parameters, gradients, AdamW m and v, the fp32 master weights of a bf16 run, activations (per activation tensor
+too, each at its own element size: bf16 storage is 2 bytes, its fp32 LayerNorm statistics and losses 4), the
+gradient scratch
 reused by every layer, the token buffers and the backend's work buffers (scratch). The measured peak is
 the process's peak resident set (host RSS, getrusage) on the CPU and the emulator, and the CuPy memory
 pool's bytes on a GPU (the pool keeps what it allocated, so its total is the high-water mark of the pool).
@@ -13,7 +15,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from ..tensors import PARAM_NAMES, activation_shapes, param_shapes
+from ..tensors import FP32_ACTIVATIONS, PARAM_NAMES, activation_shapes, param_shapes
 
 MiB = 1024 * 1024
 
@@ -57,11 +59,19 @@ def memory_summary(model, peak: Optional[dict] = None) -> dict:
     peak: {"bytes", "what"} (default: measured_peak(model.backend)).
     """
     cfg = model.cfg
-    rows = [("parameters", _nbytes(model.params), f"{model.num_parameters:,} float32"),
-            ("gradients", _nbytes(model._grads), "same layout as the parameters"),
+    dtype = np.dtype(model.params.dtype)
+    stats = getattr(model, "acts_fp32", None)
+    rows = [("parameters", _nbytes(model.params), f"{model.num_parameters:,} {dtype.name}"),
+            ("gradients", _nbytes(model._grads), f"same layout as the parameters, {dtype.name}"),
             ("AdamW m", _nbytes(model.m), "allocated at the first update" if model.m is None else "first moment"),
-            ("AdamW v", _nbytes(model.v), "allocated at the first update" if model.v is None else "second moment"),
-            ("activations", _nbytes(model.acts), f"kept for backward, B={model.B}, T={model.T}"),
+            ("AdamW v", _nbytes(model.v), "allocated at the first update" if model.v is None else "second moment")]
+    if dtype != np.float32:
+        master = getattr(model, "master", None)
+        rows.append(("master weights", _nbytes(master), "float32, allocated at the first update" if master is None
+                     else "float32 copy AdamW updates"))
+    rows += [("activations", _nbytes(model.acts) + _nbytes(stats),
+              f"kept for backward, B={model.B}, T={model.T}" +
+              (f"; {dtype.name}, LayerNorm statistics and losses float32" if stats is not None else "")),
             ("gradient scratch", sum(_nbytes(a) for a in (model.dresidual, model.d_btc, model.d_bt3c,
                                                           model.d_bt4c)),
              "dresidual, (B,T,C), (B,T,3C), (B,T,4C): reused by every layer"),
@@ -72,7 +82,8 @@ def memory_summary(model, peak: Optional[dict] = None) -> dict:
     buffers = [{"buffer": name, "bytes": int(n), "what": what} for name, n, what in rows]
     acts = []
     for name, shape in activation_shapes(cfg, model.B, model.T, getattr(model, "attention", "naive")).items():
-        acts.append({"buffer": name, "bytes": int(np.prod(shape)) * int(model.acts.dtype.itemsize),
+        itemsize = stats.dtype.itemsize if stats is not None and name in FP32_ACTIVATIONS else model.acts.dtype.itemsize
+        acts.append({"buffer": name, "bytes": int(np.prod(shape)) * int(itemsize),
                      "shape": list(shape)})
     acts.sort(key=lambda a: -a["bytes"])
     return {"buffers": buffers, "total": sum(b["bytes"] for b in buffers), "activations": acts,
