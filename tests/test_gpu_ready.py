@@ -367,7 +367,9 @@ def test_memory_needed_covers_every_allocation_of_a_training_step(attention):
     from gpt2np.backends.cuda.backend import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE
     allowance = CUBLAS_WORKSPACE + (CUBLASLT_WORKSPACE if be.rt.epilogues else 0)   # the libraries' workspaces
     assert scratch <= need["kernel scratch"] - allowance
-    assert scratch >= 0.5 * (need["kernel scratch"] - allowance)      # no gross overestimate either
+    # no gross overestimate either (the estimate covers the scratch of the fused and of the unfused kernels: the
+    # column sums' partials that the fused step leaves to the GEMM epilogues make it 2x at this toy size)
+    assert scratch >= 0.4 * (need["kernel scratch"] - allowance)
 
 
 def largest_b(be, cfg, T, budget):

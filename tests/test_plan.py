@@ -111,10 +111,13 @@ def test_floors_are_the_roofline_of_the_named_gpu(small_plan):
         want = max(r.flops / peak, r.bytes / bw) * 1e9 if (r.flops or r.bytes) else None
         assert x.floor_ns == pytest.approx(want) if want else x.floor_ns is None
     d12 = {p: P.plan_step(preset("d12"), 4, 1024, "H100", p) for p in ("tf32", "fp32")}
+    # GEMMs and our WMMA (flash attention) kernels are held against the matmul ceiling, which --precision sets
     gemm = [i for i, x in enumerate(d12["tf32"].launches) if x.record.is_gemm]
     assert all(d12["fp32"].launches[i].floor_ns > d12["tf32"].launches[i].floor_ns for i in gemm)
+    assert all(d12["fp32"].launches[i].floor_ns >= d12["tf32"].launches[i].floor_ns
+               for i, x in enumerate(d12["tf32"].launches) if x.record.matmul_ceiling)
     assert all(d12["fp32"].launches[i].floor_ns == d12["tf32"].launches[i].floor_ns
-               for i, x in enumerate(d12["tf32"].launches) if not x.record.is_gemm and x.floor_ns)
+               for i, x in enumerate(d12["tf32"].launches) if not x.record.matmul_ceiling and x.floor_ns)
     assert d12["fp32"].floor_ns > 2 * d12["tf32"].floor_ns     # fp32 GEMMs: 67 instead of 494.5 TFLOP/s
     v100 = P.plan_step(CFG, B, T, "V100", "tf32")          # no TF32 tensor cores: fp32 GEMMs, and a note
     assert v100.precision == "fp32" and "no TF32" in v100.notes[0]
@@ -138,6 +141,8 @@ def test_d12_b4_t1024_on_h100_plans_in_seconds_without_allocating(tmp_path, caps
     gb, gflop, floor_ms, launches, syncs, graphs = (float(v.replace(",", "")) for v in m.groups())
     assert int(syncs) == 0 and int(graphs) == 1        # nothing read back inside the step; one graph replayed
     assert last.endswith(", 0 host syncs, 1 graph launches per step")
+    # issue 14's planner targets for the default GPU step (flash attention, fused epilogues, CUDA graphs)
+    assert launches <= 300 and floor_ms <= 12.0, (launches, floor_ms)
     for title in ("Per op and direction on H100 SXM (tf32 GEMMs)", "Per direction", "Memory the run needs",
                   "Activations by name", "Host syncs in the step: 0", "not a measurement"):
         assert title in out
@@ -146,6 +151,7 @@ def test_d12_b4_t1024_on_h100_plans_in_seconds_without_allocating(tmp_path, caps
     assert total["launches"] == launches and total["host_syncs"] == 0 and total["graph_launches_per_step"] == 1
     assert round(total["memory_bytes"] / 1e9, 2) == gb and round(total["flops"] / 1e9, 1) == gflop
     assert round(total["floor_ns"] / 1e6, 2) == floor_ms
+    assert total["bytes"] <= 30e9, total["bytes"]                     # minimum traffic of the step
     cfg = preset("d12")
     sizes = {b["buffer"]: b["bytes"] for b in doc["memory"]["buffers"]}
     assert sizes["parameters"] == sizes["AdamW v"] == 4 * num_parameters(cfg)
@@ -260,3 +266,20 @@ def test_fusion_plans_fewer_launches_and_less_traffic(small_plan):
 def test_fuse_flag_needs_plan(capsys):
     assert main(["--fuse", "0", "-e", "d12"]) == 2
     assert "--fuse needs --plan" in capsys.readouterr().err
+
+
+def test_flash_kernels_are_held_against_the_tensor_core_peak():
+    """Our WMMA kernels (flash attention) run their products on tensor cores: their floor uses the matmul
+    (tensor-core) ceiling, as cuBLAS's GEMMs do; the other kernels of ours stay on the fp32 CUDA-core ceiling."""
+    from gpt2np.profiling.gpu_specs import roofline
+    from gpt2np.profiling.report import KernelRecord
+    roof = roofline(lookup("H100"), "fp32", matmul_precision="tf32")
+
+    def record(kernel):
+        return KernelRecord(0, 1, "fprop", 0, "op", "h.0.attn", "", kernel, 0, 0, flops=int(1e12), bytes=1)
+    flash, softmax = record("flash_attention_forward"), record("softmax_forward")
+    assert flash.matmul_ceiling and not flash.is_gemm and not softmax.matmul_ceiling
+    floor_flash, _ = P.launch_floor(flash, roof)
+    floor_softmax, _ = P.launch_floor(softmax, roof)
+    assert floor_flash == pytest.approx(1e12 / roof.matmul_peak_flops * 1e9)
+    assert floor_softmax > 5 * floor_flash

@@ -108,19 +108,35 @@ class Bf16NumpyBackend:
     def layernorm_forward(self, out, mean, rstd, inp, weight, bias):
         self._run(self.f.layernorm_forward, (out, mean, rstd, inp, weight, bias), write=(0, 1, 2))
 
-    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
+    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True, fused=False):
         params = (1, 2)
         self._run(self.f.layernorm_backward, (dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate),
                   write=() if accumulate else params, add=(0,) + (params if accumulate else ()))
 
     # ---- matmul -------------------------------------------------------------------------
-    def matmul_forward(self, out, inp, weight, bias):
+    def fused_residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, weight, bias):
+        """residual_forward then layernorm_forward: the residual is rounded to bf16 before it is normalized, as
+        the stored residual stream is."""
+        self.residual_forward(residual, inp1, inp2)
+        self.layernorm_forward(out, mean, rstd, residual, weight, bias)
+
+    def matmul_forward(self, out, inp, weight, bias, fused=False):
         self._run(self.f.matmul_forward, (out, inp, weight, bias), write=(0,))
 
-    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True):
+    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True, fused=False):
         params = (1, 2)
         self._run(self.f.matmul_backward, (dinp, dweight, dbias, dout, inp, weight, accumulate),
                   write=(0,) + (() if accumulate else params), add=params if accumulate else ())
+
+    def matmul_gelu_forward(self, out, pre, inp, weight, bias):
+        """matmul_forward then gelu_forward (pre rounded to bf16 first, as it is stored)."""
+        self.matmul_forward(pre, inp, weight, bias)
+        self.gelu_forward(out, pre)
+
+    def gelu_matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, pre, accumulate=True):
+        """matmul_backward then gelu_backward in place."""
+        self.matmul_backward(dinp, dweight, dbias, dout, inp, weight, accumulate)
+        self.gelu_backward(dinp, pre, dinp)
 
     # ---- attention, gelu, residual ------------------------------------------------------
     def attention_forward(self, out, qkvr, att, inp):
@@ -128,6 +144,12 @@ class Bf16NumpyBackend:
 
     def attention_backward(self, dinp, dout, qkvr, att):
         self._run(self.f.attention_backward, (dinp, dout, qkvr, att), write=(0,))
+
+    def flash_attention_forward(self, out, lse, inp):
+        self._run(self.f.flash_attention_forward, (out, lse, inp), write=(0,))       # lse is fp32
+
+    def flash_attention_backward(self, dinp, dout, inp, out, lse):
+        self._run(self.f.flash_attention_backward, (dinp, dout, inp, out, lse), write=(0,))
 
     def gelu_forward(self, out, inp):
         self._run(self.f.gelu_forward, (out, inp), write=(0,))

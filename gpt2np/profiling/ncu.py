@@ -302,7 +302,7 @@ def kernel_rows(kernels, records, matched, roof):
         t = r.duration_ns
         floor = None
         if roof is not None and (r.flops or r.bytes):
-            ceiling = roof.flops_ceiling(r.is_gemm)
+            ceiling = roof.flops_ceiling(r.matmul_ceiling)
             if ceiling and roof.peak_bw:
                 floor = max(r.flops / ceiling, r.bytes / roof.peak_bw) * 1e9
         built_in = matched.get(i)

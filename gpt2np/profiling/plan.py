@@ -198,7 +198,7 @@ def launch_floor(record: KernelRecord, roof: Roofline):
     floor = floor_ns(record, roof)
     if floor is None:
         return None, "-"
-    compute = record.flops / roof.flops_ceiling(record.is_gemm)
+    compute = record.flops / roof.flops_ceiling(record.matmul_ceiling)
     return floor, "compute" if compute * 1e9 >= floor else "memory"
 
 

@@ -30,6 +30,8 @@ from .gpu_specs import roofline as make_roofline
 
 DIRECTIONS = ("fprop", "bprop", "update", "other")
 GEMM_MARKERS = ("gemm", "cublas", "cutlass", "xmma", "numpy.matmul", "numpy.dot")
+# our own kernels whose products run on tensor cores (WMMA): measured against the matmul ceiling, as GEMMs are
+TENSOR_CORE_KERNELS = ("flash_attention_forward", "flash_attention_backward_dkv", "flash_attention_backward_dq")
 
 
 class ReportError(ValueError):
@@ -82,6 +84,12 @@ class KernelRecord:
         """A matrix multiply measured against the matmul (tensor-core) ceiling."""
         name = self.kernel.lower()
         return any(marker in name for marker in GEMM_MARKERS)
+
+    @property
+    def matmul_ceiling(self) -> bool:
+        """Whether the launch's FLOPs are held against the matmul (tensor-core) peak: a GEMM, or one of our WMMA
+        kernels (flash attention)."""
+        return self.is_gemm or self.kernel in TENSOR_CORE_KERNELS
 
     @property
     def gflops_per_s(self) -> Optional[float]:
@@ -209,7 +217,7 @@ def kernel_rows(records: Sequence[KernelRecord], roof: Optional[Roofline] = None
         row = [r.idx, r.direction, _opt(r.layer_index, "{}"), r.op or "-", r.module or "-",
                _clip(r.params, params_width) or "-", _clip(r.kernel, kernel_width), _us(r.duration_ns)]
         if with_work:
-            bound, pct = classify(r.flops, r.bytes, r.duration_ns, roof, r.is_gemm)
+            bound, pct = classify(r.flops, r.bytes, r.duration_ns, roof, r.matmul_ceiling)
             row += [_si(r.flops), _si(r.bytes), _opt(r.gflops_per_s), _opt(r.gbytes_per_s),
                     _opt(r.intensity, "{:.2f}"), bound, _opt(pct, "{:.1f}%")]
         rows.append(row)
@@ -291,7 +299,7 @@ def op_rows(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, st
         row = [op, direction, len(g), _us(t), f"{100.0 * t / total:.1f}", _us(t / len(g))]
         if with_work:
             flops, nbytes = sum(r.flops for r in g), sum(r.bytes for r in g)
-            bound, pct = classify(flops, nbytes, t, roof, any(r.is_gemm for r in g))
+            bound, pct = classify(flops, nbytes, t, roof, any(r.matmul_ceiling for r in g))
             row += [_opt(_rate(flops, nbytes, flops, t)), _opt(_rate(flops, nbytes, nbytes, t)),
                     bound, _opt(pct, "{:.1f}%")]
         rows.append(row)
@@ -596,7 +604,7 @@ CSV_FIELDS = [f.name for f in fields(KernelRecord)] + ["gflops_per_s", "gbytes_p
 
 def record_row(r: KernelRecord, roof: Optional[Roofline] = None) -> Dict:
     """A record as a flat dict with the derived columns (None where unknown)."""
-    bound, pct = classify(r.flops, r.bytes, r.duration_ns, roof, r.is_gemm)
+    bound, pct = classify(r.flops, r.bytes, r.duration_ns, roof, r.matmul_ceiling)
     row = {f.name: getattr(r, f.name) for f in fields(KernelRecord)}
     row["range_stack"] = list(r.range_stack)
     row["range_ids"] = list(r.range_ids)

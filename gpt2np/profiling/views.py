@@ -420,14 +420,15 @@ def tensor_cores(record: KernelRecord, precision: str) -> bool:
     """Whether a launch runs on tensor cores: a GEMM at tf32/bf16/fp16 precision, or a kernel whose (CUPTI)
     name says so."""
     name = record.kernel.lower()
-    return (record.is_gemm and precision in ("tf32", "bf16", "fp16")) or any(m in name for m in TENSOR_CORE_MARKERS)
+    return ((record.matmul_ceiling and precision in ("tf32", "bf16", "fp16"))
+            or any(m in name for m in TENSOR_CORE_MARKERS))
 
 
 def floor_ns(record: KernelRecord, roof) -> Optional[float]:
     """The roofline's lower bound on the launch's time: max(FLOPs / compute ceiling, bytes / bandwidth)."""
     if roof is None or not (record.flops or record.bytes):
         return None
-    ceiling = roof.flops_ceiling(record.is_gemm)
+    ceiling = roof.flops_ceiling(record.matmul_ceiling)
     if not ceiling or not roof.peak_bw:
         return None
     return max(record.flops / ceiling, record.bytes / roof.peak_bw) * 1e9
@@ -439,7 +440,7 @@ def pyprof(profile: Profile, roof=None) -> List[Table]:
     for r in sorted(profile.records, key=lambda r: r.idx):
         floor = floor_ns(r, roof)
         pct = 100.0 * floor / r.duration_ns if floor is not None and r.duration_ns > 0 else None
-        bound, _ = classify(r.flops, r.bytes, r.duration_ns, roof, r.is_gemm)
+        bound, _ = classify(r.flops, r.bytes, r.duration_ns, roof, r.matmul_ceiling)
         rows.append([r.idx, r.direction, "-" if r.layer_index is None else r.layer_index, r.op or "-",
                      r.module or "-", r.params or "-", r.kernel, r.grid or "-", r.block or "-",
                      "yes" if tensor_cores(r, precision) else "no", _us(r.duration_ns),

@@ -761,7 +761,8 @@ inline int param_code(char* buf, size_t n) {
 
 template <class... A>
 inline const char* signature(void (*)(A...)) {
-    static char buf[2048];
+    // per thread: ranks run as threads in the tests, and two of them asking at once must not share the buffer
+    static thread_local char buf[2048];
     size_t k = 0;
     buf[0] = 0;
     ((k += (k ? snprintf(buf + k, sizeof buf - k, ",") : 0),
