@@ -455,15 +455,10 @@ class GPT2:
         if self.m.size != hi - lo:
             raise ValueError(f"AdamW state holds {self.m.size} values, the update shard {lo}:{hi} has {hi - lo}")
         with ranges.range("gpt2_update"):
-            start = 0
-            for name in PARAM_NAMES:
-                end = start + int(np.prod(self.param_shapes[name]))
-                a, b = max(start, lo), min(end, hi)          # this tensor's part of the shard
-                if a < b:
-                    self._op("adamw", "optimizer", be.adamw_update_device, self.params[a:b], self.grads[a:b],
-                             self.m[a - lo:b - lo], self.v[a - lo:b - lo], self.step_scalars, self.stats, beta1,
-                             beta2, eps, name in self.decay_tensors, grad_clip)
-                start = end
+            for name, a, b in self._shard_tensors(lo, hi):
+                self._op("adamw", "optimizer", be.adamw_update_device, self.params[a:b], self.grads[a:b],
+                         self.m[a - lo:b - lo], self.v[a - lo:b - lo], self.step_scalars, self.stats, beta1,
+                         beta2, eps, name in self.decay_tensors, grad_clip)
 
     def update(self, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1, grad_clip=1.0,
                grad_norm=None, shard=None):
@@ -493,18 +488,24 @@ class GPT2:
         if self.m.size != hi - lo:
             raise ValueError(f"AdamW state holds {self.m.size} values, the update shard {lo}:{hi} has {hi - lo}")
         with ranges.range("gpt2_update"):
-            start = 0
-            for name in PARAM_NAMES:
-                end = start + int(np.prod(self.param_shapes[name]))
-                a, b = max(start, lo), min(end, hi)          # this tensor's part of the shard
-                if a < b:
-                    wd = weight_decay if name in self.decay_tensors else 0.0
-                    adamw = be.adamw_update
-                    if self.master is not None:                  # bf16: fp32 masters, stochastic rounding
-                        adamw = functools.partial(adamw, master=self.master[a - lo:b - lo], seed=self.rounding_seed,
-                                                  offset=a)
-                    self._op("adamw", "optimizer", adamw, self.params[a:b], self.grads[a:b],
-                             self.m[a - lo:b - lo], self.v[a - lo:b - lo], lr, beta1, beta2, eps, wd, step,
-                             grad_scale)
-                start = end
+            for name, a, b in self._shard_tensors(lo, hi):
+                wd = weight_decay if name in self.decay_tensors else 0.0
+                adamw = be.adamw_update
+                if self.master is not None:                  # bf16: fp32 masters, stochastic rounding
+                    adamw = functools.partial(adamw, master=self.master[a - lo:b - lo], seed=self.rounding_seed,
+                                              offset=a)
+                self._op("adamw", "optimizer", adamw, self.params[a:b], self.grads[a:b],
+                         self.m[a - lo:b - lo], self.v[a - lo:b - lo], lr, beta1, beta2, eps, wd, step,
+                         grad_scale)
         return grad_norm
+
+    def _shard_tensors(self, lo, hi):
+        """(name, a, b) for each parameter tensor that overlaps the flat slice [lo, hi): its part [a, b) there,
+        in llm.c's tensor order (each tensor keeps its own weight decay under ZeRO-1)."""
+        start = 0
+        for name in PARAM_NAMES:
+            end = start + int(np.prod(self.param_shapes[name]))
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                yield name, a, b
+            start = end

@@ -39,6 +39,20 @@ CLASSIFIER_ROWS = 2
 PARALLEL_MIN = 1 << 20
 
 
+def gelu_into(y, x):
+    """y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), float32, in this order of operations (the reference
+    GELU: the fused C path, the emulator's GEMM epilogue and the tests match it bitwise)."""
+    np.multiply(x, x, out=y)
+    y *= GELU_CUBE
+    y += 1.0
+    y *= x
+    y *= GELU_SCALE
+    np.tanh(y, out=y)
+    y += 1.0
+    y *= x
+    y *= 0.5
+
+
 class NumpyBackend:
     """CPU backend. Arrays are NumPy arrays; `dtype` is the activation/parameter dtype."""
 
@@ -413,16 +427,7 @@ class NumpyBackend:
                 kernels.gelu_out(x + 4 * a, y + 4 * a, b - a)
 
         def part(lo, hi):
-            y, x = out_flat[lo:hi], inp_flat[lo:hi]
-            np.multiply(x, x, out=y)
-            y *= GELU_CUBE
-            y += 1.0
-            y *= x
-            y *= GELU_SCALE
-            np.tanh(y, out=y)
-            y += 1.0
-            y *= x
-            y *= 0.5
+            gelu_into(out_flat[lo:hi], inp_flat[lo:hi])
 
         self._parallel(fused if kernels else part, inp_flat.size, 2)
 
