@@ -13,6 +13,27 @@
 //     elements); only row offsets into logits (N*Vp) and att (B*NH*T*T) are 64-bit.
 #pragma once
 
+// Storage precision: floatX is what parameters, gradients and activations are stored in. Each kernel file
+// is compiled twice from this one source: as is (floatX = float) and with -DGPT2NP_BF16 (floatX =
+// __nv_bfloat16, the "bf16" precision). Kernels read floatX into float with to_float (exact), compute and
+// accumulate in float, and store with to_floatX (round to nearest even, once, at the op's output).
+// Statistics (LayerNorm mean/rstd, losses, logsumexp), AdamW's master weights and moments and every
+// partial sum stay float in both builds. The conversions are explicit: bf16's C++ operators are switched
+// off, so no arithmetic happens in bf16 by accident (and the emulator's type has none).
+#if defined(GPT2NP_BF16)
+#define __CUDA_NO_BFLOAT16_CONVERSIONS__
+#define __CUDA_NO_BFLOAT16_OPERATORS__
+#define __CUDA_NO_BFLOAT162_OPERATORS__
+#include <cuda_bf16.h>
+typedef __nv_bfloat16 floatX;
+__device__ __forceinline__ float to_float(floatX x) { return __bfloat162float(x); }
+__device__ __forceinline__ floatX to_floatX(float x) { return __float2bfloat16_rn(x); }
+#else
+typedef float floatX;
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_floatX(float x) { return x; }
+#endif
+
 #define WARP_SIZE 32
 #define FULL_MASK 0xffffffffu
 // Largest finite float: the "minus infinity" of running maxima (avoids inf - inf = NaN).

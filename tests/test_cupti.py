@@ -94,8 +94,8 @@ class FakeGpu(EmuRuntime):
         super().launch(function, grid, block, args, shared_mem)
         self.source.emit(1, kernel(self.names[id(function)], tuple(grid) + (1,) * (3 - len(grid))))
 
-    def compile(self, path):
-        module = super().compile(path)
+    def compile(self, path, options=()):
+        module = super().compile(path, options)
         runtime = self
 
         class Named:

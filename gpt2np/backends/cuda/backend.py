@@ -58,13 +58,19 @@ KERNEL_FILES = tuple(sorted(set(KERNELS.values())))
 # An entry point with its parameter list
 KERNEL_DEFINITION = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)'
                                r'\s*\(([^)]*)\)')
+# A floatX* parameter: an array of the backend's storage dtype (float32, or bfloat16 in the bf16 build)
+STORAGE = "floatX"
 # a parameter's C type -> what the Python side passes: a dtype's array for pointers, an exact scalar type
-PARAMETER_KINDS = {"float*": np.dtype(np.float32), "int*": np.dtype(np.int32), "float": np.float32, "int": np.int32}
+PARAMETER_KINDS = {"float*": np.dtype(np.float32), "int*": np.dtype(np.int32), "float": np.float32, "int": np.int32,
+                   "floatX*": STORAGE}
+# NVRTC options of the bf16 build of every kernel file (kernels/common.cuh: floatX = __nv_bfloat16)
+BF16_OPTIONS = ("-DGPT2NP_BF16=1",)
 
 
 def kernel_signatures(kernel_dir=KERNEL_DIR):
     """{kernel name: (parameter kinds...)} read from kernels/*.cu: np.dtype(float32/int32) for a float*/int*
-    pointer (const and __restrict__ dropped), np.float32 / np.int32 for a float / int scalar."""
+    pointer (const and __restrict__ dropped), STORAGE for a floatX* pointer (the backend's dtype), np.float32 /
+    np.int32 for a float / int scalar."""
     signatures = {}
     for path in sorted(Path(kernel_dir).glob("*.cu")):
         for name, params in KERNEL_DEFINITION.findall(path.read_text()):
@@ -74,7 +80,8 @@ def kernel_signatures(kernel_dir=KERNEL_DIR):
                 ctype = "".join(words) if words[-1:] == ["*"] else " ".join(words)
                 if ctype not in PARAMETER_KINDS:
                     raise ValueError(f"{path}: kernel {name}: parameter {param!r} of a type the launcher does not "
-                                     f"know ({ctype}); kernels take float*/int* pointers and int/float scalars")
+                                     f"know ({ctype}); kernels take float*/floatX*/int* pointers and int/float "
+                                     f"scalars")
                 kinds.append(PARAMETER_KINDS[ctype])
             signatures[name] = tuple(kinds)
     return signatures
@@ -165,10 +172,12 @@ class CudaBackend:
         object.__setattr__(self, name, value)
 
     def __init__(self, runtime: Runtime, dtype=np.float32):
-        if np.dtype(dtype) != np.float32:
-            raise ValueError(f"CudaBackend: only float32 is supported, got {np.dtype(dtype)}")
+        from ..bf16 import BF16
+        if np.dtype(dtype) not in (np.dtype(np.float32), BF16):
+            raise ValueError(f"CudaBackend: storage is float32 or bfloat16, got {np.dtype(dtype)}")
         self.rt = runtime
-        self.dtype = np.dtype(np.float32)
+        self.dtype = np.dtype(dtype)          # storage of parameters, gradients, activations (kernels' floatX)
+        self.bf16 = self.dtype == BF16
         self.on_launch = None
         self.elementwise_threads = 256
         self.row_warps = 8
@@ -191,8 +200,9 @@ class CudaBackend:
 
     @property
     def precision(self):
-        """Math of the GEMMs: "tf32" when the runtime enables TF32 tensor cores, else "fp32"."""
-        return "tf32" if self.rt.tf32 else "fp32"
+        """"bf16" with bf16 storage (bf16 tensor-core GEMMs, fp32 accumulation); else the math of the fp32 GEMMs:
+        "tf32" when the runtime enables TF32 tensor cores, "fp32" otherwise."""
+        return "bf16" if self.bf16 else "tf32" if self.rt.tf32 else "fp32"
 
     # ---- memory -------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
@@ -334,7 +344,9 @@ class CudaBackend:
             stem = KERNELS[name]
             module = self._modules.get(stem)
             if module is None:
-                module = self._modules[stem] = self.rt.compile(KERNEL_DIR / f"{stem}.cu")
+                path = KERNEL_DIR / f"{stem}.cu"
+                module = self._modules[stem] = (self.rt.compile(path, BF16_OPTIONS) if self.bf16
+                                                else self.rt.compile(path))
             fn = self._functions[name] = module.get_function(name)
         return fn
 
@@ -372,14 +384,15 @@ class CudaBackend:
             self.on_launch(name, "gemm", term, run)
 
     # ---- checks -------------------------------------------------------------------------
-    @staticmethod
-    def _check_args(name, args):
-        """args against kernel `name`'s signature (KERNEL_SIGNATURES): count, exact scalar types, array dtypes,
-        contiguity. Raises KernelArgumentError naming the kernel and the argument."""
+    def _check_args(self, name, args):
+        """args against kernel `name`'s signature (KERNEL_SIGNATURES): count, exact scalar types, array dtypes
+        (floatX*: this backend's dtype), contiguity. Raises KernelArgumentError naming the kernel and the argument."""
         kinds = KERNEL_SIGNATURES[name]
         if len(args) != len(kinds):
             raise KernelArgumentError(f"CudaBackend: kernel {name} takes {len(kinds)} arguments, got {len(args)}")
         for i, (a, kind) in enumerate(zip(args, kinds)):
+            if kind == STORAGE:
+                kind = self.dtype
             if isinstance(kind, np.dtype):
                 dtype = getattr(a, "dtype", None)
                 if dtype is None or not hasattr(a, "flags"):
@@ -436,7 +449,7 @@ class CudaBackend:
         partial stage carries the op's cost `term`, the finish is its helper."""
         chunk = max(1, int(self.reduce_rows_per_chunk), -(-rows // 65535))   # gridDim.y <= 65535
         chunks = -(-rows // chunk)
-        partial = self.scratch("column_partial", (chunks, partial_cols, cols))
+        partial = self.scratch("column_partial", (chunks, partial_cols, cols), np.float32)
         warps = int(max(1, min(self.reduce_warps, chunk)))
         self._launch(partial_kernel, (-(-cols // 32), chunks), (32 * warps,),
                      (partial, *partial_args, _i32(rows), _i32(cols), _i32(chunk)), term=term)
@@ -587,7 +600,7 @@ class CudaBackend:
         if fused and warps >= 1:
             rows = int(self.layernorm_rows_per_block)
             blocks = -(-N // rows)
-            partial = self.scratch("layernorm_partial", (blocks, 2, C))
+            partial = self.scratch("layernorm_partial", (blocks, 2, C), np.float32)
             self._launch("layernorm_backward_fused", (blocks,), (32 * warps,),
                          (partial, dinp, dout, inp, weight, mean, rstd, _i32(N), _i32(C), _i32(rows)),
                          term="backward", shared_mem=4 * 2 * C * warps)
@@ -639,13 +652,15 @@ class CudaBackend:
         accumulating dbias gets the sums in a scratch vector, then one small add (bias_grad_finish over 1 chunk)."""
         beta = 1.0 if accumulate else 0.0
         if dbias is not None and fused and self._epilogues_ok(dbias):
-            sums = self.scratch("bias_grad", (OC,)) if accumulate else dbias
+            # the epilogue's sums are fp32; a bf16 dbias gets them rounded once by the finish
+            to_scratch = accumulate or self.bf16
+            sums = self.scratch("bias_grad", (OC,), np.float32) if to_scratch else dbias
             self._gemm("gemm_matmul_backward_dweight", True, False, OC, C, N, dout, OC, inp, C, dweight, C,
                        term="dweight", beta=beta, epilogue="bgrad", bias=sums)
-            if accumulate:
+            if to_scratch:
                 threads = _threads_for(OC, 256)
                 self._launch("bias_grad_finish", _blocks(OC, threads), (threads,),
-                             (dbias, sums, _i32(1), _i32(OC), _i32(1)), term="dbias")
+                             (dbias, sums, _i32(1), _i32(OC), _i32(bool(accumulate))), term="dbias")
             return
         self._gemm("gemm_matmul_backward_dweight", True, False, OC, C, N, dout, OC, inp, C, dweight, C,
                    term="dweight", beta=beta)
@@ -797,7 +812,7 @@ class CudaBackend:
         self._check_shape(op, "dinp", dinp, inp.shape)
         self._check_shape(op, "dout", dout, (B, T, C))
         self._check_shape(op, "out", out, (B, T, C))
-        delta = self.scratch("flash_delta", (B, NH, T))
+        delta = self.scratch("flash_delta", (B, NH, T), np.float32)
         rows = B * NH * T
         self._launch("flash_attention_backward_delta", *self._row_launch(rows),
                      (delta, dout, out, _i32(B), _i32(T), _i32(NH), _i32(FLASH_HEAD_SIZE)), term="delta")
@@ -900,7 +915,7 @@ class CudaBackend:
 
     def global_norm_squared(self, grads):
         """sum(grads^2) of a flat buffer, as a Python float (synchronizes)."""
-        total = self.scratch("norm_total", (1,))
+        total = self.scratch("norm_total", (1,), np.float32)
         self._global_norm_squared(grads, total)
         return float(self.rt.to_host(total)[0])
 
@@ -911,7 +926,7 @@ class CudaBackend:
         self._check_int_size(op, "grads", n)
         threads = int(self.norm_threads)
         blocks = int(max(1, min(self.norm_max_blocks, -(-n // threads))))
-        partial = self.scratch("norm_partial", (blocks,))
+        partial = self.scratch("norm_partial", (blocks,), np.float32)
         self._launch("global_norm_squared_partial", (blocks,), (threads,), (partial, grads, _i32(n)),
                      term="sum_squares")
         finish_threads = _threads_for(blocks, 1024)

@@ -52,8 +52,9 @@ class Runtime(Protocol):
     epilogues: bool    # gemm takes an epilogue other than "none" (CupyRuntime: when cuBLASLt loads)
 
     # ---- kernels ----------------------------------------------------------------------
-    def compile(self, path: Path) -> Module:
-        """Compile kernels/<file>.cu (with kernels/ on the include path) for the device in hand."""
+    def compile(self, path: Path, options: Tuple[str, ...] = ()) -> Module:
+        """Compile kernels/<file>.cu (with kernels/ on the include path) for the device in hand; options: more
+        NVRTC options (CudaBackend passes -DGPT2NP_BF16 for the bf16 build of a file)."""
 
     def launch(self, function: Function, grid: Tuple[int, ...], block: Tuple[int, ...], args: Tuple[Any, ...],
                shared_mem: int = 0) -> None:

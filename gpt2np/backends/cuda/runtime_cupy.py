@@ -261,10 +261,10 @@ class CupyRuntime:
         return name.decode() if isinstance(name, bytes) else str(name)
 
     # ---- kernels --------------------------------------------------------------------------
-    def compile(self, path: Path):
+    def compile(self, path: Path, options=()):
         """kernels/<file>.cu -> cupy.RawModule (compiled on first get_function, cached on disk)."""
         path = Path(path)
-        return self.cp.RawModule(code=path.read_text(), options=nvrtc_options(path.parent))
+        return self.cp.RawModule(code=path.read_text(), options=nvrtc_options(path.parent) + tuple(options))
 
     def launch(self, function, grid, block, args, shared_mem=0):
         """CuPy passes a Python int as a 64-bit integer and a float as a double: scalars must be np.int32 /

@@ -19,12 +19,21 @@ Epilogues (runtime.EPILOGUES): applied in NumPy float32 to the fp32 product, aft
 inputs (the epilogue's own math is fp32 on the GPU too); GELU and its derivative are written as
 numpy_backend's gelu_forward / gelu_backward compute them. The bias gradient ("bgrad") sums the fp32 values of
 op(A) (cuBLASLt's order of that sum is not documented; a kernel's order differs in the last bits).
+
+bf16 operands (the bf16 build, CUBLAS_COMPUTE_32F with CUDA_R_16BF matrices): A, B and C are upcast (exactly),
+the product and the epilogue computed in fp32 as above, and each bf16 output (C, the aux matrix) rounded once
+to nearest even; the bias vector is bf16 or fp32 (a bias gradient is written in its own dtype). GELU's output
+is computed from the fp32 pre-activation, before aux is rounded, as cuBLASLt's fused epilogue does.
 """
 import time
 from pathlib import Path
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
+
+from ..bf16 import BF16
+
+BIAS_DTYPES = (np.dtype(np.float32), BF16)     # GEMM operands and epilogue vectors: fp32, or bf16 (the bf16 build)
 
 
 class EmuEvent:
@@ -140,11 +149,12 @@ class EmuRuntime:
         return "cpu"
 
     # ---- kernels --------------------------------------------------------------------------
-    def compile(self, path: Path):
-        """Compile kernels/<file>.cu (its directory is the include path) -> module."""
+    def compile(self, path: Path, options=()):
+        """Compile kernels/<file>.cu (its directory is the include path; options: -D/-U/-I as NVRTC's) -> module."""
         from .emulator import EmuModule
         path = Path(path)
-        return EmuModule(path.read_text(), include_dirs=(str(path.parent),), schedule=self.schedule, name=path.name,
+        return EmuModule(path.read_text(), tuple(options), include_dirs=(str(path.parent),), schedule=self.schedule,
+                         name=path.name,
                          wmma_layout=self.wmma_layout, wmma_tf32=self.wmma_tf32)
 
     def launch(self, function, grid, block, args, shared_mem=0):
@@ -165,6 +175,8 @@ class EmuRuntime:
 
     def _gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
               batch, epilogue="none", bias=None, aux=None, ld_aux=0):
+        if len({a.dtype, b.dtype, c.dtype}) != 1:
+            raise ValueError(f"gemm operands of mixed dtypes ({a.dtype}, {b.dtype}, {c.dtype})")
         A = _matrices(a, batch, (k, m) if transa else (m, k), lda, stride_a, "A")
         B = _matrices(b, batch, (n, k) if transb else (k, n), ldb, stride_b, "B")
         Cm = _matrices(c, batch, (m, n), ldc, stride_c, "C")
@@ -172,9 +184,20 @@ class EmuRuntime:
             A = A.transpose(0, 2, 1)
         if transb:
             B = B.transpose(0, 2, 1)
+        if c.dtype != np.float32:                          # bf16: fp32 math on exact upcasts, C rounded once
+            A, B = A.astype(np.float32), B.astype(np.float32)
+            C32 = Cm.astype(np.float32)
+            self._gemm_fp32(A, B, A, alpha, beta, C32, m, n, batch, epilogue, bias, aux, ld_aux)
+            np.copyto(Cm, C32, casting="unsafe")
+            return
         exact_a = A
         if self.tf32:
             A, B = round_to_tf32(A), round_to_tf32(B)
+        self._gemm_fp32(A, B, exact_a, alpha, beta, Cm, m, n, batch, epilogue, bias, aux, ld_aux)
+
+    def _gemm_fp32(self, A, B, exact_a, alpha, beta, Cm, m, n, batch, epilogue, bias, aux, ld_aux):
+        """Cm (batch,m,n) fp32 = alpha A @ B + beta Cm, or the epilogue's result (exact_a: A before TF32 rounding,
+        what a bias gradient sums)."""
         prod = np.matmul(A, B)
         if epilogue != "none":
             self._epilogue(epilogue, prod[0], exact_a[0], beta, Cm[0], m, n, alpha, batch, bias, aux, ld_aux)
@@ -195,17 +218,18 @@ class EmuRuntime:
         if beta != 0.0:
             prod += np.float32(beta) * C
         if epilogue == "bias":
-            np.add(prod, bias, out=C)
+            np.add(prod, bias.astype(np.float32, copy=False), out=C)
         elif epilogue == "gelu_bias":
-            pre = _matrices(aux, 1, (m, n), ld_aux, 0, "aux")[0]
-            np.add(prod, bias, out=pre)
+            aux_view = _matrices(aux, 1, (m, n), ld_aux, 0, "aux")[0]
+            pre = prod + bias.astype(np.float32, copy=False)
+            np.copyto(aux_view, pre, casting="unsafe")       # bf16 aux: rounded once; gelu reads the fp32 pre
             C[...] = gelu(pre)
         elif epilogue == "dgelu":
-            pre = _matrices(aux, 1, (m, n), ld_aux, 0, "aux")[0]
+            pre = _matrices(aux, 1, (m, n), ld_aux, 0, "aux")[0].astype(np.float32, copy=False)
             np.multiply(prod, gelu_grad(pre), out=C)
         else:                                              # bgrad: the row sums of op(A) (m,k)
             C[...] = prod
-            np.sum(A, axis=1, dtype=np.float32, out=bias.reshape(m))
+            np.copyto(bias.reshape(m), np.sum(A, axis=1, dtype=np.float32), casting="unsafe")
 
     # ---- memory ---------------------------------------------------------------------------
     def zeros(self, shape, dtype):
@@ -272,8 +296,8 @@ def check_epilogue(epilogue, m, n, alpha, batch, bias, aux, ld_aux):
     if batch != 1 or alpha != 1.0:
         raise ValueError(f"gemm epilogue {epilogue}: single GEMMs with alpha 1 only (batch {batch}, alpha {alpha})")
     want = m if epilogue == "bgrad" else n
-    if epilogue != "dgelu" and (bias is None or bias.size != want or bias.dtype != np.float32):
-        raise ValueError(f"gemm epilogue {epilogue}: needs a float32 bias vector of {want} elements")
+    if epilogue != "dgelu" and (bias is None or bias.size != want or bias.dtype not in BIAS_DTYPES):
+        raise ValueError(f"gemm epilogue {epilogue}: needs a float32 or bfloat16 bias vector of {want} elements")
     if epilogue in ("gelu_bias", "dgelu"):
         if aux is None or ld_aux < n:
             raise ValueError(f"gemm epilogue {epilogue}: needs the aux matrix ({m},{n}) with ld_aux >= {n}")
@@ -297,9 +321,9 @@ def gelu_grad(x):
 
 
 def _matrices(array, batch, shape, ld, stride, what):
-    """(batch, rows, cols) strided view of the float32 memory starting at array's first element."""
-    if array.dtype != np.float32 or not array.flags.c_contiguous:
-        raise ValueError(f"gemm operand {what} must be a contiguous float32 array")
+    """(batch, rows, cols) strided view of the float32 (or bfloat16) memory starting at array's first element."""
+    if array.dtype not in BIAS_DTYPES or not array.flags.c_contiguous:
+        raise ValueError(f"gemm operand {what} must be a contiguous float32 or bfloat16 array")
     rows, cols = shape
     extent = (batch - 1) * stride + (rows - 1) * ld + cols if batch and rows and cols else 0
     if extent > array.size or ld < cols:

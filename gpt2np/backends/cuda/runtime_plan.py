@@ -220,7 +220,7 @@ class PlanRuntime:
         return self.device
 
     # ---- kernels --------------------------------------------------------------------------
-    def compile(self, path: Path):
+    def compile(self, path: Path, options=()):
         from .backend import KERNELS
         return PlanModule(Path(path).stem, KERNELS)
 

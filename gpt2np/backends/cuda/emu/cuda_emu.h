@@ -42,7 +42,8 @@
 //                shfl_xor, shfl_down, shfl_up, any, all, ballot), cg::sync(g), cg::reduce with
 //                cg::plus/less/greater/bit_and/bit_or/bit_xor, cg::inclusive_scan and
 //                cg::exclusive_scan (cooperative_groups/scan.h).
-//   not emulated half/bfloat16 (cuda_fp16.h/cuda_bf16.h), textures, grid sync (this_grid),
+//   bf16         (include/cuda_bf16.h) __nv_bfloat16 as storage, __float2bfloat16_rn, __bfloat162float.
+//   not emulated half (cuda_fp16.h), bf16 arithmetic, textures, grid sync (this_grid),
 //                memcpy_async, inline PTX, __CUDA_ARCH__ (left undefined), dynamic parallelism.
 //                GPT2NP_CUDA_EMULATOR is defined to 1.
 // Semantics: blocks run one after another (last to first under the "reverse" schedule); the
