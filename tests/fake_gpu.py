@@ -1,7 +1,7 @@
 """Stand-ins for the GPU libraries, so the code that talks to them runs in CI without a GPU.
 
 * FakeCublas: cupy_backends.cuda.libs.cublas's functions used by CupyRuntime (create, destroy, setStream,
-  setPointerMode, setMathMode, sgemm, sgemmStridedBatched), recording every call; like CuPy 14 it defines only
+  setPointerMode, setMathMode, sgemm, sgemmStridedBatched, gemmEx, gemmStridedBatchedEx), recording every call; like CuPy 14 it defines only
   CUBLAS_DEFAULT_MATH and CUBLAS_TENSOR_OP_MATH (no CUBLAS_TF32_TENSOR_OP_MATH).
 * FakeCublasLt: nvmath.bindings.cublasLt's functions used by CupyRuntime's epilogue GEMMs (create, layouts, matmul
   descriptor and preference attributes with the C types nvmath-python 1.0.0 gives them, the heuristic, matmul),
@@ -69,6 +69,16 @@ class FakeCublas(types.SimpleNamespace):
                             C, ldc, strideC, batchCount):
         self._record("sgemmStridedBatched", handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb,
                      strideB, beta, C, ldc, strideC, batchCount)
+
+    def gemmEx(self, handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
+               computeType, algo):
+        self._record("gemmEx", handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype,
+                     ldc, computeType, algo)
+
+    def gemmStridedBatchedEx(self, handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb,
+                             strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType, algo):
+        self._record("gemmStridedBatchedEx", handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype,
+                     ldb, strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType, algo)
 
     def of(self, name):
         return [c for c in self.calls if c[0] == name]

@@ -13,11 +13,11 @@ from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
 
 
 class DeviceArray:
-    """A float32 device array as CupyRuntime.gemm reads it: data.ptr, size, dtype."""
+    """A float32 (or bf16) device array as CupyRuntime.gemm reads it: data.ptr, size, dtype."""
 
-    def __init__(self, ptr, *shape):
+    def __init__(self, ptr, *shape, dtype=np.float32):
         self.data = types.SimpleNamespace(ptr=ptr)
-        self.shape, self.size, self.dtype = shape, int(np.prod(shape)), np.dtype(np.float32)
+        self.shape, self.size, self.dtype = shape, int(np.prod(shape)), np.dtype(dtype)
 
 
 def runtime(tf32=True, **fake):
@@ -169,3 +169,50 @@ def test_fake_cublaslt_has_nvmaths_interface_and_values():
                                                             "C": P.MIN_ALIGNMENT_C_BYTES, "D": P.MIN_ALIGNMENT_D_BYTES}
     assert (runtime_cupy.CUBLAS_COMPUTE_32F, runtime_cupy.CUBLAS_COMPUTE_32F_FAST_TF32) == (
         cublas.ComputeType.COMPUTE_32F, cublas.ComputeType.COMPUTE_32F_FAST_TF32)
+    assert runtime_cupy.CUBLAS_GEMM_DEFAULT == cublas.GemmAlgo.DEFAULT
+
+
+def test_cuda_data_type_values_are_cudas():
+    """CUDA_R_32F / CUDA_R_16BF (library_types.h's cudaDataType_t) as CuPy's runtime module names them."""
+    runtime = pytest.importorskip("cupy.cuda.runtime")
+    assert (runtime_cupy.CUDA_R_32F, runtime_cupy.CUDA_R_16BF) == (runtime.CUDA_R_32F, runtime.CUDA_R_16BF)
+
+
+# ---- bf16 operands ---------------------------------------------------------------------------------------------
+
+def test_bf16_gemms_go_through_gemmex_with_fp32_compute():
+    """bf16 operands: cublasGemmEx (and the strided-batched form) with CUDA_R_16BF matrices, CUBLAS_COMPUTE_32F and
+    the default algorithm, operands swapped as for sgemm (row-major C^T = op(B)^T op(A)^T); no sgemm call."""
+    from gpt2np.backends.bf16 import BF16
+    rt, _ = runtime(tf32=True)
+    a, b, c = DeviceArray(0x1000, N, C, dtype=BF16), DeviceArray(0x2000, OC, C, dtype=BF16), \
+        DeviceArray(0x3000, N, OC, dtype=BF16)
+    rt.gemm(False, True, N, OC, C, 1.0, a, C, 0, b, C, 0, 0.0, c, OC, 0, 1)
+    rt.gemm(False, False, N, OC, C, 1.0, a, C, N * C, b, OC, C * OC, 1.0, c, OC, N * OC, 3)
+    (single,) = rt.cublas.of("gemmEx")
+    h, transa, transb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, Cp, ct, ldc, compute, algo = single[1:]
+    assert (h, transa, transb, m, n, k) == (rt.handle, 1, 0, OC, N, C)
+    assert (A, lda, B, ldb, Cp, ldc) == (b.data.ptr, C, a.data.ptr, C, c.data.ptr, OC)
+    assert (at, bt, ct, compute, algo) == (14, 14, 14, 68, -1)
+    (batched,) = rt.cublas.of("gemmStridedBatchedEx")
+    assert batched[9:12] == (14, OC, C * OC) and batched[12:15] == (a.data.ptr, 14, C)
+    assert batched[-4:] == (N * OC, 3, 68, -1)
+    assert not rt.cublas.of("sgemm") and not rt.cublas.of("sgemmStridedBatched")
+    with pytest.raises(ValueError, match="mixed dtypes"):
+        rt.gemm(False, True, N, OC, C, 1.0, a, C, 0, DeviceArray(0x4000, OC, C), C, 0, 0.0, c, OC, 0, 1)
+
+
+def test_bf16_epilogue_plan_has_bf16_layouts_and_exact_fp32_compute():
+    """An epilogue GEMM on bf16 operands: CUDA_R_16BF (14) layouts, CUBLAS_COMPUTE_32F (68, not TF32's 77) with fp32
+    scale; a plan of its own (not the fp32 plan of the same shape)."""
+    from gpt2np.backends.bf16 import BF16
+    rt, lt = runtime(tf32=True)
+    inp, w, out = (DeviceArray(0x10000, N, C, dtype=BF16), DeviceArray(0x20000, OC, C, dtype=BF16),
+                   DeviceArray(0x30000, N, OC, dtype=BF16))
+    bias, pre = DeviceArray(0x40000, OC, dtype=BF16), DeviceArray(0x50000, N, OC, dtype=BF16)
+    forward_gelu(rt, inp, w, out, bias, pre)
+    assert [c[1:] for c in lt.of("matrix_layout_create")] == [(14, C, OC, C), (14, C, N, C), (14, OC, N, OC)]
+    assert lt.of("matmul_desc_create") == [("matmul_desc_create", 68, 0)]
+    forward_gelu(rt, DeviceArray(0x10000, N, C), DeviceArray(0x20000, OC, C), DeviceArray(0x30000, N, OC),
+                 DeviceArray(0x40000, OC), DeviceArray(0x50000, N, OC))
+    assert len(lt.of("matmul_desc_create")) == 2 and lt.of("matmul_desc_create")[1] == ("matmul_desc_create", 77, 0)

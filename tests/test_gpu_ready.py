@@ -210,6 +210,8 @@ def test_each_runtime_has_its_own_handle_following_the_current_stream():
     assert a.handle != b.handle and {a.handle, b.handle} <= cublas.live
 
     class Buf:                                           # a device array as gemm reads it
+        dtype = np.dtype(np.float32)
+
         def __init__(self, ptr):
             self.data = type("Mem", (), {"ptr": ptr})()
 
@@ -239,7 +241,8 @@ def test_fake_cublas_has_cupys_interface():
     fake = FakeCublas()
     for name in ("CUBLAS_OP_N", "CUBLAS_OP_T", "CUBLAS_POINTER_MODE_HOST", "CUBLAS_DEFAULT_MATH"):
         assert getattr(fake, name) == getattr(cublas, name), name
-    for name in ("create", "destroy", "setStream", "setPointerMode", "setMathMode", "sgemm", "sgemmStridedBatched"):
+    for name in ("create", "destroy", "setStream", "setPointerMode", "setMathMode", "sgemm", "sgemmStridedBatched",
+                 "gemmEx", "gemmStridedBatchedEx"):
         doc = getattr(cublas, name).__doc__.strip()
         real = [p.split()[-1] for p in re.match(r"\w+\(([^)]*)\)", doc)[1].split(",") if p.strip()]
         assert real == list(inspect.signature(getattr(fake, name)).parameters), name

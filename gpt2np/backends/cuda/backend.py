@@ -651,16 +651,16 @@ class CudaBackend:
         Fused: the GEMM's "bgrad" epilogue sums dout's columns while it reads them; it writes (never adds), so an
         accumulating dbias gets the sums in a scratch vector, then one small add (bias_grad_finish over 1 chunk)."""
         beta = 1.0 if accumulate else 0.0
-        if dbias is not None and fused and self._epilogues_ok(dbias):
-            # the epilogue's sums are fp32; a bf16 dbias gets them rounded once by the finish
-            to_scratch = accumulate or self.bf16
-            sums = self.scratch("bias_grad", (OC,), np.float32) if to_scratch else dbias
+        # bf16: no bias-gradient epilogue (cuBLASLt's BGRADB would sum into a bf16 vector, or an fp32 one on a
+        # path its documentation does not promise); the column-sum kernels sum in fp32, as llm.c does
+        if dbias is not None and fused and not self.bf16 and self._epilogues_ok(dbias):
+            sums = self.scratch("bias_grad", (OC,), np.float32) if accumulate else dbias
             self._gemm("gemm_matmul_backward_dweight", True, False, OC, C, N, dout, OC, inp, C, dweight, C,
                        term="dweight", beta=beta, epilogue="bgrad", bias=sums)
-            if to_scratch:
+            if accumulate:
                 threads = _threads_for(OC, 256)
                 self._launch("bias_grad_finish", _blocks(OC, threads), (threads,),
-                             (dbias, sums, _i32(1), _i32(OC), _i32(bool(accumulate))), term="dbias")
+                             (dbias, sums, _i32(1), _i32(OC), _i32(1)), term="dbias")
             return
         self._gemm("gemm_matmul_backward_dweight", True, False, OC, C, N, dout, OC, inp, C, dweight, C,
                    term="dweight", beta=beta)

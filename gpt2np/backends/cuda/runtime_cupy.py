@@ -9,7 +9,9 @@ Timing: CUDA events. Everything runs on CuPy's current stream (the handle follow
 
 Precision: CupyRuntime(tf32=False) keeps the GEMMs exact fp32 (CUBLAS_DEFAULT_MATH), like the NumPy
 reference; tf32=True sets the handle's math mode to CUBLAS_TF32_TENSOR_OP_MATH (tensor cores, inputs
-rounded to a 10-bit mantissa, fp32 accumulation). CuPy's cublas module defines only CUBLAS_DEFAULT_MATH and
+rounded to a 10-bit mantissa, fp32 accumulation). bf16 operands (the bf16 build) go through cublasGemmEx /
+cublasGemmStridedBatchedEx with CUDA_R_16BF matrices and CUBLAS_COMPUTE_32F (bf16 tensor cores, fp32
+accumulation, each output rounded once), and through cuBLASLt with bf16 layouts for the epilogues. CuPy's cublas module defines only CUBLAS_DEFAULT_MATH and
 CUBLAS_TENSOR_OP_MATH, so the values come from cuBLAS's own header (cublas_api.h, cublasMath_t) where CuPy
 has none.
 
@@ -33,8 +35,9 @@ CUBLAS_TF32_TENSOR_OP_MATH = 3
 # cuBLASLt's enum values, as nvmath-python 1.0.0 declares them from the cuBLAS headers: nvmath/bindings/cycublasLt.pxd
 # (cublasLtMatmulDescAttributes_t, cublasLtEpilogue_t, cublasLtMatmulPreferenceAttributes_t) and cycublas.pxd
 # (cublasComputeType_t, cublasOperation_t); cudaDataType_t from library_types.h.
-CUDA_R_32F = 0
+CUDA_R_32F, CUDA_R_16BF = 0, 14
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUBLAS_GEMM_DEFAULT = -1                     # cublasGemmAlgo_t: the heuristic's choice
 CUBLAS_COMPUTE_32F = 68                      # exact fp32
 CUBLAS_COMPUTE_32F_FAST_TF32 = 77            # TF32 tensor cores, fp32 accumulation
 MATMUL_DESC_TRANSA, MATMUL_DESC_TRANSB, MATMUL_DESC_EPILOGUE = 3, 4, 7
@@ -298,6 +301,18 @@ class CupyRuntime:
         self._beta[0] = beta
         alpha_ptr, beta_ptr = self._alpha.ctypes.data, self._beta.ctypes.data
         self._set_stream()
+        if c.dtype != np.float32:
+            # bf16 operands (the bf16 build): bf16 tensor cores, fp32 accumulation and fp32 alpha/beta, C rounded
+            # once; cublasGemmEx's compute type sets the math, so the handle's TF32 mode plays no part
+            t = _data_type(c.dtype, a, b)
+            if batch == 1:
+                cublas.gemmEx(self.handle, op_b, op_a, n, m, k, alpha_ptr, b.data.ptr, t, ldb, a.data.ptr, t, lda,
+                              beta_ptr, c.data.ptr, t, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+            else:
+                cublas.gemmStridedBatchedEx(self.handle, op_b, op_a, n, m, k, alpha_ptr, b.data.ptr, t, ldb,
+                                            stride_b, a.data.ptr, t, lda, stride_a, beta_ptr, c.data.ptr, t, ldc,
+                                            stride_c, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+            return
         if batch == 1:
             cublas.sgemm(self.handle, op_b, op_a, n, m, k, alpha_ptr, b.data.ptr, ldb, a.data.ptr, lda,
                          beta_ptr, c.data.ptr, ldc)
@@ -316,12 +331,13 @@ class CupyRuntime:
         check_epilogue(epilogue, m, n, alpha, batch, bias, aux, ld_aux)
         lt = self.lt
         ptrs = {"A": b.data.ptr, "B": a.data.ptr, "C": c.data.ptr, "D": c.data.ptr}
-        key = (transa, transb, m, n, k, lda, ldb, ldc, epilogue, ld_aux,
+        data_type = _data_type(c.dtype, a, b)
+        key = (transa, transb, m, n, k, lda, ldb, ldc, epilogue, ld_aux, data_type,
                tuple(pointer_alignment(p) for p in ptrs.values()))
         plan = self._lt_plans.get(key)
         if plan is None:
             plan = self._lt_plans[key] = LtPlan(lt, self.lt_handle, self.tf32, transa, transb, m, n, k, lda, ldb,
-                                                ldc, epilogue, ld_aux, ptrs)
+                                                ldc, epilogue, ld_aux, ptrs, data_type)
         plan.set_pointer(lt, MATMUL_DESC_BIAS_POINTER, bias)
         plan.set_pointer(lt, MATMUL_DESC_EPILOGUE_AUX_POINTER, aux)
         if self._workspace is None:
@@ -432,13 +448,16 @@ class LtPlan:
     transposes, compute type, epilogue, aux ld; the bias/aux pointers are set per call) and the algorithm the
     heuristic picks for operands of these alignments."""
 
-    def __init__(self, lt, handle, tf32, transa, transb, m, n, k, lda, ldb, ldc, epilogue, ld_aux, ptrs):
+    def __init__(self, lt, handle, tf32, transa, transb, m, n, k, lda, ldb, ldc, epilogue, ld_aux, ptrs,
+                 data_type=CUDA_R_32F):
         # column-major views of our row-major operands: our B (k,n) [or (n,k) when transb] is cuBLASLt's A, stored
-        # (n,k) [(k,n)] with leading dimension ldb; our A is cuBLASLt's B; our C (m,n) is D (n,m), ld ldc
-        self.layouts = [lt.matrix_layout_create(CUDA_R_32F, *((k, n) if transb else (n, k)), ldb),
-                        lt.matrix_layout_create(CUDA_R_32F, *((m, k) if transa else (k, m)), lda),
-                        lt.matrix_layout_create(CUDA_R_32F, n, m, ldc)]
-        self.desc = lt.matmul_desc_create(CUBLAS_COMPUTE_32F_FAST_TF32 if tf32 else CUBLAS_COMPUTE_32F, CUDA_R_32F)
+        # (n,k) [(k,n)] with leading dimension ldb; our A is cuBLASLt's B; our C (m,n) is D (n,m), ld ldc. bf16
+        # operands (data_type CUDA_R_16BF): fp32 compute and scale; bias and aux default to D's type, bf16.
+        self.layouts = [lt.matrix_layout_create(data_type, *((k, n) if transb else (n, k)), ldb),
+                        lt.matrix_layout_create(data_type, *((m, k) if transa else (k, m)), lda),
+                        lt.matrix_layout_create(data_type, n, m, ldc)]
+        fast = tf32 and data_type == CUDA_R_32F
+        self.desc = lt.matmul_desc_create(CUBLAS_COMPUTE_32F_FAST_TF32 if fast else CUBLAS_COMPUTE_32F, CUDA_R_32F)
         self.set(lt, MATMUL_DESC_TRANSA, CUBLAS_OP_T if transb else CUBLAS_OP_N)
         self.set(lt, MATMUL_DESC_TRANSB, CUBLAS_OP_T if transa else CUBLAS_OP_N)
         self.set(lt, MATMUL_DESC_EPILOGUE, LT_EPILOGUES[epilogue])
@@ -474,6 +493,17 @@ class LtPlan:
             lt.matrix_layout_destroy(layout)
         lt.matmul_desc_destroy(self.desc)
         self.layouts = []
+
+
+def _data_type(dtype, *operands):
+    """cudaDataType_t of a GEMM whose operands all have numpy dtype `dtype` (float32, or bfloat16)."""
+    if any(x.dtype != dtype for x in operands):
+        raise ValueError(f"gemm operands of mixed dtypes ({', '.join(str(x.dtype) for x in operands)}, {dtype})")
+    if dtype == np.float32:
+        return CUDA_R_32F
+    if dtype.name == "bfloat16":
+        return CUDA_R_16BF
+    raise ValueError(f"gemm: no cuBLAS data type for {dtype}")
 
 
 def _set_attribute(setter, dtype_of, obj, attr, value):
