@@ -1,8 +1,8 @@
 """Stand-ins for the GPU libraries, so the code that talks to them runs in CI without a GPU.
 
 * FakeCublas: cupy_backends.cuda.libs.cublas's functions used by CupyRuntime (create, destroy, setStream,
-  setPointerMode, setMathMode, sgemm, sgemmStridedBatched, gemmEx, gemmStridedBatchedEx), recording every call; like CuPy 14 it defines only
-  CUBLAS_DEFAULT_MATH and CUBLAS_TENSOR_OP_MATH (no CUBLAS_TF32_TENSOR_OP_MATH).
+  setPointerMode, setMathMode, sgemm, sgemmStridedBatched, gemmEx, gemmStridedBatchedEx), recording every call;
+  like CuPy 14 it defines only CUBLAS_DEFAULT_MATH and CUBLAS_TENSOR_OP_MATH (no CUBLAS_TF32_TENSOR_OP_MATH).
 * FakeCublasLt: nvmath.bindings.cublasLt's functions used by CupyRuntime's epilogue GEMMs (create, layouts, matmul
   descriptor and preference attributes with the C types nvmath-python 1.0.0 gives them, the heuristic, matmul),
   recording every call with the attribute values read back from the buffers passed by address.

@@ -1,6 +1,6 @@
 """Compile every kernels/*.cu for several GPU architectures without a GPU, and check for register spills.
 
-Two independent compiles per file and architecture:
+Two independent compiles per file, architecture and build (BUILDS: fp32, and bf16 with -DGPT2NP_BF16):
   nvrtc: NVRTC (the nvidia-cuda-nvrtc wheel, through cupy_backends' binding) with exactly the
          options cupy.RawModule uses at run time: CuPy's include paths and -std around our
          runtime_cupy.nvrtc_options(), then -ftz=true, -arch=sm_XX and
@@ -10,7 +10,7 @@ Two independent compiles per file and architecture:
 ptxas's report gives registers, stack and spill bytes per kernel; a spill is a failure.
 
     python -m gpt2np.backends.cuda.nvrtc_check                    # every file, sm_75 sm_80 sm_90
-    python -m gpt2np.backends.cuda.nvrtc_check --arch 90 attention --no-nvcc
+    python -m gpt2np.backends.cuda.nvrtc_check --arch 90 attention --no-nvcc --build bf16
 """
 import os
 import re
@@ -23,10 +23,12 @@ from dataclasses import dataclass
 
 from ...cli import ArgumentParser, BadInput, integer, tool
 from ...paths import KERNEL_DIR
-from .backend import KERNEL_FILES
+from .backend import BF16_OPTIONS, KERNEL_FILES
 from .runtime_cupy import nvrtc_options
 
 ARCHS = ("75", "80", "90")
+# the two builds of every kernel file (kernels/common.cuh: floatX float, or __nv_bfloat16) -> their extra options
+BUILDS = {"fp32": (), "bf16": BF16_OPTIONS}
 
 
 class KernelCompileError(RuntimeError):
@@ -44,6 +46,7 @@ class KernelReport:
     stack_bytes: int
     spill_stores: int
     spill_loads: int
+    build: str = "fp32"   # BUILDS
 
     @property
     def spills(self) -> bool:
@@ -59,18 +62,18 @@ def cupy_nvrtc_options(arch):
     return tuple(options) + ("-ftz=true", f"-arch=sm_{arch}", "--device-as-default-execution-space")
 
 
-def compile_nvrtc(stem, arch, ptxas_verbose=True):
-    """NVRTC-compile kernels/<stem>.cu for sm_<arch> -> (cubin bytes, compiler log)."""
+def compile_nvrtc(stem, arch, ptxas_verbose=True, build="fp32"):
+    """NVRTC-compile kernels/<stem>.cu (its `build`) for sm_<arch> -> (cubin bytes, compiler log)."""
     from cupy_backends.cuda.libs import nvrtc
     path = KERNEL_DIR / f"{stem}.cu"
-    options = cupy_nvrtc_options(arch) + (("--ptxas-options=-v",) if ptxas_verbose else ())
+    options = cupy_nvrtc_options(arch) + BUILDS[build] + (("--ptxas-options=-v",) if ptxas_verbose else ())
     program = nvrtc.createProgram(path.read_text(), str(path), (), ())
     try:
         try:
             nvrtc.compileProgram(program, options)
         except nvrtc.NVRTCError as error:
             log = nvrtc.getProgramLog(program)
-            raise KernelCompileError(f"{path}: NVRTC failed for sm_{arch} ({error}):\n{log}") from None
+            raise KernelCompileError(f"{path}: NVRTC failed for sm_{arch}, {build} build ({error}):\n{log}") from None
         return nvrtc.getCUBIN(program), nvrtc.getProgramLog(program)
     finally:
         nvrtc.destroyProgram(program)
@@ -83,16 +86,16 @@ def find_nvcc():
     return next((c for c in candidates if c and os.path.isfile(c)), None)
 
 
-def compile_nvcc(stem, arch, nvcc=None):
-    """nvcc -cubin kernels/<stem>.cu for sm_<arch> with ptxas -v -> the ptxas log."""
+def compile_nvcc(stem, arch, nvcc=None, build="fp32"):
+    """nvcc -cubin kernels/<stem>.cu (its `build`) for sm_<arch> with ptxas -v -> the ptxas log."""
     nvcc = nvcc or find_nvcc()
     path = KERNEL_DIR / f"{stem}.cu"
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [nvcc, "-cubin", f"-arch=sm_{arch}", "-ftz=true", *nvrtc_options(KERNEL_DIR),
+        cmd = [nvcc, "-cubin", f"-arch=sm_{arch}", "-ftz=true", *nvrtc_options(KERNEL_DIR), *BUILDS[build],
                "-Xptxas", "-v", "-o", os.path.join(tmp, f"{stem}.cubin"), str(path)]
         result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        raise KernelCompileError(f"{path}: nvcc failed for sm_{arch}:\n{result.stderr}{result.stdout}")
+        raise KernelCompileError(f"{path}: nvcc failed for sm_{arch}, {build} build:\n{result.stderr}{result.stdout}")
     return result.stderr + result.stdout
 
 
@@ -101,7 +104,7 @@ _PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 _REGS = re.compile(r"Used (\d+) registers")
 
 
-def parse_ptxas(log, tool, stem):
+def parse_ptxas(log, tool, stem, build="fp32"):
     """ptxas -v output -> [KernelReport] (one per 'Compiling entry function')."""
     reports, current = [], None
     for line in log.splitlines():
@@ -119,27 +122,24 @@ def parse_ptxas(log, tool, stem):
         m = _REGS.search(line)
         if m:
             current["registers"] = int(m.group(1))
-    return [KernelReport(tool, stem, r["arch"], r["kernel"], r["registers"], r["stack"], r["stores"], r["loads"])
-            for r in reports]
+    return [KernelReport(tool, stem, r["arch"], r["kernel"], r["registers"], r["stack"], r["stores"], r["loads"],
+                         build) for r in reports]
 
 
-def check(files=KERNEL_FILES, archs=ARCHS, use_nvcc=True, jobs=2):
-    """Compile every file for every arch with NVRTC (and nvcc when found) -> [KernelReport].
+def check(files=KERNEL_FILES, archs=ARCHS, use_nvcc=True, jobs=2, builds=tuple(BUILDS)):
+    """Compile every file in every build for every arch with NVRTC (and nvcc when found) -> [KernelReport].
 
-    Raises KernelCompileError on the first failed compile. nvcc runs `jobs` at a time.
+    Raises KernelCompileError on the first failed compile. NVRTC and nvcc run `jobs` at a time.
     """
-    reports = []
-    for stem in files:
-        for arch in archs:
-            _, log = compile_nvrtc(stem, arch)
-            reports += parse_ptxas(log, "nvrtc", stem)
+    tasks = [(stem, arch, build) for stem in files for arch in archs for build in builds]
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        logs = list(pool.map(lambda task: compile_nvrtc(task[0], task[1], build=task[2])[1], tasks))
+    reports = [r for (stem, _, build), log in zip(tasks, logs) for r in parse_ptxas(log, "nvrtc", stem, build)]
     nvcc = find_nvcc() if use_nvcc else None
     if nvcc:
-        tasks = [(stem, arch) for stem in files for arch in archs]
         with ThreadPoolExecutor(max(1, jobs)) as pool:
-            logs = list(pool.map(lambda task: compile_nvcc(*task, nvcc=nvcc), tasks))
-        for (stem, _), log in zip(tasks, logs):
-            reports += parse_ptxas(log, "nvcc", stem)
+            logs = list(pool.map(lambda task: compile_nvcc(task[0], task[1], nvcc=nvcc, build=task[2]), tasks))
+        reports += [r for (stem, _, build), log in zip(tasks, logs) for r in parse_ptxas(log, "nvcc", stem, build)]
     return reports
 
 
@@ -150,6 +150,8 @@ def main(argv=None):
     parser.add_argument("files", nargs="*", help=f"kernel files (stems) to check (default: {' '.join(KERNEL_FILES)})")
     parser.add_argument("--arch", action="append", help="compute capability, e.g. 90 (repeatable; default 75 80 90)")
     parser.add_argument("--no-nvcc", action="store_true", help="only NVRTC")
+    parser.add_argument("--build", action="append", choices=tuple(BUILDS),
+                        help="fp32 or bf16 (repeatable; default both)")
     parser.add_argument("--jobs", type=int, default=2, help="parallel nvcc compiles")
     args = parser.parse_args(argv)
     unknown = [f for f in args.files if f not in KERNEL_FILES]
@@ -161,13 +163,14 @@ def main(argv=None):
         if not re.fullmatch(r"\d{2,3}[af]?", arch):        # sm_XX: 75, 90, 90a, 100f
             raise BadInput(f"--arch {arch}: expected a compute capability such as 75, 80, 90 or 90a")
     try:
-        reports = check(tuple(args.files) or KERNEL_FILES, tuple(args.arch or ARCHS), not args.no_nvcc, args.jobs)
+        reports = check(tuple(args.files) or KERNEL_FILES, tuple(args.arch or ARCHS), not args.no_nvcc, args.jobs,
+                        tuple(args.build or BUILDS))
     except KernelCompileError as error:
         print(error, file=sys.stderr)
         return 1
-    print(f"{'tool':6} {'file':12} {'arch':6} {'kernel':36} {'regs':>4} {'stack':>5} {'spill st/ld':>11}")
+    print(f"{'tool':6} {'file':16} {'build':5} {'arch':6} {'kernel':36} {'regs':>4} {'stack':>5} {'spill st/ld':>11}")
     for r in reports:
-        print(f"{r.tool:6} {r.file:12} {r.arch:6} {r.kernel:36} {r.registers:4d} {r.stack_bytes:5d} "
+        print(f"{r.tool:6} {r.file:16} {r.build:5} {r.arch:6} {r.kernel:36} {r.registers:4d} {r.stack_bytes:5d} "
               f"{r.spill_stores:5d}/{r.spill_loads:<5d}{'  SPILLS' if r.spills else ''}")
     spilled = [r for r in reports if r.spills]
     if spilled:

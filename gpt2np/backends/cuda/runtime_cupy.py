@@ -11,9 +11,9 @@ Precision: CupyRuntime(tf32=False) keeps the GEMMs exact fp32 (CUBLAS_DEFAULT_MA
 reference; tf32=True sets the handle's math mode to CUBLAS_TF32_TENSOR_OP_MATH (tensor cores, inputs
 rounded to a 10-bit mantissa, fp32 accumulation). bf16 operands (the bf16 build) go through cublasGemmEx /
 cublasGemmStridedBatchedEx with CUDA_R_16BF matrices and CUBLAS_COMPUTE_32F (bf16 tensor cores, fp32
-accumulation, each output rounded once), and through cuBLASLt with bf16 layouts for the epilogues. CuPy's cublas module defines only CUBLAS_DEFAULT_MATH and
-CUBLAS_TENSOR_OP_MATH, so the values come from cuBLAS's own header (cublas_api.h, cublasMath_t) where CuPy
-has none.
+accumulation, each output rounded once), and through cuBLASLt with bf16 layouts for the epilogues. CuPy's
+cublas module defines only CUBLAS_DEFAULT_MATH and CUBLAS_TENSOR_OP_MATH, so the values come from cuBLAS's own
+header (cublas_api.h, cublasMath_t) where CuPy has none.
 
 GEMM epilogues (runtime.EPILOGUES: bias, bias + GELU writing the pre-activation, dGELU, bias gradient): cuBLASLt
 through nvmath-python's low-level bindings (nvmath.bindings.cublasLt, the `cuda` extra), a cublasLt handle of our
