@@ -59,7 +59,8 @@ def test_every_costed_op_is_a_contract_method_and_back():
 def test_gemm_term_and_hand_counts():
     assert gemm_term(3, 5, 7) == (2 * 3 * 5 * 7, 4 * (3 * 7 + 7 * 5 + 3 * 5))
     assert gemm_term(3, 5, 7, batch=2, accumulate=True) == (2 * 2 * 3 * 5 * 7, 4 * 2 * (3 * 7 + 7 * 5 + 2 * 3 * 5))
-    z = np.zeros
+    def z(shape):
+        return np.zeros(shape, np.float32)
     # matmul_forward on (B,T,C) @ (OC,C)^T + bias: the GEMM plus one add per output
     cost = op_cost("matmul_forward", (z((2, 4, 48)), z((2, 4, 16)), z((48, 16)), z(48)))
     assert cost.flops == 2 * 8 * 16 * 48 + 8 * 48
@@ -157,7 +158,8 @@ def test_fused_costs_move_less_data():
     """The fused forms' formulas: the bias in the GEMM saves a pass over out, the bias gradient in the dweight GEMM
     a pass over dout, residual + LayerNorm a write and a read of the residual, the one-pass backward a read of
     dout and inp; the FLOPs stay."""
-    z = np.zeros
+    def z(shape):
+        return np.zeros(shape, np.float32)
     x, w, b, out = z((2, 4, 16)), z((48, 16)), z(48), z((2, 4, 48))
     assert op_cost("matmul_forward", (out, x, w, b, True)).bytes < op_cost("matmul_forward", (out, x, w, b)).bytes
     assert op_cost("matmul_forward", (out, x, w, b, True)).flops == op_cost("matmul_forward", (out, x, w, b)).flops
@@ -175,3 +177,26 @@ def test_fused_costs_move_less_data():
     gelu = op_cost("matmul_gelu_forward", (h, h, x, z((64, 16)), z(64)))
     apart = op_cost("matmul_forward", (h, x, z((64, 16)), z(64))), op_cost("gelu_forward", (h, h))
     assert gelu.bytes < sum(c.bytes for c in apart) and gelu.flops == sum(c.flops for c in apart)
+
+
+def test_bf16_storage_halves_the_bytes_of_storage_terms():
+    """bf16 arrays move 2 bytes per element where fp32 ones move 4; statistics (mean, rstd, losses, lse) stay 4
+    bytes, and AdamW with fp32 master weights moves 28 bytes per parameter either way (bf16: reads master, g, m, v;
+    writes p, master, m, v)."""
+    from gpt2np.backends.bf16 import BF16
+
+    def arrays(dtype, *shapes):
+        return tuple(np.zeros(s, dtype) for s in shapes)
+
+    f32 = op_cost("matmul_forward", arrays(np.float32, (2, 4, 48), (2, 4, 16), (48, 16), 48))
+    b16 = op_cost("matmul_forward", arrays(BF16, (2, 4, 48), (2, 4, 16), (48, 16), 48))
+    assert b16.flops == f32.flops and 2 * b16.bytes == f32.bytes
+    stats = (np.zeros((2, 4), np.float32),) * 2
+    f32, b16 = (op_cost("layernorm_forward", (*arrays(t, (2, 4, 16)), *stats, *arrays(t, (2, 4, 16), 16, 16)))
+                for t in (np.float32, BF16))
+    assert f32.bytes - b16.bytes == 2 * (2 * 8 * 16 + 2 * 16)      # the (N,C) and (C) arrays; mean, rstd unchanged
+    n = 10
+    moments = arrays(np.float32, n, n)
+    assert op_cost("adamw", (*arrays(BF16, n, n), *moments, 1e-3)).bytes == 28 * n
+    assert op_cost("adamw", (*arrays(np.float32, n, n), *moments, 1e-3)).bytes == 28 * n
+    assert op_cost("global_norm", arrays(BF16, n)).bytes == 2 * n

@@ -188,10 +188,16 @@ def _size(array) -> int:
     return n
 
 
-def gemm_term(m, n, k, batch=1, accumulate=False) -> Term:
-    """C (m,n) = A (m,k) @ B (k,n), `batch` times: 2mnk FLOPs; reads A and B, writes C (reads it too when
-    it accumulates)."""
-    return 2 * m * n * k * batch, F32 * batch * (m * k + k * n + m * n * (2 if accumulate else 1))
+def _item(array) -> int:
+    """Bytes per element of a storage array (4 for float32, 2 for bf16): parameters, gradients and activations
+    move in their storage precision; statistics, losses and AdamW's moments are float32 (F32) in every build."""
+    return int(array.dtype.itemsize)
+
+
+def gemm_term(m, n, k, batch=1, accumulate=False, item=F32) -> Term:
+    """C (m,n) = A (m,k) @ B (k,n), `batch` times, operands of `item` bytes: 2mnk FLOPs; reads A and B, writes C
+    (reads it too when it accumulates)."""
+    return 2 * m * n * k * batch, item * batch * (m * k + k * n + m * n * (2 if accumulate else 1))
 
 
 def _btc(x):
@@ -209,41 +215,43 @@ def _rmw(accumulate):
 def encoder_forward_cost(out, inp, wte, wpe) -> Cost:
     B, T, C = out.shape
     n = B * T * C
-    return Cost(f"B={B},T={T},C={C}", {"encode": (n, F32 * 3 * n + I32 * B * T)})
+    return Cost(f"B={B},T={T},C={C}", {"encode": (n, _item(out) * 3 * n + I32 * B * T)})
 
 
 def encoder_backward_cost(dwte, dwpe, dout, inp, accumulate=True) -> Cost:
     B, T, C = dout.shape
     n = B * T * C
     rows = min(B * T, dwte.shape[0])      # distinct tokens at most: the bound when no token repeats
+    X = _item(dout)
     return Cost(f"B={B},T={T},C={C}", {
-        "dwte": (n, F32 * (n + 2 * rows * C) + I32 * B * T),
-        "dwpe": (n, F32 * (n + _rmw(accumulate) * T * C)),
+        "dwte": (n, X * (n + 2 * rows * C) + I32 * B * T),
+        "dwpe": (n, X * (n + _rmw(accumulate) * T * C)),
     })
 
 
 def layernorm_forward_cost(out, mean, rstd, inp, weight, bias) -> Cost:
     C = inp.shape[-1]
     N = _size(inp) // C
-    return Cost(_btc(inp), {"normalize": (8 * N * C, F32 * (2 * N * C + 2 * C + 2 * N))})
+    return Cost(_btc(inp), {"normalize": (8 * N * C, _item(inp) * (2 * N * C + 2 * C) + F32 * 2 * N)})
 
 
 def fused_residual_layernorm_forward_cost(residual, out, mean, rstd, inp1, inp2, weight, bias) -> Cost:
     C = inp1.shape[-1]
     N = _size(inp1) // C
     # reads inp1, inp2, weight, bias; writes residual, out, mean, rstd: the residual is never read back
-    return Cost(_btc(inp1), {"residual_normalize": (9 * N * C, F32 * (4 * N * C + 2 * C + 2 * N))})
+    return Cost(_btc(inp1), {"residual_normalize": (9 * N * C, _item(inp1) * (4 * N * C + 2 * C) + F32 * 2 * N)})
 
 
 def layernorm_backward_cost(dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True,
                             fused=False) -> Cost:
     C = inp.shape[-1]
     N = _size(inp) // C
+    X = _item(inp)
     if fused:      # one pass: dout and inp read once for dinp and the parameter gradients together
-        return Cost(_btc(inp), {"backward": (17 * N * C, F32 * (4 * N * C + C + 2 * N + _rmw(accumulate) * 2 * C))})
+        return Cost(_btc(inp), {"backward": (17 * N * C, X * (4 * N * C + C + _rmw(accumulate) * 2 * C) + F32 * 2 * N)})
     return Cost(_btc(inp), {
-        "dinp": (14 * N * C, F32 * (4 * N * C + C + 2 * N)),
-        "dparams": (3 * N * C, F32 * (2 * N * C + 2 * N + _rmw(accumulate) * 2 * C)),
+        "dinp": (14 * N * C, X * (4 * N * C + C) + F32 * 2 * N),
+        "dparams": (3 * N * C, X * (2 * N * C + _rmw(accumulate) * 2 * C) + F32 * 2 * N),
     })
 
 
@@ -260,26 +268,29 @@ def _plus(term, flops, nbytes) -> Term:
 def matmul_forward_cost(out, inp, weight, bias, fused=False) -> Cost:
     OC, C = weight.shape
     N = _size(inp) // C
-    terms = {"gemm": gemm_term(N, OC, C)}
+    X = _item(inp)
+    terms = {"gemm": gemm_term(N, OC, C, item=X)}
     if bias is not None and fused:        # the epilogue adds the bias as it writes out: one read of bias
-        terms["gemm"] = _plus(terms["gemm"], N * OC, F32 * OC)
+        terms["gemm"] = _plus(terms["gemm"], N * OC, X * OC)
     elif bias is not None:                # a second pass: out read and written again
-        terms["bias"] = (N * OC, F32 * (2 * N * OC + OC))
+        terms["bias"] = (N * OC, X * (2 * N * OC + OC))
     return Cost(_matmul_params(inp, C, OC), terms)
 
 
 def matmul_backward_cost(dinp, dweight, dbias, dout, inp, weight, accumulate=True, fused=False) -> Cost:
     OC, C = weight.shape
     N = _size(inp) // C
-    terms = {"dinp": gemm_term(N, C, OC), "dweight": gemm_term(OC, C, N, accumulate=accumulate)}
-    if dbias is not None and fused:
+    X = _item(inp)
+    terms = {"dinp": gemm_term(N, C, OC, item=X), "dweight": gemm_term(OC, C, N, accumulate=accumulate, item=X)}
+    if dbias is not None and fused and X == F32:
         # the dweight GEMM sums dout's columns as it reads dout and writes the OC sums; adding them into an
-        # accumulating dbias is a small pass of its own (read the sums and dbias, write dbias)
+        # accumulating dbias is a small pass of its own (read the sums and dbias, write dbias). (A bf16 build sums
+        # with the column-sum kernels, below: CudaBackend._weight_grads.)
         terms["dweight"] = _plus(terms["dweight"], N * OC, F32 * OC)
         if accumulate:
             terms["dbias"] = (OC, F32 * 3 * OC)
     elif dbias is not None:
-        terms["dbias"] = (N * OC, F32 * (N * OC + _rmw(accumulate) * OC))
+        terms["dbias"] = (N * OC, X * (N * OC + _rmw(accumulate) * OC))
     return Cost(_matmul_params(inp, C, OC), terms)
 
 
@@ -287,7 +298,8 @@ def matmul_gelu_forward_cost(out, pre, inp, weight, bias) -> Cost:
     OC, C = weight.shape
     N = _size(inp) // C
     # the GEMM plus its epilogue: bias and GELU per output (gelu_forward's 10 FLOPs), bias read, pre written too
-    gemm = _plus(gemm_term(N, OC, C), N * OC * (1 + 10), F32 * (OC + N * OC))
+    X = _item(inp)
+    gemm = _plus(gemm_term(N, OC, C, item=X), N * OC * (1 + 10), X * (OC + N * OC))
     return Cost(_matmul_params(inp, C, OC), {"gemm": gemm})
 
 
@@ -296,33 +308,35 @@ def gelu_matmul_backward_cost(dinp, dweight, dbias, dout, inp, weight, pre, accu
     N = _size(inp) // C
     cost = matmul_backward_cost(dinp, dweight, dbias, dout, inp, weight, accumulate, True)
     # gelu' (gelu_backward's 20 FLOPs) applied by the dinp GEMM's epilogue, reading pre
-    cost.terms["dinp"] = _plus(cost.terms["dinp"], 20 * N * C, F32 * N * C)
+    cost.terms["dinp"] = _plus(cost.terms["dinp"], 20 * N * C, _item(pre) * N * C)
     return cost
 
 
 def attention_forward_cost(out, qkvr, att, inp) -> Cost:
     _, B, NH, T, HS = qkvr.shape
     n, BH, rows = B * T * NH * HS, B * NH, B * NH * T
+    X = _item(inp)
     return Cost(f"B={B},T={T},NH={NH},HS={HS}", {
-        "permute": (0, F32 * 6 * n),                              # inp (B,T,3C) -> qkvr (3,B,NH,T,HS)
-        "scores": gemm_term(T, T, HS, BH),                        # q k^T
-        "softmax": (5 * rows * (T + 1) // 2, F32 * 2 * rows * T),  # scale, mask, max, exp, sum, divide
-        "weighted_sum": gemm_term(T, HS, T, BH),                  # att v
-        "unpermute": (0, F32 * 2 * n),                            # (B,NH,T,HS) -> out (B,T,C)
+        "permute": (0, X * 6 * n),                                # inp (B,T,3C) -> qkvr (3,B,NH,T,HS)
+        "scores": gemm_term(T, T, HS, BH, item=X),                # q k^T
+        "softmax": (5 * rows * (T + 1) // 2, X * 2 * rows * T),    # scale, mask, max, exp, sum, divide
+        "weighted_sum": gemm_term(T, HS, T, BH, item=X),          # att v
+        "unpermute": (0, X * 2 * n),                              # (B,NH,T,HS) -> out (B,T,C)
     })
 
 
 def attention_backward_cost(dinp, dout, qkvr, att) -> Cost:
     _, B, NH, T, HS = qkvr.shape
     n, BH, rows = B * T * NH * HS, B * NH, B * NH * T
+    X = _item(dout)
     return Cost(f"B={B},T={T},NH={NH},HS={HS}", {
-        "unpermute_backward": (0, F32 * 2 * n),
-        "dv": gemm_term(T, HS, T, BH),
-        "datt": gemm_term(T, T, HS, BH),
-        "softmax_backward": (4 * rows * (T + 1) // 2, F32 * 3 * rows * T),
-        "dq": gemm_term(T, HS, T, BH),
-        "dk": gemm_term(T, HS, T, BH),
-        "permute_backward": (0, F32 * 6 * n),
+        "unpermute_backward": (0, X * 2 * n),
+        "dv": gemm_term(T, HS, T, BH, item=X),
+        "datt": gemm_term(T, T, HS, BH, item=X),
+        "softmax_backward": (4 * rows * (T + 1) // 2, X * 3 * rows * T),
+        "dq": gemm_term(T, HS, T, BH, item=X),
+        "dk": gemm_term(T, HS, T, BH, item=X),
+        "permute_backward": (0, X * 6 * n),
     })
 
 
@@ -339,40 +353,41 @@ def flash_attention_forward_cost(out, lse, inp) -> Cost:
     n = B * T * NH * HS
     # q k^T and P v over the causal half; scale, max, exp, sum, divide per pair; reads qkv, writes out and lse
     return Cost(f"B={B},T={T},NH={NH},HS={HS}", {
-        "attention": (4 * HS * pairs + 5 * pairs, F32 * (3 * n + n + B * NH * T)),
+        "attention": (4 * HS * pairs + 5 * pairs, _item(inp) * (3 * n + n) + F32 * B * NH * T),
     })
 
 
 def flash_attention_backward_cost(dinp, dout, inp, out, lse) -> Cost:
     B, T, NH, HS, pairs = _flash_shape(inp, lse)
     n = B * T * NH * HS
+    X = _item(inp)
     return Cost(f"B={B},T={T},NH={NH},HS={HS}", {
-        "delta": (2 * n, F32 * 2 * n),                                  # D = rowsum(dout * out): reads dout, out
+        "delta": (2 * n, X * 2 * n),                                    # D = rowsum(dout * out): reads dout, out
         # recompute q k^T and P, dV = P^T dout, dP = dout v^T, dS = P (dP - D), dK = dS^T q: reads q, k, v, lse;
         # writes dk, dv
-        "dkv": (8 * HS * pairs + 6 * pairs, F32 * (3 * n + B * NH * T + 2 * n)),
-        "dq": (2 * HS * pairs, F32 * n),                                 # dQ = dS k: writes dq
+        "dkv": (8 * HS * pairs + 6 * pairs, X * (3 * n + 2 * n) + F32 * B * NH * T),
+        "dq": (2 * HS * pairs, X * n),                                   # dQ = dS k: writes dq
     })
 
 
 def gelu_forward_cost(out, inp) -> Cost:
     n = _size(inp)
-    return Cost(f"N={n}", {"gelu": (10 * n, F32 * 2 * n)})
+    return Cost(f"N={n}", {"gelu": (10 * n, _item(inp) * 2 * n)})
 
 
 def gelu_backward_cost(dinp, inp, dout) -> Cost:
     n = _size(inp)
-    return Cost(f"N={n}", {"gelu_backward": (20 * n, F32 * 3 * n)})
+    return Cost(f"N={n}", {"gelu_backward": (20 * n, _item(inp) * 3 * n)})
 
 
 def residual_forward_cost(out, inp1, inp2) -> Cost:
     n = _size(out)
-    return Cost(f"N={n}", {"add": (n, F32 * 3 * n)})
+    return Cost(f"N={n}", {"add": (n, _item(out) * 3 * n)})
 
 
 def residual_backward_cost(dinp1, dinp2, dout) -> Cost:
     n = _size(dout)
-    return Cost(f"N={n}", {"add": (2 * n, F32 * 5 * n)})
+    return Cost(f"N={n}", {"add": (2 * n, _item(dout) * 5 * n)})
 
 
 def fused_classifier_cost(logits, losses, targets, V, dloss, write_dlogits) -> Cost:
@@ -382,13 +397,16 @@ def fused_classifier_cost(logits, losses, targets, V, dloss, write_dlogits) -> C
     # max, exp, sum and the loss per logit; with dlogits also the softmax, its scaling and the write
     flops = N * V * (8 if write_dlogits else 4)
     return Cost(f"{shape}V={V},Vp={Vp}", {
-        "classifier": (flops, F32 * N * (V + (Vp if write_dlogits else 0) + 2)),
+        "classifier": (flops, _item(logits) * N * (V + (Vp if write_dlogits else 0)) + F32 * N + I32 * N),
     })
 
 
-def adamw_cost(params, grads, m, v, *hyperparameters) -> Cost:
+def adamw_cost(params, grads, m, v, *hyperparameters, **master) -> Cost:
     n = _size(params)
-    return Cost(f"N={n}", {"update": (14 * n, F32 * 7 * n)})   # reads p, g, m, v; writes p, m, v
+    if _item(params) == F32:                  # reads p, g, m, v; writes p, m, v
+        return Cost(f"N={n}", {"update": (14 * n, F32 * 7 * n)})
+    # lower-precision parameters (bf16) have fp32 master weights: reads master, g, m, v; writes p, master, m, v
+    return Cost(f"N={n}", {"update": (14 * n, (_item(params) + _item(grads)) * n + F32 * 6 * n)})
 
 
 def loss_mean_cost(stats, losses, count, accumulate) -> Cost:
@@ -398,7 +416,7 @@ def loss_mean_cost(stats, losses, count, accumulate) -> Cost:
 
 def global_norm_cost(grads, *device_stats) -> Cost:
     n = _size(grads)
-    return Cost(f"N={n}", {"sum_squares": (2 * n, F32 * n)})
+    return Cost(f"N={n}", {"sum_squares": (2 * n, _item(grads) * n)})
 
 
 # op name (as the model's ranges and the profiler's records name it) -> its cost formula
