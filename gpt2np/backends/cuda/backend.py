@@ -281,23 +281,30 @@ class CudaBackend:
                   + self.norm_max_blocks + 1)      # norm_partial, norm_total
         uploads = 2 * N + (3 * N + 2)              # inputs, targets; encoder_backward's token groups (int32)
         lt = CUBLASLT_WORKSPACE if getattr(self.rt, "epilogues", False) else 0
+        # (all at 4 bytes: the partial sums are fp32 in every build; bf16 attention buffers are overcounted 2x)
         return 4 * (floats + uploads) + CUBLAS_WORKSPACE + lt
 
     def memory_needed(self, cfg, B, T, optimizer_elements=None, attention="naive"):
         """{part: bytes} a training run of model cfg at micro-batch (B, T) allocates on this device: the model's
         parameters and gradients, AdamW's m and v (optimizer_elements each: this rank's ZeRO-1 shard, default
-        all parameters), the activations and token buffers, the backward's gradient scratch, this backend's
-        scratch. gpt2np.model.GPT2 allocates exactly the model's parts (tests/test_gpu_ready.py checks it).
-        attention: the model's ("naive" or "flash": its activations and scratch differ)."""
-        from ...tensors import activation_shapes, layout_size, num_parameters
+        all parameters) and, with bf16 storage, the fp32 master weights of that shard, the activations and token
+        buffers, the backward's gradient scratch, this backend's scratch. gpt2np.model.GPT2 allocates exactly the
+        model's parts (tests/test_gpu_ready.py checks it). attention: the model's ("naive" or "flash": its
+        activations and scratch differ). Sizes in the storage dtype (self.dtype: 4 bytes, bf16 2), except what
+        is fp32 in every build (tensors.FP32_ACTIVATIONS, AdamW's state)."""
+        from ...tensors import FP32_ACTIVATIONS, activation_shapes, num_parameters
         P = num_parameters(cfg)
         opt = P if optimizer_elements is None else int(optimizer_elements)
-        C = cfg.channels
+        C, X = cfg.channels, self.dtype.itemsize
+        acts = activation_shapes(cfg, B, T, attention)
+        act_bytes = sum((4 if name in FP32_ACTIVATIONS else X) * int(np.prod(shape)) for name, shape in acts.items())
+        masters = opt if self.bf16 else 0
         return {
-            "parameters and gradients": 4 * 2 * P,
-            "AdamW m, v": 4 * max(2 * opt, P),            # at least the one-time upload of loaded weights
-            "activations": 4 * layout_size(activation_shapes(cfg, B, T, attention)) + 4 * 2 * B * T,
-            "backward scratch": 4 * B * T * C * (1 + 1 + 3 + 4),
+            "parameters and gradients": X * 2 * P,
+            # m, v (and masters); at least the one-time fp32 upload of loaded weights
+            "AdamW m, v" + (", master weights" if self.bf16 else ""): 4 * max(2 * opt + masters, P),
+            "activations": act_bytes + 4 * 2 * B * T,
+            "backward scratch": X * B * T * C * (1 + 1 + 3 + 4),
             "kernel scratch": self.scratch_needed(cfg, B, T, attention),
         }
 
