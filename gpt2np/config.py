@@ -139,7 +139,9 @@ class TrainConfig:
                                    allowed=number(0, words="a finite number of seconds >= 0 (0 = wait forever)"),
                                    what="the collective timeout")
     device: str = _setting("--device", "auto", "auto = cuda if there is a GPU, else cpu; cpu and numpy are the "
-                           "same backend", choices=("auto", "cpu", "numpy", "cuda"))
+                           "same backend; emu = the CUDA kernels on the CPU emulator (slow: tiny models, to see or "
+                           "test the CUDA path without a GPU; its -b/-t/-x defaults are the CPU's, its kernel "
+                           "choices the GPU's)", choices=("auto", "cpu", "numpy", "cuda", "emu"))
     seed: int = _setting("--seed", 1337, "init, shuffling and sampling seed", allowed=integer(0), what="the seed")
     shuffle: bool = _setting("--shuffle", False, "shuffle shards and samples every epoch")
     temperature: float = _setting("--temperature", 1.0, "sampling temperature, 0 = greedy",
@@ -219,10 +221,17 @@ class TrainConfig:
         return "tf32" if self.tf32 else self.precision
 
     def with_device_defaults(self, backend_name: str) -> "TrainConfig":
-        """A copy with llm.c's CPU or GPU (backend 'cuda') default in every device-dependent field left None."""
-        column = 1 if backend_name == "cuda" else 0
-        return replace(self, **{f.name: f.metadata["cpu_gpu"][column] for f in fields(self)
+        """A copy with llm.c's CPU or GPU (backend 'cuda') default in every device-dependent field left None. The
+        emulator ('emu') runs the GPU's kernel path (KERNEL_PATH_FIELDS: its defaults are the GPU's) at CPU speed
+        (every other default is the CPU's: short sequences, few steps)."""
+        def column(name):
+            return 1 if backend_name == "cuda" or (backend_name == "emu" and name in KERNEL_PATH_FIELDS) else 0
+        return replace(self, **{f.name: f.metadata["cpu_gpu"][column(f.name)] for f in fields(self)
                                 if f.metadata["cpu_gpu"] and getattr(self, f.name) is None})
+
+
+# the device-dependent settings that choose kernels, not sizes: the emulator takes the GPU's defaults for these
+KERNEL_PATH_FIELDS = ("attention", "fuse")
 
 
 def value_type(f: Field) -> type:

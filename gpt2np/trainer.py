@@ -142,7 +142,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         say(f"note: {note}")
     backend = get_backend(backend_name, precision=precision)
     requested_attention = cfg.attention
-    cfg = cfg.with_device_defaults(backend.name).validate()     # the device defaults against the other flags
+    cfg = cfg.with_device_defaults(backend_name).validate()     # the device defaults against the other flags
     if cfg.output_dir:
         check_output_dir(cfg.output_dir)
     if dist.rank != 0:

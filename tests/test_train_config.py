@@ -162,6 +162,8 @@ def test_device_defaults():
              "fuse")
     assert [getattr(cpu, name) for name in names] == [4, 64, 40, 10, 5, 20, "naive", 0]   # --fuse: gpt2np's
     assert [getattr(gpu, name) for name in names] == [4, 1024, -1, 20, 20, 20, "flash", 1]
+    emu = TrainConfig().with_device_defaults("emu")           # the GPU's kernel path at the CPU's sizes
+    assert [getattr(emu, name) for name in names] == [4, 64, 40, 10, 5, 20, "flash", 1]
     assert all(getattr(TrainConfig(), name) is None for name in names)
     assert {f.name for f in fields(TrainConfig) if f.metadata["cpu_gpu"]} == set(names)
     given = TrainConfig(seq_len=32, max_steps=0).with_device_defaults("cuda")

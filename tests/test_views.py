@@ -341,11 +341,9 @@ def test_every_view_is_in_the_json_and_csv_files(cpu, tmp_path):
     assert doc["views"]["kernels"][0]["rows"][-1][0] == "total"
 
 
-def test_train_profile_on_the_emulated_cuda_path_labels_every_view(tmp_path, monkeypatch, capsys):
-    """train.py --profile on the CUDA backend over the emulator: train.py's --device offers no emulator, so the
-    trainer's backend choice is pointed at it."""
+def test_train_profile_on_the_emulated_cuda_path_labels_every_view(tmp_path, capsys):
+    """train.py --device emu --profile: the CUDA backend over the emulator, every view labelled as emulated."""
     import train
-    from gpt2np import trainer
     from gpt2np.checkpoint import save_model
     from gpt2np.data import write_shard
     model_path = tmp_path / "tiny.bin"
@@ -353,9 +351,8 @@ def test_train_profile_on_the_emulated_cuda_path_labels_every_view(tmp_path, mon
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, 2000).astype(np.uint16)
     write_shard(tmp_path / "val.bin", tokens[:500])
     write_shard(tmp_path / "train.bin", tokens[500:])
-    monkeypatch.setattr(trainer, "resolve_name", lambda name: "emu")
     args = ["-e", model_path, "-i", tmp_path / "train.bin", "-j", tmp_path / "val.bin", "-b", B, "-t", T,
-            "-x", 3, "-v", 0, "-s", 0, "--profile", 1, "-o", tmp_path / "run"]
+            "-x", 3, "-v", 0, "-s", 0, "--profile", 1, "-o", tmp_path / "run", "--device", "emu"]
     assert train.main([str(a) for a in args]) == 0
     out = capsys.readouterr().out
     titles = [line for line in out.splitlines() if line.startswith(("Model summary", "GPT-2 modules", "Phases",
