@@ -1,7 +1,7 @@
 """The roofline planner: one training step's launches, their work, their floors on a named GPU and the memory
 the run needs, without a GPU and without running a kernel.
 
-    python -m gpt2np.profiling.profiler --plan --gpu H100 -e d12 -b 4 -t 1024 [--precision tf32|fp32]
+    python -m gpt2np.profiling.profiler --plan --gpu H100 -e d12 -b 4 -t 1024 [--precision tf32|fp32|bf16]
                                         [--plan-launches] [--measure [--device cuda|emu]] [--out DIR]
 
 How: the real GPT2 and train_step run on the real CudaBackend over runtime_plan.PlanRuntime, a runtime that
@@ -13,7 +13,8 @@ and minimum bytes). Like profile_steps, one unrecorded warm-up step (step 0) run
 
 Floor of a launch on the GPU (gpu_specs): max(FLOPs / peak, bytes / HBM bandwidth), the peak being the
 GEMM peak at the precision in use for cuBLAS calls (tf32 tensor cores by default, --precision fp32 for CUDA
-cores) and the fp32 CUDA-core peak for the hand-written kernels; a memset counts its bytes, a device-to-device
+cores, bf16 tensor cores for --precision bf16, whose buffers are bf16: parameters, gradients and activations at 2
+bytes, the backend's bf16 build of every kernel) and the fp32 CUDA-core peak for the hand-written kernels; a memset counts its bytes, a device-to-device
 copy its bytes twice (read and write); host<->device copies go over PCIe and get no floor. Helper kernels
 that carry no term of their op's cost (a reduction's finishing stage) have no work, so no floor.
 Host syncs: every point where the host waits for the device inside the step (a device->host read, a stream
@@ -138,9 +139,10 @@ class Plan:
 
 def resolve_gpu(name: str, precision: str = "tf32"):
     """(DeviceSpec, GEMM precision, notes) for --gpu NAME --precision P; BadInput for a name gpu_specs does not
-    know or a device without peak numbers. A tf32 plan for a GPU without TF32 tensor cores plans fp32 GEMMs."""
-    if precision not in ("tf32", "fp32"):
-        raise BadInput(f"--precision {precision}: expected tf32 or fp32")
+    know or a device without peak numbers (or, for bf16, without bf16 tensor cores). A tf32 plan for a GPU without
+    TF32 tensor cores plans fp32 GEMMs."""
+    if precision not in ("tf32", "fp32", "bf16"):
+        raise BadInput(f"--precision {precision}: expected tf32, fp32 or bf16")
     try:
         spec = require(name)
     except UnknownDeviceError as e:
@@ -148,6 +150,9 @@ def resolve_gpu(name: str, precision: str = "tf32"):
     if spec.fp32 is None or spec.mem_gbps is None:
         raise BadInput(f"--gpu {name}: no peak numbers for {spec.name}; name a GPU (H100, A100 80GB, L4, ...)")
     notes = []
+    if precision == "bf16" and (spec.bf16 is None or spec.tf32 is None):
+        raise BadInput(f"--gpu {name} --precision bf16: {spec.name} has no bf16 tensor cores (sm_80 and newer have "
+                       f"them)")
     if precision == "tf32" and spec.tf32 is None:
         notes.append(f"{spec.name} has no TF32 tensor cores: its GEMMs are planned at fp32")
         precision = "fp32"
@@ -208,6 +213,7 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
     `attention` "flash" or "naive" (None: training's default on a GPU, see backends.resolve_attention); fuse: the
     model's fused ops (GPT2's `fuse`, the trainer's --fuse)."""
     from ..backends import resolve_attention
+    from ..backends.bf16 import BF16
     from ..backends.cuda.backend import CudaBackend
     from ..backends.cuda.runtime_plan import PlanRuntime
     from ..model import GPT2
@@ -215,7 +221,7 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
     spec, precision, notes = resolve_gpu(gpu, precision)
     roof = roofline(spec, "fp32", matmul_precision=precision)
     rt = PlanRuntime(spec.name, tf32=precision == "tf32")
-    backend = CudaBackend(rt)
+    backend = CudaBackend(rt, dtype=BF16 if precision == "bf16" else np.float32)
     capability = 80 if spec.tf32 is not None else 75      # a GPU without TF32 tensor cores has no flash kernels
     attention, note = resolve_attention(backend, cfg.channels // cfg.num_heads, attention, capability)
     notes = notes + ([note] if note else [])

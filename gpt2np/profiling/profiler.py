@@ -511,8 +511,9 @@ def main(argv=None):
                            "sums per op and direction, the memory the run needs, the host syncs")
     plan.add_argument("--gpu", help="the GPU to plan for, as gpu_specs names it (H100, A100 80GB, L4, ...; default: "
                                     "the GPU measured with --measure, else H100)")
-    plan.add_argument("--precision", choices=["tf32", "fp32"],
-                      help="GEMM math of the plan: tf32 tensor cores (default) or fp32 CUDA cores")
+    plan.add_argument("--precision", choices=["tf32", "fp32", "bf16"],
+                      help="the plan's math: tf32 tensor cores (default), fp32 CUDA cores, or bf16 (bf16 storage and "
+                           "bf16 tensor cores, fp32 master weights)")
     plan.add_argument("--plan-launches", action="store_true", help="print every launch of the plan")
     plan.add_argument("--fuse", type=int, choices=[0, 1], default=1,
                       help="1 = the fused ops (GEMM epilogues, residual + LayerNorm, one-pass LayerNorm backward), "
