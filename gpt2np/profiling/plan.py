@@ -14,8 +14,9 @@ and minimum bytes). Like profile_steps, one unrecorded warm-up step (step 0) run
 Floor of a launch on the GPU (gpu_specs): max(FLOPs / peak, bytes / HBM bandwidth), the peak being the
 GEMM peak at the precision in use for cuBLAS calls (tf32 tensor cores by default, --precision fp32 for CUDA
 cores, bf16 tensor cores for --precision bf16, whose buffers are bf16: parameters, gradients and activations at 2
-bytes, the backend's bf16 build of every kernel) and the fp32 CUDA-core peak for the hand-written kernels; a memset counts its bytes, a device-to-device
-copy its bytes twice (read and write); host<->device copies go over PCIe and get no floor. Helper kernels
+bytes, the backend's bf16 build of every kernel) and the fp32 CUDA-core peak for the hand-written kernels; a
+memset counts its bytes, a device-to-device copy its bytes twice (read and write); host<->device copies go over
+PCIe and get no floor. Helper kernels
 that carry no term of their op's cost (a reduction's finishing stage) have no work, so no floor.
 Host syncs: every point where the host waits for the device inside the step (a device->host read, a stream
 synchronize, an event wait). The single-process CUDA step makes none (gpt2np.train_step: the token grouping
