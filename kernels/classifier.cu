@@ -7,6 +7,8 @@
 //
 // The row is read once for the statistics (online max and sum of exponentials per thread,
 // combined across the block) and once more to write dlogits. blockDim.x: multiple of 32, <= 1024.
+//
+// Precision: logits (and the dlogits written over them) are floatX; losses and loss_mean's stats stay float.
 #include "common.cuh"
 
 // Merge two running (max, sum of exp(x - max)) pairs. Symmetric in its arguments, bit for bit,
@@ -26,7 +28,7 @@ __device__ __forceinline__ void warp_softmax_stats(float& m, float& s) {
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
-fused_classifier(float* logits, float* __restrict__ losses, const int* __restrict__ targets, int N, int V, int Vp,
+fused_classifier(floatX* logits, float* __restrict__ losses, const int* __restrict__ targets, int N, int V, int Vp,
                  float dloss, int write_dlogits) {
     __shared__ float shared_max[WARP_SIZE];
     __shared__ float shared_sum[WARP_SIZE];
@@ -37,15 +39,15 @@ fused_classifier(float* logits, float* __restrict__ losses, const int* __restric
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
     const int num_warps = blockDim.x / WARP_SIZE;
-    float* x = logits + (long long)row * Vp;
+    floatX* x = logits + (long long)row * Vp;
     const int target = targets[row];
     // read before any thread can overwrite it with dlogits (the block barriers below order this)
-    const float target_logit = threadIdx.x == 0 ? x[target] : 0.0f;
+    const float target_logit = threadIdx.x == 0 ? to_float(x[target]) : 0.0f;
 
     float m = NEG_FLT_MAX;
     float s = 0.0f;
     for (int v = threadIdx.x; v < V; v += blockDim.x) {
-        const float xv = x[v];
+        const float xv = to_float(x[v]);
         if (xv > m) {
             s = s * expf(m - xv) + 1.0f;
             m = xv;
@@ -71,12 +73,12 @@ fused_classifier(float* logits, float* __restrict__ losses, const int* __restric
         for (int v = threadIdx.x; v < Vp; v += blockDim.x) {
             float d = 0.0f;
             if (v < V) {
-                d = expf(x[v] - m) * scale;
+                d = expf(to_float(x[v]) - m) * scale;
                 if (v == target) {
                     d -= dloss;
                 }
             }
-            x[v] = d;
+            x[v] = to_floatX(d);
         }
     }
 }

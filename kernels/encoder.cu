@@ -10,12 +10,24 @@
 // positions b*T+t in ascending order) and one thread per (unique token, c) adds that token's
 // dout rows into dwte in that order, i.e. dwte[tok] = ((dwte[tok] + dout[p0]) + dout[p1]) + ...,
 // the same order and rounding as a sequential loop over (b, t) (NumPy's np.add.at, llm.c's CPU code).
+//
+// Precision: out, wte, wpe, dwte, dwpe, dout are floatX; every sum is float, rounded once when stored.
 #include "common.cuh"
 
-// One thread per 4 channels, float4 loads/stores: needs C % 4 == 0 and 16-byte aligned
-// out, wte, wpe (the Python side checks both).
-extern "C" __global__ void encoder_forward(float* __restrict__ out, const int* __restrict__ inp,
-                                          const float* __restrict__ wte, const float* __restrict__ wpe,
+// Four consecutive channels, one vector load/store: float4 (16 bytes) in the fp32 build, four bf16
+// (8 bytes) in the bf16 build.
+#if defined(GPT2NP_BF16)
+struct __align__(8) floatX4 {
+    floatX x, y, z, w;
+};
+#else
+typedef float4 floatX4;
+#endif
+
+// One thread per 4 channels, floatX4 loads/stores: needs C % 4 == 0 and out, wte, wpe aligned to
+// sizeof(floatX4) (the Python side checks both).
+extern "C" __global__ void encoder_forward(floatX* __restrict__ out, const int* __restrict__ inp,
+                                          const floatX* __restrict__ wte, const floatX* __restrict__ wpe,
                                           int B, int T, int C) {
     const int C4 = C / 4;
     const long long i = global_thread_index();
@@ -27,9 +39,14 @@ extern "C" __global__ void encoder_forward(float* __restrict__ out, const int* _
     const int c4 = idx % C4;
     const int t = bt % T;
     const int token = inp[bt];
-    const float4 e = reinterpret_cast<const float4*>(wte)[(long long)token * C4 + c4];
-    const float4 p = reinterpret_cast<const float4*>(wpe)[t * C4 + c4];
-    reinterpret_cast<float4*>(out)[idx] = make_float4(e.x + p.x, e.y + p.y, e.z + p.z, e.w + p.w);
+    const floatX4 e = reinterpret_cast<const floatX4*>(wte)[(long long)token * C4 + c4];
+    const floatX4 p = reinterpret_cast<const floatX4*>(wpe)[t * C4 + c4];
+    floatX4 o;
+    o.x = to_floatX(to_float(e.x) + to_float(p.x));
+    o.y = to_floatX(to_float(e.y) + to_float(p.y));
+    o.z = to_floatX(to_float(e.z) + to_float(p.z));
+    o.w = to_floatX(to_float(e.w) + to_float(p.w));
+    reinterpret_cast<floatX4*>(out)[idx] = o;
 }
 
 // dwte (Vp,C) += dout (B,T,C) rows grouped by token id, no atomics. groups (int32, 3 * capacity + 2, uploaded by
@@ -40,7 +57,7 @@ extern "C" __global__ void encoder_forward(float* __restrict__ out, const int* _
 // case), 1-D blocks; thread (blockIdx.x, threadIdx.x) owns channel c, block row blockIdx.y the unique tokens
 // u = blockIdx.y, blockIdx.y + gridDim.y, ... < U. Each (token, c) is written by exactly one thread, which adds
 // the token's rows into dwte in position order.
-extern "C" __global__ void encoder_backward_wte_grouped(float* __restrict__ dwte, const float* __restrict__ dout,
+extern "C" __global__ void encoder_backward_wte_grouped(floatX* __restrict__ dwte, const floatX* __restrict__ dout,
                                                        const int* __restrict__ groups, int capacity, int C) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) {
@@ -52,18 +69,18 @@ extern "C" __global__ void encoder_backward_wte_grouped(float* __restrict__ dwte
     const int* tokens = positions + capacity;
     for (int u = blockIdx.y; u < num_unique; u += gridDim.y) {
         const int end = offsets[u + 1];
-        float* row = dwte + (long long)tokens[u] * C;
-        float acc = row[c];
+        floatX* row = dwte + (long long)tokens[u] * C;
+        float acc = to_float(row[c]);
         for (int j = offsets[u]; j < end; j++) {
-            acc += dout[positions[j] * C + c];
+            acc += to_float(dout[positions[j] * C + c]);
         }
-        row[c] = acc;
+        row[c] = to_floatX(acc);
     }
 }
 
 // dwpe (maxT,C) rows [0,T) += sum over b of dout[b] (= when accumulate == 0; rows [T,maxT) are
 // not touched, the caller zeroes them): one thread per (t, c), b summed in order.
-extern "C" __global__ void encoder_backward_wpe(float* __restrict__ dwpe, const float* __restrict__ dout,
+extern "C" __global__ void encoder_backward_wpe(floatX* __restrict__ dwpe, const floatX* __restrict__ dout,
                                                int B, int T, int C, int accumulate) {
     const long long i = global_thread_index();
     const int n = T * C;
@@ -73,7 +90,7 @@ extern "C" __global__ void encoder_backward_wpe(float* __restrict__ dwpe, const 
     const int idx = (int)i;
     float sum = 0.0f;
     for (int b = 0; b < B; b++) {
-        sum += dout[b * n + idx];
+        sum += to_float(dout[b * n + idx]);
     }
-    dwpe[idx] = accumulate ? dwpe[idx] + sum : sum;
+    dwpe[idx] = to_floatX(accumulate ? to_float(dwpe[idx]) + sum : sum);
 }

@@ -15,34 +15,37 @@
 // parameter gradients are column sums done in two deterministic stages: per-chunk partial sums
 // (layernorm_backward_params_partial, or layernorm_backward_fused) and a fixed-order sum over
 // chunks (..._finish); no atomics, so the sums are the same bitwise on every run.
+//
+// Precision: out, inp, inp1, inp2, residual, weight, bias, dinp, dout, dweight, dbias are floatX; mean,
+// rstd and the partial sums stay float.
 #include "common.cuh"
 
 #define LN_EPS 1e-5f
 
-extern "C" __global__ void layernorm_forward(float* __restrict__ out, float* __restrict__ mean,
-                                             float* __restrict__ rstd, const float* __restrict__ inp,
-                                             const float* __restrict__ weight, const float* __restrict__ bias,
+extern "C" __global__ void layernorm_forward(floatX* __restrict__ out, float* __restrict__ mean,
+                                             float* __restrict__ rstd, const floatX* __restrict__ inp,
+                                             const floatX* __restrict__ weight, const floatX* __restrict__ bias,
                                              int N, int C) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     if (row >= N) {
         return;  // the whole warp leaves together, so the shuffles below stay full-warp
     }
-    const float* x = inp + (long long)row * C;
+    const floatX* x = inp + (long long)row * C;
     float sum = 0.0f;
     for (int c = lane; c < C; c += WARP_SIZE) {
-        sum += x[c];
+        sum += to_float(x[c]);
     }
     const float m = warp_sum(sum) / C;
     float sq = 0.0f;
     for (int c = lane; c < C; c += WARP_SIZE) {
-        const float d = x[c] - m;
+        const float d = to_float(x[c]) - m;
         sq += d * d;
     }
     const float s = rsqrtf(warp_sum(sq) / C + LN_EPS);
-    float* o = out + (long long)row * C;
+    floatX* o = out + (long long)row * C;
     for (int c = lane; c < C; c += WARP_SIZE) {
-        o[c] = (x[c] - m) * s * weight[c] + bias[c];
+        o[c] = to_floatX((to_float(x[c]) - m) * s * to_float(weight[c]) + to_float(bias[c]));
     }
     if (lane == 0) {
         mean[row] = m;
@@ -51,37 +54,38 @@ extern "C" __global__ void layernorm_forward(float* __restrict__ out, float* __r
 }
 
 // residual = inp1 + inp2 and out = layernorm(residual), one warp per row. The arithmetic is
-// residual_forward's and layernorm_forward's, in the same order, so the results are bitwise theirs.
+// residual_forward's and layernorm_forward's, in the same order, so the results are bitwise theirs
+// (in bf16 the statistics are taken of the rounded residual, the value stored and read back).
 // Each lane reads back only the residual values it wrote itself (no barrier needed).
-extern "C" __global__ void fused_residual_layernorm_forward(float* __restrict__ residual, float* __restrict__ out,
+extern "C" __global__ void fused_residual_layernorm_forward(floatX* __restrict__ residual, floatX* __restrict__ out,
                                                             float* __restrict__ mean, float* __restrict__ rstd,
-                                                            const float* __restrict__ inp1,
-                                                            const float* __restrict__ inp2,
-                                                            const float* __restrict__ weight,
-                                                            const float* __restrict__ bias, int N, int C) {
+                                                            const floatX* __restrict__ inp1,
+                                                            const floatX* __restrict__ inp2,
+                                                            const floatX* __restrict__ weight,
+                                                            const floatX* __restrict__ bias, int N, int C) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     if (row >= N) {
         return;
     }
     const long long base = (long long)row * C;
-    float* r = residual + base;
+    floatX* r = residual + base;
     float sum = 0.0f;
     for (int c = lane; c < C; c += WARP_SIZE) {
-        const float v = inp1[base + c] + inp2[base + c];
+        const floatX v = to_floatX(to_float(inp1[base + c]) + to_float(inp2[base + c]));
         r[c] = v;
-        sum += v;
+        sum += to_float(v);
     }
     const float m = warp_sum(sum) / C;
     float sq = 0.0f;
     for (int c = lane; c < C; c += WARP_SIZE) {
-        const float d = r[c] - m;
+        const float d = to_float(r[c]) - m;
         sq += d * d;
     }
     const float s = rsqrtf(warp_sum(sq) / C + LN_EPS);
-    float* o = out + base;
+    floatX* o = out + base;
     for (int c = lane; c < C; c += WARP_SIZE) {
-        o[c] = (r[c] - m) * s * weight[c] + bias[c];
+        o[c] = to_floatX((to_float(r[c]) - m) * s * to_float(weight[c]) + to_float(bias[c]));
     }
     if (lane == 0) {
         mean[row] = m;
@@ -90,8 +94,8 @@ extern "C" __global__ void fused_residual_layernorm_forward(float* __restrict__ 
 }
 
 // dinp += ...: one warp per row, two row reductions.
-extern "C" __global__ void layernorm_backward_dinp(float* __restrict__ dinp, const float* __restrict__ dout,
-                                                   const float* __restrict__ inp, const float* __restrict__ weight,
+extern "C" __global__ void layernorm_backward_dinp(floatX* __restrict__ dinp, const floatX* __restrict__ dout,
+                                                   const floatX* __restrict__ inp, const floatX* __restrict__ weight,
                                                    const float* __restrict__ mean, const float* __restrict__ rstd,
                                                    int N, int C) {
     const int lane = threadIdx.x % WARP_SIZE;
@@ -105,17 +109,17 @@ extern "C" __global__ void layernorm_backward_dinp(float* __restrict__ dinp, con
     float dnorm_sum = 0.0f;
     float dnorm_norm_sum = 0.0f;
     for (int c = lane; c < C; c += WARP_SIZE) {
-        const float norm = (inp[base + c] - m) * s;
-        const float dnorm = dout[base + c] * weight[c];
+        const float norm = (to_float(inp[base + c]) - m) * s;
+        const float dnorm = to_float(dout[base + c]) * to_float(weight[c]);
         dnorm_sum += dnorm;
         dnorm_norm_sum += dnorm * norm;
     }
     const float dnorm_mean = warp_sum(dnorm_sum) / C;
     const float dnorm_norm_mean = warp_sum(dnorm_norm_sum) / C;
     for (int c = lane; c < C; c += WARP_SIZE) {
-        const float norm = (inp[base + c] - m) * s;
-        const float dnorm = dout[base + c] * weight[c];
-        dinp[base + c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
+        const float norm = (to_float(inp[base + c]) - m) * s;
+        const float dnorm = to_float(dout[base + c]) * to_float(weight[c]);
+        dinp[base + c] = to_floatX(to_float(dinp[base + c]) + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s);
     }
 }
 
@@ -123,8 +127,8 @@ extern "C" __global__ void layernorm_backward_dinp(float* __restrict__ dinp, con
 // partial[k,1,c] = sum of dout over rows [k*rows_per_chunk, (k+1)*rows_per_chunk).
 // Grid (ceil(C/32), num_chunks); blockDim.x = 32 * R (see column_block_sum in common.cuh).
 extern "C" __global__ void layernorm_backward_params_partial(float* __restrict__ partial,
-                                                             const float* __restrict__ dout,
-                                                             const float* __restrict__ inp,
+                                                             const floatX* __restrict__ dout,
+                                                             const floatX* __restrict__ inp,
                                                              const float* __restrict__ mean,
                                                              const float* __restrict__ rstd,
                                                              int N, int C, int rows_per_chunk) {
@@ -141,8 +145,8 @@ extern "C" __global__ void layernorm_backward_params_partial(float* __restrict__
     if (c < C) {
         for (int row = row_begin + warp; row < row_end; row += num_warps) {
             const long long i = (long long)row * C + c;
-            const float g = dout[i];
-            dw += g * ((inp[i] - mean[row]) * rstd[row]);
+            const float g = to_float(dout[i]);
+            dw += g * ((to_float(inp[i]) - mean[row]) * rstd[row]);
             db += g;
         }
     }
@@ -156,7 +160,7 @@ extern "C" __global__ void layernorm_backward_params_partial(float* __restrict__
 
 // Stage 2: dweight[c] += sum_k partial[k,0,c]; dbias[c] += sum_k partial[k,1,c], k in order
 // (accumulate == 0: = instead of +=, the old dweight/dbias are not read).
-extern "C" __global__ void layernorm_backward_params_finish(float* __restrict__ dweight, float* __restrict__ dbias,
+extern "C" __global__ void layernorm_backward_params_finish(floatX* __restrict__ dweight, floatX* __restrict__ dbias,
                                                             const float* __restrict__ partial,
                                                             int num_chunks, int C, int accumulate) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -169,8 +173,8 @@ extern "C" __global__ void layernorm_backward_params_finish(float* __restrict__ 
         dw += partial[((long long)k * 2) * C + c];
         db += partial[((long long)k * 2 + 1) * C + c];
     }
-    dweight[c] = accumulate ? dweight[c] + dw : dw;
-    dbias[c] = accumulate ? dbias[c] + db : db;
+    dweight[c] = to_floatX(accumulate ? to_float(dweight[c]) + dw : dw);
+    dbias[c] = to_floatX(accumulate ? to_float(dbias[c]) + db : db);
 }
 
 // The whole backward in one pass. Block k owns rows [k*rows_per_block, (k+1)*rows_per_block), one
@@ -179,9 +183,9 @@ extern "C" __global__ void layernorm_backward_params_finish(float* __restrict__ 
 // acc[W][2][C] (lane owns columns lane, lane+32, ...: no two threads touch a slot, no atomics). Then
 // the block sums its W warps in warp order into partial[k][0][c] (dweight) and partial[k][1][c]
 // (dbias); layernorm_backward_params_finish adds the blocks in order. Shared memory: W*2*C floats.
-extern "C" __global__ void layernorm_backward_fused(float* __restrict__ partial, float* __restrict__ dinp,
-                                                    const float* __restrict__ dout, const float* __restrict__ inp,
-                                                    const float* __restrict__ weight, const float* __restrict__ mean,
+extern "C" __global__ void layernorm_backward_fused(float* __restrict__ partial, floatX* __restrict__ dinp,
+                                                    const floatX* __restrict__ dout, const floatX* __restrict__ inp,
+                                                    const floatX* __restrict__ weight, const float* __restrict__ mean,
                                                     const float* __restrict__ rstd, int N, int C,
                                                     int rows_per_block) {
     extern __shared__ float acc[];
@@ -203,18 +207,18 @@ extern "C" __global__ void layernorm_backward_fused(float* __restrict__ partial,
         float dnorm_sum = 0.0f;
         float dnorm_norm_sum = 0.0f;
         for (int c = lane; c < C; c += WARP_SIZE) {
-            const float norm = (inp[base + c] - m) * s;
-            const float dnorm = dout[base + c] * weight[c];
+            const float norm = (to_float(inp[base + c]) - m) * s;
+            const float dnorm = to_float(dout[base + c]) * to_float(weight[c]);
             dnorm_sum += dnorm;
             dnorm_norm_sum += dnorm * norm;
         }
         const float dnorm_mean = warp_sum(dnorm_sum) / C;
         const float dnorm_norm_mean = warp_sum(dnorm_norm_sum) / C;
         for (int c = lane; c < C; c += WARP_SIZE) {
-            const float norm = (inp[base + c] - m) * s;
-            const float g = dout[base + c];
-            const float dnorm = g * weight[c];
-            dinp[base + c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
+            const float norm = (to_float(inp[base + c]) - m) * s;
+            const float g = to_float(dout[base + c]);
+            const float dnorm = g * to_float(weight[c]);
+            dinp[base + c] = to_floatX(to_float(dinp[base + c]) + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s);
             dw[c] += g * norm;
             db[c] += g;
         }

@@ -6,18 +6,21 @@
 //                      (accumulate == 0: dbias = that sum; its old contents are never read)
 //
 // The bias gradient is a two-stage column reduction with a fixed addition order (deterministic).
+//
+// Precision: out, bias, dout, dbias are floatX; the partial sums stay float.
 #include "common.cuh"
 
-extern "C" __global__ void add_bias(float* __restrict__ out, const float* __restrict__ bias, int N, int OC) {
+extern "C" __global__ void add_bias(floatX* __restrict__ out, const floatX* __restrict__ bias, int N, int OC) {
     const long long i = global_thread_index();
     if (i < (long long)N * OC) {
         const int idx = (int)i;
-        out[idx] += bias[idx % OC];
+        // bias + out: the operand order the fp32 build always compiled to (its cubin stays byte-identical)
+        out[idx] = to_floatX(to_float(bias[idx % OC]) + to_float(out[idx]));
     }
 }
 
 // Grid (ceil(OC/32), num_chunks); blockDim.x = 32 * R (see column_block_sum in common.cuh).
-extern "C" __global__ void bias_grad_partial(float* __restrict__ partial, const float* __restrict__ dout,
+extern "C" __global__ void bias_grad_partial(float* __restrict__ partial, const floatX* __restrict__ dout,
                                              int N, int OC, int rows_per_chunk) {
     __shared__ float scratch[1024];
     const int lane = threadIdx.x % WARP_SIZE;
@@ -30,7 +33,7 @@ extern "C" __global__ void bias_grad_partial(float* __restrict__ partial, const 
     float sum = 0.0f;
     if (c < OC) {
         for (int row = row_begin + warp; row < row_end; row += num_warps) {
-            sum += dout[(long long)row * OC + c];
+            sum += to_float(dout[(long long)row * OC + c]);
         }
     }
     sum = column_block_sum(sum, scratch);
@@ -39,7 +42,7 @@ extern "C" __global__ void bias_grad_partial(float* __restrict__ partial, const 
     }
 }
 
-extern "C" __global__ void bias_grad_finish(float* __restrict__ dbias, const float* __restrict__ partial,
+extern "C" __global__ void bias_grad_finish(floatX* __restrict__ dbias, const float* __restrict__ partial,
                                             int num_chunks, int OC, int accumulate) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= OC) {
@@ -49,5 +52,5 @@ extern "C" __global__ void bias_grad_finish(float* __restrict__ dbias, const flo
     for (int k = 0; k < num_chunks; k++) {
         sum += partial[(long long)k * OC + c];
     }
-    dbias[c] = accumulate ? dbias[c] + sum : sum;
+    dbias[c] = to_floatX(accumulate ? to_float(dbias[c]) + sum : sum);
 }

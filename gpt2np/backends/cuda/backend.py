@@ -25,7 +25,7 @@ buffers from gpt2np.tensors, its gradient scratch, AdamW's moments, this backend
 check_memory_fits() compares that with the device's free memory before anything is allocated, so a batch that
 does not fit ends in one line naming the largest B that does (DeviceMemoryError), not in CuPy's traceback.
 Limits checked here, each with a one-line KernelArgumentError (a ValueError): buffers indexed
-with int must have < 2^31 elements; encoder_forward needs C % 4 == 0 and 16-byte alignment;
+with int must have < 2^31 elements; encoder_forward needs C % 4 == 0 and 4-element alignment (16 bytes in fp32);
 encoder_backward needs token ids in [0, Vp) (it reads inp on the host, see _group_tokens).
 """
 import math
@@ -428,11 +428,11 @@ class CudaBackend:
             raise KernelArgumentError(f"CudaBackend.{op}: {what} has {n} elements; the kernels index it "
                                       f"with 32-bit ints (limit {INT_LIMIT}), use a smaller batch")
 
-    def _check_aligned(self, op, what, array, alignment=16):
+    def _check_aligned(self, op, what, array, alignment=16, why="the kernel loads float4"):
         address = self.rt.pointer(array)
         if address % alignment:
             raise KernelArgumentError(f"CudaBackend.{op}: {what} is not {alignment}-byte aligned "
-                                      f"(address {address:#x}); the kernel loads float4")
+                                      f"(address {address:#x}); {why}")
 
     def _epilogues_ok(self, *arrays, ld_aux=8):
         """Whether a GEMM epilogue can run here on these bias/aux arrays: the runtime has epilogues, each array
@@ -471,11 +471,12 @@ class CudaBackend:
         B, T = inp.shape
         C = wte.shape[1]
         self._check_shape(op, "out", out, (B, T, C))
+        vector = 4 * self.dtype.itemsize          # encoder.cu's floatX4: 4 channels, 16 bytes (fp32) or 8 (bf16)
         if C % 4:
             raise KernelArgumentError(f"CudaBackend.{op}: channels C={C} must be a multiple of 4 "
-                                      f"(kernels/encoder.cu loads float4)")
+                                      f"(kernels/encoder.cu loads 4 channels at once, {vector} bytes)")
         for what, array in (("out", out), ("wte", wte), ("wpe", wpe)):
-            self._check_aligned(op, what, array)
+            self._check_aligned(op, what, array, vector, f"the kernel loads 4 channels at once ({vector} bytes)")
         n = B * T * C
         self._check_int_size(op, "out", n)
         self._launch(op, *self._elementwise(n // 4), (out, inp, wte, wpe, _i32(B), _i32(T), _i32(C)),
