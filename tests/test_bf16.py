@@ -10,6 +10,7 @@ import pytest
 import train
 from gpt2np.backends import NO_BF16_KERNELS, PrecisionUnavailable, get_backend, resolve_precision
 from gpt2np.backends.bf16 import BF16, random_bits16, round_nearest, round_stochastic, stream_key
+from gpt2np.backends.numpy_bf16 import Bf16NumpyBackend
 from gpt2np.checkpoint import fp32_to_bf16, load_model, load_state, model_path, save_model, state_path
 from gpt2np.config import GPT2Config
 from gpt2np.data import write_shard
@@ -382,3 +383,15 @@ def test_stochastic_rounding_noise_is_the_documented_splitmix64():
     want = [(int(ui) >> 16) + (r < (int(ui) & 0xFFFF)) for ui, r in zip(u, expect)]
     got = round_stochastic(x, np.zeros(50, BF16), seed, t, offset).view(np.uint16)
     assert got.tolist() == want
+
+
+def test_bf16_residual_backward_may_alias_its_outputs():
+    """dinp1 is dinp2: the reference adds dout twice, rounding after each add (as the kernel's two stores do)."""
+    be = Bf16NumpyBackend(threads=1)
+    rng = np.random.default_rng(0)
+    d = rng.standard_normal(64).astype(BF16)
+    g = rng.standard_normal(64).astype(BF16)
+    want = ((d.astype(np.float32) + g.astype(np.float32)).astype(BF16).astype(np.float32)
+            + g.astype(np.float32)).astype(BF16)
+    be.residual_backward(d, d, g)
+    assert np.array_equal(d.view(np.uint16), want.view(np.uint16))

@@ -161,7 +161,10 @@ class Bf16NumpyBackend:
         self._run(self.f.residual_forward, (out, inp1, inp2), write=(0,))
 
     def residual_backward(self, dinp1, dinp2, dout):
-        self._run(self.f.residual_backward, (dinp1, dinp2, dout), add=(0, 1))
+        """dinp1 += dout, then dinp2 += dout, each rounded once; one after the other, as the kernel's two stores, so
+        that dinp1 and dinp2 may be the same buffer (it then gains dout twice)."""
+        for dinp in (dinp1, dinp2):
+            self._run(lambda d, g: np.add(d, g, out=d), (dinp, dout), add=(0,))
 
     # ---- classifier ---------------------------------------------------------------------
     def fused_classifier(self, logits, losses, targets, V, dloss, write_dlogits):
