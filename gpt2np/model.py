@@ -30,7 +30,9 @@ from .tensors import (
 
 # the device step's buffers (CUDA backend: nothing read back inside a step, see gpt2np.train_step)
 STATS = 2            # stats: [mean loss over the micro-batches, squared global gradient norm]
-STEP_SCALARS = 3     # step_scalars: [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t), 1 - lr weight_decay]
+# step_scalars (float32): [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t), 1 - lr weight_decay, t], t (mod 2^32) stored as
+# the bits of its float32 slot (a uint32 view: every step number exact; the bf16 kernel's stochastic rounding reads it)
+STEP_SCALARS = 4
 
 
 class TokenError(ValueError):
@@ -204,8 +206,8 @@ class GPT2:
         if targets.shape != inputs.shape:
             raise ValueError(f"targets {targets.shape} and inputs {inputs.shape} differ in shape")
         if self.stats is None:
-            self.stats = be.zeros(STATS)
-            self.step_scalars = be.zeros(STEP_SCALARS)
+            self.stats = be.zeros(STATS, np.float32)
+            self.step_scalars = be.zeros(STEP_SCALARS, np.float32)
         while len(self.token_slots) <= slot:
             self.token_slots.append((self.inputs, self.targets) if not self.token_slots else
                                     (be.zeros((self.B, self.T), np.int32), be.zeros((self.B, self.T), np.int32)))
@@ -434,29 +436,39 @@ class GPT2:
 
     def set_step_scalars(self, lr, beta1, beta2, weight_decay, step):
         """Queue the upload of the step's AdamW scalars (t = step >= 1) into step_scalars: computed in double as
-        update() computes them, rounded to float32 as its kernel arguments are."""
+        update() computes them, rounded to float32 as its kernel arguments are; then t mod 2^32 as the bits of the
+        last slot (STEP_SCALARS)."""
         if step < 1:
             raise ValueError("AdamW step t counts from 1")
         scalars = np.array([lr / (1.0 - beta1 ** step), 1.0 / math.sqrt(1.0 - beta2 ** step),
-                            1.0 - lr * weight_decay], np.float32)
+                            1.0 - lr * weight_decay, 0.0], np.float32)
+        scalars.view(np.uint32)[3] = int(step) & 0xFFFFFFFF
         self.backend.upload_(self.step_scalars, scalars)
 
     def update_device(self, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=1.0, shard=None):
         """update() as the device step runs it: lr, t and the decay from step_scalars (set_step_scalars), the
         clipping from the norm in stats (grad_norm_device), and no update at all when stats' loss or norm is not
-        finite; all of it decided on the device."""
+        finite; all of it decided on the device. bf16 parameters: the fp32 master weights and stochastic rounding
+        (seed rounding_seed, t from step_scalars) as update() does."""
         be = self.backend
         lo, hi = shard or (0, self.num_parameters)
         if not 0 <= lo <= hi <= self.num_parameters:
             raise ValueError(f"update shard {shard} is not inside [0, {self.num_parameters}]")
         if self.m is None:
-            self.m = be.zeros(hi - lo)
-            self.v = be.zeros(hi - lo)
+            self.m = be.zeros(hi - lo, np.float32)
+            self.v = be.zeros(hi - lo, np.float32)
+        if self.has_master_weights and self.master is None:     # llm.c: the masters start as the parameters
+            self.master = be.zeros(hi - lo, np.float32)
+            be.copy_(self.master, self.params[lo:hi])
         if self.m.size != hi - lo:
             raise ValueError(f"AdamW state holds {self.m.size} values, the update shard {lo}:{hi} has {hi - lo}")
         with ranges.range("gpt2_update"):
             for name, a, b in self._shard_tensors(lo, hi):
-                self._op("adamw", "optimizer", be.adamw_update_device, self.params[a:b], self.grads[a:b],
+                adamw = be.adamw_update_device
+                if self.master is not None:                  # bf16: fp32 masters, stochastic rounding
+                    adamw = functools.partial(adamw, master=self.master[a - lo:b - lo], seed=self.rounding_seed,
+                                              offset=a)
+                self._op("adamw", "optimizer", adamw, self.params[a:b], self.grads[a:b],
                          self.m[a - lo:b - lo], self.v[a - lo:b - lo], self.step_scalars, self.stats, beta1,
                          beta2, eps, name in self.decay_tensors, grad_clip)
 

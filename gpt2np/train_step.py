@@ -142,7 +142,8 @@ _GRAPHS = weakref.WeakKeyDictionary()
 class _Captured(NamedTuple):
     graph: object
     generation: int               # backend.scratch_generation when captured (a newer one: buffers moved)
-    state: tuple                  # model.m, model.v when captured (load_optimizer_state replaces them)
+    state: tuple                  # model.m, model.v, model.master when captured (load_optimizer_state and, for
+                                  # bf16 parameters, load_params replace them)
 
 
 def _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_graphs):
@@ -168,12 +169,13 @@ def _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_gra
             cache = _GRAPHS.setdefault(model, {})
             key = (shape, accum_steps, adamw, shard)
             held = cache.get(key)
-            state = (model.m, model.v)
+            state = (model.m, model.v, model.master)
             fresh = (held is not None and held.generation == be.scratch_generation
                      and all(a is b for a, b in zip(held.state, state)))
             if fresh:
                 held.graph.launch()
-            elif model.m is None or held is None and not cache.get(("warm", key)):
+            elif (model.m is None or model.has_master_weights and model.master is None
+                  or held is None and not cache.get(("warm", key))):
                 body()                                   # eager first: it allocates what the step needs
                 cache[("warm", key)] = True
             else:

@@ -3,15 +3,16 @@
 //   global_norm_squared_partial: partial[block] = sum of x[i]^2 over the block's grid-stride slice
 //   global_norm_squared_finish:  out[0] = sum of partial[0..num_partials), one block
 //
-// Two stages with a fixed launch shape give a deterministic result (no atomics).
+// Two stages with a fixed launch shape give a deterministic result (no atomics). x is floatX (bf16 in the
+// bf16 build, read exactly into float); squares and sums are fp32 in both builds.
 #include "common.cuh"
 
-extern "C" __global__ void global_norm_squared_partial(float* __restrict__ partial, const float* __restrict__ x,
+extern "C" __global__ void global_norm_squared_partial(float* __restrict__ partial, const floatX* __restrict__ x,
                                                        int n) {
     __shared__ float scratch[WARP_SIZE];
     float sum = 0.0f;
     for (long long i = global_thread_index(); i < n; i += grid_thread_count()) {
-        const float xi = x[i];
+        const float xi = to_float(x[i]);
         sum += xi * xi;
     }
     sum = block_sum(sum, scratch);

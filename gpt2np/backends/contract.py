@@ -143,15 +143,23 @@ class Backend(Protocol):
         fixed order (the step's mean loss over `count` micro-batches, never read back during the step)."""
 
     # ---- optimizer ------------------------------------------------------------------
-    def adamw_update(self, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
-        """AdamW on flat float32 segments (n), in place: g = grad_scale * grads; m, v moments with bias
-        correction for step t >= 1; params -= lr * (mhat / (sqrt(vhat) + eps) + weight_decay * params)."""
+    def adamw_update(self, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, *,
+                     master=None, seed=0, offset=0):
+        """AdamW on flat segments (n), in place: g = grad_scale * grads; m, v moments with bias
+        correction for step t >= 1; params -= lr * (mhat / (sqrt(vhat) + eps) + weight_decay * params).
+        m, v are float32. float32 params: master None (seed, offset unused). bf16 params (the bf16 precision):
+        master (n) float32, the master weights, gets the fp32 update from the upcast grads, and params = master
+        stochastically rounded with the noise of (seed, t, offset + i) (bf16.round_stochastic; offset is
+        params[0]'s index in the model's flat parameter buffer)."""
 
-    def adamw_update_device(self, params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed, grad_clip):
-        """AdamW on flat float32 segments (n) as the CUDA kernel computes it, with every per-step value in device
-        buffers: scalars (STEP_SCALARS) = [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t), 1 - lr weight_decay] (the
-        decay where `decayed`); stats (STATS) = [loss, squared grad norm], from which the clip scale (grad_clip /
-        norm when norm > grad_clip > 0) is computed; a non-finite loss or norm leaves params, m, v untouched."""
+    def adamw_update_device(self, params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed, grad_clip, *,
+                            master=None, seed=0, offset=0):
+        """AdamW on flat segments (n) as the CUDA kernel computes it, with every per-step value in device
+        buffers: scalars (STEP_SCALARS, float32) = [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t), 1 - lr weight_decay,
+        t] (the decay where `decayed`; t mod 2^32 as the bits of its slot, see model.set_step_scalars); stats
+        (STATS) = [loss, squared grad norm], from which the clip scale (grad_clip / norm when norm > grad_clip > 0)
+        is computed; a non-finite loss or norm leaves params, master, m, v untouched. master, seed, offset: as
+        adamw_update."""
 
     def global_norm_squared(self, grads) -> float:
         """sum(grads^2) over a flat (n) buffer, as a Python float."""

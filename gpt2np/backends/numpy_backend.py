@@ -515,8 +515,14 @@ class NumpyBackend:
         self._parallel(part, B * T, 2 * Vp)
 
     # ---- optimizer ----------------------------------------------------------------------
-    def adamw_update(self, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
-        """AdamW (decoupled weight decay, bias correction) on flat float32 segments, in place."""
+    def adamw_update(self, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, *,
+                     master=None, seed=0, offset=0):
+        """AdamW (decoupled weight decay, bias correction) on flat float32 segments, in place. float32 parameters
+        are their own master weights: master must be None (bf16 storage is Bf16NumpyBackend's); seed, offset are
+        unused."""
+        if master is not None:
+            raise ValueError("NumpyBackend.adamw_update: float32 parameters take no master weights (master= is for "
+                             "bf16 storage)")
         # g = grad_scale * grads.  mhat / (sqrt(vhat) + eps) with mhat = m / bc1, vhat = v / bc2 equals
         # (sqrt(bc2) / bc1) * m / (sqrt(v) + eps sqrt(bc2)): two passes fewer over each chunk.
         sqrt_bc2 = math.sqrt(1.0 - beta2 ** t)
@@ -556,10 +562,13 @@ class NumpyBackend:
 
         self._chunked(chunk, params.size)
 
-    def adamw_update_device(self, params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed, grad_clip):
+    def adamw_update_device(self, params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed, grad_clip, *,
+                            master=None, seed=0, offset=0):
         """The CUDA kernel adamw_update_device's arithmetic in float32 (the reference its emulated runs are checked
         against; the NumPy training step runs adamw_update): scalars = [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t),
-        1 - lr wd], stats = [loss, squared grad norm]; nothing changes when either statistic is not finite."""
+        1 - lr wd, t (its bits)], stats = [loss, squared grad norm]; nothing changes when either statistic is not
+        finite. With master (bf16 params and grads, as the bf16 build of the kernel takes them): the grads are
+        upcast, master gets the update and params = bf16.round_stochastic(master, seed, t, offset)."""
         f32 = np.float32
         loss, norm_squared = f32(stats[0]), f32(stats[1])
         if not (np.isfinite(loss) and np.isfinite(norm_squared)):
@@ -569,11 +578,17 @@ class NumpyBackend:
         scale = f32(clip / norm) if clip > 0 and norm > clip else f32(1.0)
         step_size, inv_sqrt_bc2 = f32(scalars[0]), f32(scalars[1])
         decay = f32(scalars[2]) if decayed else f32(1.0)
-        g = grads * scale
+        g = np.asarray(grads, f32) * scale
         m[...] = f32(beta1) * m + f32(1.0 - beta1) * g
         v[...] = f32(beta2) * v + f32(1.0 - beta2) * (g * g)
         denom = np.sqrt(v) * inv_sqrt_bc2 + f32(eps)
-        params[...] = params * decay - step_size * (m / denom)
+        if master is None:
+            params[...] = params * decay - step_size * (m / denom)
+            return
+        from .bf16 import round_stochastic
+        master[...] = master * decay - step_size * (m / denom)
+        t = int(np.ascontiguousarray(scalars, f32).view(np.uint32)[3])
+        round_stochastic(master, params, seed, t, offset)
 
     def loss_mean(self, stats, losses, count, accumulate):
         """stats[0] = mean(losses) / count as float32 (+= with accumulate); the sum in float64."""

@@ -879,34 +879,64 @@ class CudaBackend:
                      term="classifier")
 
     # ---- optimizer ----------------------------------------------------------------------
-    def adamw_update(self, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
-        """AdamW (decoupled weight decay, bias correction) on flat float32 segments, in place."""
-        op = "adamw_update"
+    def _adamw_check(self, op, params, grads, m, v, master, seed, offset):
+        """Shapes, sizes and the master weights of an AdamW launch -> (n, the master pointer, the seed as an
+        int32 holding its 32 bits, the offset). bf16 parameters need master (fp32, params' size): the kernel
+        updates it and writes params from it by stochastic rounding; fp32 parameters take none (the kernel is
+        handed params there and does not touch it)."""
         n = params.size
         for what, array in (("grads", grads), ("m", m), ("v", v)):
             self._check_shape(op, what, array, params.shape)
         self._check_int_size(op, "params", n)
+        if self.bf16:
+            if master is None or master.size != n:
+                raise KernelArgumentError(f"CudaBackend.{op}: bf16 parameters need their fp32 master weights "
+                                          f"(master=, {n} values) for AdamW")
+            self._check_shape(op, "master", master, params.shape)
+            if not 0 <= offset <= INT_LIMIT:
+                raise KernelArgumentError(f"CudaBackend.{op}: offset {offset} (params[0]'s index in the flat "
+                                          f"parameter buffer) must be in [0, 2^31)")
+        elif master is not None:
+            raise KernelArgumentError(f"CudaBackend.{op}: float32 parameters are their own master weights "
+                                      f"(master= is for bf16 storage)")
+        seed32 = np.uint32(int(seed) & 0xFFFFFFFF).view(np.int32)          # the seed's 32 bits (bf16.stream_key)
+        return n, (params if master is None else master), seed32, _i32(offset if self.bf16 else 0)
+
+    def adamw_update(self, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, *,
+                     master=None, seed=0, offset=0):
+        """AdamW (decoupled weight decay, bias correction) on flat segments, in place. fp32 storage: params,
+        grads float32, no master. bf16 storage (Bf16NumpyBackend.adamw_update's contract): params, grads bf16,
+        master (fp32) updated from the upcast grads by the fp32 arithmetic, params = master stochastically
+        rounded with the noise of (seed, t, offset + i), offset = params[0]'s index in the model's flat buffer.
+        m, v are float32 in both."""
+        op = "adamw_update"
+        n, master, seed32, offset = self._adamw_check(op, params, grads, m, v, master, seed, offset)
         bias_correction1 = 1.0 - beta1 ** t
         bias_correction2 = 1.0 - beta2 ** t
-        args = (params, grads, m, v, _i32(n), _f32(beta1), _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2),
-                _f32(eps), _f32(lr / bias_correction1), _f32(1.0 / math.sqrt(bias_correction2)),
-                _f32(1.0 - lr * weight_decay), _f32(grad_scale))
+        t32 = np.uint32(int(t) & 0xFFFFFFFF).view(np.int32)                 # t mod 2^32 (bf16.stream_key)
+        args = (params, grads, m, v, master, _i32(n), _f32(beta1), _f32(1.0 - beta1), _f32(beta2),
+                _f32(1.0 - beta2), _f32(eps), _f32(lr / bias_correction1), _f32(1.0 / math.sqrt(bias_correction2)),
+                _f32(1.0 - lr * weight_decay), _f32(grad_scale), t32, seed32, offset)
         self._launch(op, *self._elementwise(n), args, term="update")
 
-    def adamw_update_device(self, params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed, grad_clip):
+    def adamw_update_device(self, params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed, grad_clip, *,
+                            master=None, seed=0, offset=0):
         """adamw_update with the step's scalars and clipping from device buffers (no host value changes per step,
-        so a captured graph replays it): scalars (STEP_SCALARS) = [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t),
-        1 - lr weight_decay] (model.step_scalars, rounded to float32 from double on the host); stats (STATS) =
-        [loss, squared grad norm]; grad_scale = grad_clip / norm when norm > grad_clip > 0 (clip <= 0: off); the
-        decay applies when `decayed`. A non-finite loss or norm leaves params, m, v untouched."""
+        so a captured graph replays it): scalars (model.STEP_SCALARS, float32) = [lr / (1 - beta1^t),
+        1 / sqrt(1 - beta2^t), 1 - lr weight_decay, t] (model.step_scalars: the first three rounded to float32
+        from double on the host, t mod 2^32 stored as the bits of its slot, read by the bf16 build only); stats
+        (STATS) = [loss, squared grad norm]; grad_scale = grad_clip / norm when norm > grad_clip > 0 (clip <= 0:
+        off); the decay applies when `decayed`. A non-finite loss or norm leaves params, master, m, v untouched.
+        master, seed, offset: as adamw_update (bf16 storage only; constant over a run, so graphs replay them)."""
         op = "adamw_update"
-        n = params.size
-        for what, array in (("grads", grads), ("m", m), ("v", v)):
-            self._check_shape(op, what, array, params.shape)
-        self._check_int_size(op, "params", n)
+        n, master, seed32, offset = self._adamw_check(op, params, grads, m, v, master, seed, offset)
+        if scalars.dtype != np.float32 or scalars.size < (4 if self.bf16 else 3):
+            raise KernelArgumentError(f"CudaBackend.{op}: scalars must be the float32 step-scalars buffer "
+                                      f"[step size, 1/sqrt(bias correction 2), decay, t bits], got "
+                                      f"{scalars.size} {scalars.dtype}")
         clip = grad_clip if grad_clip is not None and grad_clip > 0 else 0.0
-        args = (params, grads, m, v, _i32(n), scalars, stats, _i32(bool(decayed)), _f32(beta1), _f32(1.0 - beta1),
-                _f32(beta2), _f32(1.0 - beta2), _f32(eps), _f32(clip))
+        args = (params, grads, m, v, master, _i32(n), scalars, stats, _i32(bool(decayed)), _f32(beta1),
+                _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2), _f32(eps), _f32(clip), seed32, offset)
         self._launch("adamw_update_device", *self._elementwise(n), args, term="update")
 
     def loss_mean(self, stats, losses, count, accumulate):

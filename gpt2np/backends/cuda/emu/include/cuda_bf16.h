@@ -3,7 +3,8 @@
 //   __float2bfloat16_rn(float): round to nearest even; NaN -> the canonical NaN 0x7FFF (as the GPU's
 //                               cvt.rn.bf16.f32); +-inf and overflow to inf as IEEE rounding gives
 //   __bfloat162float(bf16):     exact (the 16 bits become fp32's top half)
-// plus __float2bfloat16 (the same rounding) and __nv_bfloat16_raw access through the bits member.
+// plus __float2bfloat16 (the same rounding), and CUDA's bit casts __ushort_as_bfloat16 / __bfloat16_as_ushort
+// (the 16 bits as they are: how a kernel stores a rounding it made itself, e.g. AdamW's stochastic rounding).
 // Neither arithmetic nor comparison operators are defined: code that would compute in bf16 does not compile.
 #pragma once
 
@@ -36,3 +37,11 @@ inline float __bfloat162float(__nv_bfloat16 h) {
     memcpy(&f, &u, 4);
     return f;
 }
+
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short bits) {
+    __nv_bfloat16 out;
+    out.__x = bits;
+    return out;
+}
+
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.__x; }
