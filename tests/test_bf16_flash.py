@@ -15,7 +15,8 @@ where a_k b_k are the terms of the second product (P V for out, P^T dO for dV, d
 fp32 slack covers the fp32-rounding differences of S, P, dP, D (2^-16 of the terms' magnitude |P| (|dP| + |D|),
 generous); measured: at most 0.69 of that bound. Against the scale of each output (max |ref|): 1.9e-3 to 4.0e-3 here
 (other seeds and shapes: up to 7.6e-3, about 2^-7); asserted below 2^-6. The two layouts give bitwise the same
-results (the kernels never depend on the fragment layout).
+results, the second also with the threads run in reverse (no dependence on the fragment layout, no missing
+barrier).
 """
 import math
 
@@ -31,6 +32,7 @@ from gpt2np.backends.numpy_bf16 import Bf16NumpyBackend
 
 HS = 64
 LAYOUTS = (0, 0xC0FFEE)
+SCHEDULES = ("forward", "reverse")   # the second run: another layout and the threads reversed
 ONE_ROUNDING = 2.0 ** -8
 SLACK = 2.0 ** -16                 # fp32 rounding differences of S, P, dP, D, relative to the terms' magnitude
 SCALE_TOL = 2.0 ** -6              # max error over max |ref| of each output
@@ -54,9 +56,9 @@ def heads(x, NH, part=0, parts=1):
     return up(x[..., part * C:(part + 1) * C]).reshape(B, T, NH, HS).transpose(0, 2, 1, 3)
 
 
-def run_kernels(inp, dout, NH, layout):
-    """out, lse, dinp of the bf16 CUDA kernels on the emulator (one layout)."""
-    be = CudaBackend(EmuRuntime(wmma_layout=layout), dtype=BF16)
+def run_kernels(inp, dout, NH, layout, schedule):
+    """out, lse, dinp of the bf16 CUDA kernels on the emulator (one WMMA layout and thread schedule)."""
+    be = CudaBackend(EmuRuntime(schedule=schedule, wmma_layout=layout), dtype=BF16)
     B, T, C3 = inp.shape
     out, lse = be.zeros((B, T, C3 // 3), BF16), be.zeros((B, NH, T), np.float32)
     be.flash_attention_forward(out, lse, be.rt.from_host(inp))
@@ -92,8 +94,8 @@ def test_bf16_flash_matches_the_bf16_reference(B, NH, T):
     rng = np.random.default_rng(T)
     inp = rng.standard_normal((B, T, 3 * C)).astype(np.float32).astype(BF16)
     dout = rng.standard_normal((B, T, C)).astype(np.float32).astype(BF16)
-    runs = [run_kernels(inp, dout, NH, layout) for layout in LAYOUTS]
-    for a, b in zip(*runs):                                    # no dependence on the fragment layout
+    runs = [run_kernels(inp, dout, NH, layout, schedule) for layout, schedule in zip(LAYOUTS, SCHEDULES)]
+    for a, b in zip(*runs):                                    # no dependence on the fragment layout or schedule
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
     out, lse, dinp = runs[0]
     assert out.dtype == BF16 and dinp.dtype == BF16 and lse.dtype == np.float32
