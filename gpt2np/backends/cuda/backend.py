@@ -795,7 +795,7 @@ class CudaBackend:
         self._check_int_size(op, "inp", B * T * C3)
         capability = getattr(self.rt, "compute_capability", None)
         if capability is not None and capability() < 80:
-            raise KernelArgumentError(f"CudaBackend.{op}: the flash attention kernels need TF32 tensor cores "
+            raise KernelArgumentError(f"CudaBackend.{op}: the flash attention kernels need bf16 or TF32 tensor cores "
                                       f"(sm_80 or newer), {self.device_name()} is sm_{capability()}; "
                                       f"use --attention naive")
         return B, T, NH, C
@@ -803,7 +803,8 @@ class CudaBackend:
     def flash_attention_forward(self, out, lse, inp):
         """Causal self-attention without the (T,T) matrix: inp (B,T,3C) -> out (B,T,C), lse (B,NH,T) (the log-sum-exp
         of each row of the scaled, masked scores). One kernel: a block per (32-query tile, batch*head), online
-        softmax over the key tiles, tensor-core (WMMA TF32) products; head size 64 only."""
+        softmax over the key tiles, tensor-core products (WMMA TF32, or bf16 in the bf16 build: qkv, out bf16, lse
+        fp32); head size 64 only."""
         op = "flash_attention_forward"
         B, T, NH, C = self._flash_shapes(op, inp, lse)
         self._check_shape(op, "out", out, (B, T, C))

@@ -23,12 +23,14 @@ Supported CUDA subset (details at the top of emu/cuda_emu.h):
     votes (__all_sync, __any_sync, __ballot_sync), __reduce_*_sync, __match_*_sync,
     atomics via std::atomic_ref, and a cooperative_groups subset (thread_block,
     tiled_partition<N>, tile shuffles/votes, cg::reduce with cg::plus/less/greater, scans).
-  * <mma.h>: nvcuda::wmma m16n16k8 TF32 fragments (load/store/mma_sync as warp collectives,
-    fill_fragment, __float_to_tf32), TF32 inputs and fp32 accumulation (emu/include/mma.h). The
+  * <mma.h>: nvcuda::wmma m16n16k8 TF32 and m16n16k16 __nv_bfloat16 fragments (load/store/mma_sync
+    as warp collectives, fill_fragment, __float_to_tf32), TF32 or bf16 inputs and fp32
+    accumulation (emu/include/mma.h). The
     element layout of fragments is picked per launch (wmma_layout: 0 natural, else a seeded
     permutation; GPT2NP_EMU_WMMA_LAYOUT), so comparing two layouts catches a kernel that
     depends on the layout, which CUDA leaves unspecified.
-  * Not emulated: half/bfloat16, textures, grid-wide sync, memcpy_async, inline PTX.
+  * <cuda_bf16.h>: __nv_bfloat16 as storage with its two conversions (emu/include/cuda_bf16.h).
+  * Not emulated: half, bf16 arithmetic operators, textures, grid-wide sync, memcpy_async, inline PTX.
 
 Semantics and checks:
   * Blocks run one after another; a block's threads run round-robin and switch only at barriers
