@@ -198,9 +198,6 @@ class TrainConfig:
         if self.tf32 and self.precision in ("fp32", "bf16"):
             raise BadInput(f"--tf32 with --precision {self.precision}: --tf32 means --precision tf32; give one of "
                            f"them")
-        if self.precision == "bf16" and self.device == "cuda":
-            from .backends import NO_BF16_KERNELS
-            raise BadInput(NO_BF16_KERNELS)
         if self.resume and not self.output_dir:
             raise BadInput("-y 1 without -o: resuming reads the checkpoints in -o DIR")
         if self.checkpoint_every > 0 and not self.output_dir:

@@ -11,7 +11,7 @@
 import argparse
 from dataclasses import fields
 
-from .cli import ArgumentParser, BadInput, one_line_errors, tool
+from .cli import ArgumentParser, one_line_errors, tool
 from .config import TrainConfig, default_text, value_type
 
 
@@ -39,10 +39,6 @@ def parse_config(argv=None):
 def main(argv=None):
     """Parse and validate the flags (bad ones: one `error:` line, exit 2), then train (a failure: one line, exit 1)."""
     cfg = parse_config(argv).validate()
-    if cfg.precision == "bf16" and cfg.device == "auto":
-        from .backends import NO_BF16_KERNELS, resolve_name
-        if resolve_name("auto") != "numpy":              # auto picked the GPU: no bf16 kernels there yet
-            raise BadInput(NO_BF16_KERNELS)
     from .dist import abort_job
     from .trainer import train
     # bad files and faults during the run: one line and exit 1; under mpiexec the other ranks must not wait for us

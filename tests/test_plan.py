@@ -13,6 +13,7 @@ from test_train import tiny_model  # noqa: F401  (fixture)
 from gpt2np.backends import get_backend
 from gpt2np.backends.contract import op_cost
 from gpt2np.backends.cuda.runtime_plan import PlanArray, PlanRuntime
+from gpt2np.cli import BadInput
 from gpt2np.config import GPT2Config, preset
 from gpt2np.model import GPT2, STATS
 from gpt2np.profiling import plan as P
@@ -283,3 +284,26 @@ def test_flash_kernels_are_held_against_the_tensor_core_peak():
     floor_softmax, _ = P.launch_floor(softmax, roof)
     assert floor_flash == pytest.approx(1e12 / roof.matmul_peak_flops * 1e9)
     assert floor_softmax > 5 * floor_flash
+
+
+def test_bf16_plan_of_d12_meets_issue_15s_floor_and_halves_the_storage():
+    """Issue 15's planner target: d12 B4 T1024 bf16 on H100 has a floor <= 8 ms. Its parameters, gradients and
+    activations are bf16 (half the bytes; the LayerNorm statistics, losses, lse, AdamW's moments and the master
+    weights stay fp32), so the activation memory halves and the bytes a step moves drop by well over a third; no
+    host sync, one graph launch; GEMMs and the WMMA flash kernels held against the bf16 tensor-core peak."""
+    d12 = {p: P.plan_step(preset("d12"), 4, 1024, "H100", p) for p in ("tf32", "bf16")}
+    bf16, tf32 = d12["bf16"], d12["tf32"]
+    assert bf16.precision == "bf16" and bf16.floor_ns <= 8e6 and bf16.floor_ns < tf32.floor_ns
+    assert bf16.bytes <= 0.62 * tf32.bytes                        # moved per step
+    assert bf16.memory_bytes <= 0.7 * tf32.memory_bytes          # allocated (the fp32 masters are new)
+    acts = {p: next(b["bytes"] for b in d12[p].memory["buffers"] if b["buffer"] == "activations") for p in d12}
+    assert 0.5 <= acts["bf16"] / acts["tf32"] < 0.51
+    assert bf16.host_syncs == 0 and bf16.graph_launches == 1
+    h100 = lookup("H100")
+    for x in bf16.launches:
+        r = x.record
+        if r.is_gemm or r.matmul_ceiling:
+            peak, bw = h100.bf16 * 1e12, h100.mem_gbps * 1e9
+            assert x.floor_ns == pytest.approx(max(r.flops / peak, r.bytes / bw) * 1e9)
+    with pytest.raises(BadInput, match="no bf16 tensor cores"):
+        P.plan_step(CFG, B, T, "V100", "bf16")

@@ -1,8 +1,9 @@
 """Pick a backend by name: 'numpy' (CPU reference), 'cuda' (CuPy on a GPU), 'emu' (CUDA kernels on the CPU
 emulator, for tests) or 'auto' (cuda when a GPU is usable, else numpy), at a precision: 'fp32' everywhere,
 'tf32' (TF32 tensor cores for the cuBLAS matmuls; the emulator rounds the GEMM inputs the same way), 'bf16'
-(bf16 storage, fp32 compute and accumulation, fp32 master weights: on the numpy backend only for now, the
-reference the bf16 CUDA kernels will be tested against; see numpy_bf16.py).
+(llm.c's mixed precision: bf16 storage, fp32 compute and accumulation, fp32 master weights; numpy_bf16.py is the
+reference, the CUDA backend's bf16 build of its kernels (kernels/common.cuh's floatX) with bf16 cuBLAS GEMMs runs it
+on a GPU with bf16 tensor cores (sm_80+) and on the emulator).
 
 Whether the GPU can be used is one function, cuda_problem(): None, or one line saying what is missing or wrong
 (CuPy, the driver, a GPU, cuBLAS, NVRTC) and how to fix it; `--device cuda` without a usable GPU ends with it.
@@ -11,15 +12,12 @@ Training's default precision is resolve_precision(): tf32 on a GPU with tensor c
 import importlib
 import os
 
-PRECISIONS = {"numpy": ("fp32", "bf16"), "cuda": ("fp32", "tf32"), "emu": ("fp32", "tf32")}
-# what a bf16 request on a backend without bf16 says (cuda, emu: the bf16 kernels are not written yet, issue 15)
-NO_BF16_KERNELS = ("--precision bf16: the CUDA backend has no bf16 kernels yet (issue 15); the bf16 reference runs "
-                   "on the CPU (--device cpu), or use --precision fp32 or tf32 on the GPU")
+PRECISIONS = {"numpy": ("fp32", "bf16"), "cuda": ("fp32", "tf32", "bf16"), "emu": ("fp32", "tf32", "bf16")}
 
 CUDA_MAJOR = 13                  # the CUDA that cupy-cuda13x and the nvidia-*-cu13 wheels are built for
 MIN_DRIVER_CUDA = 13000          # cudaDriverGetVersion() of a driver for CUDA 13.0 (R580 and newer)
 MIN_COMPUTE_CAPABILITY = 75      # CUDA 13 builds for Turing (sm_75) and newer
-TENSOR_CORE_TF32 = 80            # TF32 tensor cores: Ampere (sm_80) and newer
+TENSOR_CORE_TF32 = 80            # TF32 and bf16 tensor cores: Ampere (sm_80) and newer
 INSTALL = 'pip install -e ".[cuda]"'
 
 
@@ -162,8 +160,16 @@ def resolve_precision(name: str, requested: str | None = None, capability=None):
     if requested not in (None, "fp32", "tf32", "bf16"):
         raise ValueError(f"unknown precision {requested!r}: expected fp32, tf32 or bf16")
     if requested == "bf16":
-        if "bf16" not in PRECISIONS[name]:
-            raise PrecisionUnavailable(NO_BF16_KERNELS)
+        if name == "cuda":
+            if capability is None:
+                problem = cuda_problem()
+                if problem:
+                    raise BackendUnavailable(f"--device cuda: {problem}")
+                capability = compute_capability()
+            if int(capability) < TENSOR_CORE_TF32:
+                raise PrecisionUnavailable(f"--precision bf16: this GPU (sm_{int(capability)}) has no bf16 tensor "
+                                           f"cores (sm_80 and newer have them); use --precision fp32 on it, or bf16 "
+                                           f"on the CPU (--device cpu)")
         return "bf16", None
     if name == "emu":
         return requested or "fp32", None
@@ -223,8 +229,6 @@ def get_backend(name: str = "numpy", precision: str = "fp32", **options):
     name = resolve_name(name)
     if name not in PRECISIONS:
         raise ValueError(f"unknown backend {name!r}: expected numpy, cuda, emu or auto")
-    if precision == "bf16" and precision not in PRECISIONS[name]:
-        raise PrecisionUnavailable(NO_BF16_KERNELS)
     if precision not in PRECISIONS[name]:
         raise ValueError(f"backend {name} has no precision {precision!r}: expected {', '.join(PRECISIONS[name])}")
     if name == "numpy" and precision == "bf16":
@@ -233,12 +237,14 @@ def get_backend(name: str = "numpy", precision: str = "fp32", **options):
     if name == "numpy":
         from .numpy_backend import NumpyBackend
         return NumpyBackend(**options)
+    from .bf16 import BF16
     from .cuda.backend import CudaBackend
+    dtype = BF16 if precision == "bf16" else "float32"        # bf16: the bf16 build of every kernel
     if name == "cuda":
         problem = cuda_problem()
         if problem:
             raise BackendUnavailable(f"--device cuda: {problem}")
         from .cuda.runtime_cupy import CupyRuntime
-        return CudaBackend(CupyRuntime(tf32=precision == "tf32", **options))
+        return CudaBackend(CupyRuntime(tf32=precision == "tf32", **options), dtype=dtype)
     from .cuda.runtime_emu import EmuRuntime
-    return CudaBackend(EmuRuntime(tf32=precision == "tf32", **options))
+    return CudaBackend(EmuRuntime(tf32=precision == "tf32", **options), dtype=dtype)

@@ -243,6 +243,8 @@ class PlanRuntime:
     def gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
              batch=1, epilogue="none", bias=None, aux=None, ld_aux=0):
         from .runtime_emu import check_epilogue
+        if len({a.dtype, b.dtype, c.dtype}) != 1:
+            raise ValueError(f"gemm operands of mixed dtypes ({a.dtype}, {b.dtype}, {c.dtype})")
         _check_operand(a, batch, (k, m) if transa else (m, k), lda, stride_a, "A")
         _check_operand(b, batch, (n, k) if transb else (k, n), ldb, stride_b, "B")
         _check_operand(c, batch, (m, n), ldc, stride_c, "C")
@@ -316,10 +318,11 @@ class PlanRuntime:
 
 
 def _check_operand(array, batch, shape, ld, stride, what):
+    from .runtime_emu import BIAS_DTYPES
     """The emulator's GEMM operand check on sizes: `batch` (rows, cols) matrices with row stride ld and
     batch stride `stride` must fit in the array."""
-    if array.dtype != np.float32:
-        raise ValueError(f"gemm operand {what} must be a float32 array, got {array.dtype}")
+    if array.dtype not in BIAS_DTYPES:
+        raise ValueError(f"gemm operand {what} must be a float32 or bfloat16 array, got {array.dtype}")
     rows, cols = shape
     extent = (batch - 1) * stride + (rows - 1) * ld + cols if batch and rows and cols else 0
     if extent > array.size or ld < cols:
