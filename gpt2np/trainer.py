@@ -234,7 +234,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         ("grad clip", cfg.grad_clip), ("max_steps", cfg.max_steps), ("val_loss_every", cfg.val_every),
         ("val_max_steps", cfg.val_max_batches), ("sample_every", cfg.sample_every), ("genT", cfg.gen_tokens),
         ("overfit_single_batch", cfg.overfit_single_batch), ("seed", cfg.seed), ("processes", dist.world_size),
-        ("zero stage", dist.zero_stage), ("device", f"{backend.name} ({device_name})"),
+        ("zero stage", dist.zero_stage), ("device", "cuda (the CPU emulator)" if backend_name == "emu"
+                                                  else f"{backend.name} ({device_name})"),
         ("precision", PRECISION_TEXT.get(backend.precision, backend.precision)), ("attention", attention),
         ("model", model_desc)]))
     say(header_table([("max_sequence_length T", model_cfg.max_seq_len), ("vocab_size V", model_cfg.vocab_size),

@@ -296,9 +296,12 @@ def train_args(files, *more, precision="bf16", device="cpu"):
                              *more]]
 
 
-def test_train_bf16_resume_is_bitwise(files, tmp_path, capsys):
+@pytest.mark.parametrize("device", ["cpu", "emu"])
+def test_train_bf16_resume_is_bitwise(files, tmp_path, capsys, device):
+    """A bf16 run (the numpy reference, or the CUDA backend's bf16 build on the emulator: device AdamW, stochastic
+    rounding, CUDA graphs) stopped at step 3 and resumed gives the straight run's losses and files bit for bit."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    base = train_args(files, "-e", files / "tiny_bf16.bin", "-x", 6, "-n", 3)
+    base = train_args(files, "-e", files / "tiny_bf16.bin", "-x", 6, "-n", 3, device=device)
     assert train.main(base + ["-o", str(full)]) == 0
     out_full = capsys.readouterr().out
     assert "bf16 (bf16 storage" in out_full
@@ -321,7 +324,7 @@ def test_train_bf16_resume_is_bitwise(files, tmp_path, capsys):
     assert np.all(np.abs(up(params) - master) <= 2.0 ** -7 * np.abs(master))
     # an fp32 run of the same folder is another run's: one line
     assert train.main(train_args(files, "-e", files / "tiny_bf16.bin", "-x", 6, "-o", full, "-y", 1,
-                                 precision="fp32")) == 1
+                                 precision="fp32", device=device)) == 1
     assert "--precision bf16 there, unset here" in capsys.readouterr().err
 
 
