@@ -232,12 +232,12 @@ def parse_args(argv=None):
                    help="precision of the PyTorch reference")
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="fp32",
                    help="gpt2np's matmuls: fp32, or tf32 (TF32 tensor cores; cuda and emu backends) against the "
-                        "same fp32 reference with the tf32 tolerances; bf16 (numpy backend): gpt2np's bf16 and "
+                        "same fp32 reference with the tf32 tolerances; bf16 (every backend): gpt2np's bf16 and "
                         "PyTorch autocast bf16, each against PyTorch fp32, gpt2np's error at most "
                         f"{BF16_RATIO:g}x autocast's (default fp32)")
     p.add_argument("--attention", choices=("naive", "flash"), default="naive",
-                   help="gpt2np's attention: naive, or flash (on cuda and emu: TF32 tensor cores whatever --precision "
-                        "says, so checked with the tf32 tolerances; head size 64) (default naive)")
+                   help="gpt2np's attention: naive, or flash (on cuda and emu: TF32 tensor cores at fp32 and tf32, so "
+                        "checked with the tf32 tolerances; bf16 WMMA at bf16; head size 64) (default naive)")
     p.add_argument("--rel-tol", type=float, default=None,
                    help=f"relative tolerance, logits and grads (default {REL_TOL:g}; tf32: {TF32_REL_TOL:g})")
     p.add_argument("--loss-tol", type=float, default=None,
@@ -389,7 +389,7 @@ def run_bf16(args, cfg, params) -> int:
     if B <= 0 or not 0 < T <= cfg.max_seq_len:
         raise ValueError(f"need B > 0 and 0 < T <= max_seq_len {cfg.max_seq_len}, got B={B} T={T}")
     x, y = make_batch(cfg, B, T, args.seed, args.data)
-    model = build_model(cfg, args.backend, B, T, params, "bf16")      # rounds the weights to bf16 (RNE) once
+    model = build_model(cfg, args.backend, B, T, params, "bf16", args.attention)   # weights rounded (RNE) once
     start = np.asarray(model.params_host(), np.float32)               # the same weights for all three
     weights_only = relative_l2(TorchGPT2(cfg, start).forward_backward(x, y).logits,
                                TorchGPT2(cfg, params).forward_backward(x, y).logits)
@@ -406,7 +406,8 @@ def run_bf16(args, cfg, params) -> int:
     print(f"model {args.model}: L={cfg.num_layers} NH={cfg.num_heads} C={cfg.channels} "
           f"V={cfg.vocab_size} Vp={cfg.padded_vocab_size} maxT={cfg.max_seq_len}")
     print(f"batch B={B} T={T} ({batch}); gpt2np backend {args.backend} (bf16: bf16 weights, activations and "
-          f"gradients, fp32 math) and PyTorch autocast bf16, each against PyTorch fp32\n")
+          f"gradients, fp32 math; {args.attention} attention) and PyTorch autocast bf16, each against PyTorch "
+          f"fp32\n")
     rows = bf16_errors(ours, ac, ref)
     print(format_bf16(rows))
     print(f"mean loss: fp32 {ref.loss:.6f}, autocast {ac.loss:.6f} ({ac.loss - ref.loss:+.2e}), gpt2np bf16 "

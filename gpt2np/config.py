@@ -159,7 +159,8 @@ class TrainConfig:
     precision: str | None = _setting("--precision", None, "math of the matmuls: tf32 (TF32 tensor cores, 10-bit "
                                      "mantissa inputs, fp32 accumulation) or fp32 (exact); tf32 needs a GPU with "
                                      "tensor cores (sm_80+); bf16: bf16 weights, gradients and activations, fp32 "
-                                     "math, master weights and AdamW (the NumPy reference; no GPU kernels yet)",
+                                     "math, master weights and AdamW, llm.c's scheme (the CPU reference; the CUDA "
+                                     "kernels' bf16 build on sm_80+ and --device emu)",
                                      choices=("fp32", "tf32", "bf16"),
                                      default_text="tf32 on a GPU with tensor cores and fp32 elsewhere")
     tf32: bool = _setting("--tf32", False, "the same as --precision tf32 (kept for llm.c-style command lines)")
