@@ -1,21 +1,25 @@
 """GPU training-step benchmark: ms/step, tokens/s, MFU and per-kernel times for gpt2np's CUDA backend.
 
-A step = forward (with dlogits) + backward + global-norm clipping + AdamW, on random tokens, d12 (124M)
-at B=4, T=1024 by default. Step time is measured with CUDA events over --steps steps after --warmup
-steps. MFU = flops_per_token (6N + 6LCT, llm.c's estimate) * tokens/s / the device's peak: the peak
-of the GEMM precision in use (fp32, or tf32 with --tf32) and, as llm.c reports it, the TF32 peak.
-Then one more step runs with every kernel and GEMM bracketed by CUDA events (the CudaBackend
-on_launch hook) for the per-kernel table.
+A step = forward (with dlogits) + backward + global-norm clipping + AdamW (gpt2np's train_step, the trainer's),
+on random tokens, d12 (124M) at B=4, T=1024 by default, on the fast path by default: --precision tf32 (fp32, bf16:
+llm.c's mixed precision, the kernels' bf16 build), --attention flash, --fuse 1 (GEMM epilogues, fused
+residual+LayerNorm), --cuda-graphs 1 (each timed step one graph launch). Step time is measured with CUDA events over
+--steps steps after --warmup steps. MFU = flops_per_token (6N + 6LCT, llm.c's estimate) * tokens/s / the device's
+peak: the peak of the GEMM precision in use and, as llm.c reports it, the TF32 (bf16 runs: the bf16) peak. Peak
+device memory (CuPy's pool high-water mark) is printed beside it. Then one more step runs eagerly under the built-in
+profiler (CUPTI's kernel times where cupti-python is installed) for the per-kernel table.
 
 Last, PyTorch trains the same model on the same GPU, B and T (--torch eager,compile; none: off): GPT-2 with
 tanh GELU, tied wte/lm_head over the padded vocabulary, causal attention by F.scaled_dot_product_attention
 (--torch-attention manual: the materialized softmax, as gpt2np does it), global-norm clipping at 1.0 and fused
 AdamW (weight decay 0.1 on the 2-D tensors), TF32 matmuls exactly when gpt2np's GEMMs use them
-(set_float32_matmul_precision "high" / "highest"), in eager mode and under torch.compile; it prints ms/step for
-each and gpt2np's ratio to the fastest. With --runtime emu the PyTorch side runs eager on the CPU (says so; its
+(set_float32_matmul_precision "high" / "highest"), bf16 runs under torch.autocast(bfloat16) (PyTorch's bf16
+mixed precision, fp32 weights), in eager mode and under torch.compile; it prints ms/step for each and gpt2np's
+ratio to the fastest. With --runtime emu the PyTorch side runs eager on the CPU (says so; its
 time is not comparable) and torch.compile is skipped.
 
-    python bench/gpu_step.py [--model d12] [-b 4] [-t 1024] [--steps 10] [--warmup 3] [--tf32] [--top 25]
+    python bench/gpu_step.py [--model d12] [-b 4] [-t 1024] [--steps 10] [--warmup 3] [--precision tf32|fp32|bf16]
+                             [--attention flash|naive] [--fuse 1|0] [--cuda-graphs 1|0] [--top 25]
     python bench/gpu_step.py --runtime emu --model tiny -t 16 --steps 1 --warmup 0   # dry run, no GPU
 """
 import argparse
@@ -24,7 +28,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from gpt2np.backends.cuda.backend import CudaBackend
+from gpt2np.backends import get_backend
 from gpt2np.config import GPT2Config, preset
 from gpt2np.model import GPT2
 from gpt2np.profiling.gpu_specs import flops_per_token, lookup, mfu
@@ -32,31 +36,36 @@ from gpt2np.profiling.profiler import Profiler
 from gpt2np.train_step import AdamW, train_step
 
 ADAMW = AdamW(weight_decay=0.1)
-TINY = GPT2Config(max_seq_len=64, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=32)
+# the tiny model (--model tiny, dry runs on the emulator) has head size 64, so flash attention runs on it too
+TINY = GPT2Config(max_seq_len=64, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=128)
 
 
 def make_backend(args):
-    if args.runtime == "emu":
-        from gpt2np.backends.cuda.runtime_emu import EmuRuntime
-        return CudaBackend(EmuRuntime())
-    from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
-    return CudaBackend(CupyRuntime(tf32=args.tf32))
+    """The CUDA backend on CuPy (or the emulator) at --precision: bf16 picks the kernels' bf16 build."""
+    return get_backend("emu" if args.runtime == "emu" else "cuda", precision=args.precision)
 
 
-def run_step(model, x, y, step):
-    """One training step (gpt2np's train_step): lr 3e-4, weight decay 0.1, clipping at 1.0."""
-    train_step(model, lambda: (x, y), step=step, lr=3e-4, adamw=ADAMW)
+def run_step(model, x, y, step, graphs=False):
+    """One training step (gpt2np's train_step): lr 3e-4, weight decay 0.1, clipping at 1.0; with `graphs`, captured
+    once and replayed as a CUDA graph."""
+    train_step(model, lambda: (x, y), step=step, lr=3e-4, adamw=ADAMW, cuda_graphs=graphs)
 
 
-def time_steps(model, be, x, y, first_step, steps):
+def time_steps(model, be, x, y, first_step, steps, graphs):
     """Mean milliseconds per step over `steps` steps, by CUDA events around the whole run."""
     start, end = be.event(), be.event()
     be.synchronize()
     start.record()
     for i in range(steps):
-        run_step(model, x, y, first_step + i)
+        run_step(model, x, y, first_step + i, graphs)
     end.record()
     return be.elapsed_ms(start, end) / steps
+
+
+def peak_memory(be):
+    """Bytes of device memory held at the high-water mark (CuPy's pool total), or None on the emulator."""
+    pool = getattr(getattr(be.rt, "cp", None), "get_default_memory_pool", None)
+    return None if pool is None else pool().total_bytes()
 
 
 def kernel_times(model, be, x, y, step):
@@ -98,7 +107,15 @@ def main(argv=None):
     parser.add_argument("-t", type=int, default=1024, help="sequence length T")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, cuBLAS heuristics)")
-    parser.add_argument("--tf32", action="store_true", help="TF32 tensor cores for the GEMMs (default: exact fp32)")
+    parser.add_argument("--precision", choices=("tf32", "fp32", "bf16"), default=None,
+                        help="tf32 (default): TF32 tensor cores for the fp32 GEMMs; fp32: exact; bf16: llm.c's mixed "
+                             "precision (bf16 storage and tensor cores, fp32 master weights)")
+    parser.add_argument("--tf32", action="store_true", help="the same as --precision tf32")
+    parser.add_argument("--attention", choices=("flash", "naive"), default="flash",
+                        help="flash (default; head size 64, sm_80+) or naive (the (T,T) probabilities kept)")
+    parser.add_argument("--fuse", type=int, choices=(0, 1), default=1, help="1 (default): the fused ops")
+    parser.add_argument("--cuda-graphs", type=int, choices=(0, 1), default=1,
+                        help="1 (default): the timed steps replay a captured CUDA graph")
     parser.add_argument("--top", type=int, default=25, help="rows of the per-kernel table")
     parser.add_argument("--runtime", choices=("cupy", "emu"), default="cupy", help="emu: CPU emulator dry run")
     parser.add_argument("--torch", default="eager,compile",
@@ -106,6 +123,9 @@ def main(argv=None):
     parser.add_argument("--torch-attention", choices=("sdpa", "manual"), default="sdpa",
                         help="PyTorch's attention: F.scaled_dot_product_attention, or the materialized softmax")
     args = parser.parse_args(argv)
+    if args.tf32 and args.precision not in (None, "tf32"):
+        parser.error(f"--tf32 with --precision {args.precision}: give one of them")
+    args.precision = args.precision or "tf32"
     bad = set(args.torch.split(",")) - {"eager", "compile", "none", ""}
     if bad:
         parser.error(f"--torch {args.torch}: unknown {', '.join(sorted(bad))} (eager, compile or none)")
@@ -116,34 +136,42 @@ def main(argv=None):
     be = make_backend(args)
     device = be.device_name()
     B, T = args.b, args.t
-    model = GPT2(cfg, be, B, T, seed=0)
+    if args.attention == "flash" and cfg.channels // cfg.num_heads != 64:
+        parser.error(f"--attention flash needs head size 64; --model {args.model} has "
+                     f"{cfg.channels // cfg.num_heads} (use --attention naive)")
+    model = GPT2(cfg, be, B, T, seed=0, attention=args.attention, fuse=bool(args.fuse))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
-    for step in range(args.warmup):
-        run_step(model, x, y, step)
-    step_ms = time_steps(model, be, x, y, args.warmup, max(1, args.steps))
+    graphs = bool(args.cuda_graphs)
+    for step in range(max(args.warmup, 2 if graphs else 0)):       # with graphs: the capture is a warm-up step
+        run_step(model, x, y, step, graphs)
+    warm = max(args.warmup, 2 if graphs else 0)
+    step_ms = time_steps(model, be, x, y, warm, max(1, args.steps), graphs)
+    peak = peak_memory(be)
     tokens_per_s = B * T / (step_ms / 1e3)
     fpt = flops_per_token(model.num_parameters, cfg.num_layers, cfg.channels, T)
     precision = be.precision
     spec = lookup(device)
     mfu_used = mfu(fpt, tokens_per_s, device, precision)
-    mfu_tf32 = mfu(fpt, tokens_per_s, device, "tf32")
+    convention = "bf16" if precision == "bf16" else "tf32"
+    mfu_llmc = mfu(fpt, tokens_per_s, device, convention)
 
     print(f"device: {device} ({spec.name if spec else 'no peak numbers known'}), runtime {be.rt.name}, "
-          f"GEMMs {precision}")
+          f"precision {precision}, attention {args.attention}, fuse {args.fuse}, cuda graphs {args.cuda_graphs}")
     print(f"model: {args.model} ({model.num_parameters / 1e6:.2f}M parameters), B={B}, T={T}, "
-          f"{args.steps} timed steps after {args.warmup} warmup")
+          f"{args.steps} timed steps after {warm} warmup")
     print(f"step: {step_ms:.2f} ms, {tokens_per_s:,.0f} tokens/s, {fpt * tokens_per_s / 1e12:.2f} TFLOP/s "
-          f"({fpt / 1e6:.1f} MFLOP/token)")
+          f"({fpt / 1e6:.1f} MFLOP/token)" + (f", peak memory {peak / 2 ** 30:.2f} GiB" if peak is not None else ""))
 
     def fmt(value):
         return "n/a" if value is None else f"{100 * value:.1f}%"
 
-    print(f"MFU: {fmt(mfu_used)} of the {precision} peak, {fmt(mfu_tf32)} of the tf32 peak (llm.c's convention)")
+    print(f"MFU: {fmt(mfu_used)} of the {precision} peak, {fmt(mfu_llmc)} of the {convention} peak (llm.c's "
+          f"convention)")
 
-    table = kernel_times(model, be, x, y, args.warmup + args.steps)
+    table = kernel_times(model, be, x, y, warm + args.steps)
     print_kernel_table(table, step_ms, args.top)
 
     modes = [m for m in args.torch.split(",") if m and m != "none"]
@@ -228,7 +256,8 @@ def torch_time(cfg, xt, yt, mode, on_gpu, args):
     fwd = torch.compile(model) if mode == "compile" else model
 
     def step():
-        loss = fwd(xt, yt)
+        with torch.autocast(xt.device.type, dtype=torch.bfloat16, enabled=getattr(args, "autocast", False)):
+            loss = fwd(xt, yt)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
@@ -272,12 +301,13 @@ def torch_comparison(cfg, x, y, gpt2np_ms, modes, precision, args):
               "comparable); torch.compile skipped")
         modes = [m for m in modes if m == "eager"]
     tf32 = precision == "tf32"
+    args.autocast = precision == "bf16"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     name = torch.cuda.get_device_name() if on_gpu else "CPU"
     print(f"PyTorch {torch.__version__} on {name}: same model, B={x.shape[0]}, T={x.shape[1]}, matmuls "
-          f"{'tf32' if tf32 else 'fp32'}, attention {args.torch_attention}, "
+          f"{'bf16 autocast' if args.autocast else 'tf32' if tf32 else 'fp32'}, attention {args.torch_attention}, "
           f"{'fused ' if on_gpu else ''}AdamW, clipping 1.0")
     xt = torch.from_numpy(x.astype(np.int64)).to(device)
     yt = torch.from_numpy(y.astype(np.int64)).to(device)

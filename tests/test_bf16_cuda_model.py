@@ -94,3 +94,20 @@ def test_bf16_training_steps_replay_bitwise_as_cuda_graphs():
     assert eager[0].dtype == BF16 and eager[1].dtype == np.float32
     for a, b in zip(eager, replayed):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_profiled_bf16_step_names_the_bf16_gemms():
+    """Under the profiler a bf16 step's GEMMs are cuBLAS's mixed-precision calls (cublasGemmEx, and
+    cublasGemmStridedBatchedEx for the naive attention's per-head GEMMs), its kernels carry bf16 byte counts."""
+    from gpt2np.profiling.profiler import Profiler
+    be = get_backend("emu", "bf16")
+    model = GPT2(CFG, be, B, T, attention="naive", fuse=False)
+    model.load_params(weights())
+    with Profiler(be) as prof:
+        train_step(model, batch, step=0, lr=1e-3).resolve()
+    gemms = [r for r in prof.records if r.is_gemm]
+    assert gemms and all(r.kernel.startswith("cublasGemmEx (") for r in gemms)
+    api = {a.name for a in prof.api}
+    assert {"cublasGemmEx", "cublasGemmStridedBatchedEx"} <= api and "cublasSgemm_v2" not in api
+    residual = next(r for r in prof.records if r.kernel == "residual_forward")
+    assert residual.bytes == 2 * 3 * B * T * CFG.channels         # two bf16 reads and a bf16 write per element

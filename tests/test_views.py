@@ -145,6 +145,8 @@ def test_api_calls_one_per_launch_and_copy(emu):
     assert api["cuLaunchKernel"] == sum(not r.kernel.startswith("cublas") for r in kernels)
     assert api["cublasSgemm_v2"] + api["cublasSgemmStridedBatched"] + api["cublasLtMatmul"] == sum(
         r.kernel.startswith("cublas") for r in kernels)
+    batched = sum(r.kernel.startswith("cublas") and "gemm_attention" in r.kernel for r in kernels)
+    assert api["cublasSgemmStridedBatched"] == batched > 0     # the naive attention's per-head GEMMs
     assert api["cudaStreamSynchronize"] == 0                   # the device step never waits for the device
     by_idx = {r.idx: r for r in step.records}
     for a in step.api:

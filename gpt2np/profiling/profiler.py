@@ -41,6 +41,7 @@ TERM_MODULES = {("encoder_backward", "dwpe"): "wpe", ("encoder_forward", "dwpe")
 
 # the CUDA call each Runtime method stands for (API rows when CUPTI does not record the real ones)
 API_NAMES = {"launch": "cuLaunchKernel", "gemm": "cublasSgemm_v2", "gemm_batched": "cublasSgemmStridedBatched",
+             "gemm_ex": "cublasGemmEx", "gemm_batched_ex": "cublasGemmStridedBatchedEx",      # bf16 operands
              "gemm_epilogue": "cublasLtMatmul",
              "from_host": "cudaMemcpyAsync", "to_host": "cudaMemcpy", "copy": "cudaMemcpyAsync",
              "upload": "cudaMemcpyAsync", "read_async": "cudaMemcpyAsync",
@@ -85,10 +86,14 @@ class RecordingRuntime:
         return self._call(API_NAMES["launch"], self._rt.launch, function, grid, block, args, shared_mem)
 
     def gemm(self, *args, **epilogue):
-        batch = args[-1] if len(args) > 17 else 1
-        if epilogue:                          # a GEMM with an epilogue (runtime.EPILOGUES): cuBLASLt's call
+        # Runtime.gemm(transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
+        # batch): 17 positional arguments, batch last (16: batch left at its default, 1)
+        batch = args[16] if len(args) > 16 else epilogue.pop("batch", 1)
+        if epilogue and any(v is not None and v != "none" for v in epilogue.values()):
             return self._call(API_NAMES["gemm_epilogue"], lambda *a: self._rt.gemm(*a, **epilogue), *args)
-        return self._call(API_NAMES["gemm_batched" if batch > 1 else "gemm"], self._rt.gemm, *args)
+        ex = "_ex" if getattr(args[13], "dtype", np.float32) != np.float32 else ""      # C's dtype: bf16 -> GemmEx
+        call = self._rt.gemm if len(args) > 16 else (lambda *a: self._rt.gemm(*a, batch))
+        return self._call(API_NAMES[("gemm_batched" if batch > 1 else "gemm") + ex], call, *args)
 
     def from_host(self, array):
         return self._prof._transfer("memcpy", "HtoD", int(np.asarray(array).nbytes), API_NAMES["from_host"],
@@ -273,7 +278,10 @@ class Profiler:
         flops, nbytes = (0, 0)
         if term is not None and self._op is not None:
             flops, nbytes = self._op[4].terms[term]
-        name = f"cublasSgemm ({kernel})" if kind == "gemm" else kernel
+        if kind == "gemm":
+            name = f"{'cublasGemmEx' if self.backend.dtype != np.float32 else 'cublasSgemm'} ({kernel})"
+        else:
+            name = kernel
         record = self._add(name, self._now(), 0, flops, nbytes)
         if self._op is not None and (self._op[2], term) in TERM_MODULES:
             record.module = TERM_MODULES[(self._op[2], term)]
