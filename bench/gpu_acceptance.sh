@@ -15,9 +15,12 @@
 #   pytest_gpu    python -m pytest -m gpu
 #   compare_fp32  python -m gpt2np.compare --backend cuda, against the PyTorch reference, exact fp32
 #   compare_tf32  the same with --precision tf32 (the TF32 tolerances)
+#   compare_bf16  compare --precision bf16: gpt2np's bf16 and PyTorch autocast bf16 against PyTorch fp32 (FAILs
+#                 while gpt2np's error exceeds 1.5x autocast's: llm.c's bf16 residual stream, see the README)
 #   train         python train.py -e d12 -b 4 -t 1024 --device cuda on the synthetic shards, -o train/
 #   train_loss    the train loss in train/main.log falls (and stays finite)
 #   gpu_step      bench/gpu_step.py: ms/step, tok/s, MFU, per-kernel table, PyTorch eager and torch.compile
+#   gpu_step_bf16 the same in bf16 (--precision bf16; PyTorch under bf16 autocast), and at llm.c's B=64 (--full)
 #   kernels       python -m gpt2np.profiling.profiler: the kernel table of one step (profile/ has CSV/JSON/trace)
 #   plan_measure  python -m gpt2np.profiling.profiler --plan --measure: planned floor vs measured time per op
 #   memcheck      compute-sanitizer --tool memcheck over one training step of a tiny model
@@ -35,7 +38,7 @@ ACC_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(dirname "$ACC_DIR")
 HELPER="$ACC_DIR/gpu_acceptance.py"
 PY=${PYTHON:-python}
-STAGES="preflight setup pytest_gpu compare_fp32 compare_tf32 train train_loss gpu_step kernels plan_measure memcheck racecheck"
+STAGES="preflight setup pytest_gpu compare_fp32 compare_tf32 compare_bf16 train train_loss gpu_step gpu_step_bf16 kernels plan_measure memcheck racecheck"
 
 usage() { sed -n '2,/^# The script can be sourced/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
@@ -180,14 +183,19 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
             acc_run compare_fp32 300 "$PY" -m gpt2np.compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 --steps 2
             acc_run compare_tf32 300 "$PY" -m gpt2np.compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 --steps 2 \
                 --precision tf32
+            acc_run compare_bf16 300 "$PY" -m gpt2np.compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 \
+                --precision bf16
         else
             acc_skip compare_fp32 "$TORCH_CPU_WHY"
             acc_skip compare_tf32 "$TORCH_CPU_WHY"
+            acc_skip compare_bf16 "$TORCH_CPU_WHY"
         fi
         acc_run train 300 "$PY" train.py -e "$data/tiny.bin" -i "$data/train_*.bin" -j "$data/val_*.bin" \
-            -b 4 -t 32 -x 20 -v 10 -m 2 -s 0 -l 3e-3 -o "$OUT/train" --device cpu
+            -b 4 -t 32 -x 20 -v 10 -m 2 -s 0 -l 3e-3 -o "$OUT/train" --device emu
         acc_run train_loss 60 "$PY" "$HELPER" loss-falls "$OUT/train/main.log" --min-drop 0.5
         acc_run gpu_step 300 "$PY" bench/gpu_step.py --runtime emu --model tiny -b 2 -t 8 --steps 1 --warmup 0 --top 10
+        acc_run gpu_step_bf16 300 "$PY" bench/gpu_step.py --runtime emu --model tiny -b 2 -t 8 --steps 1 --warmup 0 \
+            --top 10 --precision bf16
         acc_run kernels 300 "$PY" -m gpt2np.profiling.profiler -e "$data/tiny.bin" -b 2 -t 16 --steps 1 \
             --device emu --out "$OUT/profile" --views gpu_activities,kernels
         acc_run plan_measure 300 "$PY" -m gpt2np.profiling.profiler -e "$data/tiny.bin" -b 2 -t 16 --plan --measure \
@@ -202,7 +210,8 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
     acc_run setup 300 "$PY" "$HELPER" setup "$data" "${full[@]}"
     if [ "$CUDA_OK" != 1 ]; then
         local stage
-        for stage in pytest_gpu compare_fp32 compare_tf32 train train_loss gpu_step kernels plan_measure memcheck racecheck; do
+        for stage in pytest_gpu compare_fp32 compare_tf32 compare_bf16 train train_loss gpu_step gpu_step_bf16 kernels \
+                     plan_measure memcheck racecheck; do
             acc_skip "$stage" "no usable GPU: $CUDA_WHY"
         done
         return
@@ -218,16 +227,22 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
         [ "$MODE" = full ] && cmp=("$PY" -m gpt2np.compare -e "$data/small.bin" --backend cuda -b 4 -t 256 --steps 10)
         acc_run compare_fp32 600 "${cmp[@]}"
         acc_run compare_tf32 600 "${cmp[@]}" --precision tf32
+        acc_run compare_bf16 600 "${cmp[@]}" --precision bf16
     else
         acc_skip compare_fp32 "$TORCH_CPU_WHY (bring it: pip install --no-index --find-links WHEELS torch)"
         acc_skip compare_tf32 "$TORCH_CPU_WHY (bring it: pip install --no-index --find-links WHEELS torch)"
+        acc_skip compare_bf16 "$TORCH_CPU_WHY (bring it: pip install --no-index --find-links WHEELS torch)"
     fi
     acc_run train 600 "$PY" train.py -e d12 -i "$data/train_*.bin" -j "$data/val_*.bin" -b 4 -t 1024 \
         -x "$steps" -v 10 -m 2 -s 0 -o "$OUT/train" --device cuda
     acc_run train_loss 60 "$PY" "$HELPER" loss-falls "$OUT/train/main.log" --min-drop 1.0
     [ "$TORCH_OK" = 1 ] || torch_modes=none
     acc_run gpu_step 600 "$PY" bench/gpu_step.py --model d12 -b 4 -t 1024 --steps "$gsteps" --warmup "$gwarm" \
-        --tf32 --torch "$torch_modes"
+        --precision tf32 --torch "$torch_modes"
+    local bf16_b=4
+    [ "$MODE" = full ] && bf16_b=64                     # llm.c's usual d12 batch: its tokens/s is the yardstick
+    acc_run gpu_step_bf16 600 "$PY" bench/gpu_step.py --model d12 -b "$bf16_b" -t 1024 --steps "$gsteps" \
+        --warmup "$gwarm" --precision bf16 --torch "$torch_modes"
     if [ "$TORCH_OK" != 1 ]; then
         echo "# PyTorch side not run: $TORCH_WHY" >> "$OUT/gpu_step.log"
     fi

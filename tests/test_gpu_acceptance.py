@@ -13,8 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "bench" / "gpu_acceptance.sh"
 HELPER = REPO / "bench" / "gpu_acceptance.py"
-STAGES = ["preflight", "setup", "pytest_gpu", "compare_fp32", "compare_tf32", "train", "train_loss", "gpu_step",
-          "kernels", "plan_measure", "memcheck", "racecheck"]
+STAGES = ["preflight", "setup", "pytest_gpu", "compare_fp32", "compare_tf32", "compare_bf16", "train", "train_loss",
+          "gpu_step", "gpu_step_bf16", "kernels", "plan_measure", "memcheck", "racecheck"]
 
 
 def env(**extra):
@@ -70,6 +70,9 @@ def test_dry_run_prints_every_stage_with_the_real_clis(tmp_path):
     step = parse_config(cmd["memcheck"][cmd["memcheck"].index("train.py") + 1:])
     assert step.max_steps == 1 and step.device == "cuda"
     assert "gpu_step.py" in cmd["gpu_step"][1] and "--torch" in cmd["gpu_step"]
+    assert cmd["compare_bf16"][-2:] == ["--precision", "bf16"] and compare.parse_args(
+        cmd["compare_bf16"][3:]).precision == "bf16"
+    assert cmd["gpu_step_bf16"][cmd["gpu_step_bf16"].index("--precision") + 1] == "bf16"
 
 
 def test_full_runs_longer(tmp_path):
@@ -77,6 +80,7 @@ def test_full_runs_longer(tmp_path):
     assert r.returncode == 0
     _, stages = summary(tmp_path)
     assert "-x 200" in stages["train"]["command"] and "--steps 50" in stages["gpu_step"]["command"]
+    assert "-b 64" in stages["gpu_step_bf16"]["command"]              # llm.c's d12 batch
 
 
 def test_a_failing_stage_fails_the_run_and_the_rest_go_on(tmp_path):
@@ -175,13 +179,13 @@ def test_loss_falls_check(tmp_path):
 
 def test_emulator_smoke(tmp_path):
     """The stages that run without a GPU, through the same CLIs: data and models written by the script, PyTorch
-    parity in TF32 on the emulator, a short CPU training run whose loss falls, gpu_step's dry run with the
-    PyTorch side on the CPU."""
-    r = run_script("--device", "emu", "--out", tmp_path, "--only", "setup,compare_tf32,train,train_loss,gpu_step",
-                   timeout=180)
+    parity in TF32 on the emulator, a short training run on the emulator whose loss falls, gpu_step's dry runs (tf32,
+    bf16) with the PyTorch side on the CPU."""
+    r = run_script("--device", "emu", "--out", tmp_path, "--only",
+                   "setup,compare_tf32,train,train_loss,gpu_step,gpu_step_bf16", timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     data, stages = summary(tmp_path)
-    assert [s["status"] for s in data["stages"]] == ["PASS"] * 6, data["stages"]
+    assert [s["status"] for s in data["stages"]] == ["PASS"] * 7, data["stages"]
     assert "OK: all" in (tmp_path / "compare_tf32.log").read_text()
     assert "OK: the loss falls" in (tmp_path / "train_loss.log").read_text()
     step = (tmp_path / "gpu_step.log").read_text()
