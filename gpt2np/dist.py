@@ -11,6 +11,13 @@ it, and then the ranks average their gradients, so every rank takes the same opt
   * on the CPU (numpy backend) with MPI Allreduce on the host buffers.
 Scalars (the loss, the squared grad norm, the val loss) always go through MPI.
 
+--precision bf16 (llm.c's mixed precision): the gradients and parameters are bf16 buffers. NCCL averages
+them in bf16 with ncclAvg (as llm.c does); MPI, which has no bf16 type, sums an fp32 copy and the mean is
+rounded once back into bf16 (HostCollectives). ZeRO-1 gathers the bf16 parameters bit for bit. The step's
+statistics (loss, squared norm) stay fp32. Each rank keeps the fp32 master weights of the parameters it updates
+(its shard under ZeRO-1), and the stochastic rounding of the parameters draws its noise from the flat index, so
+every rank and every shard split rounds a parameter the same way.
+
 ZeRO stage 1 (train.py -z 1): the AdamW moments m, v are sharded. The flat gradient buffer is
 reduce-scattered (rank r receives the average of its shard only), each rank runs AdamW on its shard,
 and the parameters are all-gathered. Shards are contiguous: rank r owns [r*S, (r+1)*S) with
@@ -50,6 +57,7 @@ DEFAULT_TIMEOUT = 600.0          # seconds a collective may take before the job 
 ABORT_GRACE = 0.5                # seconds between printing why and MPI_Abort
 FAULT_ENV = "GPT2NP_TEST_FAULT"
 NCCL_MEMORY_ALLOWANCE = 1 << 30  # device memory kept free for NCCL's buffers and its CUDA context growth
+BF16_NCCL = 21000                # NCCL 2.10 (ncclGetVersion's code): the first with ncclBfloat16 and ncclAvg
 
 
 class DistError(RuntimeError):
@@ -173,39 +181,69 @@ class _Guard:
 
 
 class HostCollectives:
-    """Averaging and gathering float32 host (NumPy) buffers through MPI."""
+    """Averaging and gathering host (NumPy) buffers through MPI: float32, or bfloat16 (the --precision bf16
+    gradients and parameters).
+
+    MPI has no bf16 type, so a bf16 reduction goes through an fp32 work buffer: the bf16 values are upcast
+    (exactly), MPI sums them in fp32, the sum is divided by the ranks in fp32 and the result rounded once, to
+    nearest even, back into the bf16 buffer. So the mean differs from the exact mean of the bf16 values by one
+    bf16 rounding (plus fp32's, whatever order MPI sums in). A bf16 gather moves the 2-byte values as they are
+    (as uint16, MPI.UNSIGNED_SHORT): the parameters arrive bit for bit."""
 
     def __init__(self, comm):
         self.comm = comm
         self.world_size = comm.Get_size()
         self._recv = None
+        self._work = None
+
+    def _fp32(self, buf):
+        """An fp32 work copy of the bf16 buf (reused between calls of the same size)."""
+        if self._work is None or self._work.size != buf.size:
+            self._work = np.empty(buf.size, np.float32)
+        np.copyto(self._work, buf)                           # exact: every bf16 value is an fp32 value
+        return self._work
 
     def all_reduce_mean(self, buf):
         """buf (n,) = the mean of buf over the ranks, in place."""
         from mpi4py import MPI
-        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        buf /= self.world_size
+        work = self._fp32(buf) if _is_bf16(buf) else buf
+        self.comm.Allreduce(MPI.IN_PLACE, work, op=MPI.SUM)
+        work /= self.world_size
+        if work is not buf:
+            np.copyto(buf, work, casting="unsafe")           # round to nearest even, once
 
     def all_reduce_sum(self, buf):
         """buf (n,) = the sum of buf over the ranks, in place."""
         from mpi4py import MPI
-        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        work = self._fp32(buf) if _is_bf16(buf) else buf
+        self.comm.Allreduce(MPI.IN_PLACE, work, op=MPI.SUM)
+        if work is not buf:
+            np.copyto(buf, work, casting="unsafe")
 
     def reduce_scatter_mean(self, buf, bounds):
         """buf[lo:hi] of this rank's shard = the mean of that slice over the ranks (the rest is left stale)."""
         from mpi4py import MPI
         lo, hi = bounds[self.comm.Get_rank()]
         if self._recv is None or self._recv.size != hi - lo:
-            self._recv = np.empty(hi - lo, buf.dtype)
-        self.comm.Reduce_scatter(buf, self._recv, [b - a for a, b in bounds], op=MPI.SUM)
-        np.divide(self._recv, self.world_size, out=buf[lo:hi])
+            self._recv = np.empty(hi - lo, np.float32)
+        send = self._fp32(buf) if _is_bf16(buf) else buf
+        self.comm.Reduce_scatter(send, self._recv, [b - a for a, b in bounds], op=MPI.SUM)
+        self._recv /= self.world_size
+        np.copyto(buf[lo:hi], self._recv, casting="unsafe" if _is_bf16(buf) else "same_kind")
 
     def all_gather(self, buf, bounds):
         """Every rank's shard of buf (n,) from its owner, in place."""
         from mpi4py import MPI
         counts = [b - a for a, b in bounds]
         displs = [a for a, _ in bounds]
-        self.comm.Allgatherv(MPI.IN_PLACE, [buf, counts, displs, MPI.FLOAT])
+        if _is_bf16(buf):
+            self.comm.Allgatherv(MPI.IN_PLACE, [buf.view(np.uint16), counts, displs, MPI.UNSIGNED_SHORT])
+        else:
+            self.comm.Allgatherv(MPI.IN_PLACE, [buf, counts, displs, MPI.FLOAT])
+
+
+def _is_bf16(buf) -> bool:
+    return np.dtype(buf.dtype).name == "bfloat16"
 
 
 class NcclCollectives:
@@ -214,6 +252,12 @@ class NcclCollectives:
     The NCCL communicator spans the MPI ranks: rank 0 makes the unique id, MPI broadcasts it. Each call
     returns after the stream has finished the collective (so the watchdog sees a hang). Buffers are passed as
     the runtime's device pointers (runtime.pointer), as cupy.cuda.nccl.NcclCommunicator takes them.
+
+    fp32 buffers: ncclSum, then the result divided by the ranks. bf16 buffers (ncclBfloat16 = 9, NCCL >= 2.10):
+    ncclAvg (= 4) inside NCCL, as llm.c averages its gradients, so no CuPy elementwise op on a bf16 array is
+    needed. NCCL reduces bf16 in bf16, partial sum by partial sum along its ring or tree (on floats its ncclAvg
+    pre-multiplies each input by 1/nranks; its symmetric kernels divide the sum), so the mean differs from the
+    fp32 mean rounded once by a few bf16 roundings; the ranks still all get the same bits.
 
     runtime: the backend's runtime (pointer, synchronize; CupyRuntime also gives stream_ptr). nccl: the
     cupy.cuda.nccl module, or a stand-in with the same interface (tests/fake_gpu.py runs this class on the CPU
@@ -235,37 +279,60 @@ class NcclCollectives:
 
     def _dtype(self, buf):
         types = {np.dtype(np.float32): self.nccl.NCCL_FLOAT32, np.dtype(np.float16): self.nccl.NCCL_FLOAT16}
+        if _is_bf16(buf):
+            return self._bf16_type()
         if buf.dtype not in types:
             raise DistError(f"NCCL collectives: unsupported buffer dtype {buf.dtype}")
         return types[buf.dtype]
 
+    def _bf16_type(self):
+        """ncclBfloat16, after checking this NCCL has it and ncclAvg (both NCCL >= 2.10; CuPy names them
+        NCCL_BFLOAT16 and NCCL_AVG)."""
+        version = self.nccl.get_version()
+        if not (hasattr(self.nccl, "NCCL_BFLOAT16") and hasattr(self.nccl, "NCCL_AVG")) or version < BF16_NCCL:
+            raise DistError(f"--precision bf16 across GPUs needs NCCL >= 2.10 (ncclBfloat16, ncclAvg); this is "
+                            f"{version} (pip install 'nvidia-nccl-cu13>=2.27.7,<3')")
+        return self.nccl.NCCL_BFLOAT16
+
+    def _mean_op(self, buf):
+        """(op, divide after): bf16 averages in NCCL itself (ncclAvg, as llm.c does), so no elementwise op on a
+        bf16 device array is needed; fp32 sums, then divides the result by the ranks."""
+        return (self.nccl.NCCL_AVG, False) if _is_bf16(buf) else (self.nccl.NCCL_SUM, True)
+
     def all_reduce_mean(self, buf):
-        self.all_reduce_sum(buf)
-        buf /= self.world_size
+        op, divide = self._mean_op(buf)
+        self._all_reduce(buf, op)
+        if divide:
+            buf /= self.world_size
         self.rt.synchronize()
 
     def all_reduce_sum(self, buf, wait=True):
-        ptr = self.rt.pointer(buf)
-        self.comm.allReduce(ptr, ptr, buf.size, self._dtype(buf), self.nccl.NCCL_SUM, self.stream_ptr())
+        self._all_reduce(buf, self.nccl.NCCL_SUM)
         if wait:
             self.rt.synchronize()
+
+    def _all_reduce(self, buf, op):
+        ptr = self.rt.pointer(buf)
+        self.comm.allReduce(ptr, ptr, buf.size, self._dtype(buf), op, self.stream_ptr())
 
     def reduce_scatter_mean(self, buf, bounds):
         """In place: NCCL's reduce-scatter takes equal counts, so the ranks' equal parts go through it and
         the last rank's extra tail (< world_size elements) through an all-reduce."""
         stream, dtype = self.stream_ptr(), self._dtype(buf)
+        op, divide = self._mean_op(buf)
         ptr, item = self.rt.pointer(buf), buf.dtype.itemsize
         size = bounds[0][1] - bounds[0][0]
         tail = buf.size - size * self.world_size
         self.nccl.groupStart()
         # in place: rank r's result lands at sendbuff + r * recvcount
-        self.comm.reduceScatter(ptr, ptr + self.rank * size * item, size, dtype, self.nccl.NCCL_SUM, stream)
+        self.comm.reduceScatter(ptr, ptr + self.rank * size * item, size, dtype, op, stream)
         if tail:
             end = ptr + size * self.world_size * item
-            self.comm.allReduce(end, end, tail, dtype, self.nccl.NCCL_SUM, stream)
+            self.comm.allReduce(end, end, tail, dtype, op, stream)
         self.nccl.groupEnd()
-        lo, hi = bounds[self.rank]
-        buf[lo:hi] /= self.world_size
+        if divide:
+            lo, hi = bounds[self.rank]
+            buf[lo:hi] /= self.world_size
         self.rt.synchronize()
 
     def all_gather(self, buf, bounds):
@@ -286,7 +353,7 @@ class NcclCollectives:
 class StagedCollectives:
     """Device buffers averaged through host copies and MPI: for ranks that share a GPU, which NCCL refuses
     ("Duplicate GPU detected"), e.g. `mpiexec -n 2` on a machine with one GPU. Correct, not fast: every
-    collective copies the buffer to the host and back."""
+    collective copies the buffer to the host and back. bf16 buffers: as HostCollectives (fp32 sums, one rounding)."""
 
     def __init__(self, comm, runtime):
         self.host, self.rt = HostCollectives(comm), runtime

@@ -13,7 +13,8 @@
 * FakeNccl: cupy.cuda.nccl's interface (get_unique_id, groupStart/End, NcclCommunicator with allReduce,
   reduceScatter, allGather, broadcast, bcast, reduce ... taking raw pointers), doing the reductions over the
   thread ranks on host memory, so NcclCollectives runs on the CPU emulator's arrays (whose pointers are host
-  addresses). Signatures follow cupy_backends/cuda/libs/nccl.pyx; tests/test_gpu_ready.py compares them with
+  addresses). It knows ncclBfloat16 and ncclAvg (bf16 sums in fp32, rounded once: see _reduce for how real
+  NCCL differs). Signatures follow cupy_backends/cuda/libs/nccl.pyx; tests/test_gpu_ready.py compares them with
   the installed CuPy's.
 """
 import ctypes
@@ -21,6 +22,7 @@ import operator
 import threading
 import types
 
+import ml_dtypes
 import numpy as np
 
 # ---- cuBLAS -----------------------------------------------------------------------------------------------
@@ -370,29 +372,39 @@ class ThreadComm:
     def Abort(self, code=1):
         raise SystemExit(code)
 
-    # buffer collectives, as HostCollectives calls them (MPI.IN_PLACE, MPI.SUM)
+    # buffer collectives, as HostCollectives calls them (MPI.IN_PLACE, MPI.SUM); like mpi4py they refuse bf16
+    # arrays (mpi4py 4.1: "BufferError: DLPack only supports signed/unsigned integers, float and complex dtypes")
     def Allreduce(self, sendbuf, recvbuf, op=None):
         from mpi4py import MPI
+        _mpi_buffer(recvbuf if sendbuf is MPI.IN_PLACE else sendbuf, recvbuf)
         data = np.array(recvbuf if sendbuf is MPI.IN_PLACE else sendbuf, copy=True)
         recvbuf[...] = np.sum(self.group.exchange(self.rank, data), axis=0, dtype=data.dtype)
 
     def Reduce_scatter(self, sendbuf, recvbuf, recvcounts, op=None):
+        _mpi_buffer(sendbuf, recvbuf)
         total = np.sum(self.group.exchange(self.rank, np.array(sendbuf, copy=True)), axis=0, dtype=sendbuf.dtype)
         lo = sum(recvcounts[:self.rank])
         recvbuf[...] = total[lo:lo + recvcounts[self.rank]]
 
     def Allgatherv(self, sendbuf, recv):
         buf, counts, displs, _ = recv
+        _mpi_buffer(buf)
         mine = np.array(buf[displs[self.rank]:displs[self.rank] + counts[self.rank]], copy=True)
         for r, part in enumerate(self.group.exchange(self.rank, mine)):
             buf[displs[r]:displs[r] + counts[r]] = part
 
 
+def _mpi_buffer(*buffers):
+    for buf in buffers:
+        if np.dtype(buf.dtype) == ml_dtypes.bfloat16:
+            raise BufferError("DLPack only supports signed/unsigned integers, float and complex dtypes.")
+
+
 # ---- NCCL ------------------------------------------------------------------------------------------------
 
 NCCL_DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64, 6: np.float16,
-               7: np.float32, 8: np.float64}          # ncclDataType_t (nccl.h)
-NCCL_OPS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum}     # ncclSum, ncclProd, ncclMax, ncclMin
+               7: np.float32, 8: np.float64, 9: ml_dtypes.bfloat16}          # ncclDataType_t (nccl.h)
+NCCL_OPS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum, 4: "avg"}  # ncclSum, Prod, Max, Min, Avg
 
 
 def host_view(ptr, count, dtype):
@@ -407,16 +419,17 @@ def host_view(ptr, count, dtype):
 class FakeNccl(types.SimpleNamespace):
     """A cupy.cuda.nccl stand-in for thread ranks sharing one address space. Every collective is a rendezvous
     of the communicator's ranks: each posts a copy of what it sends, then each writes its own result, so in-place
-    calls (send == recv, or recv inside send) behave as NCCL's do. Calls record (rank, name, counts) in `log`."""
+    calls (send == recv, or recv inside send) behave as NCCL's do. Calls record (rank, name, count, grouped) in `log`
+    and (rank, name, datatype, op) in `types`."""
 
     NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32 = 0, 1, 2, 3
-    NCCL_INT64, NCCL_UINT64, NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64 = 4, 5, 6, 7, 8
-    NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN = 0, 1, 2, 3
+    NCCL_INT64, NCCL_UINT64, NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 4, 5, 6, 7, 8, 9
+    NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
     available = True
 
     def __init__(self):
         fake = self
-        super().__init__(log=[], _groups={}, _lock=threading.Lock(), _depth=threading.local(), _ids=0)
+        super().__init__(log=[], types=[], _groups={}, _lock=threading.Lock(), _depth=threading.local(), _ids=0)
 
         class NcclCommunicator:
             def __init__(self, ndev, commId, rank):
@@ -488,6 +501,7 @@ class FakeNccl(types.SimpleNamespace):
                     raise ValueError(f"NcclCommunicator.{name}: bad count {count}, datatype {datatype}, op {op} or "
                                      f"root {root}")
                 fake.log.append((self._rank, name, int(count), getattr(fake._depth, "value", 0) > 0))
+                fake.types.append((self._rank, name, int(datatype), int(op)))
                 return NCCL_DTYPES[datatype]
 
         self.NcclCommunicator = NcclCommunicator
@@ -510,6 +524,19 @@ class FakeNccl(types.SimpleNamespace):
 
 
 def _reduce(parts, op):
+    """The reduction of the ranks' parts (in rank order). ncclAvg: the sum divided by the ranks. bf16 (ncclSum,
+    ncclAvg): the sum (and the division) in fp32, rounded to nearest even once.
+
+    Real NCCL does not round once: its ring and tree kernels reduce bf16 chunk by chunk as they pass between
+    ranks, each partial sum stored in bf16, and its ncclAvg on floats pre-multiplies every input by 1/nranks
+    (its newer symmetric kernels sum, then divide). So on GPUs the mean differs from this one by up to a few bf16
+    roundings per element, more with more ranks; nothing here checks real NCCL's rounding."""
+    if op == 4 or parts[0].dtype == ml_dtypes.bfloat16 and op == 0:
+        total = np.sum([p.astype(np.float32) if p.dtype == ml_dtypes.bfloat16 else p for p in parts], axis=0,
+                       dtype=np.float32 if parts[0].dtype == ml_dtypes.bfloat16 else parts[0].dtype)
+        if op == 4:
+            total = total / total.dtype.type(len(parts))
+        return total.astype(parts[0].dtype)
     out = parts[0].copy()
     for p in parts[1:]:
         NCCL_OPS[op](out, p, out=out)

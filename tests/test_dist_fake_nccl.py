@@ -171,7 +171,7 @@ def test_fake_nccl_has_cupys_interface():
     if not nccl.available:
         pytest.skip("CuPy finds no NCCL library (pip install 'nvidia-nccl-cu13>=2.27.7,<3')")
     fake = FakeNccl()
-    for name in ("NCCL_FLOAT32", "NCCL_FLOAT16", "NCCL_SUM"):
+    for name in ("NCCL_FLOAT32", "NCCL_FLOAT16", "NCCL_BFLOAT16", "NCCL_SUM", "NCCL_AVG"):
         assert getattr(fake, name) == getattr(nccl, name), name
     for name in ("get_unique_id", "groupStart", "groupEnd", "NcclCommunicator"):
         assert callable(getattr(nccl, name)), name
