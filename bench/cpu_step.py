@@ -239,6 +239,19 @@ def best_time(fn, reps):
     return best
 
 
+def gemm_call(rng, m, n, k, batch, ta, tb):
+    """np.matmul on new random operands of one recorded GEMM shape (stored transposed where the step's are), as a
+    call with no arguments."""
+    import numpy as np
+    a = rng.standard_normal((batch, k, m) if ta else (batch, m, k), np.float32)
+    b = rng.standard_normal((batch, n, k) if tb else (batch, k, n), np.float32)
+    a_, b_ = (a.transpose(0, 2, 1) if ta else a), (b.transpose(0, 2, 1) if tb else b)
+    if batch == 1:
+        a_, b_ = a_[0], b_[0]
+    out = np.empty((batch, m, n) if batch > 1 else (m, n), np.float32)
+    return functools.partial(np.matmul, a_, b_, out=out)
+
+
 def floor_numpy(gemms, args):
     """Best seconds per GEMM shape with NumPy's BLAS, and the bandwidth (bytes/s) of a threaded in-place add."""
     from concurrent.futures import ThreadPoolExecutor
@@ -248,14 +261,8 @@ def floor_numpy(gemms, args):
     import gpt2np  # noqa: F401  (OpenBLAS thread timeout, as for gpt2np's step)
     rng = np.random.default_rng(0)
     seconds = []
-    for m, n, k, batch, ta, tb in gemms:
-        a = rng.standard_normal((batch, k, m) if ta else (batch, m, k), np.float32)
-        b = rng.standard_normal((batch, n, k) if tb else (batch, k, n), np.float32)
-        a_, b_ = (a.transpose(0, 2, 1) if ta else a), (b.transpose(0, 2, 1) if tb else b)
-        if batch == 1:
-            a_, b_ = a_[0], b_[0]
-        out = np.empty((batch, m, n) if batch > 1 else (m, n), np.float32)
-        seconds.append(best_time(functools.partial(np.matmul, a_, b_, out=out), args.reps))
+    for shape in gemms:
+        seconds.append(best_time(gemm_call(rng, *shape), args.reps))
     size = args.bandwidth_mb << 18                        # float32 elements per array
     x, y = np.ones(size, np.float32), np.ones(size, np.float32)
     parts = [(size * i // args.threads, size * (i + 1) // args.threads) for i in range(args.threads)]
@@ -275,15 +282,8 @@ def cold_gemm_seconds(recorded, args):
     import gpt2np  # noqa: F401  (OpenBLAS thread timeout, as for gpt2np's step)
     rng = np.random.default_rng(1)
     calls = []
-    for m, n, k, batch, ta, tb, count in recorded:
-        for _ in range(count):
-            a = rng.standard_normal((batch, k, m) if ta else (batch, m, k), np.float32)
-            b = rng.standard_normal((batch, n, k) if tb else (batch, k, n), np.float32)
-            a_, b_ = (a.transpose(0, 2, 1) if ta else a), (b.transpose(0, 2, 1) if tb else b)
-            if batch == 1:
-                a_, b_ = a_[0], b_[0]
-            out = np.empty((batch, m, n) if batch > 1 else (m, n), np.float32)
-            calls.append(functools.partial(np.matmul, a_, b_, out=out))
+    for *shape, count in recorded:
+        calls += [gemm_call(rng, *shape) for _ in range(count)]
     order = [calls[i] for i in np.random.default_rng(2).permutation(len(calls))]     # no shape runs twice in a row
 
     def everything():

@@ -18,31 +18,18 @@ import zlib
 import numpy as np
 import pytest
 
+# the shapes and the launch tuning of the fp32 kernel tests
+from test_kernels import SHAPES, small_launches  # noqa: F401
+
 from gpt2np.backends.bf16 import BF16
 from gpt2np.backends.cuda.backend import KERNEL_SIGNATURES, STORAGE, CudaBackend, KernelArgumentError
 from gpt2np.backends.numpy_bf16 import Bf16NumpyBackend
 
-# (B, T, C, NH, V, Vp, maxT), as test_kernels.py
-SHAPES = {
-    "odd": (2, 5, 48, 3, 37, 64, 7),
-    "long": (1, 35, 8, 2, 70, 128, 40),
-}
 F32 = np.dtype(np.float32)
 ULP = 2.0 ** -7                  # one bf16 ulp, relative (the most a single rounding can move across)
 
 REF = Bf16NumpyBackend(threads=1)
 
-
-def small_launches(be):
-    """Tiny blocks and chunks so every grid and chunk loop runs more than once (as test_kernels.py)."""
-    be.elementwise_threads = 64
-    be.row_warps = 2
-    be.classifier_threads = 64
-    be.reduce_warps = 2
-    be.reduce_rows_per_chunk = 3
-    be.encoder_token_blocks = 2
-    be.layernorm_rows_per_block = 3
-    return be
 
 
 @pytest.fixture(scope="module", params=[("forward", "after"), ("reverse", "before")], ids=lambda p: "-".join(p))
