@@ -57,8 +57,9 @@ def main(argv=None):
     p.add_argument("-m", "--val-max-batches", type=int, default=-1, help="at most this many batches (hellaswag: "
                    "examples), -1 = all (default -1)")
     p.add_argument("--dir", help="hellaswag: the download cache (default: $GPT2NP_CACHE, else the user cache dir)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "numpy", "cuda"),
-                   help="auto = cuda if there is a GPU, else cpu (default auto)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "numpy", "cuda", "emu"),
+                   help="auto = cuda if there is a GPU, else cpu; emu = the CUDA kernels on the CPU emulator (default "
+                        "auto); training's precision and attention defaults for the device")
     args = p.parse_args(argv)
     integer(1).check("-b", args.batch_size, "the batch size B")
     if args.seq_len is not None:
@@ -66,7 +67,7 @@ def main(argv=None):
     integer(1, also=(-1,), words="-1 (all) or an integer >= 1").check("-m", args.val_max_batches,
                                                                       "the max val batches")
 
-    from .backends import get_backend, resolve_name
+    from .backends import inference_backend
     from .data import DataLoader
     from .hf import load_any_model
     from .model import GPT2
@@ -74,13 +75,13 @@ def main(argv=None):
     if args.task == "hellaswag":
         return eval_hellaswag(args)
     cfg, params, desc = load_any_model(args.model)
-    backend = get_backend(resolve_name(args.device))
+    backend, attention = inference_backend(args.device, cfg.channels // cfg.num_heads)
     T = args.seq_len or min(64 if backend.name == "numpy" else 1024, cfg.max_seq_len)
     if T > cfg.max_seq_len:
         raise BadInput(f"-t {T}: longer than the model's max_seq_len {cfg.max_seq_len}")
     _, val_pattern = resolve_data(None, None) if args.val_data is None else (None, args.val_data)
     loader = DataLoader(val_pattern, args.batch_size, T, vocab_size=cfg.vocab_size)
-    model = GPT2(cfg, backend, args.batch_size, T)
+    model = GPT2(cfg, backend, args.batch_size, T, attention=attention)
     model.load_params(params)
     started = time.perf_counter()
     loss, batches = eval_loss(model, loader, args.val_max_batches)
@@ -97,7 +98,7 @@ def main(argv=None):
 def eval_hellaswag(args):
     """gpt2np eval hellaswag: acc and acc_norm of -e on the examples of -j."""
     from . import hellaswag
-    from .backends import get_backend, resolve_name
+    from .backends import inference_backend
     from .hf import load_any_model
     from .model import GPT2
     if args.val_data and not Path(args.val_data).is_file():
@@ -110,8 +111,8 @@ def eval_hellaswag(args):
     T = args.seq_len or min(hellaswag.longest_row(examples) - 1, cfg.max_seq_len)
     if T > cfg.max_seq_len:
         raise BadInput(f"-t {T}: longer than the model's max_seq_len {cfg.max_seq_len}")
-    backend = get_backend(resolve_name(args.device))
-    model = GPT2(cfg, backend, args.batch_size, T)
+    backend, attention = inference_backend(args.device, cfg.channels // cfg.num_heads)
+    model = GPT2(cfg, backend, args.batch_size, T, attention=attention)
     model.load_params(params)
     started = time.perf_counter()
     result = hellaswag.evaluate(model, examples)

@@ -184,8 +184,9 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 = all (default 0)")
     p.add_argument("--seed", type=int, default=1337, help="sampling seed (default 1337)")
     p.add_argument("--num-samples", type=int, default=1, help="independent samples of the prompt (default 1)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "numpy", "cuda"),
-                   help="auto = cuda if there is a GPU, else cpu (default auto)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "numpy", "cuda", "emu"),
+                   help="auto = cuda if there is a GPU, else cpu; emu = the CUDA kernels on the CPU emulator (default "
+                        "auto); training's precision and attention defaults for the device")
     p.add_argument("--no-cache", action="store_true",
                    help="run the full forward pass for every new token instead of the KV cache")
     p.add_argument("--bpe-dir", help="folder with gpt2_vocab.bpe + gpt2_encoder.json, or a gpt2_tokenizer.bin")
@@ -197,7 +198,7 @@ def main(argv=None):
     integer(0).check("--seed", args.seed, "the seed")
     integer(1).check("--num-samples", args.num_samples, "the number of samples")
 
-    from .backends import get_backend, resolve_name
+    from .backends import inference_backend
     from .hf import load_any_model
     from .model import GPT2
     from .tokenizer import get_encoding
@@ -207,9 +208,9 @@ def main(argv=None):
     if max(prompt) >= cfg.vocab_size:
         raise BadInput(f"--prompt: token {max(prompt)} is outside the model's vocabulary of {cfg.vocab_size} "
                        f"(a model trained with another tokenizer?)")
-    backend = get_backend(resolve_name(args.device))
+    backend, attention = inference_backend(args.device, cfg.channels // cfg.num_heads)
     cache = not args.no_cache and backend.name == "numpy"     # elsewhere the full forward pass (on the GPU)
-    model = GPT2(cfg, backend, 1, 1 if cache else cfg.max_seq_len)
+    model = GPT2(cfg, backend, 1, 1 if cache else cfg.max_seq_len, attention="naive" if cache else attention)
     model.load_params(params)
     rng = np.random.default_rng(args.seed)
     print(f"model {desc}: {cfg.num_layers} layers, {cfg.channels} channels, {model.num_parameters:,} parameters "

@@ -66,3 +66,20 @@ def test_bad_input_is_one_line(argv, expected, files, capsys):
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
     assert all(piece in lines[0] for piece in expected), lines[0]
+
+
+def test_eval_on_the_emulated_cuda_path_takes_trainings_defaults(tmp_path, capsys):
+    """--device emu: the CUDA backend with training's defaults (flash attention where the head size is 64): the
+    val loss of a head-size-64 model is the NumPy one within the flash kernels' TF32 tolerance."""
+    from gpt2np.backends import inference_backend
+    from gpt2np.compare import TF32_LOSS_ABS_TOL
+    cfg = GPT2Config(32, 100, 128, 1, 2, 128)                       # head size 64
+    save_model(tmp_path / "m64.bin", cfg, GPT2(cfg, get_backend("numpy"), 1, 1, seed=5).params_host())
+    write_shard(tmp_path / "val_000.bin", np.random.default_rng(0).integers(0, 100, 400))
+    assert inference_backend("emu", 64)[1] == "flash" and inference_backend("cpu", 64)[1] == "naive"
+    losses = {}
+    for device in ("cpu", "emu"):
+        assert evaluate.main(["-e", str(tmp_path / "m64.bin"), "-j", str(tmp_path / "val_000.bin"), "-b", "2",
+                              "-t", "32", "-m", "2", "--device", device]) == 0
+        losses[device] = float(re.search(r"val loss (\S+)", capsys.readouterr().out).group(1))
+    assert losses["emu"] == pytest.approx(losses["cpu"], abs=TF32_LOSS_ABS_TOL)

@@ -222,6 +222,14 @@ def resolve_attention(backend, head_size: int, requested: str | None = None, cap
     return "naive", f"{problem}: attention runs naive"
 
 
+def inference_backend(device: str, head_size: int):
+    """(backend, attention) for sampling and evaluation on --device: training's defaults there (resolve_precision:
+    tf32 on a GPU with tensor cores; resolve_attention: flash where its kernels can run), notes dropped."""
+    name = resolve_name(device)
+    backend = get_backend(name, precision=resolve_precision(name)[0])
+    return backend, resolve_attention(backend, head_size)[0]
+
+
 def get_backend(name: str = "numpy", precision: str = "fp32", **options):
     """A backend instance; options go to the backend (numpy: threads) or the runtime (emulator: schedule).
 
