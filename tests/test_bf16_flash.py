@@ -22,11 +22,10 @@ import math
 
 import numpy as np
 import pytest
+from test_emulator import needs_gpp
 
 from gpt2np.backends.bf16 import BF16
-from gpt2np.backends.cuda import emulator
 from gpt2np.backends.cuda.backend import CudaBackend, KernelArgumentError
-from gpt2np.backends.cuda.emulator import CompilerNotFoundError
 from gpt2np.backends.cuda.runtime_emu import EmuRuntime
 from gpt2np.backends.numpy_bf16 import Bf16NumpyBackend
 
@@ -37,12 +36,7 @@ ONE_ROUNDING = 2.0 ** -8
 SLACK = 2.0 ** -16                 # fp32 rounding differences of S, P, dP, D, relative to the terms' magnitude
 SCALE_TOL = 2.0 ** -6              # max error over max |ref| of each output
 
-try:
-    emulator.compiler()
-    HAVE_GPP = True
-except CompilerNotFoundError:
-    HAVE_GPP = False
-pytestmark = pytest.mark.skipif(not HAVE_GPP, reason="g++ not installed")
+pytestmark = needs_gpp
 
 
 def up(a):

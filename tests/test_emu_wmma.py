@@ -9,20 +9,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_emulator import needs_gpp
 
 from gpt2np.backends.cuda import emulator
-from gpt2np.backends.cuda.emulator import CompilerNotFoundError, EmuKernelError, EmuModule
+from gpt2np.backends.cuda.emulator import EmuKernelError, EmuModule
 from gpt2np.backends.cuda.runtime_emu import round_to_tf32
 
 HERE = Path(__file__).resolve().parent
 LAYOUTS = (0, 1, 0xC0FFEE)
 
-try:
-    emulator.compiler()
-    HAVE_GPP = True
-except CompilerNotFoundError:
-    HAVE_GPP = False
-pytestmark = pytest.mark.skipif(not HAVE_GPP, reason="g++ not installed")
+pytestmark = needs_gpp
 
 
 @pytest.fixture(scope="module")

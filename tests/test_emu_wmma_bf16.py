@@ -9,20 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_emulator import needs_gpp
 
 from gpt2np.backends.bf16 import BF16
-from gpt2np.backends.cuda import emulator
-from gpt2np.backends.cuda.emulator import CompilerNotFoundError, EmuKernelError, EmuModule
+from gpt2np.backends.cuda.emulator import EmuKernelError, EmuModule
 
 HERE = Path(__file__).resolve().parent
 LAYOUTS = (0, 0xC0FFEE)
 
-try:
-    emulator.compiler()
-    HAVE_GPP = True
-except CompilerNotFoundError:
-    HAVE_GPP = False
-pytestmark = pytest.mark.skipif(not HAVE_GPP, reason="g++ not installed")
+pytestmark = needs_gpp
 
 
 @pytest.fixture(scope="module")
