@@ -124,12 +124,21 @@ class TrainConfig:
                                     what="the HellaSwag interval")
     hellaswag_data: str | None = _setting("--hellaswag-data", help="HellaSwag jsonl for --hellaswag", metavar="PATH",
                                           default_text="hellaswag_val.jsonl in the download cache")
+    hellaswag_eval: int = _setting("-h", 0, "1 = HellaSwag acc_norm at every -v step and the last, as llm.c's -h 1 "
+                                   "(--hellaswag N for another interval); -h alone prints this help",
+                                   choices=(0, 1))
     sample_every: int | None = _setting("-s", help="sample every N steps, 0 = never", cpu_gpu=(20, 20),
                                         allowed=OFF_OR_EVERY, what="the sampling interval")
     gen_tokens: int = _setting("-g", 64, "tokens to generate per sample", allowed=integer(0),
                                what="the tokens to generate")
     checkpoint_every: int = _setting("-n", 0, "checkpoint every N steps into -o, 0 = never", allowed=OFF_OR_EVERY,
                                      what="the checkpoint interval")
+    checkpoints_keep: int = _setting("-nk", 0, "keep the last N checkpoints in -o, deleting older ones once a newer "
+                                     "one is complete; 0 = keep all", metavar="N", allowed=integer(0),
+                                     what="the number of checkpoints kept")
+    major_checkpoint_every: int = _setting("-nm", 0, "with -nk: the checkpoints at multiples of N steps are never "
+                                           "deleted; 0 = none", metavar="N", allowed=OFF_OR_EVERY,
+                                           what="the major checkpoint interval")
     resume: int = _setting("-y", 0, "1 = resume from the latest checkpoint in -o", choices=(0, 1))
     overfit_single_batch: int = _setting("-a", 0, "1 = overfit a single batch, for debugging", choices=(0, 1))
     zero_stage: int = _setting("-z", 0, "ZeRO stage under mpiexec: 0 = plain data parallel, 1 = optimizer state "
@@ -164,6 +173,17 @@ class TrainConfig:
                                      choices=("fp32", "tf32", "bf16"),
                                      default_text="tf32 on a GPU with tensor cores and fp32 elsewhere")
     tf32: bool = _setting("--tf32", False, "the same as --precision tf32 (kept for llm.c-style command lines)")
+    enable_tf32: int = _setting("-f", 1, "llm.c's TF32 switch: 0 = exact fp32 matmuls where --precision is not "
+                                "given (--precision fp32), 1 = the default precision", choices=(0, 1))
+    master_weights: int = _setting("-w", 1, "bf16: 1 = AdamW updates fp32 master weights (llm.c's default), 0 = it "
+                                   "updates the bf16 weights directly (stochastic rounding, no fp32 copy)",
+                                   choices=(0, 1))
+    gelu_fusion: int | None = _setting("-ge", help="GELU in the fc GEMM's cuBLASLt epilogues (with --fuse 1): 0 = "
+                                       "none, 1 = forward, 2 = forward and backward; --fuse 0 has no epilogues",
+                                       choices=(0, 1, 2), default_text="2 with --fuse 1")
+    recompute: int | None = _setting("-r", help="recompute activations in backward instead of keeping one per layer: "
+                                     "0 = none, 1 = GELU, 2 = GELU and LayerNorm (less memory, a little more time)",
+                                     cpu_gpu=(0, 1), choices=(0, 1, 2))
     attention: str | None = _setting("--attention", help="causal self-attention: flash (tiles, online softmax, the "
                                      "probabilities recomputed in backward; on a GPU TF32 tensor cores, head size 64, "
                                      "sm_80+) or naive (the (T,T) probabilities kept)", cpu_gpu=("naive", "flash"),
@@ -182,6 +202,30 @@ class TrainConfig:
     cuda_graphs: int = _setting("--cuda-graphs", 1, "CUDA backend: capture each training step's launches once per "
                                 "shape as a CUDA graph and replay it (one launch per step); 0 = launch eagerly "
                                 "(profiling always does, for per-kernel numbers)", choices=(0, 1))
+    skip_update_lossz: float = _setting("-sl", 0.0, "skip the update of a step whose loss lies more than this many "
+                                        "standard deviations above the mean of the last 128 steps; 0 = off",
+                                        metavar="Z", allowed=number(0, words="a finite number >= 0 (0 = off)"),
+                                        what="the loss z-score limit")
+    skip_update_gradz: float = _setting("-sg", 0.0, "the same for the gradient norm; 0 = off", metavar="Z",
+                                        allowed=number(0, words="a finite number >= 0 (0 = off)"),
+                                        what="the grad-norm z-score limit")
+    num_processes: int | None = _setting("-pn", help="llm.c's multi-node count of processes: here the ranks come "
+                                         "from mpiexec (or srun --mpi=pmix), and a value given must equal theirs",
+                                         metavar="N", default_text="mpiexec's", allowed=COUNT,
+                                         what="the number of processes")
+    process_rank: int | None = _setting("-pr", help="this process's rank; a value given must equal mpiexec's",
+                                        metavar="RANK", default_text="mpiexec's", allowed=integer(0),
+                                        what="the process rank")
+    gpus_per_node: int | None = _setting("-pg", help="GPUs per node; a value given must equal the ranks mpiexec "
+                                         "starts on each node", metavar="N", default_text="mpiexec's",
+                                         allowed=COUNT, what="the GPUs per node")
+    nccl_init_method: str = _setting("-pi", "mpi", "how ranks find each other: mpi (gpt2np's only one; llm.c's tcp "
+                                     "and fs need no MPI, here run under mpiexec or srun --mpi=pmix)",
+                                     choices=("mpi", "tcp", "fs"))
+    server_ip: str | None = _setting("-ps", help="llm.c's server for -pi tcp (not supported)", metavar="IP",
+                                     default_text="none")
+    fs_path: str | None = _setting("-pf", help="llm.c's shared folder for -pi fs (not supported)", metavar="PATH",
+                                   default_text="none")
     skip_nonfinite: int = _setting("--skip-nonfinite", 0, "skip (do not apply) up to N steps whose loss or grad "
                                    "norm is NaN/Inf before stopping; 0 = stop at the first", metavar="N",
                                    allowed=integer(0), what="the number of non-finite steps to skip")
@@ -199,6 +243,16 @@ class TrainConfig:
         if self.tf32 and self.precision in ("fp32", "bf16"):
             raise BadInput(f"--tf32 with --precision {self.precision}: --tf32 means --precision tf32; give one of "
                            f"them")
+        if not self.enable_tf32 and (self.tf32 or self.precision == "tf32"):
+            raise BadInput("-f 0 with --precision tf32: -f 0 turns TF32 off; give one of them")
+        if self.nccl_init_method != "mpi" or self.server_ip is not None or self.fs_path is not None:
+            given = (f"-pi {self.nccl_init_method}" if self.nccl_init_method != "mpi"
+                     else "-ps" if self.server_ip is not None else "-pf")
+            raise BadInput(f"{given}: gpt2np's ranks find each other through MPI (llm.c's tcp and fs init are not "
+                           f"here); start them with mpiexec (or srun --mpi=pmix) and leave out -pi, -ps and -pf")
+        if self.major_checkpoint_every and not self.checkpoints_keep:
+            raise BadInput(f"-nm {self.major_checkpoint_every} without -nk: major checkpoints are the ones -nk "
+                           "never deletes; without -nk every checkpoint is kept")
         if self.resume and not self.output_dir:
             raise BadInput("-y 1 without -o: resuming reads the checkpoints in -o DIR")
         if self.checkpoint_every > 0 and not self.output_dir:
@@ -216,7 +270,9 @@ class TrainConfig:
     def requested_precision(self) -> str | None:
         """The precision asked for: --precision, or tf32 for --tf32; None = the device's default (see
         gpt2np.backends.resolve_precision: tf32 on a GPU with tensor cores, fp32 elsewhere)."""
-        return "tf32" if self.tf32 else self.precision
+        if self.tf32:
+            return "tf32"
+        return self.precision or (None if self.enable_tf32 else "fp32")
 
     def with_device_defaults(self, backend_name: str) -> "TrainConfig":
         """A copy with llm.c's CPU or GPU (backend 'cuda') default in every device-dependent field left None. The
@@ -229,7 +285,7 @@ class TrainConfig:
 
 
 # the device-dependent settings that choose kernels, not sizes: the emulator takes the GPU's defaults for these
-KERNEL_PATH_FIELDS = ("attention", "fuse")
+KERNEL_PATH_FIELDS = ("attention", "fuse", "recompute")
 
 
 def value_type(f: Field) -> type:

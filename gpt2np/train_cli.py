@@ -17,7 +17,8 @@ from .config import TrainConfig, default_text, value_type
 
 def build_parser():
     """llm.c's flags, one per TrainConfig field: flag, type, default, help and choices all come from TrainConfig."""
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
+    p.add_argument("--help", action="help", help="show this help message and exit")
     for f in fields(TrainConfig):
         meta, default = f.metadata, default_text(f)
         options = {"dest": f.name, "default": f.default,
@@ -26,8 +27,20 @@ def build_parser():
             options["action"] = "store_true"
         else:
             options.update(type=value_type(f), choices=meta["choices"], metavar=meta["metavar"])
+        if meta["flag"] == "-h":                  # llm.c's -h takes 0/1 (HellaSwag); -h alone is still help
+            options.update(nargs="?", action=HelpOrValue)
         p.add_argument(meta["flag"], **options)
     return p
+
+
+class HelpOrValue(argparse.Action):
+    """-h VALUE stores the value (llm.c's -h 0|1); a bare -h prints the help and exits, as everywhere else."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values is None:
+            parser.print_help()
+            parser.exit()
+        setattr(namespace, self.dest, values)
 
 
 def parse_config(argv=None):
