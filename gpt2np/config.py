@@ -209,16 +209,16 @@ class TrainConfig:
     skip_update_gradz: float = _setting("-sg", 0.0, "the same for the gradient norm; 0 = off", metavar="Z",
                                         allowed=number(0, words="a finite number >= 0 (0 = off)"),
                                         what="the grad-norm z-score limit")
-    num_processes: int | None = _setting("-pn", help="llm.c's multi-node count of processes: here the ranks come "
-                                         "from mpiexec (or srun --mpi=pmix), and a value given must equal theirs",
-                                         metavar="N", default_text="mpiexec's", allowed=COUNT,
-                                         what="the number of processes")
-    process_rank: int | None = _setting("-pr", help="this process's rank; a value given must equal mpiexec's",
-                                        metavar="RANK", default_text="mpiexec's", allowed=integer(0),
+    num_processes: int | None = _setting("-pn", help="llm.c's multi-node count of processes: the ranks come from "
+                                         "mpiexec (or srun --mpi=pmix), and as llm.c's -pi mpi, mpiexec's count is "
+                                         "used (a different value given is noted)", metavar="N",
+                                         default_text="mpiexec's", allowed=COUNT, what="the number of processes")
+    process_rank: int | None = _setting("-pr", help="this process's rank: mpiexec's is used (a different value given "
+                                        "is noted)", metavar="RANK", default_text="mpiexec's", allowed=integer(0),
                                         what="the process rank")
-    gpus_per_node: int | None = _setting("-pg", help="GPUs per node; a value given must equal the ranks mpiexec "
-                                         "starts on each node", metavar="N", default_text="mpiexec's",
-                                         allowed=COUNT, what="the GPUs per node")
+    gpus_per_node: int | None = _setting("-pg", help="GPUs per node: not needed, each rank takes the GPU of its "
+                                         "place among its node's ranks, as llm.c's -pi mpi does", metavar="N",
+                                         default_text="mpiexec's", allowed=COUNT, what="the GPUs per node")
     nccl_init_method: str = _setting("-pi", "mpi", "how ranks find each other: mpi (gpt2np's only one; llm.c's tcp "
                                      "and fs need no MPI, here run under mpiexec or srun --mpi=pmix)",
                                      choices=("mpi", "tcp", "fs"))
@@ -250,6 +250,12 @@ class TrainConfig:
                      else "-ps" if self.server_ip is not None else "-pf")
             raise BadInput(f"{given}: gpt2np's ranks find each other through MPI (llm.c's tcp and fs init are not "
                            f"here); start them with mpiexec (or srun --mpi=pmix) and leave out -pi, -ps and -pf")
+        if self.hellaswag_eval and self.hellaswag_every:
+            raise BadInput(f"-h 1 with --hellaswag {self.hellaswag_every}: -h 1 evaluates at every -v step; give one "
+                           f"of them")
+        if self.hellaswag_eval and self.val_every == 0:
+            raise BadInput("-h 1 with -v 0: -h 1 evaluates HellaSwag at the -v steps; use --hellaswag N for an "
+                           "interval of its own")
         if self.major_checkpoint_every and not self.checkpoints_keep:
             raise BadInput(f"-nm {self.major_checkpoint_every} without -nk: major checkpoints are the ones -nk "
                            "never deletes; without -nk every checkpoint is kept")
@@ -265,6 +271,13 @@ class TrainConfig:
             raise BadInput(f"-d {self.total_batch_size} with -b {B} -t {T}: the total batch size must be a multiple "
                            f"of B*T = {B * T} (times the number of processes)")
         return self
+
+    @property
+    def hellaswag_interval(self) -> int:
+        """Steps between HellaSwag evaluations (0 = never): --hellaswag N, or the -v interval for llm.c's -h 1."""
+        if self.hellaswag_eval:
+            return self.val_every or 0
+        return self.hellaswag_every
 
     @property
     def requested_precision(self) -> str | None:

@@ -97,12 +97,13 @@ def evaluate(model, loader, max_batches, show_progress=True):
 
 
 def load_hellaswag(cfg: TrainConfig, model_cfg, dist):
-    """--hellaswag: this rank's share of the rendered examples and the total count, or (None, 0)."""
-    if cfg.hellaswag_every <= 0:
+    """--hellaswag (or -h 1): this rank's share of the rendered examples and the total count, or (None, 0)."""
+    if cfg.hellaswag_interval <= 0:
         return None, 0
     if model_cfg.vocab_size < 50257:
-        raise ValueError(f"--hellaswag: the model's vocab_size is {model_cfg.vocab_size}; HellaSwag is tokenized "
-                         f"with GPT-2's 50257 tokens")
+        flag = "-h 1" if cfg.hellaswag_eval else "--hellaswag"
+        raise ValueError(f"{flag}: the model's vocab_size is {model_cfg.vocab_size}; HellaSwag is tokenized with "
+                         f"GPT-2's 50257 tokens")
     from . import hellaswag
     _, examples = hellaswag.load(cfg.hellaswag_data)
     return examples[dist.rank::dist.world_size], len(examples)
@@ -132,6 +133,10 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     dist = dist or make_process_group(cfg.device, cfg.zero_stage, cfg.dist_timeout)
     rank0 = dist.rank == 0
     say = print if rank0 else (lambda *a, **k: None)
+    for flag, given, actual in (("-pn", cfg.num_processes, dist.world_size), ("-pr", cfg.process_rank, dist.rank)):
+        if given is not None and given != actual:       # llm.c's -pi mpi takes MPI's values the same way
+            print(f"note: rank {dist.rank} of {dist.world_size}: {flag} {given} differs from what mpiexec started; "
+                  f"using mpiexec's {actual}")
     ranges.enable(cfg.nvtx)
     backend_name = resolve_name(cfg.device)
     if cfg.device == "auto" and backend_name == "numpy" and gpu_present():
@@ -313,7 +318,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         resumed_here = step == start_step and start_step > 0
         stopping = signal_received(signals, dist)
         busy = (last or stopping or val_loader and step % cfg.val_every == 0 or hellaswag_total
-                and step % cfg.hellaswag_every == 0 or decoder and step > 0 and step % cfg.sample_every == 0
+                and step % cfg.hellaswag_interval == 0 or decoder and step > 0 and step % cfg.sample_every == 0
                 or cfg.output_dir and cfg.checkpoint_every > 0 and step > 0 and step % cfg.checkpoint_every == 0)
         if pending and busy:                      # the queued step's numbers first
             entry, pending = pending, None
@@ -326,7 +331,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
             val_loss = dist.average(evaluate(model, val_loader, cfg.val_max_batches, show_progress=rank0))
             say(f"val loss {val_loss:.6f}")
             logger.log(f"s:{step} tel:{val_loss:.6f}")
-        if hellaswag_total and (step % cfg.hellaswag_every == 0 or last) and not resumed_here:
+        if hellaswag_total and (step % cfg.hellaswag_interval == 0 or last) and not resumed_here:
             hellaswag_eval(step)
         if decoder and rank0 and step > 0 and (step % cfg.sample_every == 0 or last) and not resumed_here:
             tokens = generate(model, [decoder.eot_token], cfg.gen_tokens, rng, cfg.temperature, cfg.top_k)

@@ -127,6 +127,19 @@ def test_train_hellaswag_every_n_steps_logs_eval_lines(tmp_path, jsonl, params, 
     assert all(re.fullmatch(r"s:\d eval:\d\.\d{4}", line) for line in evals)
 
 
+def test_train_h_1_evaluates_at_the_v_steps_as_llmc(tmp_path, jsonl, params, capsys):
+    import train
+    from gpt2np.data import write_shard
+    save_model(tmp_path / "m.bin", CFG, params)
+    write_shard(tmp_path / "train.bin", np.random.default_rng(0).integers(0, 2000, 4000))
+    out_dir = tmp_path / "run"
+    assert train.main(["-e", str(tmp_path / "m.bin"), "-i", str(tmp_path / "train.bin"), "-b", "4", "-t", "16",
+                       "-x", "5", "-v", "2", "-h", "1", "--hellaswag-data", str(jsonl), "-s", "0", "--device", "cpu",
+                       "-o", str(out_dir)]) == 0
+    evals = [line.split()[0] for line in (out_dir / "main.log").read_text().splitlines() if "eval:" in line]
+    assert evals == ["s:0", "s:2", "s:4", "s:5"]                       # every -v step and the last
+
+
 def test_train_hellaswag_needs_gpt2s_vocabulary(tmp_path, jsonl, capsys):
     import train
     small = GPT2Config(32, 100, 128, 1, 2, 16)

@@ -1,0 +1,94 @@
+"""llm.c's train_gpt2cu command lines work as written: every flag of its usage text is one of train.py's, with
+llm.c's meaning (-h 1 HellaSwag, -f TF32, -r recompute, -ge GELU fusion, -w master weights, -sl/-sg outlier
+skips, -nk/-nm checkpoint rotation, -pn/-pr/-pg/-pi multi-node), and what gpt2np cannot do is one line."""
+import pytest
+
+import train
+from gpt2np.config import TrainConfig
+
+# llm.c's GPT-2 (124M) reproduction on FineWeb (its README's command), word for word
+LLMC_124M = ("-i dev/data/fineweb10B/fineweb_train_*.bin -j dev/data/fineweb10B/fineweb_val_*.bin -o log124M -e d12 "
+             "-b 64 -t 1024 -d 524288 -r 1 -z 1 -c 0.1 -l 0.0006 -q 0.0 -u 700 -n 5000 -v 250 -s 20000 -h 1").split()
+
+
+def test_llmc_124m_command_parses_with_llmcs_meanings():
+    cfg = train.parse_config(LLMC_124M).validate()
+    assert (cfg.batch_size, cfg.seq_len, cfg.total_batch_size, cfg.recompute, cfg.zero_stage) == (64, 1024, 524288,
+                                                                                                 1, 1)
+    assert (cfg.weight_decay, cfg.learning_rate, cfg.final_lr_frac, cfg.warmup_steps) == (0.1, 6e-4, 0.0, 700)
+    assert (cfg.checkpoint_every, cfg.val_every, cfg.sample_every, cfg.hellaswag_eval) == (5000, 250, 20000, 1)
+    assert cfg.with_device_defaults("cuda").hellaswag_interval == 250        # -h 1: HellaSwag at the -v steps
+
+
+def test_every_flag_of_llmcs_usage_is_taken():
+    usage = ["-i", "-j", "-e", "-o", "-n", "-nk", "-nm", "-y", "-b", "-t", "-d", "-x", "-k", "-l", "-u", "-q", "-c",
+             "-sl", "-sg", "-v", "-m", "-s", "-g", "-h", "-a", "-f", "-w", "-ge", "-z", "-r", "-pn", "-pr", "-pg",
+             "-pi", "-ps", "-pf"]
+    ours = {action.option_strings[0] for action in train.build_parser()._actions if action.option_strings}
+    assert set(usage) <= ours
+
+
+def test_bare_h_is_help_and_h_with_a_value_is_hellaswag(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train.parse_config(["-h"])
+    assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
+    assert train.parse_config(["-h", "1"]).hellaswag_eval == 1
+    with pytest.raises(SystemExit) as exit_:
+        train.parse_config(["-h", "2"])
+    assert exit_.value.code == 2
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], None),                                    # the device's default (TF32 on a GPU with tensor cores)
+    (["-f", "1"], None),
+    (["-f", "0"], "fp32"),                         # llm.c's -f 0: exact fp32 matmuls
+    (["-f", "0", "--precision", "bf16"], "bf16"),  # -f only concerns fp32 runs (llm.c's fp32 build)
+    (["-f", "0", "--precision", "fp32"], "fp32"),
+])
+def test_f_is_llmcs_tf32_switch(argv, expected):
+    assert train.parse_config(argv).validate().requested_precision == expected
+
+
+def test_hellaswag_interval():
+    assert TrainConfig(hellaswag_every=7).hellaswag_interval == 7
+    assert TrainConfig(hellaswag_eval=1, val_every=20).hellaswag_interval == 20
+    assert TrainConfig().with_device_defaults("numpy").hellaswag_interval == 0
+    assert TrainConfig(hellaswag_eval=1).with_device_defaults("numpy").hellaswag_interval == 10   # the CPU's -v
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["-f", "0", "--tf32"], "error: -f 0 with --precision tf32"),
+    (["-f", "0", "--precision", "tf32"], "error: -f 0 with --precision tf32"),
+    (["-pi", "tcp", "-ps", "10.0.0.1"], "error: -pi tcp: gpt2np's ranks find each other through MPI"),
+    (["-pi", "fs", "-pf", "/shared"], "error: -pi fs: gpt2np's ranks find each other through MPI"),
+    (["-ps", "10.0.0.1"], "error: -ps: gpt2np's ranks find each other through MPI"),
+    (["-h", "1", "--hellaswag", "5"], "error: -h 1 with --hellaswag 5"),
+    (["-h", "1", "-v", "0"], "error: -h 1 with -v 0"),
+    (["-nm", "10"], "error: -nm 10 without -nk"),
+    (["-sl", "-1"], "error: -sl -1"),
+])
+def test_what_gpt2np_cannot_do_is_one_line(argv, says, capsys):
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(says) and len(err.strip().splitlines()) == 1, err
+
+
+def test_pn_pr_that_differ_from_the_launch_are_noted_and_mpiexecs_used(tmp_path, capsys):
+    import numpy as np
+
+    from gpt2np.backends import get_backend
+    from gpt2np.checkpoint import save_model
+    from gpt2np.config import GPT2Config
+    from gpt2np.data import write_shard
+    from gpt2np.model import GPT2
+    cfg = GPT2Config(32, 100, 128, 1, 2, 16)
+    save_model(tmp_path / "m.bin", cfg, GPT2(cfg, get_backend("numpy"), 1, 1, seed=1).params_host())
+    write_shard(tmp_path / "train.bin", np.arange(2000) % 100)
+    base = ["-e", str(tmp_path / "m.bin"), "-i", str(tmp_path / "train.bin"), "-b", "2", "-t", "8", "-x", "1",
+            "-s", "0", "--device", "cpu", "-pi", "mpi"]
+    assert train.main(base + ["-pn", "1", "-pr", "0", "-pg", "8"]) == 0                 # equal: nothing said
+    assert "note: rank" not in capsys.readouterr().out
+    assert train.main(base + ["-pn", "4", "-pr", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "note: rank 0 of 1: -pn 4 differs from what mpiexec started; using mpiexec's 1" in out
+    assert "note: rank 0 of 1: -pr 2 differs from what mpiexec started; using mpiexec's 0" in out
