@@ -19,6 +19,8 @@ import numpy as np
 
 from .backends import cuda_problem, get_backend, gpu_present, resolve_attention, resolve_name, resolve_precision
 from .checkpoint import (
+    checkpoint_to_delete,
+    delete_checkpoint,
     done_path,
     load_model,
     load_state,
@@ -267,6 +269,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         nonlocal last_saved
         save_checkpoint(cfg.output_dir, step, model, train_loader, rng, dist, nonfinite_skipped=skipped)
         last_saved = step
+        rotate_checkpoints(cfg, step, dist, say)
 
     # A device step (CUDA) returns before the device has run it (gpt2np.train_step.PendingStep): its line is
     # printed when the next step has been queued (one step late), or before anything else the loop does
@@ -417,6 +420,26 @@ def save_checkpoint(out_dir, step, model, train_loader, rng, dist, nonfinite_ski
     if dist.rank == 0:
         with open(done_path(out_dir, step), "w"):
             pass
+
+
+def rotate_checkpoints(cfg: TrainConfig, step, dist, say):
+    """-nk N (-nm M): the checkpoint of `step` is complete (DONE written); delete the one N checkpoints older
+    unless it is major (llm.c's rule, checkpoint.checkpoint_to_delete), one line saying so. Every rank first
+    waits for DONE_step, then removes its own files of the old checkpoint (checkpoint.delete_checkpoint). A file
+    that cannot be removed is a note, not the end of the run."""
+    old = checkpoint_to_delete(step, cfg.checkpoint_every, cfg.checkpoints_keep, cfg.major_checkpoint_every)
+    if old is None:
+        return
+    dist.barrier()                    # rank 0 wrote DONE_step: the new checkpoint is whole before one goes
+    try:
+        removed = delete_checkpoint(cfg.output_dir, old, dist.rank)
+    except OSError as e:
+        print(f"note: -nk {cfg.checkpoints_keep}: could not delete the checkpoint of step {old}: {e}",
+              file=sys.stderr, flush=True)
+        return
+    if removed:
+        say(f"deleted the checkpoint of step {old} in {cfg.output_dir} (-nk {cfg.checkpoints_keep}: the last "
+            f"{cfg.checkpoints_keep} are kept)", flush=True)
 
 
 def resume(out_dir, step, model, train_loader, rng, dist):
