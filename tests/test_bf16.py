@@ -167,7 +167,7 @@ def test_grad_norm_and_adamw_with_master_weights():
     round_stochastic(r_master, expect, 7, 1, 100)
     np.testing.assert_array_equal(params.view(np.uint16), expect.view(np.uint16))
     with pytest.raises(ValueError, match="master"):
-        b16.adamw_update(params, grads, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1)
+        b16.adamw_update(params, grads, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, master=master[1:])
 
 
 def test_round_nearest_is_the_checkpoint_rounding():
