@@ -8,6 +8,8 @@ its fp32 master weights after v (the JSON's "master_weights": true), so that a r
 bf16 model files load without an fp32 round trip when asked (load_model(keep_bf16=True): ml_dtypes bfloat16),
 and bf16 parameters are written as they are.
 Every write goes to a temporary file in the same folder and is renamed into place.
+Rotation (-nk/-nm, llm.c's rule): checkpoint_to_delete says which older checkpoint a new one replaces,
+delete_checkpoint removes one process's files of it (DONE marker first, so it is never seen as complete again).
 Reading checks everything that can be checked cheaply: magic, version, sizes against the file size, the
 state's required keys, and that a model's weights are all finite; the message names the file and the problem.
 """
@@ -225,3 +227,33 @@ def latest_checkpoint_step(out_dir):
     steps = [int(m.group(1)) for p in glob.glob(os.path.join(out_dir, "DONE_*"))
              if (m := re.fullmatch(r"DONE_(\d+)", os.path.basename(p)))]
     return max(steps) if steps else None
+
+
+def checkpoint_to_delete(step, checkpoint_every, keep, major_every=0):
+    """llm.c's -nk/-nm rule: once the checkpoint of `step` is complete, the step whose checkpoint goes
+    (step - keep * checkpoint_every), or None: keep 0 (all kept), no such step (<= 0), or a major one (a
+    multiple of major_every, -nm). A step where no checkpoint was written (a stop or the last step off the -n
+    grid) names one that does not exist: nothing is deleted then, as in llm.c."""
+    if keep <= 0 or checkpoint_every <= 0:
+        return None
+    old = step - keep * checkpoint_every
+    if old <= 0 or (major_every > 0 and old % major_every == 0):
+        return None
+    return old
+
+
+def delete_checkpoint(out_dir, step, rank=0):
+    """Remove this process's files of the checkpoint of `step` in out_dir and only those names: rank 0 its
+    DONE_ marker (first: a checkpoint partly deleted by a crash is then never taken for a complete one) and the
+    model file, every rank its own state file (as llm.c's delete_checkpoint). Returns the paths removed; a file
+    already gone is skipped, one that cannot be removed raises OSError."""
+    paths = ([done_path(out_dir, step), model_path(out_dir, step)] if rank == 0 else []) + \
+        [state_path(out_dir, step, rank)]
+    removed = []
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed

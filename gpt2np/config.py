@@ -176,7 +176,8 @@ class TrainConfig:
     enable_tf32: int = _setting("-f", 1, "llm.c's TF32 switch: 0 = exact fp32 matmuls where --precision is not "
                                 "given (--precision fp32), 1 = the default precision", choices=(0, 1))
     master_weights: int = _setting("-w", 1, "bf16: 1 = AdamW updates fp32 master weights (llm.c's default), 0 = it "
-                                   "updates the bf16 weights directly (stochastic rounding, no fp32 copy)",
+                                   "updates the bf16 weights directly (stochastic rounding, no fp32 copy); no effect "
+                                   "in fp32/tf32",
                                    choices=(0, 1))
     gelu_fusion: int | None = _setting("-ge", help="GELU in the fc GEMM's cuBLASLt epilogues (with --fuse 1): 0 = "
                                        "none, 1 = forward, 2 = forward and backward; --fuse 0 has no epilogues",

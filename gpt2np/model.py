@@ -8,7 +8,9 @@ Precision: the buffers take the backend's dtype (`backend.zeros`). With bf16 sto
 llm.c keeps in fp32 stays fp32: the LayerNorm statistics and the losses (a second activation buffer,
 tensors.FP32_ACTIVATIONS), AdamW's m and v, and the master weights: an fp32 copy of the parameters (this
 process's update shard), made from the bf16 parameters at the first update as llm.c does; AdamW updates it
-and writes the bf16 parameters from it with stochastic rounding seeded by (rounding_seed, step, index).
+and writes the bf16 parameters from it with stochastic rounding seeded by (rounding_seed, step, index). Without
+master weights (master_weights=False, llm.c's -w 0) no fp32 copy is allocated (4 bytes a parameter less): AdamW
+reads the bf16 parameters (upcast), updates them in fp32 and writes them back with the same stochastic rounding.
 """
 import functools
 import math
@@ -47,9 +49,11 @@ class GPT2:
     """
 
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, seed=None,
-                 decay_tensors=DECAYED_BY_DEFAULT, attention="naive", fuse=None):
+                 decay_tensors=DECAYED_BY_DEFAULT, attention="naive", fuse=None, master_weights=True):
         """fuse: call the fused ops (GEMM epilogues, residual + LayerNorm, one-pass LayerNorm backward); None = on
-        backends that launch kernels (CUDA), off on NumPy, where they would only compose the same ops."""
+        backends that launch kernels (CUDA), off on NumPy, where they would only compose the same ops.
+        master_weights: with bf16 storage, keep fp32 master weights for AdamW (llm.c's -w 1); False: AdamW updates
+        the bf16 parameters directly (-w 0). fp32 parameters are their own master weights: no effect."""
         if not 0 < T <= cfg.max_seq_len:
             raise ValueError(f"sequence length T={T} must be in 1..{cfg.max_seq_len} (the model's max_seq_len)")
         if B < 1:
@@ -65,7 +69,8 @@ class GPT2:
         self._grads = backend.zeros(self.num_parameters)
         self._grad = views(self._grads, self.param_shapes)
         self.m = self.v = None                       # AdamW moments, allocated at the first update
-        self.master = None                           # fp32 master weights (bf16 storage only), ditto
+        self.master = None                           # fp32 master weights (bf16 storage, -w 1 only), ditto
+        self.master_weights = bool(master_weights)   # -w: whether bf16 storage keeps them
         self.rounding_seed = 1337                    # stochastic rounding's seed (bf16; the trainer sets --seed)
         # bf16 storage keeps the LayerNorm statistics and the losses in a second, fp32 buffer (llm.c's floats)
         self._fp32_stats = np.dtype(backend.dtype) != np.float32
@@ -399,19 +404,28 @@ class GPT2:
     def load_optimizer_state(self, m, v, master=None):
         """Set m, v (host arrays, (num_parameters,) or, under ZeRO-1, this process's shard's size) and, for bf16
         parameters, the fp32 master weights of the same span (None: made from the parameters at the next
-        update)."""
+        update; a model without master weights, fp32 or -w 0, takes none)."""
+        if master is not None and not self.has_master_weights:
+            raise ValueError("load_optimizer_state: this model keeps no fp32 master weights (fp32 parameters, or "
+                             "bf16 with master_weights=False); pass master=None")
         self.m = self.backend.from_host(np.asarray(m, np.float32))
         self.v = self.backend.from_host(np.asarray(v, np.float32))
         self.master = None if master is None else self.backend.from_host(np.asarray(master, np.float32))
 
     @property
-    def has_master_weights(self) -> bool:
-        """Whether the parameters are stored in a lower precision than fp32 (so AdamW keeps fp32 masters)."""
+    def low_precision(self) -> bool:
+        """Whether the parameters are stored in a lower precision than fp32 (bf16): AdamW rounds them
+        stochastically, from the fp32 master weights or (-w 0) from their own upcast values."""
         return np.dtype(self.params.dtype) != np.float32
+
+    @property
+    def has_master_weights(self) -> bool:
+        """Whether AdamW keeps fp32 master weights: bf16 parameters with master_weights (-w 1)."""
+        return self.low_precision and self.master_weights
 
     def master_weights_host(self, shard=None):
         """Host fp32 copy of the master weights over `shard` (lo, hi); before the first update, the parameters
-        upcast (what the first update starts from). None when the parameters are fp32."""
+        upcast (what the first update starts from). None when there are none (fp32 parameters, or -w 0)."""
         if not self.has_master_weights:
             return None
         if self.master is not None:
@@ -464,10 +478,7 @@ class GPT2:
             raise ValueError(f"AdamW state holds {self.m.size} values, the update shard {lo}:{hi} has {hi - lo}")
         with ranges.range("gpt2_update"):
             for name, a, b in self._shard_tensors(lo, hi):
-                adamw = be.adamw_update_device
-                if self.master is not None:                  # bf16: fp32 masters, stochastic rounding
-                    adamw = functools.partial(adamw, master=self.master[a - lo:b - lo], seed=self.rounding_seed,
-                                              offset=a)
+                adamw = self._rounding(be.adamw_update_device, lo, a, b)
                 self._op("adamw", "optimizer", adamw, self.params[a:b], self.grads[a:b],
                          self.m[a - lo:b - lo], self.v[a - lo:b - lo], self.step_scalars, self.stats, beta1,
                          beta2, eps, name in self.decay_tensors, grad_clip)
@@ -502,14 +513,20 @@ class GPT2:
         with ranges.range("gpt2_update"):
             for name, a, b in self._shard_tensors(lo, hi):
                 wd = weight_decay if name in self.decay_tensors else 0.0
-                adamw = be.adamw_update
-                if self.master is not None:                  # bf16: fp32 masters, stochastic rounding
-                    adamw = functools.partial(adamw, master=self.master[a - lo:b - lo], seed=self.rounding_seed,
-                                              offset=a)
+                adamw = self._rounding(be.adamw_update, lo, a, b)
                 self._op("adamw", "optimizer", adamw, self.params[a:b], self.grads[a:b],
                          self.m[a - lo:b - lo], self.v[a - lo:b - lo], lr, beta1, beta2, eps, wd, step,
                          grad_scale)
         return grad_norm
+
+    def _rounding(self, adamw, lo, a, b):
+        """The AdamW op for params[a:b] (its shard starting at lo): with bf16 parameters, their stochastic
+        rounding's seed and offset (a, the index in the flat buffer) and the fp32 masters of [a, b) (None: -w 0,
+        the op updates the upcast parameters themselves); fp32 parameters: the op as it is."""
+        if not self.low_precision:
+            return adamw
+        master = None if self.master is None else self.master[a - lo:b - lo]
+        return functools.partial(adamw, master=master, seed=self.rounding_seed, offset=a)
 
     def _shard_tensors(self, lo, hi):
         """(name, a, b) for each parameter tensor that overlaps the flat slice [lo, hi): its part [a, b) there,

@@ -19,6 +19,8 @@ import numpy as np
 
 from .backends import cuda_problem, get_backend, gpu_present, resolve_attention, resolve_name, resolve_precision
 from .checkpoint import (
+    checkpoint_to_delete,
+    delete_checkpoint,
     done_path,
     load_model,
     load_state,
@@ -45,7 +47,12 @@ from .tensors import num_parameters
 from .train_step import AdamW, NonFiniteError, PendingStep, train_step
 
 PRECISION_TEXT = {"fp32": "fp32 (exact fp32 matmuls)", "tf32": "tf32 (matmuls on TF32 tensor cores)",
-                  "bf16": "bf16 (bf16 storage, fp32 math and master weights)"}
+                  "bf16": "bf16 (bf16 storage, fp32 math and AdamW state)"}
+# the header's master weights row (llm.c's use_master_weights): bf16 with -w 1, with -w 0; fp32 and tf32 runs
+# (their parameters are fp32: -w has no effect, as in llm.c) show it only when -w 0 was given
+MASTER_WEIGHTS_TEXT = {1: "enabled (fp32 copy, AdamW updates it)",
+                       0: "disabled (-w 0: AdamW updates the bf16 weights)",
+                       "fp32": "-w 0 has no effect: the parameters are fp32"}
 
 
 def header_table(rows):
@@ -181,9 +188,9 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         lo, hi = dist.shard(num_parameters(model_cfg))
         backend.check_memory_fits(model_cfg, B, T, optimizer_elements=hi - lo, model_name=f"-e {cfg.model}",
                                   reserved=dist.reserved_device_memory(), sharers=dist.gpu_sharers,
-                                  attention=attention)
+                                  attention=attention, master_weights=bool(cfg.master_weights))
     model = GPT2(model_cfg, backend, B, T, seed=cfg.seed if params is None else None, attention=attention,
-                 fuse=bool(cfg.fuse))
+                 fuse=bool(cfg.fuse), master_weights=bool(cfg.master_weights))
     model.rounding_seed = cfg.seed            # bf16: the stochastic rounding of the parameters (AdamW)
     if params is not None:
         model.load_params(params)
@@ -238,8 +245,10 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         ("overfit_single_batch", cfg.overfit_single_batch), ("seed", cfg.seed), ("processes", dist.world_size),
         ("zero stage", dist.zero_stage), ("device", "cuda (the CPU emulator)" if backend_name == "emu"
                                                   else f"{backend.name} ({device_name})"),
-        ("precision", PRECISION_TEXT.get(backend.precision, backend.precision)), ("attention", attention),
-        ("model", model_desc)]))
+        ("precision", PRECISION_TEXT.get(backend.precision, backend.precision))]
+        + ([("master weights", MASTER_WEIGHTS_TEXT[cfg.master_weights if bf16 else "fp32"])]
+           if bf16 or not cfg.master_weights else [])
+        + [("attention", attention), ("model", model_desc)]))
     say(header_table([("max_sequence_length T", model_cfg.max_seq_len), ("vocab_size V", model_cfg.vocab_size),
                       ("padded_vocab_size Vp", model_cfg.padded_vocab_size), ("num_layers L", model_cfg.num_layers),
                       ("num_heads NH", model_cfg.num_heads), ("channels C", model_cfg.channels),
@@ -272,6 +281,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         nonlocal last_saved
         save_checkpoint(cfg.output_dir, step, model, train_loader, rng, dist, nonfinite_skipped=skipped)
         last_saved = step
+        rotate_checkpoints(cfg, step, dist, say)
 
     # A device step (CUDA) returns before the device has run it (gpt2np.train_step.PendingStep): its line is
     # printed when the next step has been queued (one step late), or before anything else the loop does
@@ -409,7 +419,7 @@ def stop_on_signal(signals: StopSignals, step, checkpoint, out_dir, rank0):
 
 def save_checkpoint(out_dir, step, model, train_loader, rng, dist, nonfinite_skipped=0):
     """model_STEP.bin (rank 0), state_STEP_RANK.bin (each rank), then DONE_STEP once all are written."""
-    bf16 = model.has_master_weights              # llm.c's v5 file; the fp32 master weights go into the state
+    bf16 = model.low_precision                   # llm.c's v5 file; the fp32 master weights (-w 1) go into the state
     if dist.rank == 0:
         save_model(model_path(out_dir, step), model.cfg, model.params_host(), dtype="bf16" if bf16 else "fp32")
     info = {"step": step, "train_loader": train_loader.state(), "rng": rng.bit_generator.state,
@@ -424,10 +434,30 @@ def save_checkpoint(out_dir, step, model, train_loader, rng, dist, nonfinite_ski
             pass
 
 
+def rotate_checkpoints(cfg: TrainConfig, step, dist, say):
+    """-nk N (-nm M): the checkpoint of `step` is complete (DONE written); delete the one N checkpoints older
+    unless it is major (llm.c's rule, checkpoint.checkpoint_to_delete), one line saying so. Every rank first
+    waits for DONE_step, then removes its own files of the old checkpoint (checkpoint.delete_checkpoint). A file
+    that cannot be removed is a note, not the end of the run."""
+    old = checkpoint_to_delete(step, cfg.checkpoint_every, cfg.checkpoints_keep, cfg.major_checkpoint_every)
+    if old is None:
+        return
+    dist.barrier()                    # rank 0 wrote DONE_step: the new checkpoint is whole before one goes
+    try:
+        removed = delete_checkpoint(cfg.output_dir, old, dist.rank)
+    except OSError as e:
+        print(f"note: -nk {cfg.checkpoints_keep}: could not delete the checkpoint of step {old}: {e}",
+              file=sys.stderr, flush=True)
+        return
+    if removed:
+        say(f"deleted the checkpoint of step {old} in {cfg.output_dir} (-nk {cfg.checkpoints_keep}: the last "
+            f"{cfg.checkpoints_keep} are kept)", flush=True)
+
+
 def resume(out_dir, step, model, train_loader, rng, dist):
     """Load the checkpoint of `step` in -o (rundir.prepare_run_dir chose it and checked it is this run's, whole,
     and written by as many processes with the same ZeRO stage); returns its state's info."""
-    saved_cfg, params = load_model(model_path(out_dir, step), keep_bf16=model.has_master_weights)
+    saved_cfg, params = load_model(model_path(out_dir, step), keep_bf16=model.low_precision)
     if saved_cfg != model.cfg:
         raise ValueError(f"{model_path(out_dir, step)}: model config {saved_cfg} differs from -e's {model.cfg}")
     model.load_params(params)
@@ -437,8 +467,13 @@ def resume(out_dir, step, model, train_loader, rng, dist):
     if m.size != hi - lo:
         raise ValueError(f"{path}: optimizer state for {m.size} parameters, this rank's share of the model "
                          f"has {hi - lo}")
+    if model.low_precision and (master is not None) != model.has_master_weights and dist.rank == 0:
+        # llm.c warns for the first and refuses the second; the second is a fresh -w 1 start from these weights
+        print(f"note: {path} " + ("holds fp32 master weights; -w 0 continues from the bf16 weights without them"
+                                  if master is not None else "has no fp32 master weights (a -w 0 run's); -w 1 "
+                                  "makes them from the bf16 weights, as at the start of a run"))
     if not model.has_master_weights:
-        master = None                         # an fp32 run keeps no master weights
+        master = None                         # an fp32 or -w 0 run keeps no master weights
     model.load_optimizer_state(m, v, master)
     train_loader.load_state(info["train_loader"])
     rng.bit_generator.state = info["rng"]

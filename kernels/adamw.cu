@@ -17,7 +17,8 @@
 // bf16 build (-DGPT2NP_BF16): params and grads are bf16, `master` holds the fp32 master weights. The
 // (exactly upcast) gradient drives the same fp32 update of master, m and v, and params = master rounded
 // stochastically with the noise of (seed, t, offset + i), offset being params[0]'s index in the model's
-// flat parameter buffer: bitwise gpt2np.backends.bf16.round_stochastic (SplitMix64, see there).
+// flat parameter buffer: bitwise gpt2np.backends.bf16.round_stochastic (SplitMix64, see there). A null
+// `master` (llm.c's -w 0, no master weights) updates the upcast bf16 parameter itself, rounded the same way.
 // m and v are fp32 in both builds.
 #include "common.cuh"
 
@@ -78,8 +79,11 @@ __device__ __forceinline__ void adamw_element(floatX* __restrict__ params, const
     v[i] = vi;
     const float denom = sqrtf(vi) * inv_sqrt_bias_correction2 + eps;
 #if defined(GPT2NP_BF16)
-    const float p = master[i] * decay - step_size * (mi / denom);
-    master[i] = p;
+    const float old = master != nullptr ? master[i] : to_float(params[i]);    // null: -w 0
+    const float p = old * decay - step_size * (mi / denom);
+    if (master != nullptr) {
+        master[i] = p;
+    }
     params[i] = round_stochastic(p, stream, (unsigned long long)offset + (unsigned long long)i);
 #else
     (void)master;
@@ -89,8 +93,8 @@ __device__ __forceinline__ void adamw_element(floatX* __restrict__ params, const
 #endif
 }
 
-// master: the fp32 master weights (bf16 build); in the fp32 build not accessed (pass params). t: the AdamW step
-// (>= 1), seed: stochastic rounding's seed (its 32 bits), offset: params[0]'s index in the flat parameter buffer;
+// master: the fp32 master weights (bf16 build; null for -w 0); in the fp32 build not accessed (pass params).
+// t: the AdamW step (>= 1), seed: stochastic rounding's seed (its 32 bits), offset: params[0]'s index in the flat parameter buffer;
 // these three only matter in the bf16 build.
 extern "C" __global__ void adamw_update(floatX* __restrict__ params, const floatX* __restrict__ grads,
                                         float* __restrict__ m, float* __restrict__ v, float* master, int n,

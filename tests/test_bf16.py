@@ -167,7 +167,7 @@ def test_grad_norm_and_adamw_with_master_weights():
     round_stochastic(r_master, expect, 7, 1, 100)
     np.testing.assert_array_equal(params.view(np.uint16), expect.view(np.uint16))
     with pytest.raises(ValueError, match="master"):
-        b16.adamw_update(params, grads, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1)
+        b16.adamw_update(params, grads, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, master=master[1:])
 
 
 def test_round_nearest_is_the_checkpoint_rounding():
@@ -412,3 +412,92 @@ def test_bf16_residual_backward_may_alias_its_outputs():
             + g.astype(np.float32)).astype(BF16)
     be.residual_backward(d, d, g)
     assert np.array_equal(d.view(np.uint16), want.view(np.uint16))
+
+
+# ---- -w 0: no fp32 master weights (llm.c's use_master_weights 0) ----------------------------------------------
+
+def test_without_master_weights_memory_drops_4_bytes_a_parameter():
+    """The model's memory summary (after a step: m, v allocated) and memory_needed lose exactly the masters."""
+    x = np.random.default_rng(0).integers(0, 200, (4, 32))
+    summaries = []
+    for masters in (True, False):
+        model = GPT2(TINY, get_backend("numpy", "bf16"), 4, 32, seed=1, master_weights=masters)
+        train_step(model, lambda: (x, x), step=0, lr=1e-3)
+        assert (model.master is not None) == masters
+        summaries.append(memory_summary(model, peak={}))
+    P = GPT2(TINY, get_backend("numpy"), 1, 8).num_parameters
+    assert summaries[0]["total"] - summaries[1]["total"] == 4 * P
+    row = next(b for b in summaries[1]["buffers"] if b["buffer"] == "master weights")
+    assert row["bytes"] == 0 and "-w 0" in row["what"]
+    for precision, drop in (("bf16", 4 * P), ("fp32", 0)):
+        be = get_backend("emu", precision)
+        with_, without = (sum(be.memory_needed(TINY, 4, 32, master_weights=w).values()) for w in (True, False))
+        assert with_ - without == drop, precision
+
+
+@pytest.mark.parametrize("device", ["numpy", "emu"])
+def test_without_master_weights_training_steps(device):
+    """-w 0 and -w 1 from the same bf16 weights: the first step is bitwise the same (the masters start as the
+    params), the next ones differ (the masters keep what the bf16 params round away); the loss stays finite."""
+    x = np.random.default_rng(1).integers(0, 200, (2, 17))
+    runs = []
+    for masters in (True, False):
+        model = GPT2(TINY, get_backend(device, "bf16"), 2, 16, seed=1, master_weights=masters)
+        params, losses = [], []
+        for step in range(3):
+            result = train_step(model, lambda: (x[:, :-1], x[:, 1:]), step=step, lr=1e-2)
+            losses.append(result.resolve().loss if hasattr(result, "resolve") else result.loss)
+            params.append(model.params_host().view(np.uint16).copy())
+        assert (model.master is None) != masters and np.isfinite(losses).all()
+        runs.append(params)
+    (w1, w0) = runs
+    np.testing.assert_array_equal(w0[0], w1[0])
+    assert not np.array_equal(w0[2], w1[2])
+
+
+@pytest.mark.parametrize("device", ["cpu", "emu"])
+def test_train_without_master_weights_resumes_bitwise(files, tmp_path, capsys, device):
+    """train.py --precision bf16 -w 0: the header says so, the loss is finite, the state file holds m and v only,
+    and a resume from step 3 gives the straight run's losses and files bit for bit."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    base = train_args(files, "-e", files / "tiny_bf16.bin", "-x", 6, "-n", 3, "-w", 0, device=device)
+    assert train.main(base + ["-o", str(full)]) == 0
+    out_full = capsys.readouterr().out
+    assert "| master weights" in out_full and "disabled (-w 0" in out_full
+    steps = [line for line in out_full.splitlines() if line.startswith("step") and "/6" in line]
+    assert len(steps) == 6 and all(np.isfinite(float(line.split("|")[1].split()[1])) for line in steps)
+    info, m, v, master = load_state(state_path(full, 6), with_master=True)
+    assert master is None and not info.get("master_weights")
+    assert (full / "state_00000006_00000.bin").stat().st_size < 3 * 4 * m.size   # two fp32 arrays, a small header
+    resumed.mkdir()
+    for name in ("model_00000003.bin", "state_00000003_00000.bin", "DONE_00000003", "run.json", "main.log"):
+        (resumed / name).write_bytes((full / name).read_bytes())
+    assert train.main(base + ["-o", str(resumed), "-y", "1"]) == 0
+    out_resumed = capsys.readouterr().out
+    assert [line.split("|")[1] for line in out_resumed.splitlines() if line.startswith("step")] == \
+        [line.split("|")[1] for line in steps[3:]]
+    for name in ("model_00000006.bin", "state_00000006_00000.bin"):
+        assert (full / name).read_bytes() == (resumed / name).read_bytes(), name
+
+
+def test_switching_master_weights_on_resume_is_a_note(files, tmp_path, capsys):
+    """A -w 0 checkpoint resumed with -w 1 starts the masters from the bf16 weights; a -w 1 one resumed with -w 0
+    drops them: each says so in one line (llm.c refuses the first and warns for the second)."""
+    for before, after, note in ((0, 1, "has no fp32 master weights (a -w 0 run's)"),
+                                (1, 0, "holds fp32 master weights; -w 0 continues")):
+        out = tmp_path / f"w{before}"
+        base = train_args(files, "-e", files / "tiny_bf16.bin", "-n", 2, "-v", 0, "-o", out)
+        assert train.main(base + ["-x", "2", "-w", str(before)]) == 0
+        capsys.readouterr()
+        assert train.main(base + ["-x", "3", "-w", str(after), "-y", "1"]) == 0
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+        assert len(lines) == 1 and note in lines[0], lines
+        assert (load_state(state_path(out, 3), with_master=True)[3] is not None) == bool(after)
+
+
+def test_w0_has_no_effect_in_fp32(files, tmp_path, capsys):
+    assert train.main(train_args(files, "-e", files / "tiny.bin", "-x", 1, "-w", 0, precision="fp32")) == 0
+    out = capsys.readouterr().out
+    assert "| master weights" in out and "-w 0 has no effect: the parameters are fp32" in out
+    assert train.main(train_args(files, "-e", files / "tiny.bin", "-x", 1, precision="fp32")) == 0
+    assert "| master weights" not in capsys.readouterr().out

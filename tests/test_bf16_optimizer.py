@@ -164,8 +164,6 @@ def test_adamw_argument_checks(be, be32):
     f = np.zeros(n, F32)
     p16, g16 = be.zeros(n), be.zeros(n)
     with pytest.raises(KernelArgumentError, match="master"):
-        be.adamw_update(p16, g16, be.from_host(f), be.from_host(f), 1e-3, B1, B2, EPS, 0.0, 1)
-    with pytest.raises(KernelArgumentError, match="master"):
         be.adamw_update(p16, g16, be.from_host(f), be.from_host(f), 1e-3, B1, B2, EPS, 0.0, 1,
                         master=be.from_host(np.zeros(n - 1, F32)))
     with pytest.raises(KernelArgumentError):                  # the master weights are fp32
@@ -224,6 +222,111 @@ def test_adamw_update_device_bf16_skips_a_non_finite_step(be, bad):
                            be.from_host(np.array(bad, F32)), B1, B2, EPS, True, 1.0, master=D_master, seed=3,
                            offset=0)
     assert [be.to_host(a).tobytes() for a in arrays] == before
+
+
+# ---- without master weights (-w 0, llm.c's use_master_weights 0) ----------------------------------
+# A null master: the kernel reads the bf16 parameter (upcast, exact) where it read the master, so one step from
+# params p is bitwise the master-weights step from masters equal to p upcast: that is the reference here.
+@pytest.mark.parametrize("t, wd, scale, offset", [(1, 0.0, 1.0, 0), (1000, 0.1, 0.5, 77)])
+def test_adamw_update_bf16_without_master(be, t, wd, scale, offset):
+    n, lo, lr, seed = 1203, 3, 3e-3, 1337
+    _, params, grads, m, v = case(n, t)
+    D_params, D_grads, D_m, D_v = (be.from_host(a) for a in (params, grads, m, v))
+    be.adamw_update(D_params[lo:], D_grads[lo:], D_m[lo:], D_v[lo:], lr, B1, B2, EPS, wd, t, scale, seed=seed,
+                    offset=offset)
+    got = [be.to_host(a) for a in (D_params, D_m, D_v)]
+    want = [a.copy() for a in (params, m, v)]
+    kernel_arithmetic(params[lo:].astype(F32), want[0][lo:], grads[lo:], want[1][lo:], want[2][lo:], lr, wd, t, scale,
+                      seed, offset)
+    for g, w in zip(got, want):
+        assert_bitwise(g, w)
+    # the bf16 reference without masters: bitwise its own master-weights step from the upcast params, and at most
+    # one bf16 ulp from the kernel (NumpyBackend's fp32 AdamW folds its algebra differently, see the top)
+    r_params, r_m, r_v = (a.copy() for a in (params, m, v))
+    REF16.adamw_update(r_params[lo:], grads[lo:], r_m[lo:], r_v[lo:], lr, B1, B2, EPS, wd, t, scale, seed=seed,
+                       offset=offset)
+    w_params, w_m, w_v, w_master = params.copy(), m.copy(), v.copy(), params.astype(F32)
+    REF16.adamw_update(w_params[lo:], grads[lo:], w_m[lo:], w_v[lo:], lr, B1, B2, EPS, wd, t, scale,
+                       master=w_master[lo:], seed=seed, offset=offset)
+    for r, w in ((r_params, w_params), (r_m, w_m), (r_v, w_v)):
+        assert_bitwise(r, w)
+    for g, r in zip(got[1:], (r_m, r_v)):
+        np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-7)
+    assert np.abs(bits(got[0]).astype(np.int64) - bits(r_params).astype(np.int64)).max() <= 1
+
+
+def test_bf16_reference_without_master_in_pieces_and_chunks(monkeypatch):
+    """Bf16NumpyBackend.adamw_update(master=None) splits a segment into ADAMW_PIECE pieces and CHUNKs: the same
+    bits as one master-weights update of the whole segment (upcast params as masters)."""
+    from gpt2np.backends import numpy_backend, numpy_bf16
+    monkeypatch.setattr(numpy_bf16, "ADAMW_PIECE", 500)
+    monkeypatch.setattr(numpy_backend, "CHUNK", 128)
+    ref = Bf16NumpyBackend(threads=2)
+    _, params, grads, m, v = case(1203, 4)
+    a = [x.copy() for x in (params, m, v)]
+    ref.adamw_update(a[0], grads, a[1], a[2], 2e-3, B1, B2, EPS, 0.1, 5, 0.7, seed=9, offset=11)
+    b, master = [x.copy() for x in (params, m, v)], params.astype(F32)
+    REF16.adamw_update(b[0], grads, b[1], b[2], 2e-3, B1, B2, EPS, 0.1, 5, 0.7, master=master, seed=9, offset=11)
+    for x, y in zip(a, b):
+        assert_bitwise(x, y)
+    assert not np.array_equal(bits(a[0]), bits(params))
+
+
+@pytest.mark.parametrize("stats", [(2.5, 3.7 ** 2), (math.nan, 1.0)])
+def test_adamw_update_device_bf16_without_master(be, stats):
+    n, lo, lr, wd, seed, t = 1203, 5, 2e-3, 0.1, 4242, 7
+    _, params, grads, m, v = case(n, 200)
+    stats, scalars = np.array(stats, F32), step_scalars(lr, t, wd)
+    D_params, D_grads, D_m, D_v = (be.from_host(a) for a in (params, grads, m, v))
+    be.adamw_update_device(D_params[lo:], D_grads[lo:], D_m[lo:], D_v[lo:], be.from_host(scalars),
+                           be.from_host(stats), B1, B2, EPS, True, 1.0, seed=seed, offset=9)
+    got = [be.to_host(a) for a in (D_params, D_m, D_v)]
+    want = [a.copy() for a in (params, m, v)]
+    REF32.adamw_update_device(want[0][lo:], grads[lo:], want[1][lo:], want[2][lo:], scalars, stats, B1, B2, EPS, True,
+                              1.0, seed=seed, offset=9)
+    for g, w in zip(got, want):
+        assert_bitwise(g, w)
+    assert np.isfinite(stats[0]) != np.array_equal(bits(got[0]), bits(params))    # a non-finite step: untouched
+
+
+def test_model_update_device_bf16_without_master_replays_as_a_graph(be):
+    """GPT2(master_weights=False).update_device: no master buffer, each tensor's update bitwise the kernel's
+    arithmetic (REF32.adamw_update_device without master), a captured graph replays it bitwise; the first step is
+    bitwise the master-weights model's (its masters start as the params), later ones differ."""
+    rng = np.random.default_rng(9)
+    eager, graphed = (GPT2(CFG, be, 2, 4, seed=0, master_weights=False) for _ in range(2))
+    masters = GPT2(CFG, be, 2, 4, seed=0)
+    n = eager.num_parameters
+    grads = [rng.standard_normal(n).astype(F32).astype(BF16) for _ in range(3)]
+    models = (eager, graphed, masters)
+    for model in models:
+        model.rounding_seed = 99
+        model.stats, model.step_scalars = be.zeros(STATS, F32), be.zeros(STEP_SCALARS, F32)
+        be.upload_(model.stats, np.array([2.0, 9.0], F32))
+    r_params, r_m, r_v = be.to_host(eager.params), np.zeros(n, F32), np.zeros(n, F32)
+    graph = None
+    for t, g in enumerate(grads, start=1):
+        for model in models:
+            be.copy_(model.grads, be.from_host(g))
+            model.set_step_scalars(1e-2, B1, B2, 0.1, t)
+        eager.update_device(B1, B2, EPS, 1.0)
+        masters.update_device(B1, B2, EPS, 1.0)
+        if graph is None:
+            graphed.update_device(B1, B2, EPS, 1.0)
+            be.rt.begin_capture()
+            graphed.update_device(B1, B2, EPS, 1.0)
+            graph = be.rt.end_capture()
+        else:
+            graph.launch()
+        for name, a, b in eager._shard_tensors(0, n):
+            REF32.adamw_update_device(r_params[a:b], g[a:b], r_m[a:b], r_v[a:b], step_scalars(1e-2, t, 0.1),
+                                      np.array([2.0, 9.0], F32), B1, B2, EPS, name in eager.decay_tensors, 1.0,
+                                      seed=99, offset=a)
+        for got, want in ((eager.params, r_params), (eager.m, r_m), (eager.v, r_v), (graphed.params, r_params)):
+            assert_bitwise(be.to_host(got), want)
+        same = np.array_equal(bits(be.to_host(masters.params)), bits(r_params))
+        assert same == (t == 1), t
+    assert eager.master is None and graphed.master is None and masters.master is not None
 
 
 # ---- the model's device update -----------------------------------------------------------------

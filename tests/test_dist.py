@@ -160,6 +160,20 @@ def test_resume_per_rank_is_bit_identical(mpiexec, files, runs, tmp_path):
     assert code != 0 and "written with ZeRO stage 1 (-z); resume needs the same, got -z 0" in err
 
 
+def test_checkpoint_rotation_under_mpiexec(mpiexec, files, tmp_path):
+    """-n 1 -nk 2 with 2 ranks: each rank deletes its own state file of the old checkpoint, rank 0 the model and
+    DONE files and prints the line; the last 2 checkpoints stay whole, and -y 1 resumes from the newest."""
+    code, out, err, _ = launch(mpiexec, 2, train_argv(files, tmp_path, 2, "-n", 1, "-nk", 2))
+    assert code == 0, err
+    assert [line.split(" in ")[0] for line in out.splitlines() if line.startswith("deleted")] == [
+        f"deleted the checkpoint of step {s}" for s in range(1, STEPS - 1)]
+    kept = {f"{kind}_{s:08d}{tail}" for s in (STEPS - 1, STEPS)
+            for kind, tail in (("model", ".bin"), ("state", "_00000.bin"), ("state", "_00001.bin"), ("DONE", ""))}
+    assert {p.name for p in tmp_path.iterdir()} == kept | {"run.json", "main.log"}
+    code, out, err, _ = launch(mpiexec, 2, train_argv(files, tmp_path, 2, "-n", 1, "-nk", 2, "-y", 1))
+    assert code == 0 and f"resuming from step {STEPS}" in out, err
+
+
 # The collectives on their own, on buffers whose size does not divide by the number of ranks. argv[1]:
 # numpy (MPI on host buffers) or cuda (NCCL on CuPy buffers, one GPU per rank; used by test_gpu_dist.py).
 COLLECTIVES_CHECK = """

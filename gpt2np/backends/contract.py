@@ -150,7 +150,8 @@ class Backend(Protocol):
         m, v are float32. float32 params: master None (seed, offset unused). bf16 params (the bf16 precision):
         master (n) float32, the master weights, gets the fp32 update from the upcast grads, and params = master
         stochastically rounded with the noise of (seed, t, offset + i) (bf16.round_stochastic; offset is
-        params[0]'s index in the model's flat parameter buffer)."""
+        params[0]'s index in the model's flat parameter buffer); bf16 params with master None (llm.c's -w 0): the
+        upcast params take master's place and are rounded back the same way."""
 
     def adamw_update_device(self, params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed, grad_clip, *,
                             master=None, seed=0, offset=0):
@@ -414,6 +415,7 @@ def adamw_cost(params, grads, m, v, *hyperparameters, **master) -> Cost:
     if _item(params) == F32:                  # reads p, g, m, v; writes p, m, v
         return Cost(f"N={n}", {"update": (14 * n, F32 * 7 * n)})
     # lower-precision parameters (bf16) have fp32 master weights: reads master, g, m, v; writes p, master, m, v
+    # (-w 0 reads p instead of master and writes no master: the ranges carry no keywords, so it is counted so too)
     return Cost(f"N={n}", {"update": (14 * n, (_item(params) + _item(grads)) * n + F32 * 6 * n)})
 
 

@@ -567,8 +567,9 @@ class NumpyBackend:
         """The CUDA kernel adamw_update_device's arithmetic in float32 (the reference its emulated runs are checked
         against; the NumPy training step runs adamw_update): scalars = [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t),
         1 - lr wd, t (its bits)], stats = [loss, squared grad norm]; nothing changes when either statistic is not
-        finite. With master (bf16 params and grads, as the bf16 build of the kernel takes them): the grads are
-        upcast, master gets the update and params = bf16.round_stochastic(master, seed, t, offset)."""
+        finite. bf16 params and grads (as the bf16 build of the kernel takes them): the grads are upcast, master
+        gets the update and params = bf16.round_stochastic(master, seed, t, offset); without master (-w 0) the
+        upcast params are what is updated, then rounded the same way."""
         f32 = np.float32
         loss, norm_squared = f32(stats[0]), f32(stats[1])
         if not (np.isfinite(loss) and np.isfinite(norm_squared)):
@@ -582,13 +583,16 @@ class NumpyBackend:
         m[...] = f32(beta1) * m + f32(1.0 - beta1) * g
         v[...] = f32(beta2) * v + f32(1.0 - beta2) * (g * g)
         denom = np.sqrt(v) * inv_sqrt_bc2 + f32(eps)
-        if master is None:
+        if np.dtype(params.dtype) == f32:
             params[...] = params * decay - step_size * (m / denom)
             return
         from .bf16 import round_stochastic
-        master[...] = master * decay - step_size * (m / denom)
+        old = master if master is not None else np.asarray(params, f32)
+        updated = old * decay - step_size * (m / denom)
+        if master is not None:
+            master[...] = updated
         t = int(np.ascontiguousarray(scalars, f32).view(np.uint32)[3])
-        round_stochastic(master, params, seed, t, offset)
+        round_stochastic(updated, params, seed, t, offset)
 
     def loss_mean(self, stats, losses, count, accumulate):
         """stats[0] = mean(losses) / count as float32 (+= with accumulate); the sum in float64."""

@@ -18,8 +18,10 @@ matmul differs from this by about one rounding of att).
 AdamW: adamw_update takes the fp32 master weights (`master=`) beside the bf16 parameters: the bf16 gradients
 are upcast, the fp32 op updates master, m and v exactly as in an fp32 run, and the bf16 parameters are written
 from master with seeded stochastic rounding (bf16.round_stochastic: noise from (seed, t, flat index)), so runs
-and resumes are reproducible bit for bit. global_norm_squared upcasts and sums in fp32 per chunk, as the fp32
-backend does.
+and resumes are reproducible bit for bit. Without master weights (master=None, llm.c's -w 0) the bf16
+parameters themselves are upcast (exact), updated by the same fp32 op and rounded back with the same noise: a
+step from parameters p is bitwise the master-weights step from masters equal to p upcast.
+global_norm_squared upcasts and sums in fp32 per chunk, as the fp32 backend does.
 """
 import math
 
@@ -177,20 +179,31 @@ class Bf16NumpyBackend:
                      master=None, seed=0, offset=0):
         """AdamW with fp32 master weights: master (n) fp32, m, v fp32 updated by the fp32 op from the upcast bf16
         grads; params (n) bf16 = master stochastically rounded with the noise of (seed, t, offset + i): offset
-        is params[0]'s index in the model's flat parameter buffer. fp32 params (master None): the fp32 op."""
+        is params[0]'s index in the model's flat parameter buffer. master None with bf16 params (-w 0): the
+        params, upcast, take master's place (per CHUNK, in a temporary: no fp32 copy of the whole segment).
+        fp32 params (master None): the fp32 op."""
         if params.dtype == F32:
             self.f.adamw_update(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale)
             return
-        if master is None or master.size != params.size:
-            raise ValueError("bf16 parameters need their fp32 master weights (master=) for AdamW")
+        if master is not None and master.size != params.size:
+            raise ValueError(f"AdamW: {master.size} fp32 master weights for {params.size} bf16 parameters")
+        hyper = (lr, beta1, beta2, eps, weight_decay, t, grad_scale)
         for lo in range(0, params.size, ADAMW_PIECE):
             hi = min(lo + ADAMW_PIECE, params.size)
             g = self.f.scratch("bf16_adamw_grads", hi - lo, F32)
             np.copyto(g, grads[lo:hi])
-            self.f.adamw_update(master[lo:hi], g, m[lo:hi], v[lo:hi], lr, beta1, beta2, eps, weight_decay, t,
-                                grad_scale)
-            self.f._chunked(lambda a, b, lo=lo: round_stochastic(master[lo + a:lo + b], params[lo + a:lo + b],
-                                                                 seed, t, offset + lo + a), hi - lo)
+            if master is not None:
+                self.f.adamw_update(master[lo:hi], g, m[lo:hi], v[lo:hi], *hyper)
+                self.f._chunked(lambda a, b, lo=lo: round_stochastic(master[lo + a:lo + b], params[lo + a:lo + b],
+                                                                     seed, t, offset + lo + a), hi - lo)
+                continue
+
+            def no_master(a, b, lo=lo, g=g):            # one CHUNK: the same elementwise op, so the same bits
+                p = params[lo + a:lo + b].astype(F32)
+                self.f.adamw_update(p, g[a:b], m[lo + a:lo + b], v[lo + a:lo + b], *hyper)
+                round_stochastic(p, params[lo + a:lo + b], seed, t, offset + lo + a)
+
+            self.f._chunked(no_master, hi - lo)
 
     def global_norm_squared(self, grads):
         """sum(grads^2), each CHUNK upcast and summed in fp32 (as the fp32 backend sums), the chunks in float64."""

@@ -67,7 +67,9 @@ def memory_summary(model, peak: Optional[dict] = None) -> dict:
             ("AdamW v", _nbytes(model.v), "allocated at the first update" if model.v is None else "second moment")]
     if dtype != np.float32:
         master = getattr(model, "master", None)
-        rows.append(("master weights", _nbytes(master), "float32, allocated at the first update" if master is None
+        rows.append(("master weights", _nbytes(master),
+                     "none (-w 0): AdamW updates the bf16 parameters" if not getattr(model, "master_weights", True)
+                     else "float32, allocated at the first update" if master is None
                      else "float32 copy AdamW updates"))
     rows += [("activations", _nbytes(model.acts) + _nbytes(stats),
               f"kept for backward, B={model.B}, T={model.T}" +

@@ -63,6 +63,9 @@ STORAGE = "floatX"
 # a parameter's C type -> what the Python side passes: a dtype's array for pointers, an exact scalar type
 PARAMETER_KINDS = {"float*": np.dtype(np.float32), "int*": np.dtype(np.int32), "float": np.float32, "int": np.int32,
                    "floatX*": STORAGE}
+# A null pointer argument (AdamW's master weights under -w 0): CuPy passes an 8-byte integer as the pointer's
+# value (None it does not turn into NULL), the emulator takes the integer 0
+NULL = np.uint64(0)
 # NVRTC options of the bf16 build of every kernel file (kernels/common.cuh: floatX = __nv_bfloat16)
 BF16_OPTIONS = ("-DGPT2NP_BF16=1",)
 
@@ -284,13 +287,14 @@ class CudaBackend:
         # (all at 4 bytes: the partial sums are fp32 in every build; bf16 attention buffers are overcounted 2x)
         return 4 * (floats + uploads) + CUBLAS_WORKSPACE + lt
 
-    def memory_needed(self, cfg, B, T, optimizer_elements=None, attention="naive"):
+    def memory_needed(self, cfg, B, T, optimizer_elements=None, attention="naive", master_weights=True):
         """{part: bytes} a training run of model cfg at micro-batch (B, T) allocates on this device: the model's
         parameters and gradients, AdamW's m and v (optimizer_elements each: this rank's ZeRO-1 shard, default
         all parameters) and, with bf16 storage, the fp32 master weights of that shard, the activations and token
         buffers, the backward's gradient scratch, this backend's scratch. gpt2np.model.GPT2 allocates exactly the
         model's parts (tests/test_gpu_ready.py checks it). attention: the model's ("naive" or "flash": its
-        activations and scratch differ). Sizes in the storage dtype (self.dtype: 4 bytes, bf16 2), except what
+        activations and scratch differ). master_weights False (-w 0): bf16 storage keeps no fp32 masters, 4 bytes
+        a parameter (of the shard) less. Sizes in the storage dtype (self.dtype: 4 bytes, bf16 2), except what
         is fp32 in every build (tensors.FP32_ACTIVATIONS, AdamW's state)."""
         from ...tensors import FP32_ACTIVATIONS, activation_shapes, num_parameters
         P = num_parameters(cfg)
@@ -298,18 +302,18 @@ class CudaBackend:
         C, X = cfg.channels, self.dtype.itemsize
         acts = activation_shapes(cfg, B, T, attention)
         act_bytes = sum((4 if name in FP32_ACTIVATIONS else X) * int(np.prod(shape)) for name, shape in acts.items())
-        masters = opt if self.bf16 else 0
+        masters = opt if self.bf16 and master_weights else 0
         return {
             "parameters and gradients": X * 2 * P,
             # m, v (and masters); at least the one-time fp32 upload of loaded weights
-            "AdamW m, v" + (", master weights" if self.bf16 else ""): 4 * max(2 * opt + masters, P),
+            "AdamW m, v" + (", master weights" if masters else ""): 4 * max(2 * opt + masters, P),
             "activations": act_bytes + 4 * 2 * B * T,
             "backward scratch": X * B * T * C * (1 + 1 + 3 + 4),
             "kernel scratch": self.scratch_needed(cfg, B, T, attention),
         }
 
     def check_memory_fits(self, cfg, B, T, optimizer_elements=None, model_name="the model", reserved=0, sharers=1,
-                          attention="naive"):
+                          attention="naive", master_weights=True):
         """Raise DeviceMemoryError with one line when a training run at (B, T) needs more than its share of the
         device's free memory (split between `sharers` processes on this GPU, less MEMORY_HEADROOM and `reserved`,
         e.g. NCCL's buffers); the line says what is needed, what is free, and the largest B that fits at this T
@@ -320,13 +324,13 @@ class CudaBackend:
         budget = free // max(1, sharers) - MEMORY_HEADROOM - reserved
 
         def needed(b, t):
-            return sum(self.memory_needed(cfg, b, t, optimizer_elements, attention).values())
+            return sum(self.memory_needed(cfg, b, t, optimizer_elements, attention, master_weights).values())
 
         total = needed(B, T)
         if total <= budget:
             return total
         gb = 1e9
-        parts = self.memory_needed(cfg, B, T, optimizer_elements, attention)
+        parts = self.memory_needed(cfg, B, T, optimizer_elements, attention, master_weights)
         biggest = max(parts, key=parts.get)
         line = (f"-b {B} -t {T}: {model_name} needs {total / gb:.1f} GB on {self.device_name()} "
                 f"({biggest} {parts[biggest] / gb:.1f} GB), {free / gb:.1f} GB is free"
@@ -401,6 +405,8 @@ class CudaBackend:
             if kind == STORAGE:
                 kind = self.dtype
             if isinstance(kind, np.dtype):
+                if a is NULL:
+                    continue
                 dtype = getattr(a, "dtype", None)
                 if dtype is None or not hasattr(a, "flags"):
                     raise KernelArgumentError(f"CudaBackend: kernel {name}: argument {i} must be a {kind} device "
@@ -882,18 +888,20 @@ class CudaBackend:
     # ---- optimizer ----------------------------------------------------------------------
     def _adamw_check(self, op, params, grads, m, v, master, seed, offset):
         """Shapes, sizes and the master weights of an AdamW launch -> (n, the master pointer, the seed as an
-        int32 holding its 32 bits, the offset). bf16 parameters need master (fp32, params' size): the kernel
-        updates it and writes params from it by stochastic rounding; fp32 parameters take none (the kernel is
-        handed params there and does not touch it)."""
+        int32 holding its 32 bits, the offset). bf16 parameters: master (fp32, params' size) is updated and params
+        written from it by stochastic rounding; master None (-w 0) passes a null pointer, and the kernel updates
+        the upcast params themselves. fp32 parameters take none (the kernel is handed params there and does not
+        touch it)."""
         n = params.size
         for what, array in (("grads", grads), ("m", m), ("v", v)):
             self._check_shape(op, what, array, params.shape)
         self._check_int_size(op, "params", n)
         if self.bf16:
-            if master is None or master.size != n:
-                raise KernelArgumentError(f"CudaBackend.{op}: bf16 parameters need their fp32 master weights "
-                                          f"(master=, {n} values) for AdamW")
-            self._check_shape(op, "master", master, params.shape)
+            if master is not None and master.size != n:
+                raise KernelArgumentError(f"CudaBackend.{op}: {master.size} fp32 master weights (master=) for {n} "
+                                          f"bf16 parameters")
+            if master is not None:
+                self._check_shape(op, "master", master, params.shape)
             if not 0 <= offset <= INT_LIMIT:
                 raise KernelArgumentError(f"CudaBackend.{op}: offset {offset} (params[0]'s index in the flat "
                                           f"parameter buffer) must be in [0, 2^31)")
@@ -901,15 +909,16 @@ class CudaBackend:
             raise KernelArgumentError(f"CudaBackend.{op}: float32 parameters are their own master weights "
                                       f"(master= is for bf16 storage)")
         seed32 = np.uint32(int(seed) & 0xFFFFFFFF).view(np.int32)          # the seed's 32 bits (bf16.stream_key)
-        return n, (params if master is None else master), seed32, _i32(offset if self.bf16 else 0)
+        pointer = master if master is not None else NULL if self.bf16 else params
+        return n, pointer, seed32, _i32(offset if self.bf16 else 0)
 
     def adamw_update(self, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, *,
                      master=None, seed=0, offset=0):
         """AdamW (decoupled weight decay, bias correction) on flat segments, in place. fp32 storage: params,
         grads float32, no master. bf16 storage (Bf16NumpyBackend.adamw_update's contract): params, grads bf16,
         master (fp32) updated from the upcast grads by the fp32 arithmetic, params = master stochastically
-        rounded with the noise of (seed, t, offset + i), offset = params[0]'s index in the model's flat buffer.
-        m, v are float32 in both."""
+        rounded with the noise of (seed, t, offset + i), offset = params[0]'s index in the model's flat buffer;
+        master None (-w 0): the upcast params are updated and rounded back. m, v are float32 in both."""
         op = "adamw_update"
         n, master, seed32, offset = self._adamw_check(op, params, grads, m, v, master, seed, offset)
         bias_correction1 = 1.0 - beta1 ** t
