@@ -294,9 +294,11 @@ def test_cupy_runtime_launch_refuses_python_scalars():
     rt = CupyRuntime(cupy=FakeCupy(), cublas=FakeCublas())
     calls = []
     rt.launch(lambda *a, **k: calls.append(a), (1,), (32,), (np.int32(1), np.float32(2)))
+    from gpt2np.backends.cuda.backend import NULL
+    rt.launch(lambda *a, **k: calls.append(a), (1,), (32,), (NULL,))       # -w 0's null master pointer passes
     with pytest.raises(TypeError, match="argument 1 is float 2.0: kernel scalars must be np.int32 or np.float32"):
         rt.launch(lambda *a, **k: calls.append(a), (1,), (32,), (np.int32(1), 2.0))
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("setting, bad", [

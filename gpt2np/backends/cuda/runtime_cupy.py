@@ -271,9 +271,11 @@ class CupyRuntime:
 
     def launch(self, function, grid, block, args, shared_mem=0):
         """CuPy passes a Python int as a 64-bit integer and a float as a double: scalars must be np.int32 /
-        np.float32 (CudaBackend._launch checks them against the kernel's signature; this catches the rest)."""
+        np.float32 (CudaBackend._launch checks them against the kernel's signature; this catches the rest). An
+        np.uint64 is a pointer's 8 bytes: backend.NULL, a null pointer argument (AdamW's master weights under -w 0)."""
         for i, a in enumerate(args):
-            if isinstance(a, (int, float, np.integer, np.floating)) and type(a) not in (np.int32, np.float32):
+            if isinstance(a, (int, float, np.integer, np.floating)) and type(a) not in (np.int32, np.float32,
+                                                                                        np.uint64):
                 raise TypeError(f"kernel argument {i} is {type(a).__name__} {a}: kernel scalars must be "
                                 f"np.int32 or np.float32")
         function(grid, block, args, shared_mem=shared_mem)
