@@ -253,6 +253,9 @@ class TrainConfig:
         if self.major_checkpoint_every and not self.checkpoints_keep:
             raise BadInput(f"-nm {self.major_checkpoint_every} without -nk: major checkpoints are the ones -nk "
                            "never deletes; without -nk every checkpoint is kept")
+        if self.gelu_fusion and self.fuse == 0:     # fuse None (device default not known yet): checked again
+            raise BadInput(f"-ge {self.gelu_fusion} with --fuse 0: the GELU epilogues are fused GEMMs; give -ge 0 "
+                           f"(or leave it out) with --fuse 0, or --fuse 1 (on the CPU --fuse defaults to 0)")
         if self.resume and not self.output_dir:
             raise BadInput("-y 1 without -o: resuming reads the checkpoints in -o DIR")
         if self.checkpoint_every > 0 and not self.output_dir:

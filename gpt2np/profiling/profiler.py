@@ -509,6 +509,10 @@ def main(argv=None):
     ap.add_argument("--out", default="profile", help="folder for CSV, JSON, trace and PNG (default ./profile)")
     ap.add_argument("--attention", choices=["flash", "naive"],
                     help="the model's attention (default: flash on a GPU, the emulator and --plan; naive on the CPU)")
+    ap.add_argument("--recompute", "-r", type=int, choices=[0, 1, 2],
+                    help="the model's recompute, as train.py's -r: 0 = keep every activation, 1 = recompute the GELU "
+                         "in backward, 2 = the GELU and the LayerNorms (default: train.py's, 1 on a GPU, the emulator "
+                         "and --plan, 0 on the CPU)")
     ap.add_argument("--views", default=",".join(V.DEFAULT_VIEWS),
                     help=f"views to print, comma-separated, or 'all' (default {','.join(V.DEFAULT_VIEWS)}; "
                          f"all: {','.join(V.VIEWS)})")
@@ -554,8 +558,9 @@ def main(argv=None):
     attention, note = resolve_attention(backend, cfg.channels // cfg.num_heads, args.attention)
     if note:
         print(f"note: {note}", file=sys.stderr)        # stdout holds the views
+    recompute = args.recompute if args.recompute is not None else int(backend.launches_kernels)
     model = GPT2(cfg, backend, args.batch_size, args.seq_len, seed=0 if params is None else None,
-                 attention=attention)
+                 attention=attention, recompute=recompute)
     if params is not None:
         model.load_params(params)
     rng = np.random.default_rng(0)
