@@ -530,6 +530,9 @@ def main(argv=None):
     plan.add_argument("--fuse", type=int, choices=[0, 1], default=1,
                       help="1 = the fused ops (GEMM epilogues, residual + LayerNorm, one-pass LayerNorm backward), "
                            "0 = one kernel per op, as train.py's --fuse (default 1)")
+    plan.add_argument("-ge", "--gelu-fusion", dest="gelu_fusion", type=int, choices=[0, 1, 2],
+                      help="with --fuse 1, as train.py's -ge: GELU in the fc GEMM's epilogue, 0 = none, 1 = forward, "
+                           "2 = forward and backward (default 2 with --fuse 1, else 0)")
     plan.add_argument("--measure", action="store_true",
                       help="run the planned step for real (--device cuda, or emu: CPU times) and print the measured "
                            "time beside each floor")
@@ -538,7 +541,8 @@ def main(argv=None):
     integer(1).check("-t", args.seq_len, "the sequence length T")
     integer(1).check("--steps", args.steps, "the number of profiled steps")
     planning = {"--gpu": args.gpu is not None, "--precision": args.precision is not None,
-                "--plan-launches": args.plan_launches, "--measure": args.measure, "--fuse": args.fuse != 1}
+                "--plan-launches": args.plan_launches, "--measure": args.measure, "--fuse": args.fuse != 1,
+                "-ge": args.gelu_fusion is not None}
     if not args.plan and any(planning.values()):
         raise BadInput(f"{next(flag for flag, given in planning.items() if given)} needs --plan")
     views = V.parse_views(args.views)
