@@ -19,7 +19,8 @@ ratio to the fastest. With --runtime emu the PyTorch side runs eager on the CPU 
 time is not comparable) and torch.compile is skipped.
 
     python bench/gpu_step.py [--model d12] [-b 4] [-t 1024] [--steps 10] [--warmup 3] [--precision tf32|fp32|bf16]
-                             [--attention flash|naive] [--fuse 1|0] [--cuda-graphs 1|0] [--top 25]
+                             [--attention flash|naive] [--fuse 1|0] [-ge 0|1|2] [-r 0|1|2] [--cuda-graphs 1|0]
+                             [--top 25]
     python bench/gpu_step.py --runtime emu --model tiny -t 16 --steps 1 --warmup 0   # dry run, no GPU
 """
 import argparse
@@ -114,6 +115,12 @@ def main(argv=None):
     parser.add_argument("--attention", choices=("flash", "naive"), default="flash",
                         help="flash (default; head size 64, sm_80+) or naive (the (T,T) probabilities kept)")
     parser.add_argument("--fuse", type=int, choices=(0, 1), default=1, help="1 (default): the fused ops")
+    parser.add_argument("-ge", "--gelu-fusion", dest="gelu_fusion", type=int, choices=(0, 1, 2), default=None,
+                        help="with --fuse 1, train.py's -ge: GELU in the fc GEMM's epilogue, 0 none, 1 forward, 2 "
+                             "forward and backward (default 2 with --fuse 1)")
+    parser.add_argument("-r", "--recompute", type=int, choices=(0, 1, 2), default=0,
+                        help="train.py's -r: 0 (default) keep every activation, 1 recompute the GELU in "
+                             "backward, 2 also the LayerNorms")
     parser.add_argument("--cuda-graphs", type=int, choices=(0, 1), default=1,
                         help="1 (default): the timed steps replay a captured CUDA graph")
     parser.add_argument("--top", type=int, default=25, help="rows of the per-kernel table")
@@ -129,6 +136,8 @@ def main(argv=None):
     bad = set(args.torch.split(",")) - {"eager", "compile", "none", ""}
     if bad:
         parser.error(f"--torch {args.torch}: unknown {', '.join(sorted(bad))} (eager, compile or none)")
+    if args.gelu_fusion and not args.fuse:
+        parser.error(f"-ge {args.gelu_fusion} with --fuse 0: the GELU epilogues are fused GEMMs (give -ge 0)")
 
     cfg = TINY if args.model == "tiny" else preset(args.model)
     if not 0 < args.t <= cfg.max_seq_len:
@@ -139,7 +148,8 @@ def main(argv=None):
     if args.attention == "flash" and cfg.channels // cfg.num_heads != 64:
         parser.error(f"--attention flash needs head size 64; --model {args.model} has "
                      f"{cfg.channels // cfg.num_heads} (use --attention naive)")
-    model = GPT2(cfg, be, B, T, seed=0, attention=args.attention, fuse=bool(args.fuse))
+    model = GPT2(cfg, be, B, T, seed=0, attention=args.attention, fuse=bool(args.fuse), gelu_fusion=args.gelu_fusion,
+                 recompute=args.recompute)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -159,7 +169,8 @@ def main(argv=None):
     mfu_llmc = mfu(fpt, tokens_per_s, device, convention)
 
     print(f"device: {device} ({spec.name if spec else 'no peak numbers known'}), runtime {be.rt.name}, "
-          f"precision {precision}, attention {args.attention}, fuse {args.fuse}, cuda graphs {args.cuda_graphs}")
+          f"precision {precision}, attention {args.attention}, fuse {args.fuse}, gelu_fusion {model.gelu_fusion}, "
+          f"recompute {model.recompute}, cuda graphs {args.cuda_graphs}")
     print(f"model: {args.model} ({model.num_parameters / 1e6:.2f}M parameters), B={B}, T={T}, "
           f"{args.steps} timed steps after {warm} warmup")
     print(f"step: {step_ms:.2f} ms, {tokens_per_s:,.0f} tokens/s, {fpt * tokens_per_s / 1e12:.2f} TFLOP/s "

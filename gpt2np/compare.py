@@ -78,11 +78,15 @@ def make_batch(cfg: GPT2Config, B: int, T: int, seed: int = 0, data=None):
 # ----------------------------------------------------------------------------------------------
 # the gpt2np side
 
-def build_model(cfg: GPT2Config, backend_name: str, B: int, T: int, params_flat, precision="fp32", attention="naive"):
-    """gpt2np's GPT2 on the named backend at a precision and attention, loaded with the model file's parameters."""
+def build_model(cfg: GPT2Config, backend_name: str, B: int, T: int, params_flat, precision="fp32", attention="naive",
+                recompute=None):
+    """gpt2np's GPT2 on the named backend at a precision and attention, loaded with the model file's parameters.
+    recompute: train.py's -r (None: its default, 0)."""
     from .backends import get_backend
     from .model import GPT2
-    model = GPT2(cfg, get_backend(backend_name, precision), B, T, attention=attention)   # load_params follows
+    backend = get_backend(backend_name, precision)
+    recompute = 0 if recompute is None else recompute
+    model = GPT2(cfg, backend, B, T, attention=attention, recompute=recompute)   # load_params follows
     model.load_params(params_flat)
     return model
 
@@ -238,6 +242,9 @@ def parse_args(argv=None):
     p.add_argument("--attention", choices=("naive", "flash"), default="naive",
                    help="gpt2np's attention: naive, or flash (on cuda and emu: TF32 tensor cores at fp32 and tf32, so "
                         "checked with the tf32 tolerances; bf16 WMMA at bf16; head size 64) (default naive)")
+    p.add_argument("-r", "--recompute", type=int, choices=(0, 1, 2), default=None,
+                   help="gpt2np's recompute, train.py's -r: 0 keep every activation, 1 recompute the GELU in "
+                        "backward, 2 also the LayerNorms (default: train.py's, 0)")
     p.add_argument("--rel-tol", type=float, default=None,
                    help=f"relative tolerance, logits and grads (default {REL_TOL:g}; tf32: {TF32_REL_TOL:g})")
     p.add_argument("--loss-tol", type=float, default=None,
@@ -300,7 +307,7 @@ def run(args) -> int:
           f"V={cfg.vocab_size} Vp={cfg.padded_vocab_size} maxT={cfg.max_seq_len}")
     print(f"batch B={B} T={T} ({batch}); gpt2np backend {args.backend} ({args.precision}, {args.attention} "
           f"attention) vs {source}")
-    model = build_model(cfg, args.backend, B, T, params, args.precision, args.attention)
+    model = build_model(cfg, args.backend, B, T, params, args.precision, args.attention, args.recompute)
     ours = model_state(model, x, y, cfg.vocab_size)
     checks = compare_states(ours, ref, args.rel_tol, args.loss_tol, dict(args.tol))
     print()
@@ -389,7 +396,8 @@ def run_bf16(args, cfg, params) -> int:
     if B <= 0 or not 0 < T <= cfg.max_seq_len:
         raise ValueError(f"need B > 0 and 0 < T <= max_seq_len {cfg.max_seq_len}, got B={B} T={T}")
     x, y = make_batch(cfg, B, T, args.seed, args.data)
-    model = build_model(cfg, args.backend, B, T, params, "bf16", args.attention)   # weights rounded (RNE) once
+    model = build_model(cfg, args.backend, B, T, params, "bf16", args.attention,   # weights rounded (RNE) once
+                        args.recompute)
     start = np.asarray(model.params_host(), np.float32)               # the same weights for all three
     weights_only = relative_l2(TorchGPT2(cfg, start).forward_backward(x, y).logits,
                                TorchGPT2(cfg, params).forward_backward(x, y).logits)

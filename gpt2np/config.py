@@ -182,9 +182,9 @@ class TrainConfig:
     gelu_fusion: int | None = _setting("-ge", help="GELU in the fc GEMM's cuBLASLt epilogues (with --fuse 1): 0 = "
                                        "none, 1 = forward, 2 = forward and backward; --fuse 0 has no epilogues",
                                        choices=(0, 1, 2), default_text="2 with --fuse 1")
-    recompute: int | None = _setting("-r", help="recompute activations in backward instead of keeping one per layer: "
-                                     "0 = none, 1 = GELU, 2 = GELU and LayerNorm (less memory, a little more time)",
-                                     cpu_gpu=(0, 1), choices=(0, 1, 2))
+    recompute: int = _setting("-r", 0, "recompute activations in backward instead of keeping one per layer: 0 = none "
+                              "(gpt2np's default: the fastest), 1 = GELU (llm.c's default), 2 = GELU and LayerNorm "
+                              "(less memory, a few more launches)", choices=(0, 1, 2))
     attention: str | None = _setting("--attention", help="causal self-attention: flash (tiles, online softmax, the "
                                      "probabilities recomputed in backward; on a GPU TF32 tensor cores, head size 64, "
                                      "sm_80+) or naive (the (T,T) probabilities kept)", cpu_gpu=("naive", "flash"),
@@ -260,6 +260,9 @@ class TrainConfig:
         if self.major_checkpoint_every and not self.checkpoints_keep:
             raise BadInput(f"-nm {self.major_checkpoint_every} without -nk: major checkpoints are the ones -nk "
                            "never deletes; without -nk every checkpoint is kept")
+        if self.gelu_fusion and self.fuse == 0:     # fuse None (device default not known yet): checked again
+            raise BadInput(f"-ge {self.gelu_fusion} with --fuse 0: the GELU epilogues are fused GEMMs; give -ge 0 "
+                           f"(or leave it out) with --fuse 0, or --fuse 1 (on the CPU --fuse defaults to 0)")
         if self.resume and not self.output_dir:
             raise BadInput("-y 1 without -o: resuming reads the checkpoints in -o DIR")
         if self.checkpoint_every > 0 and not self.output_dir:
@@ -299,7 +302,7 @@ class TrainConfig:
 
 
 # the device-dependent settings that choose kernels, not sizes: the emulator takes the GPU's defaults for these
-KERNEL_PATH_FIELDS = ("attention", "fuse", "recompute")
+KERNEL_PATH_FIELDS = ("attention", "fuse")
 
 
 def value_type(f: Field) -> type:

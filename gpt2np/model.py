@@ -23,6 +23,7 @@ from .tensors import (
     DECAYED_BY_DEFAULT,
     FP32_ACTIVATIONS,
     PARAM_NAMES,
+    RECOMPUTE_LEVELS,
     activation_shapes,
     layout_size,
     num_parameters,
@@ -49,9 +50,15 @@ class GPT2:
     """
 
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, seed=None,
-                 decay_tensors=DECAYED_BY_DEFAULT, attention="naive", fuse=None, master_weights=True):
+                 decay_tensors=DECAYED_BY_DEFAULT, attention="naive", fuse=None, gelu_fusion=None, recompute=0,
+                 master_weights=True):
         """fuse: call the fused ops (GEMM epilogues, residual + LayerNorm, one-pass LayerNorm backward); None = on
         backends that launch kernels (CUDA), off on NumPy, where they would only compose the same ops.
+        gelu_fusion (llm.c's -ge, with fuse): 0 = the fc GEMM and the GELU apart, 1 = GELU in the fc GEMM's
+        epilogue (forward), 2 = also dGELU in c_proj's backward GEMM; None = 2 with fuse, 0 without (which allows
+        no other value: the epilogues are fused ops).
+        recompute (llm.c's -r): 0 keeps every activation; 1 keeps one GELU output for all layers and recomputes
+        each layer's in backward; 2 also the LayerNorm outputs (tensors.activation_shapes).
         master_weights: with bf16 storage, keep fp32 master weights for AdamW (llm.c's -w 1); False: AdamW updates
         the bf16 parameters directly (-w 0). fp32 parameters are their own master weights: no effect."""
         if not 0 < T <= cfg.max_seq_len:
@@ -64,6 +71,15 @@ class GPT2:
         self.param_shapes = param_shapes(cfg)
         self.decay_tensors = tuple(decay_tensors)
         self.fuse = bool(backend.launches_kernels if fuse is None else fuse)
+        if gelu_fusion is None:
+            gelu_fusion = 2 if self.fuse else 0
+        if gelu_fusion not in (0, 1, 2) or (gelu_fusion and not self.fuse):
+            raise ValueError(f"gelu_fusion {gelu_fusion!r}: expected 0, 1 or 2, and 0 without fuse (the GELU "
+                             f"epilogues are fused ops)")
+        if recompute not in RECOMPUTE_LEVELS:
+            raise ValueError(f"recompute {recompute!r}: expected 0, 1 or 2")
+        self.gelu_fusion = int(gelu_fusion)
+        self.recompute = int(recompute)
         self.params = backend.zeros(self.num_parameters)
         self.param = views(self.params, self.param_shapes)
         self._grads = backend.zeros(self.num_parameters)
@@ -178,7 +194,7 @@ class GPT2:
 
     def _activation_layouts(self, b, t):
         """({name: shape} of the activation buffer, {name: shape} of the fp32 one, empty when all are one dtype)."""
-        shapes = activation_shapes(self.cfg, b, t, self.attention)
+        shapes = activation_shapes(self.cfg, b, t, self.attention, self.recompute)
         if not self._fp32_stats:
             return shapes, {}
         return ({n: s for n, s in shapes.items() if n not in FP32_ACTIVATIONS},
@@ -192,6 +208,15 @@ class GPT2:
             bad = int(tokens.max() if tokens.max() >= self.cfg.vocab_size else tokens.min())
             raise TokenError(f"{what} contain token id {bad} outside [0, {self.cfg.vocab_size})")
         return tokens.astype(np.int32, copy=False)
+
+    def _ln(self, which, l):
+        """Layer l's LayerNorm output `which` ("ln1", "ln2"): its own slice, or with recompute 2 lnf, the buffer
+        every LayerNorm writes in turn (as llm.c does)."""
+        return self.act["lnf"] if self.recompute >= 2 else self.act[which][l]
+
+    def _gelu(self, l):
+        """Layer l's GELU output: its own slice, or with recompute >= 1 the one (B,T,4C) buffer all layers share."""
+        return self.act["fch_gelu"] if self.recompute >= 1 else self.act["fch_gelu"][l]
 
     # ---- one op -------------------------------------------------------------------------
     def _op(self, op, module, fn, *args):
@@ -268,11 +293,11 @@ class GPT2:
                 residual = a["encoded"] if l == 0 else a["residual3"][l - 1]
                 with ranges.range(f"Layer {l}"):
                     if l == 0 or not fuse:           # fused: the previous layer's last op normalized residual3
-                        self._op("layernorm_forward", f"{h}.ln_1", be.layernorm_forward, a["ln1"][l],
+                        self._op("layernorm_forward", f"{h}.ln_1", be.layernorm_forward, self._ln("ln1", l),
                                  a["ln1_mean"][l], a["ln1_rstd"][l], residual, p["ln1w"][l], p["ln1b"][l])
                     flash = self.attention == "flash"   # flash keeps qkv; naive its permuted copy qkvr
                     qkv = a["qkv"][l] if flash else self.dbt3c
-                    self._op("matmul_forward", f"{h}.attn.c_attn", be.matmul_forward, qkv, a["ln1"][l],
+                    self._op("matmul_forward", f"{h}.attn.c_attn", be.matmul_forward, qkv, self._ln("ln1", l),
                              p["qkvw"][l], p["qkvb"][l], fuse)
                     if flash:
                         self._op("flash_attention_forward", f"{h}.attn", be.flash_attention_forward, a["atty"][l],
@@ -282,24 +307,27 @@ class GPT2:
                                  a["qkvr"][l], a["att"][l], qkv)
                     self._op("matmul_forward", f"{h}.attn.c_proj", be.matmul_forward, a["attproj"][l],
                              a["atty"][l], p["attprojw"][l], p["attprojb"][l], fuse)
+                    ln2, gelu = self._ln("ln2", l), self._gelu(l)
                     if fuse:
                         self._op("fused_residual_layernorm_forward", f"{h}.ln_2", be.fused_residual_layernorm_forward,
-                                 a["residual2"][l], a["ln2"][l], a["ln2_mean"][l], a["ln2_rstd"][l], residual,
+                                 a["residual2"][l], ln2, a["ln2_mean"][l], a["ln2_rstd"][l], residual,
                                  a["attproj"][l], p["ln2w"][l], p["ln2b"][l])
-                        self._op("matmul_gelu_forward", f"{h}.mlp.c_fc", be.matmul_gelu_forward, a["fch_gelu"][l],
-                                 a["fch"][l], a["ln2"][l], p["fcw"][l], p["fcb"][l])
                     else:
                         self._op("residual_forward", f"{h}.residual", be.residual_forward, a["residual2"][l],
                                  residual, a["attproj"][l])
-                        self._op("layernorm_forward", f"{h}.ln_2", be.layernorm_forward, a["ln2"][l],
+                        self._op("layernorm_forward", f"{h}.ln_2", be.layernorm_forward, ln2,
                                  a["ln2_mean"][l], a["ln2_rstd"][l], a["residual2"][l], p["ln2w"][l], p["ln2b"][l])
-                        self._op("matmul_forward", f"{h}.mlp.c_fc", be.matmul_forward, a["fch"][l], a["ln2"][l],
-                                 p["fcw"][l], p["fcb"][l])
-                        self._op("gelu_forward", f"{h}.mlp.gelu", be.gelu_forward, a["fch_gelu"][l], a["fch"][l])
+                    if self.gelu_fusion >= 1:        # -ge 1, 2: bias and GELU in the fc GEMM's epilogue
+                        self._op("matmul_gelu_forward", f"{h}.mlp.c_fc", be.matmul_gelu_forward, gelu,
+                                 a["fch"][l], ln2, p["fcw"][l], p["fcb"][l])
+                    else:
+                        self._op("matmul_forward", f"{h}.mlp.c_fc", be.matmul_forward, a["fch"][l], ln2,
+                                 p["fcw"][l], p["fcb"][l], fuse)
+                        self._op("gelu_forward", f"{h}.mlp.gelu", be.gelu_forward, gelu, a["fch"][l])
                     self._op("matmul_forward", f"{h}.mlp.c_proj", be.matmul_forward, a["fcproj"][l],
-                             a["fch_gelu"][l], p["fcprojw"][l], p["fcprojb"][l], fuse)
+                             gelu, p["fcprojw"][l], p["fcprojb"][l], fuse)
                     if fuse:                         # residual3 and the next LayerNorm (ln_1, or ln_f after the last)
-                        nxt = ((f"h.{l + 1}.ln_1", a["ln1"][l + 1], a["ln1_mean"][l + 1], a["ln1_rstd"][l + 1],
+                        nxt = ((f"h.{l + 1}.ln_1", self._ln("ln1", l + 1), a["ln1_mean"][l + 1], a["ln1_rstd"][l + 1],
                                 p["ln1w"][l + 1], p["ln1b"][l + 1]) if l + 1 < L else
                                ("ln_f", a["lnf"], a["lnf_mean"], a["lnf_rstd"], p["lnfw"], p["lnfb"]))
                         self._op("fused_residual_layernorm_forward", nxt[0], be.fused_residual_layernorm_forward,
@@ -361,16 +389,21 @@ class GPT2:
                 residual = a["encoded"] if l == 0 else a["residual3"][l - 1]
                 with ranges.range(f"Layer {l}"):
                     # dres holds d(residual3[l]); the residual's backward is the identity, so it flows on
-                    if fuse:                         # c_proj's dinp GEMM applies gelu' (the saved fch) itself
+                    gelu, ln1, ln2 = self._gelu(l), self._ln("ln1", l), self._ln("ln2", l)
+                    if self.recompute >= 1:          # the shared buffer holds the last layer's: this layer's again
+                        self._op("gelu_forward", f"{h}.mlp.gelu", be.gelu_forward, gelu, a["fch"][l])
+                    if self.gelu_fusion >= 2:        # c_proj's dinp GEMM applies gelu' (the saved fch) itself
                         self._op("gelu_matmul_backward", f"{h}.mlp.c_proj", be.gelu_matmul_backward, dbt4c,
-                                 g["fcprojw"][l], g["fcprojb"][l], dres, a["fch_gelu"][l], p["fcprojw"][l],
-                                 a["fch"][l], acc)
+                                 g["fcprojw"][l], g["fcprojb"][l], dres, gelu, p["fcprojw"][l], a["fch"][l], acc)
                     else:
                         self._op("matmul_backward", f"{h}.mlp.c_proj", be.matmul_backward, dbt4c, g["fcprojw"][l],
-                                 g["fcprojb"][l], dres, a["fch_gelu"][l], p["fcprojw"][l], acc)
+                                 g["fcprojb"][l], dres, gelu, p["fcprojw"][l], acc, fuse)
                         self._op("gelu_backward", f"{h}.mlp.gelu", be.gelu_backward, dbt4c, a["fch"][l], dbt4c)
+                    if self.recompute >= 2:          # ln_2 from the kept residual2; mean, rstd rewritten, the same
+                        self._op("layernorm_forward", f"{h}.ln_2", be.layernorm_forward, ln2, a["ln2_mean"][l],
+                                 a["ln2_rstd"][l], a["residual2"][l], p["ln2w"][l], p["ln2b"][l])
                     self._op("matmul_backward", f"{h}.mlp.c_fc", be.matmul_backward, dbtc, g["fcw"][l], g["fcb"][l],
-                             dbt4c, a["ln2"][l], p["fcw"][l], acc, fuse)
+                             dbt4c, ln2, p["fcw"][l], acc, fuse)
                     self._op("layernorm_backward", f"{h}.ln_2", be.layernorm_backward, dres, g["ln2w"][l],
                              g["ln2b"][l], dbtc, a["residual2"][l], p["ln2w"][l], a["ln2_mean"][l], a["ln2_rstd"][l],
                              acc, fuse)
@@ -383,8 +416,11 @@ class GPT2:
                     else:
                         self._op("attention_backward", f"{h}.attn", be.attention_backward, dbt3c, dbtc,
                                  a["qkvr"][l], a["att"][l])
+                    if self.recompute >= 2:          # ln_1 from the layer's input residual, likewise
+                        self._op("layernorm_forward", f"{h}.ln_1", be.layernorm_forward, ln1, a["ln1_mean"][l],
+                                 a["ln1_rstd"][l], residual, p["ln1w"][l], p["ln1b"][l])
                     self._op("matmul_backward", f"{h}.attn.c_attn", be.matmul_backward, dbtc, g["qkvw"][l],
-                             g["qkvb"][l], dbt3c, a["ln1"][l], p["qkvw"][l], acc, fuse)
+                             g["qkvb"][l], dbt3c, ln1, p["qkvw"][l], acc, fuse)
                     self._op("layernorm_backward", f"{h}.ln_1", be.layernorm_backward, dres, g["ln1w"][l],
                              g["ln1b"][l], dbtc, residual, p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l], acc,
                              fuse)

@@ -44,8 +44,11 @@ DECAYED_BY_DEFAULT = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw")
 # the attention implementations: naive (the (T,T) probabilities saved) and flash (recomputed in backward)
 ATTENTIONS = ("flash", "naive")
 
+# llm.c's -r: 0 keep every activation, 1 recompute the GELU in backward, 2 the GELU and the LayerNorms
+RECOMPUTE_LEVELS = (0, 1, 2)
 
-def activation_shapes(cfg: GPT2Config, B: int, T: int, attention: str = "naive"):
+
+def activation_shapes(cfg: GPT2Config, B: int, T: int, attention: str = "naive", recompute: int = 0):
     """{name: shape} of every activation kept for the backward pass, for a (B, T) batch.
 
     encoded (B,T,C) = wte[x] + wpe;  per layer l: ln1, ln1_mean, ln1_rstd, qkvr (3,B,NH,T,HS)
@@ -54,20 +57,28 @@ def activation_shapes(cfg: GPT2Config, B: int, T: int, attention: str = "naive")
     lnf, lnf_mean, lnf_rstd; logits (B,T,Vp); losses (B,T).
     attention "flash" keeps qkv (B,T,3C) (the c_attn output) and lse (B,NH,T) instead of qkvr and att: the
     flash attention backward recomputes the probabilities from them.
+    recompute (llm.c's -r): 0 keeps every layer's activations; >= 1 keeps one fch_gelu (B,T,4C) that every layer
+    writes in turn (the backward recomputes each layer's GELU from its kept fch); 2 also keeps no ln1/ln2 (shape
+    (0,B,T,C)): every LayerNorm writes into lnf, and the backward recomputes ln1/ln2 there from the kept residual
+    (their mean and rstd stay per layer). llm.c's layout: same names and order, the dropped tensors of size 0.
     """
     L, NH, C, Vp = cfg.num_layers, cfg.num_heads, cfg.channels, cfg.padded_vocab_size
     HS = C // NH
     if attention not in ATTENTIONS:
         raise ValueError(f"unknown attention {attention!r}: expected one of {', '.join(ATTENTIONS)}")
+    if recompute not in RECOMPUTE_LEVELS:
+        raise ValueError(f"recompute {recompute!r}: expected 0, 1 or 2")
+    ln_layers = L if recompute < 2 else 0           # -r 2: the LayerNorm outputs live in lnf, one at a time
+    fch_gelu = (L, B, T, 4 * C) if recompute < 1 else (B, T, 4 * C)
     saved = ({"qkv": (L, B, T, 3 * C), "lse": (L, B, NH, T)} if attention == "flash"
              else {"qkvr": (L, 3, B, NH, T, HS), "att": (L, B, NH, T, T)})
     return {
         "encoded": (B, T, C),
-        "ln1": (L, B, T, C), "ln1_mean": (L, B, T), "ln1_rstd": (L, B, T),
+        "ln1": (ln_layers, B, T, C), "ln1_mean": (L, B, T), "ln1_rstd": (L, B, T),
         **saved, "atty": (L, B, T, C),
         "attproj": (L, B, T, C), "residual2": (L, B, T, C),
-        "ln2": (L, B, T, C), "ln2_mean": (L, B, T), "ln2_rstd": (L, B, T),
-        "fch": (L, B, T, 4 * C), "fch_gelu": (L, B, T, 4 * C),
+        "ln2": (ln_layers, B, T, C), "ln2_mean": (L, B, T), "ln2_rstd": (L, B, T),
+        "fch": (L, B, T, 4 * C), "fch_gelu": fch_gelu,
         "fcproj": (L, B, T, C), "residual3": (L, B, T, C),
         "lnf": (B, T, C), "lnf_mean": (B, T), "lnf_rstd": (B, T),
         "logits": (B, T, Vp), "losses": (B, T),

@@ -188,9 +188,11 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         lo, hi = dist.shard(num_parameters(model_cfg))
         backend.check_memory_fits(model_cfg, B, T, optimizer_elements=hi - lo, model_name=f"-e {cfg.model}",
                                   reserved=dist.reserved_device_memory(), sharers=dist.gpu_sharers,
-                                  attention=attention, master_weights=bool(cfg.master_weights))
+                                  attention=attention, master_weights=bool(cfg.master_weights),
+                                  recompute=cfg.recompute)
     model = GPT2(model_cfg, backend, B, T, seed=cfg.seed if params is None else None, attention=attention,
-                 fuse=bool(cfg.fuse), master_weights=bool(cfg.master_weights))
+                 fuse=bool(cfg.fuse), gelu_fusion=cfg.gelu_fusion, recompute=cfg.recompute,
+                 master_weights=bool(cfg.master_weights))
     model.rounding_seed = cfg.seed            # bf16: the stochastic rounding of the parameters (AdamW)
     if params is not None:
         model.load_params(params)
@@ -248,7 +250,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         ("precision", PRECISION_TEXT.get(backend.precision, backend.precision))]
         + ([("master weights", MASTER_WEIGHTS_TEXT[cfg.master_weights if bf16 else "fp32"])]
            if bf16 or not cfg.master_weights else [])
-        + [("attention", attention), ("model", model_desc)]))
+        + [("attention", attention), ("fuse", int(model.fuse)), ("gelu_fusion", model.gelu_fusion),
+           ("recompute", model.recompute), ("model", model_desc)]))
     say(header_table([("max_sequence_length T", model_cfg.max_seq_len), ("vocab_size V", model_cfg.vocab_size),
                       ("padded_vocab_size Vp", model_cfg.padded_vocab_size), ("num_layers L", model_cfg.num_layers),
                       ("num_heads NH", model_cfg.num_heads), ("channels C", model_cfg.channels),

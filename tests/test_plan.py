@@ -36,8 +36,9 @@ def small_plan():
 
 @pytest.fixture(scope="module")
 def emulated():
-    """One real step on the emulated CUDA path, recorded as the planner records (step 1 after a warm-up)."""
-    model = GPT2(CFG, get_backend("emu"), B, T, seed=0)
+    """One real step on the emulated CUDA path, recorded as the planner records (step 1 after a warm-up), with the
+    planner's default -r (train.py's)."""
+    model = GPT2(CFG, get_backend("emu"), B, T, seed=0, recompute=P.GPU_RECOMPUTE)
     prof, terms = P.profiled_step(model, P.random_batches(CFG, B, T))
     return prof, terms
 
@@ -65,7 +66,7 @@ def test_memory_is_the_models_buffers(small_plan, emulated):
     sizes = {b["buffer"]: b["bytes"] for b in small_plan.memory["buffers"]}
     P_ = num_parameters(CFG)
     assert sizes["parameters"] == sizes["gradients"] == sizes["AdamW m"] == sizes["AdamW v"] == 4 * P_
-    assert sizes["activations"] == 4 * layout_size(activation_shapes(CFG, B, T))
+    assert sizes["activations"] == 4 * layout_size(activation_shapes(CFG, B, T, recompute=P.GPU_RECOMPUTE))
 
 
 class OpCalls:
@@ -142,7 +143,7 @@ def test_d12_b4_t1024_on_h100_plans_in_seconds_without_allocating(tmp_path, caps
     gb, gflop, floor_ms, launches, syncs, graphs = (float(v.replace(",", "")) for v in m.groups())
     assert int(syncs) == 0 and int(graphs) == 1        # nothing read back inside the step; one graph replayed
     assert last.endswith(", 0 host syncs, 1 graph launches per step")
-    # issue 14's planner targets for the default GPU step (flash attention, fused epilogues, CUDA graphs)
+    # issue 14's planner targets for the default GPU step (flash attention, fused epilogues, CUDA graphs, -r 0)
     assert launches <= 300 and floor_ms <= 12.0, (launches, floor_ms)
     for title in ("Per op and direction on H100 SXM (tf32 GEMMs)", "Per direction", "Memory the run needs",
                   "Activations by name", "Host syncs in the step: 0", "not a measurement"):
@@ -157,9 +158,11 @@ def test_d12_b4_t1024_on_h100_plans_in_seconds_without_allocating(tmp_path, caps
     sizes = {b["buffer"]: b["bytes"] for b in doc["memory"]["buffers"]}
     assert sizes["parameters"] == sizes["AdamW v"] == 4 * num_parameters(cfg)
     assert doc["attention"] == "flash" and "flash attention" in out       # a GPU's default
-    assert sizes["activations"] == 4 * layout_size(activation_shapes(cfg, 4, 1024, "flash"))
+    assert doc["recompute"] == 0 and "-r 0 (every activation kept)" in out
+    assert sizes["activations"] == 4 * layout_size(activation_shapes(cfg, 4, 1024, "flash", 0))
     acts = {a["buffer"]: a["bytes"] for a in doc["memory"]["activations"]}
     assert acts["lse"] == 4 * 12 * 4 * 12 * 1024 and "att" not in acts
+    assert acts["fch_gelu"] == 12 * 4 * 4 * 1024 * 3072                  # one per layer (-r 0)
     rows = list(csv.DictReader(open(tmp_path / "plan.csv")))
     kernels = [r for r in rows if r["kind"] == "kernel"]
     assert len(kernels) == launches
@@ -307,3 +310,33 @@ def test_bf16_plan_of_d12_meets_issue_15s_floor_and_halves_the_storage():
             assert x.floor_ns == pytest.approx(max(r.flops / peak, r.bytes / bw) * 1e9)
     with pytest.raises(BadInput, match="no bf16 tensor cores"):
         P.plan_step(CFG, B, T, "V100", "bf16")
+
+
+def test_recompute_plans_less_activation_memory_and_more_backward_launches(tmp_path, capsys):
+    """--recompute (train.py's -r) on d12 B4 T1024: -r 1 keeps one fch_gelu instead of 12 and adds a gelu_forward
+    per layer to the backward; -r 2 also keeps no ln1/ln2 and adds two layernorm_forward per layer (the README's
+    figures: activations 3,405 / 2,877 / 2,589 MiB, 293 / 305 / 329 launches)."""
+    plans = {}
+    for r in (0, 1, 2):
+        assert main(["--plan", "-e", "d12", "-b", "4", "-t", "1024", "--recompute", str(r),
+                     "--out", str(tmp_path / str(r))]) == 0
+        plans[r] = json.load(open(tmp_path / str(r) / "plan.json"))
+        assert plans[r]["recompute"] == r
+    capsys.readouterr()
+    acts = {r: next(b["bytes"] for b in p["memory"]["buffers"] if b["buffer"] == "activations")
+            for r, p in plans.items()}
+    assert [round(a / 2 ** 20, 2) for a in acts.values()] == [3405.05, 2877.05, 2589.05]
+    assert acts[0] - acts[1] == 4 * 11 * 4 * 1024 * 3072                   # 11 of the 12 fch_gelu
+    assert acts[1] - acts[2] == 4 * 2 * 12 * 4 * 1024 * 768                # ln1 and ln2
+    assert [p["total"]["launches"] for p in plans.values()] == [293, 305, 329]
+    floors = [p["total"]["floor_ns"] for p in plans.values()]
+    assert floors[0] < floors[1] < floors[2]
+
+    def backward_ops(plan):
+        return [(x["op"], x["kernel"]) for x in plan["launches"] if x["direction"] == "bprop" and x["kind"] == "kernel"]
+    extra = {r: [k for k in backward_ops(plans[r]) if k[0] in ("gelu_forward", "layernorm_forward")] for r in plans}
+    assert extra[0] == [] and extra[1] == [("gelu_forward", "gelu_forward")] * 12
+    assert sorted(extra[2]) == sorted([("gelu_forward", "gelu_forward")] * 12
+                                      + [("layernorm_forward", "layernorm_forward")] * 24)
+    forward = [[(x["op"], x["kernel"]) for x in p["launches"] if x["direction"] == "fprop"] for p in plans.values()]
+    assert forward[0] == forward[1] == forward[2]                          # the forward launches do not change

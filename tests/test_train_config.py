@@ -159,11 +159,11 @@ def test_device_defaults():
     cpu = TrainConfig().with_device_defaults("numpy")
     gpu = TrainConfig().with_device_defaults("cuda")
     names = ("batch_size", "seq_len", "max_steps", "val_every", "val_max_batches", "sample_every", "attention",
-             "fuse", "recompute")
-    assert [getattr(cpu, name) for name in names] == [4, 64, 40, 10, 5, 20, "naive", 0, 0]   # --fuse: gpt2np's
-    assert [getattr(gpu, name) for name in names] == [4, 1024, -1, 20, 20, 20, "flash", 1, 1]  # -r 1: llm.c's
+             "fuse")
+    assert [getattr(cpu, name) for name in names] == [4, 64, 40, 10, 5, 20, "naive", 0]   # --fuse: gpt2np's
+    assert [getattr(gpu, name) for name in names] == [4, 1024, -1, 20, 20, 20, "flash", 1]
     emu = TrainConfig().with_device_defaults("emu")           # the GPU's kernel path at the CPU's sizes
-    assert [getattr(emu, name) for name in names] == [4, 64, 40, 10, 5, 20, "flash", 1, 1]
+    assert [getattr(emu, name) for name in names] == [4, 64, 40, 10, 5, 20, "flash", 1]
     assert all(getattr(TrainConfig(), name) is None for name in names)
     assert {f.name for f in fields(TrainConfig) if f.metadata["cpu_gpu"]} == set(names)
     given = TrainConfig(seq_len=32, max_steps=0).with_device_defaults("cuda")

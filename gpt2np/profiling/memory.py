@@ -73,6 +73,7 @@ def memory_summary(model, peak: Optional[dict] = None) -> dict:
                      else "float32 copy AdamW updates"))
     rows += [("activations", _nbytes(model.acts) + _nbytes(stats),
               f"kept for backward, B={model.B}, T={model.T}" +
+              (f", -r {model.recompute}" if getattr(model, "recompute", 0) else "") +
               (f"; {dtype.name}, LayerNorm statistics and losses float32" if stats is not None else "")),
             ("gradient scratch", sum(_nbytes(a) for a in (model.dresidual, model.d_btc, model.d_bt3c,
                                                           model.d_bt4c)),
@@ -83,7 +84,9 @@ def memory_summary(model, peak: Optional[dict] = None) -> dict:
                  f"{len(scratch)} work buffers of the {model.backend.name} backend"))
     buffers = [{"buffer": name, "bytes": int(n), "what": what} for name, n, what in rows]
     acts = []
-    for name, shape in activation_shapes(cfg, model.B, model.T, getattr(model, "attention", "naive")).items():
+    shapes = activation_shapes(cfg, model.B, model.T, getattr(model, "attention", "naive"),
+                               getattr(model, "recompute", 0))
+    for name, shape in shapes.items():
         itemsize = stats.dtype.itemsize if stats is not None and name in FP32_ACTIVATIONS else model.acts.dtype.itemsize
         acts.append({"buffer": name, "bytes": int(np.prod(shape)) * int(itemsize),
                      "shape": list(shape)})

@@ -56,6 +56,9 @@ DIRECTIONS = ("fprop", "bprop", "update", "other")
 DIRECTION_WORDS = {"fprop": "forward", "bprop": "backward", "update": "optimizer: grad norm, AdamW",
                    "other": "outside the passes: token uploads"}
 PLAN_NOTE = "a model from peak rates, not a measurement"
+GPU_RECOMPUTE = 0                 # train.py's -r (gpt2np's default; llm.c's is 1): every activation kept
+RECOMPUTE_WORDS = {0: "every activation kept", 1: "GELU recomputed in backward",
+                   2: "GELU and LayerNorms recomputed in backward"}
 
 
 @dataclass
@@ -103,6 +106,8 @@ class Plan:
     measured: Optional[dict] = None     # {"device", "timing", "emulated", "precision", "records"}
     attention: str = "naive"            # the model's attention: "flash" or "naive" (tensors.ATTENTIONS)
     fuse: bool = True                   # the model's fused ops (GEMM epilogues, residual + LayerNorm): --fuse
+    recompute: int = GPU_RECOMPUTE      # the model's -r: activations recomputed in backward instead of kept
+    gelu_fusion: int = 2                # the model's -ge: GELU in the fc GEMM's epilogue (1 forward, 2 also backward)
     graph_launches: int = 0             # CUDA graph launches of a replayed step (cuda_graphs on), 0 if not planned
 
     @property
@@ -209,10 +214,11 @@ def launch_floor(record: KernelRecord, roof: Roofline):
 
 
 def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name="", attention=None,
-              fuse=True) -> Plan:
+              fuse=True, recompute=GPU_RECOMPUTE, gelu_fusion=None) -> Plan:
     """Plan one training step of GPT-2 `cfg` at micro-batch (B, T) on `gpu` (see the module docstring), with
     `attention` "flash" or "naive" (None: training's default on a GPU, see backends.resolve_attention); fuse: the
-    model's fused ops (GPT2's `fuse`, the trainer's --fuse)."""
+    model's fused ops (GPT2's `fuse`, the trainer's --fuse); recompute: GPT2's, the trainer's -r (default: its
+    default on a GPU, 1); gelu_fusion: GPT2's, the trainer's -ge (None: 2 with fuse, else 0)."""
     from ..backends import resolve_attention
     from ..backends.bf16 import BF16
     from ..backends.cuda.backend import CudaBackend
@@ -226,7 +232,8 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
     capability = 80 if spec.tf32 is not None else 75      # a GPU without TF32 tensor cores has no flash kernels
     attention, note = resolve_attention(backend, cfg.channels // cfg.num_heads, attention, capability)
     notes = notes + ([note] if note else [])
-    model = GPT2(cfg, backend, B, T, attention=attention, fuse=fuse)   # no seed: nothing to initialise or upload
+    model = GPT2(cfg, backend, B, T, attention=attention, fuse=fuse,   # no seed: nothing to initialise or upload
+                 gelu_fusion=gelu_fusion, recompute=recompute)
     batches = batches or random_batches(cfg, B, T)
 
     def before():
@@ -241,7 +248,8 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
         launches.append(Launch(record, term, *launch_floor(record, roof)))
     syncs = [dict(s, where=list(s["where"])) for s in rt.syncs]
     return Plan(model_name or "GPT-2", cfg, B, T, spec, precision, roof, launches, prof.memory, syncs, notes,
-                attention=attention, fuse=bool(fuse), graph_launches=graph_launches_per_step(model, batches))
+                attention=attention, fuse=bool(fuse), recompute=int(recompute), gelu_fusion=model.gelu_fusion,
+                graph_launches=graph_launches_per_step(model, batches))
 
 
 def graph_launches_per_step(model, batches) -> int:
@@ -263,7 +271,7 @@ def measure(plan: Plan, backend, params=None, batches=None, activity_source="aut
     array), else a random init."""
     from ..model import GPT2
     model = GPT2(plan.cfg, backend, plan.B, plan.T, seed=0 if params is None else None, attention=plan.attention,
-                 fuse=plan.fuse)
+                 fuse=plan.fuse, gelu_fusion=plan.gelu_fusion, recompute=plan.recompute)
     if params is not None:
         model.load_params(params)
     prof, _ = profiled_step(model, batches or random_batches(plan.cfg, plan.B, plan.T),
@@ -390,7 +398,8 @@ def header(plan: Plan) -> str:
     spec, roof = plan.gpu, plan.roof
     gemm = f"{roof.matmul_peak_flops / 1e12:g} TFLOP/s {plan.precision} GEMMs" + (
         " on tensor cores" if plan.precision != "fp32" else " on CUDA cores")
-    lines = [f"Plan of one training step: {plan.model}, B={plan.B}, T={plan.T}, {plan.attention} attention, on "
+    lines = [f"Plan of one training step: {plan.model}, B={plan.B}, T={plan.T}, {plan.attention} attention, "
+             f"-r {plan.recompute} ({RECOMPUTE_WORDS[plan.recompute]}), on "
              f"{spec.name}{'' if plan.fuse else ' (--fuse 0: one kernel per op)'} [{PLAN_NOTE}]",
              f"peaks: {spec.fp32:g} TFLOP/s fp32 kernels, {gemm}, {spec.mem_gbps:g} GB/s HBM",
              "floor of a launch = max(FLOPs / peak, minimum bytes / bandwidth), FLOPs and bytes from the op "
@@ -551,7 +560,9 @@ def to_json(plan: Plan) -> dict:
         "what": PLAN_NOTE,
         "model": plan.model, "config": asdict(plan.cfg), "B": plan.B, "T": plan.T,
         "gpu": {"name": spec.name, "fp32_tflops": spec.fp32, "tf32_tflops": spec.tf32, "hbm_gbps": spec.mem_gbps},
-        "precision": plan.precision, "attention": plan.attention, "notes": plan.notes,
+        "precision": plan.precision, "attention": plan.attention, "fuse": plan.fuse, "gelu_fusion": plan.gelu_fusion,
+        "recompute": plan.recompute,
+        "notes": plan.notes,
         "total": {"memory_bytes": plan.memory_bytes, "flops": plan.flops, "bytes": plan.bytes,
                   "floor_ns": plan.floor_ns, "launches": len(plan.kernels), "host_syncs": plan.host_syncs,
                   "graph_launches_per_step": plan.graph_launches},
@@ -587,6 +598,9 @@ def _jsonable(value):
 def run(args, cfg, params, desc) -> int:
     """`python -m gpt2np.profiling.profiler --plan ...` after the profiler's main checked -e, -b, -t and --out."""
     precision = args.precision or "tf32"
+    if args.gelu_fusion and not args.fuse:
+        raise BadInput(f"-ge {args.gelu_fusion} with --fuse 0: the GELU epilogues are fused GEMMs; give -ge 0 (or "
+                       f"leave it out) with --fuse 0")
     backend = None
     if args.measure:
         backend = measuring_backend(args.device, precision)
@@ -598,7 +612,9 @@ def run(args, cfg, params, desc) -> int:
                            f"for with --gpu")
     batches = random_batches(cfg, args.batch_size, args.seq_len)
     plan = plan_step(cfg, args.batch_size, args.seq_len, gpu, precision, batches, model_name=desc,
-                     attention=args.attention, fuse=bool(args.fuse))
+                     attention=args.attention, fuse=bool(args.fuse),
+                     recompute=GPU_RECOMPUTE if args.recompute is None else args.recompute,
+                     gelu_fusion=args.gelu_fusion)
     if backend is not None:
         measure(plan, backend, params, batches)
     print(render(plan, launches=args.plan_launches), end="")

@@ -509,6 +509,9 @@ def main(argv=None):
     ap.add_argument("--out", default="profile", help="folder for CSV, JSON, trace and PNG (default ./profile)")
     ap.add_argument("--attention", choices=["flash", "naive"],
                     help="the model's attention (default: flash on a GPU, the emulator and --plan; naive on the CPU)")
+    ap.add_argument("--recompute", "-r", type=int, choices=[0, 1, 2],
+                    help="the model's recompute, as train.py's -r: 0 = keep every activation, 1 = recompute the GELU "
+                         "in backward, 2 = the GELU and the LayerNorms (default: train.py's, 0)")
     ap.add_argument("--views", default=",".join(V.DEFAULT_VIEWS),
                     help=f"views to print, comma-separated, or 'all' (default {','.join(V.DEFAULT_VIEWS)}; "
                          f"all: {','.join(V.VIEWS)})")
@@ -526,6 +529,9 @@ def main(argv=None):
     plan.add_argument("--fuse", type=int, choices=[0, 1], default=1,
                       help="1 = the fused ops (GEMM epilogues, residual + LayerNorm, one-pass LayerNorm backward), "
                            "0 = one kernel per op, as train.py's --fuse (default 1)")
+    plan.add_argument("-ge", "--gelu-fusion", dest="gelu_fusion", type=int, choices=[0, 1, 2],
+                      help="with --fuse 1, as train.py's -ge: GELU in the fc GEMM's epilogue, 0 = none, 1 = forward, "
+                           "2 = forward and backward (default 2 with --fuse 1, else 0)")
     plan.add_argument("--measure", action="store_true",
                       help="run the planned step for real (--device cuda, or emu: CPU times) and print the measured "
                            "time beside each floor")
@@ -534,7 +540,8 @@ def main(argv=None):
     integer(1).check("-t", args.seq_len, "the sequence length T")
     integer(1).check("--steps", args.steps, "the number of profiled steps")
     planning = {"--gpu": args.gpu is not None, "--precision": args.precision is not None,
-                "--plan-launches": args.plan_launches, "--measure": args.measure, "--fuse": args.fuse != 1}
+                "--plan-launches": args.plan_launches, "--measure": args.measure, "--fuse": args.fuse != 1,
+                "-ge": args.gelu_fusion is not None}
     if not args.plan and any(planning.values()):
         raise BadInput(f"{next(flag for flag, given in planning.items() if given)} needs --plan")
     views = V.parse_views(args.views)
@@ -554,8 +561,9 @@ def main(argv=None):
     attention, note = resolve_attention(backend, cfg.channels // cfg.num_heads, args.attention)
     if note:
         print(f"note: {note}", file=sys.stderr)        # stdout holds the views
+    recompute = args.recompute if args.recompute is not None else int(backend.launches_kernels)
     model = GPT2(cfg, backend, args.batch_size, args.seq_len, seed=0 if params is None else None,
-                 attention=attention)
+                 attention=attention, recompute=recompute)
     if params is not None:
         model.load_params(params)
     rng = np.random.default_rng(0)

@@ -287,20 +287,22 @@ class CudaBackend:
         # (all at 4 bytes: the partial sums are fp32 in every build; bf16 attention buffers are overcounted 2x)
         return 4 * (floats + uploads) + CUBLAS_WORKSPACE + lt
 
-    def memory_needed(self, cfg, B, T, optimizer_elements=None, attention="naive", master_weights=True):
+    def memory_needed(self, cfg, B, T, optimizer_elements=None, attention="naive", master_weights=True,
+                      recompute=0):
         """{part: bytes} a training run of model cfg at micro-batch (B, T) allocates on this device: the model's
         parameters and gradients, AdamW's m and v (optimizer_elements each: this rank's ZeRO-1 shard, default
         all parameters) and, with bf16 storage, the fp32 master weights of that shard, the activations and token
         buffers, the backward's gradient scratch, this backend's scratch. gpt2np.model.GPT2 allocates exactly the
         model's parts (tests/test_gpu_ready.py checks it). attention: the model's ("naive" or "flash": its
-        activations and scratch differ). master_weights False (-w 0): bf16 storage keeps no fp32 masters, 4 bytes
-        a parameter (of the shard) less. Sizes in the storage dtype (self.dtype: 4 bytes, bf16 2), except what
-        is fp32 in every build (tensors.FP32_ACTIVATIONS, AdamW's state)."""
+        activations and scratch differ); recompute: the model's (-r: 1 and 2 keep fewer activations).
+        master_weights False (-w 0): bf16 storage keeps no fp32 masters, 4 bytes a parameter (of the shard) less.
+        Sizes in the storage dtype (self.dtype: 4 bytes, bf16 2), except what is fp32 in every build
+        (tensors.FP32_ACTIVATIONS, AdamW's state)."""
         from ...tensors import FP32_ACTIVATIONS, activation_shapes, num_parameters
         P = num_parameters(cfg)
         opt = P if optimizer_elements is None else int(optimizer_elements)
         C, X = cfg.channels, self.dtype.itemsize
-        acts = activation_shapes(cfg, B, T, attention)
+        acts = activation_shapes(cfg, B, T, attention, recompute)
         act_bytes = sum((4 if name in FP32_ACTIVATIONS else X) * int(np.prod(shape)) for name, shape in acts.items())
         masters = opt if self.bf16 and master_weights else 0
         return {
@@ -313,7 +315,7 @@ class CudaBackend:
         }
 
     def check_memory_fits(self, cfg, B, T, optimizer_elements=None, model_name="the model", reserved=0, sharers=1,
-                          attention="naive", master_weights=True):
+                          attention="naive", master_weights=True, recompute=0):
         """Raise DeviceMemoryError with one line when a training run at (B, T) needs more than its share of the
         device's free memory (split between `sharers` processes on this GPU, less MEMORY_HEADROOM and `reserved`,
         e.g. NCCL's buffers); the line says what is needed, what is free, and the largest B that fits at this T
@@ -324,13 +326,14 @@ class CudaBackend:
         budget = free // max(1, sharers) - MEMORY_HEADROOM - reserved
 
         def needed(b, t):
-            return sum(self.memory_needed(cfg, b, t, optimizer_elements, attention, master_weights).values())
+            return sum(self.memory_needed(cfg, b, t, optimizer_elements, attention, master_weights,
+                                          recompute).values())
 
         total = needed(B, T)
         if total <= budget:
             return total
         gb = 1e9
-        parts = self.memory_needed(cfg, B, T, optimizer_elements, attention, master_weights)
+        parts = self.memory_needed(cfg, B, T, optimizer_elements, attention, master_weights, recompute)
         biggest = max(parts, key=parts.get)
         line = (f"-b {B} -t {T}: {model_name} needs {total / gb:.1f} GB on {self.device_name()} "
                 f"({biggest} {parts[biggest] / gb:.1f} GB), {free / gb:.1f} GB is free"
