@@ -89,8 +89,8 @@ def zscore(others, value: float) -> float:
 class OutlierGuard:
     """The window of recent (step, loss, grad norm) and the limits it sets; see the module docstring.
 
-    loss_z, grad_z: -sl, -sg (0 = off); window: WINDOW by default. observe() each step's finite values in step order (the trainer does when it
-    reads them); limits(s) before launching step s; zscores(s, ...) to report it."""
+    loss_z, grad_z: -sl, -sg (0 = off); window: WINDOW by default. observe() each step's values in step order
+    (the trainer does when it reads them); limits(s) before launching step s; zscores(s, ...) to report it."""
 
     def __init__(self, loss_z: float = 0.0, grad_z: float = 0.0, window: int | None = None):
         window = WINDOW if window is None else window        # (read here: tests shrink WINDOW)
