@@ -33,9 +33,11 @@ from .tensors import (
 
 # the device step's buffers (CUDA backend: nothing read back inside a step, see gpt2np.train_step)
 STATS = 2            # stats: [mean loss over the micro-batches, squared global gradient norm]
-# step_scalars (float32): [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t), 1 - lr weight_decay, t], t (mod 2^32) stored as
-# the bits of its float32 slot (a uint32 view: every step number exact; the bf16 kernel's stochastic rounding reads it)
-STEP_SCALARS = 4
+# step_scalars (float32): [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t), 1 - lr weight_decay, t, loss limit, grad-norm
+# limit], t (mod 2^32) stored as the bits of its float32 slot (a uint32 view: every step number exact; the bf16
+# kernel's stochastic rounding reads it); AdamW skips the step when the loss or the norm exceeds its limit
+# (gpt2np.outlier, -sl/-sg; inf = no limit)
+STEP_SCALARS = 6
 
 
 class TokenError(ValueError):
@@ -484,22 +486,23 @@ class GPT2:
             self._op("global_norm", "optimizer", self.backend.global_norm_squared_device, self.grads[lo:hi],
                      self.stats)
 
-    def set_step_scalars(self, lr, beta1, beta2, weight_decay, step):
+    def set_step_scalars(self, lr, beta1, beta2, weight_decay, step, limits=None):
         """Queue the upload of the step's AdamW scalars (t = step >= 1) into step_scalars: computed in double as
-        update() computes them, rounded to float32 as its kernel arguments are; then t mod 2^32 as the bits of the
-        last slot (STEP_SCALARS)."""
+        update() computes them, rounded to float32 as its kernel arguments are; then t mod 2^32 as the bits of its
+        slot, and the outlier limits (an outlier.Limits of float32 values, None = none: inf) (STEP_SCALARS)."""
         if step < 1:
             raise ValueError("AdamW step t counts from 1")
+        loss_limit, norm_limit = limits if limits is not None else (math.inf, math.inf)
         scalars = np.array([lr / (1.0 - beta1 ** step), 1.0 / math.sqrt(1.0 - beta2 ** step),
-                            1.0 - lr * weight_decay, 0.0], np.float32)
+                            1.0 - lr * weight_decay, 0.0, loss_limit, norm_limit], np.float32)
         scalars.view(np.uint32)[3] = int(step) & 0xFFFFFFFF
         self.backend.upload_(self.step_scalars, scalars)
 
     def update_device(self, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=1.0, shard=None):
         """update() as the device step runs it: lr, t and the decay from step_scalars (set_step_scalars), the
         clipping from the norm in stats (grad_norm_device), and no update at all when stats' loss or norm is not
-        finite; all of it decided on the device. bf16 parameters: the fp32 master weights and stochastic rounding
-        (seed rounding_seed, t from step_scalars) as update() does."""
+        finite or above its outlier limit in step_scalars; all of it decided on the device. bf16 parameters: the
+        fp32 master weights and stochastic rounding (seed rounding_seed, t from step_scalars) as update() does."""
         be = self.backend
         lo, hi = shard or (0, self.num_parameters)
         if not 0 <= lo <= hi <= self.num_parameters:

@@ -4,20 +4,21 @@ and data parallel all run this function, so they cannot drift apart.
 
 A step whose loss or gradient norm is NaN or infinite changes nothing (the weights and AdamW's moments stay as
 they were) and raises NonFiniteError, naming the step (the trainer then stops, or skips the step with
---skip-nonfinite).
+--skip-nonfinite). A step given outlier `limits` (gpt2np.outlier, -sl/-sg) whose loss or norm is above them
+changes nothing either, and returns its result as usual: the caller, who set the limits, tells (outlier.exceeded).
 
 Two ways to run it, the same math:
-  * the host step (the NumPy backend): the loss and the norm are host floats, checked before the update;
-    train_step returns a StepResult and raises NonFiniteError itself.
+  * the host step (the NumPy backend): the loss and the norm are host floats, checked (and compared with the
+    limits) before the update; train_step returns a StepResult and raises NonFiniteError itself.
   * the device step (backends with upload_tokens, i.e. CUDA): the host never waits for the device inside the
     step. The micro-batches' tokens go up first (with encoder_backward's token grouping, made from the host
     copy), and the step's AdamW scalars (lr, bias corrections) into a small device buffer; the mean loss and the
     squared grad norm are reduced on the device into model.stats; AdamW reads them there, clips by them and skips
-    the whole update when either is not finite. train_step returns a PendingStep: its loss and grad_norm arrive
-    by an asynchronous copy and are resolved when read (raising NonFiniteError then), so the trainer prints
-    step N while step N+1 runs. With cuda_graphs, the device work of a step is captured once per shape as a
-    CUDA graph (after one eager step, which makes every lazily allocated buffer) and replayed afterwards: one
-    launch per step instead of hundreds.
+    the whole update when either is not finite or above its limit (uploaded with the scalars). train_step
+    returns a PendingStep: its loss and grad_norm arrive by an asynchronous copy and are resolved when read
+    (raising NonFiniteError then), so the trainer prints step N while step N+1 runs. With cuda_graphs, the
+    device work of a step is captured once per shape as a CUDA graph (after one eager step, which makes every
+    lazily allocated buffer) and replayed afterwards: one launch per step instead of hundreds.
 """
 import math
 import weakref
@@ -27,6 +28,7 @@ from typing import Callable, NamedTuple, Tuple
 import numpy as np
 
 from .dist import SingleProcess
+from .outlier import exceeded
 from .profiling import ranges
 
 Batch = Tuple[np.ndarray, np.ndarray]          # (inputs, targets), each (B, T) token ids
@@ -98,7 +100,7 @@ class PendingStep:
 
 
 def train_step(model, next_batch: Callable[[], Batch], *, step: int, lr: float, accum_steps: int = 1,
-               adamw: AdamW = AdamW(), dist=None, cuda_graphs: bool = False):
+               adamw: AdamW = AdamW(), dist=None, cuda_graphs: bool = False, limits=None):
     """One optimizer step of `model` on `accum_steps` micro-batches from next_batch().
 
     step: 0-based index (the NVTX range is "Train step {step}", AdamW's t is step + 1).
@@ -106,6 +108,8 @@ def train_step(model, next_batch: Callable[[], Batch], *, step: int, lr: float, 
     averaged over micro-batches and processes; the grad norm is the global one, before clipping.
     cuda_graphs: on the device step, capture the step as a CUDA graph once per shape and replay it (single
     process only; ignored while a profiler watches the launches, and on the host step).
+    limits: an outlier.Limits (None: none): the update is skipped when the loss or the norm is above its limit
+    (outlier.exceeded: the same comparisons on the host step and in the device step's AdamW kernel).
     Returns a StepResult (host step) or a PendingStep (device step, see the module docstring). A step whose loss
     or grad norm is not finite updates nothing and raises NonFiniteError: at once on the host step, when its
     result is read on the device step (every process sees the same averaged loss and global norm, so all of them
@@ -115,7 +119,7 @@ def train_step(model, next_batch: Callable[[], Batch], *, step: int, lr: float, 
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
     dist = dist or SingleProcess()
     if hasattr(model.backend, "upload_tokens"):
-        return _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_graphs)
+        return _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_graphs, limits)
     with ranges.range(f"Train step {step}"):
         model.zero_grad()
         loss = 0.0
@@ -128,6 +132,8 @@ def train_step(model, next_batch: Callable[[], Batch], *, step: int, lr: float, 
         norm = dist.grad_norm(model)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             raise NonFiniteError(step, float(loss), float(norm))
+        if limits is not None and exceeded(float(loss), float(norm), limits):
+            return StepResult(float(loss), float(norm))     # an outlier: nothing updated (every rank alike)
         model.update(lr, adamw.beta1, adamw.beta2, adamw.eps, adamw.weight_decay, step + 1, adamw.grad_clip,
                      grad_norm=norm, shard=dist.shard(model.num_parameters))
         dist.gather_params(model)
@@ -146,7 +152,7 @@ class _Captured(NamedTuple):
                                   # bf16 parameters, load_params replace them)
 
 
-def _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_graphs):
+def _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_graphs, limits):
     be = model.backend
     with ranges.range(f"Train step {step}"):
         shape = None
@@ -156,7 +162,7 @@ def _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_gra
             if shape not in (None, np.shape(x)):
                 raise ValueError(f"micro-batch {i} is {np.shape(x)}, the first was {shape}")
             shape = np.shape(x)
-        model.set_step_scalars(lr, adamw.beta1, adamw.beta2, adamw.weight_decay, step + 1)
+        model.set_step_scalars(lr, adamw.beta1, adamw.beta2, adamw.weight_decay, step + 1, limits)
         shard = dist.shard(model.num_parameters)
 
         def body():

@@ -6,6 +6,7 @@ step, writes a log and checkpoints to -o, and resumes bit-identically with -y 1.
 How a run ends other than by finishing: -o holding another run's checkpoints, -y 1 on another run's, ->
 RunDirError before anything is written (gpt2np.rundir); a NaN/Inf loss or grad norm -> a RuntimeError naming
 the step, the update not applied and no checkpoint written after it (or the step skipped, --skip-nonfinite);
+-sl/-sg skip the update of an outlier step (gpt2np.outlier) and go on, as llm.c does;
 SIGINT/SIGTERM -> the step finishes, a checkpoint is written to -o, exit 130/143 (gpt2np.interrupts).
 -x 0 trains nothing: it validates and samples the model once and writes nothing.
 """
@@ -35,6 +36,7 @@ from .dist import check_same_run, make_process_group, run_fingerprint
 from .fileio import WriteError, append_line
 from .interrupts import Stopped, StopSignals
 from .model import GPT2
+from .outlier import OutlierGuard, exceeded
 from .profiling import ranges
 from .profiling.gpu_specs import flops_per_token, mfu
 from .profiling.profiler import Profiler, device_label, device_roofline, report_text, write_outputs
@@ -210,6 +212,9 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
             logger.log(f"s:{step} eval:{correct / total:.4f}")
 
     start_step, skipped = 0, 0                # skipped: non-finite steps skipped so far (--skip-nonfinite)
+    # -sl/-sg: the window of recent losses and norms, and the outliers skipped (one step late, see gpt2np.outlier)
+    guard = OutlierGuard(cfg.skip_update_lossz, cfg.skip_update_gradz)
+    guard = guard if guard.active else None
     if cfg.resume and not cfg.output_dir:
         raise ValueError("-y 1 (resume) needs -o, the folder the checkpoints are in")
     if cfg.output_dir and (cfg.resume or not evaluate_only):
@@ -227,6 +232,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     if start_step:
         info = resume(cfg.output_dir, start_step, model, train_loader, rng, dist)
         skipped = int(info.get("nonfinite_skipped", 0))
+        if guard and "outliers" in info:
+            guard.load_state(info["outliers"])
         if start_step == total_steps:
             say(f"{cfg.output_dir}: the run is at step {start_step} already, -x {total_steps}: nothing to do "
                 f"(give a larger -x to train on)")
@@ -244,7 +251,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         ("final LR fraction", f"{cfg.final_lr_frac:e}"), ("weight decay", f"{cfg.weight_decay:e}"),
         ("grad clip", cfg.grad_clip), ("max_steps", cfg.max_steps), ("val_loss_every", cfg.val_every),
         ("val_max_steps", cfg.val_max_batches), ("sample_every", cfg.sample_every), ("genT", cfg.gen_tokens),
-        ("overfit_single_batch", cfg.overfit_single_batch), ("seed", cfg.seed), ("processes", dist.world_size),
+        ("overfit_single_batch", cfg.overfit_single_batch), ("skip update lossz", f"{cfg.skip_update_lossz:f}"),
+        ("skip update gradz", f"{cfg.skip_update_gradz:f}"), ("seed", cfg.seed), ("processes", dist.world_size),
         ("zero stage", dist.zero_stage), ("device", "cuda (the CPU emulator)" if backend_name == "emu"
                                                   else f"{backend.name} ({device_name})"),
         ("precision", PRECISION_TEXT.get(backend.precision, backend.precision))]
@@ -282,24 +290,31 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
 
     def checkpoint(step):
         nonlocal last_saved
-        save_checkpoint(cfg.output_dir, step, model, train_loader, rng, dist, nonfinite_skipped=skipped)
+        save_checkpoint(cfg.output_dir, step, model, train_loader, rng, dist, nonfinite_skipped=skipped,
+                        outliers=guard.state() if guard else None)
         last_saved = step
         rotate_checkpoints(cfg, step, dist, say)
 
     # A device step (CUDA) returns before the device has run it (gpt2np.train_step.PendingStep): its line is
     # printed when the next step has been queued (one step late), or before anything else the loop does
     # (validation, sampling, checkpoints, a stop), so a non-finite step still stops the run before a checkpoint.
-    pending = None                                # (step, lr, result, t0) of the step whose line is not out yet
+    pending = None                                # (step, lr, result, t0, limits) of the step whose line is not out
     last_report = None                            # when the previous line's result arrived
 
     def report(entry):
         nonlocal skipped, last_report
-        step_, lr_, result, t0 = entry
+        step_, lr_, result, t0, limits = entry
         try:
             if isinstance(result, NonFiniteError):
                 raise result
             loss, norm = result
             applied = True
+            outlier = None
+            if guard:                             # what the step was skipped for (the comparisons it made)
+                outlier = exceeded(loss, norm, limits)
+                z_loss, z_norm = guard.zscores(step_, loss, norm)
+                guard.observe(step_, loss, norm)
+                guard.skipped += outlier is not None
         except NonFiniteError as e:               # the update was not applied: the model is still step's
             if skipped >= cfg.skip_nonfinite:
                 kept = (f"the last checkpoint, step {last_saved}, is untouched" if last_saved
@@ -319,8 +334,14 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         else:
             perf = f"{fpt * tok_s / 1e9:.1f} GFLOP/s"
         if applied:
-            say(f"step {step_ + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr_:.2e} | "
-                f"{dt * 1e3:.2f} ms | {perf} | {tok_s:.0f} tok/s", flush=True)
+            line = (f"step {step_ + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr_:.2e} | "
+                    f"{dt * 1e3:.2f} ms | {perf} | {tok_s:.0f} tok/s")
+            if outlier:                           # llm.c's line, then the step's; main.log keeps the loss (llm.c)
+                flag, z, limit = (("-sl", z_loss, cfg.skip_update_lossz) if outlier == "loss" else
+                                  ("-sg", z_norm, cfg.skip_update_gradz))
+                say(f"skipping update due to {'loss' if outlier == 'loss' else 'grad'} z-score of {z:f}")
+                line += f" | skipped: {outlier} z-score {z:.2f} > {flag} {limit:g} ({guard.skipped} outliers skipped)"
+            say(line, flush=True)
             logger.log(f"s:{step_} trl:{loss:.6f} lr:{lr_:.6g} norm:{norm:.4f}")
         else:                                     # not in main.log: the step changed nothing
             say(f"step {step_ + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr_:.2e} | skipped: "
@@ -358,13 +379,15 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
                            cfg.lr_schedule)
         if cfg.profile_steps and step == start_step + 1:       # step start_step is the warm-up
             profiler = Profiler(model.backend, model=model).__enter__()
+        # the outlier limits from the steps up to step - 2: all a device step has read back by now
+        limits = guard.limits(step) if guard else None
         t0 = time.perf_counter()
         try:
             result = train_step(model, next_batch, step=step, lr=lr, accum_steps=accum, adamw=adamw, dist=dist,
-                                cuda_graphs=bool(cfg.cuda_graphs))
+                                cuda_graphs=bool(cfg.cuda_graphs), limits=limits)
         except NonFiniteError as e:               # the host step raises at once
             result = e
-        entry = (step, lr, result, t0)
+        entry = (step, lr, result, t0, limits)
         if isinstance(result, PendingStep):       # the device step: report the previous one while this one runs
             entry, pending = pending, entry
         if entry is not None:
@@ -380,6 +403,9 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     if step_times:
         timed = step_times[1:] or step_times
         say(f"total average iteration time: {1e3 * sum(timed) / len(timed):.3f} ms")
+    if guard:
+        say(f"updates skipped as outliers (-sl {cfg.skip_update_lossz:g} -sg {cfg.skip_update_gradz:g}): "
+            f"{guard.skipped}")
     return model
 
 
@@ -420,14 +446,17 @@ def stop_on_signal(signals: StopSignals, step, checkpoint, out_dir, rank0):
     raise Stopped(signals.exit_code)
 
 
-def save_checkpoint(out_dir, step, model, train_loader, rng, dist, nonfinite_skipped=0):
-    """model_STEP.bin (rank 0), state_STEP_RANK.bin (each rank), then DONE_STEP once all are written."""
+def save_checkpoint(out_dir, step, model, train_loader, rng, dist, nonfinite_skipped=0, outliers=None):
+    """model_STEP.bin (rank 0), state_STEP_RANK.bin (each rank), then DONE_STEP once all are written.
+    outliers: OutlierGuard.state() (-sl/-sg), kept so that a resumed run skips what the whole run would."""
     bf16 = model.low_precision                   # llm.c's v5 file; the fp32 master weights (-w 1) go into the state
     if dist.rank == 0:
         save_model(model_path(out_dir, step), model.cfg, model.params_host(), dtype="bf16" if bf16 else "fp32")
     info = {"step": step, "train_loader": train_loader.state(), "rng": rng.bit_generator.state,
             "world_size": dist.world_size, "rank": dist.rank, "zero_stage": dist.zero_stage,
             "shard": list(dist.shard(model.num_parameters)), "nonfinite_skipped": nonfinite_skipped}
+    if outliers is not None:
+        info["outliers"] = outliers
     m, v = model.optimizer_state_host(dist.shard(model.num_parameters))
     master = model.master_weights_host(dist.shard(model.num_parameters))
     save_state(state_path(out_dir, step, dist.rank), info, m, v, master)

@@ -25,13 +25,16 @@
 // step statistics buffer (gpt2np.model.STATS): the mean loss, the squared global gradient norm
 #define STAT_LOSS 0
 #define STAT_NORM_SQUARED 1
-// step scalars buffer (gpt2np.model.STEP_SCALARS), float32 x 4: lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t),
-// 1 - lr wd, and t itself (mod 2^32) stored as the BITS of its float32 slot (an unsigned int view; read with
-// __float_as_uint), so every step number is exact. Only the bf16 build reads SCALAR_STEP.
+// step scalars buffer (gpt2np.model.STEP_SCALARS), float32 x 6: lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t),
+// 1 - lr wd, t itself (mod 2^32) stored as the BITS of its float32 slot (an unsigned int view; read with
+// __float_as_uint), so every step number is exact, then the outlier limits of the loss and of the grad norm
+// (gpt2np.outlier, train.py -sl/-sg; inf = none). Only the bf16 build reads SCALAR_STEP.
 #define SCALAR_STEP_SIZE 0
 #define SCALAR_INV_SQRT_BIAS_CORRECTION2 1
 #define SCALAR_DECAY 2
 #define SCALAR_STEP 3
+#define SCALAR_LOSS_LIMIT 4
+#define SCALAR_NORM_LIMIT 5
 
 #if defined(GPT2NP_BF16)
 // SplitMix64 (gpt2np.backends.bf16): the golden-ratio increment and the finalizer's multipliers
@@ -118,8 +121,9 @@ extern "C" __global__ void adamw_update(floatX* __restrict__ params, const float
 // As adamw_update, with the per-step scalars from `scalars` (decay applies when `decayed`, else 1; the bf16
 // build's t from scalars[SCALAR_STEP]) and the clipping from `stats`: scale = grad_clip / norm when
 // norm > grad_clip > 0, else 1, with norm = sqrt of the squared norm, in double as the host did. A step whose
-// loss or squared norm is not finite changes nothing (params, master, m, v untouched): the host learns it when
-// it reads the step's statistics back. seed and offset are constant over a run (a captured graph replays them).
+// loss or squared norm is not finite, or whose loss or norm is above its outlier limit in `scalars` (-sl/-sg),
+// changes nothing (params, master, m, v untouched): the host learns it when it reads the step's statistics back
+// (and repeats these comparisons). seed and offset are constant over a run (a captured graph replays them).
 extern "C" __global__ void adamw_update_device(floatX* __restrict__ params, const floatX* __restrict__ grads,
                                                float* __restrict__ m, float* __restrict__ v, float* master, int n,
                                                const float* __restrict__ scalars, const float* __restrict__ stats,
@@ -129,10 +133,13 @@ extern "C" __global__ void adamw_update_device(floatX* __restrict__ params, cons
     const long long i = global_thread_index();
     const float loss = stats[STAT_LOSS];
     const float norm_squared = stats[STAT_NORM_SQUARED];
-    if (i >= n || !isfinite(loss) || !isfinite(norm_squared)) {
+    if (i >= n || !isfinite(loss) || !isfinite(norm_squared) || loss > scalars[SCALAR_LOSS_LIMIT]) {
         return;
     }
     const double norm = sqrt((double)norm_squared);
+    if (norm > (double)scalars[SCALAR_NORM_LIMIT]) {       // an outlier grad norm (-sg): skip the update
+        return;
+    }
     const float grad_scale = grad_clip > 0.0f && norm > (double)grad_clip ? (float)((double)grad_clip / norm) : 1.0f;
     const float decay = decayed ? scalars[SCALAR_DECAY] : 1.0f;
 #if defined(GPT2NP_BF16)

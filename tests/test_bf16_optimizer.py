@@ -61,8 +61,8 @@ def case(n, seed):
 
 
 def step_scalars(lr, t, wd):
-    """model.set_step_scalars' layout: three float32 values and t's bits."""
-    s = np.array([lr / (1.0 - B1 ** t), 1.0 / math.sqrt(1.0 - B2 ** t), 1.0 - lr * wd, 0.0], F32)
+    """model.set_step_scalars' layout: three float32 values, t's bits and no outlier limits (inf)."""
+    s = np.array([lr / (1.0 - B1 ** t), 1.0 / math.sqrt(1.0 - B2 ** t), 1.0 - lr * wd, 0.0, np.inf, np.inf], F32)
     s.view(np.uint32)[3] = t & 0xFFFFFFFF
     return s
 
@@ -171,8 +171,8 @@ def test_adamw_argument_checks(be, be32):
     with pytest.raises(KernelArgumentError, match="offset"):
         be.adamw_update(p16, g16, be.from_host(f), be.from_host(f), 1e-3, B1, B2, EPS, 0.0, 1,
                         master=be.from_host(f), offset=-1)
-    with pytest.raises(KernelArgumentError, match="scalars"):  # the bf16 build reads t from the 4th slot
-        be.adamw_update_device(p16, g16, be.from_host(f), be.from_host(f), be.from_host(step_scalars(1e-3, 1, 0)[:3]),
+    with pytest.raises(KernelArgumentError, match="scalars"):  # t, the outlier limits: all 6 slots are read
+        be.adamw_update_device(p16, g16, be.from_host(f), be.from_host(f), be.from_host(step_scalars(1e-3, 1, 0)[:4]),
                                be.from_host(np.ones(2, F32)), B1, B2, EPS, True, 1.0, master=be.from_host(f))
     p32 = be32.from_host(f)
     with pytest.raises(KernelArgumentError, match="master"):

@@ -99,7 +99,9 @@ def adamw_case(n=1000, seed=0):
 
 
 def scalars(lr, t, wd, beta1=0.9, beta2=0.95):
-    return np.array([lr / (1.0 - beta1 ** t), 1.0 / math.sqrt(1.0 - beta2 ** t), 1.0 - lr * wd], np.float32)
+    """model.set_step_scalars' layout (t's slot 0 here: the fp32 build does not read it; no outlier limits)."""
+    return np.array([lr / (1.0 - beta1 ** t), 1.0 / math.sqrt(1.0 - beta2 ** t), 1.0 - lr * wd, 0.0, math.inf,
+                     math.inf], np.float32)
 
 
 @pytest.mark.parametrize("norm, clip, decayed", [(3.7, 1.0, True), (0.4, 1.0, False), (3.7, 0.0, True)])

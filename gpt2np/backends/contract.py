@@ -157,7 +157,8 @@ class Backend(Protocol):
                             master=None, seed=0, offset=0):
         """AdamW on flat segments (n) as the CUDA kernel computes it, with every per-step value in device
         buffers: scalars (STEP_SCALARS, float32) = [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t), 1 - lr weight_decay,
-        t] (the decay where `decayed`; t mod 2^32 as the bits of its slot, see model.set_step_scalars); stats
+        t, loss limit, norm limit] (the decay where `decayed`; t mod 2^32 as the bits of its slot, see
+        model.set_step_scalars; a loss or norm above its limit, gpt2np.outlier, skips the update as below); stats
         (STATS) = [loss, squared grad norm], from which the clip scale (grad_clip / norm when norm > grad_clip > 0)
         is computed; a non-finite loss or norm leaves params, master, m, v untouched. master, seed, offset: as
         adamw_update."""

@@ -566,15 +566,18 @@ class NumpyBackend:
                             master=None, seed=0, offset=0):
         """The CUDA kernel adamw_update_device's arithmetic in float32 (the reference its emulated runs are checked
         against; the NumPy training step runs adamw_update): scalars = [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t),
-        1 - lr wd, t (its bits)], stats = [loss, squared grad norm]; nothing changes when either statistic is not
-        finite. bf16 params and grads (as the bf16 build of the kernel takes them): the grads are upcast, master
-        gets the update and params = bf16.round_stochastic(master, seed, t, offset); without master (-w 0) the
-        upcast params are what is updated, then rounded the same way."""
+        1 - lr wd, t (its bits), loss limit, norm limit], stats = [loss, squared grad norm]; nothing changes when
+        either statistic is not finite or above its outlier limit (the float32 loss, the norm in double). bf16
+        params and grads (as the bf16 build of the kernel takes them): the grads are upcast, master gets the update
+        and params = bf16.round_stochastic(master, seed, t, offset); without master (-w 0) the upcast params are
+        what is updated, then rounded the same way."""
         f32 = np.float32
         loss, norm_squared = f32(stats[0]), f32(stats[1])
-        if not (np.isfinite(loss) and np.isfinite(norm_squared)):
+        if not (np.isfinite(loss) and np.isfinite(norm_squared)) or loss > f32(scalars[4]):
             return
         norm = math.sqrt(float(norm_squared))
+        if norm > float(f32(scalars[5])):                     # an outlier (gpt2np.outlier): no update
+            return
         clip = float(f32(grad_clip)) if grad_clip is not None and grad_clip > 0 else 0.0
         scale = f32(clip / norm) if clip > 0 and norm > clip else f32(1.0)
         step_size, inv_sqrt_bc2 = f32(scalars[0]), f32(scalars[1])

@@ -93,6 +93,7 @@ def kernel_signatures(kernel_dir=KERNEL_DIR):
 KERNEL_SIGNATURES = kernel_signatures()
 
 INT_LIMIT = 2 ** 31 - 1
+STEP_SCALAR_SLOTS = 6  # adamw_update_device's scalars: gpt2np.model.STEP_SCALARS (kernels/adamw.cu's SCALAR_*)
 GRID_Y_LIMIT = 65535  # gridDim.y (and .z) maximum
 MAX_BLOCK = 1024      # threads per block
 
@@ -936,17 +937,18 @@ class CudaBackend:
                             master=None, seed=0, offset=0):
         """adamw_update with the step's scalars and clipping from device buffers (no host value changes per step,
         so a captured graph replays it): scalars (model.STEP_SCALARS, float32) = [lr / (1 - beta1^t),
-        1 / sqrt(1 - beta2^t), 1 - lr weight_decay, t] (model.step_scalars: the first three rounded to float32
-        from double on the host, t mod 2^32 stored as the bits of its slot, read by the bf16 build only); stats
-        (STATS) = [loss, squared grad norm]; grad_scale = grad_clip / norm when norm > grad_clip > 0 (clip <= 0:
-        off); the decay applies when `decayed`. A non-finite loss or norm leaves params, master, m, v untouched.
+        1 / sqrt(1 - beta2^t), 1 - lr weight_decay, t, loss limit, norm limit] (model.step_scalars: the first three
+        rounded to float32 from double on the host, t mod 2^32 stored as the bits of its slot, read by the bf16
+        build only; the limits: gpt2np.outlier, inf = none); stats (STATS) = [loss, squared grad norm];
+        grad_scale = grad_clip / norm when norm > grad_clip > 0 (clip <= 0: off); the decay applies when
+        `decayed`. A non-finite loss or norm, or one above its limit, leaves params, master, m, v untouched.
         master, seed, offset: as adamw_update (bf16 storage only; constant over a run, so graphs replay them)."""
         op = "adamw_update"
         n, master, seed32, offset = self._adamw_check(op, params, grads, m, v, master, seed, offset)
-        if scalars.dtype != np.float32 or scalars.size < (4 if self.bf16 else 3):
+        if scalars.dtype != np.float32 or scalars.size < STEP_SCALAR_SLOTS:
             raise KernelArgumentError(f"CudaBackend.{op}: scalars must be the float32 step-scalars buffer "
-                                      f"[step size, 1/sqrt(bias correction 2), decay, t bits], got "
-                                      f"{scalars.size} {scalars.dtype}")
+                                      f"[step size, 1/sqrt(bias correction 2), decay, t bits, loss limit, norm "
+                                      f"limit], got {scalars.size} {scalars.dtype}")
         clip = grad_clip if grad_clip is not None and grad_clip > 0 else 0.0
         args = (params, grads, m, v, master, _i32(n), scalars, stats, _i32(bool(decayed)), _f32(beta1),
                 _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2), _f32(eps), _f32(clip), seed32, offset)
