@@ -399,6 +399,25 @@ def test_a_batch_that_does_not_fit_is_one_line_naming_the_largest_b():
     assert f"84.8 GB is free: the largest B that fits at T=1024 is {fits} (-b {fits};" in line
 
 
+def test_the_line_names_the_recompute_that_keeps_the_batch():
+    """A B just past what fits keeping every activation fits with -r 1 (or -r 2): the line says so too."""
+    free = 79 * 2 ** 30
+    be, d12 = CudaBackend(CountingRuntime(free=free)), preset("d12")
+    from gpt2np.backends.cuda.backend import MEMORY_HEADROOM
+    budget = free - MEMORY_HEADROOM
+    fits = largest_b(be, d12, 1024, budget)
+    with_r = {r: sum(be.memory_needed(d12, fits + 1, 1024, recompute=r).values()) for r in (0, 1, 2)}
+    assert with_r[0] > budget and with_r[0] > with_r[1] > with_r[2]
+    with pytest.raises(DeviceMemoryError) as e:
+        be.check_memory_fits(d12, fits + 1, 1024)
+    r = 1 if with_r[1] <= budget else 2
+    assert str(e.value).endswith(f", or -b {fits + 1} with -r {r} (the GELU{'' if r == 1 else ' and LayerNorm'} "
+                                 f"outputs recomputed in backward instead of keeping them)")
+    with pytest.raises(DeviceMemoryError) as e:                 # far past: no -r keeps it, nothing said of -r
+        be.check_memory_fits(d12, 4 * fits, 1024)
+    assert "-r " not in str(e.value)
+
+
 def test_ranks_sharing_a_gpu_split_its_memory():
     be, d12 = CudaBackend(CountingRuntime(free=79 * 2 ** 30)), preset("d12")
     alone = sum(be.memory_needed(d12, 24, 1024).values())

@@ -66,6 +66,8 @@ PARAMETER_KINDS = {"float*": np.dtype(np.float32), "int*": np.dtype(np.int32), "
 # A null pointer argument (AdamW's master weights under -w 0): CuPy passes an 8-byte integer as the pointer's
 # value (None it does not turn into NULL), the emulator takes the integer 0
 NULL = np.uint64(0)
+# what -r N recomputes (the up-front memory check suggests it when it keeps the asked B)
+RECOMPUTE_HINT = {1: "the GELU outputs recomputed", 2: "the GELU and LayerNorm outputs recomputed"}
 # NVRTC options of the bf16 build of every kernel file (kernels/common.cuh: floatX = __nv_bfloat16)
 BF16_OPTIONS = ("-DGPT2NP_BF16=1",)
 
@@ -326,9 +328,8 @@ class CudaBackend:
             return None
         budget = free // max(1, sharers) - MEMORY_HEADROOM - reserved
 
-        def needed(b, t):
-            return sum(self.memory_needed(cfg, b, t, optimizer_elements, attention, master_weights,
-                                          recompute).values())
+        def needed(b, t, r=recompute):
+            return sum(self.memory_needed(cfg, b, t, optimizer_elements, attention, master_weights, r).values())
 
         total = needed(B, T)
         if total <= budget:
@@ -343,6 +344,9 @@ class CudaBackend:
         if fits_b:
             line += (f": the largest B that fits at T={T} is {fits_b} (-b {fits_b}; keep the tokens per step with "
                      f"-d, gradient accumulation)")
+        fits_r = next((r for r in range(recompute + 1, 3) if needed(B, T, r) <= budget), None)
+        if fits_r:                              # recomputing activations in backward keeps this B
+            line += f", or -b {B} with -r {fits_r} ({RECOMPUTE_HINT[fits_r]} in backward instead of keeping them)"
         else:
             fits_t = next((t for t in range(T - 1, 0, -1) if needed(1, t) <= budget), None)
             line += (f": not even -b 1 fits at T={T}; the longest T that fits at B=1 is {fits_t} (-b 1 -t {fits_t})"
