@@ -30,6 +30,7 @@ from .checkpoint import (
     save_state,
     state_path,
 )
+from .cli import one_line
 from .config import TrainConfig
 from .data import DataLoader
 from .dist import check_same_run, make_process_group, run_fingerprint
@@ -105,16 +106,25 @@ def evaluate(model, loader, max_batches, show_progress=True):
         return total / max(n, 1)
 
 
-def load_hellaswag(cfg: TrainConfig, model_cfg, dist):
-    """--hellaswag (or -h 1): this rank's share of the rendered examples and the total count, or (None, 0)."""
+def load_hellaswag(cfg: TrainConfig, model_cfg, dist, say=print):
+    """--hellaswag (or -h 1): this rank's share of the rendered examples and the total count, or (None, 0).
+    Data that cannot be had stops the run for --hellaswag; for -h 1 it is a note and no evaluation, as llm.c's
+    -h 1 skips HellaSwag when its file is missing."""
     if cfg.hellaswag_interval <= 0:
         return None, 0
+    flag = "-h 1" if cfg.hellaswag_eval else "--hellaswag"
     if model_cfg.vocab_size < 50257:
-        flag = "-h 1" if cfg.hellaswag_eval else "--hellaswag"
         raise ValueError(f"{flag}: the model's vocab_size is {model_cfg.vocab_size}; HellaSwag is tokenized with "
                          f"GPT-2's 50257 tokens")
     from . import hellaswag
-    _, examples = hellaswag.load(cfg.hellaswag_data)
+    try:
+        _, examples = hellaswag.load(cfg.hellaswag_data)
+    except (OSError, ValueError) as e:              # no file, an offline download, an unreadable file
+        if not cfg.hellaswag_eval:
+            raise
+        say(f"note: -h 1: no HellaSwag data ({one_line(e)}); skipping its evaluation (fetch it once with "
+            f"`gpt2np eval hellaswag`, or give --hellaswag-data PATH)")
+        return None, 0
     return examples[dist.rank::dist.world_size], len(examples)
 
 
@@ -203,7 +213,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     rng = np.random.default_rng(cfg.seed)
     decoder = Decoder(train_pattern) if cfg.sample_every > 0 else None
 
-    hellaswag_examples, hellaswag_total = load_hellaswag(cfg, model_cfg, dist)
+    hellaswag_examples, hellaswag_total = load_hellaswag(cfg, model_cfg, dist, say)
 
     def hellaswag_eval(step):
         correct, total = evaluate_hellaswag(model, hellaswag_examples, hellaswag_total, dist)

@@ -140,6 +140,22 @@ def test_train_h_1_evaluates_at_the_v_steps_as_llmc(tmp_path, jsonl, params, cap
     assert evals == ["s:0", "s:2", "s:4", "s:5"]                       # every -v step and the last
 
 
+def test_h_1_without_the_data_is_a_note_and_no_evaluation_as_llmc(tmp_path, params, capsys):
+    """llm.c's -h 1 skips HellaSwag when its file is missing; --hellaswag N (asked for by interval) still stops."""
+    import train
+    from gpt2np.data import write_shard
+    save_model(tmp_path / "m.bin", CFG, params)
+    write_shard(tmp_path / "train.bin", np.random.default_rng(0).integers(0, 2000, 4000))
+    base = ["-e", str(tmp_path / "m.bin"), "-i", str(tmp_path / "train.bin"), "-b", "4", "-t", "16", "-x", "2",
+            "-v", "1", "--hellaswag-data", str(tmp_path / "missing.jsonl"), "-s", "0", "--device", "cpu"]
+    assert train.main(base + ["-h", "1", "-o", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "note: -h 1: no HellaSwag data (" in out and "skipping its evaluation" in out
+    assert "eval:" not in (tmp_path / "run" / "main.log").read_text()
+    assert train.main(base + ["--hellaswag", "1"]) == 1                   # a file the run needs: exit 1
+    assert "missing.jsonl" in capsys.readouterr().err
+
+
 def test_train_hellaswag_needs_gpt2s_vocabulary(tmp_path, jsonl, capsys):
     import train
     small = GPT2Config(32, 100, 128, 1, 2, 16)
