@@ -24,7 +24,7 @@ import sys
 import numpy as np
 import pytest
 from fake_gpu import FakeNccl, Group, ThreadComm
-from test_dist import REPO, clean_env, find_mpiexec
+from test_dist import REPO, clean_env, mpiexec  # noqa: F401 (the fixture: mpiexec, probed with 2 ranks)
 
 from gpt2np.backends.bf16 import BF16, round_nearest
 from gpt2np.backends.cuda.backend import CudaBackend
@@ -307,15 +307,6 @@ def test_bf16_all_gather_moves_the_bits(ranks):
 
 RUN_TIMEOUT = 90
 GLOBAL_B, TT, TRAIN_STEPS = 4, 16, 4
-
-
-@pytest.fixture(scope="module")
-def mpiexec():
-    pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install 'gpt2np[dist]')")
-    exe = find_mpiexec()
-    if exe is None:
-        pytest.skip("no mpiexec found (pip install mpich)")
-    return exe
 
 
 def train_argv(folder, out, ranks, *extra):
