@@ -374,14 +374,30 @@ def bf16_ok(ours: float, autocast: float) -> bool:
     return bool(ours <= BF16_RATIO * autocast)         # False for NaN
 
 
-def format_bf16(rows) -> str:
-    lines = [f"{'tensor':<10} {'gpt2np bf16':>12} {'autocast':>12} {'ratio':>8}  ok (ratio <= {BF16_RATIO:g})"]
-    for name, ours, ac in rows:
-        ratio = ours / ac if ac > 0 else float("inf") if ours > 0 else 0.0
-        lines.append(f"{name:<10} {ours:>12.3e} {ac:>12.3e} {ratio:>8.2f}  {'ok' if bf16_ok(ours, ac) else 'FAIL'}")
+def _ratio(a, b):
+    return a / b if b > 0 else float("inf") if a > 0 else 0.0
+
+
+def format_bf16(rows, residual_rows=None) -> str:
+    """The table of bf16_errors' rows; residual_rows (bf16_errors against autocast with a bf16 residual stream)
+    adds that column and gpt2np's ratio to it: information, not part of the pass/fail."""
+    extra = residual_rows is not None
+    head = f"{'tensor':<10} {'gpt2np bf16':>12} {'autocast':>12} {'ratio':>8}  ok (ratio <= {BF16_RATIO:g})"
+    lines = [head + (f"  {'ac+bf16 res':>12} {'ratio':>8}" if extra else "")]
+    for i, (name, ours, ac) in enumerate(rows):
+        verdict = "ok" if bf16_ok(ours, ac) else "FAIL"
+        line = f"{name:<10} {ours:>12.3e} {ac:>12.3e} {_ratio(ours, ac):>8.2f}  {verdict:<16}"
+        if extra:
+            res = residual_rows[i][2]
+            line += f"  {res:>12.3e} {_ratio(ours, res):>8.2f}"
+        lines.append(line.rstrip())
     lines.append("error against PyTorch fp32: ||x - fp32||_2 / ||fp32||_2 per tensor (relative L2; losses: the (B,T) "
                  "per-token losses); autocast = PyTorch's bf16 mixed precision (torch.autocast('cpu', bfloat16), fp32 "
                  "weights); all three start from the same bf16-representable weights")
+    if extra:
+        lines.append("ac+bf16 res = the same autocast with its residual stream (and that stream's gradient) rounded to "
+                     "bf16 after every add, as llm.c's scheme (and gpt2np's) stores it: shown to tell the scheme's "
+                     "error from gpt2np's own, not part of the pass/fail")
     return "\n".join(lines)
 
 
@@ -417,7 +433,9 @@ def run_bf16(args, cfg, params) -> int:
           f"gradients, fp32 math; {args.attention} attention) and PyTorch autocast bf16, each against PyTorch "
           f"fp32\n")
     rows = bf16_errors(ours, ac, ref)
-    print(format_bf16(rows))
+    res_out = TorchGPT2(cfg, start, "float32", autocast=True, bf16_residual=True).forward_backward(x, y)
+    residual_rows = bf16_errors(ours, DebugState(x, y, res_out.logits, res_out.loss, res_out.grads), ref)
+    print(format_bf16(rows, residual_rows))
     print(f"mean loss: fp32 {ref.loss:.6f}, autocast {ac.loss:.6f} ({ac.loss - ref.loss:+.2e}), gpt2np bf16 "
           f"{ours.loss:.6f} ({ours.loss - ref.loss:+.2e})")
     print(f"(rounding the model file's weights to bf16 alone moves the fp32 logits by {weights_only:.3e}, relative L2)")

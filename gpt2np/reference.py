@@ -92,20 +92,27 @@ def causal_self_attention(qkv, num_heads):
     return (att @ v).transpose(1, 2).reshape(B, T, C)                            # (B,T,C)
 
 
-def gpt2_logits(p, cfg: GPT2Config, x, torch_ops=False):
+def gpt2_logits(p, cfg: GPT2Config, x, torch_ops=False, bf16_residual=False):
     """x (B,T) int64 token ids -> logits (B,T,V) over the real vocabulary (lm_head tied to wte[:V]).
-    torch_ops: LayerNorm and GELU by F.layer_norm and F.gelu (what autocast gives its bf16 policy to)."""
+    torch_ops: LayerNorm and GELU by F.layer_norm and F.gelu (what autocast gives its bf16 policy to).
+    bf16_residual: the residual stream rounded to bf16 after the embedding and after every add, its gradient too
+    on the way back (the casts' backward), as llm.c's bf16 scheme stores both; autocast keeps them fp32."""
     ln, gelu = (torch_layernorm, torch_gelu_tanh) if torch_ops else (layernorm, gelu_tanh)
     T = x.shape[1]
+    torch = require_torch()
+
+    def residual(h):
+        return h.to(torch.bfloat16).to(torch.float32) if bf16_residual else h
+
     # unbind (not p[name][l]) so that backward stacks each (L, ...) gradient once
     layer = {name: p[name].unbind(0) for name in PARAM_NAMES[2:14]}
-    h = p["wte"][x] + p["wpe"][:T]                                               # (B,T,C)
+    h = residual(p["wte"][x] + p["wpe"][:T])                                     # (B,T,C)
     for l in range(cfg.num_layers):
         w = {name: tensors[l] for name, tensors in layer.items()}
         qkv = linear(ln(h, w["ln1w"], w["ln1b"]), w["qkvw"], w["qkvb"])
-        h = h + linear(causal_self_attention(qkv, cfg.num_heads), w["attprojw"], w["attprojb"])
+        h = residual(h + linear(causal_self_attention(qkv, cfg.num_heads), w["attprojw"], w["attprojb"]))
         fch = linear(ln(h, w["ln2w"], w["ln2b"]), w["fcw"], w["fcb"])
-        h = h + linear(gelu(fch), w["fcprojw"], w["fcprojb"])
+        h = residual(h + linear(gelu(fch), w["fcprojw"], w["fcprojb"]))
     h = ln(h, p["lnfw"], p["lnfb"])
     return h @ p["wte"][:cfg.vocab_size].transpose(0, 1)                         # (B,T,V)
 
@@ -129,10 +136,13 @@ class ReferenceOutput:
 class TorchGPT2:
     """GPT-2 on llm.c's flat parameter buffer, in float32 (or float64 for tests), on the CPU."""
 
-    def __init__(self, cfg: GPT2Config, params_flat, dtype: str = "float32", autocast: bool = False):
+    def __init__(self, cfg: GPT2Config, params_flat, dtype: str = "float32", autocast: bool = False,
+                 bf16_residual: bool = False):
+        """bf16_residual (with autocast): the residual stream and its gradient rounded to bf16 (gpt2_logits)."""
         torch = require_torch()
         self.torch = torch
         self.autocast = autocast
+        self.bf16_residual = bf16_residual
         if dtype not in ("float32", "float64"):
             raise ValueError(f"reference dtype must be float32 or float64, got {dtype!r}")
         params_flat = np.asarray(params_flat)
@@ -165,7 +175,7 @@ class TorchGPT2:
         x_t = self._tokens(x, "x")
         if self.autocast:
             with self.torch.autocast("cpu", dtype=self.torch.bfloat16):
-                logits = gpt2_logits(self.params, self.cfg, x_t, torch_ops=True)
+                logits = gpt2_logits(self.params, self.cfg, x_t, torch_ops=True, bf16_residual=self.bf16_residual)
             logits = logits.float()                          # the loss in fp32, as F.cross_entropy under autocast
         else:
             logits = gpt2_logits(self.params, self.cfg, x_t)

@@ -347,18 +347,21 @@ def test_compare_bf16_against_autocast(files, capsys):
     """gpt2np bf16 and PyTorch autocast bf16 against PyTorch fp32 on a tiny model: every row printed, the 10-step
     curve within autocast's band. The 1.5x criterion itself is not met today on the logits, wte, wpe and lnfw
     (ratios about 1.5-2.0: gpt2np keeps llm.c's bf16 residual stream, autocast an fp32 one; see the README), so
-    this pins the measured ratios below 2.5 rather than asserting a pass."""
+    this pins the measured ratios below 2.5 rather than asserting a pass; against autocast with its residual
+    stream rounded to bf16 as llm.c's (compare's extra column) every ratio is within 1.5."""
     pytest.importorskip("torch")
     from gpt2np import compare
     rc = compare.main(["-e", str(files / "tiny.bin"), "--precision", "bf16", "-b", "4", "-t", "32"])
     out = capsys.readouterr().out
     assert rc in (0, 1), out
     rows = {line.split()[0]: line.split() for line in out.splitlines()
-            if line.split() and line.split()[0] in ("logits", "losses") + PARAM_NAMES and len(line.split()) == 5}
+            if line.split() and line.split()[0] in ("logits", "losses") + PARAM_NAMES and len(line.split()) == 7}
     assert len(rows) == 18, out
-    for name, (_, ours, ac, ratio, ok) in rows.items():
+    for name, (_, ours, ac, ratio, ok, res, res_ratio) in rows.items():
         assert 0 < float(ours) and 0 < float(ac) and float(ratio) < 2.5, (name, out)
         assert (ok == "ok") == (float(ours) <= 1.5 * float(ac))
+        # against autocast with llm.c's bf16 residual stream (the scheme gpt2np keeps), gpt2np errs alike
+        assert float(res) > 0 and float(res_ratio) <= 1.5, (name, out)
     curve = [line for line in out.splitlines() if line.strip()[:2].strip().isdigit() and len(line.split()) == 6]
     assert len(curve) == 10 and all(line.endswith("ok") for line in curve), out
     assert ("OK: all 28 checks" in out) == (rc == 0)
@@ -374,9 +377,12 @@ def test_compare_bf16_on_the_emulated_cuda_path(files, capsys):
     out = capsys.readouterr().out
     assert rc in (0, 1) and "gpt2np backend emu (bf16" in out, out
     rows = {line.split()[0]: line.split() for line in out.splitlines()
-            if line.split() and line.split()[0] in ("logits", "losses") + PARAM_NAMES and len(line.split()) == 5}
+            if line.split() and line.split()[0] in ("logits", "losses") + PARAM_NAMES and len(line.split()) == 7}
     assert len(rows) == 18, out
     assert all(0 < float(r[1]) and float(r[3]) < 2.5 for r in rows.values()), out
+    # against autocast with llm.c's bf16 residual stream: 0.93-1.58 measured (the 32-element biases of this L=2 C=32
+    # model the noisiest), where plain autocast's ratios reach 2.3
+    assert all(float(r[6]) < 2.0 for r in rows.values()), out
     curve = [line for line in out.splitlines() if line.strip()[:2].strip().isdigit() and len(line.split()) == 6]
     assert len(curve) == 10 and all(line.endswith("ok") for line in curve), out
 
