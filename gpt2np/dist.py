@@ -616,7 +616,6 @@ def check_same_run(dist, fingerprint):
     in the same two collectives and all of them stop: rank 0 raises RunMismatch with the one line (train.py
     prints it), the others exit with status 1 without a word -- the same line from every rank would help no one.
     """
-    global _ranks_stopping
     if dist.world_size == 1:
         return
     if callable(fingerprint):
@@ -625,10 +624,20 @@ def check_same_run(dist, fingerprint):
     line = mismatch_line(dist.all_gather_object(fingerprint_differences(fingerprint, reference)))
     if line is None:
         return
-    _ranks_stopping = True           # no need to abort: no rank is left waiting in a collective
-    if dist.rank == 0:
-        raise RunMismatch(line)
-    raise SystemExit(1)
+    stop_together(dist)
+    raise RunMismatch(line)
+
+
+def stop_together(dist):
+    """Every rank has met the same reason to stop at the same point (check_same_run's verdict; a NaN loss or grad
+    norm, which every rank sees alike after the all-reduce): no rank is left waiting in a collective, so abort_job
+    has nothing to do, and rank 0 alone says why (the caller raises its error after this); the other ranks exit
+    with status 1 here, without a word: the same line from every rank would help no one."""
+    global _ranks_stopping
+    if dist.world_size > 1:
+        _ranks_stopping = True
+        if dist.rank != 0:
+            raise SystemExit(1)
 
 
 _group = None       # the MPI group of this process, once made (for abort_job and the excepthook)

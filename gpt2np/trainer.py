@@ -33,7 +33,7 @@ from .checkpoint import (
 from .cli import one_line
 from .config import TrainConfig
 from .data import DataLoader
-from .dist import check_same_run, make_process_group, run_fingerprint
+from .dist import check_same_run, make_process_group, run_fingerprint, stop_together
 from .fileio import WriteError, append_line
 from .interrupts import Stopped, StopSignals
 from .model import GPT2
@@ -330,6 +330,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
                 kept = (f"the last checkpoint, step {last_saved}, is untouched" if last_saved
                         else "no checkpoint was written" if cfg.output_dir else "no -o, no checkpoint")
                 more = f" after skipping {skipped} (--skip-nonfinite {cfg.skip_nonfinite})" if skipped else ""
+                stop_together(dist)               # every rank sees the same averaged loss and global norm
                 raise RuntimeError(f"{e}; stopping{more} ({kept})") from None
             skipped += 1
             loss, norm, applied = e.loss, e.grad_norm, False

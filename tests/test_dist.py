@@ -244,3 +244,13 @@ def test_a_failing_rank_ends_the_job_with_a_clear_error(mpiexec, files, tmp_path
     assert len(step_losses(out)) == 2                 # steps 1 and 2 ran, step 3 never finished
     for line in expected:
         assert line in err, err
+
+
+def test_a_nan_loss_under_mpiexec_is_one_line_and_every_rank_stops_without_an_abort(mpiexec, files, tmp_path):
+    """Every rank sees the same averaged loss and global norm, so every rank stops at the same step: rank 0 says
+    why in one line, the others exit 1 quietly, nobody MPI_Aborts (dist.stop_together)."""
+    code, out, err, seconds = launch(mpiexec, 2, train_argv(files, tmp_path, 2, "-l", 1e9, "-x", 8))
+    assert code == 1, out + err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.match(r"error: step \d+: the (loss|gradient norm) is (nan|inf)", errors[0]), err
+    assert "aborting all ranks" not in err and "Traceback" not in err, err
