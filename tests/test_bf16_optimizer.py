@@ -289,6 +289,25 @@ def test_adamw_update_device_bf16_without_master(be, stats):
     assert np.isfinite(stats[0]) != np.array_equal(bits(got[0]), bits(params))    # a non-finite step: untouched
 
 
+def device_updates(be, models, graphed, graph, g, t):
+    """AdamW step t (lr 1e-2, wd 0.1, clip 1) on every model from gradient g: grads and step scalars uploaded, each
+    model but `graphed` updated eagerly; `graphed` through `graph`, which its first call captures after one eager
+    update (that allocates its master, m and v) and later calls replay. Returns the graph."""
+    for model in models:
+        be.copy_(model.grads, be.from_host(g))
+        model.set_step_scalars(1e-2, B1, B2, 0.1, t)
+    for model in models:
+        if model is not graphed:
+            model.update_device(B1, B2, EPS, 1.0)
+    if graph is not None:
+        graph.launch()
+        return graph
+    graphed.update_device(B1, B2, EPS, 1.0)
+    be.rt.begin_capture()
+    graphed.update_device(B1, B2, EPS, 1.0)
+    return be.rt.end_capture()
+
+
 def test_model_update_device_bf16_without_master_replays_as_a_graph(be):
     """GPT2(master_weights=False).update_device: no master buffer, each tensor's update bitwise the kernel's
     arithmetic (REF32.adamw_update_device without master), a captured graph replays it bitwise; the first step is
@@ -306,18 +325,7 @@ def test_model_update_device_bf16_without_master_replays_as_a_graph(be):
     r_params, r_m, r_v = be.to_host(eager.params), np.zeros(n, F32), np.zeros(n, F32)
     graph = None
     for t, g in enumerate(grads, start=1):
-        for model in models:
-            be.copy_(model.grads, be.from_host(g))
-            model.set_step_scalars(1e-2, B1, B2, 0.1, t)
-        eager.update_device(B1, B2, EPS, 1.0)
-        masters.update_device(B1, B2, EPS, 1.0)
-        if graph is None:
-            graphed.update_device(B1, B2, EPS, 1.0)
-            be.rt.begin_capture()
-            graphed.update_device(B1, B2, EPS, 1.0)
-            graph = be.rt.end_capture()
-        else:
-            graph.launch()
+        graph = device_updates(be, models, graphed, graph, g, t)
         for name, a, b in eager._shard_tensors(0, n):
             REF32.adamw_update_device(r_params[a:b], g[a:b], r_m[a:b], r_v[a:b], step_scalars(1e-2, t, 0.1),
                                       np.array([2.0, 9.0], F32), B1, B2, EPS, name in eager.decay_tensors, 1.0,
@@ -353,17 +361,7 @@ def test_model_update_device_bf16_is_per_tensor_adamw_and_replays_as_a_graph(be)
     r_m, r_v = np.zeros(n, F32), np.zeros(n, F32)
     graph = None
     for t, g in enumerate(grads, start=1):
-        for model in models:
-            be.copy_(model.grads, be.from_host(g))
-            model.set_step_scalars(1e-2, B1, B2, 0.1, t)
-        eager.update_device(B1, B2, EPS, 1.0)
-        if graph is None:
-            graphed.update_device(B1, B2, EPS, 1.0)          # eager first: it allocates master, m, v
-            be.rt.begin_capture()
-            graphed.update_device(B1, B2, EPS, 1.0)
-            graph = be.rt.end_capture()
-        else:
-            graph.launch()
+        graph = device_updates(be, models, graphed, graph, g, t)
         for name, a, b in eager._shard_tensors(0, n):
             REF32.adamw_update_device(r_params[a:b], g[a:b], r_m[a:b], r_v[a:b], step_scalars(1e-2, t, 0.1),
                                       np.array([2.0, 9.0], F32), B1, B2, EPS, name in eager.decay_tensors, 1.0,
