@@ -110,6 +110,23 @@ def test_fused_attention_is_bitwise_the_numpy_attention(B, T, NH, HS):
 
 
 @needs_kernels
+@pytest.mark.parametrize("n, offset", [(1, 0), (9, 3), (1000, 2 ** 32 - 5), (70_001, 5 * 10 ** 9), (300, 2 ** 40 + 3)])
+def test_fused_stochastic_rounding_is_bitwise_bf16s(n, offset):
+    """bf16.round_stochastic through the C loop: the same bits as its NumPy hash for every element, at awkward
+    offsets (past 2^32) and awkward values (NaN, infinities, signed zeros, carries into the
+    exponent: low halves 0xFFFF)."""
+    from gpt2np.backends.bf16 import BF16, round_stochastic
+    rng = np.random.default_rng(n)
+    x = awkward(rng, n)
+    x.view(np.uint32)[n // 2:] |= np.uint32(0xFFFF) * (rng.random(n - n // 2) < 0.3)   # carries
+    want, got = np.empty(n, BF16), np.empty(n, BF16)
+    for seed, t in ((1337, 1), (7, 2 ** 33 + 5)):
+        round_stochastic(x, want, seed, t, offset)
+        round_stochastic(x, got, seed, t, offset, kernels=cpu_kernels.load())
+        assert np.array_equal(want.view(np.uint16), got.view(np.uint16)), (seed, t)
+
+
+@needs_kernels
 @pytest.mark.parametrize("N", [1, 3, 9, 1000])
 @pytest.mark.parametrize("C", [2, 3, 17, 768])
 def test_column_sums_add_as_numpy_does(N, C):

@@ -73,9 +73,14 @@ def random_bits16(key, offset: int, n: int):
     return z
 
 
-def round_stochastic(x, out, seed: int, t: int, offset: int):
-    """out (bf16, (n,)) = x (fp32, (n,)) stochastically rounded with the noise of elements offset.. (see above)."""
+def round_stochastic(x, out, seed: int, t: int, offset: int, kernels=None):
+    """out (bf16, (n,)) = x (fp32, (n,)) stochastically rounded with the noise of elements offset.. (see above).
+    kernels: the numpy backend's C loops (cpu_kernels.load()), which hash and round in one pass, bit for bit."""
     x = np.ascontiguousarray(x, np.float32)
+    if kernels is not None and out.flags.c_contiguous and out.size == x.size:
+        kernels.round_stochastic(x.ctypes.data, out.ctypes.data, x.size, int(stream_key(seed, t)),
+                                 int(offset) % (1 << 64), QUIET_NAN)
+        return out
     u = x.view(np.uint32)
     r = random_bits16(stream_key(seed, t), offset, x.size)
     hi = (u >> np.uint32(16)).astype(np.uint16)

@@ -1,7 +1,7 @@
 """The numpy backend's fused path: small C loops that do, in one pass over memory, the element-wise float32
 work that NumPy does in many (AdamW: 13 passes over params, grads and moments; GELU: the arithmetic around
 np.tanh; LayerNorm and attention's softmax: the arithmetic around their row sums and np.exp; attention's
-head split and merge).
+head split and merge; bf16's stochastic rounding: its integer hash, bf16.round_stochastic's bit for bit).
 
 Each loop performs exactly the float32 operations of the NumPy code it stands for, in the same order, each
 rounded to float32 (no FMA contraction, no fast-math), so its results are BITWISE those of the NumPy code
@@ -219,6 +219,24 @@ void softmax_grad(float *restrict datt, const float *restrict att, const float *
         }
 }
 
+/* bf16 stochastic rounding (gpt2np/backends/bf16.py's round_stochastic, bit for bit): r = the top 16 bits of
+   SplitMix64's finalizer of key + (offset + i + 1) * gamma; out = x's top 16 bits, plus 1 when r < its low 16 bits
+   (a carry runs into the exponent, as it should); NaN -> the quiet NaN `qnan`. Integer arithmetic only. */
+void round_stochastic(const float *restrict x, unsigned short *restrict out, ptrdiff_t n, unsigned long long key,
+                      unsigned long long offset, unsigned short qnan)
+{
+    const unsigned int *u = (const unsigned int *)x;
+    for (ptrdiff_t i = 0; i < n; i++) {
+        unsigned long long z = key + (offset + (unsigned long long)i + 1ULL) * 0x9E3779B97F4A7C15ULL;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+        z ^= z >> 31;
+        unsigned int r = (unsigned int)(z >> 48), ui = u[i];
+        unsigned short hi = (unsigned short)((ui >> 16) + (r < (ui & 0xFFFFu)));
+        out[i] = x[i] != x[i] ? qnan : hi;
+    }
+}
+
 /* column sums over rows of C, columns [c0, c1), as NumPy's sum(axis=0) and einsum("nc,nc->c") add them:
    from 0, row after row. sums[c] = 0 + x[0][c] + x[1][c] + ...;  dots[c] = 0 + x[0][c]*y[0][c] + ... (y may be
    NULL: no dots) */
@@ -263,6 +281,7 @@ SIGNATURES = {
     "rows_divide": [_P, _P, _N, _N],
     "softmax_grad": [_P, _P, _P, _N, _N, _F],
     "col_sums": [_P, _P, _P, _P, _N, _N, _N, _N],
+    "round_stochastic": [_P, _P, _N, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_ushort],
 }
 
 _lock = threading.Lock()

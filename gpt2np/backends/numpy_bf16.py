@@ -195,13 +195,14 @@ class Bf16NumpyBackend:
             if master is not None:
                 self.f.adamw_update(master[lo:hi], g, m[lo:hi], v[lo:hi], *hyper)
                 self.f._chunked(lambda a, b, lo=lo: round_stochastic(master[lo + a:lo + b], params[lo + a:lo + b],
-                                                                     seed, t, offset + lo + a), hi - lo)
+                                                                     seed, t, offset + lo + a, self.f._kernels),
+                                hi - lo)
                 continue
 
             def no_master(a, b, lo=lo, g=g):            # one CHUNK: the same elementwise op, so the same bits
                 p = params[lo + a:lo + b].astype(F32)
                 self.f.adamw_update(p, g[a:b], m[lo + a:lo + b], v[lo + a:lo + b], *hyper)
-                round_stochastic(p, params[lo + a:lo + b], seed, t, offset + lo + a)
+                round_stochastic(p, params[lo + a:lo + b], seed, t, offset + lo + a, self.f._kernels)
 
             self.f._chunked(no_master, hi - lo)
 
