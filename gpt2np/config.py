@@ -283,6 +283,12 @@ class TrainConfig:
             return self.val_every or 0
         return self.hellaswag_every
 
+    def hellaswag_due(self, step: int) -> bool:
+        """Whether HellaSwag runs before step `step` (0-based; the last step's comes on top): --hellaswag N at
+        every multiple of N from 0; -h 1 at the -v steps after 0, as llm.c's -h 1."""
+        every = self.hellaswag_interval
+        return every > 0 and step % every == 0 and (step > 0 or not self.hellaswag_eval)
+
     @property
     def requested_precision(self) -> str | None:
         """The precision asked for: --precision, or tf32 for --tf32; None = the device's default (see

@@ -109,7 +109,8 @@ def evaluate(model, loader, max_batches, show_progress=True):
 def load_hellaswag(cfg: TrainConfig, model_cfg, dist, say=print):
     """--hellaswag (or -h 1): this rank's share of the rendered examples and the total count, or (None, 0).
     Data that cannot be had stops the run for --hellaswag; for -h 1 it is a note and no evaluation, as llm.c's
-    -h 1 skips HellaSwag when its file is missing."""
+    -h 1 skips HellaSwag when its file is missing. The ranks decide that together (one collective): HellaSwag's
+    scoring is a collective too, so either every rank evaluates or none does."""
     if cfg.hellaswag_interval <= 0:
         return None, 0
     flag = "-h 1" if cfg.hellaswag_eval else "--hellaswag"
@@ -117,15 +118,35 @@ def load_hellaswag(cfg: TrainConfig, model_cfg, dist, say=print):
         raise ValueError(f"{flag}: the model's vocab_size is {model_cfg.vocab_size}; HellaSwag is tokenized with "
                          f"GPT-2's 50257 tokens")
     from . import hellaswag
+    examples, problem = None, None
     try:
         _, examples = hellaswag.load(cfg.hellaswag_data)
     except (OSError, ValueError) as e:              # no file, an offline download, an unreadable file
         if not cfg.hellaswag_eval:
             raise
-        say(f"note: -h 1: no HellaSwag data ({one_line(e)}); skipping its evaluation (fetch it once with "
-            f"`gpt2np eval hellaswag`, or give --hellaswag-data PATH)")
+        problem = one_line(e)
+    if not cfg.hellaswag_eval:
+        return examples[dist.rank::dist.world_size], len(examples)
+    if problem is not None:
+        where = f"rank {dist.rank} of {dist.world_size}: " if dist.world_size > 1 else ""
+        print(f"note: {where}-h 1: no HellaSwag data ({problem})")
+    if dist.average(0.0 if problem else 1.0) < 1.0:  # a rank without the data: none evaluates
+        say("note: -h 1: skipping HellaSwag's evaluation, as llm.c does without its data (fetch it once with "
+            "`gpt2np eval hellaswag`, or give --hellaswag-data PATH)")
         return None, 0
     return examples[dist.rank::dist.world_size], len(examples)
+
+
+def prefetch_hellaswag(cfg: TrainConfig):
+    """Rank 0, alone, before the others start: the HellaSwag file into the download cache, so that the ranks do not
+    all download it at once (they read the cached copy in load_hellaswag). A failure is load_hellaswag's to report."""
+    if cfg.hellaswag_interval > 0 and cfg.hellaswag_data is None:
+        from .cache import cached
+        from .hellaswag import VAL_FILE
+        try:
+            cached(VAL_FILE)
+        except (OSError, ValueError):
+            pass
 
 
 def evaluate_hellaswag(model, examples, total, dist):
@@ -175,6 +196,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     model_cfg, params, model_desc = resolve_model(cfg.model, keep_bf16=bf16)
     train_pattern, val_pattern = resolve_data(cfg.train_data, cfg.val_data)
     if dist.rank == 0:
+        if dist.world_size > 1:
+            prefetch_hellaswag(cfg)
         dist.barrier()
     B, T = cfg.batch_size, cfg.seq_len
     if T > model_cfg.max_seq_len:
@@ -363,7 +386,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         resumed_here = step == start_step and start_step > 0
         stopping = signal_received(signals, dist)
         busy = (last or stopping or val_loader and step % cfg.val_every == 0 or hellaswag_total
-                and step % cfg.hellaswag_interval == 0 or decoder and step > 0 and step % cfg.sample_every == 0
+                and cfg.hellaswag_due(step) or decoder and step > 0 and step % cfg.sample_every == 0
                 or cfg.output_dir and cfg.checkpoint_every > 0 and step > 0 and step % cfg.checkpoint_every == 0)
         if pending and busy:                      # the queued step's numbers first
             entry, pending = pending, None
@@ -376,7 +399,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
             val_loss = dist.average(evaluate(model, val_loader, cfg.val_max_batches, show_progress=rank0))
             say(f"val loss {val_loss:.6f}")
             logger.log(f"s:{step} tel:{val_loss:.6f}")
-        if hellaswag_total and (step % cfg.hellaswag_interval == 0 or last) and not resumed_here:
+        if hellaswag_total and (cfg.hellaswag_due(step) or last) and not resumed_here:
             hellaswag_eval(step)
         if decoder and rank0 and step > 0 and (step % cfg.sample_every == 0 or last) and not resumed_here:
             tokens = generate(model, [decoder.eot_token], cfg.gen_tokens, rng, cfg.temperature, cfg.top_k)

@@ -137,7 +137,7 @@ def test_train_h_1_evaluates_at_the_v_steps_as_llmc(tmp_path, jsonl, params, cap
                        "-x", "5", "-v", "2", "-h", "1", "--hellaswag-data", str(jsonl), "-s", "0", "--device", "cpu",
                        "-o", str(out_dir)]) == 0
     evals = [line.split()[0] for line in (out_dir / "main.log").read_text().splitlines() if "eval:" in line]
-    assert evals == ["s:0", "s:2", "s:4", "s:5"]                       # every -v step and the last
+    assert evals == ["s:2", "s:4", "s:5"]                  # every -v step after 0 and the last, as llm.c's -h 1
 
 
 def test_h_1_without_the_data_is_a_note_and_no_evaluation_as_llmc(tmp_path, params, capsys):
@@ -150,7 +150,7 @@ def test_h_1_without_the_data_is_a_note_and_no_evaluation_as_llmc(tmp_path, para
             "-v", "1", "--hellaswag-data", str(tmp_path / "missing.jsonl"), "-s", "0", "--device", "cpu"]
     assert train.main(base + ["-h", "1", "-o", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert "note: -h 1: no HellaSwag data (" in out and "skipping its evaluation" in out
+    assert "note: -h 1: no HellaSwag data (" in out and "note: -h 1: skipping HellaSwag's evaluation" in out
     assert "eval:" not in (tmp_path / "run" / "main.log").read_text()
     assert train.main(base + ["--hellaswag", "1"]) == 1                   # a file the run needs: exit 1
     assert "missing.jsonl" in capsys.readouterr().err
@@ -188,3 +188,38 @@ def test_train_x0_evaluates_hellaswag_once(tmp_path, jsonl, params, capsys):
                        "-x", "0", "--hellaswag", "5", "--hellaswag-data", str(jsonl), "-s", "0",
                        "--device", "cpu"]) == 0
     assert len(re.findall(r"HellaSwag: \d/5 = ", capsys.readouterr().out)) == 1
+
+
+def test_h_1_under_mpiexec_skips_on_every_rank_when_one_lacks_the_data(tmp_path, jsonl, params):
+    """HellaSwag's scoring is a collective: when one rank cannot load the data (a download that timed out, a node
+    without the cache), -h 1 skips the evaluation on every rank, and the run goes on (it used to hang until the
+    collective timeout)."""
+    import subprocess
+    import sys
+
+    from test_dist import clean_env, find_mpiexec
+
+    from gpt2np.data import write_shard
+    pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install 'gpt2np[dist]')")
+    exe = find_mpiexec()
+    if exe is None:
+        pytest.skip("no mpiexec found (pip install mpich)")
+    save_model(tmp_path / "m.bin", CFG, params)
+    write_shard(tmp_path / "train.bin", np.random.default_rng(0).integers(0, 2000, 4000))
+    out_dir = tmp_path / "run"
+    argv = ["-e", str(tmp_path / "m.bin"), "-i", str(tmp_path / "train.bin"), "-b", "2", "-t", "16", "-x", "4",
+            "-v", "2", "-h", "1", "--hellaswag-data", str(jsonl), "-s", "0", "--device", "cpu",
+            "--dist-timeout", "30", "-o", str(out_dir)]
+    script = tmp_path / "run.py"
+    script.write_text("import sys\nfrom mpi4py import MPI\nimport gpt2np.hellaswag as hs\n"
+                      "if MPI.COMM_WORLD.Get_rank() == 1:\n"
+                      "    def load(*a, **k):\n"
+                      "        raise OSError('could not download hellaswag_val.jsonl: timed out')\n"
+                      "    hs.load = load\n"
+                      f"import train\nsys.exit(train.main({argv!r}))\n")
+    proc = subprocess.run([exe, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env=clean_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "note: rank 1 of 2: -h 1: no HellaSwag data (could not download hellaswag_val.jsonl" in proc.stdout
+    assert "note: -h 1: skipping HellaSwag's evaluation" in proc.stdout
+    assert "step    4/4" in proc.stdout and "eval:" not in (out_dir / "main.log").read_text()

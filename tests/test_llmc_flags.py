@@ -49,6 +49,13 @@ def test_f_is_llmcs_tf32_switch(argv, expected):
     assert train.parse_config(argv).validate().requested_precision == expected
 
 
+def test_hellaswag_due_as_llmc():
+    ours, llmc = TrainConfig(hellaswag_every=2), TrainConfig(hellaswag_eval=1, val_every=2)
+    assert [s for s in range(7) if ours.hellaswag_due(s)] == [0, 2, 4, 6]
+    assert [s for s in range(7) if llmc.hellaswag_due(s)] == [2, 4, 6]       # llm.c: step > 0 (and the last)
+    assert not any(TrainConfig().hellaswag_due(s) for s in range(5))
+
+
 def test_hellaswag_interval():
     assert TrainConfig(hellaswag_every=7).hellaswag_interval == 7
     assert TrainConfig(hellaswag_eval=1, val_every=20).hellaswag_interval == 20
