@@ -396,7 +396,8 @@ def test_a_batch_that_does_not_fit_is_one_line_naming_the_largest_b():
     line = str(e.value)
     assert "\n" not in line
     assert line.startswith("-b 64 -t 1024: -e d12 needs 10") and "GB on cpu (activations" in line
-    assert f"84.8 GB is free: the largest B that fits at T=1024 is {fits} (-b {fits};" in line
+    assert line.endswith(f"84.8 GB is free: the largest B that fits at T=1024 is {fits} (-b {fits}; keep the tokens "
+                         f"per step with -d, gradient accumulation)"), line                   # and nothing after it
 
 
 def test_the_line_names_the_recompute_that_keeps_the_batch():
@@ -415,7 +416,14 @@ def test_the_line_names_the_recompute_that_keeps_the_batch():
                                  f"outputs recomputed in backward instead of keeping them)")
     with pytest.raises(DeviceMemoryError) as e:                 # far past: no -r keeps it, nothing said of -r
         be.check_memory_fits(d12, 4 * fits, 1024)
-    assert "-r " not in str(e.value)
+    assert "-r " not in str(e.value) and "not even" not in str(e.value)
+    need = {r: sum(be.memory_needed(d12, 1, 1024, recompute=r).values()) for r in (0, 2)}
+    be1 = CudaBackend(CountingRuntime(free=need[2] + MEMORY_HEADROOM + 2 ** 20))   # B=1 fits only with -r 2
+    assert need[2] + 2 ** 20 < need[0]
+    with pytest.raises(DeviceMemoryError) as e:
+        be1.check_memory_fits(d12, 1, 1024)
+    assert re.search(r"GB is free: -b 1 with -r [12] \(the GELU.* outputs recomputed in backward instead of "
+                     r"keeping them\) fits$", str(e.value)), str(e.value)
 
 
 def test_ranks_sharing_a_gpu_split_its_memory():

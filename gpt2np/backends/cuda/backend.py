@@ -341,12 +341,14 @@ class CudaBackend:
                 f"({biggest} {parts[biggest] / gb:.1f} GB), {free / gb:.1f} GB is free"
                 + (f" for {sharers} ranks sharing the GPU" if sharers > 1 else ""))
         fits_b = next((b for b in range(B - 1, 0, -1) if needed(b, T) <= budget), None)
+        fits_r = next((r for r in range(recompute + 1, 3) if needed(B, T, r) <= budget), None)
+        keep_b = (f"-b {B} with -r {fits_r} ({RECOMPUTE_HINT[fits_r]} in backward instead of keeping them)"
+                  if fits_r else None)             # recomputing activations in backward keeps this B
         if fits_b:
             line += (f": the largest B that fits at T={T} is {fits_b} (-b {fits_b}; keep the tokens per step with "
-                     f"-d, gradient accumulation)")
-        fits_r = next((r for r in range(recompute + 1, 3) if needed(B, T, r) <= budget), None)
-        if fits_r:                              # recomputing activations in backward keeps this B
-            line += f", or -b {B} with -r {fits_r} ({RECOMPUTE_HINT[fits_r]} in backward instead of keeping them)"
+                     f"-d, gradient accumulation)" + (f", or {keep_b}" if keep_b else ""))
+        elif keep_b:
+            line += f": {keep_b} fits"
         else:
             fits_t = next((t for t in range(T - 1, 0, -1) if needed(1, t) <= budget), None)
             line += (f": not even -b 1 fits at T={T}; the longest T that fits at B=1 is {fits_t} (-b 1 -t {fits_t})"
