@@ -124,9 +124,9 @@ class TrainConfig:
                                     what="the HellaSwag interval")
     hellaswag_data: str | None = _setting("--hellaswag-data", help="HellaSwag jsonl for --hellaswag", metavar="PATH",
                                           default_text="hellaswag_val.jsonl in the download cache")
-    hellaswag_eval: int = _setting("-h", 0, "1 = HellaSwag acc_norm at every -v step and the last, as llm.c's -h 1 "
-                                   "(--hellaswag N for another interval); -h alone prints this help",
-                                   choices=(0, 1))
+    hellaswag_eval: int = _setting("-h", 0, "1 = HellaSwag acc_norm at every -v step after 0 and the last, as "
+                                   "llm.c's -h 1, skipped without its data (--hellaswag N for another interval); -h "
+                                   "alone prints this help", choices=(0, 1))
     sample_every: int | None = _setting("-s", help="sample every N steps, 0 = never", cpu_gpu=(20, 20),
                                         allowed=OFF_OR_EVERY, what="the sampling interval")
     gen_tokens: int = _setting("-g", 64, "tokens to generate per sample", allowed=integer(0),
