@@ -88,6 +88,7 @@ def test_no_register_spills(reports):
 def test_options_match_cupy_rawmodule():
     options = nvrtc_check.cupy_nvrtc_options("90")
     assert "--std=c++17" in options and "-ftz=true" in options and "-arch=sm_90" in options
+    assert "--fmad=false" in options           # no FMA contraction: the emulator's (and NumPy's) roundings
     assert f"-I{KERNEL_DIR.resolve()}" in options
     assert options.index("-ftz=true") < options.index("-arch=sm_90")
 
