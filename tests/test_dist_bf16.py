@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 from fake_gpu import FakeNccl, Group, ThreadComm
 from test_dist import REPO, clean_env, mpiexec  # noqa: F401 (the fixture: mpiexec, probed with 2 ranks)
+from test_dist_fake_nccl import batches as fake_nccl_batches
+from test_dist_fake_nccl import train
 
 from gpt2np.backends.bf16 import BF16, round_nearest
 from gpt2np.backends.cuda.backend import CudaBackend
@@ -43,13 +45,11 @@ from gpt2np.dist import (
 )
 from gpt2np.model import GPT2
 from gpt2np.tensors import num_parameters
-from gpt2np.train_step import AdamW, train_step
 
 # maxT=17: num_parameters = 34208, a multiple of 2 but not of 3 (3 ZeRO-1 shards leave a tail of 2)
 TINY = GPT2Config(max_seq_len=17, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=2, channels=32)
 T, STEPS, B_PER_RANK = 8, 4, 2
-LR = 1e-3
-ADAMW = AdamW(eps=1e-4, weight_decay=0.1, grad_clip=1.0)   # eps: no sign flips of ~0 gradients
+LR = 1e-3          # test_dist_fake_nccl.train's, with its AdamW (eps 1e-4, wd 0.1, clip 1)
 N = num_parameters(TINY)
 
 
@@ -67,18 +67,7 @@ BACKENDS = {"numpy": numpy_bf16, "emu": emu_bf16}
 
 
 def batches(ranks):
-    rng = np.random.default_rng(7)
-    tokens = rng.integers(0, TINY.vocab_size, (STEPS, ranks * B_PER_RANK, T + 1)).astype(np.int32)
-    return tokens[..., :-1], tokens[..., 1:]
-
-
-def train(model, x, y, dist=None, rows=slice(None)):
-    losses = []
-    for step in range(STEPS):
-        batch = (np.ascontiguousarray(x[step, rows]), np.ascontiguousarray(y[step, rows]))
-        loss, _ = train_step(model, lambda b=batch: b, step=step, lr=LR, adamw=ADAMW, dist=dist)
-        losses.append(float(loss))
-    return losses, model.params_host()
+    return fake_nccl_batches(ranks, STEPS)
 
 
 def single_process(backend, ranks):

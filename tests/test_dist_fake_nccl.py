@@ -32,19 +32,21 @@ def emu_backend():
     return be
 
 
-def batches(ranks):
+def batches(ranks, steps=STEPS):
+    """(x, y) (steps, ranks * B_PER_RANK, T) int32: each step's global batch of TINY's tokens."""
     rng = np.random.default_rng(7)
-    tokens = rng.integers(0, TINY.vocab_size, (STEPS, ranks * B_PER_RANK, T + 1)).astype(np.int32)
+    tokens = rng.integers(0, TINY.vocab_size, (steps, ranks * B_PER_RANK, T + 1)).astype(np.int32)
     return tokens[..., :-1], tokens[..., 1:]
 
 
-def train(model, x, y, dist=None, rows=slice(None)):
-    """STEPS steps on this rank's rows of each step's batch; returns the losses and the final parameters."""
+def train(model, x, y, dist=None, rows=slice(None), adamw=ADAMW):
+    """One step per batch of x, y on this rank's rows of it (lr 1e-3); returns the losses and the final
+    parameters."""
     losses = []
-    for step in range(STEPS):
+    for step in range(len(x)):
         batch = (np.ascontiguousarray(x[step, rows]), np.ascontiguousarray(y[step, rows]))
-        loss, _ = train_step(model, lambda b=batch: b, step=step, lr=1e-3, adamw=ADAMW, dist=dist)
-        losses.append(loss)
+        loss, _ = train_step(model, lambda b=batch: b, step=step, lr=1e-3, adamw=adamw, dist=dist)
+        losses.append(float(loss))
     return losses, model.params_host()
 
 
