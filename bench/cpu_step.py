@@ -135,7 +135,7 @@ def bench_gpt2np(args):
     from gpt2np.train_step import AdamW, train_step
 
     cfg = preset(args.model)
-    model = GPT2(cfg, NumpyBackend(threads=args.threads), args.b, args.t, seed=0)
+    model = GPT2(cfg, NumpyBackend(threads=args.threads, math=args.cpu_math), args.b, args.t, seed=0)
     rng = np.random.default_rng(0)
     x = rng.integers(0, cfg.vocab_size, (args.b, args.t)).astype(np.int32)
     y = rng.integers(0, cfg.vocab_size, (args.b, args.t)).astype(np.int32)
@@ -319,6 +319,8 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--cpu-math", choices=["fast", "exact"], default="fast",
+                    help="gpt2np's CPU math, as train.py's --cpu-math (default fast, the trainer's default)")
     ap.add_argument("--no-torch", action="store_true", help="gpt2np only (quick A/B of gpt2np changes)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     ap.add_argument("--no-floor", action="store_true", help="skip measuring the floor")
@@ -346,7 +348,7 @@ def main():
     # each part in its own process, so peak memory, thread pools and BLAS libraries do not mix
     base = [sys.executable, __file__, "--model", args.model, "-b", str(args.b), "-t", str(args.t),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-            "--reps", str(args.reps), "--bandwidth-mb", str(args.bandwidth_mb)]
+            "--cpu-math", args.cpu_math, "--reps", str(args.reps), "--bandwidth-mb", str(args.bandwidth_mb)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if args.threads != len(os.sched_getaffinity(0)):
         # only when asked for fewer threads than cores: pinning OpenBLAS to all cores explicitly made
@@ -369,9 +371,11 @@ def main():
 
     busy = []
 
-    report = {"model": args.model, "B": args.b, "T": args.t, "threads": args.threads, "steps": args.steps,
+    report = {"model": args.model, "B": args.b, "T": args.t, "threads": args.threads, "cpu_math": args.cpu_math,
+              "steps": args.steps,
               "warmup": args.warmup, "rounds": args.rounds, "loadavg_before": open("/proc/loadavg").read().split()[:3]}
-    print(f"model {args.model}, B={args.b}, T={args.t}, {args.threads} threads, clip 1.0, AdamW wd 0.1; median "
+    print(f"model {args.model}, B={args.b}, T={args.t}, {args.threads} threads, --cpu-math {args.cpu_math}, clip 1.0, "
+          f"AdamW wd 0.1; median "
           f"of {args.steps} steps after {args.warmup} warm-up x {args.rounds} round(s), each in its own process; "
           f"load average {' '.join(report['loadavg_before'])}")
     torch_ok = False

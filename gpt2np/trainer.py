@@ -185,7 +185,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     precision, note = resolve_precision(backend_name, cfg.requested_precision)
     if note:
         say(f"note: {note}")
-    backend = get_backend(backend_name, precision=precision)
+    backend = get_backend(backend_name, precision=precision,
+                          **({"math": cfg.cpu_math} if backend_name == "numpy" else {}))
     requested_attention = cfg.attention
     cfg = cfg.with_device_defaults(backend_name).validate()     # the device defaults against the other flags
     if cfg.output_dir:

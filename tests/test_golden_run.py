@@ -72,13 +72,13 @@ def sha256(array):
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
-def run_golden(tmp_path, capsys):
+def run_golden(tmp_path, capsys, cpu_math="exact"):
     make_inputs(tmp_path)
     out_dir = tmp_path / "out"
     argv = ["-e", tmp_path / "small.bin", "-i", tmp_path / "train.bin", "-j", tmp_path / "val.bin",
             "-b", 2, "-t", 16, "-d", 64, "-x", 10, "-l", 3e-3, "-u", 2, "-q", 0.1, "-k", "cosine", "-c", 0.1,
             "--grad-clip", 0.5, "-v", 5, "-m", 2, "-s", 0, "-n", 10, "-o", out_dir, "--device", "cpu",
-            "--seed", 7]
+            "--seed", 7, "--cpu-math", cpu_math]
     code = train.main([str(a) for a in argv])
     out = capsys.readouterr()
     assert code == 0, out.err
@@ -97,3 +97,20 @@ def test_ten_step_run_is_unchanged(tmp_path, capsys):
     assert log == EXPECTED_LOG
     assert model_sha == EXPECTED_MODEL_SHA256, "final parameters differ from the recorded run"
     assert m_sha == EXPECTED_M_SHA256 and v_sha == EXPECTED_V_SHA256, "AdamW moments differ from the recorded run"
+
+
+NUMBER = re.compile(r"(trl|tel|loss|norm)[: ]([0-9.]+)")
+
+
+def test_ten_step_run_with_fast_cpu_math_tracks_the_recorded_run(tmp_path, capsys):
+    """--cpu-math fast (the default; not bitwise) follows the recorded exact run: every train and val loss within
+    2e-6 relative, every grad norm within the printed 4 decimals' rounding plus 2e-6 relative."""
+    step_lines, log, *_ = run_golden(tmp_path, capsys, cpu_math="fast")
+    for got_text, want_text in ((step_lines, EXPECTED_STEP_LINES), (log.splitlines(), EXPECTED_LOG.splitlines())):
+        assert len(got_text) == len(want_text)
+        for got_line, want_line in zip(got_text, want_text):
+            got, want = NUMBER.findall(got_line), NUMBER.findall(want_line)
+            assert [k for k, _ in got] == [k for k, _ in want], (got_line, want_line)
+            for (key, g), (_, w) in zip(got, want):
+                slack = 5e-5 if key == "norm" else 0.0          # norms are printed with 4 decimals
+                assert abs(float(g) - float(w)) <= 2e-6 * abs(float(w)) + slack, (got_line, want_line)

@@ -231,10 +231,13 @@ def inference_backend(device: str, head_size: int):
 
 
 def get_backend(name: str = "numpy", precision: str = "fp32", **options):
-    """A backend instance; options go to the backend (numpy: threads) or the runtime (emulator: schedule).
+    """A backend instance; options go to the backend (numpy: threads, math) or the runtime (emulator: schedule).
 
-    precision is taken as given (fp32 unless asked); resolve_precision gives training's default."""
+    precision is taken as given (fp32 unless asked); resolve_precision gives training's default. numpy's math is
+    training's default, "fast" (the class NumpyBackend's own default is the exact reference)."""
     name = resolve_name(name)
+    if name == "numpy":
+        options.setdefault("math", "fast")
     if name not in PRECISIONS:
         raise ValueError(f"unknown backend {name!r}: expected numpy, cuda, emu or auto")
     if precision not in PRECISIONS[name]:

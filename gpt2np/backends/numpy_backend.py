@@ -37,6 +37,7 @@ CLASSIFIER_ROWS = 2
 # 256: LayerNorm both ways, the bias add and the bias gradient's column sums are faster inline; GELU,
 # attention and the classifier are not).
 PARALLEL_MIN = 1 << 20
+MATHS = ("exact", "fast")        # NumpyBackend(math=): bitwise the NumPy code, or cpu_kernels' fast set
 
 
 def gelu_into(y, x):
@@ -61,10 +62,15 @@ class NumpyBackend:
     launches_kernels = False      # an op is one unit of work here; on_launch is never called
     on_launch = None
 
-    def __init__(self, dtype=np.float32, threads=None, fused=None):
+    def __init__(self, dtype=np.float32, threads=None, fused=None, math="exact"):
         """fused: run the element-wise arithmetic of AdamW, GELU, LayerNorm, attention and the bias gradients as the
         C loops of cpu_kernels (bitwise the results of the NumPy code here, which stays the reference; np.tanh,
-        np.exp and the row sums stay NumPy's); None = when they build here (float32 only), False = never."""
+        np.exp and the row sums stay NumPy's); None = when they build here (float32 only), False = never.
+        math: "exact" = that; "fast" = GELU, LayerNorm, attention's softmax, the classifier and the gradient norm
+        each as one C loop of cpu_kernels' fast set, with its own e^x and sums in double (not bitwise the NumPy
+        code: within the tolerance tests/test_cpu_fast.py documents); needs the fused path, else exact."""
+        if math not in MATHS:
+            raise ValueError(f"math={math!r}: expected {' or '.join(MATHS)}")
         self.dtype = np.dtype(dtype)
         self.threads = threads or min(8, _cpu_count())
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
@@ -77,6 +83,7 @@ class NumpyBackend:
             if fused and self._kernels is None:
                 raise RuntimeError("fused=True: the C kernels did not build (no working C compiler?)")
         self.fused = self._kernels is not None
+        self.math = math if self.fused else "exact"
 
     def device_name(self):
         return "cpu"
@@ -142,6 +149,13 @@ class NumpyBackend:
     def layernorm_forward(self, out, mean, rstd, inp, weight, bias):
         """out (B,T,C) = (inp - mean) * rstd * weight + bias; saves mean, rstd (B,T)."""
         C = inp.shape[-1]
+        fast = self._fast(out, mean, rstd, inp, weight, bias)
+        if fast:                                               # each row in one call, mean and variance in double
+            po, pm, pr, px = (_address(a) for a in (out, mean, rstd, inp))
+            self._parallel(lambda lo, hi: fast.layernorm_forward_fast(
+                px + 4 * lo * C, po + 4 * lo * C, pm + 4 * lo, pr + 4 * lo, _address(weight), _address(bias),
+                hi - lo, C, LN_EPS), inp.size // C, 2 * C)
+            return
         kernels = self._fusable(out, mean, rstd, inp, weight, bias)
         out, mean, rstd, inp = out.reshape(-1, C), mean.reshape(-1), rstd.reshape(-1), inp.reshape(-1, C)
 
@@ -179,6 +193,13 @@ class NumpyBackend:
         dnorm = self.scratch("ln_dnorm", (N, C))
         kernels = self._fusable(dinp, dout, inp, weight, mean, rstd)
         work = None if kernels else self.scratch("ln_work", (N, C))
+        fast = self._fast(dinp, dout, inp, weight, mean, rstd)
+
+        def fast_rows(lo, hi):                                 # x_hat into norm, dinp; the row means in double
+            g = self._thread_buffer("ln_g", C, np.float32)
+            fast.layernorm_backward_fast(_address(inp[lo]), _address(dout[lo]), _address(weight), _address(mean[lo]),
+                                         _address(rstd[lo]), _address(norm[lo]), _address(g), _address(dinp[lo]),
+                                         hi - lo, C)
 
         def fused(lo, hi):                                     # the same operations; the sums stay NumPy's
             xh, dxh, rs = norm[lo:hi], dnorm[lo:hi], rstd[lo:hi]
@@ -202,7 +223,7 @@ class NumpyBackend:
             dxh *= rs
             dinp[lo:hi] += dxh
 
-        self._parallel(fused if kernels else rows, N, 3 * C)
+        self._parallel(fast_rows if fast else fused if kernels else rows, N, 3 * C)
         if kernels and C > 1:
             sums, dots = self._column_sums(dout, norm)
         else:
@@ -268,6 +289,7 @@ class NumpyBackend:
         mask = self._causal_mask(T)                            # -inf above the diagonal
         y_all = self.scratch("att_y", (B, NH, T, HS))
         kernels = self._fusable(out, qkvr, att, inp)
+        fast = self._fast(out, qkvr, att, inp)
 
         def fused(lo, hi):                                     # the same operations; exp and sums stay NumPy's
             n, plane = hi - lo, B * NH * T * HS
@@ -275,10 +297,13 @@ class NumpyBackend:
             q, k, v = qkvr[:, lo:hi]
             a, y = att[lo:hi], y_all[lo:hi]
             np.matmul(q, k.transpose(0, 1, 3, 2), out=a)
-            kernels.softmax_shift(_address(a), n * NH * T, T, 1.0 / math.sqrt(HS))
-            np.exp(a, out=a)
-            sums = a.sum(axis=-1)                              # (a named array: alive during the call)
-            kernels.rows_divide(_address(a), _address(sums), n * NH * T, T)
+            if fast:
+                fast.softmax_causal_fast(_address(a), n * NH * T, T, 1.0 / math.sqrt(HS))
+            else:
+                kernels.softmax_shift(_address(a), n * NH * T, T, 1.0 / math.sqrt(HS))
+                np.exp(a, out=a)
+                sums = a.sum(axis=-1)                          # (a named array: alive during the call)
+                kernels.rows_divide(_address(a), _address(sums), n * NH * T, T)
             np.matmul(a, v, out=y)
             kernels.att_merge(_address(y), _address(out[lo:hi]), n, T, NH, HS, 1, 0)
 
@@ -312,6 +337,7 @@ class NumpyBackend:
         dqkvr_all = self.scratch("att_dqkvr", qkvr.shape)
         datt_all = self.scratch("att_datt", att.shape)
         kernels = self._fusable(dinp, dout, qkvr, att)
+        fast = self._fast(dinp, dout, qkvr, att)
 
         def fused(lo, hi):                                     # the same operations; the sums stay NumPy's
             n = hi - lo
@@ -321,8 +347,11 @@ class NumpyBackend:
             dy = dout[lo:hi].reshape(n, T, NH, HS).transpose(0, 2, 1, 3)
             np.matmul(a.transpose(0, 1, 3, 2), dy, out=dv)
             np.matmul(dy, v.transpose(0, 1, 3, 2), out=datt)
-            dots = np.einsum("bhts,bhts->bht", datt, a)
-            kernels.softmax_grad(_address(datt), _address(a), _address(dots), n * NH * T, T, 1.0 / math.sqrt(HS))
+            if fast:
+                fast.softmax_backward_fast(_address(datt), _address(a), n * NH * T, T, 1.0 / math.sqrt(HS))
+            else:
+                dots = np.einsum("bhts,bhts->bht", datt, a)
+                kernels.softmax_grad(_address(datt), _address(a), _address(dots), n * NH * T, T, 1.0 / math.sqrt(HS))
             np.matmul(datt, k, out=dq)
             np.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)
             kernels.att_merge(_address(dq), _address(dinp[lo:hi]), n, T, NH, HS, 3, B * NH * T * HS)
@@ -417,6 +446,12 @@ class NumpyBackend:
     def gelu_forward(self, out, inp):
         """out (B,T,4C) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), x = inp."""
         out_flat, inp_flat = out.reshape(-1), inp.reshape(-1)
+        fast = self._fast(out, inp)
+        if fast:                                               # x sigmoid(2u) in one loop
+            x, y = _address(inp_flat), _address(out_flat)
+            self._parallel(lambda lo, hi: fast.gelu_forward_fast(x + 4 * lo, y + 4 * lo, hi - lo, GELU_CUBE,
+                                                                 GELU_SCALE), inp_flat.size, 2)
+            return
         kernels = self._fusable(out, inp)
 
         def fused(lo, hi):                                     # the same operations, around NumPy's tanh
@@ -435,6 +470,12 @@ class NumpyBackend:
         """dinp (B,T,4C) = dout * gelu'(inp); dinp may alias dout."""
         dinp_flat, inp_flat, dout_flat = dinp.reshape(-1), inp.reshape(-1), dout.reshape(-1)
         n = inp_flat.size
+        fast = self._fast(dinp, inp, dout)
+        if fast:
+            x, d, di = _address(inp_flat), _address(dout_flat), _address(dinp_flat)
+            self._parallel(lambda lo, hi: fast.gelu_backward_fast(x + 4 * lo, d + 4 * lo, di + 4 * lo, hi - lo,
+                                                                  GELU_CUBE, GELU_SCALE), n, 3)
+            return
         kernels = self._fusable(dinp, inp, dout)
         if kernels:
             def fused(lo, hi):                                 # the same operations, around NumPy's tanh
@@ -494,6 +535,12 @@ class NumpyBackend:
         B, T, Vp = logits.shape
         all_rows = logits.reshape(-1, Vp)
         all_targets, all_losses = targets.reshape(-1), losses.reshape(-1)
+        fast = self._fast(logits, losses) if targets.dtype == np.int32 and targets.flags.c_contiguous else None
+        if fast:                                               # each row: max, e^x and its sum (double), dlogits
+            pl, ploss, pt = _address(logits), _address(losses), _address(targets)
+            self._parallel(lambda lo, hi: fast.classifier_fast(pl + 4 * lo * Vp, ploss + 4 * lo, pt + 4 * lo, hi - lo,
+                                                               V, Vp, dloss, bool(write_dlogits)), B * T, 2 * Vp)
+            return
 
         def part(lo, hi):                                      # rows (tokens) lo:hi, a few at a time
             exp_rows = None if write_dlogits else self._thread_buffer("cls_exp", CLASSIFIER_ROWS * V, logits.dtype)
@@ -607,7 +654,18 @@ class NumpyBackend:
 
     def global_norm_squared(self, grads):
         """sum(grads^2) of a flat buffer, accumulated per chunk in float64."""
-        parts = self._chunked(lambda lo, hi: float(np.dot(grads[lo:hi], grads[lo:hi])), grads.size)
+        fast = self._fast(grads)
+        if fast:
+            g = _address(grads)
+            # each chunk's sum (in double) rounded to float32, as np.dot's: one that overflows float32 makes the norm
+            # inf, the step a non-finite one, as on the exact path and the GPU
+            def chunk(lo, hi):
+                with np.errstate(over="ignore"):
+                    return float(np.float32(fast.sum_squares_fast(g + 4 * lo, hi - lo)))
+
+            parts = self._chunked(chunk, grads.size)
+        else:
+            parts = self._chunked(lambda lo, hi: float(np.dot(grads[lo:hi], grads[lo:hi])), grads.size)
         return math.fsum(parts)
 
     def _column_sums(self, x, y=None):
@@ -629,6 +687,10 @@ class NumpyBackend:
         if all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays):
             return self._kernels
         return None
+
+    def _fast(self, *arrays):
+        """The C kernels when math="fast" and every array is C-contiguous float32, else None."""
+        return self._fusable(*arrays) if self.math == "fast" else None
 
     def _thread_buffer(self, key, size, dtype):
         """A work buffer of `size` elements private to the calling thread."""

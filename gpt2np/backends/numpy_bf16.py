@@ -43,9 +43,9 @@ class Bf16NumpyBackend:
     launches_kernels = False
     on_launch = None
 
-    def __init__(self, threads=None, fused=None):
-        self.f = NumpyBackend(np.float32, threads=threads, fused=fused)
-        self.threads, self.fused = self.f.threads, self.f.fused
+    def __init__(self, threads=None, fused=None, math="exact"):
+        self.f = NumpyBackend(np.float32, threads=threads, fused=fused, math=math)
+        self.threads, self.fused, self.math = self.f.threads, self.f.fused, self.f.math
         self._scratch = self.f._scratch           # one set of work buffers (memory summary counts them)
 
     def device_name(self):

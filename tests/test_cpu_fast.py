@@ -1,0 +1,208 @@
+"""--cpu-math fast (NumpyBackend(math="fast"), cpu_kernels' fast set) is not bitwise the NumPy reference; this file
+is its documented tolerance. Each op is checked against the same op computed in float64 by the NumPy reference code
+(NumpyBackend(np.float64), an independent implementation of the same formulas), beside the exact float32 path:
+
+  e^x                     within 1 ulp of the float64 value rounded (NumPy's float32 exp: about 2.5 here)
+  GELU forward            |error| <= 2^-22 |x|;  backward |error| <= 2^-21 |dout| (the exact path's is ~1.3e-6)
+  LayerNorm fwd / bwd     |error| <= 2^-20 of the largest |value| of the output (dinp: of dinp)
+  attention fwd / bwd     probabilities and outputs |error| <= 2^-20 of the largest |value|; masked entries 0
+  classifier              losses within 2^-21 relative; dlogits |error| <= 2^-20 of dloss; padding exactly 0
+  gradient norm           within 2^-20 relative
+
+and as a whole: training steps track the exact path's (the golden run's fast twin, in test_golden_run.py, holds a
+10-step run to the recorded curve). Results do not depend on the thread count: every row is computed alone."""
+import numpy as np
+import pytest
+
+import gpt2np.backends.numpy_backend as numpy_backend
+from gpt2np.backends import cpu_kernels, get_backend
+from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.config import GPT2Config
+from gpt2np.model import GPT2
+from gpt2np.train_step import AdamW, train_step
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the fast path is off")
+
+CFG = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=16)
+
+
+def three():
+    """(fast, exact, float64 truth) backends."""
+    return NumpyBackend(threads=2, math="fast"), NumpyBackend(threads=2, math="exact"), NumpyBackend(np.float64,
+                                                                                                     threads=1)
+
+
+def f64(*arrays):
+    return [a.astype(np.float64) for a in arrays]
+
+
+def max_error(got, want):
+    return float(np.max(np.abs(got.astype(np.float64) - want)))
+
+
+def test_exp_is_within_one_ulp_and_keeps_inf_nan_and_zero():
+    lib = cpu_kernels.load()
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(-87.3, 88.7, 1 << 20), rng.standard_normal(1 << 16)]).astype(np.float32)
+    y = np.empty_like(x)
+    lib.exp_fast_array(x.ctypes.data, y.ctypes.data, x.size)
+    want = np.exp(x.astype(np.float64))
+    ulps = np.abs(y - want) / np.spacing(want.astype(np.float32)).astype(np.float64)
+    assert ulps.max() <= 1.0
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 88.8, -87.4, -200.0, 1e30], np.float32)
+    out = np.empty_like(special)
+    lib.exp_fast_array(special.ctypes.data, out.ctypes.data, special.size)
+    assert np.isnan(out[0])
+    np.testing.assert_array_equal(out[1:], [np.inf, 0.0, 1.0, 1.0, np.inf, 0.0, 0.0, np.inf])
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, 100_003])
+def test_gelu_forward_and_backward_within_tolerance(n):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 4).astype(np.float32).reshape(1, 1, n)
+    x.reshape(-1)[:min(n, 6)] = [0.0, -0.0, 30.0, -30.0, 1e-30, -9.0][:min(n, 6)]
+    dout = rng.standard_normal(x.shape).astype(np.float32)
+    fast, exact, truth = three()
+    results = {}
+    for name, be in (("fast", fast), ("exact", exact), ("truth", truth)):
+        xi, di = (x, dout) if name != "truth" else f64(x, dout)
+        out, dinp = np.empty_like(xi), np.empty_like(xi)
+        be.gelu_forward(out, xi)
+        be.gelu_backward(dinp, xi, di)
+        results[name] = out, dinp
+    (out, dinp), (want_out, want_dinp) = results["fast"], results["truth"]
+    assert np.all(np.abs(out - want_out) <= 2.0 ** -22 * np.abs(x))
+    assert np.all(np.abs(dinp - want_dinp) <= 2.0 ** -21 * np.abs(dout))
+    in_place = dout.copy()                                    # dinp may be dout
+    fast.gelu_backward(in_place, x, in_place)
+    np.testing.assert_array_equal(in_place, dinp)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_gelu_keeps_the_references_inf_and_nan():
+    x = np.array([np.inf, -np.inf, np.nan, 0.0], np.float32).reshape(1, 1, 4)
+    fast, exact, _ = three()
+    got, want = np.empty_like(x), np.empty_like(x)
+    fast.gelu_forward(got, x)
+    exact.gelu_forward(want, x)
+    np.testing.assert_array_equal(got, want)                   # inf, NaN, NaN, 0
+
+
+@pytest.mark.parametrize("C", [5, 16, 768])
+def test_layernorm_within_tolerance(C):
+    rng = np.random.default_rng(C)
+    B, T = 3, 7
+    x = (rng.standard_normal((B, T, C)) * 3 + 1).astype(np.float32)
+    w, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    base = rng.standard_normal((B, T, C)).astype(np.float32)    # dinp accumulates into this
+    fast, _, truth = three()
+    runs = {}
+    for name, be in (("fast", fast), ("truth", truth)):
+        xi, wi, bi, di, dinp = (x, w, b, dout, base.copy()) if name == "fast" else f64(x, w, b, dout, base)
+        out, mean, rstd = np.empty_like(xi), np.empty((B, T), xi.dtype), np.empty((B, T), xi.dtype)
+        be.layernorm_forward(out, mean, rstd, xi, wi, bi)
+        dw, db = np.zeros_like(wi), np.zeros_like(wi)
+        be.layernorm_backward(dinp, dw, db, di, xi, wi, mean, rstd, accumulate=False)
+        runs[name] = out, mean, rstd, dinp, dw, db
+    for got, want in zip(runs["fast"], runs["truth"]):
+        assert max_error(got, want) <= 2.0 ** -20 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("B, T, NH, HS", [(1, 1, 1, 4), (2, 9, 3, 5), (2, 33, 2, 8)])
+def test_attention_within_tolerance_masked_entries_zero(B, T, NH, HS):
+    rng = np.random.default_rng(T)
+    C = NH * HS
+    inp = (rng.standard_normal((B, T, 3 * C)) * 2).astype(np.float32)
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    fast, _, truth = three()
+    runs = {}
+    for name, be in (("fast", fast), ("truth", truth)):
+        xi, di = (inp, dout) if name == "fast" else f64(inp, dout)
+        out, qkvr = np.empty((B, T, C), xi.dtype), np.empty((3, B, NH, T, HS), xi.dtype)
+        att, dinp = np.empty((B, NH, T, T), xi.dtype), np.empty_like(xi)
+        be.attention_forward(out, qkvr, att, xi)
+        be.attention_backward(dinp, di, qkvr, att)
+        runs[name] = out, att, dinp
+    for got, want in zip(runs["fast"], runs["truth"]):
+        assert max_error(got, want) <= 2.0 ** -20 * np.abs(want).max()
+    att = runs["fast"][1]
+    assert np.all(att[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] == 0.0)
+    np.testing.assert_allclose(att.sum(axis=-1), 1.0, rtol=2.0 ** -20)
+
+
+@pytest.mark.parametrize("V, Vp", [(1, 8), (100, 128), (5000, 5008)])
+def test_classifier_within_tolerance(V, Vp):
+    rng = np.random.default_rng(V)
+    B, T, dloss = 2, 5, 1.0 / 10
+    logits = (rng.standard_normal((B, T, Vp)) * 4).astype(np.float32)
+    targets = rng.integers(0, V, (B, T)).astype(np.int32)
+    fast, _, truth = three()
+    runs = {}
+    for name, be in (("fast", fast), ("truth", truth)):
+        x = logits.copy() if name == "fast" else logits.astype(np.float64)
+        evaluated = x.copy()
+        val, losses = np.zeros((B, T), x.dtype), np.zeros((B, T), x.dtype)
+        be.fused_classifier(evaluated, val, targets, V, dloss, write_dlogits=False)
+        be.fused_classifier(x, losses, targets, V, dloss, write_dlogits=True)
+        runs[name] = val, losses, x, evaluated
+    (val, losses, dlogits, evaluated), (want_val, want_losses, want_dlogits, _) = runs["fast"], runs["truth"]
+    np.testing.assert_array_equal(evaluated, logits)            # write_dlogits=False leaves the logits alone
+    np.testing.assert_allclose(val, want_val, rtol=2.0 ** -21)
+    np.testing.assert_array_equal(val, losses)
+    assert max_error(dlogits, want_dlogits) <= 2.0 ** -20 * dloss
+    assert np.all(dlogits[..., V:] == 0.0)
+
+
+def test_classifier_nan_logit_gives_a_nan_loss():
+    logits = np.random.default_rng(1).standard_normal((1, 2, 16)).astype(np.float32)
+    logits[0, 1, 3] = np.nan
+    losses = np.zeros((1, 2), np.float32)
+    NumpyBackend(threads=1, math="fast").fused_classifier(logits, losses, np.array([[1, 2]], np.int32), 16, 0.5,
+                                                          write_dlogits=True)
+    assert np.isfinite(losses[0, 0]) and np.isnan(losses[0, 1])
+
+
+def test_gradient_norm_within_tolerance_and_overflow_is_inf():
+    g = (np.random.default_rng(2).standard_normal(3 * numpy_backend.CHUNK + 17) * 3).astype(np.float32)
+    fast, _, _ = three()
+    want = float(np.sum(g.astype(np.float64) ** 2))
+    assert abs(fast.global_norm_squared(g) - want) <= 2.0 ** -20 * want
+    g[5] = 3e30                                                 # its square overflows float32, as on the GPU
+    assert fast.global_norm_squared(g) == np.inf
+
+
+def test_results_do_not_depend_on_the_thread_count(monkeypatch):
+    monkeypatch.setattr(numpy_backend, "PARALLEL_MIN", 1)      # split every op over the threads
+    runs = [run_steps(NumpyBackend(threads=n, math="fast")) for n in (1, 2, 3)]
+    for other in runs[1:]:
+        assert other[0] == runs[0][0]
+        for got, want in zip(other[1:], runs[0][1:]):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_training_steps_track_the_exact_path():
+    fast, exact = run_steps(NumpyBackend(threads=2, math="fast")), run_steps(NumpyBackend(threads=2, math="exact"))
+    np.testing.assert_allclose(fast[0], exact[0], rtol=1e-5)     # grad norms
+    for got, want in zip(fast[1:], exact[1:]):
+        assert max_error(got, want.astype(np.float64)) <= 1e-5 * np.abs(want).max()
+
+
+def run_steps(backend, steps=3, accum=2):
+    model = GPT2(CFG, backend, 2, 8, seed=5)
+    rng = np.random.default_rng(9)
+    data = rng.integers(0, CFG.vocab_size, (steps * accum, 2, 9)).astype(np.int32)
+    batches = iter((d[:, :-1], d[:, 1:]) for d in data)
+    norms = [train_step(model, lambda: next(batches), step=s, lr=1e-3, accum_steps=accum,
+                        adamw=AdamW(weight_decay=0.1, grad_clip=0.5)).grad_norm for s in range(steps)]
+    return norms, model.params, model.m, model.v
+
+
+def test_defaults_class_exact_trainer_fast_and_bad_values_refused():
+    assert NumpyBackend().math == "exact"                       # the class is the reference
+    assert get_backend("numpy").math == "fast"                  # training's default (train.py --cpu-math)
+    assert get_backend("numpy", math="exact").math == "exact"
+    assert get_backend("numpy", precision="bf16").math == "fast"
+    assert NumpyBackend(fused=False, math="fast").math == "exact"   # no C loops: the NumPy code
+    with pytest.raises(ValueError, match="math='quick'"):
+        NumpyBackend(math="quick")
