@@ -147,6 +147,7 @@ def test_classifier_within_tolerance(V, Vp):
         be.fused_classifier(x, losses, targets, V, dloss, write_dlogits=True)
         runs[name] = val, losses, x, evaluated
     (val, losses, dlogits, evaluated), (want_val, want_losses, want_dlogits, _) = runs["fast"], runs["truth"]
+    np.testing.assert_array_equal(want_val, want_losses)
     np.testing.assert_array_equal(evaluated, logits)            # write_dlogits=False leaves the logits alone
     np.testing.assert_allclose(val, want_val, rtol=2.0 ** -21)
     np.testing.assert_array_equal(val, losses)

@@ -456,7 +456,8 @@ def test_cupy_runtime_free_memory_counts_the_pool():
 
 def test_train_py_says_what_fits_instead_of_a_traceback(monkeypatch, data_dir, capsys):
     from gpt2np import trainer
-    monkeypatch.setattr(trainer, "get_backend", lambda name, precision="fp32", **_: CudaBackend(CountingRuntime(4 << 30)))
+    monkeypatch.setattr(trainer, "get_backend",
+                        lambda name, precision="fp32", **_: CudaBackend(CountingRuntime(4 << 30)))
     code = train.main(["--device", "cpu", "-e", "d12", "-b", "16", "-t", "256", "-x", "1", "-v", "0", "-s", "0"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1
