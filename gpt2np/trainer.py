@@ -187,6 +187,10 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         say(f"note: {note}")
     backend = get_backend(backend_name, precision=precision,
                           **({"math": cfg.cpu_math} if backend_name == "numpy" else {}))
+    cpu_math = getattr(backend, "math", None)          # None: not the numpy backend
+    if backend_name == "numpy" and cpu_math not in (None, cfg.cpu_math):
+        say(f"note: --cpu-math {cfg.cpu_math}: the C loops did not build here (no working C compiler?), running the "
+            f"NumPy reference code")
     requested_attention = cfg.attention
     cfg = cfg.with_device_defaults(backend_name).validate()     # the device defaults against the other flags
     if cfg.output_dir:
@@ -290,6 +294,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         ("zero stage", dist.zero_stage), ("device", "cuda (the CPU emulator)" if backend_name == "emu"
                                                   else f"{backend.name} ({device_name})"),
         ("precision", PRECISION_TEXT.get(backend.precision, backend.precision))]
+        + ([("cpu math", cpu_math)] if cpu_math else [])
         + ([("master weights", MASTER_WEIGHTS_TEXT[cfg.master_weights if bf16 else "fp32"])]
            if bf16 or not cfg.master_weights else [])
         + [("attention", attention), ("fuse", int(model.fuse)), ("gelu_fusion", model.gelu_fusion),

@@ -105,7 +105,8 @@ NUMBER = re.compile(r"(trl|tel|loss|norm)[: ]([0-9.]+)")
 def test_ten_step_run_with_fast_cpu_math_tracks_the_recorded_run(tmp_path, capsys):
     """--cpu-math fast (the default; not bitwise) follows the recorded exact run: every train and val loss within
     2e-6 relative, every grad norm within the printed 4 decimals' rounding plus 2e-6 relative."""
-    step_lines, log, *_ = run_golden(tmp_path, capsys, cpu_math="fast")
+    step_lines, log, model_sha, *_ = run_golden(tmp_path, capsys, cpu_math="fast")
+    assert model_sha != EXPECTED_MODEL_SHA256                  # the fast path did run: not bitwise the exact one
     for got_text, want_text in ((step_lines, EXPECTED_STEP_LINES), (log.splitlines(), EXPECTED_LOG.splitlines())):
         assert len(got_text) == len(want_text)
         for got_line, want_line in zip(got_text, want_text):

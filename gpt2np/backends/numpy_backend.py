@@ -537,6 +537,9 @@ class NumpyBackend:
         all_targets, all_losses = targets.reshape(-1), losses.reshape(-1)
         fast = self._fast(logits, losses) if targets.dtype == np.int32 and targets.flags.c_contiguous else None
         if fast:                                               # each row: max, e^x and its sum (double), dlogits
+            if targets.size and not 0 <= int(targets.min()) <= int(targets.max()) < V:
+                raise IndexError(f"fused_classifier: targets must be in [0, {V}), got {int(targets.min())}.."
+                                 f"{int(targets.max())}")
             pl, ploss, pt = _address(logits), _address(losses), _address(targets)
             self._parallel(lambda lo, hi: fast.classifier_fast(pl + 4 * lo * Vp, ploss + 4 * lo, pt + 4 * lo, hi - lo,
                                                                V, Vp, dloss, bool(write_dlogits)), B * T, 2 * Vp)
