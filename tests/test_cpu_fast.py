@@ -268,5 +268,5 @@ def test_train_py_says_when_fast_math_cannot_run(tmp_path, capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "note: --cpu-math fast: the C loops did not build here (no working C compiler?), running the NumPy " \
-           "reference code" in err
+           "reference code" in out
     assert re.search(r"\| cpu math +\| exact +\|", out)
