@@ -270,3 +270,27 @@ def test_train_py_says_when_fast_math_cannot_run(tmp_path, capsys, monkeypatch):
     assert "note: --cpu-math fast: the C loops did not build here (no working C compiler?), running the NumPy " \
            "reference code" in out
     assert re.search(r"\| cpu math +\| exact +\|", out)
+
+
+def test_profiler_cpu_math_flag(monkeypatch, capsys):
+    """The profiler takes --cpu-math on the CPU (default: training's fast) and refuses it elsewhere in one line."""
+    import gpt2np.backends as backends
+    from gpt2np.profiling.profiler import main as profiler_main
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_get_backend(name, **options):
+        asked.append(options)
+        raise Stop
+    monkeypatch.setattr(backends, "get_backend", fake_get_backend)
+    for flags in ([], ["--cpu-math", "exact"]):
+        with pytest.raises(Stop):
+            profiler_main(["--device", "cpu", *flags])
+    assert asked == [{}, {"math": "exact"}]                     # {}: get_backend's numpy default, fast
+    assert profiler_main(["--device", "emu", "--cpu-math", "fast"]) == 2
+    assert profiler_main(["--plan", "--cpu-math", "exact"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["error: --cpu-math fast: only for the CPU (numpy backend), not --device emu",
+                   "error: --cpu-math exact: not with --plan (a plan is for a GPU)"]

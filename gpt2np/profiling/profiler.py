@@ -496,7 +496,7 @@ def profile_steps(model, batches, steps, lr=1e-4, activity_source="auto"):
 @tool
 def main(argv=None):
     """Profile a few training steps and write the report; bad flags and files: one line, exit 2."""
-    from ..backends import get_backend, resolve_attention
+    from ..backends import get_backend, resolve_attention, resolve_name
     from ..model import GPT2
     from ..starter import resolve_model
 
@@ -512,6 +512,9 @@ def main(argv=None):
     ap.add_argument("--recompute", "-r", type=int, choices=[0, 1, 2],
                     help="the model's recompute, as train.py's -r: 0 = keep every activation, 1 = recompute the GELU "
                          "in backward, 2 = the GELU and the LayerNorms (default: train.py's, 0)")
+    ap.add_argument("--cpu-math", choices=["fast", "exact"],
+                    help="on the CPU, as train.py's --cpu-math: fast = the fast C loops (default), exact = bitwise the "
+                         "NumPy reference code")
     ap.add_argument("--views", default=",".join(V.DEFAULT_VIEWS),
                     help=f"views to print, comma-separated, or 'all' (default {','.join(V.DEFAULT_VIEWS)}; "
                          f"all: {','.join(V.VIEWS)})")
@@ -544,6 +547,8 @@ def main(argv=None):
                 "-ge": args.gelu_fusion is not None}
     if not args.plan and any(planning.values()):
         raise BadInput(f"{next(flag for flag, given in planning.items() if given)} needs --plan")
+    if args.plan and args.cpu_math:
+        raise BadInput(f"--cpu-math {args.cpu_math}: not with --plan (a plan is for a GPU)")
     views = V.parse_views(args.views)
     # before the run, not after it: the files go into --out
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -554,7 +559,9 @@ def main(argv=None):
         if args.seq_len > cfg.max_seq_len:
             raise BadInput(f"-t {args.seq_len}: longer than the model's max_seq_len {cfg.max_seq_len}")
         return planner.run(args, cfg, params, desc)
-    backend = get_backend(args.device)
+    if args.cpu_math and resolve_name(args.device) != "numpy":
+        raise BadInput(f"--cpu-math {args.cpu_math}: only for the CPU (numpy backend), not --device {args.device}")
+    backend = get_backend(args.device, **({"math": args.cpu_math} if args.cpu_math else {}))
     cfg, params, desc = resolve_model(args.model)
     if args.seq_len > cfg.max_seq_len:
         raise BadInput(f"-t {args.seq_len}: longer than the model's max_seq_len {cfg.max_seq_len}")
