@@ -20,7 +20,8 @@ It prints each median (and the range of the steps), gpt2np's ratio to the fastes
 gpt2np's second step op by op, its peak memory (VmHWM) against params + grads + m + v + activations, and how
 busy the machine was otherwise (other processes' CPU from /proc/stat, hypervisor steal, the load average).
 --rounds N runs every part N times, interleaved, so that a slow spell of the machine hits all of them; the
-floor keeps the best of everything it measured (a strict floor), the steps their median.
+floor keeps the best of everything it measured (a strict floor), the steps their median; a "round by round" line
+adds each round's gpt2np median over the floor measured in that round (how much of the ratio is drift).
 
     python bench/cpu_step.py [--rounds 1] [--steps 8] [--warmup 2] [-b 4] [-t 64] [--model d12] [--threads N]
                              [--no-torch] [--no-compile] [--no-floor] [--json FILE]
@@ -121,6 +122,20 @@ class Recorder:
     def timed_flops(self):
         """FLOPs of the GEMM shapes recorded (what the floor times): must equal gemm_flops."""
         return sum(2 * m * n * k * batch * count for (m, n, k, batch, _, _), count in self.gemms.items())
+
+
+def round_ratios(gpt2np_runs, floors_by_library, gemms, adamw_bytes, warmup):
+    """gpt2np's median step of each round over the floor measured in that same round (best of the libraries in that
+    round, not of the whole run): how much of the ratio is the machine's drift between moments."""
+    ratios = []
+    for i, run in enumerate(gpt2np_runs):
+        measured = [runs[i] for runs in floors_by_library if len(runs) > i]
+        if not measured:
+            break
+        gemm_s = sum(g[6] * min(r["gemm_s"][j] for r in measured) for j, g in enumerate(gemms))
+        floor_ms = (gemm_s + adamw_bytes / max(r["bandwidth"] for r in measured)) * 1e3
+        ratios.append(statistics.median(run["times_ms"][warmup:]) / floor_ms)
+    return ratios
 
 
 def bench_gpt2np(args):
@@ -410,7 +425,8 @@ def main():
                 print(f"{label:32s}: failed ({err}); continuing without it")
                 continue
             runs[only].append(result)
-    floors = runs.pop("floor-numpy", []) + runs.pop("floor-torch", [])
+    floors_by_library = [runs.pop("floor-numpy", []), runs.pop("floor-torch", [])]
+    floors = floors_by_library[0] + floors_by_library[1]
     variants = [(only, label) for only, label in variants if not only.startswith("floor")]
     medians, spread = {}, {}
     for only, _ in variants:
@@ -455,6 +471,11 @@ def main():
               f"{ours['gemm_flops'] / gemm_s / 1e9:.0f} GFLOP/s ({gemm_s * 1e3:.0f} ms) + AdamW "
               f"{ours['adamw_bytes'] / 1e9:.2f} GB at {bandwidth / 1e9:.1f} GB/s ({adamw_s * 1e3:.0f} ms)")
         print(f"{'gpt2np / floor':32s}: {ms / floor_ms:8.2f}x   (target <= 1.15)")
+        by_round = round_ratios(runs["gpt2np"], floors_by_library, gemms, ours["adamw_bytes"], args.warmup)
+        if by_round:
+            report["ratio_to_floor_by_round"] = by_round
+            print(f"{'  round by round':32s}: {', '.join(f'{r:.2f}x' for r in by_round)}   (each round's gpt2np "
+                  f"median over the floor measured in that round)")
         cold = [r["gemm_cold_s"] for r in floors if "gemm_cold_s" in r]
         if cold:
             cold_ms = (min(cold) + adamw_s) * 1e3

@@ -230,3 +230,15 @@ def test_cpu_step_bench_floor_counts_the_steps_gemms_and_adamw_bytes():
     assert recorder.timed_flops() == recorder.gemm_flops
     assert recorder.adamw_bytes == 28 * model.num_parameters
     assert {"matmul_forward", "attention_backward", "adamw", "global_norm"} <= set(recorder.op_ms)
+
+
+def test_cpu_step_bench_round_ratios_use_each_rounds_own_floor():
+    bench = load_cpu_step_bench()
+    gemms = [(2, 2, 2, 1, False, False, 3), (4, 4, 4, 1, False, True, 1)]    # the last field: calls per step
+    gpt2np_runs = [{"times_ms": [99.0, 20.0, 22.0, 24.0]}, {"times_ms": [99.0, 40.0, 30.0, 50.0]}]
+    numpy_floors = [{"gemm_s": [0.002, 0.004], "bandwidth": 1e9}, {"gemm_s": [0.004, 0.008], "bandwidth": 1e9}]
+    torch_floors = [{"gemm_s": [0.001, 0.005], "bandwidth": 2e9}]          # one round only
+    ratios = bench.round_ratios(gpt2np_runs, [numpy_floors, torch_floors], gemms, 4e6, warmup=1)
+    # round 1: GEMMs 3 * 0.001 + 0.004 s, AdamW 4e6 B at 2e9 B/s -> 9 ms, step median 22 ms; round 2: numpy's only,
+    # 3 * 0.004 + 0.008 + 0.004 = 24 ms, median 40 ms
+    assert ratios == pytest.approx([22 / 9, 40 / 24])
