@@ -15,18 +15,13 @@ import re
 
 import numpy as np
 import pytest
+from test_cpu_kernels import run_steps  # (norms, params, m, v, grads) of 3 steps of a tiny model
 
 import gpt2np.backends.numpy_backend as numpy_backend
 from gpt2np.backends import cpu_kernels, get_backend
 from gpt2np.backends.numpy_backend import NumpyBackend
-from gpt2np.config import GPT2Config
-from gpt2np.model import GPT2
-from gpt2np.train_step import AdamW, train_step
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the fast path is off")
-
-CFG = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=16)
-
 
 class Spy:
     """The C library, recording which of its functions are called (so a test knows the fast loops ran)."""
@@ -233,16 +228,6 @@ def test_training_steps_track_the_exact_path():
     np.testing.assert_allclose(fast[0], exact[0], rtol=1e-5)     # grad norms
     for got, want in zip(fast[1:], exact[1:]):
         assert max_error(got, want.astype(np.float64)) <= 1e-5 * np.abs(want).max()
-
-
-def run_steps(backend, steps=3, accum=2):
-    model = GPT2(CFG, backend, 2, 8, seed=5)
-    rng = np.random.default_rng(9)
-    data = rng.integers(0, CFG.vocab_size, (steps * accum, 2, 9)).astype(np.int32)
-    batches = iter((d[:, :-1], d[:, 1:]) for d in data)
-    norms = [train_step(model, lambda: next(batches), step=s, lr=1e-3, accum_steps=accum,
-                        adamw=AdamW(weight_decay=0.1, grad_clip=0.5)).grad_norm for s in range(steps)]
-    return norms, model.params, model.m, model.v
 
 
 def test_defaults_class_exact_trainer_fast_and_bad_values_refused():
