@@ -552,7 +552,8 @@ def run_fingerprint(cfg, backend, model_cfg, params, train_loader, val_loader=No
     initial weights (params: the loaded ones, None for a random init from --seed), the shards of each loader."""
     fingerprint = {f.metadata["flag"]: _shown(getattr(cfg, f.name)) for f in fields(cfg)
                    if f.name not in PER_RANK_SETTINGS + COMPARED_BY_CONTENT}
-    fingerprint["--device"] = f"{backend.name} ({backend.precision})"
+    math = getattr(backend, "math", None)         # the CPU's math as it runs (exact where the C loops did not build)
+    fingerprint["--device"] = f"{backend.name} ({backend.precision}{', ' + math + ' math' if math else ''})"
     c = model_cfg
     fingerprint["-e model"] = (f"maxT={c.max_seq_len} V={c.vocab_size} Vp={c.padded_vocab_size} L={c.num_layers} "
                                f"NH={c.num_heads} C={c.channels}")

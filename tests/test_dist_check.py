@@ -125,7 +125,11 @@ def fingerprint(files, cfg=None, params_from="tiny.bin", train="train.bin"):
 def test_fingerprint_holds_settings_model_and_data(files):
     fp = fingerprint(files)
     assert fp["-b"] == "3" and fp["-l"] == "0.003" and fp["--shuffle"] == "off" and fp["-o"] == "none"
-    assert fp["--device"] == "numpy (fp32)" and fp["-e model"] == f"{SUM} C=32"
+    assert fp["--device"] == "numpy (fp32, exact math)" and fp["-e model"] == f"{SUM} C=32"
+    from gpt2np.checkpoint import load_model
+    model_cfg, params = load_model(files / "tiny.bin")
+    assert run_fingerprint(TrainConfig().with_device_defaults("numpy"), NumpyBackend(math="fast"), model_cfg, params,
+                           None)["--device"] == "numpy (fp32, fast math)"
     assert fp["-e weights"].startswith("sha256 ") and fp["-i shards"] == "1" and fp["-j shards"] == "none"
     assert fp["-i shard 0"].startswith("train.bin (6000 tokens, sha256 ")
     for per_rank in ("--dist-timeout", "--nvtx", "--profile", "-s", "-g", "--temperature", "--top-k"):
