@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cli import ArgumentParser, integer, is_finite, number, tool
+from .cli import ArgumentParser, BadInput, integer, is_finite, number, tool
 from .config import GPT2Config
 from .debug_state import DebugState, read_debug_state, write_debug_state
 from .tensors import DECAYED_BY_DEFAULT, PARAM_NAMES
@@ -79,12 +79,12 @@ def make_batch(cfg: GPT2Config, B: int, T: int, seed: int = 0, data=None):
 # the gpt2np side
 
 def build_model(cfg: GPT2Config, backend_name: str, B: int, T: int, params_flat, precision="fp32", attention="naive",
-                recompute=None):
+                recompute=None, cpu_math=None):
     """gpt2np's GPT2 on the named backend at a precision and attention, loaded with the model file's parameters.
-    recompute: train.py's -r (None: its default, 0)."""
+    recompute: train.py's -r (None: its default, 0); cpu_math: train.py's --cpu-math (None: its default, fast)."""
     from .backends import get_backend
     from .model import GPT2
-    backend = get_backend(backend_name, precision)
+    backend = get_backend(backend_name, precision, **({"math": cpu_math} if cpu_math else {}))
     recompute = 0 if recompute is None else recompute
     model = GPT2(cfg, backend, B, T, attention=attention, recompute=recompute)   # load_params follows
     model.load_params(params_flat)
@@ -245,6 +245,9 @@ def parse_args(argv=None):
     p.add_argument("-r", "--recompute", type=int, choices=(0, 1, 2), default=None,
                    help="gpt2np's recompute, train.py's -r: 0 keep every activation, 1 recompute the GELU in "
                         "backward, 2 also the LayerNorms (default: train.py's, 0)")
+    p.add_argument("--cpu-math", choices=("fast", "exact"), default=None,
+                   help="the numpy backend's math, train.py's --cpu-math: fast (the default) or exact (bitwise the "
+                        "NumPy reference code)")
     p.add_argument("--rel-tol", type=float, default=None,
                    help=f"relative tolerance, logits and grads (default {REL_TOL:g}; tf32: {TF32_REL_TOL:g})")
     p.add_argument("--loss-tol", type=float, default=None,
@@ -270,6 +273,9 @@ def parse_args(argv=None):
     for flag, value in (("-b", args.batch_size), ("-t", args.seq_len)):
         if value is not None:                     # None: the default, which depends on the model
             integer(1).check(flag, value)
+    from .backends import resolve_name
+    if args.cpu_math and resolve_name(args.backend) != "numpy":
+        raise BadInput(f"--cpu-math {args.cpu_math}: only for the numpy backend, not --backend {args.backend}")
     return args
 
 
@@ -307,7 +313,8 @@ def run(args) -> int:
           f"V={cfg.vocab_size} Vp={cfg.padded_vocab_size} maxT={cfg.max_seq_len}")
     print(f"batch B={B} T={T} ({batch}); gpt2np backend {args.backend} ({args.precision}, {args.attention} "
           f"attention) vs {source}")
-    model = build_model(cfg, args.backend, B, T, params, args.precision, args.attention, args.recompute)
+    model = build_model(cfg, args.backend, B, T, params, args.precision, args.attention, args.recompute,
+                        args.cpu_math)
     ours = model_state(model, x, y, cfg.vocab_size)
     checks = compare_states(ours, ref, args.rel_tol, args.loss_tol, dict(args.tol))
     print()
@@ -413,7 +420,7 @@ def run_bf16(args, cfg, params) -> int:
         raise ValueError(f"need B > 0 and 0 < T <= max_seq_len {cfg.max_seq_len}, got B={B} T={T}")
     x, y = make_batch(cfg, B, T, args.seed, args.data)
     model = build_model(cfg, args.backend, B, T, params, "bf16", args.attention,   # weights rounded (RNE) once
-                        args.recompute)
+                        args.recompute, args.cpu_math)
     start = np.asarray(model.params_host(), np.float32)               # the same weights for all three
     weights_only = relative_l2(TorchGPT2(cfg, start).forward_backward(x, y).logits,
                                TorchGPT2(cfg, params).forward_backward(x, y).logits)

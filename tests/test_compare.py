@@ -284,8 +284,8 @@ def stand_in(monkeypatch):
     """Route the CLI to ReferenceAsModel; `stand_in["corrupt"] = (name, scale)` corrupts a grad."""
     opts = {"corrupt": None}
     monkeypatch.setattr(compare, "build_model",
-                        lambda cfg, backend, B, T, params, precision="fp32", attention="naive", recompute=None:
-                        ReferenceAsModel(cfg, params, opts["corrupt"]))
+                        lambda cfg, backend, B, T, params, precision="fp32", attention="naive", recompute=None,
+                        cpu_math=None: ReferenceAsModel(cfg, params, opts["corrupt"]))
     if not have("gpt2np.checkpoint"):
         monkeypatch.setattr(compare, "load_model_file", read_model_file)
     return opts

@@ -20,6 +20,7 @@ from test_cpu_kernels import run_steps  # (norms, params, m, v, grads) of 3 step
 import gpt2np.backends.numpy_backend as numpy_backend
 from gpt2np.backends import cpu_kernels, get_backend
 from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.model import GPT2
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the fast path is off")
 
@@ -279,3 +280,17 @@ def test_profiler_cpu_math_flag(monkeypatch, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err == ["error: --cpu-math fast: only for the CPU (numpy backend), not --device emu",
                    "error: --cpu-math exact: not with --plan (a plan is for a GPU)"]
+
+
+def test_compare_cpu_math_flag(capsys):
+    """compare builds gpt2np with train.py's CPU math (fast unless --cpu-math exact) and refuses the flag on another
+    backend in one line."""
+    from test_cpu_kernels import CFG
+
+    from gpt2np.compare import build_model
+    from gpt2np.compare import main as compare_main
+    params = GPT2(CFG, NumpyBackend(), 1, 1, seed=1).params_host()
+    assert build_model(CFG, "numpy", 1, 8, params).backend.math == "fast"
+    assert build_model(CFG, "numpy", 1, 8, params, cpu_math="exact").backend.math == "exact"
+    assert compare_main(["-e", "no.bin", "--backend", "emu", "--cpu-math", "exact"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --cpu-math exact: only for the numpy backend, not --backend emu"
