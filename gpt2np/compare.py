@@ -91,6 +91,12 @@ def build_model(cfg: GPT2Config, backend_name: str, B: int, T: int, params_flat,
     return model
 
 
+def math_text(model) -> str:
+    """", fast CPU math" (or exact) for the numpy backend's report line; "" elsewhere."""
+    math = getattr(getattr(model, "backend", None), "math", None)
+    return f", {math} CPU math" if math else ""
+
+
 def model_state(model, x, y, vocab_size: int) -> DebugState:
     """One forward + backward of the gpt2np model: logits (B,T,V), loss, grads {name: llm.c shape}."""
     loss = model.forward(x, y)
@@ -309,12 +315,12 @@ def run(args) -> int:
     if args.debug_state:
         batch = "from the debug state"
 
+    model = build_model(cfg, args.backend, B, T, params, args.precision, args.attention, args.recompute,
+                        args.cpu_math)
     print(f"model {args.model}: L={cfg.num_layers} NH={cfg.num_heads} C={cfg.channels} "
           f"V={cfg.vocab_size} Vp={cfg.padded_vocab_size} maxT={cfg.max_seq_len}")
     print(f"batch B={B} T={T} ({batch}); gpt2np backend {args.backend} ({args.precision}, {args.attention} "
-          f"attention) vs {source}")
-    model = build_model(cfg, args.backend, B, T, params, args.precision, args.attention, args.recompute,
-                        args.cpu_math)
+          f"attention{math_text(model)}) vs {source}")
     ours = model_state(model, x, y, cfg.vocab_size)
     checks = compare_states(ours, ref, args.rel_tol, args.loss_tol, dict(args.tol))
     print()
@@ -437,8 +443,8 @@ def run_bf16(args, cfg, params) -> int:
     print(f"model {args.model}: L={cfg.num_layers} NH={cfg.num_heads} C={cfg.channels} "
           f"V={cfg.vocab_size} Vp={cfg.padded_vocab_size} maxT={cfg.max_seq_len}")
     print(f"batch B={B} T={T} ({batch}); gpt2np backend {args.backend} (bf16: bf16 weights, activations and "
-          f"gradients, fp32 math; {args.attention} attention) and PyTorch autocast bf16, each against PyTorch "
-          f"fp32\n")
+          f"gradients, fp32 math; {args.attention} attention{math_text(model)}) and PyTorch autocast bf16, each "
+          f"against PyTorch fp32\n")
     rows = bf16_errors(ours, ac, ref)
     res_out = TorchGPT2(cfg, start, "float32", autocast=True, bf16_residual=True).forward_backward(x, y)
     residual_rows = bf16_errors(ours, DebugState(x, y, res_out.logits, res_out.loss, res_out.grads), ref)

@@ -282,10 +282,13 @@ def small_model(tmp_path):
 @pytest.fixture
 def stand_in(monkeypatch):
     """Route the CLI to ReferenceAsModel; `stand_in["corrupt"] = (name, scale)` corrupts a grad."""
-    opts = {"corrupt": None}
-    monkeypatch.setattr(compare, "build_model",
-                        lambda cfg, backend, B, T, params, precision="fp32", attention="naive", recompute=None,
-                        cpu_math=None: ReferenceAsModel(cfg, params, opts["corrupt"]))
+    opts = {"corrupt": None, "cpu_math": []}
+
+    def stand_in_model(cfg, backend, B, T, params, precision="fp32", attention="naive", recompute=None,
+                       cpu_math=None):
+        opts["cpu_math"].append(cpu_math)
+        return ReferenceAsModel(cfg, params, opts["corrupt"])
+    monkeypatch.setattr(compare, "build_model", stand_in_model)
     if not have("gpt2np.checkpoint"):
         monkeypatch.setattr(compare, "load_model_file", read_model_file)
     return opts
@@ -302,6 +305,8 @@ def test_cli_passes_and_prints_every_tensor(small_model, stand_in, capsys):
     assert "max|gpt2np - ref| / max|ref|" in out
     assert out.count("  ok\n") == 2 + 18 + 10 and "FAIL" not in out    # 2 table headers
     assert "OK: all 28 checks" in out
+    assert compare.main(["-e", str(small_model), "-b", "2", "-t", "8", "--steps", "0", "--cpu-math", "exact"]) == 0
+    assert stand_in["cpu_math"] == [None, "exact"]             # None: get_backend's default (fast)
 
 
 @needs_torch
