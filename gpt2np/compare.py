@@ -280,8 +280,9 @@ def parse_args(argv=None):
         if value is not None:                     # None: the default, which depends on the model
             integer(1).check(flag, value)
     from .backends import resolve_name
-    if args.cpu_math and resolve_name(args.backend) != "numpy":
-        raise BadInput(f"--cpu-math {args.cpu_math}: only for the numpy backend, not --backend {args.backend}")
+    if args.cpu_math and resolve_name(args.backend) in ("cuda", "emu"):
+        raise BadInput(f"--cpu-math {args.cpu_math}: only for the numpy backend, not --backend {args.backend}"
+                       + (f" (here {resolve_name(args.backend)})" if args.backend == "auto" else ""))
     return args
 
 

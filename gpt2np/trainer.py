@@ -185,12 +185,16 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     precision, note = resolve_precision(backend_name, cfg.requested_precision)
     if note:
         say(f"note: {note}")
+    asked_math = cfg.cpu_math or "fast"
     backend = get_backend(backend_name, precision=precision,
-                          **({"math": cfg.cpu_math} if backend_name == "numpy" else {}))
+                          **({"math": asked_math} if backend_name == "numpy" else {}))
     cpu_math = getattr(backend, "math", None)          # None: not the numpy backend
-    if backend_name == "numpy" and cpu_math not in (None, cfg.cpu_math):
-        say(f"note: --cpu-math {cfg.cpu_math}: the C loops did not build here (no working C compiler?), running the "
+    if backend_name == "numpy" and cpu_math not in (None, asked_math):
+        say(f"note: --cpu-math {asked_math}: the C loops did not build here (no working C compiler?), running the "
             f"NumPy reference code")
+    if backend_name != "numpy" and cfg.cpu_math:
+        say(f"note: --cpu-math {cfg.cpu_math} is for the CPU; this run is on {backend_name}, where --precision sets "
+            f"the math")
     requested_attention = cfg.attention
     cfg = cfg.with_device_defaults(backend_name).validate()     # the device defaults against the other flags
     if cfg.output_dir:

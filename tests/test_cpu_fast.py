@@ -294,3 +294,17 @@ def test_compare_cpu_math_flag(capsys):
     assert build_model(CFG, "numpy", 1, 8, params, cpu_math="exact").backend.math == "exact"
     assert compare_main(["-e", "no.bin", "--backend", "emu", "--cpu-math", "exact"]) == 2
     assert capsys.readouterr().err.strip() == "error: --cpu-math exact: only for the numpy backend, not --backend emu"
+
+
+def test_train_py_notes_cpu_math_off_the_cpu(tmp_path, capsys):
+    """--cpu-math on the emulated GPU path changes nothing there: one note says so, and the run goes on."""
+    from test_golden_run import make_inputs
+
+    import train
+    make_inputs(tmp_path)
+    code = train.main([str(a) for a in ["-e", tmp_path / "small.bin", "-i", tmp_path / "train.bin", "-b", 1, "-t", 4,
+                                        "-x", 1, "-v", 0, "-s", 0, "--device", "emu", "--cpu-math", "exact"]])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "note: --cpu-math exact is for the CPU; this run is on emu, where --precision sets the math" in out
+    assert "cpu math" not in out

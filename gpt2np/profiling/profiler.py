@@ -559,8 +559,9 @@ def main(argv=None):
         if args.seq_len > cfg.max_seq_len:
             raise BadInput(f"-t {args.seq_len}: longer than the model's max_seq_len {cfg.max_seq_len}")
         return planner.run(args, cfg, params, desc)
-    if args.cpu_math and resolve_name(args.device) != "numpy":
-        raise BadInput(f"--cpu-math {args.cpu_math}: only for the CPU (numpy backend), not --device {args.device}")
+    if args.cpu_math and resolve_name(args.device) in ("cuda", "emu"):
+        raise BadInput(f"--cpu-math {args.cpu_math}: only for the CPU (numpy backend), not --device {args.device}"
+                       + (f" (here {resolve_name(args.device)})" if args.device == "auto" else ""))
     backend = get_backend(args.device, **({"math": args.cpu_math} if args.cpu_math else {}))
     cfg, params, desc = resolve_model(args.model)
     if args.seq_len > cfg.max_seq_len:
