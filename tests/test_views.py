@@ -60,7 +60,8 @@ def test_every_view_of_an_emulated_run_says_so_on_its_title_line(emu, cpu):
     assert report.EMULATED_NOTE not in V.render_views(cpu[2], None, V.VIEWS)
     # the numpy backend's: CPU times, said on every title line too
     numpy_titles = title_lines(V.render_views(cpu[2], None, V.VIEWS))
-    assert all(line.endswith(f"[{report.NUMPY_NOTE}]") for line in numpy_titles), numpy_titles
+    note = f"{report.NUMPY_NOTE}; {cpu[0].backend.math} CPU math"      # and which --cpu-math ran
+    assert all(line.endswith(f"[{note}]") for line in numpy_titles), numpy_titles
     # the JSON file and the per-view CSVs carry it too, and report.render (train.py --profile) as well
     legacy = report.render(emu[1].records, note=emu[2].note, num_layers=CFG.num_layers)
     assert all(line.endswith(f"[{report.EMULATED_NOTE}]") for line in title_lines(legacy))

@@ -426,6 +426,8 @@ class Profiler:
         meta = {"device": device_label(be), "backend": be.name, "timing": self.timing,
                 "runtime": getattr(getattr(be, "rt", None), "name", None), "emulated": self.emulated,
                 "precision": getattr(be, "precision", "fp32")}
+        if getattr(be, "math", None):
+            meta["cpu_math"] = be.math                  # the numpy backend's --cpu-math, as it ran
         if self.model is not None:
             from .memory import module_parameters
             meta["num_layers"] = self.model.cfg.num_layers

@@ -541,10 +541,13 @@ NUMPY_NOTE = "numpy backend: CPU times, no GPU"
 
 def profile_note(meta: Dict) -> Optional[str]:
     """The note every title line of a profile carries: EMULATED_NOTE for the emulator, NUMPY_NOTE for the numpy
-    backend, none for GPU times (a GPU run, an nsys or CUPTI import)."""
+    backend (and its --cpu-math, where the profile recorded it), none for GPU times (a GPU run, an nsys or CUPTI
+    import)."""
     if meta.get("emulated"):
         return EMULATED_NOTE
-    return NUMPY_NOTE if meta.get("backend") == "numpy" else None
+    if meta.get("backend") != "numpy":
+        return None
+    return NUMPY_NOTE + (f"; {meta['cpu_math']} CPU math" if meta.get("cpu_math") else "")
 
 
 def label(text: str, note: Optional[str]) -> str:
