@@ -125,8 +125,9 @@ class Recorder:
 
 
 def round_ratios(gpt2np_runs, floors_by_library, gemms, adamw_bytes, warmup):
-    """gpt2np's median step of each round over the floor measured in that same round (best of the libraries in that
-    round, not of the whole run): how much of the ratio is the machine's drift between moments."""
+    """[(ratio, step ms, floor ms)] per round: gpt2np's median step of the round over the floor measured in that same
+    round (best of the libraries in that round, not of the whole run): how much of the ratio is the machine's drift
+    between moments."""
     ratios = []
     for i, run in enumerate(gpt2np_runs):
         measured = [runs[i] for runs in floors_by_library if len(runs) > i]
@@ -134,7 +135,8 @@ def round_ratios(gpt2np_runs, floors_by_library, gemms, adamw_bytes, warmup):
             break
         gemm_s = sum(g[6] * min(r["gemm_s"][j] for r in measured) for j, g in enumerate(gemms))
         floor_ms = (gemm_s + adamw_bytes / max(r["bandwidth"] for r in measured)) * 1e3
-        ratios.append(statistics.median(run["times_ms"][warmup:]) / floor_ms)
+        step_ms = statistics.median(run["times_ms"][warmup:])
+        ratios.append((step_ms / floor_ms, step_ms, floor_ms))
     return ratios
 
 
@@ -474,8 +476,9 @@ def main():
         by_round = round_ratios(runs["gpt2np"], floors_by_library, gemms, ours["adamw_bytes"], args.warmup)
         if by_round:
             report["ratio_to_floor_by_round"] = by_round
-            print(f"{'  round by round':32s}: {', '.join(f'{r:.2f}x' for r in by_round)}   (each round's gpt2np "
-                  f"median over the floor measured in that round)")
+            print(f"{'  round by round':32s}: "
+                  f"{', '.join(f'{r:.2f}x ({s:.0f}/{f:.0f})' for r, s, f in by_round)}   (each round's gpt2np "
+                  f"median / the floor measured in that round, ms)")
         cold = [r["gemm_cold_s"] for r in floors if "gemm_cold_s" in r]
         if cold:
             cold_ms = (min(cold) + adamw_s) * 1e3

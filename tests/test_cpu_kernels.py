@@ -241,4 +241,4 @@ def test_cpu_step_bench_round_ratios_use_each_rounds_own_floor():
     ratios = bench.round_ratios(gpt2np_runs, [numpy_floors, torch_floors], gemms, 4e6, warmup=1)
     # round 1: GEMMs 3 * 0.001 + 0.004 s, AdamW 4e6 B at 2e9 B/s -> 9 ms, step median 22 ms; round 2: numpy's only,
     # 3 * 0.004 + 0.008 + 0.004 = 24 ms, median 40 ms
-    assert ratios == pytest.approx([22 / 9, 40 / 24])
+    assert ratios == [pytest.approx((22 / 9, 22, 9)), pytest.approx((40 / 24, 40, 24))]
