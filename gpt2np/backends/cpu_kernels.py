@@ -10,15 +10,15 @@ it, and the golden run pins it). What NumPy computes with its own approximations
 summation order (sums, means) stays NumPy.
 
 FAST_SOURCE, the fast set (NumpyBackend(math="fast"), the trainer's default, --cpu-math): whole ops in one loop
-each, with their own e^x (exp_fast: within 1.02 ulp of the float64 value, where NumPy's float32 exp is within
-about 2.5 and, on this kind of CPU, not vectorized: 2.2 ns an element against 0.75), every row sum in double, and FMA
-contraction allowed: GELU forward and backward (through sigmoid(2u) = (1 + tanh u) / 2, one e^x and no
-cancellation near GELU's zero), LayerNorm forward and backward rows, attention's causal softmax and its
-backward, the classifier's softmax + cross-entropy, the sum of squares. They are not bitwise NumPy's; the
-documented tolerance (tests/test_cpu_fast.py) is that each is at least as close to the float64 value of the
-same formula as the NumPy reference is, within a few ulp, and that training runs track the exact path's loss
-curve. Results do not depend on the thread count (every row is computed alone), only on the machine's vector
-width and FMA (the library is built with -march=native).
+each, with their own e^x (exp_fast: within 1.02 ulp of the float64 value, where NumPy's float32 exp is within about
+2.5 and, on this kind of CPU, not vectorized: 2.2 ns an element against 0.75), every row sum in double (the norm's:
+float blocks of 1024 added in double), and FMA contraction allowed: GELU forward and backward (through sigmoid(2u) =
+(1 + tanh u) / 2, one e^x and no cancellation near GELU's zero), LayerNorm forward and backward rows, attention's
+causal softmax and its backward, the classifier's softmax + cross-entropy, the sum of squares. They are not bitwise
+NumPy's; the documented tolerance (tests/test_cpu_fast.py) is that each is at least as close to the float64 value of
+the same formula as the NumPy reference is, within a few ulp, and that training runs track the exact path's loss
+curve. Results do not depend on the thread count (every row is computed alone), only on the machine's vector width
+and FMA (the library is built with -march=native).
 
 Both are built with the system C compiler ($CC, else cc, gcc) into $GPT2NP_CPU_CACHE (default
 ~/.cache/gpt2np/cpu), keyed by the sources, the flags, the compiler and the CPU; when no compiler works, load()
@@ -515,10 +515,25 @@ void exp_fast_array(const float *restrict x, float *restrict y, ptrdiff_t n)
         y[i] = exp_fast(x[i]);
 }
 
-/* sum of squares of x[0:n) in double */
+/* sum of squares of x[0:n): float lanes within blocks of 1024 (a streaming pass: converting every element to double
+   made it compute-bound, 30 ms against 24 for 124M here), the blocks added in double */
 double sum_squares_fast(const float *restrict x, ptrdiff_t n)
 {
-    return dot_f(x, x, n);
+    double total = 0.0;
+    ptrdiff_t i = 0;
+    for (; i + 1024 <= n; i += 1024) {
+        float acc[2 * LANES] = {0};
+        for (ptrdiff_t k = i; k < i + 1024; k += 2 * LANES)
+            for (int j = 0; j < 2 * LANES; j++)
+                acc[j] += x[k + j] * x[k + j];
+        float s = 0.0f;
+        for (int j = 0; j < 2 * LANES; j++)
+            s += acc[j];
+        total += (double)s;
+    }
+    for (; i < n; i++)
+        total += (double)x[i] * (double)x[i];
+    return total;
 }
 """
 

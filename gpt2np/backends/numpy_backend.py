@@ -67,7 +67,7 @@ class NumpyBackend:
         C loops of cpu_kernels (bitwise the results of the NumPy code here, which stays the reference; np.tanh,
         np.exp and the row sums stay NumPy's); None = when they build here (float32 only), False = never.
         math: "exact" = that; "fast" = GELU, LayerNorm, attention's softmax, the classifier and the gradient norm
-        each as one C loop of cpu_kernels' fast set, with its own e^x and sums in double (not bitwise the NumPy
+        each as one C loop of cpu_kernels' fast set, with its own e^x and row sums in double (not bitwise the NumPy
         code: within the tolerance tests/test_cpu_fast.py documents); needs the fused path, else exact."""
         if math not in MATHS:
             raise ValueError(f"math={math!r}: expected {' or '.join(MATHS)}")
@@ -660,8 +660,8 @@ class NumpyBackend:
         fast = self._fast(grads)
         if fast:
             g = _address(grads)
-            # each chunk's sum (in double) rounded to float32, as np.dot's: one that overflows float32 makes the norm
-            # inf, the step a non-finite one, as on the exact path and the GPU
+            # each chunk's sum (float blocks added in double) rounded to float32, as np.dot's: one that overflows
+            # float32 makes the norm inf, the step a non-finite one, as on the exact path and the GPU
             def chunk(lo, hi):
                 with np.errstate(over="ignore"):
                     return float(np.float32(fast.sum_squares_fast(g + 4 * lo, hi - lo)))
