@@ -15,10 +15,10 @@ each, with their own e^x (exp_fast: within 1.02 ulp of the float64 value, where 
 float blocks of 1024 added in double), and FMA contraction allowed: GELU forward and backward (through sigmoid(2u) =
 (1 + tanh u) / 2, one e^x and no cancellation near GELU's zero), LayerNorm forward and backward rows, attention's
 causal softmax and its backward, the classifier's softmax + cross-entropy, the sum of squares. They are not bitwise
-NumPy's; the documented tolerance (tests/test_cpu_fast.py) is that each is at least as close to the float64 value of
-the same formula as the NumPy reference is, within a few ulp, and that training runs track the exact path's loss
-curve. Results do not depend on the thread count (every row is computed alone), only on the machine's vector width
-and FMA (the library is built with -march=native).
+NumPy's; the documented tolerance is a bound per op on the distance from the float64 value of the same formula
+(tests/test_cpu_fast.py lists them), and training runs track the exact path's loss curve. Results do not depend on
+the thread count (every row is computed alone), only on the machine's vector width and FMA (the library is built
+with -march=native).
 
 Both are built with the system C compiler ($CC, else cc, gcc) into $GPT2NP_CPU_CACHE (default
 ~/.cache/gpt2np/cpu), keyed by the sources, the flags, the compiler and the CPU; when no compiler works, load()
