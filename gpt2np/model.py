@@ -504,17 +504,7 @@ class GPT2:
         finite or above its outlier limit in step_scalars; all of it decided on the device. bf16 parameters: the
         fp32 master weights and stochastic rounding (seed rounding_seed, t from step_scalars) as update() does."""
         be = self.backend
-        lo, hi = shard or (0, self.num_parameters)
-        if not 0 <= lo <= hi <= self.num_parameters:
-            raise ValueError(f"update shard {shard} is not inside [0, {self.num_parameters}]")
-        if self.m is None:
-            self.m = be.zeros(hi - lo, np.float32)
-            self.v = be.zeros(hi - lo, np.float32)
-        if self.has_master_weights and self.master is None:     # llm.c: the masters start as the parameters
-            self.master = be.zeros(hi - lo, np.float32)
-            be.copy_(self.master, self.params[lo:hi])
-        if self.m.size != hi - lo:
-            raise ValueError(f"AdamW state holds {self.m.size} values, the update shard {lo}:{hi} has {hi - lo}")
+        lo, hi = self._update_shard(shard)
         with ranges.range("gpt2_update"):
             for name, a, b in self._shard_tensors(lo, hi):
                 adamw = self._rounding(be.adamw_update_device, lo, a, b)
@@ -538,6 +528,20 @@ class GPT2:
         if grad_clip is not None and grad_clip > 0 and grad_norm > grad_clip:
             grad_scale = grad_clip / grad_norm
         be = self.backend
+        lo, hi = self._update_shard(shard)
+        with ranges.range("gpt2_update"):
+            for name, a, b in self._shard_tensors(lo, hi):
+                wd = weight_decay if name in self.decay_tensors else 0.0
+                adamw = self._rounding(be.adamw_update, lo, a, b)
+                self._op("adamw", "optimizer", adamw, self.params[a:b], self.grads[a:b],
+                         self.m[a - lo:b - lo], self.v[a - lo:b - lo], lr, beta1, beta2, eps, wd, step,
+                         grad_scale)
+        return grad_norm
+
+    def _update_shard(self, shard):
+        """(lo, hi) of the update shard (None: all parameters), with AdamW's m and v (and the fp32 masters of bf16
+        parameters) made on first use for it, and checked against it after."""
+        be = self.backend
         lo, hi = shard or (0, self.num_parameters)
         if not 0 <= lo <= hi <= self.num_parameters:
             raise ValueError(f"update shard {shard} is not inside [0, {self.num_parameters}]")
@@ -549,14 +553,7 @@ class GPT2:
             be.copy_(self.master, self.params[lo:hi])
         if self.m.size != hi - lo:
             raise ValueError(f"AdamW state holds {self.m.size} values, the update shard {lo}:{hi} has {hi - lo}")
-        with ranges.range("gpt2_update"):
-            for name, a, b in self._shard_tensors(lo, hi):
-                wd = weight_decay if name in self.decay_tensors else 0.0
-                adamw = self._rounding(be.adamw_update, lo, a, b)
-                self._op("adamw", "optimizer", adamw, self.params[a:b], self.grads[a:b],
-                         self.m[a - lo:b - lo], self.v[a - lo:b - lo], lr, beta1, beta2, eps, wd, step,
-                         grad_scale)
-        return grad_norm
+        return lo, hi
 
     def _rounding(self, adamw, lo, a, b):
         """The AdamW op for params[a:b] (its shard starting at lo): with bf16 parameters, their stochastic
