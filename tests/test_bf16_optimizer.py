@@ -289,6 +289,22 @@ def test_adamw_update_device_bf16_without_master(be, stats):
     assert np.isfinite(stats[0]) != np.array_equal(bits(got[0]), bits(params))    # a non-finite step: untouched
 
 
+def prepare_device_update(be, models):
+    """Each model ready for update_device: rounding seed 99, stats = [loss 2, squared norm 9] uploaded."""
+    for model in models:
+        model.rounding_seed = 99
+        model.stats, model.step_scalars = be.zeros(STATS, F32), be.zeros(STEP_SCALARS, F32)
+        be.upload_(model.stats, np.array([2.0, 9.0], F32))
+
+
+def reference_update(model, params, g, m, v, t, master=None):
+    """The kernel's arithmetic per tensor of `model`, in NumPy, on host copies (master None: -w 0)."""
+    for name, a, b in model._shard_tensors(0, model.num_parameters):
+        REF32.adamw_update_device(params[a:b], g[a:b], m[a:b], v[a:b], step_scalars(1e-2, t, 0.1),
+                                  np.array([2.0, 9.0], F32), B1, B2, EPS, name in model.decay_tensors, 1.0,
+                                  master=None if master is None else master[a:b], seed=99, offset=a)
+
+
 def device_updates(be, models, graphed, graph, g, t):
     """AdamW step t (lr 1e-2, wd 0.1, clip 1) on every model from gradient g: grads and step scalars uploaded, each
     model but `graphed` updated eagerly; `graphed` through `graph`, which its first call captures after one eager
@@ -318,18 +334,12 @@ def test_model_update_device_bf16_without_master_replays_as_a_graph(be):
     n = eager.num_parameters
     grads = [rng.standard_normal(n).astype(F32).astype(BF16) for _ in range(3)]
     models = (eager, graphed, masters)
-    for model in models:
-        model.rounding_seed = 99
-        model.stats, model.step_scalars = be.zeros(STATS, F32), be.zeros(STEP_SCALARS, F32)
-        be.upload_(model.stats, np.array([2.0, 9.0], F32))
+    prepare_device_update(be, models)
     r_params, r_m, r_v = be.to_host(eager.params), np.zeros(n, F32), np.zeros(n, F32)
     graph = None
     for t, g in enumerate(grads, start=1):
         graph = device_updates(be, models, graphed, graph, g, t)
-        for name, a, b in eager._shard_tensors(0, n):
-            REF32.adamw_update_device(r_params[a:b], g[a:b], r_m[a:b], r_v[a:b], step_scalars(1e-2, t, 0.1),
-                                      np.array([2.0, 9.0], F32), B1, B2, EPS, name in eager.decay_tensors, 1.0,
-                                      seed=99, offset=a)
+        reference_update(eager, r_params, g, r_m, r_v, t)
         for got, want in ((eager.params, r_params), (eager.m, r_m), (eager.v, r_v), (graphed.params, r_params)):
             assert_bitwise(be.to_host(got), want)
         same = np.array_equal(bits(be.to_host(masters.params)), bits(r_params))
@@ -350,10 +360,7 @@ def test_model_update_device_bf16_is_per_tensor_adamw_and_replays_as_a_graph(be)
     models = [GPT2(CFG, be, 2, 4, seed=0) for _ in range(2)]
     n = models[0].num_parameters
     grads = [rng.standard_normal(n).astype(F32).astype(BF16) for _ in range(3)]
-    for model in models:
-        model.rounding_seed = 99
-        model.stats, model.step_scalars = be.zeros(STATS, F32), be.zeros(STEP_SCALARS, F32)
-        be.upload_(model.stats, np.array([2.0, 9.0], F32))    # norm 3 > clip 1: clipping on
+    prepare_device_update(be, models)                         # norm 3 > clip 1: clipping on
     eager, graphed = models
     params0 = be.to_host(eager.params)
     # the reference: the kernel arithmetic per tensor, in NumPy
@@ -362,10 +369,7 @@ def test_model_update_device_bf16_is_per_tensor_adamw_and_replays_as_a_graph(be)
     graph = None
     for t, g in enumerate(grads, start=1):
         graph = device_updates(be, models, graphed, graph, g, t)
-        for name, a, b in eager._shard_tensors(0, n):
-            REF32.adamw_update_device(r_params[a:b], g[a:b], r_m[a:b], r_v[a:b], step_scalars(1e-2, t, 0.1),
-                                      np.array([2.0, 9.0], F32), B1, B2, EPS, name in eager.decay_tensors, 1.0,
-                                      master=r_master[a:b], seed=99, offset=a)
+        reference_update(eager, r_params, g, r_m, r_v, t, r_master)
         assert_bitwise(be.to_host(eager.params), r_params)
         assert_bitwise(be.to_host(eager.master), r_master)
         assert_bitwise(be.to_host(eager.m), r_m)
