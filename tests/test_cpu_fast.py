@@ -5,7 +5,8 @@ is its documented tolerance. Each op is checked against the same op computed in 
   e^x                     within 1.02 ulp of the float64 value (NumPy's float32 exp: about 2.5 here)
   GELU forward            |error| <= 2^-22 |x|;  backward |error| <= 2^-21 |dout| (the exact path's is ~1.3e-6)
   LayerNorm fwd / bwd     |error| <= 2^-20 of the largest |value| of the output (dinp: of dinp)
-  attention fwd / bwd     probabilities and outputs |error| <= 2^-20 of the largest |value|; masked entries 0
+  attention fwd / bwd     probabilities and outputs |error| <= 2^-19 of the largest |value| (the exact float32
+                          path's own error reaches 1.7 x 2^-20 with heads of 64); masked entries exactly 0
   classifier              losses within 2^-21 relative; dlogits |error| <= 2^-20 of dloss; padding exactly 0
   gradient norm           within 2^-20 relative
 
@@ -128,7 +129,7 @@ def test_layernorm_within_tolerance(C):
     assert {"layernorm_forward_fast", "layernorm_backward_fast"} <= fast._kernels.called
 
 
-@pytest.mark.parametrize("B, T, NH, HS", [(1, 1, 1, 4), (2, 9, 3, 5), (2, 33, 2, 8)])
+@pytest.mark.parametrize("B, T, NH, HS", [(1, 1, 1, 4), (2, 9, 3, 5), (2, 33, 2, 8), (1, 70, 3, 64)])
 def test_attention_within_tolerance_masked_entries_zero(B, T, NH, HS):
     rng = np.random.default_rng(T)
     C = NH * HS
@@ -144,8 +145,8 @@ def test_attention_within_tolerance_masked_entries_zero(B, T, NH, HS):
         be.attention_backward(dinp, di, qkvr, att)
         runs[name] = out, att, dinp
     for got, want in zip(runs["fast"], runs["truth"]):
-        assert max_error(got, want) <= 2.0 ** -20 * np.abs(want).max()
-    assert {"softmax_causal_fast", "softmax_backward_fast"} <= fast._kernels.called
+        assert max_error(got, want) <= 2.0 ** -19 * np.abs(want).max()
+    assert {"attention_forward_fast", "attention_backward_fast"} <= fast._kernels.called
     att = runs["fast"][1]
     assert np.all(att[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] == 0.0)
     np.testing.assert_allclose(att.sum(axis=-1), 1.0, rtol=2.0 ** -20)
@@ -223,7 +224,7 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
 def test_training_steps_track_the_exact_path():
     backend = three()[0]
     fast, exact = run_steps(backend), run_steps(NumpyBackend(threads=2, math="exact"))
-    assert {"gelu_forward_fast", "layernorm_backward_fast", "softmax_causal_fast", "classifier_fast",
+    assert {"gelu_forward_fast", "layernorm_backward_fast", "attention_forward_fast", "classifier_fast",
             "sum_squares_fast"} <= backend._kernels.called
     assert not np.array_equal(fast[1], exact[1])                # not the exact path under another name
     np.testing.assert_allclose(fast[0], exact[0], rtol=1e-5)     # grad norms

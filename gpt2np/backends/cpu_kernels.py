@@ -13,12 +13,12 @@ FAST_SOURCE, the fast set (NumpyBackend(math="fast"), the trainer's default, --c
 each, with their own e^x (exp_fast: within 1.02 ulp of the float64 value, where NumPy's float32 exp is within about
 2.5 and, on this kind of CPU, not vectorized: 2.2 ns an element against 0.75), every row sum in double (the norm's:
 float blocks of 1024 added in double), and FMA contraction allowed: GELU forward and backward (through sigmoid(2u) =
-(1 + tanh u) / 2, one e^x and no cancellation near GELU's zero), LayerNorm forward and backward rows, attention's
-causal softmax and its backward, the classifier's softmax + cross-entropy, the sum of squares. They are not bitwise
-NumPy's; the documented tolerance is a bound per op on the distance from the float64 value of the same formula
-(tests/test_cpu_fast.py lists them), and training runs track the exact path's loss curve. Results do not depend on
-the thread count (every row is computed alone), only on the machine's vector width and FMA (the library is built
-with -march=native).
+(1 + tanh u) / 2, one e^x and no cancellation near GELU's zero), LayerNorm forward and backward rows, causal
+attention forward and backward per head (the masked half of its products skipped), the classifier's softmax +
+cross-entropy, the sum of squares. They are not bitwise NumPy's; the documented tolerance is a bound per op on the
+distance from the float64 value of the same formula (tests/test_cpu_fast.py lists them), and training runs track the
+exact path's loss curve. Results do not depend on the thread count (every row is computed alone), only on the
+machine's vector width and FMA (the library is built with -march=native).
 
 Both are built with the system C compiler ($CC, else cc, gcc) into $GPT2NP_CPU_CACHE (default
 ~/.cache/gpt2np/cpu), keyed by the sources, the flags, the compiler and the CPU; when no compiler works, load()
@@ -426,44 +426,203 @@ void layernorm_backward_fast(const float *restrict x, const float *restrict dout
     }
 }
 
-/* causal softmax over rows of T scores, row r for query t = r % T: p[s] = e^{scale a[s] - max} / sum for s <= t,
-   0 after (exactly); the sum in double. */
-void softmax_causal_fast(float *restrict a, ptrdiff_t rows, ptrdiff_t T, float scale)
+/* Attention's products, head by head. Vectors of 8 floats in GCC's vector extension (one AVX register here; the
+   compiler splits or lowers them elsewhere); heads of 64 (every GPT-2 size) keep a whole output row in registers. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+#define LOAD8(p) (*(const v8u *)(p))
+#define STORE8(p, x) (*(v8u *)(p) = (x))
+
+/* acc[0:HS] = sum_{i<n} c[i*cstride] rows[i*stride + 0:HS] (the sum in order of i) */
+static inline void rows_combine(float *restrict acc, const float *restrict c, ptrdiff_t cstride,
+                                const float *restrict rows, ptrdiff_t stride, ptrdiff_t n, ptrdiff_t HS)
 {
-    for (ptrdiff_t r = 0; r < rows; r++) {
-        float *x = a + r * T;
-        ptrdiff_t t = r % T, n = t + 1;
-        for (ptrdiff_t s = 0; s < n; s++)
-            x[s] = x[s] * scale;
-        float m = max_f(x, n);
-        double acc[LANES] = {0};
-        ptrdiff_t s = 0;
-        for (; s + LANES <= n; s += LANES)
-            for (int j = 0; j < LANES; j++) {
-                x[s + j] = exp_fast(x[s + j] - m);
-                acc[j] += (double)x[s + j];
-            }
-        for (; s < n; s++) {
-            x[s] = exp_fast(x[s] - m);
-            acc[0] += (double)x[s];
+    if (HS == 64) {
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+        for (ptrdiff_t i = 0; i < n; i++) {
+            const float *r = rows + i * stride;
+            float ci = c[i * cstride];
+            a0 += ci * LOAD8(r);
+            a1 += ci * LOAD8(r + 8);
+            a2 += ci * LOAD8(r + 16);
+            a3 += ci * LOAD8(r + 24);
+            a4 += ci * LOAD8(r + 32);
+            a5 += ci * LOAD8(r + 40);
+            a6 += ci * LOAD8(r + 48);
+            a7 += ci * LOAD8(r + 56);
         }
-        float total = (float)lanes_total(acc);
-        for (s = 0; s < n; s++)
-            x[s] = x[s] / total;
-        for (s = n; s < T; s++)
-            x[s] = 0.0f;
+        STORE8(acc, a0);
+        STORE8(acc + 8, a1);
+        STORE8(acc + 16, a2);
+        STORE8(acc + 24, a3);
+        STORE8(acc + 32, a4);
+        STORE8(acc + 40, a5);
+        STORE8(acc + 48, a6);
+        STORE8(acc + 56, a7);
+        return;
+    }
+    for (ptrdiff_t d = 0; d < HS; d++)
+        acc[d] = 0.0f;
+    for (ptrdiff_t i = 0; i < n; i++) {
+        const float *r = rows + i * stride;
+        float ci = c[i * cstride];
+        for (ptrdiff_t d = 0; d < HS; d++)
+            acc[d] = acc[d] + ci * r[d];
     }
 }
 
-/* softmax backward over rows of T: datt = (datt - sum(datt att)) att scale (the sum in double) */
-void softmax_backward_fast(float *restrict datt, const float *restrict att, ptrdiff_t rows, ptrdiff_t T, float scale)
+/* out[r*Tp + s] = sum_{d<HS} a[r*HS + d] bt[d*Tp + s] for 4 rows r and s < n16 (a multiple of 16, <= Tp): four rows
+   of a times the transposed matrix bt (HS, Tp), 4 x 16 results in registers */
+static inline void scores4(float *restrict out, const float *restrict a, const float *restrict bt, ptrdiff_t Tp,
+                           ptrdiff_t n16, ptrdiff_t HS)
 {
-    for (ptrdiff_t r = 0; r < rows; r++) {
-        float *d = datt + r * T;
-        const float *p = att + r * T;
-        float dot = (float)dot_f(d, p, T);
-        for (ptrdiff_t s = 0; s < T; s++)
-            d[s] = (d[s] - dot) * p[s] * scale;
+    for (ptrdiff_t s = 0; s < n16; s += 16) {
+        v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0}, c30 = {0}, c31 = {0};
+        for (ptrdiff_t d = 0; d < HS; d++) {
+            v8 b0 = LOAD8(bt + d * Tp + s), b1 = LOAD8(bt + d * Tp + s + 8);
+            float x0 = a[d], x1 = a[HS + d], x2 = a[2 * HS + d], x3 = a[3 * HS + d];
+            c00 += x0 * b0;
+            c01 += x0 * b1;
+            c10 += x1 * b0;
+            c11 += x1 * b1;
+            c20 += x2 * b0;
+            c21 += x2 * b1;
+            c30 += x3 * b0;
+            c31 += x3 * b1;
+        }
+        STORE8(out + s, c00);
+        STORE8(out + s + 8, c01);
+        STORE8(out + Tp + s, c10);
+        STORE8(out + Tp + s + 8, c11);
+        STORE8(out + 2 * Tp + s, c20);
+        STORE8(out + 2 * Tp + s + 8, c21);
+        STORE8(out + 3 * Tp + s, c30);
+        STORE8(out + 3 * Tp + s + 8, c31);
+    }
+}
+
+/* dst[c*dstride + r] = src[r*sstride + c] for r < rows, c < cols */
+static inline void transpose(float *restrict dst, ptrdiff_t dstride, const float *restrict src, ptrdiff_t sstride,
+                             ptrdiff_t rows, ptrdiff_t cols)
+{
+    for (ptrdiff_t c = 0; c < cols; c++)                /* strided loads, not strided stores */
+        for (ptrdiff_t r = 0; r < rows; r++)
+            dst[c * dstride + r] = src[r * sstride + c];
+}
+
+/* a4 (4, HS) = rows t0..t0+3 of src (rows stride apart), rows past T zero */
+static inline void four_rows(float *restrict a4, const float *restrict src, ptrdiff_t stride, ptrdiff_t t0,
+                             ptrdiff_t T, ptrdiff_t HS)
+{
+    for (ptrdiff_t r = 0; r < 4; r++)
+        for (ptrdiff_t d = 0; d < HS; d++)
+            a4[r * HS + d] = t0 + r < T ? src[(t0 + r) * stride + d] : 0.0f;
+}
+
+static inline ptrdiff_t up16(ptrdiff_t n) { return (n + 15) / 16 * 16; }
+
+/* the causal softmax of one row of scores x for query t = n - 1 into p (T): p[s] = e^{scale x[s] - max} / sum for
+   s < n, 0 after (exactly); the sum in double */
+static inline void softmax_causal_row(float *restrict p, float *restrict x, ptrdiff_t n, ptrdiff_t T, float scale)
+{
+    for (ptrdiff_t s = 0; s < n; s++)
+        x[s] = x[s] * scale;
+    float m = max_f(x, n);
+    double acc[LANES] = {0};
+    ptrdiff_t s = 0;
+    for (; s + LANES <= n; s += LANES)
+        for (int l = 0; l < LANES; l++) {
+            p[s + l] = exp_fast(x[s + l] - m);
+            acc[l] += (double)p[s + l];
+        }
+    for (; s < n; s++) {
+        p[s] = exp_fast(x[s] - m);
+        acc[0] += (double)p[s];
+    }
+    float total = (float)lanes_total(acc);
+    for (s = 0; s < n; s++)
+        p[s] = p[s] / total;
+    for (s = n; s < T; s++)
+        p[s] = 0.0f;
+}
+
+/* Causal self-attention forward of heads lo:hi (head j = batch j / NH, head j % NH), the masked half skipped.
+   inp (B,T,3C) = [q | k | v]; qkvr (3,B,NH,T,HS), plane = B*NH*T*HS apart, gets each head's q, k, v;
+   att (B,NH,T,T) = softmax(scale q k^T), 0 above the diagonal; out (B,T,C) = att v, heads concatenated.
+   work: (HS + 4) * Tp + 4 * HS floats, Tp = T rounded up to 16. */
+void attention_forward_fast(const float *restrict inp, float *restrict qkvr, float *restrict att, float *restrict out,
+                            ptrdiff_t lo, ptrdiff_t hi, ptrdiff_t T, ptrdiff_t NH, ptrdiff_t HS, ptrdiff_t plane,
+                            float scale, float *restrict work)
+{
+    ptrdiff_t C = NH * HS, Tp = up16(T);
+    float *kt = work, *sc = kt + HS * Tp, *a4 = sc + 4 * Tp;
+    for (ptrdiff_t i = 0; i < HS * Tp; i++)
+        kt[i] = 0.0f;                                   /* the columns past T stay 0 */
+    /* q, k, v of the heads into qkvr, reading inp row by row (its rows are 3C long: head by head, the reads
+       would be 64-float pieces far apart) */
+    for (ptrdiff_t b = lo / NH; b * NH < hi; b++) {
+        ptrdiff_t h0 = (lo > b * NH ? lo : b * NH) - b * NH, h1 = (hi < (b + 1) * NH ? hi : (b + 1) * NH) - b * NH;
+        for (ptrdiff_t t = 0; t < T; t++) {
+            const float *row = inp + (b * T + t) * 3 * C;
+            for (ptrdiff_t part = 0; part < 3; part++)
+                for (ptrdiff_t h = h0; h < h1; h++)
+                    memcpy(qkvr + part * plane + ((b * NH + h) * T + t) * HS, row + part * C + h * HS,
+                           (size_t)HS * sizeof(float));
+        }
+    }
+    for (ptrdiff_t j = lo; j < hi; j++) {
+        ptrdiff_t b = j / NH, h = j % NH;
+        const float *q = qkvr + j * T * HS, *k = q + plane, *v = k + plane;
+        transpose(kt, Tp, k, HS, T, HS);
+        for (ptrdiff_t t0 = 0; t0 < T; t0 += 4) {
+            four_rows(a4, q, HS, t0, T, HS);
+            scores4(sc, a4, kt, Tp, up16(t0 + 4), HS);
+            for (ptrdiff_t t = t0; t < t0 + 4 && t < T; t++) {
+                float *p = att + (j * T + t) * T;
+                softmax_causal_row(p, sc + (t - t0) * Tp, t + 1, T, scale);
+                rows_combine(out + (b * T + t) * C + h * HS, p, 1, v, HS, t + 1, HS);
+            }
+        }
+    }
+}
+
+/* Its backward for heads lo:hi: dout (B,T,C), the saved qkvr and att -> dinp (B,T,3C) = [dq | dk | dv] (written,
+   not added): dv = att^T dy, datt = dy v^T, dpre = att (datt - sum(datt att)) scale (the sum in double),
+   dq = dpre k, dk = dpre^T q, every sum over the causal half only. work: (HS + 4) * Tp + 4 * HS + T * T + T * HS
+   floats. */
+void attention_backward_fast(const float *restrict dout, const float *restrict qkvr, const float *restrict att,
+                             float *restrict dinp, ptrdiff_t lo, ptrdiff_t hi, ptrdiff_t T, ptrdiff_t NH,
+                             ptrdiff_t HS, ptrdiff_t plane, float scale, float *restrict work)
+{
+    ptrdiff_t C = NH * HS, Tp = up16(T);
+    float *vt = work, *sc = vt + HS * Tp, *a4 = sc + 4 * Tp, *ds = a4 + 4 * HS, *dy = ds + T * T;
+    for (ptrdiff_t i = 0; i < HS * Tp; i++)
+        vt[i] = 0.0f;
+    for (ptrdiff_t j = lo; j < hi; j++) {
+        ptrdiff_t b = j / NH, h = j % NH;
+        const float *q = qkvr + j * T * HS, *k = q + plane, *v = k + plane, *p = att + j * T * T;
+        for (ptrdiff_t t = 0; t < T; t++)                 /* dy (T,HS) contiguous: rows C apart thrash the L1 */
+            memcpy(dy + t * HS, dout + (b * T + t) * C + h * HS, (size_t)HS * sizeof(float));
+        float *dq = dinp + b * T * 3 * C + h * HS, *dk = dq + C, *dv = dk + C;    /* rows 3C apart */
+        transpose(vt, Tp, v, HS, T, HS);
+        for (ptrdiff_t t0 = 0; t0 < T; t0 += 4) {
+            four_rows(a4, dy, HS, t0, T, HS);
+            scores4(sc, a4, vt, Tp, up16(t0 + 4), HS);             /* datt rows t0..t0+3 */
+            for (ptrdiff_t t = t0; t < t0 + 4 && t < T; t++) {
+                const float *pr = p + t * T, *x = sc + (t - t0) * Tp;
+                float *d = ds + t * T;
+                ptrdiff_t n = t + 1;
+                float dot = (float)dot_f(x, pr, n);
+                for (ptrdiff_t s = 0; s < n; s++)
+                    d[s] = (x[s] - dot) * pr[s] * scale;
+                rows_combine(dq + t * 3 * C, d, 1, k, HS, n, HS);
+            }
+        }
+        /* dv[s] = sum_{t>=s} att[t,s] dy[t];  dk[s] = sum_{t>=s} dpre[t,s] q[t]: columns of att and dpre */
+        for (ptrdiff_t s = 0; s < T; s++) {
+            rows_combine(dv + s * 3 * C, p + s * T + s, T, dy + s * HS, HS, T - s, HS);
+            rows_combine(dk + s * 3 * C, ds + s * T + s, T, q + s * HS, HS, T - s, HS);
+        }
     }
 }
 
@@ -566,8 +725,8 @@ SIGNATURES = {
     "gelu_backward_fast": [_P, _P, _P, _N, _F, _F],
     "layernorm_forward_fast": [_P, _P, _P, _P, _P, _P, _N, _N, _F],
     "layernorm_backward_fast": [_P, _P, _P, _P, _P, _P, _P, _P, _N, _N],
-    "softmax_causal_fast": [_P, _N, _N, _F],
-    "softmax_backward_fast": [_P, _P, _N, _N, _F],
+    "attention_forward_fast": [_P, _P, _P, _P, _N, _N, _N, _N, _N, _N, _F, _P],
+    "attention_backward_fast": [_P, _P, _P, _P, _N, _N, _N, _N, _N, _N, _F, _P],
     "classifier_fast": [_P, _P, _P, _N, _N, _N, _F, _I],
     "sum_squares_fast": [_P, _N],
     "exp_fast_array": [_P, _P, _N],

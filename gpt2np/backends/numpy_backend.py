@@ -66,9 +66,10 @@ class NumpyBackend:
         """fused: run the element-wise arithmetic of AdamW, GELU, LayerNorm, attention and the bias gradients as the
         C loops of cpu_kernels (bitwise the results of the NumPy code here, which stays the reference; np.tanh,
         np.exp and the row sums stay NumPy's); None = when they build here (float32 only), False = never.
-        math: "exact" = that; "fast" = GELU, LayerNorm, attention's softmax, the classifier and the gradient norm
-        each as one C loop of cpu_kernels' fast set, with its own e^x and row sums in double (not bitwise the NumPy
-        code: within the tolerance tests/test_cpu_fast.py documents); needs the fused path, else exact."""
+        math: "exact" = that; "fast" = GELU, LayerNorm, causal attention (per head, the masked half skipped), the
+        classifier and the gradient norm each as one C loop of cpu_kernels' fast set, with its own e^x and row sums in
+        double (not bitwise the NumPy code: within the tolerance tests/test_cpu_fast.py documents); needs the fused
+        path, else exact."""
         if math not in MATHS:
             raise ValueError(f"math={math!r}: expected {' or '.join(MATHS)}")
         self.dtype = np.dtype(dtype)
@@ -286,10 +287,21 @@ class NumpyBackend:
         """
         B, T, C3 = inp.shape
         _, _, NH, _, HS = qkvr.shape
-        mask = self._causal_mask(T)                            # -inf above the diagonal
-        y_all = self.scratch("att_y", (B, NH, T, HS))
         kernels = self._fusable(out, qkvr, att, inp)
         fast = self._fast(out, qkvr, att, inp)
+        if fast:                                               # one C loop per head, the masked half skipped
+            Tp = -(-T // 16) * 16
+            addresses = [_address(a) for a in (inp, qkvr, att, out)]
+
+            def heads(lo, hi):
+                work = self._thread_buffer("att_work", (HS + 4) * Tp + 4 * HS, np.float32)
+                fast.attention_forward_fast(*addresses, lo, hi, T, NH, HS, B * NH * T * HS, 1.0 / math.sqrt(HS),
+                                            _address(work))
+
+            self._parallel(heads, B * NH, 2 * T * T * HS)
+            return
+        mask = self._causal_mask(T)                            # -inf above the diagonal
+        y_all = self.scratch("att_y", (B, NH, T, HS))
 
         def fused(lo, hi):                                     # the same operations; exp and sums stay NumPy's
             n, plane = hi - lo, B * NH * T * HS
@@ -297,13 +309,10 @@ class NumpyBackend:
             q, k, v = qkvr[:, lo:hi]
             a, y = att[lo:hi], y_all[lo:hi]
             np.matmul(q, k.transpose(0, 1, 3, 2), out=a)
-            if fast:
-                fast.softmax_causal_fast(_address(a), n * NH * T, T, 1.0 / math.sqrt(HS))
-            else:
-                kernels.softmax_shift(_address(a), n * NH * T, T, 1.0 / math.sqrt(HS))
-                np.exp(a, out=a)
-                sums = a.sum(axis=-1)                          # (a named array: alive during the call)
-                kernels.rows_divide(_address(a), _address(sums), n * NH * T, T)
+            kernels.softmax_shift(_address(a), n * NH * T, T, 1.0 / math.sqrt(HS))
+            np.exp(a, out=a)
+            sums = a.sum(axis=-1)                              # (a named array: alive during the call)
+            kernels.rows_divide(_address(a), _address(sums), n * NH * T, T)
             np.matmul(a, v, out=y)
             kernels.att_merge(_address(y), _address(out[lo:hi]), n, T, NH, HS, 1, 0)
 
@@ -334,10 +343,21 @@ class NumpyBackend:
         """dinp (B,T,3C) = d[q|k|v] from dout (B,T,C), the saved qkvr (3,B,NH,T,HS) and att (B,NH,T,T)."""
         B, T, C = dout.shape
         _, _, NH, _, HS = qkvr.shape
-        dqkvr_all = self.scratch("att_dqkvr", qkvr.shape)
-        datt_all = self.scratch("att_datt", att.shape)
         kernels = self._fusable(dinp, dout, qkvr, att)
         fast = self._fast(dinp, dout, qkvr, att)
+        if fast:                                               # one C loop per head, the masked half skipped
+            Tp = -(-T // 16) * 16
+            addresses = [_address(a) for a in (dout, qkvr, att, dinp)]
+
+            def heads(lo, hi):
+                work = self._thread_buffer("att_work", (HS + 4) * Tp + 4 * HS + T * T + T * HS, np.float32)
+                fast.attention_backward_fast(*addresses, lo, hi, T, NH, HS, B * NH * T * HS, 1.0 / math.sqrt(HS),
+                                             _address(work))
+
+            self._parallel(heads, B * NH, 4 * T * T * HS)
+            return
+        dqkvr_all = self.scratch("att_dqkvr", qkvr.shape)
+        datt_all = self.scratch("att_datt", att.shape)
 
         def fused(lo, hi):                                     # the same operations; the sums stay NumPy's
             n = hi - lo
@@ -347,11 +367,8 @@ class NumpyBackend:
             dy = dout[lo:hi].reshape(n, T, NH, HS).transpose(0, 2, 1, 3)
             np.matmul(a.transpose(0, 1, 3, 2), dy, out=dv)
             np.matmul(dy, v.transpose(0, 1, 3, 2), out=datt)
-            if fast:
-                fast.softmax_backward_fast(_address(datt), _address(a), n * NH * T, T, 1.0 / math.sqrt(HS))
-            else:
-                dots = np.einsum("bhts,bhts->bht", datt, a)
-                kernels.softmax_grad(_address(datt), _address(a), _address(dots), n * NH * T, T, 1.0 / math.sqrt(HS))
+            dots = np.einsum("bhts,bhts->bht", datt, a)
+            kernels.softmax_grad(_address(datt), _address(a), _address(dots), n * NH * T, T, 1.0 / math.sqrt(HS))
             np.matmul(datt, k, out=dq)
             np.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)
             kernels.att_merge(_address(dq), _address(dinp[lo:hi]), n, T, NH, HS, 3, B * NH * T * HS)
