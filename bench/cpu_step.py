@@ -21,10 +21,13 @@ gpt2np's second step op by op, its peak memory (VmHWM) against params + grads + 
 busy the machine was otherwise (other processes' CPU from /proc/stat, hypervisor steal, the load average).
 --rounds N runs every part N times, interleaved, so that a slow spell of the machine hits all of them; the
 floor keeps the best of everything it measured (a strict floor), the steps their median; a "round by round" line
-adds each round's gpt2np median over the floor measured in that round (how much of the ratio is drift).
+adds each round's gpt2np median over the floor measured in that round (how much of the ratio is drift), and a
+"paired" line each gpt2np step over the floor measured again in the same process right after it (NumPy's BLAS,
+one warm-up and one timed call per shape; --no-paired skips it): on a machine whose speed moves by tens of percent
+from minute to minute, the ratio at the same moment.
 
     python bench/cpu_step.py [--rounds 1] [--steps 8] [--warmup 2] [-b 4] [-t 64] [--model d12] [--threads N]
-                             [--no-torch] [--no-compile] [--no-floor] [--json FILE]
+                             [--no-torch] [--no-compile] [--no-floor] [--no-paired] [--json FILE]
 """
 import argparse
 import functools
@@ -101,7 +104,6 @@ class Recorder:
         if detail is None:
             return
         from gpt2np.backends.contract import op_cost
-        self._start = time.perf_counter()
         args_ = detail[1]
         if name in GEMM_TERMS:
             cost = op_cost(name, args_)
@@ -113,6 +115,7 @@ class Recorder:
                 self.gemms[shape] = self.gemms.get(shape, 0) + 1
         elif name == "adamw":
             self.adamw_bytes += op_cost(name, args_).bytes
+        self._start = time.perf_counter()                   # after the bookkeeping: the op's own time only
 
     def on_pop(self, name):
         if self._start is not None:
@@ -159,7 +162,7 @@ def bench_gpt2np(args):
     adamw = AdamW(weight_decay=0.1, grad_clip=1.0)
 
     recorder = Recorder()
-    times = []
+    times, paired, peak = [], [], None
     for step in range(args.warmup + args.steps):
         if step == 1:                                    # the second step: m and v exist already
             ranges.add_listener(recorder)
@@ -168,15 +171,28 @@ def bench_gpt2np(args):
         times.append(time.perf_counter() - t0)
         if step == 1:
             ranges.remove_listener(recorder)
+        if args.paired and step >= args.warmup:
+            peak = peak or peak_rss_bytes()              # the step's, before the floor's operands are allocated
+            # the floor again, right after this step (seconds apart, so the machine is in the same state)
+            paired.append(floor_ms(floor_numpy(list(recorder.gemms), args, reps=1),
+                                   [[*k, c] for k, c in recorder.gemms.items()], recorder.adamw_bytes))
     if args.warmup + args.steps < 2:
         raise SystemExit("need at least 2 steps (warm-up + measured)")
     assert recorder.timed_flops() == recorder.gemm_flops, (recorder.timed_flops(), recorder.gemm_flops)
     n = model.num_parameters
     budget = 4 * (4 * n + layout_size(activation_shapes(cfg, args.b, args.t)))
     return {"ms": statistics.median(times[args.warmup:]) * 1e3, "times_ms": [t * 1e3 for t in times],
-            "peak": peak_rss_bytes(), "budget": budget, "gemm_flops": recorder.gemm_flops,
+            "peak": peak or peak_rss_bytes(), "budget": budget, "gemm_flops": recorder.gemm_flops,
             "adamw_bytes": recorder.adamw_bytes, "gemms": [[*k, c] for k, c in recorder.gemms.items()],
-            "op_ms": recorder.op_ms, "matmul_flops": recorder.matmul_flops, "profiled_step_ms": times[1] * 1e3}
+            "op_ms": recorder.op_ms, "matmul_flops": recorder.matmul_flops, "profiled_step_ms": times[1] * 1e3,
+            "paired_floor_ms": paired}
+
+
+def floor_ms(measured, gemms, adamw_bytes):
+    """The floor in ms from one floor measurement ({"gemm_s": per shape, "bandwidth"}) and the recorded GEMMs
+    ([m, n, k, batch, ta, tb, count] each, in the measurement's order)."""
+    gemm_s = sum(g[6] * measured["gemm_s"][i] for i, g in enumerate(gemms))
+    return (gemm_s + adamw_bytes / measured["bandwidth"]) * 1e3
 
 
 def torch_model(args):
@@ -269,8 +285,9 @@ def gemm_call(rng, m, n, k, batch, ta, tb):
     return functools.partial(np.matmul, a_, b_, out=out)
 
 
-def floor_numpy(gemms, args):
-    """Best seconds per GEMM shape with NumPy's BLAS, and the bandwidth (bytes/s) of a threaded in-place add."""
+def floor_numpy(gemms, args, reps=None):
+    """Best seconds per GEMM shape with NumPy's BLAS, and the bandwidth (bytes/s) of a threaded in-place add, each
+    the best of `reps` runs (default args.reps) after one untimed."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
@@ -278,15 +295,16 @@ def floor_numpy(gemms, args):
     import gpt2np  # noqa: F401  (OpenBLAS thread timeout, as for gpt2np's step)
     rng = np.random.default_rng(0)
     seconds = []
+    reps = reps or args.reps
     for shape in gemms:
-        seconds.append(best_time(gemm_call(rng, *shape), args.reps))
+        seconds.append(best_time(gemm_call(rng, *shape), reps))
     size = args.bandwidth_mb << 18                        # float32 elements per array
     x, y = np.ones(size, np.float32), np.ones(size, np.float32)
     parts = [(size * i // args.threads, size * (i + 1) // args.threads) for i in range(args.threads)]
     with ThreadPoolExecutor(args.threads) as pool:
         def add():
             list(pool.map(lambda r: np.add(x[r[0]:r[1]], y[r[0]:r[1]], out=x[r[0]:r[1]]), parts))
-        bandwidth = 12 * size / best_time(add, args.reps)
+        bandwidth = 12 * size / best_time(add, reps)
     return {"gemm_s": seconds, "bandwidth": bandwidth}
 
 
@@ -341,6 +359,8 @@ def main():
     ap.add_argument("--no-torch", action="store_true", help="gpt2np only (quick A/B of gpt2np changes)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     ap.add_argument("--no-floor", action="store_true", help="skip measuring the floor")
+    ap.add_argument("--no-paired", dest="paired", action="store_false",
+                    help="skip the paired floor (measured again, with NumPy's BLAS, right after each gpt2np step)")
     ap.add_argument("--rounds", type=int, default=1, help="run every variant this many times, interleaved")
     ap.add_argument("--reps", type=int, default=5, help="repetitions per floor measurement (best is kept)")
     ap.add_argument("--bandwidth-mb", type=int, default=256, help="MiB per array in the bandwidth measurement")
@@ -366,6 +386,8 @@ def main():
     base = [sys.executable, __file__, "--model", args.model, "-b", str(args.b), "-t", str(args.t),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
             "--cpu-math", args.cpu_math, "--reps", str(args.reps), "--bandwidth-mb", str(args.bandwidth_mb)]
+    if not args.paired or args.no_floor:
+        base.append("--no-paired")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if args.threads != len(os.sched_getaffinity(0)):
         # only when asked for fewer threads than cores: pinning OpenBLAS to all cores explicitly made
@@ -479,6 +501,13 @@ def main():
             print(f"{'  round by round':32s}: "
                   f"{', '.join(f'{r:.2f}x ({s:.0f}/{f:.0f})' for r, s, f in by_round)}   (each round's gpt2np "
                   f"median / the floor measured in that round, ms)")
+        pairs = [(t, f) for r in runs["gpt2np"] for t, f in zip(r["times_ms"][args.warmup:], r["paired_floor_ms"])]
+        if pairs:
+            ratios = sorted(t / f for t, f in pairs)
+            report["ratio_to_floor_paired"] = {"median": statistics.median(ratios), "pairs": pairs}
+            print(f"{'  paired, step by step':32s}: {statistics.median(ratios):8.2f}x   (median of {len(ratios)} "
+                  f"steps, each over the floor measured right after it with NumPy's BLAS; {ratios[0]:.2f}x-"
+                  f"{ratios[-1]:.2f}x)")
         cold = [r["gemm_cold_s"] for r in floors if "gemm_cold_s" in r]
         if cold:
             cold_ms = (min(cold) + adamw_s) * 1e3

@@ -242,3 +242,10 @@ def test_cpu_step_bench_round_ratios_use_each_rounds_own_floor():
     # round 1: GEMMs 3 * 0.001 + 0.004 s, AdamW 4e6 B at 2e9 B/s -> 9 ms, step median 22 ms; round 2: numpy's only,
     # 3 * 0.004 + 0.008 + 0.004 = 24 ms, median 40 ms
     assert ratios == [pytest.approx((22 / 9, 22, 9)), pytest.approx((40 / 24, 40, 24))]
+
+
+def test_cpu_step_bench_paired_floor_weights_each_shape_by_its_calls():
+    bench = load_cpu_step_bench()
+    gemms = [(2, 2, 2, 1, False, False, 3), (4, 4, 4, 1, False, True, 1)]
+    # 3 calls * 2 ms + 1 call * 4 ms + AdamW's 4e6 B at 1e9 B/s (4 ms) = 14 ms
+    assert bench.floor_ms({"gemm_s": [0.002, 0.004], "bandwidth": 1e9}, gemms, 4e6) == pytest.approx(14.0)
