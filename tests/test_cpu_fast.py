@@ -198,14 +198,19 @@ def test_nan_in_gives_nan_out():
     assert np.isnan(y[:2]).all() and y[2] == np.float32(np.e)
 
 
-def test_gradient_norm_within_tolerance_and_overflow_is_inf():
+def test_gradient_norm_within_tolerance_and_overflow_is_inf(monkeypatch):
+    monkeypatch.setattr(numpy_backend, "PARALLEL_MIN", 1)      # every thread takes a run of the chunks
     g = (np.random.default_rng(2).standard_normal(3 * numpy_backend.CHUNK + 17) * 3).astype(np.float32)
     fast, _, _ = three()
     want = float(np.sum(g.astype(np.float64) ** 2))
-    assert abs(fast.global_norm_squared(g) - want) <= 2.0 ** -20 * want
-    assert "sum_squares_fast" in fast._kernels.called
+    got = fast.global_norm_squared(g)
+    assert abs(got - want) <= 2.0 ** -20 * want
+    assert "sum_squares_chunks" in fast._kernels.called
+    assert all(NumpyBackend(threads=n, math="fast").global_norm_squared(g) == got for n in (1, 3, 4))
     g[5] = 3e30                                                 # its square overflows float32, as on the GPU
     assert fast.global_norm_squared(g) == np.inf
+    g[-1] = np.nan
+    assert np.isnan(fast.global_norm_squared(g))
 
 
 def test_results_do_not_depend_on_the_thread_count(monkeypatch):
@@ -225,7 +230,7 @@ def test_training_steps_track_the_exact_path():
     backend = three()[0]
     fast, exact = run_steps(backend), run_steps(NumpyBackend(threads=2, math="exact"))
     assert {"gelu_forward_fast", "layernorm_backward_fast", "attention_forward_fast", "classifier_fast",
-            "sum_squares_fast"} <= backend._kernels.called
+            "sum_squares_chunks"} <= backend._kernels.called
     assert not np.array_equal(fast[1], exact[1])                # not the exact path under another name
     np.testing.assert_allclose(fast[0], exact[0], rtol=1e-5)     # grad norms
     for got, want in zip(fast[1:], exact[1:]):

@@ -694,6 +694,14 @@ double sum_squares_fast(const float *restrict x, ptrdiff_t n)
         total += (double)x[i] * (double)x[i];
     return total;
 }
+
+/* out[i] = the sum of squares of chunk i of x[0:n) (chunks of `chunk`, the last shorter), rounded to float32 (a sum
+   past float32's range becomes inf): the norm's partial sums, a thread's whole run of chunks in one call */
+void sum_squares_chunks(const float *restrict x, ptrdiff_t n, ptrdiff_t chunk, float *restrict out)
+{
+    for (ptrdiff_t i = 0; i * chunk < n; i++)
+        out[i] = (float)sum_squares_fast(x + i * chunk, n - i * chunk < chunk ? n - i * chunk : chunk);
+}
 """
 
 # No -ffast-math, no FMA contraction: every operation rounds to float32 as NumPy's does.
@@ -729,6 +737,7 @@ SIGNATURES = {
     "attention_backward_fast": [_P, _P, _P, _P, _N, _N, _N, _N, _N, _N, _F, _P],
     "classifier_fast": [_P, _P, _P, _N, _N, _N, _F, _I],
     "sum_squares_fast": [_P, _N],
+    "sum_squares_chunks": [_P, _N, _N, _P],
     "exp_fast_array": [_P, _P, _N],
 }
 RESTYPES = {"sum_squares_fast": ctypes.c_double}

@@ -606,7 +606,7 @@ class NumpyBackend:
                 kernels.adamw(p, g, mm, vv, hi - lo, c_m, beta1, c_v, beta2, eps_v, step_size, decay,
                               weight_decay != 0.0)
 
-            self._chunked(fused, params.size)
+            self._parallel(fused, params.size, 7)              # a block per thread: no per-chunk calls
             return
 
         def chunk(lo, hi):
@@ -676,16 +676,20 @@ class NumpyBackend:
         """sum(grads^2) of a flat buffer, accumulated per chunk in float64."""
         fast = self._fast(grads)
         if fast:
-            g = _address(grads)
-            # each chunk's sum (float blocks added in double) rounded to float32, as np.dot's: one that overflows
-            # float32 makes the norm inf, the step a non-finite one, as on the exact path and the GPU
-            def chunk(lo, hi):
-                with np.errstate(over="ignore"):
-                    return float(np.float32(fast.sum_squares_fast(g + 4 * lo, hi - lo)))
+            # each CHUNK's sum (float blocks added in double) rounded to float32, as np.dot's: one that overflows
+            # float32 makes the norm inf, the step a non-finite one, as on the exact path and the GPU. One C call
+            # per thread for its run of chunks (a call per chunk cost ~25% of the pass in Python overhead).
+            n = grads.size
+            parts = np.empty(-(-n // CHUNK), np.float32)
+            g, out = _address(grads), _address(parts)
 
-            parts = self._chunked(chunk, grads.size)
-        else:
-            parts = self._chunked(lambda lo, hi: float(np.dot(grads[lo:hi], grads[lo:hi])), grads.size)
+            def run(lo, hi):                                   # chunks lo:hi
+                a, b = lo * CHUNK, min(hi * CHUNK, n)
+                fast.sum_squares_chunks(g + 4 * a, b - a, CHUNK, out + 4 * lo)
+
+            self._parallel(run, parts.size, CHUNK)
+            return math.fsum(parts.tolist())
+        parts = self._chunked(lambda lo, hi: float(np.dot(grads[lo:hi], grads[lo:hi])), grads.size)
         return math.fsum(parts)
 
     def _column_sums(self, x, y=None):
