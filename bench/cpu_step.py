@@ -171,11 +171,11 @@ def bench_gpt2np(args):
         times.append(time.perf_counter() - t0)
         if step == 1:
             ranges.remove_listener(recorder)
-        if args.paired and step >= args.warmup:
+        if args.paired and step >= max(args.warmup, 1):  # (the recorder has the step's GEMMs from step 1 on)
             peak = peak or peak_rss_bytes()              # the step's, before the floor's operands are allocated
             # the floor again, right after this step (seconds apart, so the machine is in the same state)
-            paired.append(floor_ms(floor_numpy(list(recorder.gemms), args, reps=1),
-                                   [[*k, c] for k, c in recorder.gemms.items()], recorder.adamw_bytes))
+            paired.append([step, floor_ms(floor_numpy(list(recorder.gemms), args, reps=1),
+                                          [[*k, c] for k, c in recorder.gemms.items()], recorder.adamw_bytes)])
     if args.warmup + args.steps < 2:
         raise SystemExit("need at least 2 steps (warm-up + measured)")
     assert recorder.timed_flops() == recorder.gemm_flops, (recorder.timed_flops(), recorder.gemm_flops)
@@ -501,7 +501,7 @@ def main():
             print(f"{'  round by round':32s}: "
                   f"{', '.join(f'{r:.2f}x ({s:.0f}/{f:.0f})' for r, s, f in by_round)}   (each round's gpt2np "
                   f"median / the floor measured in that round, ms)")
-        pairs = [(t, f) for r in runs["gpt2np"] for t, f in zip(r["times_ms"][args.warmup:], r["paired_floor_ms"])]
+        pairs = [(r["times_ms"][step], f) for r in runs["gpt2np"] for step, f in r["paired_floor_ms"]]
         if pairs:
             ratios = sorted(t / f for t, f in pairs)
             report["ratio_to_floor_paired"] = {"median": statistics.median(ratios), "pairs": pairs}

@@ -139,8 +139,9 @@ def test_attention_within_tolerance_masked_entries_zero(B, T, NH, HS):
     runs = {}
     for name, be in (("fast", fast), ("truth", truth)):
         xi, di = (inp, dout) if name == "fast" else f64(inp, dout)
-        out, qkvr = np.empty((B, T, C), xi.dtype), np.empty((3, B, NH, T, HS), xi.dtype)
-        att, dinp = np.empty((B, NH, T, T), xi.dtype), np.empty_like(xi)
+        # NaN-filled outputs: every element must be written, not added to
+        out, qkvr = np.full((B, T, C), np.nan, xi.dtype), np.full((3, B, NH, T, HS), np.nan, xi.dtype)
+        att, dinp = np.full((B, NH, T, T), np.nan, xi.dtype), np.full_like(xi, np.nan)
         be.attention_forward(out, qkvr, att, xi)
         be.attention_backward(dinp, di, qkvr, att)
         runs[name] = out, att, dinp
@@ -229,8 +230,8 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
 def test_training_steps_track_the_exact_path():
     backend = three()[0]
     fast, exact = run_steps(backend), run_steps(NumpyBackend(threads=2, math="exact"))
-    assert {"gelu_forward_fast", "layernorm_backward_fast", "attention_forward_fast", "classifier_fast",
-            "sum_squares_chunks"} <= backend._kernels.called
+    assert {"gelu_forward_fast", "layernorm_backward_fast", "attention_forward_fast", "attention_backward_fast",
+            "classifier_fast", "sum_squares_chunks"} <= backend._kernels.called
     assert not np.array_equal(fast[1], exact[1])                # not the exact path under another name
     np.testing.assert_allclose(fast[0], exact[0], rtol=1e-5)     # grad norms
     for got, want in zip(fast[1:], exact[1:]):

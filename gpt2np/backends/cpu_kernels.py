@@ -549,7 +549,9 @@ static inline void softmax_causal_row(float *restrict p, float *restrict x, ptrd
 /* Causal self-attention forward of heads lo:hi (head j = batch j / NH, head j % NH), the masked half skipped.
    inp (B,T,3C) = [q | k | v]; qkvr (3,B,NH,T,HS), plane = B*NH*T*HS apart, gets each head's q, k, v;
    att (B,NH,T,T) = softmax(scale q k^T), 0 above the diagonal; out (B,T,C) = att v, heads concatenated.
-   work: (HS + 4) * Tp + 4 * HS floats, Tp = T rounded up to 16. */
+   Strictly causal: a NaN or inf in a later k or v does not reach earlier rows (in the NumPy code it does, through
+   -inf + NaN and 0 * NaN; the loss is NaN either way). work: (HS + 4) * Tp + 4 * HS floats, Tp = T rounded up
+   to 16. */
 void attention_forward_fast(const float *restrict inp, float *restrict qkvr, float *restrict att, float *restrict out,
                             ptrdiff_t lo, ptrdiff_t hi, ptrdiff_t T, ptrdiff_t NH, ptrdiff_t HS, ptrdiff_t plane,
                             float scale, float *restrict work)
