@@ -290,15 +290,7 @@ class NumpyBackend:
         kernels = self._fusable(out, qkvr, att, inp)
         fast = self._fast(out, qkvr, att, inp)
         if fast:                                               # one C loop per head, the masked half skipped
-            Tp = -(-T // 16) * 16
-            addresses = [_address(a) for a in (inp, qkvr, att, out)]
-
-            def heads(lo, hi):
-                work = self._thread_buffer("att_work", (HS + 4) * Tp + 4 * HS, np.float32)
-                fast.attention_forward_fast(*addresses, lo, hi, T, NH, HS, B * NH * T * HS, 1.0 / math.sqrt(HS),
-                                            _address(work))
-
-            self._parallel(heads, B * NH, 2 * T * T * HS)
+            self._per_head(fast.attention_forward_fast, (inp, qkvr, att, out), B, T, NH, HS, 0, 2 * T * T * HS)
             return
         mask = self._causal_mask(T)                            # -inf above the diagonal
         y_all = self.scratch("att_y", (B, NH, T, HS))
@@ -331,6 +323,19 @@ class NumpyBackend:
 
         self._parallel(fused if kernels else batch, B, 2 * NH * T * T * HS)          # the batched GEMMs' work
 
+    def _per_head(self, kernel, arrays, B, T, NH, HS, extra_work, head_elements):
+        """kernel(*arrays, lo, hi, T, NH, HS, plane, scale, work) over the B*NH heads, a run of heads per thread:
+        attention's fast C loops. work: a thread's (HS + 4) * Tp + 4 * HS + extra_work floats (Tp = T rounded up
+        to 16), as the kernel's comment gives them."""
+        Tp = -(-T // 16) * 16
+        addresses = [_address(a) for a in arrays]
+
+        def heads(lo, hi):
+            work = self._thread_buffer("att_work", (HS + 4) * Tp + 4 * HS + extra_work, np.float32)
+            kernel(*addresses, lo, hi, T, NH, HS, B * NH * T * HS, 1.0 / math.sqrt(HS), _address(work))
+
+        self._parallel(heads, B * NH, head_elements)
+
     def _causal_mask(self, T):
         """(T, T): 0 where a query may look (t2 <= t), -inf at the future."""
         mask = self._scratch.get(("causal", T))
@@ -346,15 +351,8 @@ class NumpyBackend:
         kernels = self._fusable(dinp, dout, qkvr, att)
         fast = self._fast(dinp, dout, qkvr, att)
         if fast:                                               # one C loop per head, the masked half skipped
-            Tp = -(-T // 16) * 16
-            addresses = [_address(a) for a in (dout, qkvr, att, dinp)]
-
-            def heads(lo, hi):
-                work = self._thread_buffer("att_work", (HS + 4) * Tp + 4 * HS + T * T + T * HS, np.float32)
-                fast.attention_backward_fast(*addresses, lo, hi, T, NH, HS, B * NH * T * HS, 1.0 / math.sqrt(HS),
-                                             _address(work))
-
-            self._parallel(heads, B * NH, 4 * T * T * HS)
+            self._per_head(fast.attention_backward_fast, (dout, qkvr, att, dinp), B, T, NH, HS, T * T + T * HS,
+                           4 * T * T * HS)
             return
         dqkvr_all = self.scratch("att_dqkvr", qkvr.shape)
         datt_all = self.scratch("att_datt", att.shape)
