@@ -361,6 +361,23 @@ static inline double dot_f(const float *restrict x, const float *restrict y, ptr
     return lanes_total(acc);
 }
 
+/* dst[i] = e^{src[i] - m} for i < n, returning their sum in double (8 lanes, added pairwise); dst may be src */
+static inline double exp_shifted_sum(float *dst, const float *src, ptrdiff_t n, float m)
+{
+    double acc[LANES] = {0};
+    ptrdiff_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) {
+            dst[i + j] = exp_fast(src[i + j] - m);
+            acc[j] += (double)dst[i + j];
+        }
+    for (; i < n; i++) {
+        dst[i] = exp_fast(src[i] - m);
+        acc[0] += (double)dst[i];
+    }
+    return lanes_total(acc);
+}
+
 /* GELU, tanh form: 0.5 x (1 + tanh u) = x sigmoid(2u), u = scale (x + cube x^3). out = x / (1 + e^{-2u}). */
 void gelu_forward_fast(const float *restrict x, float *restrict out, ptrdiff_t n, float cube, float scale)
 {
@@ -528,18 +545,8 @@ static inline void softmax_causal_row(float *restrict p, float *restrict x, ptrd
     for (ptrdiff_t s = 0; s < n; s++)
         x[s] = x[s] * scale;
     float m = max_f(x, n);
-    double acc[LANES] = {0};
-    ptrdiff_t s = 0;
-    for (; s + LANES <= n; s += LANES)
-        for (int l = 0; l < LANES; l++) {
-            p[s + l] = exp_fast(x[s + l] - m);
-            acc[l] += (double)p[s + l];
-        }
-    for (; s < n; s++) {
-        p[s] = exp_fast(x[s] - m);
-        acc[0] += (double)p[s];
-    }
-    float total = (float)lanes_total(acc);
+    float total = (float)exp_shifted_sum(p, x, n, m);
+    ptrdiff_t s;
     for (s = 0; s < n; s++)
         p[s] = p[s] / total;
     for (s = n; s < T; s++)
@@ -637,26 +644,19 @@ void classifier_fast(float *restrict logits, float *restrict losses, const int32
         float *x = logits + r * Vp;
         float target_logit = x[targets[r]];
         float m = max_f(x, V);
-        double acc[LANES] = {0};
-        ptrdiff_t i = 0;
-        if (write_dlogits) {
-            for (; i + LANES <= V; i += LANES)
-                for (int j = 0; j < LANES; j++) {
-                    x[i + j] = exp_fast(x[i + j] - m);
-                    acc[j] += (double)x[i + j];
-                }
-            for (; i < V; i++) {
-                x[i] = exp_fast(x[i] - m);
-                acc[0] += (double)x[i];
-            }
-        } else {
+        double total;
+        if (write_dlogits)
+            total = exp_shifted_sum(x, x, V, m);
+        else {
+            double acc[LANES] = {0};
+            ptrdiff_t i = 0;
             for (; i + LANES <= V; i += LANES)
                 for (int j = 0; j < LANES; j++)
                     acc[j] += (double)exp_fast(x[i + j] - m);
             for (; i < V; i++)
                 acc[0] += (double)exp_fast(x[i] - m);
+            total = lanes_total(acc);
         }
-        double total = lanes_total(acc);
         losses[r] = (float)(log(total) + (double)m - (double)target_logit);
         if (write_dlogits) {
             float scale = (float)((double)dloss / total);
