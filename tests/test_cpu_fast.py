@@ -107,10 +107,12 @@ def test_gelu_keeps_the_references_inf_and_nan():
     np.testing.assert_array_equal(got, want)                   # inf, NaN, NaN, 0
 
 
-@pytest.mark.parametrize("C", [5, 16, 768])
-def test_layernorm_within_tolerance(C):
+@pytest.mark.parametrize("C, T", [(5, 7), (16, 7), (768, 7), (32, 23)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_layernorm_within_tolerance(C, T, accumulate, monkeypatch):
+    monkeypatch.setattr(numpy_backend, "PARALLEL_MIN", 1)      # the row blocks split over the threads
     rng = np.random.default_rng(C)
-    B, T = 3, 7
+    B = 3
     x = (rng.standard_normal((B, T, C)) * 3 + 1).astype(np.float32)
     w, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
     dout = rng.standard_normal((B, T, C)).astype(np.float32)
@@ -121,8 +123,8 @@ def test_layernorm_within_tolerance(C):
         xi, wi, bi, di, dinp = (x, w, b, dout, base.copy()) if name == "fast" else f64(x, w, b, dout, base)
         out, mean, rstd = np.empty_like(xi), np.empty((B, T), xi.dtype), np.empty((B, T), xi.dtype)
         be.layernorm_forward(out, mean, rstd, xi, wi, bi)
-        dw, db = np.zeros_like(wi), np.zeros_like(wi)
-        be.layernorm_backward(dinp, dw, db, di, xi, wi, mean, rstd, accumulate=False)
+        dw, db = np.full_like(wi, 0.5), np.full_like(wi, -2.0)   # added to, or overwritten
+        be.layernorm_backward(dinp, dw, db, di, xi, wi, mean, rstd, accumulate=accumulate)
         runs[name] = out, mean, rstd, dinp, dw, db
     for got, want in zip(runs["fast"], runs["truth"]):
         assert max_error(got, want) <= 2.0 ** -20 * np.abs(want).max()

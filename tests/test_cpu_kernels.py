@@ -139,6 +139,42 @@ def test_column_sums_add_as_numpy_does(N, C):
 
 
 @needs_kernels
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_fused_token_embedding_gradient_is_bitwise_np_add_at(accumulate):
+    # repeated ids add in turn (the order of the adds is part of the bits), ids at both ends of the table
+    rng = np.random.default_rng(4)
+    B, T, C, V = 3, 11, 17, 40
+    ids = rng.integers(0, 5, (B, T)).astype(np.int32)
+    ids[0, :3], ids[1, 0] = V - 1, 0
+    dout = (rng.standard_normal((B, T, C)) * 10).astype(np.float32)
+    dwte0 = (rng.standard_normal((V, C)) * 1e3).astype(np.float32)
+    dwpe0 = rng.standard_normal((T + 2, C)).astype(np.float32)
+    results = []
+    for be in backends():
+        be._kernels = Spy(be._kernels) if be._kernels else None
+        dwte, dwpe = dwte0.copy(), dwpe0.copy()
+        be.encoder_backward(dwte, dwpe, dout, ids, accumulate)
+        results.append((dwte, dwpe, be))
+    (got_wte, got_wpe, fused), (want_wte, want_wpe, _) = results
+    assert "rows_add_at" in fused._kernels.called
+    np.testing.assert_array_equal(bits(got_wte), bits(want_wte))
+    np.testing.assert_array_equal(bits(got_wpe), bits(want_wpe))
+    with pytest.raises(IndexError):                            # an id past the table: NumPy's error, no stray write
+        fused.encoder_backward(dwte0.copy(), dwpe0.copy(), dout, np.full((B, T), V, np.int32))
+
+
+class Spy:
+    """A C library, recording which of its functions are called."""
+
+    def __init__(self, lib):
+        self.lib, self.called = lib, set()
+
+    def __getattr__(self, name):
+        self.called.add(name)
+        return getattr(self.lib, name)
+
+
+@needs_kernels
 def test_fused_path_skips_non_contiguous_or_other_dtypes():
     fused = NumpyBackend(threads=1, fused=True)
     x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)

@@ -2,8 +2,9 @@
 
 SOURCE, the exact set: small loops that do, in one pass over memory, the element-wise float32 work that NumPy
 does in many (AdamW: 13 passes over params, grads and moments; GELU: the arithmetic around np.tanh; LayerNorm and
-attention's softmax: the arithmetic around their row sums and np.exp; attention's head split and merge; bf16's
-stochastic rounding: its integer hash, bf16.round_stochastic's bit for bit). Each loop performs exactly the
+attention's softmax: the arithmetic around their row sums and np.exp; attention's head split and merge; the
+token embedding gradient's np.add.at; bf16's stochastic rounding: its integer hash, bf16.round_stochastic's bit for
+bit). Each loop performs exactly the
 float32 operations of the NumPy code it stands for, in the same order, each rounded to float32 (no FMA
 contraction, no fast-math), so its results are BITWISE those of the NumPy code (tests/test_cpu_kernels.py checks
 it, and the golden run pins it). What NumPy computes with its own approximations (tanh, exp) or with its own
@@ -36,6 +37,7 @@ from pathlib import Path
 SOURCE = r"""
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
 
 /* AdamW, the NumPy sequence of NumpyBackend.adamw_update per element:
    m = m*beta1 + g*c_m;  v = v*beta2 + (g*g)*c_v;  u = (m / (sqrt(v) + eps)) * step;  p = p*decay - u */
@@ -272,6 +274,19 @@ void col_sums(const float *restrict x, const float *restrict y, float *restrict 
         }
     }
 }
+
+/* np.add.at(dst, idx, src) for rows of C: dst[idx[i]] += src[i] for i = 0, 1, ..., n-1 in that order (a repeated
+   index adds in turn, as NumPy does). The caller checks 0 <= idx[i] < dst's rows. */
+void rows_add_at(float *restrict dst, const int32_t *restrict idx, const float *restrict src, ptrdiff_t n,
+                 ptrdiff_t C)
+{
+    for (ptrdiff_t i = 0; i < n; i++) {
+        float *d = dst + (ptrdiff_t)idx[i] * C;
+        const float *r = src + i * C;
+        for (ptrdiff_t c = 0; c < C; c++)
+            d[c] = d[c] + r[c];
+    }
+}
 """
 
 FAST_SOURCE = r"""
@@ -423,23 +438,34 @@ void layernorm_forward_fast(const float *restrict x, float *restrict out, float 
     }
 }
 
-/* LayerNorm backward over rows: x_hat = (x - mean) rstd (kept in xh for dweight), g = dout w,
-   dinp += (g - mean(g) - x_hat mean(g x_hat)) rstd. */
+/* LayerNorm backward over rows: x_hat = (x - mean) rstd, g = dout w, dinp += (g - mean(g) - x_hat mean(g x_hat)) rstd;
+   and the parameter gradients' partial sums in double, one pair per block of `block` rows (row 0 starts a block):
+   parts[b] = [sum dout x_hat (C) | sum dout (C)] over block b's rows, added in row order. The caller adds the blocks
+   in order, so neither depends on how the rows were split over threads. work: 2C floats (this row's x_hat and g). */
 void layernorm_backward_fast(const float *restrict x, const float *restrict dout, const float *restrict w,
-                             const float *restrict mean, const float *restrict rstd, float *restrict xh,
-                             float *restrict g, float *restrict dinp, ptrdiff_t rows, ptrdiff_t C)
+                             const float *restrict mean, const float *restrict rstd, float *restrict work,
+                             float *restrict dinp, double *restrict parts, ptrdiff_t rows, ptrdiff_t C,
+                             ptrdiff_t block)
 {
+    float *restrict hr = work, *restrict g = work + C;
     for (ptrdiff_t r = 0; r < rows; r++) {
         const float *xr = x + r * C, *dr = dout + r * C;
-        float *hr = xh + r * C, *ir = dinp + r * C;
+        float *ir = dinp + r * C;
+        double *pw = parts + (r / block) * 2 * C, *pb = pw + C;
+        if (r % block == 0)
+            for (ptrdiff_t c = 0; c < 2 * C; c++)
+                pw[c] = 0.0;
         float mu = mean[r], rs = rstd[r];
         for (ptrdiff_t c = 0; c < C; c++) {
             hr[c] = (xr[c] - mu) * rs;
             g[c] = dr[c] * w[c];
         }
         float m1 = (float)(sum_f(g, C) / (double)C), m2 = (float)(dot_f(g, hr, C) / (double)C);
-        for (ptrdiff_t c = 0; c < C; c++)
+        for (ptrdiff_t c = 0; c < C; c++) {
             ir[c] = ir[c] + (g[c] - m1 - hr[c] * m2) * rs;
+            pw[c] += (double)dr[c] * (double)hr[c];
+            pb[c] += (double)dr[c];
+        }
     }
 }
 
@@ -730,11 +756,12 @@ SIGNATURES = {
     "rows_divide": [_P, _P, _N, _N],
     "softmax_grad": [_P, _P, _P, _N, _N, _F],
     "col_sums": [_P, _P, _P, _P, _N, _N, _N, _N],
+    "rows_add_at": [_P, _P, _P, _N, _N],
     "round_stochastic": [_P, _P, _N, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_ushort],
     "gelu_forward_fast": [_P, _P, _N, _F, _F],
     "gelu_backward_fast": [_P, _P, _P, _N, _F, _F],
     "layernorm_forward_fast": [_P, _P, _P, _P, _P, _P, _N, _N, _F],
-    "layernorm_backward_fast": [_P, _P, _P, _P, _P, _P, _P, _P, _N, _N],
+    "layernorm_backward_fast": [_P, _P, _P, _P, _P, _P, _P, _P, _N, _N, _N],
     "attention_forward_fast": [_P, _P, _P, _P, _N, _N, _N, _N, _N, _N, _F, _P],
     "attention_backward_fast": [_P, _P, _P, _P, _N, _N, _N, _N, _N, _N, _F, _P],
     "classifier_fast": [_P, _P, _P, _N, _N, _N, _F, _I],

@@ -37,6 +37,8 @@ CLASSIFIER_ROWS = 2
 # 256: LayerNorm both ways, the bias add and the bias gradient's column sums are faster inline; GELU,
 # attention and the classifier are not).
 PARALLEL_MIN = 1 << 20
+# rows per block of the fast LayerNorm backward's parameter-gradient partial sums (part of its results' rounding)
+LN_BLOCK = 16
 MATHS = ("exact", "fast")        # NumpyBackend(math=): bitwise the NumPy code, or cpu_kernels' fast set
 
 
@@ -139,7 +141,13 @@ class NumpyBackend:
         since the tied lm_head wrote it first.
         """
         T, C = dout.shape[1], dout.shape[2]
-        np.add.at(dwte, inp.reshape(-1), dout.reshape(-1, C))
+        ids = inp.reshape(-1)
+        kernels = self._fusable(dwte, dout)
+        if kernels and ids.dtype == np.int32 and ids.flags.c_contiguous and ids.size and \
+                0 <= ids.min() and ids.max() < dwte.shape[0]:
+            kernels.rows_add_at(_address(dwte), _address(ids), _address(dout), ids.size, C)   # np.add.at's adds
+        else:
+            np.add.at(dwte, ids, dout.reshape(-1, C))
         if accumulate:
             dwpe[:T] += dout.sum(axis=0)
         else:
@@ -190,17 +198,14 @@ class NumpyBackend:
         N = inp.size // C
         dinp, dout, inp = dinp.reshape(N, C), dout.reshape(N, C), inp.reshape(N, C)
         mean, rstd = mean.reshape(N, 1), rstd.reshape(N, 1)
+        fast = self._fast(dinp, dout, inp, weight, mean, rstd)
+        if fast:
+            self._layernorm_backward_fast(fast, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate)
+            return
         norm = self.scratch("ln_norm", (N, C))                 # x_hat, kept for dweight
         dnorm = self.scratch("ln_dnorm", (N, C))
         kernels = self._fusable(dinp, dout, inp, weight, mean, rstd)
         work = None if kernels else self.scratch("ln_work", (N, C))
-        fast = self._fast(dinp, dout, inp, weight, mean, rstd)
-
-        def fast_rows(lo, hi):                                 # x_hat into norm, dinp; the row means in double
-            g = self._thread_buffer("ln_g", C, np.float32)
-            fast.layernorm_backward_fast(_address(inp[lo]), _address(dout[lo]), _address(weight), _address(mean[lo]),
-                                         _address(rstd[lo]), _address(norm[lo]), _address(g), _address(dinp[lo]),
-                                         hi - lo, C)
 
         def fused(lo, hi):                                     # the same operations; the sums stay NumPy's
             xh, dxh, rs = norm[lo:hi], dnorm[lo:hi], rstd[lo:hi]
@@ -224,11 +229,30 @@ class NumpyBackend:
             dxh *= rs
             dinp[lo:hi] += dxh
 
-        self._parallel(fast_rows if fast else fused if kernels else rows, N, 3 * C)
+        self._parallel(fused if kernels else rows, N, 3 * C)
         if kernels and C > 1:
             sums, dots = self._column_sums(dout, norm)
         else:
             sums, dots = dout.sum(axis=0), np.einsum("nc,nc->c", dout, norm)
+        write_or_add(dbias, sums, accumulate)
+        write_or_add(dweight, dots, accumulate)
+
+    def _layernorm_backward_fast(self, fast, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate):
+        """layernorm_backward in one pass over the rows (2-D dinp, dout, inp; (N,1) mean, rstd): dinp, and dweight and
+        dbias summed in double per block of LN_BLOCK rows as each row goes by, the blocks then added in order (no x_hat
+        buffer, no second pass for the column sums; the same results whatever the thread count)."""
+        N, C = inp.shape
+        parts = self.scratch("ln_parts", (-(-N // LN_BLOCK), 2, C), np.float64)
+
+        def blocks(lo, hi):                                    # rows of blocks lo:hi
+            a, b = lo * LN_BLOCK, min(hi * LN_BLOCK, N)
+            work = self._thread_buffer("ln_work", 2 * C, np.float32)
+            fast.layernorm_backward_fast(_address(inp[a]), _address(dout[a]), _address(weight), _address(mean[a]),
+                                         _address(rstd[a]), _address(work), _address(dinp[a]), _address(parts[lo]),
+                                         b - a, C, LN_BLOCK)
+
+        self._parallel(blocks, parts.shape[0], 3 * C * LN_BLOCK)
+        dots, sums = parts.sum(axis=0)                         # the blocks in order, in double
         write_or_add(dbias, sums, accumulate)
         write_or_add(dweight, dots, accumulate)
 

@@ -81,7 +81,7 @@ def memory_summary(model, peak: Optional[dict] = None) -> dict:
             ("tokens", _nbytes(model.inputs) + _nbytes(model.targets), "inputs and targets (int32)")]
     scratch = getattr(model.backend, "_scratch", None) or {}
     rows.append(("backend scratch", sum(_nbytes(a) for a in scratch.values()),
-                 f"{len(scratch)} work buffers of the {model.backend.name} backend"))
+                 f"{len(scratch)} work buffer{'' if len(scratch) == 1 else 's'} of the {model.backend.name} backend"))
     buffers = [{"buffer": name, "bytes": int(n), "what": what} for name, n, what in rows]
     acts = []
     shapes = activation_shapes(cfg, model.B, model.T, getattr(model, "attention", "naive"),
