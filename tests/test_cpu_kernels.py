@@ -1,6 +1,8 @@
 """The numpy backend's fused path (C loops of backends/cpu_kernels.py) gives BITWISE the results of its NumPy
 code, the reference: op by op on awkward sizes and values, and over whole training steps. Also the
 cache-blocked NumPy code (classifier rows, GELU blocks, AdamW chunks) against itself at other block sizes."""
+import re
+
 import numpy as np
 import pytest
 
@@ -285,3 +287,17 @@ def test_cpu_step_bench_paired_floor_weights_each_shape_by_its_calls():
     gemms = [(2, 2, 2, 1, False, False, 3), (4, 4, 4, 1, False, True, 1)]
     # 3 calls * 2 ms + 1 call * 4 ms + AdamW's 4e6 B at 1e9 B/s (4 ms) = 14 ms
     assert bench.floor_ms({"gemm_s": [0.002, 0.004], "bandwidth": 1e9}, gemms, 4e6) == pytest.approx(14.0)
+
+
+def test_norm_in_cache_bench_runs_both_ways_to_the_same_sum(capsys):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "norm_in_cache.py"
+    spec = importlib.util.spec_from_file_location("norm_in_cache_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--layers", "1", "--rounds", "1", "--rows", "8"])
+    out = capsys.readouterr().out
+    assert "GEMMs + norm after" in out and "GEMMs + norm in cache" in out
+    after, in_cache = re.search(r"sums of squares *: (\S+) after, (\S+) in cache", out).groups()
+    assert float(after) == pytest.approx(float(in_cache), rel=1e-6) and float(after) > 0
