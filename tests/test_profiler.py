@@ -51,6 +51,22 @@ def test_one_record_per_op_launch_with_attribution(prof):
     assert all(r.duration_ns > 0 for r in step)
 
 
+@pytest.mark.parametrize("math", ["exact", "fast"])
+def test_attention_flops_are_what_the_backend_computes(math):
+    """The exact path's batched GEMMs compute the whole (T,T) square of q k^T, att v and their gradients; the fast
+    path's kernels the causal half only: the records' FLOPs say which (a FLOP rate read off them is then true)."""
+    backend = NumpyBackend(threads=1, math=math)
+    if backend.math != math:
+        pytest.skip("no C compiler: the fast path is off")
+    result = profile_steps(GPT2(CFG, backend, B, T, seed=0), batches()[:1], steps=1)
+    NH, HS = CFG.num_heads, CFG.channels // CFG.num_heads
+    products = B * NH * (T * T if math == "exact" else T * (T + 1) // 2) * 2 * HS    # one (T,T)-sized product
+    rows = B * NH * T
+    for op, count, softmax in (("attention_forward", 2, 5), ("attention_backward", 4, 4)):
+        rec = next(r for r in result.records if r.op == op)
+        assert rec.flops == count * products + softmax * rows * (T + 1) // 2, op
+
+
 def test_ranges_recorded_like_nvtx(prof):
     names = Counter(name for name, start, end in prof.ranges)
     assert names["Train step 1"] == names["Train step 2"] == 1

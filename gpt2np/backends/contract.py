@@ -24,7 +24,9 @@ named terms, its stages (matmul_backward: "dinp", "dweight", "dbias"); each term
 arithmetic of the math and its bytes are the minimum traffic of that stage (each input read once, each output
 written once, 4 bytes per float32, a read-modify-write for what accumulates). A backend that runs an op as
 several kernels says which term each kernel carries (CudaBackend: `term=` on every launch), so the per-kernel
-figures add up to the op's.
+figures add up to the op's. Where a backend's kernel does less work than the formula's default (NumpyBackend's fast
+attention skips the masked half of the (T,T) products), the formula takes a keyword for it and the backend names
+it (op_cost_variant; backend_op_cost asks it): still one formula per op.
 """
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Protocol, Tuple
@@ -322,30 +324,41 @@ def gelu_matmul_backward_cost(dinp, dweight, dbias, dout, inp, weight, pre, accu
     return cost
 
 
-def attention_forward_cost(out, qkvr, att, inp) -> Cost:
+def _attention_product(term, HS, pairs, causal_half):
+    """A (T,T)-sized product of attention: as the GEMM term says (the whole square, what a batched GEMM computes),
+    or, with causal_half, its FLOPs over the (query, key) pairs the mask keeps only (a kernel that skips the masked
+    half); its bytes either way."""
+    return (2 * HS * pairs, term[1]) if causal_half else term
+
+
+def attention_forward_cost(out, qkvr, att, inp, causal_half=False) -> Cost:
+    """causal_half: the backend skips the masked half of q k^T and att v (NumpyBackend's fast path)."""
     _, B, NH, T, HS = qkvr.shape
     n, BH, rows = B * T * NH * HS, B * NH, B * NH * T
+    pairs = BH * T * (T + 1) // 2
     X = _item(inp)
     return Cost(f"B={B},T={T},NH={NH},HS={HS}", {
         "permute": (0, X * 6 * n),                                # inp (B,T,3C) -> qkvr (3,B,NH,T,HS)
-        "scores": gemm_term(T, T, HS, BH, item=X),                # q k^T
+        "scores": _attention_product(gemm_term(T, T, HS, BH, item=X), HS, pairs, causal_half),   # q k^T
         "softmax": (5 * rows * (T + 1) // 2, X * 2 * rows * T),    # scale, mask, max, exp, sum, divide
-        "weighted_sum": gemm_term(T, HS, T, BH, item=X),          # att v
+        "weighted_sum": _attention_product(gemm_term(T, HS, T, BH, item=X), HS, pairs, causal_half),   # att v
         "unpermute": (0, X * 2 * n),                              # (B,NH,T,HS) -> out (B,T,C)
     })
 
 
-def attention_backward_cost(dinp, dout, qkvr, att) -> Cost:
+def attention_backward_cost(dinp, dout, qkvr, att, causal_half=False) -> Cost:
+    """causal_half: as attention_forward_cost's, for dv, datt, dq and dk."""
     _, B, NH, T, HS = qkvr.shape
     n, BH, rows = B * T * NH * HS, B * NH, B * NH * T
+    pairs = BH * T * (T + 1) // 2
     X = _item(dout)
     return Cost(f"B={B},T={T},NH={NH},HS={HS}", {
         "unpermute_backward": (0, X * 2 * n),
-        "dv": gemm_term(T, HS, T, BH, item=X),
-        "datt": gemm_term(T, T, HS, BH, item=X),
+        "dv": _attention_product(gemm_term(T, HS, T, BH, item=X), HS, pairs, causal_half),
+        "datt": _attention_product(gemm_term(T, T, HS, BH, item=X), HS, pairs, causal_half),
         "softmax_backward": (4 * rows * (T + 1) // 2, X * 3 * rows * T),
-        "dq": gemm_term(T, HS, T, BH, item=X),
-        "dk": gemm_term(T, HS, T, BH, item=X),
+        "dq": _attention_product(gemm_term(T, HS, T, BH, item=X), HS, pairs, causal_half),
+        "dk": _attention_product(gemm_term(T, HS, T, BH, item=X), HS, pairs, causal_half),
         "permute_backward": (0, X * 6 * n),
     })
 
@@ -461,10 +474,18 @@ OP_METHODS = {"adamw": ("adamw_update", "adamw_update_device"),
 DEVICE_STEP_OPS = ("loss_mean",)
 
 
-def op_cost(op: str, args) -> Cost:
-    """The cost of one call of `op` with these arguments (the op's own argument list)."""
+def op_cost(op: str, args, **variant) -> Cost:
+    """The cost of one call of `op` with these arguments (the op's own argument list); `variant`: the keywords a
+    backend passes for how it runs the op (attention's causal_half), see backend_op_cost."""
     try:
         formula = COSTS[op]
     except KeyError:
         raise KeyError(f"no cost formula for op {op!r}; known: {', '.join(COSTS)}") from None
-    return formula(*args)
+    return formula(*args, **variant)
+
+
+def backend_op_cost(backend, op: str, args) -> Cost:
+    """The cost of `op` as `backend` runs it: the backend's op_cost_variant(op, args) names the formula's variant
+    (a backend without one runs every op as the formula's default says)."""
+    variant = getattr(backend, "op_cost_variant", None)
+    return op_cost(op, args, **(variant(op, args) if variant else {}))

@@ -91,6 +91,13 @@ class NumpyBackend:
     def device_name(self):
         return "cpu"
 
+    def op_cost_variant(self, op, args):
+        """How this backend runs `op` with these arguments, as keywords of its contract cost formula: the fast
+        attention (math="fast", contiguous float32) computes the causal half of its (T,T) products only."""
+        if op in ("attention_forward", "attention_backward") and self._fast(*args[:4]):
+            return {"causal_half": True}
+        return {}
+
     # ---- memory -------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
         return np.zeros(shape, dtype or self.dtype)

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from ..backends.contract import op_cost
+from ..backends.contract import backend_op_cost
 from ..cli import ArgumentParser, BadInput, integer, tool
 from . import ranges
 from . import views as V
@@ -142,8 +142,8 @@ class Profiler:
     carrying its module and arguments, "Train step N", "gpt2_forward", "Layer l" around them; the dist
     module's collectives carry a ranges.Collective), the backend's launch hook (backend.on_launch) and,
     on the CUDA backend, its runtime (wrapped in a RecordingRuntime). Each op is costed once by the
-    contract's formula (contract.op_cost); each kernel record carries the term of that cost its kernel
-    names, so the kernels of an op add up to the op.
+    contract's formula, as the backend runs it (contract.backend_op_cost); each kernel record carries the term
+    of that cost its kernel names, so the kernels of an op add up to the op.
 
     activity_source: "auto" (CUPTI where cupti-python and a GPU are there), None (never), or an object
     with start/now/push/pop/stop/api_name like cupti.CuptiSource (tests pass a fake one).
@@ -251,7 +251,7 @@ class Profiler:
         if isinstance(detail, tuple):            # an op: the model passes (module, arguments)
             module, args = detail
             direction, layer = attribution(ranges.current_stack())
-            self._op = (direction, layer, name, module, op_cost(name, args))
+            self._op = (direction, layer, name, module, backend_op_cost(self.backend, name, args))
 
     def on_pop(self, name):
         if not self._open:
