@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 import pytest
-from test_cpu_kernels import run_steps  # (norms, params, m, v, grads) of 3 steps of a tiny model
+from test_cpu_kernels import Spy, run_steps  # run_steps: (norms, params, m, v, grads) of 3 steps of a tiny model
 
 import gpt2np.backends.numpy_backend as numpy_backend
 from gpt2np.backends import cpu_kernels, get_backend
@@ -24,17 +24,6 @@ from gpt2np.backends.numpy_backend import NumpyBackend
 from gpt2np.model import GPT2
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the fast path is off")
-
-class Spy:
-    """The C library, recording which of its functions are called (so a test knows the fast loops ran)."""
-
-    def __init__(self, lib):
-        self.lib, self.called = lib, set()
-
-    def __getattr__(self, name):
-        self.called.add(name)
-        return getattr(self.lib, name)
-
 
 def three():
     """(fast, exact, float64 truth) backends; the fast one's library is a Spy."""

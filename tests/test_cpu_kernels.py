@@ -35,6 +35,17 @@ def backends():
     return NumpyBackend(threads=2, fused=True), NumpyBackend(threads=2, fused=False)
 
 
+class Spy:
+    """The C library, recording which of its functions are called (so a test knows the C loops ran)."""
+
+    def __init__(self, lib):
+        self.lib, self.called = lib, set()
+
+    def __getattr__(self, name):
+        self.called.add(name)
+        return getattr(self.lib, name)
+
+
 @needs_kernels
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")          # inf and NaN on purpose, also in worker threads
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, (1 << 17) + 13])
@@ -163,17 +174,6 @@ def test_fused_token_embedding_gradient_is_bitwise_np_add_at(accumulate):
     np.testing.assert_array_equal(bits(got_wpe), bits(want_wpe))
     with pytest.raises(IndexError):                            # an id past the table: NumPy's error, no stray write
         fused.encoder_backward(dwte0.copy(), dwpe0.copy(), dout, np.full((B, T), V, np.int32))
-
-
-class Spy:
-    """A C library, recording which of its functions are called."""
-
-    def __init__(self, lib):
-        self.lib, self.called = lib, set()
-
-    def __getattr__(self, name):
-        self.called.add(name)
-        return getattr(self.lib, name)
 
 
 @needs_kernels
