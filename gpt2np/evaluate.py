@@ -60,14 +60,17 @@ def main(argv=None):
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "numpy", "cuda", "emu"),
                    help="auto = cuda if there is a GPU, else cpu; emu = the CUDA kernels on the CPU emulator (default "
                         "auto); training's precision and attention defaults for the device")
+    p.add_argument("--cpu-math", choices=("fast", "exact"),
+                   help="the numpy backend's math, as train.py's --cpu-math: fast (the default) or exact (bitwise the "
+                        "NumPy reference, as a run trained with --cpu-math exact logged its val loss)")
     args = p.parse_args(argv)
     integer(1).check("-b", args.batch_size, "the batch size B")
     if args.seq_len is not None:
         integer(1).check("-t", args.seq_len, "the sequence length T")
     integer(1, also=(-1,), words="-1 (all) or an integer >= 1").check("-m", args.val_max_batches,
                                                                       "the max val batches")
+    check_cpu_math(args)
 
-    from .backends import inference_backend
     from .data import DataLoader
     from .hf import load_any_model
     from .model import GPT2
@@ -75,7 +78,7 @@ def main(argv=None):
     if args.task == "hellaswag":
         return eval_hellaswag(args)
     cfg, params, desc = load_any_model(args.model)
-    backend, attention = inference_backend(args.device, cfg.channels // cfg.num_heads)
+    backend, attention = device_backend(args, cfg)
     T = args.seq_len or min(64 if backend.name == "numpy" else 1024, cfg.max_seq_len)
     if T > cfg.max_seq_len:
         raise BadInput(f"-t {T}: longer than the model's max_seq_len {cfg.max_seq_len}")
@@ -87,7 +90,7 @@ def main(argv=None):
     loss, batches = eval_loss(model, loader, args.val_max_batches)
     seconds = time.perf_counter() - started
     tokens = batches * args.batch_size * T
-    print(f"model {desc} on {backend.name}")
+    print(f"model {desc} on {backend_words(backend)}")
     print(f"data {val_pattern}: {len(loader.files)} shard(s), {loader.num_tokens:,} tokens")
     print(f"val loss {loss:.6f} (perplexity {math.exp(min(loss, 700)):.2f}) over {batches} batches of "
           f"B={args.batch_size} x T={T} = {tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} "
@@ -95,10 +98,28 @@ def main(argv=None):
     return 0
 
 
+def device_backend(args, cfg):
+    """(backend, attention) for --device and --cpu-math: inference_backend."""
+    from .backends import inference_backend
+    return inference_backend(args.device, cfg.channels // cfg.num_heads, args.cpu_math)
+
+
+def check_cpu_math(args):
+    """--cpu-math only where the model runs on the numpy backend: else one line (BadInput), before any loading."""
+    from .backends import resolve_name
+    if args.cpu_math and resolve_name(args.device) != "numpy":
+        raise BadInput(f"--cpu-math {args.cpu_math}: only for the CPU (numpy backend), not --device {args.device}")
+
+
+def backend_words(backend):
+    """'numpy (fast CPU math)', 'cuda', ...: where the model ran, as the output line says it."""
+    math_ = getattr(backend, "math", None)
+    return f"{backend.name} ({math_} CPU math)" if math_ else backend.name
+
+
 def eval_hellaswag(args):
     """gpt2np eval hellaswag: acc and acc_norm of -e on the examples of -j."""
     from . import hellaswag
-    from .backends import inference_backend
     from .hf import load_any_model
     from .model import GPT2
     if args.val_data and not Path(args.val_data).is_file():
@@ -111,13 +132,13 @@ def eval_hellaswag(args):
     T = args.seq_len or min(hellaswag.longest_row(examples) - 1, cfg.max_seq_len)
     if T > cfg.max_seq_len:
         raise BadInput(f"-t {T}: longer than the model's max_seq_len {cfg.max_seq_len}")
-    backend, attention = inference_backend(args.device, cfg.channels // cfg.num_heads)
+    backend, attention = device_backend(args, cfg)
     model = GPT2(cfg, backend, args.batch_size, T, attention=attention)
     model.load_params(params)
     started = time.perf_counter()
     result = hellaswag.evaluate(model, examples)
     seconds = time.perf_counter() - started
-    print(f"model {desc} on {backend.name}")
+    print(f"model {desc} on {backend_words(backend)}")
     print(f"data {path}: {result.n:,} examples, rows of up to {T + 1} tokens, B={args.batch_size} rows a forward")
     print(f"hellaswag acc {result.correct}/{result.n} = {result.acc:.4f} | acc_norm {result.correct_norm}/{result.n} "
           f"= {result.acc_norm:.4f} in {seconds:.1f} s")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gpt2np import evaluate
-from gpt2np.backends import get_backend
+from gpt2np.backends import cpu_kernels, get_backend
 from gpt2np.checkpoint import load_model, save_model
 from gpt2np.config import GPT2Config
 from gpt2np.data import DataLoader, write_shard
@@ -41,6 +41,29 @@ def test_eval_loss_is_the_trainers_val_loss(files, capsys, monkeypatch):
     assert "\r" not in err
 
 
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the fast path is off")
+def test_cpu_math_exact_is_the_exact_trainers_val_loss(files, capsys):
+    """--cpu-math exact: the val loss of the exact NumPy path, as a run trained with --cpu-math exact logs it, to the
+    last printed digit; the default is training's fast math, and the output line says which ran."""
+    pattern = str(files / "val_*.bin")
+    losses = {}
+    for flags in ([], ["--cpu-math", "exact"]):
+        assert evaluate.main(["-e", str(files / "m.bin"), "-j", pattern, "-b", "2", "-t", "16", *flags]) == 0
+        out = capsys.readouterr().out
+        math_ = flags[1] if flags else "fast"
+        assert f"on numpy ({math_} CPU math)" in out
+        losses[math_] = re.search(r"val loss (\S+)", out).group(1)
+    model = GPT2(CFG, get_backend("numpy", math="exact"), 2, 16)
+    model.load_params(load_model(files / "m.bin")[1])
+    assert model.backend.math == "exact"
+    assert losses["exact"] == f"{trainer_evaluate(model, model_loader(pattern), -1):.6f}"
+    assert float(losses["fast"]) == pytest.approx(float(losses["exact"]), abs=1e-5)
+
+
+def model_loader(pattern):
+    return DataLoader(pattern, 2, 16, vocab_size=100)
+
+
 def test_max_batches(files, capsys):
     assert evaluate.main(["loss", "-e", str(files / "m.bin"), "-j", str(files / "val_000.bin"), "-b", "1", "-t", "8",
                           "-m", "3"]) == 0
@@ -54,6 +77,8 @@ def test_max_batches(files, capsys):
     (["-j", "nothing_*.bin"], ["nothing_*.bin"]),
     (["-t", "0"], ["-t 0"]),
     (["gsm8k"], ["invalid choice", "'gsm8k'"]),
+    (["--cpu-math", "exact", "--device", "emu"], ["--cpu-math exact", "only for the CPU", "--device emu"]),
+    (["--cpu-math", "slow"], ["--cpu-math", "invalid choice", "'slow'"]),
 ])
 def test_bad_input_is_one_line(argv, expected, files, capsys):
     full = ["-e", str(files / "m.bin"), "-j", str(files / "val_*.bin")] + argv

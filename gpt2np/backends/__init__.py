@@ -222,11 +222,14 @@ def resolve_attention(backend, head_size: int, requested: str | None = None, cap
     return "naive", f"{problem}: attention runs naive"
 
 
-def inference_backend(device: str, head_size: int):
+def inference_backend(device: str, head_size: int, cpu_math: str | None = None):
     """(backend, attention) for sampling and evaluation on --device: training's defaults there (resolve_precision:
-    tf32 on a GPU with tensor cores; resolve_attention: flash where its kernels can run), notes dropped."""
+    tf32 on a GPU with tensor cores; resolve_attention: flash where its kernels can run), notes dropped. cpu_math:
+    the numpy backend's math (train.py's --cpu-math; None: its default, fast); a ValueError off the CPU."""
     name = resolve_name(device)
-    backend = get_backend(name, precision=resolve_precision(name)[0])
+    if cpu_math and name != "numpy":
+        raise ValueError(f"--cpu-math {cpu_math}: only for the CPU (numpy backend), not --device {device}")
+    backend = get_backend(name, precision=resolve_precision(name)[0], **({"math": cpu_math} if cpu_math else {}))
     return backend, resolve_attention(backend, head_size)[0]
 
 
