@@ -106,3 +106,21 @@ def test_cuda_backend_records_every_kernel_and_gemm_on_the_emulator():
     assert gemm.flops == 2 * B * T * 16 * 64 + 11 * B * T * 64       # + its epilogue's bias and GELU per output
     assert all(r.duration_ns > 0 for r in step)
     assert all(r.range_stack[0] == "Train step 1" for r in step)
+
+
+def test_cpu_roofline_is_measured_and_fills_bound_and_percent_of_peak(monkeypatch):
+    """On the numpy backend the profiler's roofline is measured where it runs (a GEMM's FLOP/s, an in-place add's
+    GB/s), named as measured, so the tables get a bound and a % of peak as on a GPU."""
+    from gpt2np.profiling import cpu_roof
+    from gpt2np.profiling.profiler import device_roofline
+    from gpt2np.profiling.report import classify
+    monkeypatch.setattr(cpu_roof, "GEMM_SIZE", 64)              # small: the test checks the plumbing, not speed
+    monkeypatch.setattr(cpu_roof, "STREAM_BYTES", 1 << 20)
+    roof = device_roofline(NumpyBackend(threads=2))
+    assert roof.device.startswith("cpu (2 threads; measured now: GEMM ") and " GB/s)" in roof.device
+    assert 0 < roof.peak_flops == roof.matmul_peak_flops < 1e14 and 0 < roof.peak_bw < 1e13
+    assert f"GEMM {roof.peak_flops / 1e9:.0f} GFLOP/s" in roof.device
+    # an op that moves 1 GB in a second at a 10 GB/s roof is memory bound at 10% of it
+    fixed = cpu_roof.Roofline("cpu (test)", 100e9, 10e9, 100e9)
+    assert classify(10**6, 10**9, 10**9, fixed) == ("memory", 10.0)
+    assert classify(50 * 10**9, 10**6, 10**9, fixed, is_gemm=True) == ("compute", 50.0)

@@ -450,8 +450,12 @@ def device_label(backend):
 
 
 def device_roofline(backend):
-    """The GPU's roofline (fp32 kernels, GEMMs at the backend's precision), or None on the CPU/unknown GPUs."""
+    """The GPU's roofline (fp32 kernels, GEMMs at the backend's precision); on the CPU (numpy backend) the one
+    measured now (cpu_roof: GEMM rate and bandwidth); None on the emulator and on GPUs gpu_specs does not know."""
     from .gpu_specs import UnknownDeviceError, roofline
+    if backend.name == "numpy":
+        from .cpu_roof import measure
+        return measure(backend.threads)
     if backend.name != "cuda":
         return None
     try:
