@@ -31,22 +31,30 @@ def _best(fn, repeats):
     return best
 
 
-def measure(threads: int, repeats: int = 3) -> Roofline:
-    """The CPU's Roofline now: GEMM FLOP/s (both ceilings) and in-place add bandwidth over `threads` threads."""
+def gemm_flops(repeats: int) -> float:
+    """FLOP/s of the best of `repeats` float32 GEMMs of GEMM_SIZE^3 (NumPy's BLAS, its own threads)."""
     n = GEMM_SIZE
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
     c = np.empty((n, n), np.float32)
-    gemm_flops = 2 * n ** 3 / _best(lambda: np.matmul(a, b, out=c), repeats)
-    del a, b, c
+    return 2 * n ** 3 / _best(lambda: np.matmul(a, b, out=c), repeats)
+
+
+def add_bandwidth(threads: int, repeats: int) -> float:
+    """Bytes/s of the best of `repeats` x += y over STREAM_BYTES arrays, split over `threads` threads (3 x the array
+    size moved: x and y read, x written)."""
     x = np.ones(STREAM_BYTES // 4, np.float32)
     y = np.ones_like(x)
-    bounds = np.linspace(0, x.size, max(1, threads) + 1).astype(int)
+    bounds = np.linspace(0, x.size, threads + 1).astype(int)
     parts = [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        def add():
-            list(pool.map(lambda s: np.add(x[s], y[s], out=x[s]), parts))
-        bandwidth = 3 * x.nbytes / _best(add, repeats)
-    device = (f"cpu ({threads} thread{'' if threads == 1 else 's'}; measured now: GEMM {gemm_flops / 1e9:.0f} "
+    with ThreadPoolExecutor(threads) as pool:
+        return 3 * x.nbytes / _best(lambda: list(pool.map(lambda s: np.add(x[s], y[s], out=x[s]), parts)), repeats)
+
+
+def measure(threads: int, repeats: int = 3) -> Roofline:
+    """The CPU's Roofline now: GEMM FLOP/s (both ceilings) and in-place add bandwidth over `threads` threads."""
+    threads = max(1, threads)
+    flops, bandwidth = gemm_flops(repeats), add_bandwidth(threads, repeats)
+    device = (f"cpu ({threads} thread{'' if threads == 1 else 's'}; measured now: GEMM {flops / 1e9:.0f} "
               f"GFLOP/s, a += b {bandwidth / 1e9:.0f} GB/s)")
-    return Roofline(device, gemm_flops, bandwidth, gemm_flops)
+    return Roofline(device, flops, bandwidth, flops)
