@@ -218,6 +218,29 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
             np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("N", [1, 17, 33, 69])
+def test_layernorm_backward_is_bitwise_the_same_on_any_thread_count(N, monkeypatch):
+    """The row blocks of dweight/dbias partial sums split over 1-4 threads (blocks of 16 rows: N=17 puts a thread's
+    range mid-array, 69 ends in a short block): the same bits, accumulating or not."""
+    monkeypatch.setattr(numpy_backend, "PARALLEL_MIN", 1)
+    rng = np.random.default_rng(N)
+    C = 24
+    x, dout = (rng.standard_normal((N, C)) * 3).astype(np.float32), rng.standard_normal((N, C)).astype(np.float32)
+    w, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+    mean, rstd = np.empty(N, np.float32), np.empty(N, np.float32)
+    NumpyBackend(threads=1, math="fast").layernorm_forward(np.empty_like(x), mean, rstd, x, w, b)
+    for accumulate in (True, False):
+        runs = []
+        for threads in (1, 2, 3, 4):
+            be = NumpyBackend(threads=threads, math="fast")
+            dinp, dw, db = np.full_like(x, 0.25), np.full(C, 0.5, np.float32), np.full(C, -2.0, np.float32)
+            be.layernorm_backward(dinp, dw, db, dout, x, w, mean, rstd, accumulate=accumulate)
+            runs.append((dinp, dw, db))
+        for other in runs[1:]:
+            for got, want in zip(other, runs[0]):
+                np.testing.assert_array_equal(got, want)
+
+
 def test_training_steps_track_the_exact_path():
     backend = three()[0]
     fast, exact = run_steps(backend), run_steps(NumpyBackend(threads=2, math="exact"))

@@ -172,8 +172,13 @@ def test_fused_token_embedding_gradient_is_bitwise_np_add_at(accumulate):
     assert "rows_add_at" in fused._kernels.called
     np.testing.assert_array_equal(bits(got_wte), bits(want_wte))
     np.testing.assert_array_equal(bits(got_wpe), bits(want_wpe))
+    dwte = dwte0.copy()
     with pytest.raises(IndexError):                            # an id past the table: NumPy's error, no stray write
-        fused.encoder_backward(dwte0.copy(), dwpe0.copy(), dout, np.full((B, T), V, np.int32))
+        fused.encoder_backward(dwte, dwpe0.copy(), dout, np.full((B, T), V, np.int32))
+    np.testing.assert_array_equal(dwte, dwte0)
+    with pytest.raises(ValueError):                            # ids that do not match dout: NumPy's error too
+        fused.encoder_backward(dwte, dwpe0.copy(), dout, ids[:, :-1].copy())
+    np.testing.assert_array_equal(dwte, dwte0)
 
 
 @needs_kernels

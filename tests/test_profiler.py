@@ -51,11 +51,14 @@ def test_one_record_per_op_launch_with_attribution(prof):
     assert all(r.duration_ns > 0 for r in step)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("math", ["exact", "fast"])
-def test_attention_flops_are_what_the_backend_computes(math):
+def test_attention_flops_are_what_the_backend_computes(math, precision):
     """The exact path's batched GEMMs compute the whole (T,T) square of q k^T, att v and their gradients; the fast
-    path's kernels the causal half only: the records' FLOPs say which (a FLOP rate read off them is then true)."""
-    backend = NumpyBackend(threads=1, math=math)
+    path's kernels the causal half only (the bf16 reference runs the same fp32 ops): the records' FLOPs say which
+    (a FLOP rate read off them is then true)."""
+    from gpt2np.backends import get_backend
+    backend = get_backend("numpy", precision, threads=1, math=math)
     if backend.math != math:
         pytest.skip("no C compiler: the fast path is off")
     result = profile_steps(GPT2(CFG, backend, B, T, seed=0), batches()[:1], steps=1)

@@ -150,8 +150,8 @@ class NumpyBackend:
         T, C = dout.shape[1], dout.shape[2]
         ids = inp.reshape(-1)
         kernels = self._fusable(dwte, dout)
-        if kernels and ids.dtype == np.int32 and ids.flags.c_contiguous and ids.size and \
-                0 <= ids.min() and ids.max() < dwte.shape[0]:
+        if kernels and ids.dtype == np.int32 and ids.flags.c_contiguous and ids.size and ids.size * C == dout.size \
+                and dwte.ndim == 2 and dwte.shape[1] == C and 0 <= ids.min() and ids.max() < dwte.shape[0]:
             kernels.rows_add_at(_address(dwte), _address(ids), _address(dout), ids.size, C)   # np.add.at's adds
         else:
             np.add.at(dwte, ids, dout.reshape(-1, C))

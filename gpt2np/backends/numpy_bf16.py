@@ -51,6 +51,13 @@ class Bf16NumpyBackend:
     def device_name(self):
         return "cpu"
 
+    def op_cost_variant(self, op, args):
+        """As NumpyBackend's: the fp32 op runs on contiguous fp32 work copies, so under math="fast" attention's
+        kernels compute the causal half of its (T,T) products only."""
+        if op in ("attention_forward", "attention_backward") and self.math == "fast":
+            return {"causal_half": True}
+        return {}
+
     # ---- memory -------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
         return np.zeros(shape, dtype or self.dtype)
