@@ -193,8 +193,9 @@ class TrainConfig:
                                 "(cuBLASLt), residual + LayerNorm in one kernel, one-pass LayerNorm backward; 0 = one "
                                 "kernel per op. On the CPU the fused ops compose the same NumPy ops (same numbers)",
                                 cpu_gpu=(0, 1), choices=(0, 1))
-    cpu_math: str | None = _setting("--cpu-math", None, "CPU only: fast = GELU, LayerNorm, softmax, the classifier and "
-                             "the gradient norm as one vectorized C loop each (own e^x within 1.02 ulp, row sums "
+    cpu_math: str | None = _setting("--cpu-math", None, "CPU only: fast = GELU, LayerNorm, causal attention (per "
+                             "head, the masked half skipped), the classifier and the gradient norm as one vectorized "
+                             "C loop each (own e^x within 1.02 ulp, row sums "
                              "in double; not bitwise NumPy's, tested to a documented tolerance); exact = bitwise the "
                              "NumPy reference code", choices=("fast", "exact"), default_text="fast")
     profile_steps: int = _setting("--profile", 0, "profile N steps after a warm-up step: kernel table, module tree, "

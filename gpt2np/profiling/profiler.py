@@ -507,9 +507,9 @@ def main(argv=None):
     from ..starter import resolve_model
 
     ap = ArgumentParser(prog="python -m gpt2np.profiling.profiler", description=__doc__.split("\n")[0])
-    ap.add_argument("-e", dest="model", default="d12", help="llm.c model file or preset (default d12)")
-    ap.add_argument("-b", dest="batch_size", type=int, default=4, help="batch size B (default 4)")
-    ap.add_argument("-t", dest="seq_len", type=int, default=64, help="sequence length T (default 64)")
+    ap.add_argument("-e", "--model", dest="model", default="d12", help="llm.c model file or preset (default d12)")
+    ap.add_argument("-b", "--batch-size", dest="batch_size", type=int, default=4, help="batch size B (default 4)")
+    ap.add_argument("-t", "--seq-len", dest="seq_len", type=int, default=64, help="sequence length T (default 64)")
     ap.add_argument("--steps", type=int, default=1, help="profiled steps after one warm-up step")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "numpy", "cuda", "emu"])
     ap.add_argument("--out", default="profile", help="folder for CSV, JSON, trace and PNG (default ./profile)")
