@@ -263,13 +263,9 @@ def bench_torch(args, compiled):
 
 
 def best_time(fn, reps):
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    """The fastest of `reps` timed calls after one untimed (the profiler's CPU roofline times its ceilings so too)."""
+    from gpt2np.profiling.cpu_roof import best_seconds
+    return best_seconds(fn, reps)
 
 
 def gemm_call(rng, m, n, k, batch, ta, tb):
@@ -288,23 +284,16 @@ def gemm_call(rng, m, n, k, batch, ta, tb):
 def floor_numpy(gemms, args, reps=None):
     """Best seconds per GEMM shape with NumPy's BLAS, and the bandwidth (bytes/s) of a threaded in-place add, each
     the best of `reps` runs (default args.reps) after one untimed."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import numpy as np
 
     import gpt2np  # noqa: F401  (OpenBLAS thread timeout, as for gpt2np's step)
+    from gpt2np.profiling.cpu_roof import add_bandwidth
     rng = np.random.default_rng(0)
     seconds = []
     reps = reps or args.reps
     for shape in gemms:
         seconds.append(best_time(gemm_call(rng, *shape), reps))
-    size = args.bandwidth_mb << 18                        # float32 elements per array
-    x, y = np.ones(size, np.float32), np.ones(size, np.float32)
-    parts = [(size * i // args.threads, size * (i + 1) // args.threads) for i in range(args.threads)]
-    with ThreadPoolExecutor(args.threads) as pool:
-        def add():
-            list(pool.map(lambda r: np.add(x[r[0]:r[1]], y[r[0]:r[1]], out=x[r[0]:r[1]]), parts))
-        bandwidth = 12 * size / best_time(add, reps)
+    bandwidth = add_bandwidth(args.threads, reps, args.bandwidth_mb << 20)   # x += y over the threads
     return {"gemm_s": seconds, "bandwidth": bandwidth}
 
 

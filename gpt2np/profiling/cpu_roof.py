@@ -20,9 +20,10 @@ GEMM_SIZE = 1536
 STREAM_BYTES = 64 << 20
 
 
-def _best(fn, repeats):
+def best_seconds(fn, repeats):
+    """The fastest of `repeats` timed calls of fn(), after one untimed (pages touched, threads started)."""
     import time
-    fn()                                                   # warm-up: pages touched, threads started
+    fn()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -37,18 +38,19 @@ def gemm_flops(repeats: int) -> float:
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
     c = np.empty((n, n), np.float32)
-    return 2 * n ** 3 / _best(lambda: np.matmul(a, b, out=c), repeats)
+    return 2 * n ** 3 / best_seconds(lambda: np.matmul(a, b, out=c), repeats)
 
 
-def add_bandwidth(threads: int, repeats: int) -> float:
-    """Bytes/s of the best of `repeats` x += y over STREAM_BYTES arrays, split over `threads` threads (3 x the array
-    size moved: x and y read, x written)."""
-    x = np.ones(STREAM_BYTES // 4, np.float32)
+def add_bandwidth(threads: int, repeats: int, nbytes: int = 0) -> float:
+    """Bytes/s of the best of `repeats` x += y over arrays of nbytes (default STREAM_BYTES), split over `threads`
+    threads (3 x the array size moved: x and y read, x written)."""
+    x = np.ones((nbytes or STREAM_BYTES) // 4, np.float32)
     y = np.ones_like(x)
     bounds = np.linspace(0, x.size, threads + 1).astype(int)
     parts = [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
     with ThreadPoolExecutor(threads) as pool:
-        return 3 * x.nbytes / _best(lambda: list(pool.map(lambda s: np.add(x[s], y[s], out=x[s]), parts)), repeats)
+        return 3 * x.nbytes / best_seconds(lambda: list(pool.map(lambda s: np.add(x[s], y[s], out=x[s]), parts)),
+                                            repeats)
 
 
 def measure(threads: int, repeats: int = 3) -> Roofline:
