@@ -10,6 +10,7 @@ about 0.3 s. The Roofline's device names the figures and says they were measured
 its "% of peak" is a percentage of. On a machine shared with other work the ceilings move with it; a kernel can then
 read above 100%.
 """
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -22,7 +23,6 @@ STREAM_BYTES = 64 << 20
 
 def best_seconds(fn, repeats):
     """The fastest of `repeats` timed calls of fn(), after one untimed (pages touched, threads started)."""
-    import time
     fn()
     best = float("inf")
     for _ in range(repeats):
