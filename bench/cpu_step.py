@@ -114,7 +114,7 @@ class Recorder:
             for shape in step_gemms(name, args_):
                 self.gemms[shape] = self.gemms.get(shape, 0) + 1
         elif name == "adamw":
-            self.adamw_bytes += op_cost(name, args_).bytes
+            self.adamw_bytes += op_cost(name, args_, detail[2]).bytes
         self._start = time.perf_counter()                   # after the bookkeeping: the op's own time only
 
     def on_pop(self, name):

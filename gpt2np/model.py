@@ -12,7 +12,6 @@ and writes the bf16 parameters from it with stochastic rounding seeded by (round
 master weights (master_weights=False, llm.c's -w 0) no fp32 copy is allocated (4 bytes a parameter less): AdamW
 reads the bf16 parameters (upcast), updates them in fp32 and writes them back with the same stochastic rounding.
 """
-import functools
 import math
 
 import numpy as np
@@ -221,11 +220,12 @@ class GPT2:
         return self.act["fch_gelu"] if self.recompute >= 1 else self.act["fch_gelu"][l]
 
     # ---- one op -------------------------------------------------------------------------
-    def _op(self, op, module, fn, *args):
-        """Run one backend op inside its range, named `op`. The range carries the GPT-2 module and the op's
-        arguments for range listeners (the built-in profiler costs and attributes the op from them)."""
-        with ranges.range(op, (module, args)):
-            fn(*args)
+    def _op(self, op, module, fn, *args, **keywords):
+        """Run one backend op inside its range, named `op`. The range carries (module, args, keywords): the GPT-2
+        module and the op's arguments, for range listeners (the built-in profiler costs and attributes the op from
+        them)."""
+        with ranges.range(op, (module, args, keywords)):
+            fn(*args, **keywords)
 
     # ---- forward ------------------------------------------------------------------------
     def stage_batch(self, slot, inputs, targets):
@@ -507,10 +507,9 @@ class GPT2:
         lo, hi = self._update_shard(shard)
         with ranges.range("gpt2_update"):
             for name, a, b in self._shard_tensors(lo, hi):
-                adamw = self._rounding(be.adamw_update_device, lo, a, b)
-                self._op("adamw", "optimizer", adamw, self.params[a:b], self.grads[a:b],
+                self._op("adamw", "optimizer", be.adamw_update_device, self.params[a:b], self.grads[a:b],
                          self.m[a - lo:b - lo], self.v[a - lo:b - lo], self.step_scalars, self.stats, beta1,
-                         beta2, eps, name in self.decay_tensors, grad_clip)
+                         beta2, eps, name in self.decay_tensors, grad_clip, **self._rounding(lo, a, b))
 
     def update(self, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1, grad_clip=1.0,
                grad_norm=None, shard=None):
@@ -532,10 +531,9 @@ class GPT2:
         with ranges.range("gpt2_update"):
             for name, a, b in self._shard_tensors(lo, hi):
                 wd = weight_decay if name in self.decay_tensors else 0.0
-                adamw = self._rounding(be.adamw_update, lo, a, b)
-                self._op("adamw", "optimizer", adamw, self.params[a:b], self.grads[a:b],
+                self._op("adamw", "optimizer", be.adamw_update, self.params[a:b], self.grads[a:b],
                          self.m[a - lo:b - lo], self.v[a - lo:b - lo], lr, beta1, beta2, eps, wd, step,
-                         grad_scale)
+                         grad_scale, **self._rounding(lo, a, b))
         return grad_norm
 
     def _update_shard(self, shard):
@@ -555,14 +553,14 @@ class GPT2:
             raise ValueError(f"AdamW state holds {self.m.size} values, the update shard {lo}:{hi} has {hi - lo}")
         return lo, hi
 
-    def _rounding(self, adamw, lo, a, b):
-        """The AdamW op for params[a:b] (its shard starting at lo): with bf16 parameters, their stochastic
-        rounding's seed and offset (a, the index in the flat buffer) and the fp32 masters of [a, b) (None: -w 0,
-        the op updates the upcast parameters themselves); fp32 parameters: the op as it is."""
+    def _rounding(self, lo, a, b):
+        """The AdamW op's keywords for params[a:b] (its shard starting at lo): with bf16 parameters, their
+        stochastic rounding's seed and offset (a, the index in the flat buffer) and the fp32 masters of [a, b)
+        (None: -w 0, the op updates the upcast parameters themselves); fp32 parameters: none."""
         if not self.low_precision:
-            return adamw
+            return {}
         master = None if self.master is None else self.master[a - lo:b - lo]
-        return functools.partial(adamw, master=master, seed=self.rounding_seed, offset=a)
+        return {"master": master, "seed": self.rounding_seed, "offset": a}
 
     def _shard_tensors(self, lo, hi):
         """(name, a, b) for each parameter tensor that overlaps the flat slice [lo, hi): its part [a, b) there,

@@ -189,6 +189,9 @@ def main(argv=None):
                         "auto); training's precision and attention defaults for the device")
     p.add_argument("--no-cache", action="store_true",
                    help="run the full forward pass for every new token instead of the KV cache")
+    p.add_argument("--cpu-math", choices=("fast", "exact"),
+                   help="with --no-cache on the CPU: the numpy backend's math for the full forward, as train.py's "
+                        "--cpu-math (default fast); the KV cache's own decoding is plain NumPy either way")
     p.add_argument("--bpe-dir", help="folder with gpt2_vocab.bpe + gpt2_encoder.json, or a gpt2_tokenizer.bin")
     args = p.parse_args(argv)
     integer(0).check("-g", args.gen_tokens, "the tokens to generate")
@@ -199,22 +202,28 @@ def main(argv=None):
     integer(1).check("--num-samples", args.num_samples, "the number of samples")
 
     from .backends import inference_backend
+    from .evaluate import backend_words, check_cpu_math
     from .hf import load_any_model
     from .model import GPT2
     from .tokenizer import get_encoding
+    check_cpu_math(args)
+    if args.cpu_math and not args.no_cache:
+        raise BadInput(f"--cpu-math {args.cpu_math}: only with --no-cache (the KV cache decodes in plain NumPy, "
+                       f"whose math the flag does not choose)")
     encoding = get_encoding(args.bpe_dir)
     cfg, params, desc = load_any_model(args.model)
     prompt = encoding.encode_ordinary(args.prompt) if args.prompt else [encoding.eot_token]
     if max(prompt) >= cfg.vocab_size:
         raise BadInput(f"--prompt: token {max(prompt)} is outside the model's vocabulary of {cfg.vocab_size} "
                        f"(a model trained with another tokenizer?)")
-    backend, attention = inference_backend(args.device, cfg.channels // cfg.num_heads)
+    backend, attention = inference_backend(args.device, cfg.channels // cfg.num_heads, args.cpu_math)
     cache = not args.no_cache and backend.name == "numpy"     # elsewhere the full forward pass (on the GPU)
     model = GPT2(cfg, backend, 1, 1 if cache else cfg.max_seq_len, attention="naive" if cache else attention)
     model.load_params(params)
     rng = np.random.default_rng(args.seed)
     print(f"model {desc}: {cfg.num_layers} layers, {cfg.channels} channels, {model.num_parameters:,} parameters "
-          f"on {backend.name}; {'KV cache' if cache else 'full forward per token'}", file=sys.stderr)
+          f"on {'numpy' if cache else backend_words(backend)}; "
+          f"{'KV cache (plain NumPy)' if cache else 'full forward per token'}", file=sys.stderr)
     for s in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {s + 1} of {args.num_samples} ---", flush=True)

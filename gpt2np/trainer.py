@@ -254,9 +254,9 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
             logger.log(f"s:{step} eval:{correct / total:.4f}")
 
     start_step, skipped = 0, 0                # skipped: non-finite steps skipped so far (--skip-nonfinite)
-    # -sl/-sg: the window of recent losses and norms, and the outliers skipped (one step late, see gpt2np.outlier)
+    # the window of recent losses and norms: every step line's z-scores (llm.c's), and with -sl/-sg the outliers
+    # skipped (one step late, see gpt2np.outlier)
     guard = OutlierGuard(cfg.skip_update_lossz, cfg.skip_update_gradz)
-    guard = guard if guard.active else None
     if cfg.resume and not cfg.output_dir:
         raise ValueError("-y 1 (resume) needs -o, the folder the checkpoints are in")
     if cfg.output_dir and (cfg.resume or not evaluate_only):
@@ -274,7 +274,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     if start_step:
         info = resume(cfg.output_dir, start_step, model, train_loader, rng, dist)
         skipped = int(info.get("nonfinite_skipped", 0))
-        if guard and "outliers" in info:
+        if "outliers" in info:
             guard.load_state(info["outliers"])
         if start_step == total_steps:
             say(f"{cfg.output_dir}: the run is at step {start_step} already, -x {total_steps}: nothing to do "
@@ -334,7 +334,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     def checkpoint(step):
         nonlocal last_saved
         save_checkpoint(cfg.output_dir, step, model, train_loader, rng, dist, nonfinite_skipped=skipped,
-                        outliers=guard.state() if guard else None)
+                        outliers=guard.state())
         last_saved = step
         rotate_checkpoints(cfg, step, dist, say)
 
@@ -352,12 +352,10 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
                 raise result
             loss, norm = result
             applied = True
-            outlier = None
-            if guard:                             # what the step was skipped for (the comparisons it made)
-                outlier = exceeded(loss, norm, limits)
-                z_loss, z_norm = guard.zscores(step_, loss, norm)
-                guard.observe(step_, loss, norm)
-                guard.skipped += outlier is not None
+            outlier = exceeded(loss, norm, limits) if limits else None   # what the step was skipped for
+            z_loss, z_norm = guard.zscores(step_, loss, norm)
+            guard.observe(step_, loss, norm)
+            guard.skipped += outlier is not None
         except NonFiniteError as e:               # the update was not applied: the model is still step's
             if skipped >= cfg.skip_nonfinite:
                 kept = (f"the last checkpoint, step {last_saved}, is untouched" if last_saved
@@ -378,8 +376,9 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         else:
             perf = f"{fpt * tok_s / 1e9:.1f} GFLOP/s"
         if applied:
-            line = (f"step {step_ + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr_:.2e} | "
-                    f"{dt * 1e3:.2f} ms | {perf} | {tok_s:.0f} tok/s")
+            # llm.c's line: the z-scores over the window (nan while it fills, the first 128 steps)
+            line = (f"step {step_ + 1:4d}/{total_steps} | loss {loss:.6f} ({z_loss:+.2f}z)| norm {norm:.4f} "
+                    f"({z_norm:+.2f}z)| lr {lr_:.2e} | {dt * 1e3:.2f} ms | {perf} | {tok_s:.0f} tok/s")
             if outlier:                           # llm.c's line, then the step's; main.log keeps the loss (llm.c)
                 flag, z, limit = (("-sl", z_loss, cfg.skip_update_lossz) if outlier == "loss" else
                                   ("-sg", z_norm, cfg.skip_update_gradz))
@@ -424,7 +423,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         if cfg.profile_steps and step == start_step + 1:       # step start_step is the warm-up
             profiler = Profiler(model.backend, model=model).__enter__()
         # the outlier limits from the steps up to step - 2: all a device step has read back by now
-        limits = guard.limits(step) if guard else None
+        limits = guard.limits(step) if guard.active else None
         t0 = time.perf_counter()
         try:
             result = train_step(model, next_batch, step=step, lr=lr, accum_steps=accum, adamw=adamw, dist=dist,
@@ -447,7 +446,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     if step_times:
         timed = step_times[1:] or step_times
         say(f"total average iteration time: {1e3 * sum(timed) / len(timed):.3f} ms")
-    if guard:
+    if guard.active:
         say(f"updates skipped as outliers (-sl {cfg.skip_update_lossz:g} -sg {cfg.skip_update_gradz:g}): "
             f"{guard.skipped}")
     return model

@@ -200,3 +200,24 @@ def test_bf16_storage_halves_the_bytes_of_storage_terms():
     assert op_cost("adamw", (*arrays(BF16, n, n), *moments, 1e-3)).bytes == 28 * n
     assert op_cost("adamw", (*arrays(np.float32, n, n), *moments, 1e-3)).bytes == 28 * n
     assert op_cost("global_norm", arrays(BF16, n)).bytes == 2 * n
+    # -w 0 (master=None): reads p, g, m, v and writes p, m, v, 6 bytes a parameter less; a master is 28 as above
+    hyper = (1e-3, 0.9, 0.95, 1e-8, 0.0, 1, 1.0)
+    assert op_cost("adamw", (*arrays(BF16, n, n), *moments, *hyper), {"master": None}).bytes == 22 * n
+    master = {"master": np.zeros(n, np.float32), "seed": 0, "offset": 0}
+    assert op_cost("adamw", (*arrays(BF16, n, n), *moments, *hyper), master).bytes == 28 * n
+
+
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_profiled_bf16_adamw_counts_the_master_weights_it_moves(master_weights):
+    """The profiler costs AdamW with the op's keywords: a bf16 step with fp32 masters moves 28 bytes a parameter,
+    one without (-w 0) 22 (the range carries the call's keywords, so the record knows which ran)."""
+    from gpt2np.profiling.profiler import Profiler
+    from gpt2np.train_step import train_step
+    cfg = GPT2Config(max_seq_len=8, vocab_size=64, padded_vocab_size=64, num_layers=1, num_heads=2, channels=16)
+    be = get_backend("numpy", "bf16")
+    model = GPT2(cfg, be, 2, 8, seed=0, master_weights=master_weights)
+    x = np.random.default_rng(0).integers(0, 64, (2, 8)).astype(np.int32)
+    with Profiler(be) as prof:
+        train_step(model, lambda: (x, x), step=0, lr=1e-3)
+    adamw = [r for r in prof.records if r.kernel == "numpy.adamw"]
+    assert adamw and sum(r.bytes for r in adamw) == (28 if master_weights else 22) * model.num_parameters

@@ -267,6 +267,15 @@ def test_a_loss_spike_is_skipped_with_sl_and_not_without(files, tmp_path, capsys
     assert re.search(r"\| skip update lossz +\| 3\.000000 ", guarded)
     plain = run(files, capsys, "-o", tmp_path / "plain")
     assert not skipped_steps(plain) and "skipping update" not in plain and "outliers" not in plain
+    # every step line has llm.c's z-scores, -sl or not: nan while the window fills (steps 0-127), then the
+    # loss's over the 127 values of steps s - 128 .. s - 2 (one step late, gpt2np.outlier) and its own
+    zs = [m.groups() for m in re.finditer(r"^step +\d+/\d+ \| loss [0-9.]+ \((\S+)z\)\| norm [0-9.]+ \((\S+)z\)\|",
+                                          plain, re.M)]
+    assert len(zs) == SPIKE + 4 and all(z == ("+nan", "+nan") for z in zs[:128])
+    b = step_losses(plain)
+    window = np.array(b[SPIKE - 128:SPIKE - 1] + [b[SPIKE]])
+    assert abs(float(zs[SPIKE][0]) - (b[SPIKE] - window.mean()) / window.std()) < 0.01
+    assert zs[SPIKE][0] == f"+{z:.2f}" and all(abs(float(x)) < 11.3 for z_ in zs[128:] for x in z_)
     a, b = step_losses(guarded), step_losses(plain)
     assert a[:SPIKE + 1] == b[:SPIKE + 1] and a[SPIKE + 1] != b[SPIKE + 1]    # the same until the spike's update
     assert a[SPIKE] > max(a[SPIKE - 127:SPIKE]) + 1

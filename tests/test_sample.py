@@ -112,6 +112,25 @@ def test_sample_command_prints_prompt_and_continuation(model_file, data_dir, cap
     assert plain.out == cached.out and "full forward" in plain.err
 
 
+def test_sample_no_cache_takes_the_cpu_math(model_file, data_dir, capsys):
+    """--cpu-math picks the full forward's math (named on the model line); greedy, both give the KV cache's
+    tokens (plain NumPy, an independent path); without --no-cache or off the CPU the flag is one line, exit 2."""
+    argv = ["-e", str(model_file), "--prompt", "ROMEO:", "-g", "8", "--temperature", "0", "--bpe-dir",
+            str(data_dir), "--device", "cpu"]
+    assert sample.main(argv) == 0
+    cached = capsys.readouterr()
+    assert "KV cache (plain NumPy)" in cached.err
+    for math_ in ("exact", "fast"):
+        assert sample.main(argv + ["--no-cache", "--cpu-math", math_]) == 0
+        plain = capsys.readouterr()
+        assert f"on numpy ({math_} CPU math); full forward" in plain.err and plain.out == cached.out
+    for extra, words in ((["--cpu-math", "exact"], "only with --no-cache"),
+                         (["--no-cache", "--cpu-math", "fast", "--device", "emu"], "not --device emu")):
+        assert sample.main(argv + extra) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and words in lines[0], lines
+
+
 def test_sample_with_empty_prompt_and_several_samples(model_file, data_dir, capsys):
     assert sample.main(["-e", str(model_file), "-g", "4", "--num-samples", "2", "--bpe-dir", str(data_dir)]) == 0
     out = capsys.readouterr().out

@@ -424,12 +424,17 @@ def fused_classifier_cost(logits, losses, targets, V, dloss, write_dlogits) -> C
     })
 
 
-def adamw_cost(params, grads, m, v, *hyperparameters, **master) -> Cost:
+_MASTER_UNSAID = object()     # adamw_cost called without the op's keywords: bf16 counted with masters (-w 1)
+
+
+def adamw_cost(params, grads, m, v, *hyperparameters, master=_MASTER_UNSAID, seed=0, offset=0) -> Cost:
+    """master, seed, offset: the op's keywords (Backend.adamw_update); master=None with bf16 params is -w 0."""
     n = _size(params)
     if _item(params) == F32:                  # reads p, g, m, v; writes p, m, v
         return Cost(f"N={n}", {"update": (14 * n, F32 * 7 * n)})
-    # lower-precision parameters (bf16) have fp32 master weights: reads master, g, m, v; writes p, master, m, v
-    # (-w 0 reads p instead of master and writes no master: the ranges carry no keywords, so it is counted so too)
+    if master is None:                        # -w 0: reads p, g, m, v; writes p, m, v (no fp32 copy)
+        return Cost(f"N={n}", {"update": (14 * n, (2 * _item(params) + _item(grads)) * n + F32 * 4 * n)})
+    # with fp32 master weights: reads master, g, m, v; writes p, master, m, v
     return Cost(f"N={n}", {"update": (14 * n, (_item(params) + _item(grads)) * n + F32 * 6 * n)})
 
 
@@ -474,18 +479,19 @@ OP_METHODS = {"adamw": ("adamw_update", "adamw_update_device"),
 DEVICE_STEP_OPS = ("loss_mean",)
 
 
-def op_cost(op: str, args, **variant) -> Cost:
-    """The cost of one call of `op` with these arguments (the op's own argument list); `variant`: the keywords a
-    backend passes for how it runs the op (attention's causal_half), see backend_op_cost."""
+def op_cost(op: str, args, keywords=None, **variant) -> Cost:
+    """The cost of one call of `op` with these arguments (the op's own argument list) and keywords (AdamW's
+    master, seed, offset); `variant`: the keywords a backend passes for how it runs the op (attention's
+    causal_half), see backend_op_cost."""
     try:
         formula = COSTS[op]
     except KeyError:
         raise KeyError(f"no cost formula for op {op!r}; known: {', '.join(COSTS)}") from None
-    return formula(*args, **variant)
+    return formula(*args, **(keywords or {}), **variant)
 
 
-def backend_op_cost(backend, op: str, args) -> Cost:
+def backend_op_cost(backend, op: str, args, keywords=None) -> Cost:
     """The cost of `op` as `backend` runs it: the backend's op_cost_variant(op, args) names the formula's variant
     (a backend without one runs every op as the formula's default says)."""
     variant = getattr(backend, "op_cost_variant", None)
-    return op_cost(op, args, **(variant(op, args) if variant else {}))
+    return op_cost(op, args, keywords, **(variant(op, args) if variant else {}))

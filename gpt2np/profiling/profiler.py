@@ -248,10 +248,10 @@ class Profiler:
         rid = self._next_range
         self._next_range += 1
         self._open.append((name, now, detail, rid))
-        if isinstance(detail, tuple):            # an op: the model passes (module, arguments)
-            module, args = detail
+        if isinstance(detail, tuple):            # an op: the model passes (module, arguments, keywords)
+            module, args, keywords = detail
             direction, layer = attribution(ranges.current_stack())
-            self._op = (direction, layer, name, module, backend_op_cost(self.backend, name, args))
+            self._op = (direction, layer, name, module, backend_op_cost(self.backend, name, args, keywords))
 
     def on_pop(self, name):
         if not self._open:
