@@ -343,9 +343,10 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     # (validation, sampling, checkpoints, a stop), so a non-finite step still stops the run before a checkpoint.
     pending = None                                # (step, lr, result, t0, limits) of the step whose line is not out
     last_report = None                            # when the previous line's result arrived
+    tok_s_ema = 0.0                               # llm.c's smoothed tokens/s (from the run's second line on)
 
     def report(entry):
-        nonlocal skipped, last_report
+        nonlocal skipped, last_report, tok_s_ema
         step_, lr_, result, t0, limits = entry
         try:
             if isinstance(result, NonFiniteError):
@@ -370,6 +371,10 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         last_report = now
         step_times.append(dt)
         tok_s = total_batch / dt
+        # the line's tok/s is llm.c's: the first line's own rate, then an EMA (0.95) of the rates, bias-corrected
+        k = len(step_times) - 1
+        tok_s_ema = 0.95 * tok_s_ema + 0.05 * tok_s if k else 0.0
+        tok_s_shown = tok_s_ema / (1.0 - 0.95 ** k) if k else tok_s
         if backend.name == "cuda":
             util = mfu(fpt, tok_s, device_name, backend.precision)
             perf = f"{100 * util:.1f}% MFU" if util is not None else "MFU n/a"
@@ -378,7 +383,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         if applied:
             # llm.c's line: the z-scores over the window (nan while it fills, the first 128 steps)
             line = (f"step {step_ + 1:4d}/{total_steps} | loss {loss:.6f} ({z_loss:+.2f}z)| norm {norm:.4f} "
-                    f"({z_norm:+.2f}z)| lr {lr_:.2e} | {dt * 1e3:.2f} ms | {perf} | {tok_s:.0f} tok/s")
+                    f"({z_norm:+.2f}z)| lr {lr_:.2e} | {dt * 1e3:.2f} ms | {perf} | {tok_s_shown:.0f} tok/s")
             if outlier:                           # llm.c's line, then the step's; main.log keeps the loss (llm.c)
                 flag, z, limit = (("-sl", z_loss, cfg.skip_update_lossz) if outlier == "loss" else
                                   ("-sg", z_norm, cfg.skip_update_gradz))

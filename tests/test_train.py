@@ -67,6 +67,15 @@ def test_loss_falls_and_log_written(tiny_model, tiny_shards, tmp_path, capsys):
     vals = [float(line.split("tel:")[1]) for line in log if "tel:" in line]
     assert len(vals) == 4 and vals[-1] < vals[0]          # steps 0, 10, 20, 30
     assert "num_parameters" in out and "tok/s" in out
+    # llm.c's tok/s column: the first step's own rate, then a bias-corrected EMA (0.95) of the steps' rates
+    lines = re.findall(r"\| ([0-9.]+) ms \| [^|]+ \| ([0-9]+) tok/s", out)
+    assert len(lines) == 30
+    ema = 0.0
+    for k, (ms, shown) in enumerate(lines):
+        rate = 4 * 32 / (float(ms) / 1e3)
+        ema = 0.95 * ema + 0.05 * rate if k else 0.0
+        expected = ema / (1 - 0.95 ** k) if k else rate
+        assert abs(int(shown) - expected) <= 0.01 * expected + 1, (k, ms, shown, expected)
 
 
 def test_resume_is_bit_identical(tiny_model, tiny_shards, tmp_path, capsys):
