@@ -5,7 +5,8 @@ llm.c: every step pushes its loss and its grad norm into 128-value ring buffers 
 value over its buffer *including* the new value (population std; NaN while fewer than 128 values came before it,
 0 when the std is 0); the update is skipped when the loss's z > Z_l (checked first, -sl) or the norm's z > Z_g
 (-sg). Every value goes in, a skipped step's too; the step counter, the lr schedule and AdamW's t go on as if the
-step had been applied (the skipped step's t is not reused).
+step had been applied (the skipped step's t is not reused). llm.c prints both z-scores on every step line, -sl/-sg
+or not, and so does the trainer (the window is kept, and checkpointed, in every run).
 
 Here, one step late. The CUDA step runs without a host sync: the host reads each step's loss and norm back while
 the next step runs (gpt2np.train_step.PendingStep), so when it launches step s it knows the values of steps
