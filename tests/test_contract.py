@@ -125,7 +125,7 @@ def test_every_cuda_launch_names_a_term_of_its_op_once(attention, fuse):
     class OpTracker:
         def on_push(self, name, detail):
             if detail is not None:
-                current.append((name, op_cost(name, detail[1]), Counter()))
+                current.append((name, op_cost(name, detail[1], detail[2]), Counter()))
 
         def on_pop(self, name):
             if current and current[-1][0] == name:
@@ -207,17 +207,20 @@ def test_bf16_storage_halves_the_bytes_of_storage_terms():
     assert op_cost("adamw", (*arrays(BF16, n, n), *moments, *hyper), master).bytes == 28 * n
 
 
+@pytest.mark.parametrize("device", ["numpy", "emu"])
 @pytest.mark.parametrize("master_weights", [True, False])
-def test_profiled_bf16_adamw_counts_the_master_weights_it_moves(master_weights):
+def test_profiled_bf16_adamw_counts_the_master_weights_it_moves(device, master_weights):
     """The profiler costs AdamW with the op's keywords: a bf16 step with fp32 masters moves 28 bytes a parameter,
-    one without (-w 0) 22 (the range carries the call's keywords, so the record knows which ran)."""
+    one without (-w 0) 22 (the range carries the call's keywords, so the record knows which ran), on the host step
+    (numpy's adamw op) and on the device step (the adamw_update_device kernel, emulated)."""
     from gpt2np.profiling.profiler import Profiler
     from gpt2np.train_step import train_step
     cfg = GPT2Config(max_seq_len=8, vocab_size=64, padded_vocab_size=64, num_layers=1, num_heads=2, channels=16)
-    be = get_backend("numpy", "bf16")
+    be = get_backend(device, "bf16")
     model = GPT2(cfg, be, 2, 8, seed=0, master_weights=master_weights)
     x = np.random.default_rng(0).integers(0, 64, (2, 8)).astype(np.int32)
     with Profiler(be) as prof:
-        train_step(model, lambda: (x, x), step=0, lr=1e-3)
-    adamw = [r for r in prof.records if r.kernel == "numpy.adamw"]
+        result = train_step(model, lambda: (x, x), step=0, lr=1e-3)
+        getattr(result, "resolve", lambda: None)()
+    adamw = [r for r in prof.records if r.kernel in ("numpy.adamw", "adamw_update_device")]
     assert adamw and sum(r.bytes for r in adamw) == (28 if master_weights else 22) * model.num_parameters

@@ -78,7 +78,7 @@ class OpCalls:
     def on_push(self, name, detail):
         stack = ranges.current_stack()
         if isinstance(detail, tuple) and stack and stack[0] == "Train step 1":
-            self.calls.append((attribution(stack)[0], name, op_cost(name, detail[1])))
+            self.calls.append((attribution(stack)[0], name, op_cost(name, detail[1], detail[2])))
 
     def on_pop(self, name):
         pass

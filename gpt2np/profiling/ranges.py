@@ -11,8 +11,8 @@ Each range goes to two places:
     env var GPT2NP_NVTX=0.
   * Listeners registered with add_listener(): objects with on_push(name, detail) and on_pop(name)
     methods, called on the thread that opens/closes the range. `detail` is what the code that opened
-    the range passed along (None for most; the model passes (module, op arguments) for each op, which
-    is how the built-in profiler attributes work without the model knowing it). current_stack() gives
+    the range passed along (None for most; the model passes (module, op arguments, op keywords) for each
+    op, which is how the built-in profiler attributes work without the model knowing it). current_stack() gives
     the names open on the calling thread.
 
 Listeners do not depend on the NVTX switch: they are called whenever any are registered. With NVTX
