@@ -4,8 +4,9 @@
     def main(argv=None): ...          # bad input: `error: ...` and exit 2, never a traceback
 
 Bad input (a flag's value, a missing or malformed file) ends in one line, `error: ...`, and exit code 2
-(argparse's own); a run that fails (a device, a kernel compiler) in one line and exit 1; Ctrl-C in one line
-and exit 130. With GPT2NP_DEBUG=1 in the environment the error is re-raised instead, traceback and all.
+(argparse's own); a run that fails (a device, a kernel compiler, a write: disk full) in one line and exit 1;
+Ctrl-C in one line and exit 130. With GPT2NP_DEBUG=1 in the environment the error is re-raised instead,
+traceback and all.
 
 Allowed words a flag's rule, so every message reads the same: `error: -l nan: the learning rate must be a
 finite number > 0`.
@@ -19,12 +20,16 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from .fileio import WriteError
+
 BAD_INPUT, RUN_FAILED, INTERRUPTED = 2, 1, 130      # 130 = 128 + SIGINT, what shells report for Ctrl-C
 # What bad flags and files raise: the loaders' own errors derive from ValueError or OSError; KeyError, TypeError
 # and IndexError come from files with fields missing or of the wrong type; ImportError from an optional
 # dependency that a flag asked for.
 BAD_INPUT_ERRORS = (ValueError, OSError, KeyError, TypeError, IndexError, ImportError)
-RUN_ERRORS = (RuntimeError,)                        # a device, a kernel compiler or a collective failed
+# a device, a kernel compiler or a collective failed; or writing an output did (disk full, no permission: the
+# machine, not the flags)
+RUN_ERRORS = (RuntimeError, WriteError)
 
 
 class BadInput(ValueError):

@@ -1,4 +1,6 @@
-"""GPT-2 model configuration, llm.c's depth presets (d12, d24, d36, d48), and the training settings (TrainConfig)."""
+"""GPT-2 model configuration, llm.c's model descriptors (d12, gpt2:d24, gpt3:c768, ...), and the training settings
+(TrainConfig)."""
+import re
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import get_args
 
@@ -26,7 +28,7 @@ class GPT2Config:
             (self.padded_vocab_size >= self.vocab_size, "padded_vocab_size must be >= vocab_size"),
             (self.num_layers > 0, "num_layers must be positive"),
             (self.num_heads > 0, "num_heads must be positive"),
-            (self.channels > 0 and self.channels % self.num_heads == 0,
+            (self.channels > 0 and self.num_heads > 0 and self.channels % self.num_heads == 0,
              "channels must be a positive multiple of num_heads"),
         ]
         for ok, msg in checks:
@@ -48,21 +50,55 @@ def pad_vocab(vocab_size: int, multiple: int = 128) -> int:
     return (vocab_size + multiple - 1) // multiple * multiple
 
 
-# llm.c's presets: depth -> (num_layers, num_heads, channels)
+# llm.c's GPT-2 depth presets (-e dL): name -> (num_layers, num_heads, channels); d6, d60, d72, d84 are llm.c's
+# unofficial sizes (30M, 2.7B, 7.3B, 12.2B), the others GPT-2's 124M, 350M, 774M, 1558M
 PRESETS = {
+    "d6": (6, 6, 384),
     "d12": (12, 12, 768),
     "d24": (24, 16, 1024),
     "d36": (36, 20, 1280),
     "d48": (48, 25, 1600),
+    "d60": (60, 30, 1920),
+    "d72": (72, 30, 2880),
+    "d84": (84, 36, 3456),
 }
+# llm.c's GPT-3 sizes (-e gpt3:cC): channels -> (num_layers, head size); context 2048. 5140 (13B) is in llm.c's
+# table but its head size does not divide it (llm.c stops on an assert): refused here in one line.
+GPT3_SIZES = {384: (6, 64), 768: (12, 64), 1024: (24, 64), 1536: (24, 96), 2048: (24, 128), 2560: (32, 80),
+              4096: (32, 128), 5140: (40, 128), 12288: (96, 128)}
+DESCRIPTORS = "dL or gpt2:dL (L = " + ", ".join(p[1:] for p in PRESETS) + ") or gpt3:cC (C = " + \
+    ", ".join(map(str, GPT3_SIZES)) + ")"
 
 
-def preset(name: str, max_seq_len: int = 1024, vocab_size: int = 50257) -> GPT2Config:
-    """The config for a depth preset such as 'd12' (GPT-2 124M when V=50257)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}: expected one of {', '.join(PRESETS)}")
-    L, NH, C = PRESETS[name]
-    return GPT2Config(max_seq_len, vocab_size, pad_vocab(vocab_size), L, NH, C)
+def descriptor(spec: str, vocab_size: int = 50257):
+    """The GPT2Config of llm.c's model descriptor `spec` ('d12', 'gpt2:d12', 'gpt3:c768'; random init), None when
+    spec is not written as one; a ValueError for a size llm.c does not have ('d7')."""
+    gpt2 = re.fullmatch(r"(?:gpt2:)?d(\d+)", spec)
+    gpt3 = re.fullmatch(r"gpt3:c(\d+)", spec)
+    if gpt2:
+        if f"d{int(gpt2[1])}" not in PRESETS:
+            raise ValueError(f"{spec}: llm.c has no GPT-2 of depth {int(gpt2[1])}; its model descriptors are "
+                             f"{DESCRIPTORS}")
+        L, NH, C = PRESETS[f"d{int(gpt2[1])}"]
+        return GPT2Config(1024, vocab_size, pad_vocab(vocab_size), L, NH, C)
+    if gpt3:
+        C = int(gpt3[1])
+        if C not in GPT3_SIZES:
+            raise ValueError(f"{spec}: llm.c has no GPT-3 of {C} channels; its model descriptors are {DESCRIPTORS}")
+        L, head_size = GPT3_SIZES[C]
+        if C % head_size:
+            raise ValueError(f"{spec}: llm.c's head size for {C} channels, {head_size}, does not divide them")
+        return GPT2Config(2048, vocab_size, pad_vocab(vocab_size), L, C // head_size, C)
+    return None
+
+
+def preset(name: str, max_seq_len: int | None = None, vocab_size: int = 50257) -> GPT2Config:
+    """The config of an llm.c model descriptor such as 'd12' (GPT-2 124M when V=50257) or 'gpt3:c768';
+    max_seq_len: the descriptor's own (1024, GPT-3's 2048) unless given."""
+    cfg = descriptor(name, vocab_size)
+    if cfg is None:
+        raise ValueError(f"unknown model preset {name!r}: expected {DESCRIPTORS}")
+    return cfg if max_seq_len is None else replace(cfg, max_seq_len=max_seq_len)
 
 
 def _setting(flag, default=None, help="", *, cpu_gpu=None, choices=None, metavar=None, default_text=None,
@@ -90,8 +126,8 @@ class TrainConfig:
                                       metavar="PATTERN", default_text="tinyshakespeare train split")
     val_data: str | None = _setting("-j", help="val token shards (glob); -i without -j: no validation",
                                     metavar="PATTERN", default_text="tinyshakespeare val split")
-    model: str = _setting("-e", "gpt2_124M.bin", "llm.c model file (fetched if missing), or d12/d24/d36/d48 for "
-                          "random init", metavar="MODEL")
+    model: str = _setting("-e", "gpt2_124M.bin", "llm.c model file (fetched if missing), or llm.c's model "
+                          "descriptor for random init: d6..d84, gpt2:dL, gpt3:cC", metavar="MODEL")
     output_dir: str | None = _setting("-o", help="output dir for main.log and checkpoints", metavar="DIR",
                                       default_text="none")
     batch_size: int | None = _setting("-b", help="micro batch size B", cpu_gpu=(4, 4), allowed=COUNT,

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import load_model
-from .config import PRESETS, preset
+from .config import DESCRIPTORS, descriptor, preset
 from .data import write_shard
 from .fetch import KNOWN_FILES, FetchError, ensure
 from .fileio import atomic_write
@@ -40,9 +40,13 @@ def resolve_model(spec, timeout=10, keep_bf16=False):
     with one line saying why. Any other missing file is an error. keep_bf16: a bf16 (v5) file's parameters as
     stored (ml_dtypes bfloat16; a bf16 run loads them without an fp32 round trip).
     """
-    if spec in PRESETS:
-        return preset(spec), None, f"{spec} (random init)"
     path = Path(spec)
+    try:
+        cfg = None if path.exists() else descriptor(spec)  # llm.c's d12, gpt2:d24, gpt3:c768 (random init)
+    except ValueError as e:
+        raise ValueError(f"-e {e}") from None
+    if cfg is not None:
+        return cfg, None, f"{spec} (random init)"
     if not path.is_file() and path.name == spec and (CHECKPOINTS / spec).is_file():
         path = CHECKPOINTS / spec
     if not path.is_file() and path.name == spec and spec in KNOWN_FILES:
@@ -56,8 +60,8 @@ def resolve_model(spec, timeout=10, keep_bf16=False):
         if path.is_dir() or is_hub_id(spec):     # a transformers GPT-2 folder, or a Hugging Face Hub id (gpt2, ...)
             cfg, params, _ = load_hf(spec)
             return cfg, params, f"{spec} (Hugging Face)"
-        raise FileNotFoundError(f"{spec}: no such model file (give an llm.c model file or one of "
-                                f"{', '.join(PRESETS)})")
+        raise FileNotFoundError(f"{spec}: no such model file (give an llm.c model file, or llm.c's model "
+                                f"descriptor for random init: {DESCRIPTORS})")
     cfg, params = load_model(path, keep_bf16=keep_bf16)
     return cfg, params, str(path)
 

@@ -50,11 +50,12 @@ def parse_config(argv=None):
 
 @tool
 def main(argv=None):
-    """Parse and validate the flags (bad ones: one `error:` line, exit 2), then train (a failure: one line, exit 1)."""
+    """Parse and validate the flags, then train: bad flags or files end in one `error:` line and exit 2, a run
+    that fails (a non-finite loss, a device, a write) in one line and exit 1."""
     cfg = parse_config(argv).validate()
     from .dist import abort_job
     from .trainer import train
-    # bad files and faults during the run: one line and exit 1; under mpiexec the other ranks must not wait for us
-    with one_line_errors(code=1, then=abort_job):
+    # under mpiexec the other ranks must not wait for us: abort_job ends the job with the same code
+    with one_line_errors(then=abort_job):
         train(cfg)
     return 0

@@ -30,7 +30,7 @@ from .checkpoint import (
     save_state,
     state_path,
 )
-from .cli import one_line
+from .cli import BadInput, one_line
 from .config import TrainConfig
 from .data import DataLoader
 from .dist import check_same_run, make_process_group, run_fingerprint, stop_together
@@ -122,8 +122,12 @@ def load_hellaswag(cfg: TrainConfig, model_cfg, dist, say=print):
     try:
         _, examples = hellaswag.load(cfg.hellaswag_data)
     except (OSError, ValueError) as e:              # no file, an offline download, an unreadable file
+        if cfg.hellaswag_data and isinstance(e, OSError) and not isinstance(e, WriteError):   # name the flag
+            what = ("no such file" if isinstance(e, FileNotFoundError) else
+                    "a folder, not a HellaSwag .jsonl file" if isinstance(e, IsADirectoryError) else one_line(e))
+            e = BadInput(f"--hellaswag-data {cfg.hellaswag_data}: {what}")
         if not cfg.hellaswag_eval:
-            raise
+            raise e from None
         problem = one_line(e)
     if not cfg.hellaswag_eval:
         return examples[dist.rank::dist.world_size], len(examples)

@@ -71,13 +71,16 @@ def corrupt(path, how):
         data = data[:100]
     elif how == "impossible":
         data[24:28] = (7).to_bytes(4, "little")            # C=7 is not a multiple of NH=2
+    elif how == "no_heads":
+        data[20:24] = (0).to_bytes(4, "little")            # NH=0 (checked before C % NH is taken)
     path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("how, message", [
     ("magic", "bad magic 20240327"), ("version", "unsupported version 4"), ("truncated", "truncated"),
     ("too_long", "more than the header"), ("short_header", "shorter than the 1024-byte header"),
-    ("impossible", "impossible model"), ("missing", "no such model file")])
+    ("impossible", "impossible model"), ("no_heads", "num_heads must be positive"),
+    ("missing", "no such model file")])
 def test_bad_model_file_is_one_clear_line(tmp_path, how, message):
     path = tmp_path / "m.bin"
     save_model(path, CFG, params())

@@ -99,3 +99,35 @@ def test_pn_pr_that_differ_from_the_launch_are_noted_and_mpiexecs_used(tmp_path,
     out = capsys.readouterr().out
     assert "note: rank 0 of 1: -pn 4 differs from what mpiexec started; using mpiexec's 1" in out
     assert "note: rank 0 of 1: -pr 2 differs from what mpiexec started; using mpiexec's 0" in out
+
+
+@pytest.mark.parametrize("spec, shape, params", [
+    ("d6", (6, 6, 384, 1024), None),
+    ("d12", (12, 12, 768, 1024), 124_475_904),             # llm.c's GPT-2 124M (Vp = 50304)
+    ("gpt2:d24", (24, 16, 1024, 1024), 354_871_296),       # Hugging Face's gpt2-medium, 354,823,168, + 47 padded rows
+    ("d84", (84, 36, 3456, 1024), None),
+    ("gpt3:c768", (12, 12, 768, 2048), 125_262_336),       # d12 with 2048 positions: + 1024 x 768
+    ("gpt3:c2560", (32, 32, 2560, 2048), None)])           # head size 80
+def test_llmcs_model_descriptors(spec, shape, params):
+    """-e takes llm.c's model descriptors (gpt_build_from_descriptor): dL / gpt2:dL for its 8 GPT-2 depths,
+    gpt3:cC for its GPT-3 table (context 2048), with llm.c's layers, heads and channels."""
+    from gpt2np.config import descriptor
+    from gpt2np.starter import resolve_model
+    from gpt2np.tensors import num_parameters
+    cfg, params_, what = resolve_model(spec)
+    assert params_ is None and what == f"{spec} (random init)" and cfg == descriptor(spec)
+    assert (cfg.num_layers, cfg.num_heads, cfg.channels, cfg.max_seq_len) == shape
+    assert (cfg.vocab_size, cfg.padded_vocab_size) == (50257, 50304)
+    if params is not None:
+        assert num_parameters(cfg) == params
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("d7", "-e d7: llm.c has no GPT-2 of depth 7; its model descriptors are dL or gpt2:dL (L = 6, 12,"),
+    ("gpt2:d0", "-e gpt2:d0: llm.c has no GPT-2 of depth 0"),
+    ("gpt3:c100", "-e gpt3:c100: llm.c has no GPT-3 of 100 channels"),
+    ("gpt3:c5140", "-e gpt3:c5140: llm.c's head size for 5140 channels, 128, does not divide them")])
+def test_a_descriptor_llmc_does_not_have_is_one_line(spec, says, capsys):
+    assert train.main(["-e", spec, "-x", "1", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {says}") and len(err.strip().splitlines()) == 1, err

@@ -211,8 +211,11 @@ def test_output_dir_that_is_a_file(files, tmp_path, capsys):
     not_a_folder = tmp_path / "out"
     not_a_folder.write_text("a file")
     code, _, err = run(args(files, not_a_folder, "-x", 1), capsys)
-    assert code != 0
+    assert code == 2
     one_error_line(err, f"-o {not_a_folder} is a file, not a folder")
+    code, _, err = run(args(files, not_a_folder / "run" / "a", "-x", 1), capsys)    # a folder under a file
+    assert code == 2
+    one_error_line(err, f"-o {not_a_folder / 'run' / 'a'}: {not_a_folder} is a file, so the folder cannot be made")
 
 
 def test_state_file_missing_a_key(files, tmp_path, capsys):

@@ -136,7 +136,7 @@ def test_bad_input_is_one_clear_line(problem, tiny_model, tiny_shards, tmp_path,
         args += ["-d", 100]
         expect = "must be a multiple"
     code, out, err = run(args, capsys)
-    assert code == (2 if problem == "bad_total_batch" else 1)
+    assert code == 2                   # bad input, found before or during the run: exit 2 (a failed run: 1)
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], err
 
