@@ -1,6 +1,8 @@
 """gpt2np.profiling.ncu: Nsight Compute exports in ncu's own CSV layouts (written here) and .ncu-rep reports
 (through a stand-in for NVIDIA's ncu_report module) attributed to layer, op and direction."""
+import errno
 import json
+import os
 
 import numpy as np
 import pytest
@@ -214,3 +216,114 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     assert ncu.main([str(junk)]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "no such file" in err[0] and "no ncu CSV table" in err[1]
+
+
+def good_raw(tmp_path, name="good.csv", value="1,000", unit="nsecond", metric=ncu.TIME):
+    path = tmp_path / name
+    path.write_text(raw_csv([metric], [unit], [(0, "layernorm_forward", "(2,1,1)", "(256,1,1)", [value])]))
+    return str(path)
+
+
+def one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+@pytest.mark.parametrize("value, unit, words", [
+    ("abc", "nsecond", "line 4 (kernel 0): metric gpu__time_duration.sum: 'abc' is not a number"),
+    ("-5", "nsecond", "metric gpu__time_duration.sum: -5: must be a finite number >= 0"),
+    ("inf", "nsecond", "must be a finite number >= 0"),
+    ("5", "parsecs", "unit 'parsecs' is not a time unit"),
+])
+def test_bad_metric_values_and_units_name_the_file_line_and_metric(tmp_path, capsys, value, unit, words):
+    path = good_raw(tmp_path, "bad.csv", value, unit)
+    assert ncu.main([path]) == 2
+    err = one_error(capsys)
+    assert path in err and words in err
+    # the details page too
+    details = tmp_path / "details.csv"
+    details.write_text(details_csv([(0, "gelu_forward", "(1,1,1)", "(256,1,1)", ncu.TIME, unit, value)]))
+    with pytest.raises(ncu.NcuReportError, match="line 4 .*metric gpu__time_duration.sum"):
+        ncu.read(str(details))
+
+
+def test_bytes_in_a_time_unit_and_garbage_in_an_unused_metric(tmp_path):
+    path = tmp_path / "b.csv"
+    path.write_text(raw_csv([ncu.TIME, ncu.DRAM], ["nsecond", "nsecond"],
+                            [(0, "k", "(1,1,1)", "(32,1,1)", ["7", "10"])]))
+    with pytest.raises(ncu.NcuReportError, match="unit 'nsecond' is not a size unit"):
+        ncu.read(str(path))
+    # a metric the report does not use may be text (the raw page has such columns): read as unknown
+    path = tmp_path / "text.csv"
+    path.write_text(raw_csv([ncu.TIME, "launch__func_cache_config"], ["nsecond", ""],
+                            [(0, "k", "(1,1,1)", "(32,1,1)", ["7", "CachePreferNone"])]))
+    [k] = ncu.read(str(path))
+    assert k.time_ns == 7 and k.metric("launch__func_cache_config") is None
+
+
+def test_an_export_without_times_is_an_error_not_zeros(tmp_path, capsys):
+    path = tmp_path / "idname.csv"
+    path.write_text('"ID","Kernel Name"\n"0","foo"\n')
+    assert ncu.main([str(path)]) == 2
+    assert "no 'gpu__time_duration.sum' column" in one_error(capsys)
+    details = tmp_path / "details.csv"
+    details.write_text(details_csv([(0, "gelu_forward", "(1,1,1)", "(256,1,1)", ncu.DRAM, "byte", "64")]))
+    assert ncu.main([str(details)]) == 2
+    assert "no gpu__time_duration.sum values" in one_error(capsys)
+
+
+def test_an_ncu_rep_without_kernels_is_an_error(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "fake.ncu-rep"
+    path.write_bytes(b"garbage")
+    with pytest.raises(ncu.NcuReportError, match="no profiled kernels"):
+        ncu.read_rep(str(path), FakeNcuReport([]))
+    monkeypatch.setitem(__import__("sys").modules, "ncu_report", FakeNcuReport([]))
+    assert ncu.main([str(path)]) == 2
+    err = one_error(capsys)
+    assert str(path) in err and "no profiled kernels" in err
+    bad = [FakeAction("k", {ncu.TIME: (-1.0, "nsecond")}, ())]
+    with pytest.raises(ncu.NcuReportError, match="kernel 0 \\(k\\): metric gpu__time_duration.sum: -1.0"):
+        ncu.read_rep(str(path), FakeNcuReport(bad))
+
+
+def test_a_folder_for_the_report_is_called_a_folder(tmp_path, capsys):
+    (tmp_path / "adir").mkdir()
+    assert ncu.main([str(tmp_path / "adir")]) == 2
+    assert "is a folder" in one_error(capsys)
+
+
+def test_step_needs_records(tmp_path, capsys):
+    assert ncu.main([good_raw(tmp_path), "--step", "3"]) == 2
+    assert "--step 3: needs --records" in one_error(capsys)
+
+
+def test_empty_records_profile_is_an_error(tmp_path, capsys):
+    records = tmp_path / "profile.json"
+    records.write_text('{"records": []}')
+    assert ncu.main([good_raw(tmp_path), "--records", str(records)]) == 2
+    err = one_error(capsys)
+    assert str(records) in err and "no records" in err
+
+
+def test_output_paths_name_the_flag_and_missing_folders_are_made(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    good = good_raw(tmp_path)
+    assert ncu.main([good, "--json", "new/deeper/x.json", "--csv", "other/x.csv"]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "new/deeper/x.json").read_text())["records"][0]["duration_ns"] == 1000
+    assert os.listdir(tmp_path / "new/deeper") == ["x.json"] and os.listdir(tmp_path / "other") == ["x.csv"]
+    (tmp_path / "afile.txt").write_text("x")
+    assert ncu.main([good, "--json", "afile.txt/x.json"]) == 2
+    assert "--json afile.txt/x.json: afile.txt is a file, not a folder" in one_error(capsys)
+    assert ncu.main([good, "--csv", "new"]) == 2
+    assert "--csv new: is a folder" in one_error(capsys)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert ncu.main([good, "--json", "full.json"]) == 2
+    err = one_error(capsys)
+    assert "--json full.json: cannot write it ([Errno 28]" in err and ".tmp" not in err
+    assert not any(name.startswith(".full.json") for name in os.listdir(tmp_path))

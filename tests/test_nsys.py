@@ -1,5 +1,7 @@
 """gpt2np.profiling.nsys: kernels of a (hand-built) Nsight Systems SQLite export attributed to NVTX ranges."""
+import errno
 import json
+import os
 import sqlite3
 
 import pytest
@@ -738,3 +740,44 @@ def test_cli_views_and_files(copies_db, tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert nsys.main([copies_db, "--out", str(tmp_path / "afile")]) == 2
     assert "--out" in one_error_line(capsys)
+
+
+def test_a_folder_for_the_export_is_called_a_folder(tmp_path, capsys):
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(nsys.NsysReportError, match="is a folder"):
+        nsys.load(str(tmp_path / "adir"))
+    assert nsys.main([str(tmp_path / "adir")]) == 2
+    err = one_error_line(capsys)
+    assert "is a folder" in err and "no such file" not in err
+
+
+def test_output_paths_name_the_flag_and_missing_folders_are_made(step_db, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert nsys.main([step_db, "--csv", "a/b/k.csv", "--json", "c/k.json", "--trace", "d/t.json",
+                      "--out", "e/f"]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "a/b/k.csv").read_text().count("\n") == 17
+    assert len(report.read_json("c/k.json")[0]) == 16 and (tmp_path / "d/t.json").is_file()
+    assert (tmp_path / "e/f/views.json").is_file()
+    assert not [name for folder in ("a/b", "c", "d") for name in os.listdir(tmp_path / folder) if ".tmp" in name]
+    (tmp_path / "text.txt").write_text("x")
+    for flag, path in (("--json", "text.txt/x.json"), ("--png", "text.txt/x.png"), ("--out", "text.txt/sub")):
+        assert nsys.main([step_db, flag, path]) == 2
+        assert f"{flag} {path}: text.txt is a file, not a folder" in one_error_line(capsys)
+    assert nsys.main([step_db, "--trace", "a"]) == 2
+    assert "--trace a: is a folder" in one_error_line(capsys)
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/somewhere/.k.csv.tmp")
+
+    monkeypatch.setattr(os, "open", denied)
+    assert nsys.main([step_db, "--csv", "g/k.csv"]) == 2
+    err = one_error_line(capsys)
+    assert "--csv g/k.csv: cannot write it ([Errno 13]" in err and ".tmp" not in err
+
+
+def test_png_into_a_missing_folder(step_db, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "no" / "dir" / "x.png"
+    assert nsys.main([step_db, "--png", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(path.parent) == ["x.png"]

@@ -349,3 +349,33 @@ def test_profile_and_plan_take_the_long_flag_names_too(capsys):
         assert main(["--plan", "--gpu", "H100", *flags]) == 0
         outs.append(capsys.readouterr().out.splitlines()[0])
     assert outs[0] == outs[1] and "d12 (random init), B=2, T=32" in outs[0]
+
+
+def test_a_batch_too_large_for_host_memory_is_refused_before_allocating(tmp_path, capsys, monkeypatch):
+    tracemalloc.start()
+    try:
+        start = time.perf_counter()
+        # 1e17 bytes of tokens: more than any machine has (numpy would fail with a traceback, or the OS kill us)
+        assert main(["--plan", "-e", "d12", "-b", "100000000000", "-t", "1024", "--out", str(tmp_path)]) == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: -b 100000000000 -t 1024: ") and "GiB" in err, err
+    assert peak < 200 << 20 and time.perf_counter() - start < 30
+    monkeypatch.setattr(P, "physical_memory", lambda: 1 << 30)           # a 1 GiB machine
+    assert main(["--plan", "-e", "d12", "-b", "1000000", "-t", "64", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "-b 1000000 -t 64" in err and "this machine has 1.0 GiB" in err, err
+    with pytest.raises(BadInput, match="-b 4 -t 1024"):
+        P.check_host_memory(4, 1024, memory=4 * 1025 * P.HOST_BYTES_PER_TOKEN - 1)
+    P.check_host_memory(4, 1024, memory=4 * 1025 * P.HOST_BYTES_PER_TOKEN)
+    P.check_host_memory(1024, 1024)                                       # large but sane: fits here
+
+
+def test_measure_on_the_emulator_refuses_a_step_larger_than_host_memory(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(P, "physical_memory", lambda: 64 << 20)          # room for the tokens, not the model
+    assert main(["--plan", "--measure", "--device", "emu", "-e", "d12", "-b", "1", "-t", "64",
+                 "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--measure --device emu -b 1 -t 64" in err and "host memory" in err, err

@@ -377,3 +377,41 @@ def test_png_without_matplotlib(tmp_path, monkeypatch):
     assert report.write_png(sample_records(), str(tmp_path / "ops.png"), log=notes.append) is False
     assert len(notes) == 1 and "matplotlib" in notes[0]
     assert os.listdir(tmp_path) == []
+
+
+def test_a_profile_without_records_is_an_error_naming_the_file(tmp_path, capsys):
+    path = tmp_path / "empty.json"
+    path.write_text('{"meta": {}, "roofline": null, "records": []}')
+    for argv in ([str(path)], [str(path), "--views", "all"]):
+        assert report.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(path) in err and "no records" in err
+    # a real (one-record) profile still renders
+    report.write_json(sample_records()[:1], str(path), ROOF)
+    assert report.main([str(path)]) == 0
+
+
+def test_a_folder_for_the_records_is_called_a_folder(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a folder" in err
+
+
+def test_writers_make_missing_folders_and_name_the_path_on_failure(tmp_path):
+    path = tmp_path / "new" / "deeper" / "k.json"
+    report.write_json(sample_records(), str(path), ROOF)
+    assert report.read_json(str(path))[0] == sample_records() and os.listdir(path.parent) == ["k.json"]
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OSError) as failed:
+        report.write_csv(sample_records(), str(tmp_path / "afile" / "k.csv"))
+    assert str(tmp_path / "afile" / "k.csv") in str(failed.value) and ".tmp" not in str(failed.value)
+
+
+@pytest.mark.parametrize("folder", [False, True])
+def test_check_output_names_the_flag(tmp_path, folder):
+    (tmp_path / "afile").write_text("x")
+    report.check_output("--x", str(tmp_path / "missing" / "y"), folder=folder)       # made when written
+    with pytest.raises(report.BadInput, match="--x .*afile is a file, not a folder"):
+        report.check_output("--x", str(tmp_path / "afile" / "y" / "z"), folder=folder)
+    with pytest.raises(report.BadInput, match="is a file; expected a folder" if folder else "is a folder"):
+        report.check_output("--x", str(tmp_path / ("afile" if folder else "")), folder=folder)

@@ -29,6 +29,7 @@ roofline (the roofline floor max(FLOPs/peak, bytes/bandwidth) over the time), pl
 """
 import csv
 import io
+import math
 import os
 import re
 import statistics
@@ -53,9 +54,14 @@ GRID, BLOCK = "launch__grid_size", "launch__block_size"
 METRICS = (TIME, DRAM, FADD, FMUL, FFMA, OCCUPANCY, SM_PCT, MEM_PCT, GRID, BLOCK)
 
 # unit -> factor to the base unit (ns for time, bytes for sizes, 1 for the rest)
-UNITS = {"nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9, "s": 1e9,
-         "byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12, "kib": 1024, "mib": 1024 ** 2,
-         "gib": 1024 ** 3}
+TIME_UNITS = {"nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9, "s": 1e9}
+BYTE_UNITS = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12, "kib": 1024, "mib": 1024 ** 2,
+              "gib": 1024 ** 3}
+UNITS = {**TIME_UNITS, **BYTE_UNITS}
+# the metrics the report computes with: a value must be a finite number >= 0 in a unit of its kind ("" = base unit)
+CHECKED = {TIME: ("a time", TIME_UNITS), DRAM: ("a size", BYTE_UNITS),
+           **dict.fromkeys(DRAM_PARTS, ("a size", BYTE_UNITS)),
+           **dict.fromkeys((FADD, FMUL, FFMA, GRID, BLOCK, OCCUPANCY, SM_PCT, MEM_PCT), ("a count", None))}
 HEADER_START = '"ID"'
 
 
@@ -113,6 +119,44 @@ def number(text, unit: str = "") -> Optional[float]:
     return value * UNITS.get(unit.strip().lower(), 1)
 
 
+def checked(where: str, name: str, value, unit: str = "") -> Optional[float]:
+    """A metric's value in its base unit (None: unknown). For the metrics the report uses (CHECKED) a value that
+    is not a number, negative, infinite or in a unit of the wrong kind (a time in 'parsecs') raises NcuReportError
+    naming `where` (file and line) and the metric; other metrics are read as best they can be."""
+    if value is None:
+        return None
+    text = value if isinstance(value, (int, float)) else str(value).strip().replace(",", "")
+    if text in ("", "n/a", "N/A", "nan"):
+        return None
+    if name not in CHECKED:
+        return number(text, unit)
+    kind, units = CHECKED[name]
+    try:
+        x = float(text)
+    except (TypeError, ValueError):
+        raise NcuReportError(f"{where}: metric {name}: {str(value)!r} is not a number") from None
+    if math.isnan(x):
+        return None
+    if not math.isfinite(x) or x < 0:
+        raise NcuReportError(f"{where}: metric {name}: {value}: must be a finite number >= 0")
+    key = str(unit or "").strip().lower()
+    if units is not None:
+        if key and key not in units:
+            raise NcuReportError(f"{where}: metric {name}: unit {str(unit).strip()!r} is not {kind} unit "
+                                 f"(expected one of {', '.join(sorted(units))})")
+        return x * units.get(key, 1)
+    return x * UNITS.get(key, 1)
+
+
+def _require_times(path: str, kernels: List["NcuKernel"], what: str) -> None:
+    """NcuReportError unless there are kernels and some of them have a time (else every time would show 0)."""
+    if not kernels:
+        raise NcuReportError(f"{path}: no profiled kernels ({what})")
+    if all(k.time_ns is None for k in kernels):
+        raise NcuReportError(f"{path}: no {TIME} values (the kernels' times); profile with `ncu --metrics {TIME}` "
+                             f"or a section that collects it (--section SpeedOfLight)")
+
+
 def _dims(text: str) -> str:
     """'(256, 1, 1)' -> '(256,1,1)'."""
     return re.sub(r"\s+", "", text or "")
@@ -137,8 +181,9 @@ def read_csv(path: str) -> List[NcuKernel]:
     if start is None:
         raise NcuReportError(f"{path}: no ncu CSV table (no header line starting with \"ID\"); export with "
                              f"`ncu --import REPORT --csv --page raw` or profile with `ncu --csv`")
-    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
-    header, rows = rows[0], [r for r in rows[1:] if r]
+    reader = csv.reader(io.StringIO("\n".join(lines[start:])))
+    numbered = [(start + reader.line_num, row) for row in reader]        # (1-based line in the file, row)
+    header, rows = numbered[0][1], [(n, r) for n, r in numbered[1:] if r]
     col = {name: i for i, name in enumerate(header)}
     for need in ("Kernel Name", "ID"):
         if need not in col:
@@ -151,7 +196,7 @@ def read_csv(path: str) -> List[NcuKernel]:
 
     kernels: Dict[int, NcuKernel] = {}
     if "Metric Name" in col and "Metric Value" in col:           # details page: one row per metric
-        for row in rows:
+        for line, row in rows:
             kid = number(cell(row, "ID"))
             if kid is None:
                 continue
@@ -161,25 +206,34 @@ def read_csv(path: str) -> List[NcuKernel]:
                                                   _dims(cell(row, "Block Size")), cell(row, "Device"),
                                                   nvtx=next((_stack(cell(row, c)) for c in nvtx_cols
                                                              if cell(row, c)), ()))
-            k.metrics[cell(row, "Metric Name")] = number(cell(row, "Metric Value"), cell(row, "Metric Unit"))
+            name = cell(row, "Metric Name")
+            k.metrics[name] = checked(f"{path}: line {line} (kernel {int(kid)})", name, cell(row, "Metric Value"),
+                                      cell(row, "Metric Unit"))
     else:                                                          # raw page: one column per metric
         units = {}
-        if rows and not cell(rows[0], "ID").strip():               # the units row
-            units = {name: rows[0][i] for name, i in col.items() if i < len(rows[0])}
+        if rows and not cell(rows[0][1], "ID").strip():            # the units row
+            units = {name: rows[0][1][i] for name, i in col.items() if i < len(rows[0][1])}
             rows = rows[1:]
         fixed = {"ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
                  "Grid Size", "Device", "CC"} | set(nvtx_cols)
-        for row in rows:
+        if TIME not in col:
+            raise NcuReportError(f"{path}: the CSV has no {TIME!r} column (the kernels' times); profile with "
+                                 f"`ncu --metrics {TIME}` or a section that collects it (--section SpeedOfLight)")
+        for line, row in rows:
             kid = number(cell(row, "ID"))
             if kid is None:
                 continue
-            metrics = {name: number(cell(row, name), units.get(name, "")) for name in header if name not in fixed}
+            where = f"{path}: line {line} (kernel {int(kid)})"
+            metrics = {name: checked(where, name, cell(row, name), units.get(name, "")) for name in header
+                       if name not in fixed}
             kernels[int(kid)] = NcuKernel(int(kid), cell(row, "Kernel Name"), _dims(cell(row, "Grid Size")),
                                           _dims(cell(row, "Block Size")), cell(row, "Device"), metrics,
                                           next((_stack(cell(row, c)) for c in nvtx_cols if cell(row, c)), ()))
     if not kernels:
         raise NcuReportError(f"{path}: the ncu table has no kernel rows")
-    return [kernels[i] for i in sorted(kernels)]
+    out = [kernels[i] for i in sorted(kernels)]
+    _require_times(path, out, "the ncu table has no kernel rows")
+    return out
 
 
 def read_rep(path: str, ncu_report=None) -> List[NcuKernel]:
@@ -200,11 +254,15 @@ def read_rep(path: str, ncu_report=None) -> List[NcuKernel]:
         for a in range(rng.num_actions()):
             action = rng.action_by_idx(a)
             metrics = {}
+            where = f"{path}: range {r}, kernel {a} ({action.name()})"
             for name in action.metric_names():
                 m = action.metric_by_name(name)
                 value = m.value() if m is not None and m.has_value() else None
-                metrics[name] = value * UNITS.get(str(m.unit()).lower(), 1) if isinstance(value, (int, float)) \
-                    else value
+                if name in CHECKED:
+                    metrics[name] = checked(where, name, value, "" if value is None else str(m.unit()))
+                else:
+                    metrics[name] = value * UNITS.get(str(m.unit()).lower(), 1) \
+                        if isinstance(value, (int, float)) and not isinstance(value, bool) else value
             stack = ()
             state = action.nvtx_state()
             if state is not None:
@@ -216,10 +274,13 @@ def read_rep(path: str, ncu_report=None) -> List[NcuKernel]:
             grid, block = metrics.get(GRID), metrics.get(BLOCK)
             kernels.append(NcuKernel(len(kernels), action.name(), "" if grid is None else f"({int(grid)})",
                                      "" if block is None else f"({int(block)})", "", metrics, stack))
+    _require_times(path, kernels, "not an Nsight Compute report, or one that profiled nothing")
     return kernels
 
 
 def read(path: str) -> List[NcuKernel]:
+    if os.path.isdir(path):
+        raise NcuReportError(f"{path}: is a folder; expected an `ncu --csv` export or an .ncu-rep report")
     if not os.path.isfile(path):
         raise NcuReportError(f"{path}: no such file")
     return read_rep(path) if path.endswith((".ncu-rep", ".ncu-repz")) else read_csv(path)
@@ -358,22 +419,26 @@ def main(argv=None) -> int:
                        description="Attribute Nsight Compute results to layer, op and direction.")
     p.add_argument("report", help="`ncu --csv` export (details or raw page) or .ncu-rep report")
     p.add_argument("--records", help="gpt2np profile.json of the same configuration: aligned kernel by kernel")
-    p.add_argument("--step", default="last", help="step of --records to align with (default last)")
+    p.add_argument("--step", help="step of --records to align with (default last; needs --records)")
     p.add_argument("--device", help="device for the roofline (default: the one in the export)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"),
                    help="precision of the GEMMs for the roofline (default fp32)")
     p.add_argument("--csv", help="write the attributed kernels to this CSV file")
     p.add_argument("--json", help="write the attributed kernels to this JSON file")
     args = p.parse_args(argv)
+    if args.step is not None and not args.records:
+        raise BadInput(f"--step {args.step}: needs --records (the step of that profile the kernels are aligned "
+                       f"with); an ncu export has no step numbers")
     for flag in ("--csv", "--json"):
         path = getattr(args, flag[2:])
-        if path and os.path.isdir(path):
-            raise BadInput(f"{flag} {path}: is a folder; expected a file name")
+        if path:
+            report.check_output(flag, path)
     kernels = read(args.report)
     records = None
     if args.records:
-        step = report.parse_step(args.step)
+        step = report.parse_step(args.step or "last")
         records, _, _ = report.read_json(args.records)
+        report.require_records(records, args.records)
         report.check_step(records, step, args.records)
         records = report.select_step(records, step)
     device = args.device or next((k.device for k in kernels if k.device and lookup(k.device)), None)
@@ -382,9 +447,11 @@ def main(argv=None) -> int:
     sys.stdout.write(render(args.report, kernels, out, matched, roof))
     meta = {"source": os.path.abspath(args.report), "device": device, "tool": "ncu"}
     if args.csv:
-        report.write_csv(out, args.csv, roof)
+        with report.writing("--csv", args.csv):
+            report.write_csv(out, args.csv, roof)
     if args.json:
-        report.write_json(out, args.json, roof, meta)
+        with report.writing("--json", args.json):
+            report.write_json(out, args.json, roof, meta)
     return 0
 
 

@@ -192,6 +192,9 @@ class Profile:
 # reading the export
 
 def _connect(path: str) -> sqlite3.Connection:
+    if os.path.isdir(path):
+        raise NsysReportError(f"{path}: is a folder; expected an Nsight Systems SQLite export (nsys export -t "
+                              f"sqlite)")
     if not os.path.isfile(path):
         raise NsysReportMissing(f"{path}: no such file")
     try:
@@ -637,10 +640,10 @@ def main(argv=None) -> int:
     # before the report is read: an output path that is a folder would fail only after the tables are printed
     for flag in ("--csv", "--json", "--trace", "--png"):
         path = getattr(args, flag[2:])
-        if path and os.path.isdir(path):
-            raise BadInput(f"{flag} {path}: is a folder; expected a file name")
-    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise BadInput(f"--out {args.out}: is a file; expected a folder (made if missing)")
+        if path:
+            report.check_output(flag, path)
+    if args.out:
+        report.check_output("--out", args.out, folder=True)
     names = V.parse_views(args.views) if args.views else NSYS_DEFAULT_VIEWS
     module_params = preset_parameters(args.model) if args.model else None
     step = report.parse_step(args.step)
@@ -664,20 +667,27 @@ def main(argv=None) -> int:
     sys.stdout.write("\n\n".join(parts) + "\n")
     meta = vprofile.meta | {"device": device}
     if args.csv:
-        report.write_csv(records, args.csv, roof)
+        with report.writing("--csv", args.csv):
+            report.write_csv(records, args.csv, roof)
     if args.json:
-        report.write_json(records, args.json, roof, meta, V.profile_doc(vprofile))
+        with report.writing("--json", args.json):
+            report.write_json(records, args.json, roof, meta, V.profile_doc(vprofile))
     if args.trace:
-        report.write_chrome_trace(records, args.trace, ranges, process_name=f"nsys {os.path.basename(args.report)}",
-                                  extra_events=V.trace_extra_events(vprofile))
+        with report.writing("--trace", args.trace):
+            report.write_chrome_trace(records, args.trace, ranges,
+                                      process_name=f"nsys {os.path.basename(args.report)}",
+                                      extra_events=V.trace_extra_events(vprofile))
     if args.png:
-        report.write_png(report.kernels_only(records), args.png,
-                         title=f"{os.path.basename(args.report)}: time by op and direction")
+        with report.writing("--png", args.png):
+            report.write_png(report.kernels_only(records), args.png,
+                             title=f"{os.path.basename(args.report)}: time by op and direction")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        paths = V.write_view_files(vprofile, roof, args.out, step=step)
-        log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
-        paths.update(V.write_plots(vprofile, roof, args.out, title=os.path.basename(args.report), log=log, step=step))
+        with report.writing("--out", args.out):
+            os.makedirs(args.out, exist_ok=True)
+            paths = V.write_view_files(vprofile, roof, args.out, step=step)
+            log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+            paths.update(V.write_plots(vprofile, roof, args.out, title=os.path.basename(args.report), log=log,
+                                       step=step))
         print("wrote " + ", ".join(paths.values()))
     return 0
 

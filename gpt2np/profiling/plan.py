@@ -51,6 +51,13 @@ from .report import EMULATED_NOTE, KernelRecord, _atomic_write, _si, label
 from .views import MiB, Table, floor_ns
 
 GB = 1e9
+GiB = 1 << 30
+# Host bytes a plan holds per token of its (B, T + 1) batches at its peak: two random batches (drawn as int64, kept
+# as int32), the model's int32 token and target buffers (real NumPy arrays: the planning runtime allocates
+# integer buffers for real, so the host's token grouping is what a real step's is) and encoder_backward's
+# grouping of them (3 int32 per token, and np.unique's and np.argsort's temporaries while it is made). Measured
+# (tracemalloc) at 55-67 bytes per token from B*T = 64k to 2M, d12 and a 64-channel model alike.
+HOST_BYTES_PER_TOKEN = 80
 LR = 1e-4                         # profile_steps' learning rate (it changes no launch)
 DIRECTIONS = ("fprop", "bprop", "update", "other")
 DIRECTION_WORDS = {"fprop": "forward", "bprop": "backward", "update": "optimizer: grad norm, AdamW",
@@ -165,6 +172,26 @@ def resolve_gpu(name: str, precision: str = "tf32"):
     return spec, precision, notes
 
 
+def physical_memory() -> Optional[int]:
+    """This machine's physical memory in bytes, None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_host_memory(B: int, T: int, memory: Optional[int] = None) -> None:
+    """BadInput naming -b and -t, before anything is allocated, when the host arrays a plan of (B, T) builds
+    (random token batches, the token buffers and their grouping: HOST_BYTES_PER_TOKEN) would not fit in this
+    machine's physical memory (or `memory` bytes): numpy would fail with a traceback, or the OS kill the process."""
+    memory = physical_memory() if memory is None else memory
+    need = B * (T + 1) * HOST_BYTES_PER_TOKEN
+    if memory and need > memory:
+        raise BadInput(f"-b {B} -t {T}: planning {B * T:,} tokens needs about {need / GiB:,.1f} GiB of host memory "
+                       f"(the token ids and their grouping are real arrays); this machine has {memory / GiB:,.1f} "
+                       f"GiB; use a smaller batch")
+
+
 def random_batches(cfg, B, T, seed=0):
     """Two (inputs, targets) batches of random tokens, as the profiler's main makes them."""
     rng = np.random.default_rng(seed)
@@ -232,6 +259,8 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
     capability = 80 if spec.tf32 is not None else 75      # a GPU without TF32 tensor cores has no flash kernels
     attention, note = resolve_attention(backend, cfg.channels // cfg.num_heads, attention, capability)
     notes = notes + ([note] if note else [])
+    if batches is None:
+        check_host_memory(B, T)
     model = GPT2(cfg, backend, B, T, attention=attention, fuse=fuse,   # no seed: nothing to initialise or upload
                  gelu_fusion=gelu_fusion, recompute=recompute)
     batches = batches or random_batches(cfg, B, T)
@@ -601,6 +630,7 @@ def run(args, cfg, params, desc) -> int:
     if args.gelu_fusion and not args.fuse:
         raise BadInput(f"-ge {args.gelu_fusion} with --fuse 0: the GELU epilogues are fused GEMMs; give -ge 0 (or "
                        f"leave it out) with --fuse 0")
+    check_host_memory(args.batch_size, args.seq_len)
     backend = None
     if args.measure:
         backend = measuring_backend(args.device, precision)
@@ -616,6 +646,11 @@ def run(args, cfg, params, desc) -> int:
                      recompute=GPU_RECOMPUTE if args.recompute is None else args.recompute,
                      gelu_fusion=args.gelu_fusion)
     if backend is not None:
+        memory = physical_memory()
+        if backend.rt.name == "emulator" and memory and plan.memory_bytes > memory:
+            raise BadInput(f"--measure --device emu -b {args.batch_size} -t {args.seq_len}: the emulator holds the "
+                           f"step's {plan.memory_bytes / GiB:,.1f} GiB of buffers in host memory; this machine has "
+                           f"{memory / GiB:,.1f} GiB; plan without --measure, or use a smaller batch")
         measure(plan, backend, params, batches)
     print(render(plan, launches=args.plan_launches), end="")
     paths = write_files(plan, args.out)

@@ -21,10 +21,11 @@ import os
 import re
 import statistics
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..cli import ArgumentParser, tool
+from ..cli import ArgumentParser, BadInput, tool
 from .gpu_specs import Roofline
 from .gpu_specs import roofline as make_roofline
 
@@ -583,22 +584,40 @@ def render(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, ste
 # files
 
 def _atomic_write(path: str, data) -> None:
-    """Write data (str/bytes, or a callable taking the temp path) to a temp file, then os.replace."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
+    """Write data (str/bytes, or a callable taking the open binary file) atomically: fileio.atomic_write, which
+    makes missing parent folders and raises a failed write as WriteError naming `path` (never its temp file)."""
+    from ..fileio import atomic_write
+    with atomic_write(path, "wb") as f:
         if callable(data):
-            data(tmp)
-        elif isinstance(data, bytes):
-            with open(tmp, "wb") as f:
-                f.write(data)
+            data(f)
         else:
-            with open(tmp, "w", newline="", encoding="utf-8") as f:
-                f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+            f.write(data if isinstance(data, bytes) else data.encode("utf-8"))
+
+
+def check_output(flag: str, path: str, folder: bool = False) -> None:
+    """BadInput naming `flag` unless `path` can be made as a file (folder=True: as a folder), checked before any
+    work so a bad output path does not fail after the tables are printed: a folder given for a file, a file for
+    a folder, or a path that runs through a file. Missing folders are fine: the writers make them."""
+    if not folder and os.path.isdir(path):
+        raise BadInput(f"{flag} {path}: is a folder; expected a file name")
+    if folder and os.path.exists(path) and not os.path.isdir(path):
+        raise BadInput(f"{flag} {path}: is a file; expected a folder (made if missing)")
+    parent = os.path.dirname(os.path.normpath(path))
+    while parent and not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise BadInput(f"{flag} {path}: {parent} is a file, not a folder")
+
+
+@contextmanager
+def writing(flag: str, path: str):
+    """Inside: a failed write of the output `flag` names (disk full, no permission) is one line naming the flag
+    and the path the user gave: `--json out/x.json: cannot write it ([Errno 28] No space left on device)`."""
+    try:
+        yield
+    except OSError as e:
+        reason = f"[Errno {e.errno}] {e.strerror}" if e.errno is not None else (e.strerror or str(e))
+        raise BadInput(f"{flag} {path}: cannot write it ({reason})") from e
 
 
 CSV_FIELDS = [f.name for f in fields(KernelRecord)] + ["gflops_per_s", "gbytes_per_s", "intensity",
@@ -644,6 +663,8 @@ def write_json(records: Sequence[KernelRecord], path: str, roof: Optional[Roofli
 
 def read_json(path: str) -> Tuple[List[KernelRecord], Optional[Roofline], Dict]:
     """Records, roofline and meta from a file written by write_json."""
+    if os.path.isdir(path):
+        raise ReportError(f"{path}: is a folder; expected a JSON records file")
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
@@ -799,7 +820,7 @@ def write_png(records: Sequence[KernelRecord], path: str, title: str = "Time by 
     if ops:
         ax.legend(loc="lower right")
     fig.tight_layout()
-    _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
     return True
 
 
@@ -821,6 +842,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     step = parse_step(args.step)
     records, roof, meta = read_json(args.records)
+    require_records(records, args.records)
     check_step(records, step, args.records)
     if args.device:
         roof = make_roofline(args.device, args.precision, args.matmul_precision)
@@ -834,6 +856,13 @@ def main(argv=None) -> int:
     sys.stdout.write(render(records, roof, step, num_layers=meta.get("num_layers"), note=note,
                             params=meta.get("module_params")))
     return 0
+
+
+def require_records(records: Sequence[KernelRecord], source: str) -> None:
+    """ReportError naming the file when it holds no records: a profile of nothing has no report to render."""
+    if not records:
+        raise ReportError(f"{source}: no records (an empty 'records' list); expected a profile.json with the "
+                          f"launches of at least one step")
 
 
 def check_step(records: Sequence[KernelRecord], step, source: str) -> None:
