@@ -581,12 +581,17 @@ def views_profile(profile: Profile, records: Sequence[KernelRecord], precision: 
 
 
 def preset_parameters(name: str) -> Dict[str, int]:
-    """Parameters per module of a model preset (d12 ... d48) for the module tree; BadInput naming --model."""
-    from ..config import PRESETS, preset
+    """Parameters per module of llm.c's model descriptor (d12, gpt2:d24, gpt3:c768, ...) for the module tree;
+    BadInput naming --model."""
+    from ..config import DESCRIPTORS, descriptor
     from .memory import module_parameters
-    if name not in PRESETS:
-        raise BadInput(f"--model {name}: not a model preset; expected one of {', '.join(PRESETS)}")
-    return module_parameters(preset(name))
+    try:
+        cfg = descriptor(name)
+    except ValueError as e:
+        raise BadInput(f"--model {e}") from None
+    if cfg is None:
+        raise BadInput(f"--model {name}: not a model descriptor; expected {DESCRIPTORS}")
+    return module_parameters(cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,7 +636,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="folder for views.json, one CSV per view (views/) and the plots")
     p.add_argument("--device", help="device for the peak numbers (default: the GPU named in the export)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"))
-    p.add_argument("--model", help="model preset (d12, d24, ...) whose parameters per module the module tree "
+    p.add_argument("--model", help="llm.c model descriptor (d12, gpt2:d24, gpt3:c768, ...) whose parameters per module the module tree "
                                    "shows (an export does not know them)")
     p.add_argument("--short-names", action="store_true", help="use the kernels' short (base) names")
     p.add_argument("--top", type=int, default=20, help="rows in the top-kernels summary (default 20)")
