@@ -636,8 +636,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="folder for views.json, one CSV per view (views/) and the plots")
     p.add_argument("--device", help="device for the peak numbers (default: the GPU named in the export)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"))
-    p.add_argument("--model", help="llm.c model descriptor (d12, gpt2:d24, gpt3:c768, ...) whose parameters per module the module tree "
-                                   "shows (an export does not know them)")
+    p.add_argument("--model", help="llm.c model descriptor (d12, gpt2:d24, gpt3:c768, ...) whose parameters per "
+                                   "module the module tree shows (an export does not know them)")
     p.add_argument("--short-names", action="store_true", help="use the kernels' short (base) names")
     p.add_argument("--top", type=int, default=20, help="rows in the top-kernels summary (default 20)")
     args = p.parse_args(argv)
