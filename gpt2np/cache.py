@@ -2,6 +2,7 @@
 
     cache_dir()                    --dir if given, else $GPT2NP_CACHE, else the user cache dir (platformdirs:
                                    ~/.cache/gpt2np on Linux; ~/.cache/gpt2np without platformdirs)
+    checked_cache_dir()            the same, refused in one line (naming --dir) when a file is in the way
     cached(name, url, dir=None)    the path of a verified copy of url in the cache, downloading it first if needed
 
 A file counts as done only when its size and SHA-256 match: the ones given (CachedFile.size/.sha256, when
@@ -31,6 +32,14 @@ def cache_dir(override=None) -> Path:
     except ImportError:
         return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / APP
     return Path(user_cache_dir(APP, appauthor=False))
+
+
+def checked_cache_dir(override=None) -> Path:
+    """cache_dir(override), refused in one line (BadInput naming --dir, or $GPT2NP_CACHE) when it or a parent
+    of it is a file: checked before anything is downloaded or read."""
+    from .fetch import check_folder
+    flag = "--dir" if override else f"${CACHE_ENV}" if os.environ.get(CACHE_ENV) else "the cache folder"
+    return check_folder(flag, cache_dir(override))
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,7 @@ def cached(entry: CachedFile, directory=None, timeout=10, progress=True, opener=
     """The path of a verified copy of entry in the cache (cache_dir(directory)), downloading it if it is missing,
     partial or does not match. A download that does not match entry.size/.sha256 is removed: FetchError."""
     from .fetch import FetchError, download
-    path = cache_dir(directory) / entry.name
+    path = checked_cache_dir(directory) / entry.name
     if is_done(path, entry.size, entry.sha256):
         return path
     record_path(path).unlink(missing_ok=True)       # from here on the file is not done until it is re-recorded

@@ -48,17 +48,30 @@ CORPORA = {
 }
 
 
+class NoDocuments(DataError):
+    """A document stream that holds no document at all (an empty source)."""
+
+
 class OfflineError(OSError):
     """The Hub cannot be reached or `datasets` is missing: one line saying what to do."""
 
 
 # ---- documents ------------------------------------------------------------------------------------------------
-def local_documents(pattern):
-    """Texts (the `text` field) of local .parquet / .jsonl / .json files matching pattern, in sorted order."""
-    files = sorted(glob.glob(str(pattern))) or ([pattern] if Path(pattern).is_file() else [])
+def source_files(pattern) -> list:
+    """The files of --source (a glob, or one file's name), sorted; DataError naming --source when there are none."""
+    matches = sorted(glob.glob(str(pattern))) or ([str(pattern)] if Path(pattern).exists() else [])
+    files = [f for f in matches if Path(f).is_file()]
+    if not files and matches:
+        what = "is a folder" if matches == [str(pattern)] else f"matches only folders ({len(matches)})"
+        raise DataError(f"--source {pattern}: {what}; expected parquet/jsonl files (a glob such as 'DIR/*.parquet')")
     if not files:
         raise DataError(f"--source {pattern}: no such file")
-    return itertools.chain.from_iterable(_file_documents(Path(f)) for f in files)
+    return files
+
+
+def local_documents(pattern):
+    """Texts (the `text` field) of local .parquet / .jsonl / .json files matching pattern, in sorted order."""
+    return itertools.chain.from_iterable(_file_documents(Path(f)) for f in source_files(pattern))
 
 
 def _file_documents(path):
@@ -67,19 +80,30 @@ def _file_documents(path):
             import pyarrow.parquet as pq
         except ImportError:
             raise ImportError(f"{path}: reading parquet needs pyarrow (pip install 'gpt2np[data]')") from None
-        table = pq.ParquetFile(path)
+        try:
+            table = pq.ParquetFile(path)
+        except Exception as e:      # pyarrow's errors (ArrowInvalid, ...) for a file that is not parquet
+            raise DataError(f"{path}: not a readable parquet file ({' '.join(str(e).split())[:200]})") from None
         if "text" not in table.schema_arrow.names:
             raise DataError(f"{path}: no `text` column (columns: {', '.join(table.schema_arrow.names)})")
         for batch in table.iter_batches(columns=["text"], batch_size=1024):
             yield from batch.column(0).to_pylist()
     else:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start}): not a jsonl "
+                                    f"file with a `text` field") from None
                 if line.strip():
                     try:
-                        yield json.loads(line)["text"]
+                        text = json.loads(line)["text"]
                     except (ValueError, KeyError, TypeError) as e:
                         raise DataError(f"{path}:{number}: not a json line with a `text` field ({e})") from None
+                    if not isinstance(text, str):
+                        raise DataError(f"{path}:{number}: its `text` is a {type(text).__name__}, not a string")
+                    yield text
 
 
 def hub_endpoint():
@@ -231,6 +255,8 @@ def write_stream(documents, out_dir, name, stream, first_index, splits, state, s
     if fill:
         flush(fill)
         done = {"shards": done["shards"] + 1, "docs": consumed, "carry": [], "finished": True}
+    elif not done["shards"]:
+        raise NoDocuments(f"{stream}: no documents")
     else:
         done = dict(done, finished=True)
     state["streams"][stream] = done
@@ -263,16 +289,24 @@ def prepare_corpus(which, out_dir, shards=-1, shard_size=SHARD_SIZE, source=None
     written = []
     with context.Pool(workers, initializer=_init_worker, initargs=(bpe_dir,)) as pool, \
             progress(total=total, desc=f"{which} tokens", unit="tok", unit_scale=True) as bar:
-        if corpus.val_split and not source:
-            written += write_stream(docs(corpus.val_split), out_dir, corpus.name, "val", 0, lambda k: "val", state,
-                                    state_path, pool, bar, shard_size, max_shards=1 if shards != 0 else 0)
-            written += write_stream(docs(corpus.train_split), out_dir, corpus.name, "train", 1, lambda k: "train",
-                                    state, state_path, pool, bar, shard_size,
-                                    max_shards=shards - 1 if shards > 0 else -1)
-        else:
-            written += write_stream(docs(corpus.train_split), out_dir, corpus.name, "all", 0,
-                                    lambda k: "val" if k == 0 else "train", state, state_path, pool, bar,
-                                    shard_size, max_shards=shards)
+        try:
+            if corpus.val_split and not source:
+                split = corpus.val_split
+                written += write_stream(docs(split), out_dir, corpus.name, "val", 0, lambda k: "val", state,
+                                        state_path, pool, bar, shard_size, max_shards=1 if shards != 0 else 0)
+                split = corpus.train_split
+                written += write_stream(docs(split), out_dir, corpus.name, "train", 1, lambda k: "train",
+                                        state, state_path, pool, bar, shard_size,
+                                        max_shards=shards - 1 if shards > 0 else -1)
+            else:
+                split = corpus.train_split
+                written += write_stream(docs(split), out_dir, corpus.name, "all", 0,
+                                        lambda k: "val" if k == 0 else "train", state, state_path, pool, bar,
+                                        shard_size, max_shards=shards)
+        except NoDocuments:
+            where = (f"--source {source}: no documents (no jsonl line or parquet row)" if source
+                     else f"{corpus.hub_id} ({corpus.config or 'default'}, {split}): no documents")
+            raise NoDocuments(f"{where}: nothing to tokenize") from None
     _write_tokenizer(out_dir, bpe_dir)
     return written
 

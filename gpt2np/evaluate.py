@@ -77,6 +77,8 @@ def main(argv=None):
     from .starter import resolve_data
     if args.task == "hellaswag":
         return eval_hellaswag(args)
+    if args.dir:
+        raise BadInput(f"--dir {args.dir}: only for eval hellaswag (the download cache of hellaswag_val.jsonl)")
     cfg, params, desc = load_any_model(args.model)
     backend, attention = device_backend(args, cfg)
     T = args.seq_len or min(64 if backend.name == "numpy" else 1024, cfg.max_seq_len)
@@ -120,15 +122,28 @@ def backend_words(backend):
 def eval_hellaswag(args):
     """gpt2np eval hellaswag: acc and acc_norm of -e on the examples of -j."""
     from . import hellaswag
+    from .cache import checked_cache_dir
+    from .fetch import removing_new_folders
     from .hf import load_any_model
     from .model import GPT2
+    # the files and folders first, before a model is loaded or anything downloaded
+    if args.val_data and args.dir:
+        raise BadInput(f"--dir {args.dir}: the download cache of hellaswag_val.jsonl, not used with -j "
+                       f"{args.val_data}; give one or the other")
+    if args.val_data and Path(args.val_data).is_dir():
+        raise BadInput(f"-j {args.val_data}: is a folder; eval hellaswag reads a HellaSwag jsonl file")
     if args.val_data and not Path(args.val_data).is_file():
         raise BadInput(f"-j {args.val_data}: no such file; eval hellaswag reads a HellaSwag jsonl file")
+    cache = None if args.val_data else checked_cache_dir(args.dir)
     cfg, params, desc = load_any_model(args.model)
     if cfg.vocab_size < 50257:
         raise BadInput(f"-e {args.model}: vocab_size {cfg.vocab_size}; HellaSwag is tokenized with GPT-2's "
                        f"50257 tokens")
-    path, examples = hellaswag.load(args.val_data, max_examples=args.val_max_batches, cache=args.dir)
+    try:
+        with removing_new_folders(cache):          # a failed download leaves no empty cache folder behind
+            path, examples = hellaswag.load(args.val_data, max_examples=args.val_max_batches, cache=cache)
+    except hellaswag.BadExamples as e:
+        raise BadInput(f"-j {e}" if args.val_data else str(e)) from None
     T = args.seq_len or min(hellaswag.longest_row(examples) - 1, cfg.max_seq_len)
     if T > cfg.max_seq_len:
         raise BadInput(f"-t {T}: longer than the model's max_seq_len {cfg.max_seq_len}")

@@ -12,6 +12,7 @@ import socket
 import sys
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 from .cli import ArgumentParser, BadInput, number, tool
@@ -52,6 +53,52 @@ class FetchError(OSError):
         return self.args[0] if self.args else ""
 
 
+# ---- local folders --------------------------------------------------------------------------------------------
+def check_folder(flag, folder) -> Path:
+    """`folder` as a Path when it is a folder or can be made one; BadInput naming `flag` when it or one of its
+    parents is a file (`--dir x.txt/sub`), so the command stops before any download or tokenizing."""
+    folder = Path(folder)
+    for path in (folder, *folder.parents):
+        if path.is_dir():
+            break
+        if path.exists():
+            where = "is a file" if path == folder else f"{path} is a file"
+            raise BadInput(f"{flag} {folder}: {where}; expected a folder (made if missing)")
+    return folder
+
+
+def missing_folders(folder) -> list:
+    """The folders that making `folder` would create, deepest first."""
+    folder, missing = Path(folder), []
+    for path in (folder, *folder.parents):
+        if path.exists() or path.is_symlink():
+            break
+        missing.append(path)
+    return missing
+
+
+def remove_empty(folders):
+    """Remove those of the folders that are empty, deepest first: a failed command leaves none it made behind."""
+    for path in sorted(set(map(Path, folders)), key=lambda p: len(p.absolute().parts), reverse=True):
+        try:
+            path.rmdir()
+        except OSError:            # not empty (something was written into it), or gone already: it stays
+            pass
+
+
+@contextmanager
+def removing_new_folders(*folders):
+    """Inside: any of `folders` (and their parents) that did not exist and are still empty when the body fails
+    are removed again."""
+    made = [missing_folders(folder) for folder in folders if folder is not None]
+    try:
+        yield
+    except BaseException:
+        for missing in made:
+            remove_empty(missing)
+        raise
+
+
 def download(url, dest, timeout=10, progress=True, opener=None):
     """Download `url` to the file `dest` (atomically), with a progress bar on stderr.
 
@@ -59,8 +106,8 @@ def download(url, dest, timeout=10, progress=True, opener=None):
     replaces urllib.request.urlopen (tests). Returns dest as a Path.
     """
     dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)     # a local folder problem is not a failed download
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
         request = urllib.request.Request(url, headers={"User-Agent": "gpt2np"})
         with (opener or urllib.request.urlopen)(request, timeout=timeout) as response, atomic_write(dest) as out:
             length = response.headers.get("Content-Length")
@@ -119,24 +166,32 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown WHAT {unknown[0]!r}; choose from {', '.join(names)}")
     number(0, low_open=True).check("--timeout", args.timeout, "the socket timeout in seconds")
-    if args.dir and Path(args.dir).exists() and not Path(args.dir).is_dir():
-        raise BadInput(f"--dir {args.dir}: is a file; expected a folder (made if missing)")
-    folder = args.dir or str(CHECKPOINTS_DIR)
+    groups = args.what or ["tinyshakespeare", "tokenizer", "model"]
+    # the folders first: a file in the way is bad input (one line, exit 2) before any download, not a failed
+    # download per file
+    folder = check_folder("--dir", args.dir) if args.dir else CHECKPOINTS_DIR
+    made = missing_folders(folder)
+    if CACHED & set(groups):
+        from .cache import checked_cache_dir
+        made += missing_folders(checked_cache_dir(args.dir))
     failed = 0
-    for group in args.what or ["tinyshakespeare", "tokenizer", "model"]:
-        if group in CACHED:
-            failed += fetch_cached(group, args.dir, args.timeout)
-            continue
-        for filename in GROUPS[group]:
-            path = Path(folder) / filename
-            if path.is_file():
-                print(f"{path}: already present", file=sys.stderr)
+    try:
+        for group in groups:
+            if group in CACHED:
+                failed += fetch_cached(group, args.dir, args.timeout)
                 continue
-            try:
-                ensure(filename, folder, timeout=args.timeout)
-            except FetchError as e:
-                print(f"error: {e}", file=sys.stderr)
-                failed += 1
+            for filename in GROUPS[group]:
+                path = Path(folder) / filename
+                if path.is_file():
+                    print(f"{path}: already present", file=sys.stderr)
+                    continue
+                try:
+                    ensure(filename, folder, timeout=args.timeout)
+                except FetchError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    failed += 1
+    finally:
+        remove_empty(made)          # folders this command made and nothing came into (offline): not left behind
     return 1 if failed else 0
 
 

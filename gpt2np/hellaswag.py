@@ -60,27 +60,38 @@ class Result:
         return self.correct_norm / max(self.n, 1)
 
 
+class BadExamples(ValueError):
+    """A HellaSwag file that is not one (not UTF-8 text, a bad line, no examples); the message names the file."""
+
+
 def read_examples(path, max_examples=-1):
-    """The examples of a HellaSwag jsonl file ({ctx, endings, label} a line); ValueError names the bad line."""
+    """The examples of a HellaSwag jsonl file ({ctx, endings, label} a line); BadExamples names the bad line."""
     path = Path(path)
+    if path.is_dir():
+        raise BadExamples(f"{path}: is a folder; expected a HellaSwag jsonl file")
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
             if 0 <= max_examples <= len(examples):
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BadExamples(f"{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start}): not a HellaSwag "
+                                  f"jsonl file") from None
             if not line.strip():
                 continue
             try:
                 item = json.loads(line)
                 ctx, endings, label = item["ctx"], item["endings"], int(item["label"])
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{number}: not a HellaSwag line with ctx, endings, label ({e})") from None
+                raise BadExamples(f"{path}:{number}: not a HellaSwag line with ctx, endings, label ({e})") from None
             if (not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4
                     or not all(isinstance(e, str) for e in endings) or not 0 <= label < 4):
-                raise ValueError(f"{path}:{number}: expected a string ctx, 4 string endings and a label 0..3")
+                raise BadExamples(f"{path}:{number}: expected a string ctx, 4 string endings and a label 0..3")
             examples.append({"ctx": ctx, "endings": endings, "label": label})
     if not examples:
-        raise ValueError(f"{path}: no HellaSwag examples")
+        raise BadExamples(f"{path}: no HellaSwag examples")
     return examples
 
 

@@ -290,16 +290,28 @@ def is_hub_id(spec: str) -> bool:
 def load_hf(spec, revision=None) -> tuple:
     """(GPT2Config, params, folder) from a local GPT2LMHeadModel folder, a file inside one, or a Hub id."""
     path = Path(spec)
-    if path.is_file() and path.name != CONFIG_JSON and path.suffix in (".safetensors", ".bin", ".json"):
-        path = path.parent                      # model.safetensors / pytorch_model.bin: its folder
     if not path.exists():
         if not is_hub_id(spec):
             raise FileNotFoundError(f"{spec}: no such folder or file (and not a Hugging Face Hub id)")
         path = download_from_hub(spec, revision)
     elif path.is_file():
-        path = path.parent
+        model_file = path.name in (CONFIG_JSON, SAFETENSORS_INDEX, PYTORCH_BIN) or path.suffix == ".safetensors"
+        if not (model_file and (path.parent / CONFIG_JSON).is_file()):    # not a file of a transformers folder
+            raise BadInput(f"{spec}: is a file{' (an llm.c model file)' if is_llmc_model(path) else ''}; expected "
+                           f"a transformers GPT-2 folder (config.json + model.safetensors) or a Hugging Face Hub id")
+        path = path.parent                      # config.json / model.safetensors / pytorch_model.bin: its folder
     cfg, params = read_hf_folder(path)
     return cfg, params, path
+
+
+def is_llmc_model(path) -> bool:
+    """Whether the file starts with llm.c's model magic (a quick look: the header is not checked)."""
+    from .checkpoint import MODEL_MAGIC
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == np.int32(MODEL_MAGIC).astype("<i4").tobytes()
+    except OSError:
+        return False
 
 
 def tokenizer_files(cfg: GPT2Config) -> dict:
@@ -319,9 +331,8 @@ def write_hf_folder(folder, cfg: GPT2Config, params) -> list:
     """config.json + model.safetensors (fp32) for GPT2LMHeadModel.from_pretrained, and GPT-2's tokenizer files
     (vocab.json, merges.txt) for AutoTokenizer when tokenizer_files finds them; returns the paths written."""
     st = _safetensors()
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise BadInput(f"-o {folder}: is a file; expected a folder (made if missing)")
+    from .fetch import check_folder
+    folder = check_folder("-o", folder)
     folder.mkdir(parents=True, exist_ok=True)
     blob = st.numpy.save(llmc_to_hf(cfg, params), metadata={"format": "pt"})
     with atomic_write(folder / SAFETENSORS) as f:
@@ -340,9 +351,9 @@ def write_hf_folder(folder, cfg: GPT2Config, params) -> list:
 def load_any_model(spec) -> tuple:
     """(GPT2Config, params, description) for a command's -e: an llm.c model file (also a name in checkpoints/;
     gpt2_124M.bin is fetched there when missing),
-    d12/d24/d36/d48 (random init, seed 1337), a transformers GPT-2 folder, or a Hugging Face Hub id (downloaded
-    when online)."""
-    from .config import PRESETS, preset
+    llm.c's model descriptors d6..d84, gpt2:dL, gpt3:cC (random init, seed 1337), a transformers GPT-2 folder, or a
+    Hugging Face Hub id (downloaded when online)."""
+    from .config import descriptor
     from .fetch import KNOWN_FILES, ensure
     from .paths import CHECKPOINTS_DIR
     path = Path(spec)
@@ -353,10 +364,13 @@ def load_any_model(spec) -> tuple:
     if path.is_file() and path.suffix not in (".safetensors", ".json") and path.name != PYTORCH_BIN:
         cfg, params = load_model(path)
         return cfg, params, str(path)
-    if spec in PRESETS and not path.exists():       # as train's -e: llm.c's depth presets, random init
+    try:
+        cfg = None if path.exists() else descriptor(spec)   # as train's -e: llm.c's descriptors, random init
+    except ValueError as e:
+        raise ValueError(f"-e {e}") from None
+    if cfg is not None:
         from .backends import get_backend
         from .model import GPT2
-        cfg = preset(spec)
         model = GPT2(cfg, get_backend("numpy"), 1, 1, seed=1337)
         return cfg, model.params_host(), f"{spec} (random init)"
     if path.is_dir() or path.is_file() or is_hub_id(spec):
@@ -404,9 +418,17 @@ def main(argv=None):
               f"maxT={cfg.max_seq_len} V={cfg.vocab_size} (padded {cfg.padded_vocab_size}), "
               f"{num_parameters(cfg):,} parameters, {args.dtype} ({_size(out)})")
     else:
+        from .fetch import check_folder, removing_new_folders
+        model = Path(args.model)
+        if model.is_dir():
+            what = ("a transformers folder: `hf import` converts it to an llm.c model file"
+                    if (model / CONFIG_JSON).is_file() else "a folder")
+            raise BadInput(f"{args.model}: is {what}; hf export reads an llm.c model file (.bin, as train writes)")
+        check_folder("-o", args.output)
         cfg, params = load_model(args.model)
-        for path in write_hf_folder(args.output, cfg, params):
-            print(f"wrote {path} ({_size(path)})")
+        with removing_new_folders(args.output):
+            for path in write_hf_folder(args.output, cfg, params):
+                print(f"wrote {path} ({_size(path)})")
     return 0
 
 

@@ -12,7 +12,7 @@ Needs matplotlib: pip install 'gpt2np[plot]'.
 import sys
 from pathlib import Path
 
-from .cli import ArgumentParser, BadInput, tool
+from .cli import ArgumentParser, BadInput, number, tool
 
 # llm.c vislog's reference values: OpenAI's GPT-2 checkpoints' val loss (FineWeb val) and HellaSwag accuracy;
 # GPT-3's HellaSwag (the GPT-3 paper, as build-nanogpt plots it)
@@ -138,6 +138,9 @@ def main(argv=None):
     p.add_argument("--ylim-top", type=float, help="upper limit of the loss axis (vislog: 4.0)")
     p.add_argument("--title", help="figure title")
     args = p.parse_args(argv)
+    if args.ylim_top is not None:         # losses are > 0, and a log axis has no place for 0 or below
+        axis = "log-scaled loss axis" if args.yscale == "log" else "loss axis (losses are > 0)"
+        number(0, low_open=True).check("--ylim-top", args.ylim_top, f"the top of the {axis}")
     logs = [find_log(run) for run in args.runs]
     labels = args.labels.split(",") if args.labels else [
         (path.parent.name or str(path.parent)) if path.name == "main.log" else path.stem for path in logs]
@@ -152,6 +155,12 @@ def main(argv=None):
     out = Path(args.output)
     if out.is_dir():
         out = out / "plot"
+    for parent in out.parents:            # a file in the way of OUTPUT's folder: said before anything is drawn
+        if parent.is_dir():
+            break
+        if parent.exists():
+            raise BadInput(f"-o {args.output}: {parent} is a file; expected a folder (made if missing) for "
+                           f"{out.name}.png and {out.name}.svg")
     for path in plot_runs(runs, out, args.baseline, args.yscale, args.ylim_top, args.title):
         print(f"wrote {path}")
     for label, streams in runs:

@@ -17,7 +17,7 @@ import numpy as np
 
 from .cli import ArgumentParser, BadInput, integer, tool
 from .data import DataError, write_shard
-from .fetch import TINYSHAKESPEARE_URL, download
+from .fetch import TINYSHAKESPEARE_URL, check_folder, download, removing_new_folders
 from .paths import DATA_DIR, data_search_dirs
 from .progress import progress
 from .tokenizer import TOKENIZER_BIN, get_encoding, write_tokenizer_bin
@@ -25,6 +25,8 @@ from .tokenizer import TOKENIZER_BIN, get_encoding, write_tokenizer_bin
 DEFAULT_OUTPUT_DIR = DATA_DIR
 TINYSHAKESPEARE_NAME = "tiny_shakespeare"   # llm.c's shard names: tiny_shakespeare_{val,train}.bin
 DEFAULT_VAL_TOKENS = 32768
+LARGE = ("fineweb", "tinystories")          # the corpora of corpora.py, and the flags only they take
+LARGE_ONLY = ("--source", "--shards", "--shard-size", "--workers", "--dir")
 DOCS_PER_BATCH = 4096                       # documents tokenized per call (the progress bar moves between calls)
 
 
@@ -56,11 +58,19 @@ def prepare_text(text_path, out_dir, name, val_tokens=DEFAULT_VAL_TOKENS, encodi
     text_path, out_dir = Path(text_path), Path(out_dir)
     encoding = encoding or get_encoding()
     try:
-        text = text_path.read_text(encoding="utf-8")
+        raw = text_path.read_bytes()
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise DataError(f"{text_path}: text file not found") from None
     except UnicodeDecodeError as e:
         raise DataError(f"{text_path}: not utf-8 text ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        raise DataError(f"{text_path}: {'empty' if not raw else 'only whitespace'}: no text to tokenize")
+    # a token is at least one byte, plus an <|endoftext|> a document: too short a text is refused before tokenizing
+    most = len(raw) + text.count("\n\n") + 1
+    if most <= val_tokens + 1:
+        raise DataError(f"{text_path}: {len(raw):,} bytes, at most {most:,} tokens; need more than val_tokens+1 = "
+                        f"{val_tokens + 1} to leave a training split (a smaller --val-tokens?)")
     tokens = tokenize_documents(text, encoding)
     if len(tokens) <= val_tokens + 1:
         raise DataError(f"{text_path}: only {len(tokens)} tokens, need more than val_tokens+1 = "
@@ -99,9 +109,9 @@ def main(argv=None):
                         help="a known dataset (default when --input is not given: tinyshakespeare); fineweb "
                              "(FineWeb-Edu sample-10BT) and tinystories are downloaded from the Hugging Face Hub "
                              "(pip install 'gpt2np[data]') or read from --source")
-    parser.add_argument("--shards", type=int, default=-1, help="fineweb/tinystories: shards to write in all, the "
+    parser.add_argument("--shards", type=int, help="fineweb/tinystories: shards to write in all, the "
                         "val shard included (default -1: all the data)")
-    parser.add_argument("--shard-size", type=int, default=100_000_000, help="fineweb/tinystories: tokens per "
+    parser.add_argument("--shard-size", type=int, help="fineweb/tinystories: tokens per "
                         "shard (default 100000000, llm.c's)")
     parser.add_argument("--source", metavar="FILES", help="fineweb/tinystories: local parquet/jsonl files (glob) "
                         "with a `text` field instead of the Hub")
@@ -111,42 +121,73 @@ def main(argv=None):
                         "cache dir)")
     parser.add_argument("--input", help="utf-8 text file to tokenize; shards are named after it")
     parser.add_argument("--output-dir", default=str(DEFAULT_OUTPUT_DIR), help="default: <repo>/checkpoints/data")
-    parser.add_argument("--val-tokens", type=int, default=DEFAULT_VAL_TOKENS, help="tokens in the val split")
+    parser.add_argument("--val-tokens", type=int, help=f"text/tinyshakespeare: tokens in the val split (default "
+                        f"{DEFAULT_VAL_TOKENS}; fineweb/tinystories: the val split is shard 0)")
     parser.add_argument("--bpe-dir", help="folder with gpt2_vocab.bpe + gpt2_encoder.json or gpt2_tokenizer.bin")
     args = parser.parse_args(argv)
     if args.input and args.dataset:
         parser.error("give either --input FILE or a dataset name, not both")
-    integer(0).check("--val-tokens", args.val_tokens, "the val split's tokens")
+    check_flags_apply(args)
     # the paths first: a folder as --input or a file as --output-dir would fail only after tokenizing
     if args.input and Path(args.input).is_dir():
         raise BadInput(f"--input {args.input}: is a folder; expected a UTF-8 text file")
-    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
-        raise BadInput(f"--output-dir {args.output_dir}: is a file; expected a folder (made if missing)")
-    if args.dataset in ("fineweb", "tinystories"):
-        return prepare_large(args)
-    encoding = get_encoding(args.bpe_dir)
-    if args.input:
-        shards = prepare_text(args.input, args.output_dir, Path(args.input).stem, args.val_tokens, encoding)
-    else:
-        shards = prepare_tinyshakespeare(args.output_dir, args.val_tokens, encoding)
+    check_folder("--output-dir", args.output_dir)
+    cache = None
+    if args.dataset in LARGE and not args.source:
+        from .cache import checked_cache_dir
+        cache = checked_cache_dir(args.dir)         # --dir: a file in the way is said before the Hub is asked
+    # a failed run leaves no empty folder behind that it made (shards written stay: a large corpus resumes)
+    with removing_new_folders(args.output_dir, cache):
+        if args.dataset in LARGE:
+            return prepare_large(args, cache)
+        val_tokens = DEFAULT_VAL_TOKENS if args.val_tokens is None else args.val_tokens
+        encoding = get_encoding(args.bpe_dir)
+        if args.input:
+            shards = prepare_text(args.input, args.output_dir, Path(args.input).stem, val_tokens, encoding)
+        else:
+            shards = prepare_tinyshakespeare(args.output_dir, val_tokens, encoding)
     for path in (shards.val, shards.train):
         print(f"wrote {path} ({(path.stat().st_size - 1024) // 2:,} tokens)")
     return 0
 
 
-def prepare_large(args):
-    """gpt2np prepare fineweb|tinystories: see gpt2np/corpora.py."""
-    from .cache import cache_dir
-    from .corpora import prepare_corpus
-    integer(1, also=(-1,), words="-1 (all) or an integer >= 1").check("--shards", args.shards, "the shard count")
-    integer(1).check("--shard-size", args.shard_size, "the tokens per shard")
-    if args.shard_size >= 2**31:
-        raise BadInput(f"--shard-size {args.shard_size}: a shard holds fewer than 2**31 tokens")
+def check_flags_apply(args):
+    """BadInput for a flag that means nothing for what is prepared (it would be ignored silently)."""
+    if args.dataset in LARGE:
+        if args.val_tokens is not None:
+            raise BadInput(f"--val-tokens {args.val_tokens}: only for a text file (--input) or tinyshakespeare; "
+                           f"{args.dataset}'s val split is its shard 0 (--shard-size tokens)")
+        if args.source and args.dir:
+            raise BadInput(f"--dir {args.dir}: the download cache, not used with --source {args.source} (nothing "
+                           f"is downloaded); give one or the other")
+        return
+    what = f"--input {args.input}" if args.input else "tinyshakespeare"
+    for flag in LARGE_ONLY:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            hint = "; a text file to tokenize is --input FILE" if flag == "--source" and not args.input else ""
+            raise BadInput(f"{flag} {value}: only for fineweb or tinystories, not {what}{hint}")
+    if args.val_tokens is not None:
+        integer(0).check("--val-tokens", args.val_tokens, "the val split's tokens")
+
+
+def prepare_large(args, cache=None):
+    """gpt2np prepare fineweb|tinystories (cache: the download cache, None with --source): see gpt2np/corpora.py."""
+    from .corpora import SHARD_SIZE, prepare_corpus, source_files
+    shards = -1 if args.shards is None else args.shards
+    shard_size = SHARD_SIZE if args.shard_size is None else args.shard_size
+    integer(1, also=(-1,), words="-1 (all) or an integer >= 1").check("--shards", shards, "the shard count")
+    integer(1).check("--shard-size", shard_size, "the tokens per shard")
+    if shard_size >= 2**31:
+        raise BadInput(f"--shard-size {shard_size}: a shard holds fewer than 2**31 tokens")
     if args.workers is not None:
         integer(1).check("--workers", args.workers, "the tokenizing processes")
-    get_encoding(args.bpe_dir)                  # the tokenizer's files, checked before any download
-    written = prepare_corpus(args.dataset, args.output_dir, args.shards, args.shard_size, args.source,
-                             args.workers, args.bpe_dir, cache=None if args.source else cache_dir(args.dir))
+    # the local files and the tokenizer's files, before any folder is made or anything downloaded
+    if args.source:
+        source_files(args.source)
+    get_encoding(args.bpe_dir)
+    written = prepare_corpus(args.dataset, args.output_dir, shards, shard_size, args.source,
+                             args.workers, args.bpe_dir, cache=cache)
     print(f"{args.dataset}: {len(written)} shard(s) written into {args.output_dir}")
     return 0
 

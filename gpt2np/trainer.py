@@ -122,9 +122,8 @@ def load_hellaswag(cfg: TrainConfig, model_cfg, dist, say=print):
     try:
         _, examples = hellaswag.load(cfg.hellaswag_data)
     except (OSError, ValueError) as e:              # no file, an offline download, an unreadable file
-        if cfg.hellaswag_data and isinstance(e, OSError) and not isinstance(e, WriteError):   # name the flag
-            what = ("no such file" if isinstance(e, FileNotFoundError) else
-                    "a folder, not a HellaSwag .jsonl file" if isinstance(e, IsADirectoryError) else one_line(e))
+        if cfg.hellaswag_data and isinstance(e, (FileNotFoundError, IsADirectoryError)):    # name the flag
+            what = "no such file" if isinstance(e, FileNotFoundError) else "a folder, not a HellaSwag .jsonl file"
             e = BadInput(f"--hellaswag-data {cfg.hellaswag_data}: {what}")
         if not cfg.hellaswag_eval:
             raise e from None

@@ -322,9 +322,9 @@ def test_train_bf16_resume_is_bitwise(files, tmp_path, capsys, device):
     info, m, v, master = load_state(state_path(full, 6), with_master=True)
     assert info["master_weights"] and master.dtype == np.float32 and master.size == params.size
     assert np.all(np.abs(up(params) - master) <= 2.0 ** -7 * np.abs(master))
-    # an fp32 run of the same folder is another run's: one line
+    # an fp32 run of the same folder is another run's: one line, bad input
     assert train.main(train_args(files, "-e", files / "tiny_bf16.bin", "-x", 6, "-o", full, "-y", 1,
-                                 precision="fp32", device=device)) == 1
+                                 precision="fp32", device=device)) == 2
     assert "--precision bf16 there, unset here" in capsys.readouterr().err
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from gpt2np import cache, fetch
 from gpt2np.cache import CachedFile, cache_dir, cached, is_done, mark_done, record_path
+from gpt2np.cli import BadInput
 from gpt2np.fetch import FetchError
 
 BODY = b"".join(b'{"line": %d}\n' % i for i in range(5000))      # ~70 kB: several chunks
@@ -106,3 +107,18 @@ def test_mark_done_makes_a_local_copy_count(tmp_path):
     (tmp_path / "x").write_bytes(BODY)
     record = mark_done(tmp_path / "x")
     assert record == {"size": len(BODY), "sha256": hashlib.sha256(BODY).hexdigest()} and is_done(tmp_path / "x")
+
+
+def test_a_file_in_the_way_of_the_cache_is_one_line_naming_the_flag(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("x")
+    entry = CachedFile("f.jsonl", URL)
+    with pytest.raises(BadInput) as e:
+        cached(entry, tmp_path / "a.txt", opener=opener())
+    assert str(e.value).startswith("--dir ") and "a.txt: is a file" in str(e.value)
+    with pytest.raises(BadInput) as e:
+        cached(entry, tmp_path / "a.txt" / "sub", opener=opener())
+    assert "a.txt is a file" in str(e.value)
+    monkeypatch.setenv("GPT2NP_CACHE", str(tmp_path / "a.txt"))
+    with pytest.raises(BadInput) as e:
+        cached(entry, opener=opener())
+    assert str(e.value).startswith("$GPT2NP_CACHE ")

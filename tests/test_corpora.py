@@ -126,3 +126,45 @@ def test_offline_is_one_line(tmp_path, capsys, monkeypatch):
 def test_bad_flags_are_one_line(tmp_path, capsys, argv, words):
     code, out = run(argv + ["--output-dir", tmp_path], capsys)
     assert code == 2 and all(w in out.err for w in words) and len(out.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, ["--source", "nomatch*.jsonl", "no such file"]),
+    ("", ["--source", "no documents"]),
+    ('{"text": "fine"}\n{"title": "no text"}\n', ["src.jsonl:2", "`text` field"]),
+    ('{"text": 7}\n', ["src.jsonl:1", "not a string"]),
+    (b"\xff\xfe binary", ["src.jsonl:1", "not UTF-8"]),
+    ("folder", ["--source", "is a folder"]),
+])
+def test_a_bad_source_is_one_line_and_leaves_no_folder_behind(tmp_path, capsys, content, words):
+    source = tmp_path / "src.jsonl"
+    if content == "folder":
+        source.mkdir()
+    elif isinstance(content, bytes):
+        source.write_bytes(content)
+    elif content is not None:
+        source.write_text(content)
+    pattern = source if content is not None else tmp_path / "nomatch*.jsonl"
+    out = tmp_path / "new" / "out"
+    code, res = run(["tinystories", "--source", pattern, "--shard-size", 1000, "--workers", 1, "--output-dir", out],
+                    capsys)
+    assert code == 2 and len(res.err.strip().splitlines()) == 1 and all(w in res.err for w in words), res.err
+    assert "tokens:" not in res.err and not (tmp_path / "new").exists()
+
+
+def test_a_file_as_dir_is_said_before_the_hub_is_asked(tmp_path, capsys, monkeypatch):
+    asked = []
+    monkeypatch.setattr(corpora, "hub_reachable", lambda timeout=5.0: asked.append(1) or False)
+    (tmp_path / "a.txt").write_text("x")
+    code, out = run(["fineweb", "--dir", tmp_path / "a.txt", "--output-dir", tmp_path / "out"], capsys)
+    assert code == 2 and not asked and out.err.startswith("error: --dir ") and "a.txt: is a file" in out.err, out.err
+    assert len(out.err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_a_source_that_is_not_parquet_is_named(tmp_path, capsys):
+    pytest.importorskip("pyarrow")
+    (tmp_path / "fake.parquet").write_text("not parquet at all")
+    code, out = run(["fineweb", "--source", tmp_path / "fake.parquet", "--workers", 1, "--output-dir",
+                     tmp_path / "out"], capsys)
+    assert code == 2 and "fake.parquet: not a readable parquet file" in out.err, out.err
+    assert len(out.err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

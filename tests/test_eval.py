@@ -79,6 +79,7 @@ def test_max_batches(files, capsys):
     (["gsm8k"], ["invalid choice", "'gsm8k'"]),
     (["--cpu-math", "exact", "--device", "emu"], ["--cpu-math exact", "only for the CPU", "--device emu"]),
     (["--cpu-math", "slow"], ["--cpu-math", "invalid choice", "'slow'"]),
+    (["--dir", "cache"], ["--dir cache", "only for eval hellaswag"]),
 ])
 def test_bad_input_is_one_line(argv, expected, files, capsys):
     full = ["-e", str(files / "m.bin"), "-j", str(files / "val_*.bin")] + argv

@@ -152,8 +152,8 @@ def test_h_1_without_the_data_is_a_note_and_no_evaluation_as_llmc(tmp_path, para
     out = capsys.readouterr().out
     assert "note: -h 1: no HellaSwag data (" in out and "note: -h 1: skipping HellaSwag's evaluation" in out
     assert "eval:" not in (tmp_path / "run" / "main.log").read_text()
-    assert train.main(base + ["--hellaswag", "1"]) == 1                   # a file the run needs: exit 1
-    assert "missing.jsonl" in capsys.readouterr().err
+    assert train.main(base + ["--hellaswag", "1"]) == 2                   # a file the run needs: bad input
+    assert f"error: --hellaswag-data {tmp_path / 'missing.jsonl'}: no such file" in capsys.readouterr().err
 
 
 def test_train_hellaswag_needs_gpt2s_vocabulary(tmp_path, jsonl, capsys):
@@ -164,7 +164,7 @@ def test_train_hellaswag_needs_gpt2s_vocabulary(tmp_path, jsonl, capsys):
     write_shard(tmp_path / "train.bin", np.arange(1000) % 100)
     assert train.main(["-e", str(tmp_path / "s.bin"), "-i", str(tmp_path / "train.bin"), "-b", "2", "-t", "8",
                        "-x", "1", "--hellaswag", "1", "--hellaswag-data", str(jsonl), "-s", "0",
-                       "--device", "cpu"]) == 1
+                       "--device", "cpu"]) == 2
     assert "--hellaswag: the model's vocab_size is 100" in capsys.readouterr().err
 
 
@@ -223,3 +223,47 @@ def test_h_1_under_mpiexec_skips_on_every_rank_when_one_lacks_the_data(tmp_path,
     assert "note: rank 1 of 2: -h 1: no HellaSwag data (could not download hellaswag_val.jsonl" in proc.stdout
     assert "note: -h 1: skipping HellaSwag's evaluation" in proc.stdout
     assert "step    4/4" in proc.stdout and "eval:" not in (out_dir / "main.log").read_text()
+
+
+@pytest.mark.parametrize("case, words", [
+    ("folder", ["-j", "hs: is a folder", "HellaSwag jsonl"]),
+    ("binary", ["-j", "hs:1: not UTF-8 text", "not a HellaSwag jsonl file"]),
+    ("shard", ["-j", "hs:1", "not a HellaSwag jsonl file"]),
+    ("dir_is_a_file", ["--dir", "a.txt: is a file"]),
+    ("dir_under_a_file", ["--dir", "a.txt is a file"]),
+    ("dir_and_j", ["--dir", "not used with -j"]),
+])
+def test_bad_files_and_folders_are_one_line_naming_the_flag(tmp_path, params, jsonl, case, words, capsys,
+                                                             monkeypatch):
+    from gpt2np import fetch
+    from gpt2np.data import write_shard
+    monkeypatch.setattr(fetch, "download", lambda *a, **k: pytest.fail("downloaded"))
+    save_model(tmp_path / "m.bin", CFG, params)
+    (tmp_path / "a.txt").write_text("x")
+    hs = tmp_path / "hs"
+    flags = {"folder": ["-j", hs], "binary": ["-j", hs], "shard": ["-j", hs],
+             "dir_is_a_file": ["--dir", tmp_path / "a.txt"], "dir_under_a_file": ["--dir", tmp_path / "a.txt" / "c"],
+             "dir_and_j": ["-j", jsonl, "--dir", tmp_path / "cache"]}[case]
+    if case == "folder":
+        hs.mkdir()
+    elif case == "binary":
+        hs.write_bytes(b"\xff\xfe\x00bad\n")
+    elif case == "shard":
+        write_shard(hs, np.arange(1000) % 50257)
+    assert evaluate.main(["hellaswag", "-e", str(tmp_path / "m.bin")] + [str(f) for f in flags]) == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert all(w in lines[0] for w in words), lines[0]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_failed_download_leaves_no_cache_folder_it_made(tmp_path, params, capsys, monkeypatch):
+    import urllib.request
+    def offline(request, timeout=None):
+        raise OSError("network is unreachable")
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    save_model(tmp_path / "m.bin", CFG, params)
+    assert evaluate.main(["hellaswag", "-e", str(tmp_path / "m.bin"), "--dir", str(tmp_path / "new" / "c")]) == 2
+    assert "could not download" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()

@@ -175,6 +175,29 @@ def test_bad_flags_are_one_line(argv, expected, capsys, tmp_path, monkeypatch):
     assert all(piece in line for piece in expected), line
 
 
+def test_a_file_or_folder_of_the_wrong_kind_is_one_line(hf_model, tmp_path, capsys, monkeypatch):
+    folder, _ = hf_model
+    monkeypatch.chdir(tmp_path)
+    assert hf.main(["import", str(folder), "-o", "m.bin"]) == 0
+    capsys.readouterr()
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "empty").mkdir()
+    for argv, expected in (
+            (["import", "m.bin", "-o", "x.bin"], ["m.bin: is a file (an llm.c model file)", "transformers GPT-2 folder",
+                                                 "Hub id"]),
+            (["import", "notes.txt", "-o", "x.bin"], ["notes.txt: is a file;", "transformers GPT-2 folder"]),
+            (["export", "empty", "-o", "out"], ["empty: is a folder", "llm.c model file"]),
+            (["export", str(folder), "-o", "out"], ["is a transformers folder", "hf import"]),
+            (["export", "m.bin", "-o", "notes.txt/out"], ["-o notes.txt/out", "notes.txt is a file"])):
+        assert hf.main(argv) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert all(piece in line for piece in expected), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "m.bin", "notes.txt"]
+    (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="model.safetensors: is a file;"):   # -e of the other commands: the same
+        hf.load_any_model(str(tmp_path / "model.safetensors"))              # (no config.json beside it)
+
+
 def test_a_hub_id_offline_says_so_in_one_line(tmp_path):
     """Through the real huggingface_hub, offline (HF_HUB_OFFLINE=1, an empty cache): one line, exit 2."""
     env = {k: v for k, v in os.environ.items() if k != "GPT2NP_DEBUG"} | {

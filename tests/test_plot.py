@@ -75,12 +75,18 @@ def test_no_hellaswag_one_panel_and_labels(runs, capsys):
     (["run_a", "--labels", "a,b"], ["--labels a,b", "2 names for 1 runs"]),
     (["run_a", "--baseline", "7B"], ["--baseline", "'7B'"]),
     ([], ["RUN_DIR"]),
+    (["run_a", "--ylim-top", "nan"], ["--ylim-top nan", "log-scaled", "finite number > 0"]),
+    (["run_a", "--ylim-top", "inf"], ["--ylim-top inf", "finite number > 0"]),
+    (["run_a", "--ylim-top", "-1"], ["--ylim-top -1", "log-scaled", "> 0"]),
+    (["run_a", "--ylim-top", "0", "--yscale", "linear"], ["--ylim-top 0", "> 0"]),
+    (["run_a", "-o", "a.txt/fig"], ["-o a.txt/fig", "a.txt is a file"]),
 ])
 def test_bad_input_is_one_line(argv, expected, runs, capsys, monkeypatch):
     monkeypatch.chdir(runs)
     (runs / "empty").mkdir()
     (runs / "junk").mkdir()
     (runs / "junk" / "main.log").write_text("hello\nworld\n")
+    (runs / "a.txt").write_text("x")
     assert plot.main(argv) == 2
     err = capsys.readouterr().err
     lines = err.splitlines()

@@ -123,6 +123,27 @@ def test_ensure_uses_existing_file_and_knows_urls(tmp_path):
     assert fetch.STARTER_PACK_URL == "https://huggingface.co/datasets/karpathy/llmc-starter-pack/resolve/main/"
 
 
+def test_fetch_a_file_in_the_way_of_dir_is_one_line_before_any_download(tmp_path, capsys, monkeypatch):
+    (tmp_path / "a.txt").write_text("x")
+    monkeypatch.setattr(fetch, "download", lambda *a, **k: pytest.fail("downloaded"))
+    for argv, words in ((["--dir", str(tmp_path / "a.txt" / "sub")], ["--dir", "a.txt/sub", "a.txt is a file"]),
+                        (["tokenizer", "--dir", str(tmp_path / "a.txt")], ["--dir", "a.txt: is a file"]),
+                        (["hellaswag", "--dir", str(tmp_path / "a.txt")], ["--dir", "a.txt: is a file"])):
+        assert fetch.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and all(w in err for w in words), err
+
+
+def test_a_failed_fetch_leaves_no_folder_it_made(server, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(fetch.KNOWN_FILES, "gpt2_tokenizer.bin", f"{server}/nothing")
+    assert fetch.main(["tokenizer", "--dir", str(tmp_path / "new" / "sub"), "--timeout", "5"]) == 1
+    assert "404" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setitem(fetch.KNOWN_FILES, "gpt2_tokenizer.bin", f"{server}/file.bin")   # a success keeps it
+    assert fetch.main(["tokenizer", "--dir", str(tmp_path / "new" / "sub"), "--timeout", "5"]) == 0
+    assert (tmp_path / "new" / "sub" / "gpt2_tokenizer.bin").read_bytes() == PAYLOAD
+
+
 # ---------------------------------------------------------------------------------------------
 # prepare
 
@@ -159,6 +180,57 @@ def test_prepare_errors(tmp_path, bytes_encoding):
     with pytest.raises(DataError) as e:
         prepare.prepare_text(tmp_path / "latin1.txt", tmp_path, "x", 1, bytes_encoding)
     one_line(e, "latin1.txt", "utf-8")
+
+
+def test_an_empty_or_too_short_text_is_refused_before_tokenizing(tmp_path, bytes_encoding, capsys, monkeypatch):
+    monkeypatch.setattr(prepare, "get_encoding", lambda bpe_dir=None: bytes_encoding)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("\n\n  \n")
+    (tmp_path / "short.txt").write_text("a" * 100 + "\n\n" + "b" * 100)       # at most 204 tokens
+    for name, words in (("empty.txt", ["empty.txt: empty"]), ("blank.txt", ["blank.txt: only whitespace"]),
+                        ("short.txt", ["short.txt: 202 bytes", "at most 204 tokens", "32769"])):
+        assert prepare.main(["--input", str(tmp_path / name), "--output-dir", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "tokenizing" not in err and all(w in err for w in words), err
+    assert not (tmp_path / "out").exists()
+    assert prepare.main(["--input", str(tmp_path / "short.txt"), "--output-dir", str(tmp_path / "out"),
+                         "--val-tokens", "200"]) == 0       # 204 tokens: a training split is left
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["tinyshakespeare", "--source", "x.txt"], ["--source x.txt", "only for fineweb or tinystories",
+                                                "not tinyshakespeare", "--input FILE"]),
+    (["--source", "x.jsonl"], ["--source x.jsonl", "not tinyshakespeare"]),
+    (["--input", "x.txt", "--shards", "3"], ["--shards 3", "not --input x.txt"]),
+    (["--input", "x.txt", "--shard-size", "10"], ["--shard-size 10", "not --input x.txt"]),
+    (["--workers", "2"], ["--workers 2", "not tinyshakespeare"]),
+    (["--dir", "cache"], ["--dir cache", "not tinyshakespeare"]),
+    (["fineweb", "--val-tokens", "5"], ["--val-tokens 5", "fineweb's val split is its shard 0"]),
+    (["tinystories", "--source", "x.jsonl", "--dir", "cache"], ["--dir cache", "not used with --source x.jsonl"]),
+])
+def test_flags_that_mean_nothing_here_are_refused(argv, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert prepare.main(argv + ["--output-dir", "out"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(w in err for w in words), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_in_the_way_of_output_dir_is_one_line(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("x")
+    assert prepare.main(["--input", str(tmp_path / "a.txt"), "--output-dir", str(tmp_path / "a.txt" / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--output-dir" in err and "a.txt is a file" in err, err
+
+
+def test_a_failed_tinyshakespeare_download_leaves_no_folder_it_made(server, tmp_path, capsys, monkeypatch,
+                                                                     bytes_encoding):
+    monkeypatch.setattr(prepare, "get_encoding", lambda bpe_dir=None: bytes_encoding)
+    monkeypatch.setattr(prepare, "find_tinyshakespeare", lambda: None)
+    monkeypatch.setattr(prepare, "TINYSHAKESPEARE_URL", f"{server}/nothing")
+    assert prepare.main(["tinyshakespeare", "--output-dir", str(tmp_path / "new" / "data")]) == 2
+    assert "404" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_prepare_tinyshakespeare_downloads_when_no_local_copy(server, tmp_path, monkeypatch, bytes_encoding):
