@@ -174,5 +174,5 @@ def one_of(choices) -> Allowed:
                    "one of " + ", ".join(map(str, choices)))
 
 
-TEXT = Allowed(lambda v: isinstance(v, str), "text")
+TEXT = Allowed(lambda v: isinstance(v, str) and v != "", "a non-empty text (a path, a pattern, a name)")
 SWITCH = Allowed(lambda v: isinstance(v, bool), "True or False")

@@ -235,7 +235,7 @@ class TrainConfig:
                              "in double; not bitwise NumPy's, tested to a documented tolerance); exact = bitwise the "
                              "NumPy reference code", choices=("fast", "exact"), default_text="fast")
     profile_steps: int = _setting("--profile", 0, "profile N steps after a warm-up step: kernel table, module tree, "
-                                  "range summary; files in -o/profile", metavar="N",
+                                  "range summary; files in -o/profile (./profile without -o)", metavar="N",
                                   allowed=integer(0, words="an integer >= 0 (0 = off)"),
                                   what="the number of profiled steps")
     nvtx: int = _setting("--nvtx", 1, "NVTX ranges for nsys, free without a profiler", choices=(0, 1))
@@ -298,6 +298,10 @@ class TrainConfig:
         if self.hellaswag_eval and self.val_every == 0:
             raise BadInput("-h 1 with -v 0: -h 1 evaluates HellaSwag at the -v steps; use --hellaswag N for an "
                            "interval of its own")
+        if self.checkpoints_keep and (not self.output_dir or self.checkpoint_every <= 0):
+            raise BadInput(f"-nk {self.checkpoints_keep} " + ("without -o" if not self.output_dir else
+                           f"with -n {self.checkpoint_every}") + ": -nk keeps the last checkpoints that -n writes "
+                           "into -o; there are none")
         if self.major_checkpoint_every and not self.checkpoints_keep:
             raise BadInput(f"-nm {self.major_checkpoint_every} without -nk: major checkpoints are the ones -nk "
                            "never deletes; without -nk every checkpoint is kept")

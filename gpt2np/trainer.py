@@ -316,7 +316,10 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     say(f"batch size: {B} x {T} x {dist.world_size} processes x {accum} accumulation steps "
         f"= {total_batch} tokens per step")
     if evaluate_only:
-        say("-x 0: no training; validating and sampling the model once")
+        doing = [w for w, on in (("validating", val_loader), ("HellaSwag", hellaswag_total), ("sampling", decoder))
+                 if on]
+        say("-x 0: no training; " + (" and ".join(doing) + " the model once" if doing else
+                                     "nothing else asked for either (-v 0, -s 0): only the model is loaded"))
         if val_loader:
             say(f"val loss {dist.average(evaluate(model, val_loader, cfg.val_max_batches, show_progress=rank0)):.6f}")
         if hellaswag_total:

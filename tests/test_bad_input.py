@@ -120,7 +120,7 @@ def test_device_defaults_are_checked_once_filled():
     ("batch_size", 2.5, "-b 2.5"),
     ("resume", True, "-y True: must be one of 0, 1"),
     ("lr_schedule", "step", "-k 'step': must be one of cosine"),
-    ("model", None, "-e None: must be text"),
+    ("model", None, "-e None: must be a non-empty text"),
     ("shuffle", 1, "--shuffle 1: must be True or False"),
 ])
 def test_validate_checks_types_for_callers_without_argparse(name, value, expected):

@@ -72,6 +72,11 @@ def test_hellaswag_interval():
     (["-h", "1", "--hellaswag", "5"], "error: -h 1 with --hellaswag 5"),
     (["-h", "1", "-v", "0"], "error: -h 1 with -v 0"),
     (["-nm", "10"], "error: -nm 10 without -nk"),
+    (["-nk", "2"], "error: -nk 2 without -o: -nk keeps the last checkpoints that -n writes"),
+    (["-nk", "2", "-o", "run", "-n", "0"], "error: -nk 2 with -n 0: -nk keeps the last checkpoints"),
+    (["-e", ""], "error: -e '': must be a non-empty text"),
+    (["-i", ""], "error: -i '': must be a non-empty text"),
+    (["-j", ""], "error: -j '': must be a non-empty text"),
     (["-sl", "-1"], "error: -sl -1"),
 ])
 def test_what_gpt2np_cannot_do_is_one_line(argv, says, capsys):

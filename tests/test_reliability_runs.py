@@ -338,7 +338,10 @@ def test_x0_validates_and_samples_without_training(files, tmp_path, capsys):
     code, stdout, err = run(args(files, out, "-x", 0, "-s", 1, "-g", 8, "-v", 1, "-m", 2, "-y", 1), capsys)
     assert code == 0, err
     assert "resuming from step 2" in stdout and "generating:" in stdout and not STEP_LINE.search(stdout)
+    assert "-x 0: no training; validating and sampling the model once" in stdout
     assert snapshot(out) == before
+    code, stdout, err = run(args(files, out, "-x", 0, "-s", 0, "-v", 0, "-y", 1), capsys)   # says what it does
+    assert code == 0 and "-x 0: no training; nothing else asked for either (-v 0, -s 0)" in stdout, stdout + err
 
 
 # ---- signals and kill -9 -------------------------------------------------------------------------------------
