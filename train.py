@@ -2,7 +2,11 @@
 """llm.c's entry point: `python train.py FLAGS` is `gpt2np train FLAGS` (gpt2np/train_cli.py)."""
 import sys
 
-from gpt2np.train_cli import build_parser, main, parse_config  # noqa: F401  (tests and scripts use these)
+try:
+    from gpt2np.train_cli import build_parser, main, parse_config  # noqa: F401  (tests and scripts use these)
+except KeyboardInterrupt:                  # Ctrl-C while importing, before the run's own handling: one line too
+    print("error: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 if __name__ == "__main__":
     sys.exit(main())

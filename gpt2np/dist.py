@@ -73,6 +73,14 @@ def launched_by_mpi(environ=os.environ) -> bool:
     return any(name in environ for name in LAUNCHER_RANK_VARS)
 
 
+def launcher_rank(environ=os.environ) -> int:
+    """This process's rank as its MPI launcher set it (0 when not launched by one), known before MPI starts."""
+    for name in LAUNCHER_RANK_VARS:
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return 0
+
+
 def shard_bounds(n, world_size):
     """[(lo, hi)] per rank: contiguous shards of n elements; the last rank also takes the n % world rest."""
     size = n // world_size
@@ -629,16 +637,17 @@ def check_same_run(dist, fingerprint):
     raise RunMismatch(line)
 
 
-def stop_together(dist):
+def stop_together(dist, code=1):
     """Every rank has met the same reason to stop at the same point (check_same_run's verdict; a NaN loss or grad
     norm, which every rank sees alike after the all-reduce): no rank is left waiting in a collective, so abort_job
     has nothing to do, and rank 0 alone says why (the caller raises its error after this); the other ranks exit
-    with status 1 here, without a word: the same line from every rank would help no one."""
+    with status `code` (1: the run failed, 2: bad input) here, without a word: the same line from every rank would
+    help no one."""
     global _ranks_stopping
     if dist.world_size > 1:
         _ranks_stopping = True
         if dist.rank != 0:
-            raise SystemExit(1)
+            raise SystemExit(code)
 
 
 _group = None       # the MPI group of this process, once made (for abort_job and the excepthook)

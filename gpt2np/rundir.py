@@ -252,6 +252,10 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
     steps = checkpoint_steps(out_dir)
     if not resume:
         if steps and not overwrite:
+            if differences == [] and latest_complete_checkpoint(out_dir)[0] is None:
+                raise RunDirError(f"{out_dir} holds only incomplete checkpoint files of this run (step {steps[0]}: "
+                                  f"{checkpoint_problem(out_dir, steps[0])}): -y 1 starts the run over there, "
+                                  f"--overwrite moves them into a subfolder first")
             if differences == []:
                 raise RunDirError(f"{out_dir} holds checkpoints of this run (up to step {steps[0]}): resume it "
                                   f"with -y 1, or start over with --overwrite (moves its files into a subfolder)")

@@ -9,9 +9,11 @@
 `python train.py` is the same command (llm.c's entry point, kept as a shim over this module).
 """
 import argparse
+import contextlib
+import io
 from dataclasses import fields
 
-from .cli import ArgumentParser, one_line_errors, tool
+from .cli import BAD_INPUT, BAD_INPUT_ERRORS, ArgumentParser, one_line_errors, tool
 from .config import TrainConfig, default_text, value_type
 
 
@@ -52,7 +54,15 @@ def parse_config(argv=None):
 def main(argv=None):
     """Parse and validate the flags, then train: bad flags or files end in one `error:` line and exit 2, a run
     that fails (a non-finite loss, a device, a write) in one line and exit 1."""
-    cfg = parse_config(argv).validate()
+    from .dist import launcher_rank
+    if launcher_rank() > 0:       # under mpiexec every rank parses the same flags: rank 0 alone says what is wrong
+        with contextlib.redirect_stderr(io.StringIO()):
+            try:
+                cfg = parse_config(argv).validate()
+            except BAD_INPUT_ERRORS:
+                raise SystemExit(BAD_INPUT) from None
+    else:
+        cfg = parse_config(argv).validate()
     from .dist import abort_job
     from .trainer import train
     # under mpiexec the other ranks must not wait for us: abort_job ends the job with the same code

@@ -168,8 +168,10 @@ def train(cfg: TrainConfig, dist=None):
         try:
             return run_training(cfg, dist, signals)
         except MemoryError as e:        # CuPy's OutOfMemoryError is one; the up-front check should have caught it
-            raise RuntimeError(f"out of memory ({' '.join(str(e).split()) or 'MemoryError'}): use a smaller -b "
-                               f"(or -t), and -d to keep the tokens per step") from e
+            raise RuntimeError(f"out of memory ({' '.join(str(e).split()) or 'MemoryError'}): the model's "
+                               f"parameters, gradients and AdamW moments (16 bytes a parameter in fp32) and the "
+                               f"activations of -b x -t must fit; use a smaller -e, or a smaller -b (or -t) and -d "
+                               f"to keep the tokens per step") from e
 
 
 def run_training(cfg: TrainConfig, dist, signals: StopSignals):
@@ -213,6 +215,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         dist.barrier()
     B, T = cfg.batch_size, cfg.seq_len
     if T > model_cfg.max_seq_len:
+        stop_together(dist, 2)                    # every rank finds it: rank 0 alone says so
         raise ValueError(f"-t {T} is longer than the model's max_seq_len {model_cfg.max_seq_len}")
     attention, note = resolve_attention(backend, model_cfg.channels // model_cfg.num_heads, requested_attention)
     if note:
@@ -220,7 +223,9 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     tokens_per_micro = B * T * dist.world_size
     total_batch = cfg.total_batch_size if cfg.total_batch_size and cfg.total_batch_size > 0 else tokens_per_micro
     if total_batch % tokens_per_micro:
-        raise ValueError(f"total batch -d {total_batch} is not a multiple of B*T*processes = {tokens_per_micro}")
+        stop_together(dist, 2)
+        raise ValueError(f"-d {total_batch} with -b {B} -t {T} on {dist.world_size} process(es): the total batch "
+                         f"size must be a multiple of B*T*processes = {tokens_per_micro}")
     accum = total_batch // tokens_per_micro
 
     train_loader = DataLoader(train_pattern, B, T, dist.rank, dist.world_size, shuffle=cfg.shuffle, seed=cfg.seed,

@@ -254,3 +254,17 @@ def test_a_nan_loss_under_mpiexec_is_one_line_and_every_rank_stops_without_an_ab
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.match(r"error: step \d+: the (loss|gradient norm) is (nan|inf)", errors[0]), err
     assert "aborting all ranks" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("extra, says", [
+    (("-b", "0"), "error: -b 0: the micro batch size B must be an integer >= 1"),           # before MPI starts
+    (("-k", "foo"), "error: argument -k: invalid choice: 'foo'"),                             # argparse's own
+    (("-d", 48), "error: -d 48 with -b 3 -t 16 on 2 process(es): the total batch size must be a multiple of "
+                 "B*T*processes = 96")])                                                      # known with MPI only
+def test_bad_flags_under_mpiexec_are_one_line(mpiexec, files, tmp_path, extra, says):
+    """Every rank parses the same flags and finds the same fault: rank 0 alone says it, in one line, exit 2, and no
+    rank aborts the job."""
+    code, out, err, _ = launch(mpiexec, 2, train_argv(files, tmp_path, 2, *extra))
+    assert code == 2, out + err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(says), err

@@ -478,7 +478,9 @@ def test_an_out_of_memory_error_during_the_run_is_one_line(monkeypatch, data_dir
     code = train.main(["--device", "cpu", "-e", "d12", "-b", "1", "-t", "8", "-x", "1", "-v", "0", "-s", "0"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err == ["error: out of memory (Out of memory allocating 1,073,741,824 bytes (allocated so "
-                                 "far: 0 bytes).): use a smaller -b (or -t), and -d to keep the tokens per step"]
+                                 "far: 0 bytes).): the model's parameters, gradients and AdamW moments (16 bytes a "
+                                 "parameter in fp32) and the activations of -b x -t must fit; use a smaller -e, or a "
+                                 "smaller -b (or -t) and -d to keep the tokens per step"]
 
 
 # ---- packaging and the README's GPU commands ----------------------------------------------------------------

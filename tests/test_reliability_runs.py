@@ -325,6 +325,23 @@ def test_skip_nonfinite(files, tmp_path, capsys, monkeypatch, deferred):
     assert "(2 of --skip-nonfinite 2)" in stdout
 
 
+def test_only_incomplete_checkpoints_are_named_as_such(files, tmp_path, capsys):
+    """A run whose only checkpoint never completed (a full disk while writing its state file): a fresh run there
+    says so, and that -y 1 starts over (which it then does), rather than telling to resume what -y 1 cannot."""
+    out = tmp_path / "out"
+    code, _, err = run(args(files, out, "-x", 2, "-n", 2), capsys)
+    assert code == 0, err
+    (out / "DONE_00000002").unlink()
+    (out / "state_00000002_00000.bin").unlink()
+    code, _, err = run(args(files, out, "-x", 2, "-n", 2), capsys)
+    assert code == 2
+    one_error_line(err, f"{out} holds only incomplete checkpoint files of this run (step 2: no DONE_00000002",
+                   "-y 1 starts the run over there")
+    code, stdout, err = run(args(files, out, "-x", 2, "-n", 2, "-y", 1), capsys)
+    assert code == 0 and any("nothing to resume" in line for line in err), err
+    assert (out / "DONE_00000002").is_file()
+
+
 # ---- -x 0 ------------------------------------------------------------------------------------------------
 def test_x0_validates_and_samples_without_training(files, tmp_path, capsys):
     out = tmp_path / "out"

@@ -153,3 +153,19 @@ def test_readme_main_command_smoke(tmp_path):
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "step    1/1" in res.stdout and "val loss" in res.stdout and "generating:" in res.stdout
+
+
+def test_ctrl_c_while_train_py_imports_is_one_line(monkeypatch, capsys):
+    """A Ctrl-C that lands while train.py is still importing gpt2np (before the run's own handling) is one line
+    and exit 130, not a traceback."""
+    import runpy
+    import types
+
+    class Interrupted(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "gpt2np.train_cli", Interrupted("gpt2np.train_cli"))
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(REPO / "train.py"), run_name="__main__")
+    assert e.value.code == 130 and capsys.readouterr().err == "error: interrupted\n"
