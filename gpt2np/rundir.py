@@ -261,6 +261,10 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
                                   f"with -y 1, or start over with --overwrite (moves its files into a subfolder)")
             raise RunDirError(f"{out_dir} holds another run's checkpoints (up to step {steps[0]}): use another -o, "
                               f"or --overwrite to move them into a subfolder")
+        log = os.path.join(out_dir, LOG_FILE)
+        if not steps and differences and not overwrite and os.path.isfile(log) and os.path.getsize(log) > 0:
+            raise RunDirError(f"{out_dir} holds another run's main.log (no checkpoints; {'; '.join(differences)}): "
+                              f"use another -o, or --overwrite to move it into a subfolder")
     else:
         found, notes = latest_complete_checkpoint(out_dir)
         for line in notes:

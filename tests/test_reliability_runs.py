@@ -342,6 +342,24 @@ def test_only_incomplete_checkpoints_are_named_as_such(files, tmp_path, capsys):
     assert (out / "DONE_00000002").is_file()
 
 
+def test_another_runs_main_log_is_not_overwritten(files, tmp_path, capsys):
+    """A run that wrote no checkpoint still leaves its main.log: a different run into the same -o is refused (one
+    line) unless --overwrite moves it aside; the same run again may start over there."""
+    out = tmp_path / "out"
+    code, _, err = run(args(files, out, "-x", 2), capsys)
+    assert code == 0, err
+    log = (out / "main.log").read_text()
+    assert log and not list(out.glob("model_*"))
+    code, _, err = run(args(files, out, "-x", 2, "-l", 1e-3), capsys)                  # another run (its lr)
+    assert code == 2 and (out / "main.log").read_text() == log
+    one_error_line(err, f"{out} holds another run's main.log (no checkpoints;", "--overwrite")
+    code, _, err = run(args(files, out, "-x", 2), capsys)                               # the same run: it starts over
+    assert code == 0, err
+    code, _, err = run(args(files, out, "-x", 2, "-l", 1e-3, "--overwrite"), capsys)
+    assert code == 0, err
+    assert [p.read_text() for p in out.glob("previous-*/main.log")] == [log]
+
+
 # ---- -x 0 ------------------------------------------------------------------------------------------------
 def test_x0_validates_and_samples_without_training(files, tmp_path, capsys):
     out = tmp_path / "out"
