@@ -323,7 +323,7 @@ def test_output_paths_name_the_flag_and_missing_folders_are_made(tmp_path, capsy
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "fsync", full)
-    assert ncu.main([good, "--json", "full.json"]) == 2
+    assert ncu.main([good, "--json", "full.json"]) == 1                # a failed write: the run failed
     err = one_error(capsys)
     assert "--json full.json: cannot write it ([Errno 28]" in err and ".tmp" not in err
     assert not any(name.startswith(".full.json") for name in os.listdir(tmp_path))

@@ -612,12 +612,13 @@ def check_output(flag: str, path: str, folder: bool = False) -> None:
 @contextmanager
 def writing(flag: str, path: str):
     """Inside: a failed write of the output `flag` names (disk full, no permission) is one line naming the flag
-    and the path the user gave: `--json out/x.json: cannot write it ([Errno 28] No space left on device)`."""
+    and the path the user gave: `--json out/x.json: cannot write it ([Errno 28] No space left on device)`; a run
+    failure (exit 1, as every command's failed write), the path itself having been checked (check_output)."""
     try:
         yield
     except OSError as e:
         reason = f"[Errno {e.errno}] {e.strerror}" if e.errno is not None else (e.strerror or str(e))
-        raise BadInput(f"{flag} {path}: cannot write it ({reason})") from e
+        raise RuntimeError(f"{flag} {path}: cannot write it ({reason})") from e
 
 
 CSV_FIELDS = [f.name for f in fields(KernelRecord)] + ["gflops_per_s", "gbytes_per_s", "intensity",
