@@ -50,6 +50,11 @@ LOG_LINE = re.compile(r"s:(\d+) (trl|tel):")
 FLAGS = {f.name: f.metadata["flag"] for f in dataclasses.fields(TrainConfig)} | {"processes": "processes"}
 
 
+# settings run.json records since 2026-11-24 (AdamW's and the clipping's: a resume must keep them as it keeps the lr
+# schedule); an older run.json lacks them, and its runs resume without their check
+RECORDED_SINCE_2026_11_24 = ("weight_decay", "grad_clip", "beta1", "beta2", "eps")
+
+
 class RunDirError(ValueError):
     """-o cannot be used as asked (another run's checkpoints, a file, ...); the message says what to do."""
 
@@ -88,6 +93,8 @@ def identity_differences(saved: dict, current: dict) -> list:
     theirs, ours = saved.get("settings") or {}, current["settings"]
     order = list(FLAGS)                          # train.py's flag order, then any others
     for key in sorted(theirs.keys() | ours.keys(), key=lambda k: (order.index(k) if k in order else len(order), k)):
+        if key in RECORDED_SINCE_2026_11_24 and key not in theirs:
+            continue                             # a run.json from before these were recorded: not known, not held
         if theirs.get(key) != ours.get(key):
             out.append(f"{FLAGS.get(key, key)} {_shown(theirs.get(key))} there, {_shown(ours.get(key))} here")
     return out

@@ -272,7 +272,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
                     "zero_stage": dist.zero_stage, "seed": cfg.seed, "shuffle": cfg.shuffle,
                     "overfit_single_batch": cfg.overfit_single_batch, "learning_rate": cfg.learning_rate,
                     "warmup_steps": cfg.warmup_steps, "final_lr_frac": cfg.final_lr_frac,
-                    "lr_schedule": cfg.lr_schedule}
+                    "lr_schedule": cfg.lr_schedule, "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip,
+                    "beta1": cfg.beta1, "beta2": cfg.beta2, "eps": cfg.eps}
         if bf16:                                  # bf16 checkpoints hold master weights an fp32 run cannot use
             settings["precision"] = "bf16"
         identity = run_identity(model_cfg, params, train_loader.files, val_loader.files if val_loader else None,

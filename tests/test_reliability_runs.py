@@ -360,6 +360,26 @@ def test_another_runs_main_log_is_not_overwritten(files, tmp_path, capsys):
     assert [p.read_text() for p in out.glob("previous-*/main.log")] == [log]
 
 
+def test_resume_keeps_the_optimizer_settings(files, tmp_path, capsys):
+    """-y 1 with another weight decay, clipping or AdamW beta/eps than the run's is refused in one line naming
+    both values (the result would differ from the run's); a run.json from before they were recorded resumes."""
+    import json
+    out = tmp_path / "out"
+    code, _, err = run(args(files, out, "-x", 2, "-n", 1, "-c", 0.1), capsys)
+    assert code == 0, err
+    for flag, value, says in (("-c", 0.5, "-c 0.1 there, 0.5 here"), ("--grad-clip", 2, "--grad-clip 1 there, 2 here"),
+                              ("--beta2", 0.99, "--beta2 0.95 there, 0.99 here")):
+        code, _, err = run(args(files, out, "-x", 3, "-n", 1, "-c", 0.1, flag, value, "-y", 1), capsys)
+        assert code == 2
+        one_error_line(err, "holds another run's checkpoints, not this one's", says)
+    recorded = json.loads((out / "run.json").read_text())
+    for key in ("weight_decay", "grad_clip", "beta1", "beta2", "eps"):       # as an older gpt2np wrote it
+        del recorded["settings"][key]
+    (out / "run.json").write_text(json.dumps(recorded))
+    code, stdout, err = run(args(files, out, "-x", 3, "-n", 1, "-c", 0.5, "-y", 1), capsys)
+    assert code == 0 and "resuming from step 2" in stdout, err
+
+
 # ---- -x 0 ------------------------------------------------------------------------------------------------
 def test_x0_validates_and_samples_without_training(files, tmp_path, capsys):
     out = tmp_path / "out"
