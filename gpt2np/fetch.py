@@ -106,7 +106,10 @@ def download(url, dest, timeout=10, progress=True, opener=None):
     replaces urllib.request.urlopen (tests). Returns dest as a Path.
     """
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)     # a local folder problem is not a failed download
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:                               # a local folder problem, not a failed download
+        raise FetchError(f"{dest.parent}: cannot make the folder for {dest.name} ({e.strerror or e})") from None
     try:
         request = urllib.request.Request(url, headers={"User-Agent": "gpt2np"})
         with (opener or urllib.request.urlopen)(request, timeout=timeout) as response, atomic_write(dest) as out:

@@ -365,7 +365,7 @@ def load_any_model(spec) -> tuple:
         cfg, params = load_model(path)
         return cfg, params, str(path)
     try:
-        cfg = None if path.exists() else descriptor(spec)   # as train's -e: llm.c's descriptors, random init
+        cfg = None if path.is_file() else descriptor(spec)   # as train's -e: llm.c's descriptors, random init
     except ValueError as e:
         raise ValueError(f"-e {e}") from None
     if cfg is not None:

@@ -59,7 +59,7 @@ def prepare_text(text_path, out_dir, name, val_tokens=DEFAULT_VAL_TOKENS, encodi
     encoding = encoding or get_encoding()
     try:
         raw = text_path.read_bytes()
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")   # text mode's newlines, as read_text
     except FileNotFoundError:
         raise DataError(f"{text_path}: text file not found") from None
     except UnicodeDecodeError as e:

@@ -42,7 +42,7 @@ def resolve_model(spec, timeout=10, keep_bf16=False):
     """
     path = Path(spec)
     try:
-        cfg = None if path.exists() else descriptor(spec)  # llm.c's d12, gpt2:d24, gpt3:c768 (random init)
+        cfg = None if path.is_file() else descriptor(spec)  # llm.c's d12, gpt2:d24, gpt3:c768 (random init)
     except ValueError as e:
         raise ValueError(f"-e {e}") from None
     if cfg is not None:

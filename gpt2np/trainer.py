@@ -122,7 +122,8 @@ def load_hellaswag(cfg: TrainConfig, model_cfg, dist, say=print):
     try:
         _, examples = hellaswag.load(cfg.hellaswag_data)
     except (OSError, ValueError) as e:              # no file, an offline download, an unreadable file
-        if cfg.hellaswag_data and isinstance(e, (FileNotFoundError, IsADirectoryError)):    # name the flag
+        if (cfg.hellaswag_data and isinstance(e, (FileNotFoundError, IsADirectoryError))    # the file itself
+                and (not os.path.exists(cfg.hellaswag_data) or os.path.isdir(cfg.hellaswag_data))):
             what = "no such file" if isinstance(e, FileNotFoundError) else "a folder, not a HellaSwag .jsonl file"
             e = BadInput(f"--hellaswag-data {cfg.hellaswag_data}: {what}")
         if not cfg.hellaswag_eval:
@@ -158,6 +159,16 @@ def evaluate_hellaswag(model, examples, total, dist):
     with ranges.range("hellaswag"):
         correct = hellaswag.score(model, examples).correct_norm if examples else 0
     return round(dist.average(float(correct)) * dist.world_size), total
+
+
+def stop_if_bad(dist, bad: bool, message: str):
+    """Bad input every rank checks alike (a flag against the model): a ValueError(message) where `bad`. When every
+    rank finds it (one collective agrees), rank 0 alone says so and the others exit 2 quietly, with no abort; a rank
+    alone with it fails as any failing rank does (abort_job ends the others)."""
+    if dist.world_size > 1 and dist.average(1.0 if bad else 0.0) == 1.0:
+        stop_together(dist, 2)
+    if bad:
+        raise ValueError(message)
 
 
 def train(cfg: TrainConfig, dist=None):
@@ -214,18 +225,16 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
             prefetch_hellaswag(cfg)
         dist.barrier()
     B, T = cfg.batch_size, cfg.seq_len
-    if T > model_cfg.max_seq_len:
-        stop_together(dist, 2)                    # every rank finds it: rank 0 alone says so
-        raise ValueError(f"-t {T} is longer than the model's max_seq_len {model_cfg.max_seq_len}")
+    stop_if_bad(dist, T > model_cfg.max_seq_len, f"-t {T} is longer than the model's max_seq_len "
+                f"{model_cfg.max_seq_len}")
     attention, note = resolve_attention(backend, model_cfg.channels // model_cfg.num_heads, requested_attention)
     if note:
         say(f"note: {note}")
     tokens_per_micro = B * T * dist.world_size
     total_batch = cfg.total_batch_size if cfg.total_batch_size and cfg.total_batch_size > 0 else tokens_per_micro
-    if total_batch % tokens_per_micro:
-        stop_together(dist, 2)
-        raise ValueError(f"-d {total_batch} with -b {B} -t {T} on {dist.world_size} process(es): the total batch "
-                         f"size must be a multiple of B*T*processes = {tokens_per_micro}")
+    stop_if_bad(dist, total_batch % tokens_per_micro != 0, f"-d {total_batch} with -b {B} -t {T} on "
+                f"{dist.world_size} process(es): the total batch size must be a multiple of B*T*processes = "
+                f"{tokens_per_micro}")
     accum = total_batch // tokens_per_micro
 
     train_loader = DataLoader(train_pattern, B, T, dist.rank, dist.world_size, shuffle=cfg.shuffle, seed=cfg.seed,

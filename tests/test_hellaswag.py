@@ -267,3 +267,24 @@ def test_a_failed_download_leaves_no_cache_folder_it_made(tmp_path, params, caps
     assert evaluate.main(["hellaswag", "-e", str(tmp_path / "m.bin"), "--dir", str(tmp_path / "new" / "c")]) == 2
     assert "could not download" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+def test_hellaswag_data_error_names_the_flag_only_for_the_file_itself(tmp_path, jsonl, monkeypatch):
+    """--hellaswag-data that is missing is `--hellaswag-data X: no such file`; a file that is there but cannot be
+    rendered (no GPT-2 BPE files: also a FileNotFoundError) keeps its own message."""
+    from gpt2np import tokenizer
+    from gpt2np.config import TrainConfig
+    from gpt2np.dist import SingleProcess
+    from gpt2np.trainer import load_hellaswag
+    missing = TrainConfig(hellaswag_every=1, hellaswag_data=str(tmp_path / "nope.jsonl"))
+    with pytest.raises(ValueError, match=r"--hellaswag-data .*nope\.jsonl: no such file"):
+        load_hellaswag(missing, CFG, SingleProcess())
+
+    def no_bpe(*args, **kwargs):
+        raise tokenizer.TokenizerNotFoundError("the GPT-2 BPE files (gpt2_vocab.bpe) are not here")
+
+    monkeypatch.setattr(tokenizer, "get_encoding", no_bpe)
+    there = TrainConfig(hellaswag_every=1, hellaswag_data=str(jsonl))
+    with pytest.raises(FileNotFoundError, match="BPE files") as e:
+        load_hellaswag(there, CFG, SingleProcess())
+    assert "no such file" not in str(e.value)

@@ -136,3 +136,17 @@ def test_a_descriptor_llmc_does_not_have_is_one_line(spec, says, capsys):
     assert train.main(["-e", spec, "-x", "1", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {says}") and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_descriptor_is_random_init_even_beside_a_folder_of_that_name(tmp_path, monkeypatch):
+    """`-e d12 -o d12` and its `-y 1` restart: the folder d12 (the run's -o) does not turn -e d12 into a Hugging Face
+    folder; only a file of that name is read as a model file."""
+    from gpt2np.hf import load_any_model
+    from gpt2np.starter import resolve_model
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d12").mkdir()
+    cfg, params, what = resolve_model("d12")
+    assert params is None and what == "d12 (random init)" and cfg.num_layers == 12
+    assert load_any_model("gpt2:d6")[2] == "gpt2:d6 (random init)"
+    (tmp_path / "gpt2:d6").mkdir()
+    assert load_any_model("gpt2:d6")[2] == "gpt2:d6 (random init)"

@@ -154,6 +154,18 @@ def bytes_encoding():
                              special_tokens={EOT_TEXT: 256})
 
 
+def test_crlf_text_gives_the_lf_texts_shards(tmp_path, bytes_encoding):
+    """Windows (CRLF) and old Mac (CR) line ends are read as text mode reads them: the same documents and tokens
+    as the LF file (llm.c's prepare scripts read text mode too)."""
+    text = "ab\n\nc d\n\n\nlast"
+    shards = {}
+    for name, newline in (("lf", "\n"), ("crlf", "\r\n"), ("cr", "\r")):
+        (tmp_path / f"{name}.txt").write_bytes(text.replace("\n", newline).encode())
+        out = prepare.prepare_text(tmp_path / f"{name}.txt", tmp_path / name, name, 4, bytes_encoding)
+        shards[name] = (read_shard(out.val).tolist(), read_shard(out.train).tolist())
+    assert shards["crlf"] == shards["cr"] == shards["lf"]
+
+
 def test_prepare_small_text(tmp_path, bytes_encoding):
     text = "ab\n\nc d\n\n\nlast"
     (tmp_path / "small.txt").write_text(text)
