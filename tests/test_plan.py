@@ -342,11 +342,11 @@ def test_recompute_plans_less_activation_memory_and_more_backward_launches(tmp_p
     assert forward[0] == forward[1] == forward[2]                          # the forward launches do not change
 
 
-def test_profile_and_plan_take_the_long_flag_names_too(capsys):
+def test_profile_and_plan_take_the_long_flag_names_too(tmp_path, capsys):
     """gpt2np profile/plan: -e/--model, -b/--batch-size, -t/--seq-len, as the other commands take them."""
     outs = []
     for flags in (["-e", "d12", "-b", "2", "-t", "32"], ["--model", "d12", "--batch-size", "2", "--seq-len", "32"]):
-        assert main(["--plan", "--gpu", "H100", *flags]) == 0
+        assert main(["--plan", "--gpu", "H100", *flags, "--out", str(tmp_path)]) == 0
         outs.append(capsys.readouterr().out.splitlines()[0])
     assert outs[0] == outs[1] and "d12 (random init), B=2, T=32" in outs[0]
 
