@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .cli import ArgumentParser, BadInput, number, tool
 from .data import atomic_write
+from .fileio import file_in_the_way
 from .paths import CHECKPOINTS_DIR
 from .progress import progress as show_progress
 
@@ -58,12 +59,10 @@ def check_folder(flag, folder) -> Path:
     """`folder` as a Path when it is a folder or can be made one; BadInput naming `flag` when it or one of its
     parents is a file (`--dir x.txt/sub`), so the command stops before any download or tokenizing."""
     folder = Path(folder)
-    for path in (folder, *folder.parents):
-        if path.is_dir():
-            break
-        if path.exists():
-            where = "is a file" if path == folder else f"{path} is a file"
-            raise BadInput(f"{flag} {folder}: {where}; expected a folder (made if missing)")
+    blocking = folder if folder.exists() and not folder.is_dir() else file_in_the_way(folder)
+    if blocking is not None:
+        where = "is a file" if blocking == folder else f"{blocking} is a file"
+        raise BadInput(f"{flag} {folder}: {where}; expected a folder (made if missing)")
     return folder
 
 

@@ -94,6 +94,17 @@ def atomic_write(path, mode="wb"):
         raise
 
 
+def file_in_the_way(path) -> Path | None:
+    """What stops `path`'s missing folders from being made: its nearest existing ancestor when that is not a folder
+    (a file, a broken link), as written in `path` (`x.txt` for `x.txt/sub/out.json`); None when they can be made."""
+    for parent in Path(path).parents:
+        if parent.is_dir():
+            return None
+        if os.path.lexists(parent):
+            return parent
+    return None
+
+
 def append_line(path, line: str):
     """Append `line` and a newline to the text file `path` (created if missing).
 

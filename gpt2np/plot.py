@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from .cli import ArgumentParser, BadInput, number, tool
+from .fileio import file_in_the_way
 
 # llm.c vislog's reference values: OpenAI's GPT-2 checkpoints' val loss (FineWeb val) and HellaSwag accuracy;
 # GPT-3's HellaSwag (the GPT-3 paper, as build-nanogpt plots it)
@@ -155,12 +156,10 @@ def main(argv=None):
     out = Path(args.output)
     if out.is_dir():
         out = out / "plot"
-    for parent in out.parents:            # a file in the way of OUTPUT's folder: said before anything is drawn
-        if parent.is_dir():
-            break
-        if parent.exists():
-            raise BadInput(f"-o {args.output}: {parent} is a file; expected a folder (made if missing) for "
-                           f"{out.name}.png and {out.name}.svg")
+    blocking = file_in_the_way(out)       # a file in the way of OUTPUT's folder: said before anything is drawn
+    if blocking is not None:
+        raise BadInput(f"-o {args.output}: {blocking} is a file; expected a folder (made if missing) for "
+                       f"{out.name}.png and {out.name}.svg")
     for path in plot_runs(runs, out, args.baseline, args.yscale, args.ylim_top, args.title):
         print(f"wrote {path}")
     for label, streams in runs:

@@ -36,7 +36,7 @@ from .checkpoint import (
     state_path,
 )
 from .config import TrainConfig
-from .fileio import atomic_write
+from .fileio import atomic_write, file_in_the_way
 
 RUN_FILE = "run.json"
 RUN_FORMAT = "gpt2np run 1"
@@ -234,11 +234,9 @@ def check_output_dir(out_dir):
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise RunDirError(f"-o {out_dir} is a file, not a folder: give the folder for main.log and the "
                           f"checkpoints (it is made if missing)")
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    while not os.path.exists(parent):                   # the nearest folder that exists must be one
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise RunDirError(f"-o {out_dir}: {parent} is a file, so the folder cannot be made there")
+    blocking = file_in_the_way(out_dir)
+    if blocking is not None:
+        raise RunDirError(f"-o {out_dir}: {blocking} is a file, so the folder cannot be made there")
 
 
 def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, read_only=False):

@@ -602,11 +602,10 @@ def check_output(flag: str, path: str, folder: bool = False) -> None:
         raise BadInput(f"{flag} {path}: is a folder; expected a file name")
     if folder and os.path.exists(path) and not os.path.isdir(path):
         raise BadInput(f"{flag} {path}: is a file; expected a folder (made if missing)")
-    parent = os.path.dirname(os.path.normpath(path))
-    while parent and not os.path.lexists(parent):
-        parent = os.path.dirname(parent)
-    if parent and not os.path.isdir(parent):
-        raise BadInput(f"{flag} {path}: {parent} is a file, not a folder")
+    from ..fileio import file_in_the_way
+    blocking = file_in_the_way(os.path.normpath(path))
+    if blocking is not None:
+        raise BadInput(f"{flag} {path}: {blocking} is a file, not a folder")
 
 
 @contextmanager
