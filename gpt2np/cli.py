@@ -15,6 +15,7 @@ import argparse
 import functools
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -104,6 +105,9 @@ def program_name(name: str):
         _program_names.pop()
 
 
+NEGATIVE_NUMBER = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$")
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one line, `error: argument -b: invalid int value: 'x'`, exit 2 (no usage)."""
 
@@ -117,6 +121,9 @@ class ArgumentParser(argparse.ArgumentParser):
             elif alias[1] and prog and prog.startswith(alias[1] + " "):     # one of its subcommands' parsers
                 kwargs["prog"] = alias[0] + prog[len(alias[1]):]
         super().__init__(*args, **kwargs)
+        # a flag's value may be any negative number (-1e-8), so that validate names what is wrong with it;
+        # argparse's own pattern takes only -1 and -1.5 and reads -1e-8 as an unknown flag ("expected one argument")
+        self._negative_number_matcher = NEGATIVE_NUMBER
 
     def error(self, message):
         self.exit(BAD_INPUT, f"error: {message} (see --help)\n")

@@ -44,6 +44,9 @@ TRAIN_CASES = {  # id: (argv, pieces the line must hold: the flag, the value, wh
     "final lr fraction": (["-q", "-2"], ["-q -2", "final lr fraction", "[0, 1]"]),
     "final lr fraction > 1": (["-q", "1.5"], ["-q 1.5", "[0, 1]"]),
     "eps 0": (["--eps", "0"], ["--eps 0", "> 0"]),
+    # a negative value in exponent notation is a value, not an unknown flag (argparse's own pattern misses it)
+    "eps negative exponent": (["--eps", "-1e-8"], ["--eps -1e-08", "AdamW's epsilon", "> 0"]),
+    "lr negative exponent": (["-l", "-6E-4"], ["-l -0.0006", "> 0"]),
     "beta2 1.5": (["--beta2", "1.5"], ["--beta2 1.5", "[0, 1)"]),
     "beta1 negative": (["--beta1", "-0.1"], ["--beta1 -0.1", "[0, 1)"]),
     "temperature nan": (["--temperature", "nan"], ["--temperature nan", "finite number >= 0"]),
