@@ -1,26 +1,39 @@
-"""Learning-rate schedules as llm.c defines them: linear warmup, then cosine, linear, constant or wsd."""
+"""Learning-rate schedules as llm.c defines them (llmc/schedulers.h): the lr of 0-based `step` of `total_steps`.
+
+    cosine    warmup lr*(step+1)/warmup, then a cosine from lr down to lr*final_frac at the last step
+    linear    the same warmup, then a straight line down to lr*final_frac
+    constant  lr at every step: llm.c's constant schedule has no warmup (-u changes nothing)
+    wsd       warmup, stable at lr, then over the last 20% of the steps a 1 - sqrt cooldown to lr*final_frac
+              (Hägele et al. 2024, arXiv:2405.18392; llm.c's decay point int(0.8 * total_steps))
+
+A step past the end (a finished run extended with a larger -x) keeps the last decay value.
+"""
 import math
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
+WSD_DECAY_START = 0.8          # llm.c's: the fraction of the steps before the wsd cooldown
 
 
-def learning_rate(step, max_lr, total_steps, warmup=0, final_frac=1.0, kind="cosine", cooldown_frac=0.2):
-    """lr at 0-based `step` of `total_steps`: warmup (lr*(step+1)/warmup), then decay to max_lr*final_frac."""
+def learning_rate(step, max_lr, total_steps, warmup=0, final_frac=1.0, kind="cosine"):
+    """lr at 0-based `step` of `total_steps` for schedule `kind` (see the module docstring)."""
     if kind not in SCHEDULES:
         raise ValueError(f"unknown lr schedule {kind!r}: expected one of {', '.join(SCHEDULES)}")
-    min_lr = max_lr * final_frac
-    if step < warmup:
-        return max_lr * (step + 1) / warmup
     if kind == "constant":
         return max_lr
-    if kind == "wsd":                     # warmup, stable, then a linear cooldown over the last fraction
-        cooldown_start = int(total_steps * (1.0 - cooldown_frac))
-        if step < cooldown_start:
+    if step < warmup:
+        return max_lr * (step + 1) / warmup
+    min_lr = max_lr * final_frac
+    if kind == "wsd":
+        decay_start = int(WSD_DECAY_START * total_steps)
+        if step < decay_start:
             return max_lr
-        ratio = (step - cooldown_start) / max(1, total_steps - cooldown_start)
-        return max_lr + (min_lr - max_lr) * min(ratio, 1.0)
-    ratio = (step - warmup) / max(1, total_steps - warmup)
-    ratio = min(max(ratio, 0.0), 1.0)
+        return min_lr + (1.0 - math.sqrt(_fraction(step - decay_start, total_steps - decay_start))) * (max_lr - min_lr)
+    ratio = _fraction(step - warmup, total_steps - warmup)
     if kind == "linear":
-        return max_lr + (min_lr - max_lr) * ratio
+        return max_lr - ratio * (max_lr - min_lr)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
+
+
+def _fraction(done, length):
+    """done / length clamped to [0, 1] (a zero-length decay is already done)."""
+    return min(max(done / length, 0.0), 1.0) if length > 0 else 1.0
