@@ -187,8 +187,10 @@ class TrainConfig:
                            "same backend; emu = the CUDA kernels on the CPU emulator (slow: tiny models, to see or "
                            "test the CUDA path without a GPU; its -b/-t/-x defaults are the CPU's, its kernel "
                            "choices the GPU's)", choices=("auto", "cpu", "numpy", "cuda", "emu"))
-    seed: int = _setting("--seed", 1337, "init, shuffling and sampling seed", allowed=integer(0), what="the seed")
-    shuffle: bool = _setting("--shuffle", False, "shuffle shards and samples every epoch")
+    seed: int = _setting("--seed", 1337, "init and sampling seed", allowed=integer(0), what="the seed")
+    shuffle: int = _setting("--shuffle", 1, "1 = read the train shards and samples in llm.c's shuffled order (its "
+                            "permutations, a stream seeded 42 + rank; off with -a 1), 0 = in file order",
+                            choices=(0, 1))
     temperature: float = _setting("--temperature", 1.0, "sampling temperature, 0 = greedy",
                                   allowed=number(0, words="a finite number >= 0 (0 = greedy)"),
                                   what="the sampling temperature")

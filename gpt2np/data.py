@@ -135,31 +135,55 @@ def expand_patterns(pattern_or_patterns):
     return sorted(files)
 
 
+SHUFFLE_SEED = 42                  # llm.c's: each rank's shuffle generator is seeded 42 + its rank
+
+
+def llmc_generator(seed: int) -> np.random.MT19937:
+    """llm.c's mt19937 (llmc/rand.h, PyTorch's) after manual_seed(seed): NumPy's MT19937 in the state that its
+    legacy integer seeding (the reference generator's init_genrand) leaves, so random_raw() gives randint32()'s
+    sequence."""
+    _, key, pos, *_ = np.random.RandomState(seed).get_state()
+    generator = np.random.MT19937()
+    generator.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": pos}}
+    return generator
+
+
+def llmc_permute(order: list, generator: np.random.MT19937) -> list:
+    """llm.c's random_permutation in place: for i = n-1 down to 1, swap order[i] with order[randint32 % (i+1)]."""
+    n = len(order)
+    if n > 1:
+        picks = (generator.random_raw(n - 1) % np.arange(n, 1, -1, dtype=np.uint64)).tolist()
+        for i, j in zip(range(n - 1, 0, -1), picks):
+            order[i], order[j] = order[j], order[i]
+    return order
+
+
 class DataLoader:
     """Batches of (inputs, targets), each (B, T) int32 with targets = inputs shifted by one token.
 
     pattern_or_patterns: glob pattern(s) of shard files, read in sorted order.
     process_rank / num_processes: this rank's slice of every global batch (see module docstring).
-    shuffle: per epoch, a seeded permutation of the shard order and of the samples inside each
-        shard; every rank computes the same permutations, so ranks still read disjoint slices.
+    shuffle: llm.c's order (dataloader.h): one mt19937 stream per rank, seeded SHUFFLE_SEED + rank, permutes the
+        shard order at the start of every epoch (the previous epoch's order, permuted again) and the samples of
+        each shard as the loader reaches it. Each rank reads its slice of every sample once an epoch, in its own
+        order, as llm.c's ranks do.
     vocab_size: if given, token ids >= vocab_size raise DataError naming the file and position.
 
     The read position is (epoch, shard_position, sample_position); state()/load_state() save and
-    restore it so a resumed run continues with exactly the batches it would have seen.
+    restore it (replaying the shuffle stream up to it) so a resumed run continues with exactly the batches it
+    would have seen.
     """
 
     def __init__(self, pattern_or_patterns, B, T, process_rank=0, num_processes=1,
-                 shuffle=False, seed=1337, vocab_size=None):
+                 shuffle=False, vocab_size=None):
         if B <= 0 or T <= 0:
             raise DataError(f"DataLoader: B and T must be positive, got B={B}, T={T}")
         if num_processes <= 0 or not 0 <= process_rank < num_processes:
             raise DataError(f"DataLoader: need 0 <= process_rank < num_processes, "
                             f"got process_rank={process_rank}, num_processes={num_processes}")
-        if seed < 0:
-            raise DataError(f"DataLoader: seed must be non-negative, got {seed}")
         self.B, self.T = int(B), int(T)
         self.process_rank, self.num_processes = int(process_rank), int(num_processes)
-        self.shuffle, self.seed = bool(shuffle), int(seed)
+        self.shuffle = bool(shuffle)
         self.vocab_size = vocab_size
         self.files = expand_patterns(pattern_or_patterns)
         self.sample_tokens = self.num_processes * self.B * self.T   # stride between samples
@@ -173,7 +197,6 @@ class DataLoader:
             self.shard_num_samples.append(samples)
         # the first 12 header bytes (magic, version, tokens) as every batch's read must find them
         self._headers = [np.array([SHARD_MAGIC, SHARD_VERSION, n], "<i4").tobytes() for n in self.shard_num_tokens]
-        self._sample_order_cache = (None, None)
         self.reset()
 
     @property
@@ -190,25 +213,29 @@ class DataLoader:
         return sum(self.shard_num_tokens)
 
     def reset(self):
-        """Go back to the first batch of epoch 0."""
+        """Go back to the first batch of epoch 0 (with shuffle: the stream starts over from its seed)."""
         self.epoch, self.shard_position, self.sample_position = 0, 0, 0
+        self._shard_order = list(range(len(self.files)))
+        if self.shuffle:
+            self._generator = llmc_generator(SHUFFLE_SEED + self.process_rank)
+            llmc_permute(self._shard_order, self._generator)
+        self._start_shard()
 
-    # The seed lists differ at their second entry: SeedSequence pads with zeros, so [s, e] and
-    # [s, e, 0] would give the same stream.
-    def _shard_order(self, epoch):
-        if not self.shuffle:
-            return range(len(self.files))
-        return np.random.default_rng([self.seed, 1, epoch]).permutation(len(self.files))
+    def _start_shard(self):
+        """The sample order of the shard at shard_position (with shuffle: the stream's next permutation)."""
+        n = self.shard_num_samples[self._shard_order[self.shard_position]]
+        self._sample_order = llmc_permute(list(range(n)), self._generator) if self.shuffle else range(n)
 
-    def _sample_order(self, epoch, shard_index):
-        n = self.shard_num_samples[shard_index]
-        if not self.shuffle:
-            return range(n)
-        key = (epoch, shard_index)
-        if self._sample_order_cache[0] != key:
-            order = np.random.default_rng([self.seed, 2, epoch, shard_index]).permutation(n)
-            self._sample_order_cache = (key, order)
-        return self._sample_order_cache[1]
+    def _next_shard(self):
+        """Move to the next shard; past the last one, a new epoch (with shuffle: the shard order permuted again)."""
+        self.shard_position += 1
+        self.sample_position = 0
+        if self.shard_position >= len(self.files):
+            self.shard_position = 0
+            self.epoch += 1
+            if self.shuffle:
+                llmc_permute(self._shard_order, self._generator)
+        self._start_shard()
 
     def _read_tokens(self, shard_index, start, count):
         """Tokens [start, start+count) of a shard, read from the file after checking it has not changed."""
@@ -236,15 +263,10 @@ class DataLoader:
 
     def next_batch(self):
         """Returns (inputs, targets), both (B, T) int32, and advances the position."""
-        shard_index = int(self._shard_order(self.epoch)[self.shard_position])
-        if self.sample_position >= self.shard_num_samples[shard_index]:
-            self.shard_position += 1
-            self.sample_position = 0
-            if self.shard_position >= len(self.files):
-                self.shard_position = 0
-                self.epoch += 1
-            shard_index = int(self._shard_order(self.epoch)[self.shard_position])
-        sample = int(self._sample_order(self.epoch, shard_index)[self.sample_position])
+        if self.sample_position >= len(self._sample_order):
+            self._next_shard()
+        shard_index = self._shard_order[self.shard_position]
+        sample = self._sample_order[self.sample_position]
         start = sample * self.sample_tokens + self.process_rank * self.B * self.T
         window = self._read_tokens(shard_index, start, self.B * self.T + 1)
         if self.vocab_size is not None:
@@ -266,26 +288,42 @@ class DataLoader:
 
     def state(self) -> dict:
         """The read position and the settings it depends on, as a dict of plain ints."""
-        return {"epoch": self.epoch, "shard_position": self.shard_position,
-                "sample_position": self.sample_position, "B": self.B, "T": self.T,
-                "num_processes": self.num_processes, "num_shards": len(self.files),
-                "num_tokens": self.num_tokens, "shuffle": int(self.shuffle), "seed": self.seed}
+        state = {"epoch": self.epoch, "shard_position": self.shard_position,
+                 "sample_position": self.sample_position, "B": self.B, "T": self.T,
+                 "num_processes": self.num_processes, "num_shards": len(self.files),
+                 "num_tokens": self.num_tokens, "shuffle": int(self.shuffle)}
+        if self.shuffle:
+            state["shuffle_seed"] = SHUFFLE_SEED + self.process_rank      # llm.c's order (saved since 2026-11-24)
+        return state
 
     def load_state(self, state: dict):
         """Continue from a position saved by state() of a loader with the same settings and data."""
         mine = self.state()
-        for key in ("B", "T", "num_processes", "num_shards", "num_tokens", "shuffle", "seed"):
+        for key in ("B", "T", "num_processes", "num_shards", "num_tokens", "shuffle"):
             if key not in state:
                 raise DataError(f"DataLoader.load_state: saved state lacks '{key}'")
             if int(state[key]) != mine[key]:
                 raise DataError(f"DataLoader.load_state: state was saved with {key}={state[key]}, "
                                 f"this loader ({self.files[0]}, ...) has {key}={mine[key]}")
+        if self.shuffle and state.get("shuffle_seed") != mine["shuffle_seed"]:
+            raise DataError("DataLoader.load_state: state was saved with the shuffled order gpt2np used before "
+                            "2026-11-24, not llm.c's, which this version reads: it cannot continue that order "
+                            "(start a new run)" if "shuffle_seed" not in state else
+                            f"DataLoader.load_state: state was saved with shuffle_seed={state['shuffle_seed']}, "
+                            f"this loader ({self.files[0]}, ...) has shuffle_seed={mine['shuffle_seed']}")
         epoch, shard_pos, sample_pos = (int(state[k]) for k in ("epoch", "shard_position", "sample_position"))
         if epoch < 0 or not 0 <= shard_pos < len(self.files) or sample_pos < 0:
             raise DataError(f"DataLoader.load_state: position out of range: epoch={epoch}, "
                             f"shard_position={shard_pos}, sample_position={sample_pos}")
-        shard_index = int(self._shard_order(epoch)[shard_pos])
-        if sample_pos > self.shard_num_samples[shard_index]:
+        self.reset()
+        if self.shuffle:                      # the stream's permutations up to that shard, as the run drew them
+            while (self.epoch, self.shard_position) != (epoch, shard_pos):
+                self._next_shard()
+        else:
+            self.epoch, self.shard_position = epoch, shard_pos
+            self._start_shard()
+        if sample_pos > len(self._sample_order):
+            shard_index = self._shard_order[shard_pos]
             raise DataError(f"DataLoader.load_state: sample_position {sample_pos} is past the "
                             f"{self.shard_num_samples[shard_index]} samples of {self.files[shard_index]}")
-        self.epoch, self.shard_position, self.sample_position = epoch, shard_pos, sample_pos
+        self.sample_position = sample_pos

@@ -92,11 +92,12 @@ LONG_VALIDATION = 100     # batches from which a validation shows its progress (
 
 
 def evaluate(model, loader, max_batches, show_progress=True):
-    """Mean loss over up to max_batches validation batches (from the loader's start); a long one shows a
-    progress bar on stderr (plain lines when stderr is not a terminal)."""
+    """Mean loss over max_batches validation batches from the loader's start (-1: one pass over them all; more than
+    there are wraps around to the first again, as llm.c's -m does); a long one shows a progress bar on stderr
+    (plain lines when stderr is not a terminal)."""
     with ranges.range("validation"):
         loader.reset()
-        n = min(max_batches, loader.num_batches) if max_batches > 0 else loader.num_batches
+        n = max_batches if max_batches > 0 else loader.num_batches
         total = 0.0
         with progress(total=n, desc="val", unit="batch", quiet=not show_progress or n < LONG_VALIDATION) as bar:
             for _ in range(n):
@@ -237,7 +238,11 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
                 f"{tokens_per_micro}")
     accum = total_batch // tokens_per_micro
 
-    train_loader = DataLoader(train_pattern, B, T, dist.rank, dist.world_size, shuffle=cfg.shuffle, seed=cfg.seed,
+    # -a 1 is llm.c's: the val shards (the train shards where there are none) in file order, read again from their
+    # first batch every step, so every step trains on the same accum micro-batches
+    overfit = bool(cfg.overfit_single_batch)
+    train_loader = DataLoader(val_pattern if overfit and val_pattern else train_pattern, B, T, dist.rank,
+                              dist.world_size, shuffle=bool(cfg.shuffle) and not overfit,
                               vocab_size=model_cfg.vocab_size)
     val_loader = DataLoader(val_pattern, B, T, dist.rank, dist.world_size,
                             vocab_size=model_cfg.vocab_size) if val_pattern and cfg.val_every > 0 else None
@@ -345,8 +350,6 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         return model
     say(f"training for {total_steps} steps")
 
-    overfit_batch = train_loader.next_batch() if cfg.overfit_single_batch else None
-    next_batch = (lambda: overfit_batch) if cfg.overfit_single_batch else train_loader.next_batch
     adamw = AdamW(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.grad_clip)
     step_times = []
     profiler = None
@@ -450,10 +453,12 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
             profiler = Profiler(model.backend, model=model).__enter__()
         # the outlier limits from the steps up to step - 2: all a device step has read back by now
         limits = guard.limits(step) if guard.active else None
+        if overfit:
+            train_loader.reset()
         t0 = time.perf_counter()
         try:
-            result = train_step(model, next_batch, step=step, lr=lr, accum_steps=accum, adamw=adamw, dist=dist,
-                                cuda_graphs=bool(cfg.cuda_graphs), limits=limits)
+            result = train_step(model, train_loader.next_batch, step=step, lr=lr, accum_steps=accum, adamw=adamw,
+                                dist=dist, cuda_graphs=bool(cfg.cuda_graphs), limits=limits)
         except NonFiniteError as e:               # the host step raises at once
             result = e
         entry = (step, lr, result, t0, limits)

@@ -124,7 +124,8 @@ def test_device_defaults_are_checked_once_filled():
     ("resume", True, "-y True: must be one of 0, 1"),
     ("lr_schedule", "step", "-k 'step': must be one of cosine"),
     ("model", None, "-e None: must be a non-empty text"),
-    ("shuffle", 1, "--shuffle 1: must be True or False"),
+    ("shuffle", 2, "--shuffle 2: must be one of 0, 1"),
+    ("shuffle", True, "--shuffle True: must be one of 0, 1"),
 ])
 def test_validate_checks_types_for_callers_without_argparse(name, value, expected):
     with pytest.raises(cli.BadInput) as error:

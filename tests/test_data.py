@@ -172,13 +172,12 @@ def collect(loader, n):
     return [loader.next_batch() for _ in range(n)]
 
 
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_two_ranks_cover_what_one_rank_with_2B_covers(tmp_path, shuffle):
+def test_two_ranks_cover_what_one_rank_with_2B_covers(tmp_path):
     B, T = 2, 4
     make_shards(tmp_path, [70, 50, 90])
     pattern = str(tmp_path / "*.bin")
-    ranks = [DataLoader(pattern, B, T, r, 2, shuffle=shuffle, seed=5) for r in range(2)]
-    whole = DataLoader(pattern, 2 * B, T, shuffle=shuffle, seed=5)
+    ranks = [DataLoader(pattern, B, T, r, 2) for r in range(2)]
+    whole = DataLoader(pattern, 2 * B, T)
     assert ranks[0].num_batches == ranks[1].num_batches == whole.num_batches == 4 + 3 + 5   # (n-1)//16
     for _ in range(2 * whole.num_batches + 3):   # over two epochs
         x0, y0 = ranks[0].next_batch()
@@ -189,42 +188,101 @@ def test_two_ranks_cover_what_one_rank_with_2B_covers(tmp_path, shuffle):
         assert not set(x0.ravel()) & set(x1.ravel())   # disjoint
 
 
-def test_shuffle_is_a_seeded_permutation_per_epoch(tmp_path):
+# ---- llm.c's shuffled order, computed independently: its mt19937 (llmc/rand.h) and dataloader.h, as C does it ----
+class ReferenceMT19937:
+    """The reference Mersenne Twister (Matsumoto & Nishimura), one 32-bit word at a time."""
+
+    def __init__(self, seed):
+        self.mt = [seed & 0xFFFFFFFF]
+        for j in range(1, 624):
+            self.mt.append((1812433253 * (self.mt[-1] ^ (self.mt[-1] >> 30)) + j) & 0xFFFFFFFF)
+        self.index = 624
+
+    def randint32(self):
+        if self.index >= 624:
+            for k in range(624):
+                y = (self.mt[k] & 0x80000000) | (self.mt[(k + 1) % 624] & 0x7FFFFFFF)
+                self.mt[k] = self.mt[(k + 397) % 624] ^ (y >> 1) ^ (0x9908B0DF if y & 1 else 0)
+            self.index = 0
+        y = self.mt[self.index]
+        self.index += 1
+        y ^= y >> 11
+        y ^= (y << 7) & 0x9D2C5680
+        y ^= (y << 15) & 0xEFC60000
+        return y ^ (y >> 18)
+
+
+def test_reference_mt19937_is_llmc_rand_h():
+    rng = ReferenceMT19937(137)                 # llmc/rand.h's example output for manual_seed(137)
+    assert [rng.randint32() for _ in range(5)] == [4053805790, 2173880614, 380293709, 1237255315, 2986595568]
+
+
+def llmc_reads(shard_samples, rank, count):
+    """(shard, sample) of the first `count` batches rank `rank` reads: dataloader.h's reset / advance / next_batch."""
+    rng = ReferenceMT19937(42 + rank)
+
+    def permute(xs):
+        for i in range(len(xs) - 1, 0, -1):
+            j = rng.randint32() % (i + 1)
+            xs[i], xs[j] = xs[j], xs[i]
+
+    shard_indices = list(range(len(shard_samples)))
+    state = {}
+
+    def load(position):
+        state.update(position=position, sample=0, order=list(range(shard_samples[shard_indices[position]])))
+        permute(state["order"])
+
+    def reset():
+        permute(shard_indices)
+        load(0)
+
+    reset()
+    reads = []
+    for _ in range(count):
+        if state["sample"] >= len(state["order"]):
+            if state["position"] == len(shard_samples) - 1:
+                reset()
+            else:
+                load(state["position"] + 1)
+        reads.append((shard_indices[state["position"]], state["order"][state["sample"]]))
+        state["sample"] += 1
+    return reads
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_shuffle_is_llmc_order(tmp_path, ranks):
     B, T = 1, 4
-    make_shards(tmp_path, [41, 33, 25])   # 10 + 8 + 6 samples
+    make_shards(tmp_path, [41, 33, 25, 57])   # (n-1) // (ranks*B*T) samples each
     pattern = str(tmp_path / "*.bin")
-    seq = DataLoader(pattern, B, T)
-    n = seq.num_batches
-    in_order = [x.ravel()[0] for x, _ in collect(seq, n)]
-
-    def firsts(loader):
-        return [x.ravel()[0] for x, _ in collect(loader, n)]
-
-    a, b = DataLoader(pattern, B, T, shuffle=True, seed=1), DataLoader(pattern, B, T, shuffle=True, seed=1)
-    a1, b1 = firsts(a), firsts(b)
-    assert a1 == b1                       # same seed, same order
-    assert sorted(a1) == in_order         # an epoch visits every sample once
-    assert a1 != in_order
-    a2 = firsts(a)
-    assert sorted(a2) == in_order and a2 != a1   # a new permutation each epoch
-    c1 = firsts(DataLoader(pattern, B, T, shuffle=True, seed=2))
-    assert c1 != a1
-    for x, y in collect(DataLoader(pattern, B, T, shuffle=True, seed=1), 5):
-        np.testing.assert_array_equal(x.ravel() + 1, y.ravel())
+    stride = ranks * B * T
+    samples = [(n - 1) // stride for n in (41, 33, 25, 57)]
+    for rank in range(ranks):
+        loader = DataLoader(pattern, B, T, rank, ranks, shuffle=True)
+        count = 3 * loader.num_batches + 5                          # over three epochs
+        reads = llmc_reads(samples, rank, count)
+        expected = [10000 * shard + sample * stride + rank * B * T for shard, sample in reads]
+        got = [int(loader.next_batch()[0][0, 0]) for _ in range(count)]
+        assert got == expected
+    in_order = [int(x[0, 0]) for x, _ in collect(DataLoader(pattern, B, T, rank, ranks), loader.num_batches)]
+    first_epoch = got[:loader.num_batches]
+    assert sorted(first_epoch) == sorted(in_order) and first_epoch != in_order    # an epoch reads every sample once
+    x, y = DataLoader(pattern, 2, 4, shuffle=True).next_batch()
+    np.testing.assert_array_equal(x.ravel() + 1, y.ravel())
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_state_resume_is_bit_identical(tmp_path, shuffle):
     make_shards(tmp_path, [60, 45, 80])
     pattern = str(tmp_path / "*.bin")
-    ref = DataLoader(pattern, 2, 5, shuffle=shuffle, seed=3)
+    ref = DataLoader(pattern, 2, 5, shuffle=shuffle)
     expected = collect(ref, 30)   # crosses shards and an epoch boundary
     for k in (0, 4, 5, 11, 17):
-        run = DataLoader(pattern, 2, 5, shuffle=shuffle, seed=3)
+        run = DataLoader(pattern, 2, 5, shuffle=shuffle)
         collect(run, k)
         state = json.loads(json.dumps(run.state()))   # plain ints survive JSON
         assert all(type(v) is int for v in run.state().values())
-        resumed = DataLoader(pattern, 2, 5, shuffle=shuffle, seed=3)
+        resumed = DataLoader(pattern, 2, 5, shuffle=shuffle)
         resumed.load_state(state)
         for (x, y), (xe, ye) in zip(collect(resumed, 30 - k), expected[k:]):
             np.testing.assert_array_equal(x, xe)
@@ -240,6 +298,11 @@ def test_load_state_rejects_other_settings(tmp_path):
     one_line_error(e, "B=2", "B=3")
     with pytest.raises(DataError):
         DataLoader(pattern, 2, 5, shuffle=True).load_state(state)
+    earlier = DataLoader(pattern, 2, 5, shuffle=True).state()       # a shuffled run saved before llm.c's order
+    del earlier["shuffle_seed"]
+    with pytest.raises(DataError) as e:
+        DataLoader(pattern, 2, 5, shuffle=True).load_state(earlier)
+    one_line_error(e, "before 2026-11-24", "start a new run")
     with pytest.raises(DataError):
         DataLoader(pattern, 2, 5).load_state(dict(state, sample_position=99))
 

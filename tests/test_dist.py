@@ -73,7 +73,8 @@ def files(tmp_path_factory):
 def train_argv(files, out, ranks, *extra):
     return [sys.executable, str(REPO / "train.py"), "-e", files / "tiny.bin", "-i", files / "train.bin",
             "-j", files / "val.bin", "-b", GLOBAL_B // ranks, "-t", T, "-x", STEPS, "-v", STEPS, "-m", 2,
-            "-s", 0, "-l", 3e-3, "-u", 2, "-q", 0.1, "-c", 0.1, "--shuffle", "--device", "cpu",
+            "-s", 0, "-l", 3e-3, "-u", 2, "-q", 0.1, "-c", 0.1, "--device", "cpu",
+            "--shuffle", 0,            # file order: llm.c's shuffle draws each rank's own order (seed 42 + rank)
             "-n", 3, "-o", out, *extra]
 
 

@@ -302,6 +302,7 @@ def train_argv(folder, out, ranks, *extra):
     return [sys.executable, str(REPO / "train.py"), "-e", folder / "tiny.bin", "-i", folder / "train.bin",
             "-j", folder / "val.bin", "-b", GLOBAL_B // ranks, "-t", TT, "-x", TRAIN_STEPS, "-v", TRAIN_STEPS,
             "-m", 2, "-s", 0, "-l", 3e-3, "-u", 2, "-q", 0.1, "-c", 0.1, "--device", "cpu", "--precision", "bf16",
+            "--shuffle", 0,          # file order: llm.c's shuffle gives each rank its own order
             "-n", 2, "-o", out, *extra]
 
 

@@ -124,7 +124,7 @@ def fingerprint(files, cfg=None, params_from="tiny.bin", train="train.bin"):
 
 def test_fingerprint_holds_settings_model_and_data(files):
     fp = fingerprint(files)
-    assert fp["-b"] == "3" and fp["-l"] == "0.003" and fp["--shuffle"] == "off" and fp["-o"] == "none"
+    assert fp["-b"] == "3" and fp["-l"] == "0.003" and fp["--shuffle"] == "1" and fp["-o"] == "none"
     assert fp["--device"] == "numpy (fp32, exact math)" and fp["-e model"] == f"{SUM} C=32"
     from gpt2np.checkpoint import load_model
     model_cfg, params = load_model(files / "tiny.bin")

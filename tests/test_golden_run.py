@@ -79,6 +79,7 @@ def run_golden(tmp_path, capsys, cpu_math="exact"):
     argv = ["-e", tmp_path / "small.bin", "-i", tmp_path / "train.bin", "-j", tmp_path / "val.bin",
             "-b", 2, "-t", 16, "-d", 64, "-x", 10, "-l", 3e-3, "-u", 2, "-q", 0.1, "-k", "cosine", "-c", 0.1,
             "--grad-clip", 0.5, "-v", 5, "-m", 2, "-s", 0, "-n", 10, "-o", out_dir, "--device", "cpu",
+            "--shuffle", 0,          # the recorded run read its shard in file order (llm.c's shuffle: test_data)
             "--seed", 7, "--cpu-math", cpu_math]
     code = train.main([str(a) for a in argv])
     out = capsys.readouterr()

@@ -232,7 +232,7 @@ def files(tmp_path_factory):
 
 def run(files, capsys, *flags, steps=SPIKE + 4, device="cpu", data="train.bin"):
     argv = ["-e", files / "tiny.bin", "-i", files / data, "-b", B, "-t", T, "-x", steps, "-v", 0, "-s", 0,
-            "-l", 1e-2, "--device", device, *flags]
+            "-l", 1e-2, "--device", device, "--shuffle", 0, *flags]         # the spikes at their steps
     code = train.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     assert code == 0, err

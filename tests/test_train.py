@@ -80,7 +80,7 @@ def test_loss_falls_and_log_written(tiny_model, tiny_shards, tmp_path, capsys):
 
 def test_resume_is_bit_identical(tiny_model, tiny_shards, tmp_path, capsys):
     args = base_args(tiny_model, tiny_shards) + ["-x", 6, "-n", 3, "-l", 1e-3, "-q", 0.1, "-u", 2, "-v", 3,
-                                                  "-m", 1, "-s", 3, "-g", 4, "--shuffle", "-c", 0.1]
+                                                  "-m", 1, "-s", 3, "-g", 4, "--shuffle", 1, "-c", 0.1]
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     code, out_full, err = run(args + ["-o", full], capsys)
     assert code == 0, err
@@ -103,7 +103,7 @@ def test_resume_is_bit_identical(tiny_model, tiny_shards, tmp_path, capsys):
 
 def test_gradient_accumulation_equals_big_batch(tiny_model, tiny_shards, tmp_path, capsys):
     common = ["-e", tiny_model, "-i", tiny_shards / "syn_train.bin", "-t", 32, "--device", "cpu", "-s", 0,
-              "-v", 0, "-x", 2, "-n", 2]
+              "-v", 0, "-x", 2, "-n", 2, "--shuffle", 0]       # shuffled samples are B*T wide: file order
     code, _, err = run(common + ["-b", 4, "-o", tmp_path / "big"], capsys)
     assert code == 0, err
     code, out, err = run(common + ["-b", 2, "-d", 128, "-o", tmp_path / "accum"], capsys)
@@ -169,3 +169,35 @@ def test_ctrl_c_while_train_py_imports_is_one_line(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(REPO / "train.py"), run_name="__main__")
     assert e.value.code == 130 and capsys.readouterr().err == "error: interrupted\n"
+
+
+def loss_on_file_batches(model_path, shard, batch_indices, B=4, T=32):
+    """Mean loss of the tiny model on the given (B, T) batches of a shard, read straight from the file."""
+    tokens = np.fromfile(shard, dtype="<u2", offset=1024).astype(np.int32)
+    model = GPT2(TINY, NumpyBackend(), B, T)
+    model.load_params(load_model(model_path)[1])
+    losses_ = [model.forward(tokens[k * B * T:(k + 1) * B * T].reshape(B, T),
+                             tokens[k * B * T + 1:(k + 1) * B * T + 1].reshape(B, T)) for k in batch_indices]
+    return float(np.mean(losses_))
+
+
+def test_overfit_single_batch_is_llmc(tiny_model, tiny_shards, capsys):
+    """-a 1 as llm.c's: every step trains on the val data's first -d tokens (two micro-batches here), from the start
+    again each step; not the train data, not one micro-batch repeated."""
+    code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", 3, "-a", 1, "-d", 256, "-l", 1e-9, "-v", 0],
+                         capsys)
+    assert code == 0, err
+    steps = losses(out)
+    expected = loss_on_file_batches(tiny_model, tiny_shards / "syn_val.bin", [0, 1])
+    assert len(steps) == 3 and all(loss == pytest.approx(expected, abs=2e-6) for loss in steps), (steps, expected)
+    train_first = loss_on_file_batches(tiny_model, tiny_shards / "syn_train.bin", [0])
+    assert abs(train_first - expected) > 1e-3                 # the check can tell the two data sets apart
+
+
+def test_val_batches_past_the_end_wrap_around_as_llmc(tiny_model, tiny_shards, capsys):
+    """-m more than the val data holds (23 batches of 4x32 in 3000 tokens) reads from its start again, as llm.c."""
+    code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", 0, "-m", 25], capsys)
+    assert code == 0, err
+    shown = float(re.search(r"val loss ([0-9.]+)", out)[1])
+    assert shown == pytest.approx(loss_on_file_batches(tiny_model, tiny_shards / "syn_val.bin",
+                                                       [*range(23), 0, 1]), abs=2e-6)

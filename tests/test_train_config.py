@@ -94,7 +94,8 @@ def test_readme_training_table_is_train_config():
     ("| 3e-4, 0, 1.0, cosine |", "| 3e-4, 0, cosine |"),                 # a value missing
     ("4 / 1024 on a GPU |", "4 / 512 on a GPU |"),                       # a wrong GPU default
     ("| 10 / 5 (CPU)", "| 10 / 6 (CPU)"),                                # a wrong CPU default
-    ("| 1337, off |", "| 1337, on |"),                                   # a switch
+    ("first | off |", "first | on |"),                                   # a switch (--overwrite)
+    ("| 1337, 1 |", "| 1337, 0 |"),                                      # a 0/1 setting (--shuffle)
     ("| `--nvtx 0` | turn NVTX ranges off | on |", ""),                  # a flag missing
     ("| `-c` |", "| `-C` |"),                                            # not a flag of TrainConfig
     ("| `-n` / `-y` |", "| `-n` / `-n` |"),                              # listed twice
