@@ -8,7 +8,6 @@ import pytest
 
 from gpt2np.backends import get_backend
 from gpt2np.backends.contract import COSTS, DEVICE_STEP_OPS, OP_METHODS, Backend, gemm_term, op_cost
-from gpt2np.backends.numpy_backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 from gpt2np.profiling.profiler import profile_steps
@@ -29,6 +28,8 @@ STEP_OPS = {(attention, fuse): set(COSTS) - {"residual_backward"} - set(DEVICE_S
             - ({"residual_forward", "gelu_forward", "gelu_backward"} if fuse else FUSED_OPS)
             for attention in ATTENTION_OPS for fuse in (False, True)}
 CASES = sorted(STEP_OPS)
+# the storage precisions: their cost formulas differ (2-byte terms; bf16's bias gradients by the column-sum kernels)
+PRECISIONS = ("fp32", "bf16")
 
 
 def contract_methods():
@@ -74,6 +75,50 @@ def test_gemm_term_and_hand_counts():
         op_cost("softmax_of_nothing", ())
 
 
+def test_encoder_counts_wpe_once_and_the_zeroed_rows_of_dwpe():
+    """encoder_forward reads the B*T token ids and their wte rows and wpe[:T] once (each input once: every sequence
+    adds the same T rows), and writes out. encoder_backward without accumulate overwrites all of dwpe: the T summed
+    rows and the maxT - T zeroed ones past T, each a write; accumulating, it reads and writes the T rows only."""
+    def z(shape, dtype=np.float32):
+        return np.zeros(shape, dtype)
+    Bx, Tx, C, Vp, maxT = 3, 5, 8, 32, 12
+    n = Bx * Tx * C
+    cost = op_cost("encoder_forward", (z((Bx, Tx, C)), z((Bx, Tx), np.int32), z((Vp, C)), z((maxT, C))))
+    assert cost.terms == {"encode": (n, 4 * (n + Tx * C + n) + 4 * Bx * Tx)}
+    args = (z((Vp, C)), z((maxT, C)), z((Bx, Tx, C)), z((Bx, Tx), np.int32))
+    dwte = (n, 4 * (n + 2 * Bx * Tx * C) + 4 * Bx * Tx)
+    assert op_cost("encoder_backward", args, {"accumulate": False}).terms == {
+        "dwte": dwte, "dwpe": (n, 4 * (n + Tx * C)), "dwpe_tail": (0, 4 * (maxT - Tx) * C)}
+    assert op_cost("encoder_backward", args, {"accumulate": True}).terms == {
+        "dwte": dwte, "dwpe": (n, 4 * (n + 2 * Tx * C))}
+    full = (z((Vp, C)), z((Tx, C)), z((Bx, Tx, C)), z((Bx, Tx), np.int32))     # T = maxT: nothing past T
+    assert set(op_cost("encoder_backward", full, {"accumulate": False}).terms) == {"dwte", "dwpe"}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_flash_attention_backward_counts_what_its_kernels_compute(precision):
+    """Hand counts from kernels/flash_attention.cu, per causal (query, key) pair and per element of a (B,T,C) array:
+    delta reads dout and out and writes D (B,NH,T); dkv and dq each recompute S = q k^T and dP = dout v^T (2 HS
+    FLOPs each), P = exp(S scale - lse) and dS = P (dP - D) scale (6 FLOPs) and read q, k, v, dout, lse and D; dkv
+    then computes dV = P^T dout and dK = dS^T q and writes dk and dv, dq computes dQ = dS k and writes dq."""
+    from gpt2np.backends.bf16 import BF16
+    dtype = BF16 if precision == "bf16" else np.float32
+    X = np.dtype(dtype).itemsize
+    Bx, Tx, NH, HS = 2, 40, 2, 64
+    C = NH * HS
+    n, rows, pairs = Bx * Tx * C, Bx * NH * Tx, Bx * NH * Tx * (Tx + 1) // 2
+    arrays = (np.zeros((Bx, Tx, 3 * C), dtype), np.zeros((Bx, Tx, C), dtype), np.zeros((Bx, Tx, 3 * C), dtype),
+              np.zeros((Bx, Tx, C), dtype), np.zeros((Bx, NH, Tx), np.float32))
+    cost = op_cost("flash_attention_backward", arrays)
+    assert cost.terms == {
+        "delta": (2 * n, X * 2 * n + 4 * rows),
+        "dkv": (4 * 2 * HS * pairs + 6 * pairs, X * (4 * n + 2 * n) + 4 * 2 * rows),
+        "dq": (3 * 2 * HS * pairs + 6 * pairs, X * (4 * n + n) + 4 * 2 * rows),
+    }
+    # seven (query, key)-pair products in all, five of them the math's and two the recomputation's
+    assert cost.flops == 14 * HS * pairs + 12 * pairs + 2 * n
+
+
 def batches():
     rng = np.random.default_rng(0)
     raw = rng.integers(0, CFG.vocab_size, (2, B, T + 1)).astype(np.int32)
@@ -82,7 +127,7 @@ def batches():
 
 def totals(records):
     """{(op, module, direction, layer): (FLOPs, bytes, params)} summed over the kernel records of one step (copies
-    and memsets are records too; encoder_backward's dwpe kernel is wpe's, the NumPy op's one record wte's)."""
+    and memsets are records too; encoder_backward's dwpe kernels are wpe's, the NumPy op's one record wte's)."""
     out = defaultdict(lambda: [0, 0, set()])
     for r in records:
         if r.kind != "kernel":
@@ -94,17 +139,20 @@ def totals(records):
     return {key: tuple(row[:2]) + (frozenset(row[2]),) for key, row in out.items()}
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("attention,fuse", CASES)
-def test_cuda_kernels_add_up_to_the_numpy_op_cost(attention, fuse):
+def test_cuda_kernels_add_up_to_the_numpy_op_cost(attention, fuse, precision):
     """One step profiled on the emulated CUDA backend and on NumPy: per op and module, the CUDA kernels'
-    FLOPs and bytes add up to exactly what the NumPy op reports, the contract's one formula (fused or not)."""
+    FLOPs and bytes add up to exactly what the NumPy op reports, the contract's one formula (fused or not), in fp32
+    and in bf16 (whose formulas and kernels differ: bf16 sums the bias gradients with the column-sum kernels, never
+    in a GEMM epilogue)."""
     def step_records(backend):
         prof = profile_steps(GPT2(CONFIGS[attention], backend, B, T, seed=0, attention=attention, fuse=fuse),
                              batches(), steps=1)
         return [r for r in prof.records if r.step == 1]
 
-    cuda_records = step_records(get_backend("emu"))
-    numpy_records = step_records(NumpyBackend(threads=1))
+    cuda_records = step_records(get_backend("emu", precision))
+    numpy_records = step_records(get_backend("numpy", precision, threads=1, math="exact"))
     assert len(cuda_records) > len(numpy_records)            # several kernels per op
     assert {r.op for r in cuda_records if r.kind == "kernel"} == STEP_OPS[attention, fuse] | set(DEVICE_STEP_OPS)
     cuda_totals = {key: row for key, row in totals(cuda_records).items() if key[0] not in DEVICE_STEP_OPS}
@@ -113,10 +161,12 @@ def test_cuda_kernels_add_up_to_the_numpy_op_cost(attention, fuse):
     assert all(r.flops + r.bytes > 0 for r in numpy_records)
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("attention,fuse", CASES)
-def test_every_cuda_launch_names_a_term_of_its_op_once(attention, fuse):
-    """Straight from the launch hook: within one op call no term is carried twice, and every term is carried."""
-    backend = get_backend("emu")
+def test_every_cuda_launch_names_a_term_of_its_op_once(attention, fuse, precision):
+    """Straight from the launch hook: within one op call no term is carried twice, and every term is carried (fp32
+    and bf16: each build's kernels, each precision's formulas)."""
+    backend = get_backend("emu", precision)
     model = GPT2(CONFIGS[attention], backend, B, T, seed=0, attention=attention, fuse=fuse)
     x, y = batches()[0]
     current = []            # [(op, its Cost, Counter of the terms its kernels carried)] while an op runs

@@ -1,5 +1,6 @@
 """The built-in profiler attributes every launch of a step to its layer, direction, op and module."""
 import json
+import re
 from collections import Counter
 
 import numpy as np
@@ -127,3 +128,96 @@ def test_cpu_roofline_is_measured_and_fills_bound_and_percent_of_peak(monkeypatc
     fixed = cpu_roof.Roofline("cpu (test)", 100e9, 10e9, 100e9)
     assert classify(10**6, 10**9, 10**9, fixed) == ("memory", 10.0)
     assert classify(50 * 10**9, 10**6, 10**9, fixed, is_gemm=True) == ("compute", 50.0)
+
+
+@pytest.fixture(scope="module")
+def emu_fused():
+    """One step on the emulated CUDA path with the GPU's fused ops (residual + LayerNorm in one kernel), 3 layers
+    (a first, a middle and a last one) and maxT > T (encoder_backward zeroes dwpe[T:])."""
+    from gpt2np.backends import get_backend
+    cfg = GPT2Config(32, 100, 128, 3, 2, 16)
+    model = GPT2(cfg, get_backend("emu"), B, T, seed=0)
+    assert model.fuse and cfg.max_seq_len > T
+    prof = profile_steps(model, batches(), steps=1)
+    return cfg, [r for r in prof.records if r.step == 1]
+
+
+def test_a_fused_op_belongs_to_the_layer_of_the_module_it_computes(emu_fused):
+    """The fused residual + LayerNorm that ends "Layer l" (llm.c's range tree) computes h.{l+1}.ln_1, or ln_f after
+    the last layer: its launches count in that module's layer (ln_f's outside the layers, as the numpy backend's
+    unfused ln_f), so every layer has the same launches and the per-layer view and the module tree agree."""
+    from gpt2np.profiling.report import layer_rows, module_tree
+    cfg, step = emu_fused
+    L = cfg.num_layers
+    kernels = [r for r in step if r.kind == "kernel"]
+    for r in kernels:
+        inside = re.match(r"h\.(\d+)\.", r.module)
+        assert r.layer == (int(inside.group(1)) if inside else -1), (r.module, r.layer, r.op)
+    fused = [r for r in kernels if r.op == "fused_residual_layernorm_forward"]
+    assert [r.module for r in fused] == [m for l in range(L) for m in (f"h.{l}.ln_2", f"h.{l + 1}.ln_1")][:-1] + [
+        "ln_f"]
+    assert fused[-1].range_stack[-2] == f"Layer {L - 1}" and fused[-1].layer == -1
+    per_layer = Counter(r.layer for r in kernels if r.layer >= 0)
+    assert sorted(per_layer) == list(range(L)) and len(set(per_layer.values())) == 1, per_layer
+    _, columns, rows = layer_rows(kernels)
+    names = [c[0] for c in columns]
+    nodes = {node.path: node for _, node in module_tree(kernels, L).walk()}
+    for row in rows:
+        layer = row[names.index("layer")]
+        if layer == "-":
+            outside = [n for path, n in nodes.items() if path and "." not in path and path != "h"]
+            launches, ns = sum(n.calls for n in outside), sum(n.time() for n in outside)
+        else:
+            launches, ns = nodes[f"h.{layer}"].calls, nodes[f"h.{layer}"].time()
+        assert row[names.index("launches")] == launches, (layer, row)
+        assert ns == sum(r.duration_ns for r in kernels if r.layer == (-1 if layer == "-" else layer))
+    assert sum(row[names.index("launches")] for row in rows) == nodes[""].calls == len(kernels)
+
+
+def test_encoder_backward_counts_the_zeroed_rows_of_dwpe_as_wpe(emu_fused):
+    """Without accumulate (the first micro-batch after zero_grad) encoder_backward zeroes dwpe[T:]: a launch that
+    carries its writes as a term of the op's cost, in module wpe (not a memset outside the op's kernels, in wte)."""
+    cfg, step = emu_fused
+    C, maxT = cfg.channels, cfg.max_seq_len
+    enc = [r for r in step if r.op == "encoder_backward"]
+    assert all(r.kind == "kernel" for r in enc)
+    wpe = [r for r in enc if r.module == "wpe"]
+    assert [r.kernel for r in wpe] == ["encoder_backward_wpe"] * 2
+    assert sum(r.bytes for r in wpe) == 4 * (B * T * C + T * C) + 4 * (maxT - T) * C
+    assert sum(r.flops for r in wpe) == B * T * C
+    assert [r.kernel for r in enc if r.module == "wte"] == ["encoder_backward_wte_grouped"]
+
+
+def test_profile_defaults_to_train_pys_recompute(monkeypatch, tmp_path, capsys):
+    """profile without -r builds the model with train.py's -r default on that device (config.TrainConfig: 0 on the
+    CPU and on a GPU), as its help says and as --plan does (plan_step's default)."""
+    import inspect
+
+    from gpt2np.checkpoint import save_model
+    from gpt2np.config import TrainConfig
+    from gpt2np.profiling import plan as planner
+    from gpt2np.profiling import profiler
+
+    path = tmp_path / "tiny.bin"
+    save_model(path, CFG, GPT2(CFG, NumpyBackend(threads=1), 1, 8, seed=0).params_host())
+    built = []
+
+    class Stop(Exception):
+        pass
+
+    def stop(model, batches, steps, **keywords):
+        built.append(model.recompute)
+        raise Stop
+
+    monkeypatch.setattr(profiler, "profile_steps", stop)
+    devices = ("emu", "cpu")
+    for device in devices:
+        with pytest.raises(Stop):
+            profiler.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--out", str(tmp_path)])
+    train = {name: TrainConfig().with_device_defaults(name).recompute for name in ("cuda", "emu", "cpu")}
+    assert built == [train[d] for d in devices] and train == {"cuda": 0, "emu": 0, "cpu": 0}
+    assert inspect.signature(planner.plan_step).parameters["recompute"].default == train["cuda"]
+    assert planner.GPU_RECOMPUTE == train["cuda"]
+    capsys.readouterr()
+    assert profiler.main(["--help"]) == 0
+    assert "(default: train.py's, 0)" in " ".join(capsys.readouterr().out.split())

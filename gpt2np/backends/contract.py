@@ -227,7 +227,8 @@ def _rmw(accumulate):
 def encoder_forward_cost(out, inp, wte, wpe) -> Cost:
     B, T, C = out.shape
     n = B * T * C
-    return Cost(f"B={B},T={T},C={C}", {"encode": (n, _item(out) * 3 * n + I32 * B * T)})
+    # reads the B*T token ids and their wte rows, wpe[:T] once (each of its rows serves all B sequences); writes out
+    return Cost(f"B={B},T={T},C={C}", {"encode": (n, _item(out) * (2 * n + T * C) + I32 * B * T)})
 
 
 def encoder_backward_cost(dwte, dwpe, dout, inp, accumulate=True) -> Cost:
@@ -235,10 +236,14 @@ def encoder_backward_cost(dwte, dwpe, dout, inp, accumulate=True) -> Cost:
     n = B * T * C
     rows = min(B * T, dwte.shape[0])      # distinct tokens at most: the bound when no token repeats
     X = _item(dout)
-    return Cost(f"B={B},T={T},C={C}", {
+    terms = {
         "dwte": (n, X * (n + 2 * rows * C) + I32 * B * T),
         "dwpe": (n, X * (n + _rmw(accumulate) * T * C)),
-    })
+    }
+    tail = (dwpe.shape[0] - T) * C
+    if not accumulate and tail:           # overwriting dwpe zeroes its rows past T: a write of each
+        terms["dwpe_tail"] = (0, X * tail)
+    return Cost(f"B={B},T={T},C={C}", terms)
 
 
 def layernorm_forward_cost(out, mean, rstd, inp, weight, bias) -> Cost:
@@ -381,15 +386,19 @@ def flash_attention_forward_cost(out, lse, inp) -> Cost:
 
 
 def flash_attention_backward_cost(dinp, dout, inp, out, lse) -> Cost:
+    """FlashAttention-2's backward as kernels/flash_attention.cu runs it: D, then two passes over the causal pairs
+    that each recompute the probabilities P and dS (no atomics: one writes dK and dV, the other dQ)."""
     B, T, NH, HS, pairs = _flash_shape(inp, lse)
-    n = B * T * NH * HS
+    n, rows = B * T * NH * HS, B * NH * T
     X = _item(inp)
+    # per pair, each pass: S = q k^T and dP = dout v^T (2 HS FLOPs each), P = exp(S scale - lse) and
+    # dS = P (dP - D) scale (6); reads q, k, v, dout (each once), lse and D
+    recompute = 4 * HS * pairs + 6 * pairs
+    reads = X * 4 * n + F32 * 2 * rows
     return Cost(f"B={B},T={T},NH={NH},HS={HS}", {
-        "delta": (2 * n, X * 2 * n),                                    # D = rowsum(dout * out): reads dout, out
-        # recompute q k^T and P, dV = P^T dout, dP = dout v^T, dS = P (dP - D), dK = dS^T q: reads q, k, v, lse;
-        # writes dk, dv
-        "dkv": (8 * HS * pairs + 6 * pairs, X * (3 * n + 2 * n) + F32 * B * NH * T),
-        "dq": (2 * HS * pairs, X * n),                                   # dQ = dS k: writes dq
+        "delta": (2 * n, X * 2 * n + F32 * rows),               # D = rowsum(dout * out): reads dout, out; writes D
+        "dkv": (recompute + 4 * HS * pairs, reads + X * 2 * n),  # + dV = P^T dout, dK = dS^T q; writes dk, dv
+        "dq": (recompute + 2 * HS * pairs, reads + X * n),       # + dQ = dS k; writes dq
     })
 
 

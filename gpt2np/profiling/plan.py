@@ -63,7 +63,16 @@ DIRECTIONS = ("fprop", "bprop", "update", "other")
 DIRECTION_WORDS = {"fprop": "forward", "bprop": "backward", "update": "optimizer: grad norm, AdamW",
                    "other": "outside the passes: token uploads"}
 PLAN_NOTE = "a model from peak rates, not a measurement"
-GPU_RECOMPUTE = 0                 # train.py's -r (gpt2np's default; llm.c's is 1): every activation kept
+
+
+def train_recompute(device: str = "cuda") -> int:
+    """train.py's -r default on `device` ("cuda", "emu", or the CPU's "numpy"/"cpu"): gpt2np.config.TrainConfig's
+    (0 on both, every activation kept; llm.c's is 1), which profile and plan take when no -r is given."""
+    from ..config import TrainConfig
+    return TrainConfig().with_device_defaults(device).recompute
+
+
+GPU_RECOMPUTE = train_recompute("cuda")       # train.py's -r on a GPU: a plan's default
 RECOMPUTE_WORDS = {0: "every activation kept", 1: "GELU recomputed in backward",
                    2: "GELU and LayerNorms recomputed in backward"}
 
@@ -245,7 +254,7 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
     """Plan one training step of GPT-2 `cfg` at micro-batch (B, T) on `gpu` (see the module docstring), with
     `attention` "flash" or "naive" (None: training's default on a GPU, see backends.resolve_attention); fuse: the
     model's fused ops (GPT2's `fuse`, the trainer's --fuse); recompute: GPT2's, the trainer's -r (default: its
-    default on a GPU, 1); gelu_fusion: GPT2's, the trainer's -ge (None: 2 with fuse, else 0)."""
+    default on a GPU, GPU_RECOMPUTE: 0); gelu_fusion: GPT2's, the trainer's -ge (None: 2 with fuse, else 0)."""
     from ..backends import resolve_attention
     from ..backends.bf16 import BF16
     from ..backends.cuda.backend import CudaBackend

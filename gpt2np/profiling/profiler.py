@@ -21,6 +21,7 @@ Timing, by backend:
                                          # a roofline plan of one step, no GPU needed (gpt2np.profiling.plan)
 """
 import os
+import re
 import sys
 import threading
 import time
@@ -36,8 +37,11 @@ from .report import EMULATED_NOTE, KernelRecord, write_chrome_trace, write_csv, 
 DIRECTIONS = {"gpt2_forward": "fprop", "gpt2_backward": "bprop", "gpt2_calculate_grad_norm": "update",
               "gpt2_update": "update"}
 
-# a kernel whose op cost term belongs to another module than its op (encoder_backward's dwpe kernel: wpe)
-TERM_MODULES = {("encoder_backward", "dwpe"): "wpe", ("encoder_forward", "dwpe"): "wpe"}
+# a module inside a transformer block: h.l.* (the layer l)
+MODULE_LAYER = re.compile(r"(?:transformer\.)?h\.(\d+)(?:\.|$)")
+
+# a kernel whose op cost term belongs to another module than its op (encoder_backward's dwpe kernels: wpe)
+TERM_MODULES = {("encoder_backward", "dwpe"): "wpe", ("encoder_backward", "dwpe_tail"): "wpe"}
 
 # the CUDA call each Runtime method stands for (API rows when CUPTI does not record the real ones)
 API_NAMES = {"launch": "cuLaunchKernel", "gemm": "cublasSgemm_v2", "gemm_batched": "cublasSgemmStridedBatched",
@@ -54,15 +58,22 @@ TIMING_EVENTS = "CUDA events around each launch (fallback: {why}); the events pe
 TIMING_NONE = "not measured (a plan: nothing ran)"
 
 
-def attribution(stack):
+def attribution(stack, module=None):
     """(direction, layer) of an op from the ranges open around it: the innermost gpt2_* range gives the
-    direction (fprop, bprop, update; "other" outside them), a "Layer l" range the layer (None outside)."""
+    direction (fprop, bprop, update; "other" outside them), a "Layer l" range the layer (None outside).
+    An op that names its GPT-2 module belongs to that module's layer instead: h.l.* to layer l, any other module
+    (wte, wpe, ln_f, lm_head, optimizer) to none. They differ where a fused op computes the next module's work:
+    the fused residual + LayerNorm at the end of "Layer l" (llm.c's range tree) produces h.{l+1}.ln_1, or ln_f
+    after the last layer, and is counted there, so the per-layer and the per-module views agree."""
     direction, layer = "other", None
     for name in stack:
         if name in DIRECTIONS:
             direction = DIRECTIONS[name]
         elif name.startswith("Layer "):
             layer = int(name[6:])
+    if module:
+        match = MODULE_LAYER.match(module)
+        layer = int(match.group(1)) if match else None
     return direction, layer
 
 
@@ -250,7 +261,7 @@ class Profiler:
         self._open.append((name, now, detail, rid))
         if isinstance(detail, tuple):            # an op: the model passes (module, arguments, keywords)
             module, args, keywords = detail
-            direction, layer = attribution(ranges.current_stack())
+            direction, layer = attribution(ranges.current_stack(), module)
             self._op = (direction, layer, name, module, backend_op_cost(self.backend, name, args, keywords))
 
     def on_pop(self, name):
@@ -515,9 +526,12 @@ def main(argv=None):
     ap.add_argument("--out", default="profile", help="folder for CSV, JSON, trace and PNG (default ./profile)")
     ap.add_argument("--attention", choices=["flash", "naive"],
                     help="the model's attention (default: flash on a GPU, the emulator and --plan; naive on the CPU)")
+    from .plan import train_recompute
+    gpu_r, cpu_r = train_recompute("cuda"), train_recompute("numpy")
     ap.add_argument("--recompute", "-r", type=int, choices=[0, 1, 2],
                     help="the model's recompute, as train.py's -r: 0 = keep every activation, 1 = recompute the GELU "
-                         "in backward, 2 = the GELU and the LayerNorms (default: train.py's, 0)")
+                         "in backward, 2 = the GELU and the LayerNorms (default: train.py's, "
+                         + (f"{gpu_r})" if gpu_r == cpu_r else f"{gpu_r} on a GPU and --plan, {cpu_r} on the CPU)"))
     ap.add_argument("--cpu-math", choices=["fast", "exact"],
                     help="on the CPU, as train.py's --cpu-math: fast = the fast C loops (default), exact = bitwise the "
                          "NumPy reference code")
@@ -575,7 +589,7 @@ def main(argv=None):
     attention, note = resolve_attention(backend, cfg.channels // cfg.num_heads, args.attention)
     if note:
         print(f"note: {note}", file=sys.stderr)        # stdout holds the views
-    recompute = args.recompute if args.recompute is not None else int(backend.launches_kernels)
+    recompute = args.recompute if args.recompute is not None else train_recompute(resolve_name(args.device))
     model = GPT2(cfg, backend, args.batch_size, args.seq_len, seed=0 if params is None else None,
                  attention=attention, recompute=recompute)
     if params is not None:

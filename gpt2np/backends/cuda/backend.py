@@ -579,8 +579,13 @@ class CudaBackend:
                      (dwte, dout, groups, _i32(capacity), _i32(C)), term="dwte")
         self._launch("encoder_backward_wpe", *self._elementwise(T * C),
                      (dwpe, dout, _i32(B), _i32(T), _i32(C), _i32(bool(accumulate))), term="dwpe")
-        if not accumulate and dwpe.shape[0] > T:
-            self.fill_(dwpe[T:], 0.0)
+        tail = dwpe.shape[0] - T
+        if not accumulate and tail:
+            # dwpe[T:] = 0: the same kernel over the rows past T with no sequence to sum (B = 0 writes 0.0 without
+            # accumulate; dout is not read), a launch carrying its term of the op's cost, where a memset would be
+            # a copy-engine record outside the op's kernels
+            self._launch("encoder_backward_wpe", *self._elementwise(tail * C),
+                         (dwpe[T:], dout, _i32(0), _i32(tail), _i32(C), _i32(0)), term="dwpe_tail")
 
     # ---- layernorm ----------------------------------------------------------------------
     def layernorm_forward(self, out, mean, rstd, inp, weight, bias):
@@ -690,7 +695,10 @@ class CudaBackend:
                    term="dweight", beta=beta)
         if dbias is not None:
             self._check_int_size(op, "dout", N * OC)
-            term = "dbias" if not fused or accumulate else None    # the fused cost's dbias term is the add
+            # the cost's dbias term (contract.matmul_backward_cost) is these column sums unfused and in bf16 (which
+            # sums with these kernels even when fused); a fused fp32 cost counts the sums in its dweight term (an
+            # epilogue's) and has a dbias term only for the add into an accumulating dbias
+            term = "dbias" if not fused or self.bf16 or accumulate else None
             self._column_sums("bias_grad_partial", "bias_grad_finish", N, OC, 1, (dout,), (dbias,), accumulate, term)
 
     def matmul_gelu_forward(self, out, pre, inp, weight, bias):
