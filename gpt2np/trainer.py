@@ -308,7 +308,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     device_name = device_label(backend)
     fpt = flops_per_token(model.num_parameters, model_cfg.num_layers, model_cfg.channels, T)
     say(header_table([
-        ("train data pattern", train_pattern), ("val data pattern", val_pattern or "-"),
+        ("train data pattern", val_pattern if overfit and val_pattern else train_pattern),     # -a 1: llm.c's too
+        ("val data pattern", val_pattern or "-"),
         ("output log dir", cfg.output_dir or "NULL"), ("checkpoint every", cfg.checkpoint_every),
         ("resume", cfg.resume), ("micro batch size B", B), ("sequence length T", T),
         ("total batch size", total_batch), ("LR scheduler", cfg.lr_schedule),
@@ -317,7 +318,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         ("grad clip", cfg.grad_clip), ("max_steps", cfg.max_steps), ("val_loss_every", cfg.val_every),
         ("val_max_steps", cfg.val_max_batches), ("sample_every", cfg.sample_every), ("genT", cfg.gen_tokens),
         ("overfit_single_batch", cfg.overfit_single_batch), ("skip update lossz", f"{cfg.skip_update_lossz:f}"),
-        ("skip update gradz", f"{cfg.skip_update_gradz:f}"), ("seed", cfg.seed), ("processes", dist.world_size),
+        ("skip update gradz", f"{cfg.skip_update_gradz:f}"), ("seed", cfg.seed),
+        ("shuffle", int(train_loader.shuffle)), ("processes", dist.world_size),
         ("zero stage", dist.zero_stage), ("device", "cuda (the CPU emulator)" if backend_name == "emu"
                                                   else f"{backend.name} ({device_name})"),
         ("precision", PRECISION_TEXT.get(backend.precision, backend.precision))]
