@@ -305,11 +305,12 @@ class DataLoader:
             if int(state[key]) != mine[key]:
                 raise DataError(f"DataLoader.load_state: state was saved with {key}={state[key]}, "
                                 f"this loader ({self.files[0]}, ...) has {key}={mine[key]}")
-        if self.shuffle and state.get("shuffle_seed") != mine["shuffle_seed"]:
+        if self.shuffle and "shuffle_seed" not in state:
             raise DataError("DataLoader.load_state: state was saved with the shuffled order gpt2np used before "
                             "2026-11-24, not llm.c's, which this version reads: it cannot continue that order "
-                            "(start a new run)" if "shuffle_seed" not in state else
-                            f"DataLoader.load_state: state was saved with shuffle_seed={state['shuffle_seed']}, "
+                            "(start a new run)")
+        if self.shuffle and int(state["shuffle_seed"]) != mine["shuffle_seed"]:
+            raise DataError(f"DataLoader.load_state: state was saved with shuffle_seed={state['shuffle_seed']}, "
                             f"this loader ({self.files[0]}, ...) has shuffle_seed={mine['shuffle_seed']}")
         epoch, shard_pos, sample_pos = (int(state[k]) for k in ("epoch", "shard_position", "sample_position"))
         if epoch < 0 or not 0 <= shard_pos < len(self.files) or sample_pos < 0:
