@@ -45,8 +45,9 @@ LOG_FILE = "main.log"
 CHECKPOINT_FILE = re.compile(r"(?:model_(\d+)\.bin|state_(\d+)_\d+\.bin|DONE_(\d+))")
 # atomic_write's temporary files: .NAME.PID.HEX.tmp (gpt2np.fileio)
 TEMP_FILE = re.compile(r"\.(.+)\.(\d+)\.[0-9a-f]{8}\.tmp")
-# a main.log line: s:STEP trl:... (the loss of step STEP, 0-based) or s:STEP tel:... (val loss after STEP steps)
-LOG_LINE = re.compile(r"s:(\d+) (trl|tel):")
+# a main.log line: s:STEP trl:... (the loss of step STEP, 0-based), s:STEP tel:... (val loss after STEP steps) or
+# s:STEP eval:... (HellaSwag after STEP steps)
+LOG_LINE = re.compile(r"s:(\d+) (trl|tel|eval):")
 FLAGS = {f.name: f.metadata["flag"] for f in dataclasses.fields(TrainConfig)} | {"processes": "processes"}
 
 
@@ -222,7 +223,7 @@ def trim_log(out_dir, step):
     with open(path) as f:
         lines = f.readlines()
     kept = [line for line in lines if not (m := LOG_LINE.match(line))
-            or int(m.group(1)) < step or (m.group(2) == "tel" and int(m.group(1)) == step)]
+            or int(m.group(1)) < step or (m.group(2) != "trl" and int(m.group(1)) == step)]
     if kept != lines:
         with atomic_write(path, "w") as f:
             f.writelines(kept)

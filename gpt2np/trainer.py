@@ -416,7 +416,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
                 say(f"skipping update due to {'loss' if outlier == 'loss' else 'grad'} z-score of {z:f}")
                 line += f" | skipped: {outlier} z-score {z:.2f} > {flag} {limit:g} ({guard.skipped} outliers skipped)"
             say(line, flush=True)
-            logger.log(f"s:{step_} trl:{loss:.6f} lr:{lr_:.6g} norm:{norm:.4f}")
+            logger.log(f"s:{step_} trl:{loss:.4f} lr:{lr_:.6f} norm:{norm:.2f}")      # llm.c's logger.h formats
         else:                                     # not in main.log: the step changed nothing
             say(f"step {step_ + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr_:.2e} | skipped: "
                 f"not finite ({skipped} of --skip-nonfinite {cfg.skip_nonfinite})", flush=True)
@@ -438,7 +438,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         if val_loader and (step % cfg.val_every == 0 or last) and not resumed_here:
             val_loss = dist.average(evaluate(model, val_loader, cfg.val_max_batches, show_progress=rank0))
             say(f"val loss {val_loss:.6f}")
-            logger.log(f"s:{step} tel:{val_loss:.6f}")
+            logger.log(f"s:{step} tel:{val_loss:.4f}")
         if hellaswag_total and (cfg.hellaswag_due(step) or last) and not resumed_here:
             hellaswag_eval(step)
         if decoder and rank0 and step > 0 and (step % cfg.sample_every == 0 or last) and not resumed_here:

@@ -35,19 +35,19 @@ EXPECTED_STEP_LINES = [
     'step   10/10 | loss 5.299899 (+nanz)| norm 1.1648 (+nanz)| lr 4.03e-04',
 ]
 EXPECTED_LOG = (
-    's:0 tel:5.363509\n'
-    's:0 trl:5.342460 lr:0.0015 norm:1.6188\n'
-    's:1 trl:5.381507 lr:0.003 norm:1.5092\n'
-    's:2 trl:5.285591 lr:0.003 norm:1.5238\n'
-    's:3 trl:5.333940 lr:0.00289724 norm:1.3350\n'
-    's:4 trl:5.342482 lr:0.00260459 norm:1.3483\n'
-    's:5 tel:5.400324\n'
-    's:5 trl:5.308047 lr:0.00216662 norm:1.1251\n'
-    's:6 trl:5.339850 lr:0.00165 norm:1.0671\n'
-    's:7 trl:5.351943 lr:0.00113338 norm:1.0494\n'
-    's:8 trl:5.294708 lr:0.000695406 norm:1.0804\n'
-    's:9 trl:5.299899 lr:0.000402763 norm:1.1648\n'
-    's:10 tel:5.420681\n'
+    's:0 tel:5.3635\n'
+    's:0 trl:5.3425 lr:0.001500 norm:1.62\n'
+    's:1 trl:5.3815 lr:0.003000 norm:1.51\n'
+    's:2 trl:5.2856 lr:0.003000 norm:1.52\n'
+    's:3 trl:5.3339 lr:0.002897 norm:1.34\n'
+    's:4 trl:5.3425 lr:0.002605 norm:1.35\n'
+    's:5 tel:5.4003\n'
+    's:5 trl:5.3080 lr:0.002167 norm:1.13\n'
+    's:6 trl:5.3398 lr:0.001650 norm:1.07\n'
+    's:7 trl:5.3519 lr:0.001133 norm:1.05\n'
+    's:8 trl:5.2947 lr:0.000695 norm:1.08\n'
+    's:9 trl:5.2999 lr:0.000403 norm:1.16\n'
+    's:10 tel:5.4207\n'
 )
 EXPECTED_MODEL_SHA256 = '0df52b996053ff5d8c75cd000835046dc152f0fe148afa335f8a0799d55a3056'
 EXPECTED_M_SHA256 = '876f66607b1bda2d84a10b14f7866e8544252d431eb5957e7073d2ab65788ace'
@@ -109,11 +109,14 @@ def test_ten_step_run_with_fast_cpu_math_tracks_the_recorded_run(tmp_path, capsy
     2e-6 relative, every grad norm within the printed 4 decimals' rounding plus 2e-6 relative."""
     step_lines, log, model_sha, *_ = run_golden(tmp_path, capsys, cpu_math="fast")
     assert model_sha != EXPECTED_MODEL_SHA256                  # the fast path did run: not bitwise the exact one
-    for got_text, want_text in ((step_lines, EXPECTED_STEP_LINES), (log.splitlines(), EXPECTED_LOG.splitlines())):
+    # the slack of the printed rounding: the step lines' norms have 4 decimals; main.log has llm.c's 4 (losses) and 2
+    # (norms)
+    for got_text, want_text, slacks in ((step_lines, EXPECTED_STEP_LINES, {"norm": 1e-4}),
+                                        (log.splitlines(), EXPECTED_LOG.splitlines(), {"norm": 1e-2, "trl": 1e-4,
+                                                                                      "tel": 1e-4})):
         assert len(got_text) == len(want_text)
         for got_line, want_line in zip(got_text, want_text):
             got, want = NUMBER.findall(got_line), NUMBER.findall(want_line)
             assert [k for k, _ in got] == [k for k, _ in want], (got_line, want_line)
             for (key, g), (_, w) in zip(got, want):
-                slack = 5e-5 if key == "norm" else 0.0          # norms are printed with 4 decimals
-                assert abs(float(g) - float(w)) <= 2e-6 * abs(float(w)) + slack, (got_line, want_line)
+                assert abs(float(g) - float(w)) <= 2e-6 * abs(float(w)) + slacks.get(key, 0.0), (got_line, want_line)

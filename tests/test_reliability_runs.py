@@ -571,3 +571,16 @@ def test_a_deferred_non_finite_step_stops_the_run_before_its_successor_is_report
     assert queued == [0, 1, 2, 3]                       # step 3 was queued before step 2's numbers were read
     assert [line.split()[0] for line in (out / "main.log").read_text().splitlines()] == ["s:0", "s:1"]
     assert re.findall(r"step +(\d)/6", stdout) == ["1", "2"]
+
+
+def test_trim_log_drops_every_kind_of_line_after_the_resumed_step(tmp_path):
+    """A resume from the checkpoint of step 2 keeps the log up to it (the val loss and HellaSwag lines of step 2 are
+    logged before it) and drops the lines the resumed run writes again: trl of 2 on, tel and eval after 2."""
+    from gpt2np.rundir import trim_log
+    lines = ["s:0 tel:5.0000", "s:0 eval:0.2000", "s:0 trl:5.1000 lr:0.000300 norm:1.00",
+             "s:1 trl:5.0000 lr:0.000300 norm:1.00", "s:2 tel:4.9000", "s:2 eval:0.4000",
+             "s:2 trl:4.9500 lr:0.000300 norm:1.00", "s:3 trl:4.9000 lr:0.000300 norm:1.00", "s:4 tel:4.8000",
+             "s:4 eval:0.6000"]
+    (tmp_path / "main.log").write_text("\n".join(lines) + "\n")
+    trim_log(tmp_path, 2)
+    assert (tmp_path / "main.log").read_text().splitlines() == lines[:6]
