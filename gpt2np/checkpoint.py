@@ -2,9 +2,9 @@
 
 Model file: a 256 x int32 header [magic 20240326, version, maxT, V, L, NH, C, Vp], then all 16
 parameter tensors in llm.c's order (wte padded to Vp rows), float32 (v3) or bfloat16 (v5).
-State file: what a resumed run needs beside the model: step, AdamW m and v, the data loaders'
-positions and the sampling RNG (a small JSON header, then m and v as float32). A bf16 run's state also holds
-its fp32 master weights after v (the JSON's "master_weights": true), so that a resume is bitwise.
+State file: llm.c's (train_gpt2.cu's save_state: step, AdamW m and v, a bf16 run's fp32 master weights, the train
+loader's position and shuffle state), then a footer of gpt2np's own (JSON: the sampling RNG, the outlier window...)
+that llm.c does not read: either trainer resumes from the other's files (see the layout above save_state).
 bf16 model files load without an fp32 round trip when asked (load_model(keep_bf16=True): ml_dtypes bfloat16),
 and bf16 parameters are written as they are.
 Every write goes to a temporary file in the same folder and is renamed into place.
@@ -28,7 +28,7 @@ from .tensors import num_parameters, offsets, param_shapes
 MODEL_MAGIC = 20240326
 VERSION_FP32, VERSION_BF16 = 3, 5
 HEADER_INTS = 256
-STATE_MAGIC = b"GPT2NPST"
+STATE_MAGIC = b"GPT2NPST"           # gpt2np's own state format before 2026-11-24 (still read)
 STATE_VERSION = 1
 # keys every state file's JSON header holds (the trainer's save_checkpoint writes more)
 STATE_REQUIRED_KEYS = ("step", "train_loader", "rng")
@@ -142,45 +142,187 @@ def fp32_to_bf16(x):
     return rounded
 
 
-# ---- training state -----------------------------------------------------------------------
-def save_state(path, info: dict, m, v, master=None):
-    """A resumable training state: JSON `info` (step, loaders, rng...) then AdamW m, v (float32) and, for a
-    bf16 run, its fp32 master weights (info gets "master_weights": true)."""
-    if master is not None:
-        info = dict(info, master_weights=True)
-    blob = json.dumps(info, sort_keys=True).encode()
+# ---- training state ---------------------------------------------------------------------------------------
+# llm.c's state file (train_gpt2.cu save_state / load_state), so that either trainer resumes from the other's:
+#   int32[256] header: [0] magic 20240527, [1] version 1, [2] processes, [3] rank, [4] fp32 master weights (0/1),
+#       [5] shuffle (0/1), [10] step, u64 at [20] and [22]: llm.c's sampling RNG state (gpt2np writes 0), u64 at
+#       [30] the loader's shard position, at [32] its sample position
+#   float32 m, v (this rank's share), then the master weights when [4] is 1
+#   with shuffle: u64 shards, int32 shard order, u64 samples, int32 the current shard's sample order, and the
+#       shuffle generator as llm.c's mt19937_state struct (u64 seed_, int left_, uint next_, uint state_[624],
+#       uint MATRIX_A[2]; 2520 bytes)
+# then gpt2np's footer, which llm.c does not read: JSON (the sampling RNG, the outlier window, the loader's epoch and
+# settings...), u64 its length, the 8 bytes FOOTER_MAGIC. Files of the earlier gpt2np format (STATE_MAGIC, a JSON
+# header, then the arrays) still load.
+LLMC_STATE_MAGIC, LLMC_STATE_VERSION = 20240527, 1
+FOOTER_MAGIC = b"GPT2NPFT"
+MT_STRUCT = struct.Struct("<QiI624I2I")          # llm.c's mt19937_state, as fwrite writes it
+MT_MATRIX_A = 0x9908B0DF
+GPT2NP_TAG_AT, GPT2NP_TAG = 40, 0x504E5447      # header[40] "GTNP": gpt2np wrote it; [42] u64 n, [44] u64 footer bytes
+
+
+def save_state(path, info: dict, m, v, master=None, loader=None):
+    """A resumable training state in llm.c's layout (see above): info's "step", "world_size", "rank" fill its
+    header, loader (DataLoader.llmc_state()) its loader fields; the whole `info` goes into gpt2np's footer."""
     arrays = [np.asarray(a, np.float32).reshape(-1) for a in (m, v) + (() if master is None else (master,))]
     if any(a.size != arrays[0].size for a in arrays):
         raise ValueError(f"{path}: m, v and the master weights differ in size")
+    loader = loader or {"shuffle": False, "shard_idx": 0, "sample_idx": 0}
+    header = np.zeros(HEADER_INTS, "<i4")
+    header[:6] = [LLMC_STATE_MAGIC, LLMC_STATE_VERSION, info.get("world_size", 1), info.get("rank", 0),
+                  master is not None, bool(loader["shuffle"])]
+    header[10] = info["step"]
+    header[30:34] = np.array([loader["shard_idx"], loader["sample_idx"]], "<u8").view("<i4")
+    footer = json.dumps(dict(info, n=arrays[0].size, master_weights=master is not None), sort_keys=True).encode()
+    header[GPT2NP_TAG_AT] = GPT2NP_TAG           # ints llm.c leaves 0: that the footer follows, n, its length
+    header[GPT2NP_TAG_AT + 2:GPT2NP_TAG_AT + 6] = np.array([arrays[0].size, len(footer)], "<u8").view("<i4")
     with atomic_write(path) as f:
-        f.write(STATE_MAGIC + struct.pack("<iqq", STATE_VERSION, len(blob), arrays[0].size))
-        f.write(blob)
+        f.write(header.tobytes())
         for a in arrays:
-            a.tofile(f)
+            a.astype("<f4", copy=False).tofile(f)
+        if loader["shuffle"]:
+            f.write(struct.pack("<Q", len(loader["shard_indices"])))
+            f.write(np.asarray(loader["shard_indices"], "<i4").tobytes())
+            f.write(struct.pack("<Q", len(loader["sample_indices"])))
+            f.write(np.asarray(loader["sample_indices"], "<i4").tobytes())
+            pos = int(loader["mt_pos"])          # NumPy's words used since the last twist; llm.c counts down left_
+            f.write(MT_STRUCT.pack(0, 625 - pos, pos, *np.asarray(loader["mt_key"], np.uint32).tolist(), 0,
+                                   MT_MATRIX_A))
+        f.write(footer + struct.pack("<Q", len(footer)) + FOOTER_MAGIC)
 
 
 def read_state_header(path, num_params=None):
-    """(info, n) of a state file without reading m and v: magic, version, size, JSON and required keys checked."""
+    """(info, n) of a state file without reading m and v: magic, version, sizes and keys checked. n is the
+    parameters of m (None for an llm.c file with shuffle whose size cannot say it, when num_params is not given).
+    An llm.c file without gpt2np's footer gets info from its header: step, world_size, rank, master_weights."""
+    info, n, _ = _parse_state(path, num_params)
+    return info, n
+
+
+def load_state(path, num_params=None, with_master=False):
+    """(info, m, v) from a state file; checks magic, version, sizes and keys (read_state_header). info["loader"]
+    is the loader position of an llm.c-layout file (DataLoader.load_llmc_state). with_master: (info, m, v,
+    master), master None when the file has no master weights (an fp32 or -w 0 run's)."""
+    info, n, layout = _parse_state(path, num_params)
+    if n is None:
+        raise CheckpointError(f"{path}: an llm.c state file with a shuffled loader: its size does not say how many "
+                              f"parameters it holds")
+    count = 3 if info.get("master_weights") else 2
+    with open(path, "rb") as f:
+        f.seek(layout["arrays"])
+        m, v = (np.fromfile(f, dtype="<f4", count=n) for _ in range(2))
+        master = np.fromfile(f, dtype="<f4", count=n) if count == 3 else None
+        if "loader" in layout:
+            loader = dict(layout["loader"])
+            if loader["shuffle"]:
+                f.seek(layout["arrays"] + 4 * n * count)
+                shards = struct.unpack("<Q", f.read(8))[0]
+                loader["shard_indices"] = np.fromfile(f, "<i4", shards).tolist()
+                samples = struct.unpack("<Q", f.read(8))[0]
+                loader["sample_indices"] = np.fromfile(f, "<i4", samples).tolist()
+                mt = MT_STRUCT.unpack(f.read(MT_STRUCT.size))
+                left, next_ = mt[1], mt[2]
+                loader["mt_key"] = list(mt[3:627])
+                loader["mt_pos"] = next_ if left > 1 else 624     # left 1: the next draw twists first
+            info = dict(info, loader=loader)
+    return (info, m, v, master) if with_master else (info, m, v)
+
+
+def _parse_state(path, num_params):
+    """(info, n, layout): layout["arrays"] = where m starts, layout["loader"] = the llm.c header's loader fields."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such state file")
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        head = f.read(len(STATE_MAGIC) + 20)
-        if len(head) < len(STATE_MAGIC) + 20 or head[:len(STATE_MAGIC)] != STATE_MAGIC:
-            raise CheckpointError(f"{path}: not a gpt2np state file (bad magic or truncated header)")
-        version, blob_len, n = struct.unpack("<iqq", head[len(STATE_MAGIC):])
-        if version != STATE_VERSION:
-            raise CheckpointError(f"{path}: unsupported state version {version} (expected {STATE_VERSION})")
-        if blob_len < 0 or n < 0 or size < len(head) + blob_len + 8 * n:
-            raise CheckpointError(f"{path}: {size} bytes, the header says at least {len(head) + blob_len + 8 * n}: "
-                                  f"truncated or corrupt")
-        try:
-            info = json.loads(f.read(blob_len))
-        except ValueError:
-            raise CheckpointError(f"{path}: corrupt JSON header") from None
+        if f.read(len(STATE_MAGIC)) == STATE_MAGIC:
+            return _parse_earlier_state(path, f, size, num_params)
+        f.seek(0)
+        header = np.frombuffer(f.read(4 * HEADER_INTS), "<i4")
+        if header.size < HEADER_INTS or header[0] != LLMC_STATE_MAGIC:
+            raise CheckpointError(f"{path}: not a state file (bad magic or truncated header)")
+        if header[1] != LLMC_STATE_VERSION:
+            raise CheckpointError(f"{path}: unsupported state version {header[1]} (expected {LLMC_STATE_VERSION})")
+        end, info = size, None
+        ours = header[GPT2NP_TAG_AT] == GPT2NP_TAG
+        if ours:                                     # gpt2np's: the footer must be there, whole
+            n_ours, footer_len = (int(x) for x in header[GPT2NP_TAG_AT + 2:GPT2NP_TAG_AT + 6].copy().view("<u8"))
+            f.seek(max(size - 16, 0))
+            tail = f.read(16)
+            if tail[8:] != FOOTER_MAGIC or _u64(tail[:8]) != footer_len:
+                raise CheckpointError(f"{path}: {size} bytes, its footer is missing or cut: truncated or corrupt")
+        if size >= 4 * HEADER_INTS + 16:
+            f.seek(size - 16)
+            tail = f.read(16)
+            if tail[8:] == FOOTER_MAGIC:
+                footer_len = struct.unpack("<Q", tail[:8])[0]
+                end = size - 16 - footer_len
+                if end < 4 * HEADER_INTS:
+                    raise CheckpointError(f"{path}: corrupt footer (its length {footer_len} exceeds the file)")
+                f.seek(end)
+                try:
+                    info = json.loads(f.read(footer_len))
+                except ValueError:
+                    raise CheckpointError(f"{path}: corrupt JSON footer") from None
+                if not isinstance(info, dict):
+                    raise CheckpointError(f"{path}: corrupt JSON footer (not an object)")
+                missing = [key for key in STATE_REQUIRED_KEYS + ("n",) if key not in info]
+                if missing:
+                    raise CheckpointError(f"{path}: the state lacks the key {missing[0]!r}: damaged")
+        shard_idx, sample_idx = (int(x) for x in header[30:34].copy().view("<u8"))
+        loader = {"shuffle": bool(header[5]), "shard_idx": shard_idx, "sample_idx": sample_idx}
+        master = bool(header[4])
+        if info is None:                             # llm.c's own file: what its header says
+            info = {"step": int(header[10]), "world_size": int(header[2]), "rank": int(header[3])}
+        info["master_weights"] = master
+        count = 3 if master else 2
+        n = info.get("n", num_params)
+        if n is None and not loader["shuffle"]:
+            n, rest = divmod(end - 4 * HEADER_INTS, 4 * count)
+            n = n if rest == 0 else -1
+        if n is not None:
+            expected = 4 * HEADER_INTS + 4 * n * count
+            if loader["shuffle"] and end >= expected + 8:
+                f.seek(expected)
+                shards = _u64(f.read(8))
+                f.seek(expected + 8 + 4 * shards)
+                samples = _u64(f.read(8))
+                expected += 16 + 4 * (shards + samples) + MT_STRUCT.size
+            if n < 0 or end != expected:
+                raise CheckpointError(f"{path}: {end} bytes before the footer, the header says {expected}: "
+                                      f"truncated or corrupt" if n >= 0 else
+                                      f"{path}: {end} bytes: not a whole number of parameters: truncated or corrupt")
+        if ours and n != n_ours:
+            raise CheckpointError(f"{path}: the header says {n_ours} parameters, the footer {n}: corrupt")
+        if num_params is not None and n != num_params:
+            raise CheckpointError(f"{path}: optimizer state for {n} parameters, the model has {num_params}")
+    return info, n, {"arrays": 4 * HEADER_INTS, "loader": loader}
+
+
+def _u64(raw):
+    """A little-endian u64 of 8 bytes; fewer (a file cut short) read as the largest, which no size can match."""
+    return struct.unpack("<Q", raw)[0] if len(raw) == 8 else (1 << 62)
+
+
+def _parse_earlier_state(path, f, size, num_params):
+    """gpt2np's state files before 2026-11-24: STATE_MAGIC, <i q q> version, JSON length, n, the JSON, the arrays."""
+    head = f.read(20)
+    if len(head) < 20:
+        raise CheckpointError(f"{path}: not a state file (bad magic or truncated header)")
+    version, blob_len, n = struct.unpack("<iqq", head)
+    if version != STATE_VERSION:
+        raise CheckpointError(f"{path}: unsupported state version {version} (expected {STATE_VERSION})")
+    start = len(STATE_MAGIC) + 20
+    if blob_len < 0 or n < 0 or size < start + blob_len + 8 * n:
+        raise CheckpointError(f"{path}: {size} bytes, the header says at least {start + blob_len + 8 * n}: "
+                              f"truncated or corrupt")
+    try:
+        info = json.loads(f.read(blob_len))
+    except ValueError:
+        raise CheckpointError(f"{path}: corrupt JSON header") from None
     if not isinstance(info, dict):
         raise CheckpointError(f"{path}: corrupt JSON header (not an object)")
-    expected = len(head) + blob_len + 4 * n * state_arrays(info)
+    count = 3 if info.get("master_weights") else 2
+    expected = start + blob_len + 4 * n * count
     if size != expected:
         raise CheckpointError(f"{path}: {size} bytes, the header says {expected}: truncated or corrupt")
     if num_params is not None and n != num_params:
@@ -189,25 +331,7 @@ def read_state_header(path, num_params=None):
     if missing:
         raise CheckpointError(f"{path}: the state lacks the key {missing[0]!r}: not written by gpt2np's trainer, "
                               f"or damaged")
-    return info, n
-
-
-def state_arrays(info) -> int:
-    """How many float32 arrays of n follow a state's JSON: m, v, and the master weights of a bf16 run."""
-    return 3 if info.get("master_weights") else 2
-
-
-def load_state(path, num_params=None, with_master=False):
-    """(info, m, v) from a state file; checks magic, version, sizes and the required keys (read_state_header).
-    with_master: (info, m, v, master), master None when the file has no master weights (an fp32 run's)."""
-    info, n = read_state_header(path, num_params)
-    count = state_arrays(info)
-    with open(path, "rb") as f:
-        f.seek(os.path.getsize(path) - 4 * n * count)
-        m = np.fromfile(f, dtype="<f4", count=n)
-        v = np.fromfile(f, dtype="<f4", count=n)
-        master = np.fromfile(f, dtype="<f4", count=n) if count == 3 else None
-    return (info, m, v, master) if with_master else (info, m, v)
+    return info, n, {"arrays": start + blob_len}
 
 
 def model_path(out_dir, step):

@@ -296,15 +296,62 @@ class DataLoader:
             state["shuffle_seed"] = SHUFFLE_SEED + self.process_rank      # llm.c's order (saved since 2026-11-24)
         return state
 
-    def load_state(self, state: dict):
-        """Continue from a position saved by state() of a loader with the same settings and data."""
+    def llmc_state(self) -> dict:
+        """The position as llm.c's state file keeps it (train_gpt2.cu save_state): shard_idx, sample_idx and, with
+        shuffle, the shard order, the current shard's sample order and the shuffle generator's MT19937 state
+        (mt_key: its 624 words, mt_pos: how many of them were used)."""
+        state = {"shuffle": self.shuffle, "shard_idx": self.shard_position, "sample_idx": self.sample_position}
+        if self.shuffle:
+            mt = self._generator.state["state"]
+            state.update(shard_indices=list(self._shard_order), sample_indices=list(self._sample_order),
+                         mt_key=np.asarray(mt["key"], np.uint32), mt_pos=int(mt["pos"]))
+        return state
+
+    def load_llmc_state(self, state: dict, epoch=0, source=""):
+        """Continue from llm.c's position (llmc_state()'s keys, as a state file holds them); `epoch` only says
+        which epoch it is (llm.c does not count them). Raises DataError when it does not fit this data."""
+        where = f"{source}: " if source else ""
+        if bool(state["shuffle"]) != self.shuffle:
+            raise DataError(f"{where}the train data was read with shuffle={int(bool(state['shuffle']))}, this run "
+                            f"has --shuffle {int(self.shuffle)}")
+        shard_pos, sample_pos = int(state["shard_idx"]), int(state["sample_idx"])
+        if not 0 <= shard_pos < len(self.files):
+            raise DataError(f"{where}shard position {shard_pos}, the train data has {len(self.files)} shard(s)")
+        if self.shuffle:
+            order, samples = [int(i) for i in state["shard_indices"]], [int(i) for i in state["sample_indices"]]
+            if sorted(order) != list(range(len(self.files))):
+                raise DataError(f"{where}its shard order is not a permutation of the {len(self.files)} shard(s) here")
+            n = self.shard_num_samples[order[shard_pos]]
+            if sorted(samples) != list(range(n)):
+                raise DataError(f"{where}its sample order is not a permutation of the {n} samples of "
+                                f"{self.files[order[shard_pos]]}")
+            self._generator = np.random.MT19937()
+            self._generator.state = {"bit_generator": "MT19937",
+                                     "state": {"key": np.asarray(state["mt_key"], np.uint32),
+                                               "pos": int(state["mt_pos"])}}
+            self._shard_order, self._sample_order = order, samples
+        else:
+            self._shard_order = list(range(len(self.files)))
+            self._sample_order = range(self.shard_num_samples[shard_pos])
+        if not 0 <= sample_pos <= len(self._sample_order):
+            raise DataError(f"{where}sample position {sample_pos}, the shard has {len(self._sample_order)} samples")
+        self.epoch, self.shard_position, self.sample_position = int(epoch), shard_pos, sample_pos
+
+    def check_settings(self, state: dict, source="DataLoader.load_state"):
+        """state() of a loader with the same settings and data as this one, or a DataError naming the first
+        difference."""
         mine = self.state()
         for key in ("B", "T", "num_processes", "num_shards", "num_tokens", "shuffle"):
             if key not in state:
-                raise DataError(f"DataLoader.load_state: saved state lacks '{key}'")
+                raise DataError(f"{source}: saved state lacks '{key}'")
             if int(state[key]) != mine[key]:
-                raise DataError(f"DataLoader.load_state: state was saved with {key}={state[key]}, "
+                raise DataError(f"{source}: state was saved with {key}={state[key]}, "
                                 f"this loader ({self.files[0]}, ...) has {key}={mine[key]}")
+
+    def load_state(self, state: dict):
+        """Continue from a position saved by state() of a loader with the same settings and data."""
+        self.check_settings(state)
+        mine = self.state()
         if self.shuffle and "shuffle_seed" not in state:
             raise DataError("DataLoader.load_state: state was saved with the shuffled order gpt2np used before "
                             "2026-11-24, not llm.c's, which this version reads: it cannot continue that order "

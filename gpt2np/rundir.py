@@ -316,7 +316,7 @@ def _check_processes(path, dist):
     if info.get("world_size", 1) != dist.world_size:
         raise RunDirError(f"{path}: written by {info['world_size']} processes; "
                           f"resume needs the same number, got {dist.world_size}")
-    if info.get("zero_stage", 0) != dist.zero_stage:
+    if "zero_stage" in info and info["zero_stage"] != dist.zero_stage:       # llm.c's own files do not say
         raise RunDirError(f"{path}: written with ZeRO stage {info.get('zero_stage', 0)} (-z); "
                           f"resume needs the same, got -z {dist.zero_stage}")
 

@@ -535,7 +535,7 @@ def save_checkpoint(out_dir, step, model, train_loader, rng, dist, nonfinite_ski
         info["outliers"] = outliers
     m, v = model.optimizer_state_host(dist.shard(model.num_parameters))
     master = model.master_weights_host(dist.shard(model.num_parameters))
-    save_state(state_path(out_dir, step, dist.rank), info, m, v, master)
+    save_state(state_path(out_dir, step, dist.rank), info, m, v, master, loader=train_loader.llmc_state())
     dist.barrier()
     if dist.rank == 0:
         with open(done_path(out_dir, step), "w"):
@@ -570,11 +570,11 @@ def resume(out_dir, step, model, train_loader, rng, dist):
         raise ValueError(f"{model_path(out_dir, step)}: model config {saved_cfg} differs from -e's {model.cfg}")
     model.load_params(params)
     path = state_path(out_dir, step, dist.rank)
-    info, m, v, master = load_state(path, with_master=True)
     lo, hi = dist.shard(model.num_parameters)
-    if m.size != hi - lo:
-        raise ValueError(f"{path}: optimizer state for {m.size} parameters, this rank's share of the model "
-                         f"has {hi - lo}")
+    info, m, v, master = load_state(path, num_params=hi - lo, with_master=True)       # m: this rank's share
+    if info.get("rank", dist.rank) != dist.rank or info.get("step", step) != step:
+        raise ValueError(f"{path}: written by rank {info.get('rank')} at step {info.get('step')}, read by rank "
+                         f"{dist.rank} for step {step}")
     if model.low_precision and (master is not None) != model.has_master_weights and dist.rank == 0:
         # llm.c warns for the first and refuses the second; the second is a fresh -w 1 start from these weights
         print(f"note: {path} " + ("holds fp32 master weights; -w 0 continues from the bf16 weights without them"
@@ -583,8 +583,17 @@ def resume(out_dir, step, model, train_loader, rng, dist):
     if not model.has_master_weights:
         master = None                         # an fp32 or -w 0 run keeps no master weights
     model.load_optimizer_state(m, v, master)
-    train_loader.load_state(info["train_loader"])
-    rng.bit_generator.state = info["rng"]
+    saved_loader = info.get("train_loader")
+    if "loader" in info:                      # llm.c's layout: its position, shard and sample orders, generator
+        if saved_loader:
+            train_loader.check_settings(saved_loader, source=path)
+        train_loader.load_llmc_state(info["loader"], epoch=(saved_loader or {}).get("epoch", 0), source=path)
+    else:                                     # gpt2np's earlier state files: the position, replayed
+        train_loader.load_state(saved_loader)
+    if "rng" in info:
+        rng.bit_generator.state = info["rng"]
+    elif dist.rank == 0:                      # llm.c's own state file: its sampling RNG is not NumPy's
+        print(f"note: {path} is llm.c's: sampling starts again from --seed, the outlier window (-sl/-sg) fills again")
     if dist.rank == 0:
         print(f"resuming from step {step} ({model_path(out_dir, step)})")
     return info

@@ -113,14 +113,125 @@ def test_state_round_trip_and_bad_state(tmp_path):
     path = tmp_path / "state.bin"
     save_state(path, info, m, v)
     got, m2, v2 = load_state(path, n)
-    assert got == info
+    assert {k: got[k] for k in info} == info and got["n"] == n and got["master_weights"] is False
+    assert got["loader"] == {"shuffle": False, "shard_idx": 0, "sample_idx": 0}
     np.testing.assert_array_equal(m2, m)
     np.testing.assert_array_equal(v2, v)
     with pytest.raises(CheckpointError, match="the model has 999"):
         load_state(path, 999)
-    path.write_bytes(path.read_bytes()[:-4])
-    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+    whole = path.read_bytes()
+    for cut in (4, 16, len(whole) - 2000):
+        path.write_bytes(whole[:-cut])
+        with pytest.raises(CheckpointError, match="truncated or corrupt"):
+            load_state(path, n)
+    path.write_bytes(b"NOTSTATE" + b"\0" * 1040)
+    with pytest.raises(CheckpointError, match="not a state file"):
         load_state(path, n)
-    path.write_bytes(b"NOTSTATE" + b"\0" * 40)
-    with pytest.raises(CheckpointError, match="not a gpt2np state file"):
-        load_state(path, n)
+
+
+# ---- llm.c's state layout, read and written as train_gpt2.cu's save_state / load_state do -----------------------
+def llmc_randint32(state, left, next_, count):
+    """llm.c's randint32 (llmc/rand.h) `count` times from a saved mt19937_state's state_, left_, next_."""
+    state, out = list(state), []
+    for _ in range(count):
+        left -= 1
+        if left <= 0:                                           # next_state: the reference twist
+            for k in range(624):
+                y = (state[k] & 0x80000000) | (state[(k + 1) % 624] & 0x7FFFFFFF)
+                state[k] = state[(k + 397) % 624] ^ (y >> 1) ^ (0x9908B0DF if y & 1 else 0)
+            left, next_ = 624, 0
+        y = state[next_]
+        next_ += 1
+        y ^= y >> 11
+        y ^= (y << 7) & 0x9D2C5680
+        y ^= (y << 15) & 0xEFC60000
+        out.append(y ^ (y >> 18))
+    return out
+
+
+def read_llmc_state(path, n, master):
+    """What llm.c's load_state reads, parsed with struct from its layout (not gpt2np's reader)."""
+    import struct
+    raw = path.read_bytes()
+    header = struct.unpack_from("<256i", raw)
+    fields = {"magic": header[0], "version": header[1], "processes": header[2], "rank": header[3],
+              "master": header[4], "shuffle": header[5], "step": header[10],
+              "shard_idx": struct.unpack_from("<Q", raw, 4 * 30)[0],
+              "sample_idx": struct.unpack_from("<Q", raw, 4 * 32)[0]}
+    at = 1024
+    arrays = []
+    for _ in range(3 if master else 2):
+        arrays.append(np.frombuffer(raw, "<f4", n, at))
+        at += 4 * n
+    if fields["shuffle"]:
+        shards = struct.unpack_from("<Q", raw, at)[0]
+        fields["shard_indices"] = list(struct.unpack_from(f"<{shards}i", raw, at + 8))
+        at += 8 + 4 * shards
+        samples = struct.unpack_from("<Q", raw, at)[0]
+        fields["sample_indices"] = list(struct.unpack_from(f"<{samples}i", raw, at + 8))
+        at += 8 + 4 * samples
+        mt = struct.unpack_from("<QiI624I2I", raw, at)
+        fields["mt"] = {"left": mt[1], "next": mt[2], "state": mt[3:627], "matrix_a": mt[627:]}
+    return fields, arrays
+
+
+def test_state_file_is_llmc_layout(tmp_path):
+    from gpt2np.data import DataLoader, write_shard
+    for i, size in enumerate((300, 170, 420)):
+        write_shard(tmp_path / f"s_{i}.bin", np.arange(size) + 1000 * i)
+    loader = DataLoader(str(tmp_path / "s_*.bin"), 2, 4, 1, 2, shuffle=True)      # rank 1 of 2
+    for _ in range(30):                                         # past its first shard (at most 26 samples)
+        loader.next_batch()
+    n = 500
+    m, v, master = (np.random.default_rng(k).standard_normal(n).astype(np.float32) for k in range(3))
+    path = tmp_path / "state_00000009_00001.bin"
+    save_state(path, {"step": 9, "world_size": 2, "rank": 1, "train_loader": loader.state(), "rng": {}},
+               m, v, master, loader=loader.llmc_state())
+    fields, arrays = read_llmc_state(path, n, master=True)
+    assert (fields["magic"], fields["version"], fields["processes"], fields["rank"], fields["master"],
+            fields["shuffle"], fields["step"]) == (20240527, 1, 2, 1, 1, 1, 9)
+    assert (fields["shard_idx"], fields["sample_idx"]) == (loader.shard_position, loader.sample_position)
+    assert loader.shard_position >= 1
+    for got, want in zip(arrays, (m, v, master)):
+        np.testing.assert_array_equal(got, want)
+    assert fields["shard_indices"] == loader._shard_order and fields["sample_indices"] == list(loader._sample_order)
+    assert fields["mt"]["matrix_a"] == (0, 0x9908B0DF)
+    # llm.c continuing from the saved generator draws what the loader draws next
+    after = llmc_randint32(fields["mt"]["state"], fields["mt"]["left"], fields["mt"]["next"], 700)
+    assert after == loader._generator.random_raw(700).tolist()
+
+
+def test_llmc_state_without_footer_loads(tmp_path):
+    """An llm.c state file (no gpt2np footer, header ints past llm.c's 0): its header and loader fields."""
+    n = 64
+    m, v = np.full(n, 2.0, np.float32), np.full(n, 3.0, np.float32)
+    path = tmp_path / "state.bin"
+    save_state(path, {"step": 5, "world_size": 1, "rank": 0, "train_loader": {}, "rng": {}}, m, v)
+    raw = bytearray(path.read_bytes())
+    footer_len = int(np.frombuffer(bytes(raw[-16:-8]), "<u8")[0])
+    llmc = raw[:len(raw) - 16 - footer_len]
+    llmc[4 * 40:4 * 46] = bytes(24)                             # llm.c writes zeros there
+    path.write_bytes(bytes(llmc))
+    info, m2, v2 = load_state(path, n)
+    assert info == {"step": 5, "world_size": 1, "rank": 0, "master_weights": False,
+                    "loader": {"shuffle": False, "shard_idx": 0, "sample_idx": 0}}
+    np.testing.assert_array_equal(m2, m)
+    np.testing.assert_array_equal(v2, v)
+    path.write_bytes(bytes(llmc[:-4]))
+    with pytest.raises(CheckpointError, match="not a whole number of parameters"):
+        load_state(path)
+
+
+def test_earlier_gpt2np_state_files_still_load(tmp_path):
+    import json
+    import struct
+    n = 10
+    m, v = np.arange(n, dtype=np.float32), np.ones(n, np.float32)
+    info = {"step": 3, "train_loader": {"epoch": 0}, "rng": {"s": 1}}
+    blob = json.dumps(info).encode()
+    path = tmp_path / "old.bin"
+    path.write_bytes(b"GPT2NPST" + struct.pack("<iqq", 1, len(blob), n) + blob + m.tobytes() + v.tobytes())
+    got, m2, v2 = load_state(path, n)
+    assert got == info
+    np.testing.assert_array_equal(m2, m)
+    np.testing.assert_array_equal(v2, v)

@@ -201,3 +201,29 @@ def test_val_batches_past_the_end_wrap_around_as_llmc(tiny_model, tiny_shards, c
     shown = float(re.search(r"val loss ([0-9.]+)", out)[1])
     assert shown == pytest.approx(loss_on_file_batches(tiny_model, tiny_shards / "syn_val.bin",
                                                        [*range(23), 0, 1]), abs=2e-6)
+
+
+def test_resume_from_llmc_state_file(tiny_model, tiny_shards, tmp_path, capsys):
+    """-y 1 from a state file as llm.c writes it (its layout, no gpt2np footer): the same weights and AdamW moments
+    as the uninterrupted run, the shuffled data order taken from the file's permutations and mt19937 state."""
+    args = base_args(tiny_model, tiny_shards) + ["-x", 6, "-n", 3, "-l", 1e-3, "-v", 0, "--shuffle", 1]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    code, out_full, err = run(args + ["-o", full], capsys)
+    assert code == 0, err
+    resumed.mkdir()
+    for name in ("model_00000003.bin", "DONE_00000003"):
+        shutil.copy(full / name, resumed / name)
+    raw = (full / "state_00000003_00000.bin").read_bytes()
+    footer_len = int(np.frombuffer(raw[-16:-8], "<u8")[0])
+    llmc = bytearray(raw[:len(raw) - 16 - footer_len])
+    llmc[4 * 40:4 * 46] = bytes(24)                 # llm.c leaves these header ints 0
+    (resumed / "state_00000003_00000.bin").write_bytes(bytes(llmc))
+    code, out_resumed, err = run(args + ["-o", resumed, "-y", 1], capsys)
+    assert code == 0, err
+    assert "resuming from step 3" in out_resumed and "is llm.c's: sampling starts again" in out_resumed
+    assert losses(out_resumed) == losses(out_full)[3:]
+    assert (full / "model_00000006.bin").read_bytes() == (resumed / "model_00000006.bin").read_bytes()
+    _, m_a, v_a = load_state(state_path(full, 6))
+    _, m_b, v_b = load_state(state_path(resumed, 6))
+    np.testing.assert_array_equal(m_a, m_b)
+    np.testing.assert_array_equal(v_a, v_b)
