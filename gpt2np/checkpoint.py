@@ -145,7 +145,7 @@ def fp32_to_bf16(x):
 # ---- training state ---------------------------------------------------------------------------------------
 # llm.c's state file (train_gpt2.cu save_state / load_state), so that either trainer resumes from the other's:
 #   int32[256] header: [0] magic 20240527, [1] version 1, [2] processes, [3] rank, [4] fp32 master weights (0/1),
-#       [5] shuffle (0/1), [10] step, u64 at [20] and [22]: llm.c's sampling RNG state (gpt2np writes 0), u64 at
+#       [5] shuffle (0/1), [10] step, u64 at [20] and [22]: llm.c's stochastic-rounding RNG state, u64 at
 #       [30] the loader's shard position, at [32] its sample position
 #   float32 m, v (this rank's share), then the master weights when [4] is 1
 #   with shuffle: u64 shards, int32 shard order, u64 samples, int32 the current shard's sample order, and the
@@ -158,6 +158,7 @@ LLMC_STATE_MAGIC, LLMC_STATE_VERSION = 20240527, 1
 FOOTER_MAGIC = b"GPT2NPFT"
 MT_STRUCT = struct.Struct("<QiI624I2I")          # llm.c's mt19937_state, as fwrite writes it
 MT_MATRIX_A = 0x9908B0DF
+LLMC_RNG_START = 13371337
 GPT2NP_TAG_AT, GPT2NP_TAG = 40, 0x504E5447      # header[40] "GTNP": gpt2np wrote it; [42] u64 n, [44] u64 footer bytes
 
 
@@ -172,6 +173,9 @@ def save_state(path, info: dict, m, v, master=None, loader=None):
     header[:6] = [LLMC_STATE_MAGIC, LLMC_STATE_VERSION, info.get("world_size", 1), info.get("rank", 0),
                   master is not None, bool(loader["shuffle"])]
     header[10] = info["step"]
+    # llm.c's stochastic-rounding RNG (xorshift; 0 would stay 0): gpt2np's own rounding keeps no such state, so
+    # llm.c resuming from this file starts it where a fresh llm.c run does, 13371337 + rank
+    header[20:24] = np.array([LLMC_RNG_START + info.get("rank", 0)] * 2, "<u8").view("<i4")
     header[30:34] = np.array([loader["shard_idx"], loader["sample_idx"]], "<u8").view("<i4")
     footer = json.dumps(dict(info, n=arrays[0].size, master_weights=master is not None), sort_keys=True).encode()
     header[GPT2NP_TAG_AT] = GPT2NP_TAG           # ints llm.c leaves 0: that the footer follows, n, its length

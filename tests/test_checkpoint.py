@@ -154,7 +154,8 @@ def read_llmc_state(path, n, master):
     import struct
     raw = path.read_bytes()
     header = struct.unpack_from("<256i", raw)
-    fields = {"magic": header[0], "version": header[1], "processes": header[2], "rank": header[3],
+    fields = {"rng": struct.unpack_from("<2Q", raw, 4 * 20),
+              "magic": header[0], "version": header[1], "processes": header[2], "rank": header[3],
               "master": header[4], "shuffle": header[5], "step": header[10],
               "shard_idx": struct.unpack_from("<Q", raw, 4 * 30)[0],
               "sample_idx": struct.unpack_from("<Q", raw, 4 * 32)[0]}
@@ -196,6 +197,7 @@ def test_state_file_is_llmc_layout(tmp_path):
         np.testing.assert_array_equal(got, want)
     assert fields["shard_indices"] == loader._shard_order and fields["sample_indices"] == list(loader._sample_order)
     assert fields["mt"]["matrix_a"] == (0, 0x9908B0DF)
+    assert fields["rng"] == (13371337 + 1, 13371337 + 1)          # llm.c's xorshift must not start at 0
     # llm.c continuing from the saved generator draws what the loader draws next
     after = llmc_randint32(fields["mt"]["state"], fields["mt"]["left"], fields["mt"]["next"], 700)
     assert after == loader._generator.random_raw(700).tolist()
