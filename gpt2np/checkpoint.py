@@ -31,7 +31,7 @@ HEADER_INTS = 256
 STATE_MAGIC = b"GPT2NPST"           # gpt2np's own state format before 2026-11-24 (still read)
 STATE_VERSION = 1
 # keys every state file's JSON header holds (the trainer's save_checkpoint writes more)
-STATE_REQUIRED_KEYS = ("step", "train_loader", "rng")
+STATE_REQUIRED_KEYS = ("step", "train_loader")
 
 
 class CheckpointError(ValueError):

@@ -207,6 +207,12 @@ class DataLoader:
     def __len__(self):
         return self.num_batches
 
+    def eval_batches(self, max_batches: int) -> int:
+        """llm.c's val_num_batches: max_batches, or for -1 the tokens // (num_processes*B*T), which can be one more
+        than the samples the shards hold (each shard's last token only ends a sample); reading past them wraps
+        around to the first batch, as llm.c's loader does."""
+        return max_batches if max_batches > 0 else self.num_tokens // self.sample_tokens
+
     @property
     def num_tokens(self) -> int:
         """Tokens in all shards together."""

@@ -25,9 +25,10 @@ TASKS = ("loss", "hellaswag")
 
 
 def eval_loss(model, loader, max_batches=-1, desc="val"):
-    """(mean loss, batches) over the first max_batches batches of the loader (-1: all), with a progress bar."""
+    """(mean loss, batches) over the first max_batches batches of the loader, as training's val loss counts them
+    (-1: llm.c's count; more than there are wraps around: DataLoader.eval_batches), with a progress bar."""
     loader.reset()
-    n = loader.num_batches if max_batches < 0 else min(max_batches, loader.num_batches)
+    n = loader.eval_batches(max_batches)
     total = 0.0
     with progress(total=n, desc=desc, unit="batch") as bar:
         for _ in range(n):
@@ -54,8 +55,8 @@ def main(argv=None):
     p.add_argument("-b", "--batch-size", type=int, default=4, help="batch size B (default 4)")
     p.add_argument("-t", "--seq-len", type=int, help="sequence length T (default 64 on the CPU, 1024 on a GPU; "
                    "at most the model's max_seq_len)")
-    p.add_argument("-m", "--val-max-batches", type=int, default=-1, help="at most this many batches (hellaswag: "
-                   "examples), -1 = all (default -1)")
+    p.add_argument("-m", "--val-max-batches", type=int, default=-1, help="this many batches, as train.py's -m (more "
+                   "than there are wrap around; hellaswag: at most this many examples), -1 = all (default -1)")
     p.add_argument("--dir", help="hellaswag: the download cache (default: $GPT2NP_CACHE, else the user cache dir)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "numpy", "cuda", "emu"),
                    help="auto = cuda if there is a GPU, else cpu; emu = the CUDA kernels on the CPU emulator (default "

@@ -112,7 +112,8 @@ def longest_row(examples) -> int:
 
 def score(model, examples, on_batch=None) -> Result:
     """Summed and mean loss of each ending of each rendered example, in batches of model.B rows padded to the
-    longest row of the batch (at most model.T + 1 tokens: longer rows keep their end)."""
+    longest row of the batch (at most model.T + 1 tokens: longer rows keep their end). An ending's first token
+    counts only after some context (with an empty ctx nothing predicts it, as in llm.c's hellaswag.py)."""
     rows = [(i, j, ex.rows[j][-(model.T + 1):], min(ex.ending_lens[j], model.T))
             for i, ex in enumerate(examples) for j in range(4)]
     sums = np.zeros((len(examples), 4))
@@ -126,7 +127,7 @@ def score(model, examples, on_batch=None) -> Result:
         for k, (_, _, r, n_end) in enumerate(batch):
             n = len(r) - 1
             x[k, :n], y[k, :n] = r[:-1], r[1:]
-            mask[k, n - n_end:n] = True              # the targets that are the ending's tokens
+            mask[k, max(n - n_end, 0):n] = True      # the targets that are the ending's tokens
         model.forward(x, y)
         losses = model.backend.to_host(model.act["losses"]).reshape(len(batch), t).astype(np.float64)
         for k, (i, j, _, _) in enumerate(batch):

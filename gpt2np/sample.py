@@ -21,8 +21,29 @@ LN_EPS = 1e-5
 GELU_SCALE = math.sqrt(2.0 / math.pi)
 
 
+MASK64 = (1 << 64) - 1
+
+
+class LlmcCoins:
+    """llm.c's sampling coins (llmc/sampler.h): random_f32 of a xorshift64* state, a float in [0, 1) with 24 bits.
+    llm.c's trainer starts every sample from the state 1337 (gpt2np's: --seed, 1337 by default)."""
+
+    def __init__(self, state: int):
+        self.state = state & MASK64
+
+    def random(self) -> float:
+        s = self.state
+        s ^= s >> 12
+        s ^= (s << 25) & MASK64
+        s ^= s >> 27
+        self.state = s
+        return ((((s * 0x2545F4914F6CDD1D) & MASK64) >> 32) >> 8) / 16777216.0
+
+
 def sample_next(logits, rng, temperature=1.0, top_k=0):
-    """One token id from a (V,) row of logits. temperature 0 = greedy; top_k 0 = the whole vocabulary."""
+    """One token id from a (V,) row of logits. temperature 0 = greedy; top_k 0 = the whole vocabulary.
+    rng: anything with random() in [0, 1) (a NumPy Generator, LlmcCoins): one coin a token, and the first id whose
+    cumulative probability exceeds it, llm.c's sample_softmax rule (and NumPy's Generator.choice's)."""
     logits = np.asarray(logits, np.float64)
     if temperature <= 0:
         return int(np.argmax(logits))
@@ -30,9 +51,8 @@ def sample_next(logits, rng, temperature=1.0, top_k=0):
     if 0 < top_k < logits.size:
         cut = np.partition(logits, -top_k)[-top_k]
         logits = np.where(logits >= cut, logits, -np.inf)
-    probs = np.exp(logits - logits.max())
-    probs /= probs.sum()
-    return int(rng.choice(probs.size, p=probs))
+    cdf = np.cumsum(np.exp(logits - logits.max()))
+    return min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), cdf.size - 1)
 
 
 # ---- decoding with a cache of keys and values ----------------------------------------------------------------

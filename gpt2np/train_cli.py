@@ -3,7 +3,7 @@
     gpt2np train                         # gpt2_124M.bin (fetched; offline: d12 random init) on tinyshakespeare
     gpt2np train -e d12 -b 4 -t 64 -x 20 -o log124M
     gpt2np train -e log124M/model_00000020.bin ...         # any llm.c model file
-    gpt2np train -e d12 -b 4 -t 64 -x 40 -o log124M -y 1   # resume: the latest checkpoint in -o (the run's -e, data, settings)
+    gpt2np train -e d12 -b 4 -t 64 -x 40 -o log124M -y 1   # resume the run in -o: its -e, data and settings
     mpiexec -n 8 gpt2np train -e d12 -z 1                  # data parallel: 8 ranks (one GPU each), ZeRO-1
 
 `python train.py` is the same command (llm.c's entry point, kept as a shim over this module).

@@ -16,8 +16,6 @@ import sys
 import time
 import warnings
 
-import numpy as np
-
 from .backends import cuda_problem, get_backend, gpu_present, resolve_attention, resolve_name, resolve_precision
 from .checkpoint import (
     checkpoint_to_delete,
@@ -43,7 +41,7 @@ from .profiling.gpu_specs import flops_per_token, mfu
 from .profiling.profiler import Profiler, device_label, device_roofline, report_text, write_outputs
 from .progress import progress
 from .rundir import check_output_dir, prepare_run_dir, run_identity
-from .sample import generate
+from .sample import LlmcCoins, generate
 from .schedule import learning_rate
 from .starter import Decoder, resolve_data, resolve_model
 from .tensors import num_parameters
@@ -92,12 +90,12 @@ LONG_VALIDATION = 100     # batches from which a validation shows its progress (
 
 
 def evaluate(model, loader, max_batches, show_progress=True):
-    """Mean loss over max_batches validation batches from the loader's start (-1: one pass over them all; more than
-    there are wraps around to the first again, as llm.c's -m does); a long one shows a progress bar on stderr
-    (plain lines when stderr is not a terminal)."""
+    """Mean loss over max_batches validation batches from the loader's start (-1: llm.c's count, all the tokens'
+    worth; more than there are wraps around to the first again, as llm.c's -m does); a long one shows a progress bar
+    on stderr (plain lines when stderr is not a terminal)."""
     with ranges.range("validation"):
         loader.reset()
-        n = max_batches if max_batches > 0 else loader.num_batches
+        n = loader.eval_batches(max_batches)
         total = 0.0
         with progress(total=n, desc="val", unit="batch", quiet=not show_progress or n < LONG_VALIDATION) as bar:
             for _ in range(n):
@@ -264,7 +262,6 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         model.load_params(params)
     # under mpiexec: every rank must run this same job (settings, model, data), else all stop with one line
     check_same_run(dist, lambda: run_fingerprint(cfg, backend, model_cfg, params, train_loader, val_loader))
-    rng = np.random.default_rng(cfg.seed)
     decoder = Decoder(train_pattern) if cfg.sample_every > 0 else None
 
     hellaswag_examples, hellaswag_total = load_hellaswag(cfg, model_cfg, dist, say)
@@ -295,7 +292,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         start_step = prepare_run_dir(cfg.output_dir, identity, dist, resume=bool(cfg.resume),
                                      overwrite=cfg.overwrite, total_steps=total_steps, read_only=evaluate_only)
     if start_step:
-        info = resume(cfg.output_dir, start_step, model, train_loader, rng, dist)
+        info = resume(cfg.output_dir, start_step, model, train_loader, dist)
         skipped = int(info.get("nonfinite_skipped", 0))
         if "outliers" in info:
             guard.load_state(info["outliers"])
@@ -347,8 +344,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         if hellaswag_total:
             hellaswag_eval(None)
         if decoder and rank0:
-            tokens = generate(model, [decoder.eot_token], cfg.gen_tokens, rng, cfg.temperature, cfg.top_k)
-            say("generating:\n---\n" + decoder.decode(tokens[1:]) + "\n---")
+            say(sample_text(model, decoder, cfg))
         return model
     say(f"training for {total_steps} steps")
 
@@ -359,7 +355,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
 
     def checkpoint(step):
         nonlocal last_saved
-        save_checkpoint(cfg.output_dir, step, model, train_loader, rng, dist, nonfinite_skipped=skipped,
+        save_checkpoint(cfg.output_dir, step, model, train_loader, dist, nonfinite_skipped=skipped,
                         outliers=guard.state())
         last_saved = step
         rotate_checkpoints(cfg, step, dist, say)
@@ -442,8 +438,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
         if hellaswag_total and (cfg.hellaswag_due(step) or last) and not resumed_here:
             hellaswag_eval(step)
         if decoder and rank0 and step > 0 and (step % cfg.sample_every == 0 or last) and not resumed_here:
-            tokens = generate(model, [decoder.eot_token], cfg.gen_tokens, rng, cfg.temperature, cfg.top_k)
-            say("generating:\n---\n" + decoder.decode(tokens[1:]) + "\n---")
+            say(sample_text(model, decoder, cfg))
         if (cfg.output_dir and cfg.checkpoint_every > 0 and step > 0 and (step % cfg.checkpoint_every == 0 or last)
                 and not resumed_here):
             checkpoint(step)
@@ -522,13 +517,21 @@ def stop_on_signal(signals: StopSignals, step, checkpoint, out_dir, rank0):
     raise Stopped(signals.exit_code)
 
 
-def save_checkpoint(out_dir, step, model, train_loader, rng, dist, nonfinite_skipped=0, outliers=None):
+def sample_text(model, decoder, cfg: TrainConfig) -> str:
+    """llm.c's training sample: from the EOT token, -g - 1 new tokens (llm.c's genT counts the EOT), one coin a
+    token from llm.c's xorshift state, set to --seed (llm.c's 1337) for every sample."""
+    tokens = generate(model, [decoder.eot_token], cfg.gen_tokens - 1, LlmcCoins(cfg.seed), cfg.temperature,
+                      cfg.top_k)
+    return "generating:\n---\n" + decoder.decode(tokens[1:]) + "\n---"
+
+
+def save_checkpoint(out_dir, step, model, train_loader, dist, nonfinite_skipped=0, outliers=None):
     """model_STEP.bin (rank 0), state_STEP_RANK.bin (each rank), then DONE_STEP once all are written.
     outliers: OutlierGuard.state() (-sl/-sg), kept so that a resumed run skips what the whole run would."""
     bf16 = model.low_precision                   # llm.c's v5 file; the fp32 master weights (-w 1) go into the state
     if dist.rank == 0:
         save_model(model_path(out_dir, step), model.cfg, model.params_host(), dtype="bf16" if bf16 else "fp32")
-    info = {"step": step, "train_loader": train_loader.state(), "rng": rng.bit_generator.state,
+    info = {"step": step, "train_loader": train_loader.state(),
             "world_size": dist.world_size, "rank": dist.rank, "zero_stage": dist.zero_stage,
             "shard": list(dist.shard(model.num_parameters)), "nonfinite_skipped": nonfinite_skipped}
     if outliers is not None:
@@ -562,7 +565,7 @@ def rotate_checkpoints(cfg: TrainConfig, step, dist, say):
             f"{cfg.checkpoints_keep} are kept)", flush=True)
 
 
-def resume(out_dir, step, model, train_loader, rng, dist):
+def resume(out_dir, step, model, train_loader, dist):
     """Load the checkpoint of `step` in -o (rundir.prepare_run_dir chose it and checked it is this run's, whole,
     and written by as many processes with the same ZeRO stage); returns its state's info."""
     saved_cfg, params = load_model(model_path(out_dir, step), keep_bf16=model.low_precision)
@@ -590,10 +593,8 @@ def resume(out_dir, step, model, train_loader, rng, dist):
         train_loader.load_llmc_state(info["loader"], epoch=(saved_loader or {}).get("epoch", 0), source=path)
     else:                                     # gpt2np's earlier state files: the position, replayed
         train_loader.load_state(saved_loader)
-    if "rng" in info:
-        rng.bit_generator.state = info["rng"]
-    elif dist.rank == 0:                      # llm.c's own state file: its sampling RNG is not NumPy's
-        print(f"note: {path} is llm.c's: sampling starts again from --seed, the outlier window (-sl/-sg) fills again")
+    if saved_loader is None and dist.rank == 0:          # llm.c's own state file: no window of past losses
+        print(f"note: {path} is llm.c's: the outlier window of -sl/-sg (and the z-scores) fills again")
     if dist.rank == 0:
         print(f"resuming from step {step} ({model_path(out_dir, step)})")
     return info

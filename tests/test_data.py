@@ -381,3 +381,13 @@ def test_signature_names_sizes_and_content(tmp_path):
     assert sig == DataLoader(pattern, 1, 8).signature()            # data only, not the batch shape
     write_shard(tmp_path / "shard_001.bin", np.arange(45) + 1)       # same name and size, other tokens
     assert DataLoader(pattern, 2, 4).signature()[1][2] != sig[1][2]
+
+
+def test_eval_batches_is_llmc_val_num_batches(tmp_path):
+    """-m -1 counts as llm.c's val_num_batches: all the tokens // (processes*B*T), one more than the samples a shard
+    of exactly 4*B*T tokens holds (its last token ends no sample); the loader then wraps to the first batch."""
+    write_shard(tmp_path / "val.bin", np.arange(4 * 2 * 8))
+    loader = DataLoader(str(tmp_path / "val.bin"), 2, 8)
+    assert loader.num_batches == 3 and loader.eval_batches(-1) == 4 and loader.eval_batches(7) == 7
+    firsts = [int(loader.next_batch()[0][0, 0]) for _ in range(loader.eval_batches(-1))]
+    assert firsts == [0, 16, 32, 0]

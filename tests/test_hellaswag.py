@@ -75,6 +75,26 @@ def test_scores_are_pytorchs(backend, B, params, expected, jsonl):
     assert result.correct_norm == int((avgs.argmin(1) == labels).sum())     # pred_norm = avg_loss.argmin()
 
 
+def test_an_empty_context_scores_the_ending_from_its_second_token(params, tmp_path):
+    """llm.c's hellaswag.py: with no context the ending's first token is no target; the rest are (PyTorch's)."""
+    from gpt2np.reference import TorchGPT2
+    example = {"ctx": "", "label": 0, "endings": ["The dog ran home.", "A cat", "Birds sing at dawn every day.", "x y"]}
+    path = tmp_path / "empty.jsonl"
+    path.write_text(json.dumps(example) + "\n")
+    _, examples = hellaswag.load(path)
+    model = GPT2(CFG, get_backend("numpy"), 4, hellaswag.longest_row(examples) - 1)
+    model.load_params(params)
+    result = hellaswag.score(model, examples)
+    ref, enc = TorchGPT2(CFG, params, "float64"), get_encoding()
+    for j, ending in enumerate(example["endings"]):
+        row = np.array([enc.encode(" " + ending)])
+        logits, _ = ref.forward(row[:, :-1])
+        logp = torch.log_softmax(logits[0], -1)
+        losses = -logp[torch.arange(row.shape[1] - 1), torch.from_numpy(row[0, 1:])].detach().numpy()
+        assert result.sum_loss[0, j] == pytest.approx(losses.sum(), rel=1e-5)
+        assert result.avg_loss[0, j] == pytest.approx(losses.mean(), rel=1e-5)
+
+
 def test_rows_longer_than_T_keep_their_ending(params, jsonl):
     _, examples = hellaswag.load(jsonl)
     model = GPT2(CFG, get_backend("numpy"), 4, 6)

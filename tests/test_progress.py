@@ -85,6 +85,9 @@ def test_long_validation_in_training_shows_progress(capsys):
     class Loader:
         num_batches = trainer.LONG_VALIDATION
 
+        def eval_batches(self, max_batches):
+            return max_batches if max_batches > 0 else self.num_batches
+
         def reset(self):
             pass
 

@@ -220,19 +220,19 @@ def test_output_dir_that_is_a_file(files, tmp_path, capsys):
 
 def test_state_file_missing_a_key(files, tmp_path, capsys):
     path = tmp_path / "state.bin"
-    save_state(path, {"step": 3, "train_loader": {}}, np.zeros(4), np.zeros(4))
-    with pytest.raises(CheckpointError, match=re.escape(f"{path}: the state lacks the key 'rng'")):
+    save_state(path, {"step": 3}, np.zeros(4), np.zeros(4))
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: the state lacks the key 'train_loader'")):
         load_state(path)
     # in a run folder the checkpoint counts as damaged: skipped with a note naming the file and the key
     out = tmp_path / "out"
     code, _, err = run(args(files, out, "-x", 2, "-n", 1), capsys)
     assert code == 0, err
     info, m, v = load_state(state_path(out, 2))
-    del info["rng"]
+    del info["train_loader"]
     save_state(state_path(out, 2), info, m, v)
     code, stdout, err = run(args(files, out, "-x", 2, "-n", 1, "-y", 1), capsys)
     assert code == 0, err
-    assert any("state_00000002_00000.bin: the state lacks the key 'rng'" in line for line in err), err
+    assert any("state_00000002_00000.bin: the state lacks the key 'train_loader'" in line for line in err), err
     assert "resuming from step 1" in stdout
 
 

@@ -182,3 +182,33 @@ def test_the_default_llmc_model_is_fetched_like_train_does(monkeypatch, tmp_path
                                        "(offline?)\n")
     assert hf.is_hub_id("gpt2") and hf.is_hub_id("openai-community/gpt2-xl")
     assert not hf.is_hub_id("model.bin") and not hf.is_hub_id("../x") and not hf.is_hub_id("/abs/dir")
+
+
+# ---- llm.c's sampler: its coins and its inverse-CDF rule -------------------------------------------------------
+def xorshift_coins(state, count):
+    """llm.c's random_f32 (llmc/sampler.h) in NumPy's wrapping uint64 arithmetic."""
+    s, out = np.array([state], np.uint64), []
+    with np.errstate(over="ignore"):
+        for _ in range(count):
+            s ^= s >> np.uint64(12)
+            s ^= s << np.uint64(25)
+            s ^= s >> np.uint64(27)
+            u32 = (s * np.uint64(0x2545F4914F6CDD1D)) >> np.uint64(32)
+            out.append(float(np.float32(int(u32[0] >> np.uint64(8))) / np.float32(16777216.0)))
+    return out
+
+
+def test_llmc_coins_are_llmc_random_f32():
+    coins = sample.LlmcCoins(1337)
+    assert [coins.random() for _ in range(2000)] == xorshift_coins(1337, 2000)
+
+
+def test_sample_next_picks_the_first_id_whose_cumulative_probability_exceeds_the_coin():
+    logits = np.random.default_rng(0).standard_normal(500) * 3
+    probs = np.exp(logits - logits.max())
+    cdf = np.cumsum(probs / probs.sum())
+    for coin in (0.0, 0.1234, 0.5, 0.987654, 0.999999):
+        class Fixed:
+            def random(self, coin=coin):
+                return coin
+        assert sample.sample_next(logits, Fixed()) == int(np.argmax(cdf > coin))

@@ -220,10 +220,37 @@ def test_resume_from_llmc_state_file(tiny_model, tiny_shards, tmp_path, capsys):
     (resumed / "state_00000003_00000.bin").write_bytes(bytes(llmc))
     code, out_resumed, err = run(args + ["-o", resumed, "-y", 1], capsys)
     assert code == 0, err
-    assert "resuming from step 3" in out_resumed and "is llm.c's: sampling starts again" in out_resumed
+    assert "resuming from step 3" in out_resumed and "is llm.c's: the outlier window" in out_resumed
     assert losses(out_resumed) == losses(out_full)[3:]
     assert (full / "model_00000006.bin").read_bytes() == (resumed / "model_00000006.bin").read_bytes()
     _, m_a, v_a = load_state(state_path(full, 6))
     _, m_b, v_b = load_state(state_path(resumed, 6))
     np.testing.assert_array_equal(m_a, m_b)
     np.testing.assert_array_equal(v_a, v_b)
+
+
+def test_training_samples_are_llmcs(tiny_model):
+    """A training sample as llm.c's: -g counts the EOT it starts from (genT - 1 new tokens), the coins restart from
+    --seed (llm.c: 1337) every sample, each token is the first id whose cumulative probability exceeds its coin."""
+    from gpt2np.config import TrainConfig
+    from gpt2np.trainer import sample_text
+    model = GPT2(TINY, NumpyBackend(), 1, 32)
+    model.load_params(load_model(tiny_model)[1])
+
+    class Ids:
+        eot_token = 50256
+        decode = staticmethod(lambda ids: " ".join(map(str, ids)))
+
+    cfg = TrainConfig(gen_tokens=9, seed=1337)
+    first, again = sample_text(model, Ids, cfg), sample_text(model, Ids, cfg)
+    ids = [int(t) for t in first.split("---")[1].split()]
+    assert first == again and len(ids) == 8
+    model.forward(np.full((1, 1), 50256, np.int32))
+    logits = model.logits_host()[0, 0, :TINY.vocab_size].astype(np.float64)
+    cdf = np.cumsum(np.exp(logits - logits.max()))
+    s = 1337                                            # llm.c's random_f32, the first coin
+    s ^= s >> 12
+    s ^= (s << 25) & (2**64 - 1)
+    s ^= s >> 27
+    coin = ((((s * 0x2545F4914F6CDD1D) & (2**64 - 1)) >> 32) >> 8) / 16777216
+    assert ids[0] == int(np.argmax(cdf / cdf[-1] > coin))
