@@ -35,7 +35,7 @@ def usage() -> str:
              "", "commands:"]
     lines += [f"  {name:<{width}}  {text}" for name, (_, _, text) in COMMANDS.items()]
     lines += ["", "`gpt2np COMMAND --help` shows a command's flags. Extras: pip install 'gpt2np[hf]' for hf (and -e "
-              "with a Hugging Face model), 'gpt2np[plot]' for plot, 'gpt2np[data]' for prepare fineweb/tinystories.",
+              "with a Hugging Face model), 'gpt2np[plot]' for plot, 'gpt2np[data]' for prepare fineweb.",
               "GPT2NP_DEBUG=1 shows tracebacks."]
     return "\n".join(lines)
 

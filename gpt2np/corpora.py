@@ -1,7 +1,6 @@
-"""Large corpora -> llm.c token shards: FineWeb-Edu's sample and TinyStories, as llm.c's dev/data scripts make them.
+"""FineWeb-Edu's sample -> llm.c token shards, as llm.c's dev/data/fineweb.py makes them (TinyStories: tinystories.py).
 
     gpt2np prepare fineweb --shards 10          # edu_fineweb_val_000000.bin, edu_fineweb_train_000001.bin, ...
-    gpt2np prepare tinystories                  # TinyStories_val_000000.bin, TinyStories_train_000001.bin, ...
     gpt2np prepare fineweb --source docs.parquet --shard-size 1000000     # a local copy (parquet or jsonl)
 
 Documents come from the Hugging Face Hub through `datasets` (streamed: only what the shards need is read;
@@ -9,7 +8,7 @@ Documents come from the Hugging Face Hub through `datasets` (streamed: only what
 is <|endoftext|> + its GPT-2 tokens (tiktoken, in --workers processes), and the token stream is cut into shards
 of exactly --shard-size tokens (llm.c: 100M; the last shard holds the rest), a document running over a shard's
 end continuing in the next. Shard 0 is the val split: FineWeb's first shard_size tokens as in llm.c's
-fineweb.py; TinyStories' own validation split. The rest are train shards.
+fineweb.py. The rest are train shards.
 
 Resumable: a shard is written atomically, then `<name>_progress.json` records how far the documents are done
 (documents consumed, the tokens carried into the next shard). Run again and finished shards are skipped, the
@@ -34,17 +33,15 @@ SHARD_SIZE = 100_000_000          # llm.c's shard size in tokens
 
 @dataclass(frozen=True)
 class Corpus:
-    """A dataset on the Hub: id, config, the splits (val split or None: val is the stream's first shard)."""
+    """A dataset on the Hub: id, config, the split whose stream is cut into shards (val is its first shard)."""
     name: str                     # shard file prefix
     hub_id: str
     config: str | None
     train_split: str
-    val_split: str | None
 
 
 CORPORA = {
-    "fineweb": Corpus("edu_fineweb", "HuggingFaceFW/fineweb-edu", "sample-10BT", "train", None),
-    "tinystories": Corpus("TinyStories", "roneneldan/TinyStories", None, "train", "validation"),
+    "fineweb": Corpus("edu_fineweb", "HuggingFaceFW/fineweb-edu", "sample-10BT", "train"),
 }
 
 
@@ -289,20 +286,11 @@ def prepare_corpus(which, out_dir, shards=-1, shard_size=SHARD_SIZE, source=None
     written = []
     with context.Pool(workers, initializer=_init_worker, initargs=(bpe_dir,)) as pool, \
             progress(total=total, desc=f"{which} tokens", unit="tok", unit_scale=True) as bar:
+        split = corpus.train_split
         try:
-            if corpus.val_split and not source:
-                split = corpus.val_split
-                written += write_stream(docs(split), out_dir, corpus.name, "val", 0, lambda k: "val", state,
-                                        state_path, pool, bar, shard_size, max_shards=1 if shards != 0 else 0)
-                split = corpus.train_split
-                written += write_stream(docs(split), out_dir, corpus.name, "train", 1, lambda k: "train",
-                                        state, state_path, pool, bar, shard_size,
-                                        max_shards=shards - 1 if shards > 0 else -1)
-            else:
-                split = corpus.train_split
-                written += write_stream(docs(split), out_dir, corpus.name, "all", 0,
-                                        lambda k: "val" if k == 0 else "train", state, state_path, pool, bar,
-                                        shard_size, max_shards=shards)
+            written += write_stream(docs(split), out_dir, corpus.name, "all", 0,
+                                    lambda k: "val" if k == 0 else "train", state, state_path, pool, bar,
+                                    shard_size, max_shards=shards)
         except NoDocuments:
             where = (f"--source {source}: no documents (no jsonl line or parquet row)" if source
                      else f"{corpus.hub_id} ({corpus.config or 'default'}, {split}): no documents")

@@ -2,7 +2,7 @@
 
     python -m gpt2np.prepare [--input FILE | tinyshakespeare] [--output-dir DIR] [--val-tokens 32768] [--bpe-dir DIR]
     gpt2np prepare fineweb --shards N          # FineWeb-Edu sample-10BT, 100M-token shards, val first (corpora.py)
-    gpt2np prepare tinystories                 # TinyStories: its validation split, then train shards
+    gpt2np prepare tinystories                 # TinyStories_val.bin, TinyStories_train.bin (tinystories.py)
 
 As llm.c does for tinyshakespeare, the text is cut at blank lines ("\\n\\n") into documents, each document
 is preceded by <|endoftext|>, and every document but the last keeps its trailing "\\n\\n". The GPT-2
@@ -25,8 +25,9 @@ from .tokenizer import TOKENIZER_BIN, get_encoding, write_tokenizer_bin
 DEFAULT_OUTPUT_DIR = DATA_DIR
 TINYSHAKESPEARE_NAME = "tiny_shakespeare"   # llm.c's shard names: tiny_shakespeare_{val,train}.bin
 DEFAULT_VAL_TOKENS = 32768
-LARGE = ("fineweb", "tinystories")          # the corpora of corpora.py, and the flags only they take
+LARGE = ("fineweb", "tinystories")          # the corpora of corpora.py and tinystories.py, and the flags they take
 LARGE_ONLY = ("--source", "--shards", "--shard-size", "--workers", "--dir")
+FINEWEB_ONLY = ("--shards", "--shard-size")  # TinyStories is llm.c's two files, not shards of a size
 DOCS_PER_BATCH = 4096                       # documents tokenized per call (the progress bar moves between calls)
 
 
@@ -107,14 +108,15 @@ def main(argv=None):
     parser = ArgumentParser(prog="python -m gpt2np.prepare", description=__doc__.split("\n")[0])
     parser.add_argument("dataset", nargs="?", choices=["tinyshakespeare", "fineweb", "tinystories"],
                         help="a known dataset (default when --input is not given: tinyshakespeare); fineweb "
-                             "(FineWeb-Edu sample-10BT) and tinystories are downloaded from the Hugging Face Hub "
-                             "(pip install 'gpt2np[data]') or read from --source")
-    parser.add_argument("--shards", type=int, help="fineweb/tinystories: shards to write in all, the "
+                             "(FineWeb-Edu sample-10BT, streamed from the Hugging Face Hub: pip install "
+                             "'gpt2np[data]') and tinystories (llm.c's: TinyStories_all_data.tar.gz, downloaded) "
+                             "or read from --source")
+    parser.add_argument("--shards", type=int, help="fineweb: shards to write in all, the "
                         "val shard included (default -1: all the data)")
-    parser.add_argument("--shard-size", type=int, help="fineweb/tinystories: tokens per "
+    parser.add_argument("--shard-size", type=int, help="fineweb: tokens per "
                         "shard (default 100000000, llm.c's)")
-    parser.add_argument("--source", metavar="FILES", help="fineweb/tinystories: local parquet/jsonl files (glob) "
-                        "with a `text` field instead of the Hub")
+    parser.add_argument("--source", metavar="FILES", help="fineweb: local parquet/jsonl files (glob) with a `text` "
+                        "field instead of the Hub; tinystories: the json files of TinyStories_all_data (glob)")
     parser.add_argument("--workers", type=int, help="fineweb/tinystories: tokenizing processes (default: half "
                         "the CPUs)")
     parser.add_argument("--dir", help="fineweb/tinystories: download cache (default: $GPT2NP_CACHE, else the user "
@@ -122,7 +124,7 @@ def main(argv=None):
     parser.add_argument("--input", help="utf-8 text file to tokenize; shards are named after it")
     parser.add_argument("--output-dir", default=str(DEFAULT_OUTPUT_DIR), help="default: <repo>/checkpoints/data")
     parser.add_argument("--val-tokens", type=int, help=f"text/tinyshakespeare: tokens in the val split (default "
-                        f"{DEFAULT_VAL_TOKENS}; fineweb/tinystories: the val split is shard 0)")
+                        f"{DEFAULT_VAL_TOKENS}; fineweb: the val split is shard 0; tinystories: the first file)")
     parser.add_argument("--bpe-dir", help="folder with gpt2_vocab.bpe + gpt2_encoder.json or gpt2_tokenizer.bin")
     args = parser.parse_args(argv)
     if args.input and args.dataset:
@@ -155,8 +157,15 @@ def check_flags_apply(args):
     """BadInput for a flag that means nothing for what is prepared (it would be ignored silently)."""
     if args.dataset in LARGE:
         if args.val_tokens is not None:
+            split = "shard 0 (--shard-size tokens)" if args.dataset == "fineweb" else "first json file"
             raise BadInput(f"--val-tokens {args.val_tokens}: only for a text file (--input) or tinyshakespeare; "
-                           f"{args.dataset}'s val split is its shard 0 (--shard-size tokens)")
+                           f"{args.dataset}'s val split is its {split}")
+        if args.dataset == "tinystories":
+            for flag in FINEWEB_ONLY:
+                value = getattr(args, flag[2:].replace("-", "_"))
+                if value is not None:
+                    raise BadInput(f"{flag} {value}: only for fineweb; tinystories writes llm.c's two files, "
+                                   f"TinyStories_val.bin and TinyStories_train.bin")
         if args.source and args.dir:
             raise BadInput(f"--dir {args.dir}: the download cache, not used with --source {args.source} (nothing "
                            f"is downloaded); give one or the other")
@@ -172,8 +181,11 @@ def check_flags_apply(args):
 
 
 def prepare_large(args, cache=None):
-    """gpt2np prepare fineweb|tinystories (cache: the download cache, None with --source): see gpt2np/corpora.py."""
+    """gpt2np prepare fineweb|tinystories (cache: the download cache, None with --source): see gpt2np/corpora.py
+    and gpt2np/tinystories.py."""
     from .corpora import SHARD_SIZE, prepare_corpus, source_files
+    if args.dataset == "tinystories":
+        return prepare_stories(args, cache)
     shards = -1 if args.shards is None else args.shards
     shard_size = SHARD_SIZE if args.shard_size is None else args.shard_size
     integer(1, also=(-1,), words="-1 (all) or an integer >= 1").check("--shards", shards, "the shard count")
@@ -189,6 +201,20 @@ def prepare_large(args, cache=None):
     written = prepare_corpus(args.dataset, args.output_dir, shards, shard_size, args.source,
                              args.workers, args.bpe_dir, cache=cache)
     print(f"{args.dataset}: {len(written)} shard(s) written into {args.output_dir}")
+    return 0
+
+
+def prepare_stories(args, cache=None):
+    """gpt2np prepare tinystories: llm.c's TinyStories_val.bin and TinyStories_train.bin (gpt2np/tinystories.py)."""
+    from .corpora import source_files
+    from .tinystories import prepare_tinystories
+    if args.workers is not None:
+        integer(1).check("--workers", args.workers, "the tokenizing processes")
+    if args.source:
+        source_files(args.source)
+    get_encoding(args.bpe_dir)
+    for path in prepare_tinystories(args.output_dir, args.source, args.workers, args.bpe_dir, cache=cache):
+        print(f"wrote {path} ({(path.stat().st_size - 1024) // 2:,} tokens)")
     return 0
 
 

@@ -1,6 +1,8 @@
-"""gpt2np prepare fineweb / tinystories from local parquet and jsonl fixtures (and a stand-in `datasets` for the Hub
-path): llm.c's shards (eot + tokens per document, cut at exactly --shard-size, val first), tokenized by 2 processes,
-resumable (finished shards skipped, the rest identical to a run in one go); offline: one line."""
+"""gpt2np prepare fineweb from local parquet and jsonl fixtures (and a stand-in `datasets` for the Hub path): llm.c's
+shards (eot + tokens per document, cut at exactly --shard-size, val first), tokenized by 2 processes, resumable
+(finished shards skipped, the rest identical to a run in one go); offline: one line. gpt2np prepare tinystories from
+json files in TinyStories_all_data's layout (and a stand-in download of its tarball): llm.c's two files, computed
+here as llm.c's tinystories.py does."""
 import json
 import sys
 import types
@@ -80,22 +82,111 @@ def fake_datasets(splits, calls):
     return types.SimpleNamespace(load_dataset=load_dataset)
 
 
-def test_tinystories_from_the_hub_val_split_first(tmp_path, capsys, monkeypatch):
-    calls = []
-    splits = {"validation": DOCS[:5], "train": DOCS[5:]}
-    monkeypatch.setitem(sys.modules, "datasets", fake_datasets(splits, calls))
-    monkeypatch.setattr(corpora, "hub_reachable", lambda timeout=5.0: True)
-    monkeypatch.setenv("GPT2NP_CACHE", str(tmp_path / "cache"))
-    code, out = run(["tinystories", "--shard-size", SIZE, "--workers", 2, "--output-dir", tmp_path / "ts",
-                     "--shards", 3], capsys)
+def write_story_files(folder, stories_per_file=(7, 5, 6)):
+    """TinyStories_all_data's layout: dataNN.json files, each a json list of objects with a "story"."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files, k = [], 0
+    for i, n in enumerate(stories_per_file):
+        stories = [{"story": f"  {DOCS[k + j]}\n ", "instruction": {"words": ["fox"]}} for j in range(n)]
+        k += n
+        path = folder / f"data{i:02d}.json"
+        path.write_text(json.dumps(stories))
+        files.append((path, stories))
+    return files
+
+
+def llmc_tinystories(files):
+    """What llm.c's tinystories.py writes for these files: val = the first, train = the rest in order; each file's
+    stories shuffled by random.Random(1337 + its index in the split), stripped, EOT + tokens."""
+    import random
+    enc = get_encoding()
+
+    def split_tokens(split_files):
+        out = []
+        for index, (_, stories) in enumerate(split_files):
+            stories = list(stories)
+            random.Random(1337 + index).shuffle(stories)
+            for story in stories:
+                out += [enc.eot_token] + enc.encode_ordinary(story["story"].strip())
+        return np.array(out, np.uint16)
+
+    return split_tokens(files[:1]), split_tokens(files[1:])
+
+
+def test_tinystories_is_llmcs(tmp_path, capsys):
+    files = write_story_files(tmp_path / "all")
+    code, out = run(["tinystories", "--source", tmp_path / "all" / "*.json", "--workers", 2, "--output-dir",
+                     tmp_path / "ts"], capsys)
     assert code == 0, out.err
-    files = shards_of(tmp_path / "ts", "TinyStories")
-    assert [f.name for f in files] == ["TinyStories_val_000000.bin", "TinyStories_train_000001.bin",
-                                       "TinyStories_train_000002.bin"]
-    np.testing.assert_array_equal(read_shard(files[0]), expected_stream(DOCS[:5]))
-    np.testing.assert_array_equal(np.concatenate([read_shard(f) for f in files[1:]]),
-                                  expected_stream(DOCS[5:])[:2 * SIZE])
-    assert calls[0] == ("roneneldan/TinyStories", None, "validation", True)
+    val, train = llmc_tinystories(files)
+    np.testing.assert_array_equal(read_shard(tmp_path / "ts" / "TinyStories_val.bin"), val)
+    np.testing.assert_array_equal(read_shard(tmp_path / "ts" / "TinyStories_train.bin"), train)
+    assert sorted(p.name for p in (tmp_path / "ts").iterdir()) == ["TinyStories_train.bin", "TinyStories_val.bin",
+                                                                   "gpt2_tokenizer.bin"]
+
+
+def test_tinystories_downloads_and_unpacks_llmcs_tarball_once(tmp_path, capsys, monkeypatch):
+    import tarfile
+
+    from gpt2np import fetch, tinystories
+    files = write_story_files(tmp_path / "made")
+    tarball = tmp_path / "TinyStories_all_data.tar.gz"
+    with tarfile.open(tarball, "w:gz") as tar:
+        for path, _ in files:
+            tar.add(path, arcname=path.name)
+    urls = []
+
+    def fake_download(url, dest, timeout=10, **_):
+        urls.append(url)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(tarball.read_bytes())
+        return dest
+
+    monkeypatch.setattr(fetch, "download", fake_download)
+    cache = tmp_path / "cache"
+    for _ in range(2):
+        code, out = run(["tinystories", "--dir", cache, "--workers", 1, "--output-dir", tmp_path / "ts"], capsys)
+        assert code == 0, out.err
+    assert urls == [tinystories.TARBALL_URL]                    # unpacked once, read from the cache the second time
+    val, train = llmc_tinystories(files)
+    np.testing.assert_array_equal(read_shard(tmp_path / "ts" / "TinyStories_val.bin"), val)
+    np.testing.assert_array_equal(read_shard(tmp_path / "ts" / "TinyStories_train.bin"), train)
+
+
+@pytest.mark.parametrize("content, words", [
+    ('{"story": "one"}', ["data00.json", "not TinyStories' list of stories"]),
+    ('[{"story": "one"}, {"text": "two"}]', ["data00.json", "item 1 has no \"story\""]),
+    ("[{", ["data00.json", "not a TinyStories json file"]),
+    ("alone", ["1 json file(s)", "needs 2 or more"]),
+])
+def test_a_bad_tinystories_source_is_one_line(tmp_path, capsys, content, words):
+    folder = tmp_path / "all"
+    folder.mkdir()
+    (folder / "data00.json").write_text('[{"story": "fine"}]' if content == "alone" else content)
+    if content != "alone":
+        (folder / "data01.json").write_text('[{"story": "fine"}]')
+    code, res = run(["tinystories", "--source", folder / "*.json", "--workers", 1, "--output-dir", tmp_path / "o"],
+                    capsys)
+    assert code == 2 and len(res.err.strip().splitlines()) == 1 and all(w in res.err for w in words), res.err
+
+
+def test_tinystories_offline_is_one_line_naming_source(tmp_path, capsys, monkeypatch):
+    from gpt2np import fetch
+
+    def offline(url, dest, timeout=10, **_):
+        raise fetch.FetchError(f"could not download {url}: [Errno -2] Name or service not known (offline?)")
+
+    monkeypatch.setattr(fetch, "download", offline)
+    code, res = run(["tinystories", "--dir", tmp_path / "cache", "--output-dir", tmp_path / "out"], capsys)
+    assert code == 2 and len(res.err.strip().splitlines()) == 1, res.err
+    assert "TinyStories_all_data.tar.gz" in res.err and "--source 'DIR/*.json'" in res.err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag", ["--shards", "--shard-size"])
+def test_tinystories_takes_no_shard_flags(tmp_path, capsys, flag):
+    code, res = run(["tinystories", flag, 2, "--output-dir", tmp_path], capsys)
+    assert code == 2 and f"{flag} 2: only for fineweb" in res.err and "TinyStories_train.bin" in res.err
 
 
 def test_fineweb_hub_id_and_config(tmp_path, capsys, monkeypatch):
@@ -113,7 +204,8 @@ def test_offline_is_one_line(tmp_path, capsys, monkeypatch):
     assert code == 2 and out.err.startswith("error: cannot reach the Hugging Face Hub")
     assert "--source" in out.err and len(out.err.strip().splitlines()) == 1
     monkeypatch.setitem(sys.modules, "datasets", None)          # not installed
-    code, out = run(["tinystories", "--output-dir", tmp_path], capsys)
+    monkeypatch.setattr(corpora, "hub_reachable", lambda timeout=5.0: True)
+    code, out = run(["fineweb", "--output-dir", tmp_path], capsys)
     assert code == 2 and "pip install 'gpt2np[data]'" in out.err and len(out.err.strip().splitlines()) == 1
 
 
@@ -146,7 +238,7 @@ def test_a_bad_source_is_one_line_and_leaves_no_folder_behind(tmp_path, capsys, 
         source.write_text(content)
     pattern = source if content is not None else tmp_path / "nomatch*.jsonl"
     out = tmp_path / "new" / "out"
-    code, res = run(["tinystories", "--source", pattern, "--shard-size", 1000, "--workers", 1, "--output-dir", out],
+    code, res = run(["fineweb", "--source", pattern, "--shard-size", 1000, "--workers", 1, "--output-dir", out],
                     capsys)
     assert code == 2 and len(res.err.strip().splitlines()) == 1 and all(w in res.err for w in words), res.err
     assert "tokens:" not in res.err and not (tmp_path / "new").exists()
