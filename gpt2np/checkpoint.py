@@ -263,12 +263,7 @@ def _parse_state(path, num_params):
                 if end < 4 * HEADER_INTS:
                     raise CheckpointError(f"{path}: corrupt footer (its length {footer_len} exceeds the file)")
                 f.seek(end)
-                try:
-                    info = json.loads(f.read(footer_len))
-                except ValueError:
-                    raise CheckpointError(f"{path}: corrupt JSON footer") from None
-                if not isinstance(info, dict):
-                    raise CheckpointError(f"{path}: corrupt JSON footer (not an object)")
+                info = _read_json(f, footer_len, path, "footer")
                 missing = [key for key in STATE_REQUIRED_KEYS + ("n",) if key not in info]
                 if missing:
                     raise CheckpointError(f"{path}: the state lacks the key {missing[0]!r}: damaged")
@@ -302,6 +297,17 @@ def _parse_state(path, num_params):
     return info, n, {"arrays": 4 * HEADER_INTS, "loader": loader}
 
 
+def _read_json(f, length, path, what):
+    """The JSON object of the next `length` bytes of f; CheckpointError naming the file and `what` it is."""
+    try:
+        info = json.loads(f.read(length))
+    except ValueError:
+        raise CheckpointError(f"{path}: corrupt JSON {what}") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: corrupt JSON {what} (not an object)")
+    return info
+
+
 def _u64(raw):
     """A little-endian u64 of 8 bytes; fewer (a file cut short) read as the largest, which no size can match."""
     return struct.unpack("<Q", raw)[0] if len(raw) == 8 else (1 << 62)
@@ -319,12 +325,7 @@ def _parse_earlier_state(path, f, size, num_params):
     if blob_len < 0 or n < 0 or size < start + blob_len + 8 * n:
         raise CheckpointError(f"{path}: {size} bytes, the header says at least {start + blob_len + 8 * n}: "
                               f"truncated or corrupt")
-    try:
-        info = json.loads(f.read(blob_len))
-    except ValueError:
-        raise CheckpointError(f"{path}: corrupt JSON header") from None
-    if not isinstance(info, dict):
-        raise CheckpointError(f"{path}: corrupt JSON header (not an object)")
+    info = _read_json(f, blob_len, path, "header")
     count = 3 if info.get("master_weights") else 2
     expected = start + blob_len + 4 * n * count
     if size != expected:
