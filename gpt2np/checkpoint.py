@@ -219,10 +219,10 @@ def load_state(path, num_params=None, with_master=False):
         if "loader" in layout:
             loader = dict(layout["loader"])
             if loader["shuffle"]:
-                f.seek(layout["arrays"] + 4 * n * count)
-                shards = struct.unpack("<Q", f.read(8))[0]
+                f.seek(layout["arrays"] + 4 * n * count)        # _parse_state checked these lengths
+                shards = _u64(f.read(8))
                 loader["shard_indices"] = np.fromfile(f, "<i4", shards).tolist()
-                samples = struct.unpack("<Q", f.read(8))[0]
+                samples = _u64(f.read(8))
                 loader["sample_indices"] = np.fromfile(f, "<i4", samples).tolist()
                 mt = MT_STRUCT.unpack(f.read(MT_STRUCT.size))
                 left, next_ = mt[1], mt[2]
@@ -280,10 +280,10 @@ def _parse_state(path, num_params):
             n = n if rest == 0 else -1
         if n is not None:
             expected = 4 * HEADER_INTS + 4 * n * count
-            if loader["shuffle"] and end >= expected + 8:
+            if loader["shuffle"]:                    # the loader's orders: their lengths say how long they are
                 f.seek(expected)
                 shards = _u64(f.read(8))
-                f.seek(expected + 8 + 4 * shards)
+                f.seek(min(expected + 8 + 4 * shards, size))
                 samples = _u64(f.read(8))
                 expected += 16 + 4 * (shards + samples) + MT_STRUCT.size
             if n < 0 or end != expected:

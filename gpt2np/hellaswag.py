@@ -120,7 +120,7 @@ def score(model, examples, on_batch=None) -> Result:
     counts = np.zeros((len(examples), 4))
     for lo in range(0, len(rows), model.B):
         batch = rows[lo:lo + model.B]
-        t = max(len(r) for _, _, r, _ in batch) - 1
+        t = max(max(len(r) for _, _, r, _ in batch) - 1, 1)      # at least one position (one-token rows)
         x = np.zeros((len(batch), t), dtype=np.int32)
         y = np.zeros((len(batch), t), dtype=np.int32)
         mask = np.zeros((len(batch), t), dtype=bool)

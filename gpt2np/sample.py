@@ -22,14 +22,16 @@ GELU_SCALE = math.sqrt(2.0 / math.pi)
 
 
 MASK64 = (1 << 64) - 1
+LLMC_SAMPLE_STATE = 1337
 
 
 class LlmcCoins:
     """llm.c's sampling coins (llmc/sampler.h): random_f32 of a xorshift64* state, a float in [0, 1) with 24 bits.
-    llm.c's trainer starts every sample from the state 1337 (gpt2np's: --seed, 1337 by default)."""
+    llm.c's trainer starts every sample from the state 1337 (gpt2np's: --seed, 1337 by default; a state of 0, which
+    xorshift keeps at 0 for ever, takes llm.c's 1337)."""
 
     def __init__(self, state: int):
-        self.state = state & MASK64
+        self.state = state & MASK64 or LLMC_SAMPLE_STATE
 
     def random(self) -> float:
         s = self.state

@@ -224,6 +224,24 @@ def test_llmc_state_without_footer_loads(tmp_path):
         load_state(path)
 
 
+def test_an_llmc_state_cut_before_its_loader_orders_is_one_line(tmp_path):
+    """llm.c writes its state file in place: one killed after m and v has no loader section. That is a
+    CheckpointError naming the file (not a struct error), however much of the section is there."""
+    from gpt2np.data import DataLoader, write_shard
+    write_shard(tmp_path / "s.bin", np.arange(400))
+    loader = DataLoader(str(tmp_path / "s.bin"), 2, 4, shuffle=True)
+    n = 32
+    path = tmp_path / "state.bin"
+    save_state(path, {"step": 2, "train_loader": loader.state()}, np.ones(n), np.ones(n), loader=loader.llmc_state())
+    raw = bytearray(path.read_bytes())
+    llmc = raw[:len(raw) - 16 - int(np.frombuffer(bytes(raw[-16:-8]), "<u8")[0])]
+    llmc[4 * 40:4 * 46] = bytes(24)
+    for keep in (1024 + 8 * n, 1024 + 8 * n + 4, 1024 + 8 * n + 12, len(llmc) - 1):
+        path.write_bytes(bytes(llmc[:keep]))
+        with pytest.raises(CheckpointError, match="truncated or corrupt"):
+            load_state(path, n)
+
+
 def test_earlier_gpt2np_state_files_still_load(tmp_path):
     import json
     import struct

@@ -212,3 +212,9 @@ def test_sample_next_picks_the_first_id_whose_cumulative_probability_exceeds_the
             def random(self, coin=coin):
                 return coin
         assert sample.sample_next(logits, Fixed()) == int(np.argmax(cdf > coin))
+
+
+def test_a_zero_state_takes_llmcs_1337():
+    """xorshift keeps a state of 0 at 0 (every coin 0.0); --seed 0 samples as llm.c's 1337 instead."""
+    zero, llmc = sample.LlmcCoins(0), sample.LlmcCoins(1337)
+    assert [zero.random() for _ in range(5)] == [llmc.random() for _ in range(5)]

@@ -59,3 +59,9 @@ def test_past_the_end_keeps_the_last_decay_value():
 def test_unknown_schedule():
     with pytest.raises(ValueError, match="unknown lr schedule 'step'"):
         learning_rate(0, 1e-3, 10, kind="step")
+
+
+def test_wsd_decay_point_is_llmcs_float32():
+    # N = 5,242,881: llm.c's (int)(0.8f * N) is 4,194,305 in float32 (double: 4,194,304), so step 4,194,305 is the
+    # decay point itself, still at the full lr
+    assert learning_rate(4_194_305, 1.0, 5_242_881, final_frac=0.0, kind="wsd") == 1.0
