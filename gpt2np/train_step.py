@@ -21,6 +21,7 @@ Two ways to run it, the same math:
     lazily allocated buffer) and replayed afterwards: one launch per step instead of hundreds.
 """
 import math
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Tuple
@@ -168,12 +169,13 @@ def _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_gra
         def body():
             _device_body(model, shape, accum_steps, adamw, dist, shard)
 
-        graphs_ok = cuda_graphs and dist.world_size == 1 and be.on_launch is None and hasattr(be.rt, "begin_capture")
-        if not graphs_ok:
+        graphs_ok = (cuda_graphs and dist.world_size == 1 and be.on_launch is None and hasattr(be.rt, "begin_capture")
+                     and getattr(be.rt, "captures_gemms", True))
+        cache = _GRAPHS.setdefault(model, {})
+        key = (shape, accum_steps, adamw, shard)
+        if not graphs_ok or cache.get(("eager", key)):
             body()
         else:
-            cache = _GRAPHS.setdefault(model, {})
-            key = (shape, accum_steps, adamw, shard)
             held = cache.get(key)
             state = (model.m, model.v, model.master)
             fresh = (held is not None and held.generation == be.scratch_generation
@@ -188,6 +190,13 @@ def _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_gra
                 be.rt.begin_capture()
                 try:
                     body()
+                except NotImplementedError as e:         # a library call that refuses stream capture: run eagerly
+                    be.rt.end_capture()
+                    cache[("eager", key)] = True
+                    print(f"note: the step could not be captured as a CUDA graph ({e}); it runs eagerly",
+                          file=sys.stderr, flush=True)
+                    body()
+                    return PendingStep(step, be.read_async(model.stats))
                 except BaseException:
                     be.rt.end_capture()
                     raise

@@ -104,6 +104,25 @@ def test_no_algorithm_is_one_clear_error():
     assert not lt.of("matmul") and lt.live == {rt.lt_handle}      # the plan's layouts and descriptor destroyed
 
 
+def test_a_heuristic_that_raises_is_the_same_clear_error():
+    """cuBLASLt may answer NOT_SUPPORTED (nvmath raises) instead of a count of 0: the same line, nothing leaked."""
+    rt, lt = runtime()
+
+    def not_supported(*args):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    lt.matmul_algo_get_heuristic = not_supported
+    with pytest.raises(RuntimeError, match="no algorithm .* --fuse 0"):
+        forward_gelu(rt, DeviceArray(0x10000, N, C), DeviceArray(0x20000, OC, C), DeviceArray(0x30000, N, OC),
+                     DeviceArray(0x40000, OC), DeviceArray(0x50000, N, OC))
+    assert lt.live == {rt.lt_handle}
+
+
+def test_pointer_alignment_is_the_largest_power_of_two_up_to_256():
+    assert [runtime_cupy.pointer_alignment(p) for p in (0x10000, 0x10100, 0x10080, 0x10004, 0x10002, 0x10001)] == \
+        [256, 256, 128, 4, 2, 1]
+
+
 def test_bad_epilogue_arguments_are_refused_before_cublaslt():
     rt, lt = runtime()
     inp, w, out = DeviceArray(0x10000, N, C), DeviceArray(0x20000, OC, C), DeviceArray(0x30000, N, OC)

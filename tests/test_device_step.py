@@ -79,6 +79,52 @@ def test_graph_replay_is_bitwise_the_eager_step(accum):
     assert eager.backend.rt.graph_launches == 0
 
 
+def test_a_step_that_refuses_capture_runs_eagerly_with_one_note(capsys):
+    """A library call that refuses stream capture (CuPy's cuBLAS raises NotImplementedError) does not stop the run:
+    the capture is ended, the step and every later one of that shape run eagerly, bitwise the eager step's."""
+    eager, graphed = GPT2(CFG, emu(), B, T, seed=2), GPT2(CFG, emu(), B, T, seed=2)
+    rt = graphed.backend.rt
+    real_gemm = rt.gemm
+
+    def refusing_gemm(*args, **kwargs):
+        if rt._capture is not None:
+            raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
+        return real_gemm(*args, **kwargs)
+
+    rt.gemm = refusing_gemm
+    data = batches(4, seed=5)
+    for step in range(4):
+        a = train_step(eager, feeder(data[step:step + 1]), step=step, lr=1e-3, adamw=ADAMW)
+        b = train_step(graphed, feeder(data[step:step + 1]), step=step, lr=1e-3, adamw=ADAMW, cuda_graphs=True)
+        assert tuple(a) == tuple(b), step
+        assert state(eager) == state(graphed), step
+    assert rt.graph_launches == 0 and rt._capture is None
+    notes = [line for line in capsys.readouterr().err.splitlines() if "could not be captured" in line]
+    assert len(notes) == 1 and "runs eagerly" in notes[0]
+
+
+def test_nvmath_cublas_takes_cupys_arguments_in_cupys_order():
+    """CupyRuntime calls NvmathCublas with CuPy's names and argument lists: nvmath's bindings must take the same
+    arguments in the same order (their signatures, types position by position)."""
+    import re
+    nvmath_cublas = pytest.importorskip("nvmath.bindings.cublas")
+    cupy_cublas = pytest.importorskip("cupy_backends.cuda.libs").cublas       # the package preloads libcublas
+
+    from gpt2np.backends.cuda.runtime_cupy import NvmathCublas
+
+    def types(fn):
+        params = re.search(r"\((.*)\)", fn.__doc__.splitlines()[0])[1]
+        kinds = [p.strip().rsplit(" ", 1)[0] for p in params.split(",") if p.strip()]
+        return ["ptr" if k in ("size_t", "intptr_t") else k for k in kinds]
+
+    adapter = NvmathCublas(nvmath_cublas)
+    for name in ("setStream", "setPointerMode", "setMathMode", "sgemm", "sgemmStridedBatched", "gemmEx",
+                 "gemmStridedBatchedEx", "destroy"):
+        assert types(getattr(adapter, name)) == types(getattr(cupy_cublas, name)), name
+    assert (adapter.CUBLAS_OP_N, adapter.CUBLAS_OP_T) == (cupy_cublas.CUBLAS_OP_N, cupy_cublas.CUBLAS_OP_T)
+    assert adapter.CUBLAS_POINTER_MODE_HOST == cupy_cublas.CUBLAS_POINTER_MODE_HOST
+
+
 def test_the_device_step_trains_like_the_host_step():
     host, device = GPT2(CFG, NumpyBackend(threads=1), B, T, seed=2), GPT2(CFG, emu(), B, T, seed=2)
     data = batches(6, seed=5)

@@ -44,11 +44,23 @@ SMALL = GPT2Config(max_seq_len=32, vocab_size=200, padded_vocab_size=256, num_la
 # ---- the startup check ---------------------------------------------------------------------------------------
 
 def importer(missing=()):
-    """import_module that fails for the modules named in `missing`, as a missing shared library does."""
+    """import_module that fails for the modules named in `missing`, as a missing shared library does; a package's
+    submodule fails when got as its attribute too (cupy_backends.cuda.libs loads its libraries on attribute access)."""
+    def fail(name):
+        raise ImportError(f"{missing[name]}: cannot open shared object file: No such file or directory")
+
+    class Package:
+        def __init__(self, name):
+            self.name = name
+
+        def __getattr__(self, attr):
+            full = f"{self.name}.{attr}"
+            return fail(full) if full in missing else object()
+
     def import_module(name):
         if name in missing:
-            raise ImportError(f"{missing[name]}: cannot open shared object file: No such file or directory")
-        return object()
+            fail(name)
+        return Package(name)
     return import_module
 
 

@@ -77,8 +77,8 @@ def cuda_status(cupy=None, import_module=importlib.import_module):
     if capability < MIN_COMPUTE_CAPABILITY:
         return (f"{_text(props.get('name', 'the GPU'))} is sm_{capability}; CUDA {CUDA_MAJOR} runs on sm_75 (Turing) "
                 f"and newer: use a newer GPU, or --device cpu"), True
-    try:
-        import_module("cupy_backends.cuda.libs.cublas")
+    try:        # through the package: its __getattr__ preloads the wheel's libcublas (the module alone has no RPATH)
+        import_module("cupy_backends.cuda.libs").cublas  # noqa: B018 (the attribute access loads it)
     except Exception as e:
         return (f"cuBLAS for CUDA {CUDA_MAJOR} not found ({_short(e)}): pip install 'nvidia-cublas>=13,<14' "
                 f"(or {INSTALL})"), True

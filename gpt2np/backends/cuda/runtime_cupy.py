@@ -70,11 +70,9 @@ def load_cublaslt():
 
 
 def pointer_alignment(ptr: int) -> int:
-    """The largest power of two (at most 256) dividing a device address: what cuBLASLt may assume of it."""
-    align = 256
-    while align > 4 and ptr % align:
-        align //= 2
-    return align
+    """The largest power of two (at most 256) dividing a device address: what cuBLASLt may assume of it (a bf16
+    operand may be only 2-byte aligned)."""
+    return min(256, ptr & -ptr) if ptr else 256
 
 
 def math_mode(cublas, tf32: bool) -> int:
@@ -148,6 +146,38 @@ def cublas_set_workspace():
     return None
 
 
+_said_no_capture = []              # the note above, once a process
+
+
+class NvmathCublas:
+    """cuBLAS through nvmath.bindings.cublas under the names of CuPy's cublas module (the same arguments in the same
+    order). CuPy's module refuses any call while a stream captures (its setStream raises NotImplementedError before
+    every GEMM), which would keep the step's GEMMs out of a CUDA graph; nvmath's bindings call cuBLAS as they are
+    told. setWorkspace is cublasSetWorkspace, which CuPy has no binding for."""
+
+    CUBLAS_OP_N, CUBLAS_OP_T = 0, 1                         # cublasOperation_t
+    CUBLAS_POINTER_MODE_HOST = 0                            # cublasPointerMode_t
+
+    def __init__(self, bindings):
+        b = bindings
+        self.bindings = b
+        self.create, self.destroy, self.setStream = b.create, b.destroy, b.set_stream
+        self.setPointerMode, self.setMathMode, self.setWorkspace = b.set_pointer_mode, b.set_math_mode, b.set_workspace
+        self.sgemm, self.sgemmStridedBatched = b.sgemm, b.sgemm_strided_batched
+        self.gemmEx, self.gemmStridedBatchedEx = b.gemm_ex, b.gemm_strided_batched_ex
+
+
+def load_cublas():
+    """NvmathCublas where nvmath-python is installed (GEMMs can be captured), else CuPy's cublas module (they
+    cannot: CupyRuntime.captures_gemms is False and the step runs eagerly)."""
+    try:
+        from nvmath.bindings import cublas as bindings
+        return NvmathCublas(bindings)
+    except Exception:               # not installed, or no libcublas for it
+        from cupy_backends.cuda.libs import cublas
+        return cublas
+
+
 class CupyReadback:
     """A device->host copy into pinned memory with an event behind it (runtime.Readback)."""
 
@@ -182,10 +212,17 @@ class CupyRuntime:
         the real ones; cublaslt=False: none)."""
         if cupy is None:
             import cupy
-        if cublas is None:
-            from cupy_backends.cuda.libs import cublas
+        chosen = cublas is None
+        if chosen:
+            cublas = load_cublas()
         self.cp = cupy
         self.cublas = cublas
+        # CuPy's own cublas module refuses calls during stream capture: graphs only with nvmath's bindings
+        self.captures_gemms = isinstance(cublas, NvmathCublas)
+        if chosen and not self.captures_gemms and not _said_no_capture:
+            _said_no_capture.append(True)
+            print("gpt2np: nvmath-python unavailable: CuPy's cuBLAS cannot be captured, so steps run without CUDA "
+                  "graphs (pip install nvmath-python)", file=sys.stderr)
         self.tf32 = bool(tf32)
         self.device_id = cupy.cuda.runtime.getDevice()
         self.handle = cublas.create()            # ours alone: no other code changes its math mode or stream
@@ -210,6 +247,8 @@ class CupyRuntime:
         if not self.epilogues and cublaslt is not False and not _said_no_cublaslt:
             _said_no_cublaslt.append(why)
             print(f"gpt2np: cuBLASLt unavailable ({why}): GEMM epilogues run as separate kernels", file=sys.stderr)
+        if set_workspace is None and isinstance(cublas, NvmathCublas):
+            set_workspace = cublas.setWorkspace
         self._set_workspace = set_workspace if set_workspace is not None else (
             cublas_set_workspace() if getattr(cupy, "__name__", "") == "cupy" else None)
         self._cublas_workspace = None
@@ -479,8 +518,11 @@ class LtPlan:
                                preference, attr, pointer_alignment(ptrs[operand]))
             self.algo = np.zeros(1, lt.matmul_heuristic_result_dtype)    # the algo struct is its first field
             count = np.zeros(1, np.int32)
-            lt.matmul_algo_get_heuristic(handle, self.desc, *self.layouts, self.layouts[2], preference, 1,
-                                         self.algo.ctypes.data, count.ctypes.data)
+            try:
+                lt.matmul_algo_get_heuristic(handle, self.desc, *self.layouts, self.layouts[2], preference, 1,
+                                             self.algo.ctypes.data, count.ctypes.data)
+            except Exception:           # a status such as NOT_SUPPORTED raised, not a count of 0: the same answer
+                count[0] = 0
         finally:
             lt.matmul_preference_destroy(preference)
         if count[0] < 1:
