@@ -216,6 +216,14 @@ class CupyRuntime:
         if chosen:
             cublas = load_cublas()
         self.cp = cupy
+        self.device_id = cupy.cuda.runtime.getDevice()
+        try:
+            self.handle = cublas.create()        # ours alone: no other code changes its math mode or stream
+        except Exception:
+            if not (chosen and isinstance(cublas, NvmathCublas)):
+                raise
+            from cupy_backends.cuda.libs import cublas  # nvmath's bindings found no libcublas to load: CuPy's can
+            self.handle = cublas.create()
         self.cublas = cublas
         # CuPy's own cublas module refuses calls during stream capture: graphs only with nvmath's bindings
         self.captures_gemms = isinstance(cublas, NvmathCublas)
@@ -224,8 +232,6 @@ class CupyRuntime:
             print("gpt2np: nvmath-python unavailable: CuPy's cuBLAS cannot be captured, so steps run without CUDA "
                   "graphs (pip install nvmath-python)", file=sys.stderr)
         self.tf32 = bool(tf32)
-        self.device_id = cupy.cuda.runtime.getDevice()
-        self.handle = cublas.create()            # ours alone: no other code changes its math mode or stream
         self._stream = None                      # the stream the handle is set to (set before each GEMM)
         cublas.setPointerMode(self.handle, cublas.CUBLAS_POINTER_MODE_HOST)
         cublas.setMathMode(self.handle, math_mode(cublas, self.tf32))
