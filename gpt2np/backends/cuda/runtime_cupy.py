@@ -146,7 +146,7 @@ def cublas_set_workspace():
     return None
 
 
-_said_no_capture = []              # the note above, once a process
+_said_no_capture = []              # CupyRuntime's note that steps run without graphs, once a process
 
 
 class NvmathCublas:
