@@ -3,7 +3,7 @@
     gpt2np train                         # gpt2_124M.bin (fetched; offline: d12 random init) on tinyshakespeare
     gpt2np train -e d12 -b 4 -t 64 -x 20 -o log124M
     gpt2np train -e log124M/model_00000020.bin ...         # any llm.c model file
-    gpt2np train -e d12 -b 4 -t 64 -x 40 -o log124M -y 1   # resume the run in -o: its -e, data and settings
+    gpt2np train -o log124M -y 1                           # resume the run in -o (its model; the same data, flags)
     mpiexec -n 8 gpt2np train -e d12 -z 1                  # data parallel: 8 ranks (one GPU each), ZeRO-1
 
 `python train.py` is the same command (llm.c's entry point, kept as a shim over this module).
@@ -50,6 +50,14 @@ def parse_config(argv=None):
     return TrainConfig(**vars(build_parser().parse_args(argv)))
 
 
+def model_flag_given(argv=None) -> bool:
+    """Whether the command line names -e (--model): without it a -y 1 resumes the run's own model (run_model)."""
+    import sys
+    args = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    return any(a in ("-e", "--model") or a.startswith("--model=") or (a.startswith("-e") and len(a) > 2
+                                                                       and not a.startswith("--")) for a in args)
+
+
 @tool
 def main(argv=None):
     """Parse and validate the flags, then train: bad flags or files end in one `error:` line and exit 2, a run
@@ -67,5 +75,5 @@ def main(argv=None):
     from .trainer import train
     # under mpiexec the other ranks must not wait for us: abort_job ends the job with the same code
     with one_line_errors(then=abort_job):
-        train(cfg)
+        train(cfg, model_given=model_flag_given(argv))
     return 0

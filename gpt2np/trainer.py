@@ -29,7 +29,7 @@ from .checkpoint import (
     state_path,
 )
 from .cli import BadInput, one_line
-from .config import TrainConfig
+from .config import GPT2Config, TrainConfig
 from .data import DataLoader
 from .dist import check_same_run, make_process_group, run_fingerprint, stop_together
 from .fileio import WriteError, append_line
@@ -40,7 +40,7 @@ from .profiling import ranges
 from .profiling.gpu_specs import flops_per_token, mfu
 from .profiling.profiler import Profiler, device_label, device_roofline, report_text, write_outputs
 from .progress import progress
-from .rundir import check_output_dir, prepare_run_dir, run_identity
+from .rundir import check_output_dir, latest_complete_checkpoint, prepare_run_dir, read_run_file, run_identity
 from .sample import LlmcCoins, generate
 from .schedule import learning_rate
 from .starter import Decoder, resolve_data, resolve_model
@@ -103,6 +103,19 @@ def evaluate(model, loader, max_batches, show_progress=True):
                 total += model.forward(x, y)
                 bar.update(1)
         return total / max(n, 1)
+
+
+def run_model(cfg: TrainConfig):
+    """-y 1 without -e: run.json's model block of the run in -o (config, and its initial weights' hash or random init),
+    or None where -o holds no run.json (-e's default then, as before). A run with no complete checkpoint to take the
+    weights from is one line: without -e there is nothing to start it from."""
+    saved = read_run_file(cfg.output_dir) if cfg.output_dir and os.path.isdir(cfg.output_dir) else None
+    if not saved or not isinstance(saved.get("model"), dict) or "config" not in saved["model"]:
+        return None
+    if latest_complete_checkpoint(cfg.output_dir)[0] is None:
+        raise BadInput(f"-y 1 without -e: {cfg.output_dir} has no complete checkpoint to resume the run from; give "
+                       f"the run's -e to start it over")
+    return saved["model"]
 
 
 def load_hellaswag(cfg: TrainConfig, model_cfg, dist, say=print):
@@ -170,13 +183,15 @@ def stop_if_bad(dist, bad: bool, message: str):
         raise ValueError(message)
 
 
-def train(cfg: TrainConfig, dist=None):
-    """Train as cfg says; returns the model. SIGINT/SIGTERM are caught for the whole run (see run_training)."""
+def train(cfg: TrainConfig, dist=None, model_given=True):
+    """Train as cfg says; returns the model. SIGINT/SIGTERM are caught for the whole run (see run_training).
+    model_given False (no -e on the command line): a -y 1 resumes the model of the run in -o, as llm.c's -y 1
+    takes it from the checkpoint whatever -e says."""
     with StopSignals() as signals, warnings.catch_warnings():
         # a diverging run overflows inside NumPy a step before the NaN guard stops it: its one line says enough
         warnings.filterwarnings("ignore", r"(overflow|invalid value|divide by zero) encountered", RuntimeWarning)
         try:
-            return run_training(cfg, dist, signals)
+            return run_training(cfg, dist, signals, model_given)
         except MemoryError as e:        # CuPy's OutOfMemoryError is one; the up-front check should have caught it
             raise RuntimeError(f"out of memory ({' '.join(str(e).split()) or 'MemoryError'}): the model's "
                                f"parameters, gradients and AdamW moments (16 bytes a parameter in fp32) and the "
@@ -184,7 +199,7 @@ def train(cfg: TrainConfig, dist=None):
                                f"to keep the tokens per step") from e
 
 
-def run_training(cfg: TrainConfig, dist, signals: StopSignals):
+def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True):
     dist = dist or make_process_group(cfg.device, cfg.zero_stage, cfg.dist_timeout)
     rank0 = dist.rank == 0
     say = print if rank0 else (lambda *a, **k: None)
@@ -217,7 +232,11 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
     if dist.rank != 0:
         dist.barrier()                # rank 0 fetches and prepares what is missing, alone
     bf16 = backend.precision == "bf16"            # under mpiexec too: bf16 gradients averaged (gpt2np.dist)
-    model_cfg, params, model_desc = resolve_model(cfg.model, keep_bf16=bf16)
+    recorded = run_model(cfg) if cfg.resume and not model_given else None
+    if recorded:                                  # -y 1 without -e: the run's model, weights from the checkpoint
+        model_cfg, params, model_desc = GPT2Config(**recorded["config"]), None, f"the run in {cfg.output_dir}"
+    else:
+        model_cfg, params, model_desc = resolve_model(cfg.model, keep_bf16=bf16)
     train_pattern, val_pattern = resolve_data(cfg.train_data, cfg.val_data)
     if dist.rank == 0:
         if dist.world_size > 1:
@@ -289,6 +308,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals):
             settings["precision"] = "bf16"
         identity = run_identity(model_cfg, params, train_loader.files, val_loader.files if val_loader else None,
                                 settings)
+        if recorded:
+            identity["model"] = recorded          # what the run started from, as run.json says
         start_step = prepare_run_dir(cfg.output_dir, identity, dist, resume=bool(cfg.resume),
                                      overwrite=cfg.overwrite, total_steps=total_steps, read_only=evaluate_only)
     if start_step:

@@ -254,3 +254,21 @@ def test_training_samples_are_llmcs(tiny_model):
     s ^= s >> 27
     coin = ((((s * 0x2545F4914F6CDD1D) & (2**64 - 1)) >> 32) >> 8) / 16777216
     assert ids[0] == int(np.argmax(cdf / cdf[-1] > coin))
+
+
+def test_resume_without_e_takes_the_runs_model(tiny_model, tiny_shards, tmp_path, capsys):
+    """As llm.c's -y 1 (the weights from the checkpoint whatever -e says): without -e, -y 1 resumes the run in -o with
+    its own model (run.json), bitwise the uninterrupted run; with no complete checkpoint it is one line."""
+    common = ["-i", tiny_shards / "syn_train.bin", "-j", tiny_shards / "syn_val.bin", "-b", 4, "-t", 32,
+              "--device", "cpu", "-s", 0, "-v", 0, "-n", 2, "-l", 1e-3]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run(["-e", tiny_model, *common, "-x", 4, "-o", full], capsys)[0] == 0
+    assert run(["-e", tiny_model, *common, "-x", 2, "-o", part], capsys)[0] == 0
+    code, out, err = run([*common, "-x", 4, "-o", part, "-y", 1], capsys)          # no -e
+    assert code == 0, err
+    assert "resuming from step 2" in out
+    assert (full / "model_00000004.bin").read_bytes() == (part / "model_00000004.bin").read_bytes()
+    empty = tmp_path / "empty"
+    assert run(["-e", tiny_model, *common, "-x", 1, "-n", 0, "-o", empty], capsys)[0] == 0     # run.json, no checkpoint
+    code, out, err = run([*common, "-x", 4, "-o", empty, "-y", 1], capsys)
+    assert code == 2 and "-y 1 without -e" in err and "no complete checkpoint" in err, err
