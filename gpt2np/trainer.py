@@ -113,8 +113,8 @@ def run_model(cfg: TrainConfig):
     if not saved or not isinstance(saved.get("model"), dict) or "config" not in saved["model"]:
         return None
     if latest_complete_checkpoint(cfg.output_dir)[0] is None:
-        raise BadInput(f"-y 1 without -e: {cfg.output_dir} has no complete checkpoint to resume the run from; give "
-                       f"the run's -e to start it over")
+        raise BadInput(f"-y 1 without -e: {cfg.output_dir} has no complete checkpoint to take the run's weights "
+                       f"from; give the run's -e")
     return saved["model"]
 
 
@@ -237,6 +237,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
         model_cfg, params, model_desc = GPT2Config(**recorded["config"]), None, f"the run in {cfg.output_dir}"
     else:
         model_cfg, params, model_desc = resolve_model(cfg.model, keep_bf16=bf16)
+    model_name = model_desc if recorded else f"-e {cfg.model}"        # in messages: what the model is
     train_pattern, val_pattern = resolve_data(cfg.train_data, cfg.val_data)
     if dist.rank == 0:
         if dist.world_size > 1:
@@ -269,7 +270,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
 
     if backend.name == "cuda":        # one line saying what fits, before CuPy runs out of memory mid-allocation
         lo, hi = dist.shard(num_parameters(model_cfg))
-        backend.check_memory_fits(model_cfg, B, T, optimizer_elements=hi - lo, model_name=f"-e {cfg.model}",
+        backend.check_memory_fits(model_cfg, B, T, optimizer_elements=hi - lo, model_name=model_name,
                                   reserved=dist.reserved_device_memory(), sharers=dist.gpu_sharers,
                                   attention=attention, master_weights=bool(cfg.master_weights),
                                   recompute=cfg.recompute)
