@@ -295,11 +295,12 @@ def prepare_corpus(which, out_dir, shards=-1, shard_size=SHARD_SIZE, source=None
             where = (f"--source {source}: no documents (no jsonl line or parquet row)" if source
                      else f"{corpus.hub_id} ({corpus.config or 'default'}, {split}): no documents")
             raise NoDocuments(f"{where}: nothing to tokenize") from None
-    _write_tokenizer(out_dir, bpe_dir)
+    write_tokenizer_once(out_dir, bpe_dir)
     return written
 
 
-def _write_tokenizer(out_dir, bpe_dir):
+def write_tokenizer_once(out_dir, bpe_dir):
+    """gpt2_tokenizer.bin beside the shards, unless it is there already (fineweb's and tinystories' preparers)."""
     from .tokenizer import TOKENIZER_BIN, get_encoding, write_tokenizer_bin
     if not (Path(out_dir) / TOKENIZER_BIN).exists():
         write_tokenizer_bin(Path(out_dir) / TOKENIZER_BIN, get_encoding(bpe_dir))

@@ -113,6 +113,6 @@ def prepare_tinystories(out_dir, source=None, workers=None, bpe_dir=None, cache=
             path = out_dir / f"{NAME}_{split}.bin"
             write_shard(path, tokens)
             written.append(path)
-    from .corpora import _write_tokenizer
-    _write_tokenizer(out_dir, bpe_dir)
+    from .corpora import write_tokenizer_once
+    write_tokenizer_once(out_dir, bpe_dir)
     return written
