@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .huge_pages import huge_zeros
+
 LN_EPS = 1e-5
 GELU_SCALE = math.sqrt(2.0 / math.pi)
 GELU_CUBE = 0.044715
@@ -100,7 +102,8 @@ class NumpyBackend:
 
     # ---- memory -------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
-        return np.zeros(shape, dtype or self.dtype)
+        """Zeros; a large array in transparent huge pages where the kernel offers them (huge_pages.huge_zeros)."""
+        return huge_zeros(shape, dtype or self.dtype)
 
     def from_host(self, array, dtype=None):
         return np.ascontiguousarray(array, dtype=dtype)

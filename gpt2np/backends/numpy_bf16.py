@@ -28,6 +28,7 @@ import math
 import numpy as np
 
 from .bf16 import BF16, round_stochastic
+from .huge_pages import huge_zeros
 from .numpy_backend import NumpyBackend
 
 F32 = np.dtype(np.float32)
@@ -60,7 +61,7 @@ class Bf16NumpyBackend:
 
     # ---- memory -------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
-        return np.zeros(shape, dtype or self.dtype)
+        return huge_zeros(shape, dtype or self.dtype)
 
     def from_host(self, array, dtype=None):
         """A copy; float32 into a bf16 array rounds to nearest even."""

@@ -3,8 +3,9 @@
 
     compute   the best of a few float32 GEMMs of 1536 x 1536 x 1536 through NumPy's BLAS on all its threads: what
               the step's matmuls could run at (and the ceiling for the C loops too, whose FMAs are the same units)
-    memory    the best of a few `a += b` over two 64 MiB float32 arrays (beyond the caches), split over the
-              backend's threads: 3 x 64 MiB moved per pass, the traffic the op contract's bytes count
+    memory    the best of a few `a += b` over two 64 MiB float32 arrays (beyond the caches; in huge pages where the
+              kernel offers them, as the backend's buffers), split over the backend's threads: 3 x 64 MiB moved
+              per pass, the traffic the op contract's bytes count
 
 about 0.3 s. The Roofline's device names the figures and says they were measured, so a report read later says what
 its "% of peak" is a percentage of. On a machine shared with other work the ceilings move with it; a kernel can then
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ..backends.huge_pages import huge_zeros
 from .gpu_specs import Roofline
 
 GEMM_SIZE = 1536
@@ -44,8 +46,10 @@ def gemm_flops(repeats: int) -> float:
 def add_bandwidth(threads: int, repeats: int, nbytes: int = 0) -> float:
     """Bytes/s of the best of `repeats` x += y over arrays of nbytes (default STREAM_BYTES), split over `threads`
     threads (3 x the array size moved: x and y read, x written)."""
-    x = np.ones((nbytes or STREAM_BYTES) // 4, np.float32)
-    y = np.ones_like(x)
+    x = huge_zeros((nbytes or STREAM_BYTES) // 4, np.float32)    # the memory the backend's buffers are in
+    y = huge_zeros(x.shape, np.float32)
+    x += 1.0
+    y += 1.0
     bounds = np.linspace(0, x.size, threads + 1).astype(int)
     parts = [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
     with ThreadPoolExecutor(threads) as pool:
