@@ -22,9 +22,11 @@ busy the machine was otherwise (other processes' CPU from /proc/stat, hypervisor
 --rounds N runs every part N times, interleaved, so that a slow spell of the machine hits all of them; the
 floor keeps the best of everything it measured (a strict floor), the steps their median; a "round by round" line
 adds each round's gpt2np median over the floor measured in that round (how much of the ratio is drift), and a
-"paired" line each gpt2np step over the floor measured again in the same process right after it (NumPy's BLAS,
-one warm-up and one timed call per shape; --no-paired skips it): on a machine whose speed moves by tens of percent
-from minute to minute, the ratio at the same moment.
+"paired" line: after its timed steps the gpt2np process runs --steps more, each followed by the floor measured again
+in the same process (NumPy's BLAS, one warm-up and one timed call per shape), and takes each such step over the floor
+right after it (--no-paired skips them): on a machine whose speed moves by tens of percent from minute to minute,
+the ratio at the same moment. (The paired steps are not among the timed ones: a step that follows the floor's
+measurement meets caches and TLBs it filled with its own operands.)
 
     python bench/cpu_step.py [--rounds 1] [--steps 8] [--warmup 2] [-b 4] [-t 64] [--model d12] [--threads N]
                              [--no-torch] [--no-compile] [--no-floor] [--no-paired] [--json FILE]
@@ -162,27 +164,35 @@ def bench_gpt2np(args):
     adamw = AdamW(weight_decay=0.1, grad_clip=1.0)
 
     recorder = Recorder()
-    times, paired, peak = [], [], None
-    for step in range(args.warmup + args.steps):
-        if step == 1:                                    # the second step: m and v exist already
-            ranges.add_listener(recorder)
-        t0 = time.perf_counter()
-        train_step(model, lambda: (x, y), step=step, lr=1e-4, adamw=adamw)
-        times.append(time.perf_counter() - t0)
-        if step == 1:
-            ranges.remove_listener(recorder)
-        if args.paired and step >= max(args.warmup, 1):  # (the recorder has the step's GEMMs from step 1 on)
-            peak = peak or peak_rss_bytes()              # the step's, before the floor's operands are allocated
-            # the floor again, right after this step (seconds apart, so the machine is in the same state)
-            paired.append([step, floor_ms(floor_numpy(list(recorder.gemms), args, reps=1),
-                                          [[*k, c] for k, c in recorder.gemms.items()], recorder.adamw_bytes)])
+    times, paired = [], []
     if args.warmup + args.steps < 2:
         raise SystemExit("need at least 2 steps (warm-up + measured)")
+
+    def timed_step(step):
+        t0 = time.perf_counter()
+        train_step(model, lambda: (x, y), step=step, lr=1e-4, adamw=adamw)
+        return time.perf_counter() - t0
+
+    for step in range(args.warmup + args.steps):         # the timed steps, back to back as in training
+        if step == 1:                                    # the second step: m and v exist already
+            ranges.add_listener(recorder)
+        times.append(timed_step(step))
+        if step == 1:
+            ranges.remove_listener(recorder)
+    peak = peak_rss_bytes()                              # the step's, before the floor's operands are allocated
+    # Paired: as many steps again, each followed by the floor measured in this process (seconds apart, so the
+    # machine runs at the same speed). Apart from the timed steps: the floor's operands and its 2 x 256 MiB
+    # bandwidth arrays evict the step's memory from caches and TLBs, and a step run right after them took 5-10%
+    # longer here (2026-11-24: 1326-1448 ms against 1286-1320 back to back).
+    for step in range(args.warmup + args.steps, args.warmup + 2 * args.steps if args.paired else 0):
+        step_s = timed_step(step)
+        paired.append([step_s * 1e3, floor_ms(floor_numpy(list(recorder.gemms), args, reps=1),
+                                               [[*k, c] for k, c in recorder.gemms.items()], recorder.adamw_bytes)])
     assert recorder.timed_flops() == recorder.gemm_flops, (recorder.timed_flops(), recorder.gemm_flops)
     n = model.num_parameters
     budget = 4 * (4 * n + layout_size(activation_shapes(cfg, args.b, args.t)))
     return {"ms": statistics.median(times[args.warmup:]) * 1e3, "times_ms": [t * 1e3 for t in times],
-            "peak": peak or peak_rss_bytes(), "budget": budget, "gemm_flops": recorder.gemm_flops,
+            "peak": peak, "budget": budget, "gemm_flops": recorder.gemm_flops,
             "adamw_bytes": recorder.adamw_bytes, "gemms": [[*k, c] for k, c in recorder.gemms.items()],
             "op_ms": recorder.op_ms, "matmul_flops": recorder.matmul_flops, "profiled_step_ms": times[1] * 1e3,
             "paired_floor_ms": paired}
@@ -490,7 +500,7 @@ def main():
             print(f"{'  round by round':32s}: "
                   f"{', '.join(f'{r:.2f}x ({s:.0f}/{f:.0f})' for r, s, f in by_round)}   (each round's gpt2np "
                   f"median / the floor measured in that round, ms)")
-        pairs = [(r["times_ms"][step], f) for r in runs["gpt2np"] for step, f in r["paired_floor_ms"]]
+        pairs = [(t, f) for r in runs["gpt2np"] for t, f in r["paired_floor_ms"]]
         if pairs:
             ratios = sorted(t / f for t, f in pairs)
             report["ratio_to_floor_paired"] = {"median": statistics.median(ratios), "pairs": pairs}

@@ -294,6 +294,36 @@ def test_cpu_step_bench_paired_floor_weights_each_shape_by_its_calls():
     assert bench.floor_ms({"gemm_s": [0.002, 0.004], "bandwidth": 1e9}, gemms, 4e6) == pytest.approx(14.0)
 
 
+def test_cpu_step_bench_times_its_steps_back_to_back_and_pairs_further_steps(monkeypatch):
+    """The timed steps (the median and the strict ratio) run back to back, as in training; the paired floors follow
+    --steps further steps, one after each, and pair with those steps' own times."""
+    import argparse
+
+    import gpt2np.train_step
+    bench = load_cpu_step_bench()
+    events = []
+    real_step = gpt2np.train_step.train_step        # (bench_gpt2np imports it from the module when it runs)
+
+    def step_spy(*a, **k):
+        events.append("step")
+        return real_step(*a, **k)
+
+    def floor_spy(gemms, args, reps=None):
+        events.append("floor")
+        return {"gemm_s": [0.001] * len(gemms), "bandwidth": 1e9}
+
+    monkeypatch.setattr(gpt2np.train_step, "train_step", step_spy)
+    monkeypatch.setattr(bench, "floor_numpy", floor_spy)
+    args = argparse.Namespace(model="d6", b=1, t=8, steps=3, warmup=1, threads=1, cpu_math="exact", paired=True)
+    result = bench.bench_gpt2np(args)
+    assert events == ["step"] * 4 + ["step", "floor"] * 3
+    assert len(result["times_ms"]) == 4 and len(result["paired_floor_ms"]) == 3
+    assert all(t > 0 and f > 0 for t, f in result["paired_floor_ms"])
+    events.clear()
+    args.paired = False
+    assert bench.bench_gpt2np(args)["paired_floor_ms"] == [] and events == ["step"] * 4
+
+
 def test_norm_in_cache_bench_runs_both_ways_to_the_same_sum(capsys):
     import importlib.util
     from pathlib import Path
