@@ -22,11 +22,11 @@ busy the machine was otherwise (other processes' CPU from /proc/stat, hypervisor
 --rounds N runs every part N times, interleaved, so that a slow spell of the machine hits all of them; the
 floor keeps the best of everything it measured (a strict floor), the steps their median; a "round by round" line
 adds each round's gpt2np median over the floor measured in that round (how much of the ratio is drift), and a
-"paired" line: after its timed steps the gpt2np process runs --steps more, each followed by the floor measured again
-in the same process (NumPy's BLAS, one warm-up and one timed call per shape), and takes each such step over the floor
-right after it (--no-paired skips them): on a machine whose speed moves by tens of percent from minute to minute,
-the ratio at the same moment. (The paired steps are not among the timed ones: a step that follows the floor's
-measurement meets caches and TLBs it filled with its own operands.)
+"paired" line: after its timed steps the gpt2np process runs --steps more pairs of steps, each pair followed by the
+floor measured again in the same process (NumPy's BLAS, one warm-up and one timed call per shape), and takes the
+second step of each pair over the floor right after it (--no-paired skips them): on a machine whose speed moves by
+tens of percent from minute to minute, the ratio at the same moment. (A step that follows the floor's measurement
+meets caches and TLBs filled with the floor's operands: it is neither paired nor among the timed steps.)
 
     python bench/cpu_step.py [--rounds 1] [--steps 8] [--warmup 2] [-b 4] [-t 64] [--model d12] [--threads N]
                              [--no-torch] [--no-compile] [--no-floor] [--no-paired] [--json FILE]
@@ -180,12 +180,16 @@ def bench_gpt2np(args):
         if step == 1:
             ranges.remove_listener(recorder)
     peak = peak_rss_bytes()                              # the step's, before the floor's operands are allocated
-    # Paired: as many steps again, each followed by the floor measured in this process (seconds apart, so the
-    # machine runs at the same speed). Apart from the timed steps: the floor's operands and its 2 x 256 MiB
-    # bandwidth arrays evict the step's memory from caches and TLBs, and a step run right after them took 5-10%
-    # longer here (2026-11-24: 1326-1448 ms against 1286-1320 back to back).
-    for step in range(args.warmup + args.steps, args.warmup + 2 * args.steps if args.paired else 0):
-        step_s = timed_step(step)
+    # Paired: --steps more times, a step, a step timed, then the floor measured in this process (seconds apart, so
+    # the machine runs at the same speed). The floor's operands and its 2 x 256 MiB bandwidth arrays evict the
+    # step's memory from caches and TLBs: a step right after them took 7% longer (2026-11-24, in one process:
+    # median 1417-1427 ms against 1311-1332 back to back), so the step paired is the second after a floor, and
+    # none of these is among the timed steps.
+    step = args.warmup + args.steps
+    for _ in range(args.steps if args.paired else 0):
+        timed_step(step)
+        step_s = timed_step(step + 1)
+        step += 2
         paired.append([step_s * 1e3, floor_ms(floor_numpy(list(recorder.gemms), args, reps=1),
                                                [[*k, c] for k, c in recorder.gemms.items()], recorder.adamw_bytes)])
     assert recorder.timed_flops() == recorder.gemm_flops, (recorder.timed_flops(), recorder.gemm_flops)

@@ -295,8 +295,8 @@ def test_cpu_step_bench_paired_floor_weights_each_shape_by_its_calls():
 
 
 def test_cpu_step_bench_times_its_steps_back_to_back_and_pairs_further_steps(monkeypatch):
-    """The timed steps (the median and the strict ratio) run back to back, as in training; the paired floors follow
-    --steps further steps, one after each, and pair with those steps' own times."""
+    """The timed steps (the median and the strict ratio) run back to back, as in training; then --steps times two
+    steps and a floor, the floor paired with the second step's time (the first follows the last floor)."""
     import argparse
 
     import gpt2np.train_step
@@ -316,7 +316,7 @@ def test_cpu_step_bench_times_its_steps_back_to_back_and_pairs_further_steps(mon
     monkeypatch.setattr(bench, "floor_numpy", floor_spy)
     args = argparse.Namespace(model="d6", b=1, t=8, steps=3, warmup=1, threads=1, cpu_math="exact", paired=True)
     result = bench.bench_gpt2np(args)
-    assert events == ["step"] * 4 + ["step", "floor"] * 3
+    assert events == ["step"] * 4 + ["step", "step", "floor"] * 3
     assert len(result["times_ms"]) == 4 and len(result["paired_floor_ms"]) == 3
     assert all(t > 0 and f > 0 for t, f in result["paired_floor_ms"])
     events.clear()
