@@ -112,6 +112,11 @@ def run_model(cfg: TrainConfig):
     saved = read_run_file(cfg.output_dir) if cfg.output_dir and os.path.isdir(cfg.output_dir) else None
     if not saved or not isinstance(saved.get("model"), dict) or "config" not in saved["model"]:
         return None
+    try:
+        GPT2Config(**saved["model"]["config"])
+    except (TypeError, ValueError) as e:                 # a hand-edited or damaged run.json
+        raise BadInput(f"-y 1 without -e: {os.path.join(cfg.output_dir, 'run.json')}: its model config is not a "
+                       f"GPT-2 config ({one_line(e)}); give the run's -e") from None
     if latest_complete_checkpoint(cfg.output_dir)[0] is None:
         raise BadInput(f"-y 1 without -e: {cfg.output_dir} has no complete checkpoint to take the run's weights "
                        f"from; give the run's -e")

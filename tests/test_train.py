@@ -1,4 +1,5 @@
 """train.py end to end on a tiny model: loss falls, resume is bit-identical, bad input gives one error line."""
+import json
 import os
 import re
 import shutil
@@ -272,3 +273,10 @@ def test_resume_without_e_takes_the_runs_model(tiny_model, tiny_shards, tmp_path
     assert run(["-e", tiny_model, *common, "-x", 1, "-n", 0, "-o", empty], capsys)[0] == 0     # run.json, no checkpoint
     code, out, err = run([*common, "-x", 4, "-o", empty, "-y", 1], capsys)
     assert code == 2 and "-y 1 without -e" in err and "no complete checkpoint" in err, err
+    run_file = part / "run.json"                                                   # a damaged model config
+    saved = json.loads(run_file.read_text())
+    for damaged in ({**saved["model"]["config"], "channels": "768"}, {"layers": 2}, [1, 2]):
+        run_file.write_text(json.dumps({**saved, "model": {**saved["model"], "config": damaged}}))
+        code, out, err = run([*common, "-x", 4, "-o", part, "-y", 1], capsys)
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert f"{run_file}: its model config is not a GPT-2 config" in err, err
