@@ -12,7 +12,8 @@ Shapes: B batch, T time, C channels, OC output channels, NH heads, HS = C/NH, V 
 NumPy runs a ufunc on one core, so the ops split their rows (tokens, or batch entries for attention)
 into one contiguous block per thread (ufuncs and BLAS release the GIL). Every row is computed the same
 way whatever the split, and column sums (bias and LayerNorm gradients) run over all rows at once, so
-results do not depend on the thread count.
+results do not depend on the thread count. The GEMMs are the BLAS's: OpenBLAS's own thread count
+(OPENBLAS_NUM_THREADS, else the cores) can change their last bits (measured: 1 against 2 threads).
 """
 import math
 import threading
