@@ -10,6 +10,7 @@ the step, the update not applied and no checkpoint written after it (or the step
 SIGINT/SIGTERM -> the step finishes, a checkpoint is written to -o, exit 130/143 (gpt2np.interrupts).
 -x 0 trains nothing: it validates and samples the model once and writes nothing.
 """
+import math
 import os
 import signal
 import sys
@@ -32,6 +33,7 @@ from .cli import BadInput, one_line
 from .config import GPT2Config, TrainConfig
 from .data import DataLoader
 from .dist import check_same_run, make_process_group, run_fingerprint, stop_together
+from .evaluate import eval_loss
 from .fileio import WriteError, append_line
 from .interrupts import Stopped, StopSignals
 from .model import GPT2
@@ -39,7 +41,6 @@ from .outlier import OutlierGuard, exceeded
 from .profiling import ranges
 from .profiling.gpu_specs import flops_per_token, mfu
 from .profiling.profiler import Profiler, device_label, device_roofline, report_text, write_outputs
-from .progress import progress
 from .rundir import check_output_dir, latest_complete_checkpoint, prepare_run_dir, read_run_file, run_identity
 from .sample import LlmcCoins, generate
 from .schedule import learning_rate
@@ -94,15 +95,7 @@ def evaluate(model, loader, max_batches, show_progress=True):
     worth; more than there are wraps around to the first again, as llm.c's -m does); a long one shows a progress bar
     on stderr (plain lines when stderr is not a terminal)."""
     with ranges.range("validation"):
-        loader.reset()
-        n = loader.eval_batches(max_batches)
-        total = 0.0
-        with progress(total=n, desc="val", unit="batch", quiet=not show_progress or n < LONG_VALIDATION) as bar:
-            for _ in range(n):
-                x, y = loader.next_batch()
-                total += model.forward(x, y)
-                bar.update(1)
-        return total / max(n, 1)
+        return eval_loss(model, loader, max_batches, quiet_below=LONG_VALIDATION if show_progress else math.inf)[0]
 
 
 def run_model(cfg: TrainConfig):
