@@ -36,7 +36,9 @@ from .checkpoint import (
     state_path,
 )
 from .config import TrainConfig
+from .dist import shard_bounds
 from .fileio import atomic_write, file_in_the_way
+from .tensors import num_parameters
 
 RUN_FILE = "run.json"
 RUN_FORMAT = "gpt2np run 1"
@@ -142,13 +144,31 @@ def checkpoint_problem(out_dir, step):
     if not os.path.isfile(done_path(out_dir, step)):
         return f"no {os.path.basename(done_path(out_dir, step))}: it was still being written when its run stopped"
     try:
-        read_model_header(model_path(out_dir, step))
-        info, _ = read_state_header(state_path(out_dir, step, 0))
+        cfg, _ = read_model_header(model_path(out_dir, step))
+        info, _ = _state_header(state_path(out_dir, step, 0), cfg, 0)
         for rank in range(1, int(info.get("world_size", 1))):
-            read_state_header(state_path(out_dir, step, rank))
+            _state_header(state_path(out_dir, step, rank), cfg, rank)
     except CheckpointError as e:
         return str(e)
     return None
+
+
+def _state_header(path, cfg, rank):
+    """read_state_header(path), its size checked too where only the model can say it: an llm.c state file with a
+    shuffled loader and no gpt2np footer holds m and v for all the model's parameters, or for this rank's ZeRO-1
+    shard of them (its header does not say which): a file that fits neither is truncated or corrupt."""
+    info, n = read_state_header(path)
+    if n is not None:
+        return info, n
+    total = num_parameters(cfg)
+    sizes = dict.fromkeys([total, *(hi - lo for lo, hi in [shard_bounds(total, int(info["world_size"]))[rank]])])
+    problems = []
+    for size in sizes:
+        try:
+            return read_state_header(path, num_params=size)
+        except CheckpointError as e:
+            problems.append(str(e))
+    raise CheckpointError(problems[0])
 
 
 def latest_complete_checkpoint(out_dir):

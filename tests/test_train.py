@@ -229,6 +229,21 @@ def test_resume_from_llmc_state_file(tiny_model, tiny_shards, tmp_path, capsys):
     np.testing.assert_array_equal(m_a, m_b)
     np.testing.assert_array_equal(v_a, v_b)
 
+    # such a file cut short is an incomplete checkpoint, skipped for the one before (its size is checked against the
+    # model's parameter count: the file alone cannot say it)
+    from gpt2np.rundir import latest_complete_checkpoint
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for step in (3, 6):
+        for name in (f"model_{step:08d}.bin", f"DONE_{step:08d}"):
+            shutil.copy(full / name, cut / name)
+        raw = (full / f"state_{step:08d}_00000.bin").read_bytes()
+        llmc = bytearray(raw[:len(raw) - 16 - int(np.frombuffer(raw[-16:-8], "<u8")[0])])
+        llmc[4 * 40:4 * 46] = bytes(24)
+        (cut / f"state_{step:08d}_00000.bin").write_bytes(bytes(llmc[:-100] if step == 6 else llmc))
+    step, notes = latest_complete_checkpoint(cut)
+    assert step == 3 and len(notes) == 1 and "step 6" in notes[0] and "truncated" in notes[0], notes
+
 
 def test_training_samples_are_llmcs(tiny_model):
     """A training sample as llm.c's: -g counts the EOT it starts from (genT - 1 new tokens), the coins restart from
