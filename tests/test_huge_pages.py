@@ -74,3 +74,12 @@ def test_bandwidth_probe_runs_on_the_same_memory(monkeypatch):
     monkeypatch.setattr(cpu_roof, "huge_zeros", spy)
     assert cpu_roof.add_bandwidth(threads=2, repeats=1, nbytes=HUGE_MIN) > 0
     assert [a.nbytes for a in made] == [HUGE_MIN, HUGE_MIN]
+
+
+def test_a_mapping_that_fails_is_a_memory_error(monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", no_memory)
+    with pytest.raises(MemoryError, match="Cannot allocate memory"):
+        huge_zeros((HUGE_MIN,), np.float32)

@@ -24,7 +24,10 @@ def huge_zeros(shape, dtype):
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < HUGE_MIN or advice is None:
         return np.zeros(shape, dtype)
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # zero-filled
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # zero-filled
+    except OSError as e:           # ENOMEM: what np.zeros would raise, so that callers see one kind of error
+        raise MemoryError(f"cannot allocate {nbytes} bytes: {e.strerror}") from None
     raw = np.frombuffer(mapping, np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE
     try:
