@@ -113,6 +113,7 @@ def _setting(flag, default=None, help="", *, cpu_gpu=None, choices=None, metavar
 
 
 COUNT = integer(1)                                   # a size: at least one
+UINT32 = Allowed(lambda v: is_int(v) and 0 <= v < 2 ** 32, "an integer from 0 to 4294967295")
 OFF_OR_EVERY = integer(0, words="an integer >= 0 (0 = never)")
 
 
@@ -187,7 +188,10 @@ class TrainConfig:
                            "same backend; emu = the CUDA kernels on the CPU emulator (slow: tiny models, to see or "
                            "test the CUDA path without a GPU; its -b/-t/-x defaults are the CPU's, its kernel "
                            "choices the GPU's)", choices=("auto", "cpu", "numpy", "cuda", "emu"))
-    seed: int = _setting("--seed", 1337, "init and sampling seed", allowed=integer(0), what="the seed")
+    seed: int = _setting("--seed", 1337, "the sampling seed (llm.c's 1337) and bf16's stochastic rounding seed",
+                         allowed=integer(0), what="the seed")
+    init_seed: int = _setting("--init-seed", 42, "the random init's mt19937 seed for a model descriptor (-e d12): "
+                              "llm.c's init, bit for bit, with llm.c's 42", allowed=UINT32, what="the init seed")
     shuffle: int = _setting("--shuffle", 1, "1 = read the train shards and samples in llm.c's shuffled order (its "
                             "permutations, a stream seeded 42 + rank; off with -a 1), 0 = in file order",
                             choices=(0, 1))

@@ -557,7 +557,7 @@ LISTED_AT_MOST = 4           # names of further differences / ranks in the misma
 def run_fingerprint(cfg, backend, model_cfg, params, train_loader, val_loader=None) -> dict:
     """{what: value as text} of everything the ranks of one job must agree on, in the order differences are
     reported: the training settings by llm.c flag (cfg: a TrainConfig), the backend, the model's config and
-    initial weights (params: the loaded ones, None for a random init from --seed), the shards of each loader."""
+    initial weights (params: the loaded ones, None for a random init from --init-seed), the shards of each loader."""
     fingerprint = {f.metadata["flag"]: _shown(getattr(cfg, f.name)) for f in fields(cfg)
                    if f.name not in PER_RANK_SETTINGS + COMPARED_BY_CONTENT}
     math = getattr(backend, "math", None)         # the CPU's math as it runs (exact where the C loops did not build)
@@ -566,7 +566,7 @@ def run_fingerprint(cfg, backend, model_cfg, params, train_loader, val_loader=No
     fingerprint["-e model"] = (f"maxT={c.max_seq_len} V={c.vocab_size} Vp={c.padded_vocab_size} L={c.num_layers} "
                                f"NH={c.num_heads} C={c.channels}")
     fingerprint["-e weights"] = (f"sha256 {params_hash(params)}" if params is not None
-                                 else f"random init (--seed {cfg.seed})")
+                                 else f"random init (--init-seed {cfg.init_seed})")
     for flag, loader in (("-i", train_loader), ("-j", val_loader)):
         shards = loader.signature() if loader is not None else []
         fingerprint[f"{flag} shards"] = str(len(shards)) if loader is not None else "none"

@@ -351,7 +351,8 @@ def write_hf_folder(folder, cfg: GPT2Config, params) -> list:
 def load_any_model(spec) -> tuple:
     """(GPT2Config, params, description) for a command's -e: an llm.c model file (also a name in checkpoints/;
     gpt2_124M.bin is fetched there when missing),
-    llm.c's model descriptors d6..d84, gpt2:dL, gpt3:cC (random init, seed 1337), a transformers GPT-2 folder, or a
+    llm.c's model descriptors d6..d84, gpt2:dL, gpt3:cC (llm.c's random init, bit for bit: gpt2np.init), a
+    transformers GPT-2 folder, or a
     Hugging Face Hub id (downloaded when online)."""
     from .config import descriptor
     from .fetch import KNOWN_FILES, ensure
@@ -369,10 +370,8 @@ def load_any_model(spec) -> tuple:
     except ValueError as e:
         raise ValueError(f"-e {e}") from None
     if cfg is not None:
-        from .backends import get_backend
-        from .model import GPT2
-        model = GPT2(cfg, get_backend("numpy"), 1, 1, seed=1337)
-        return cfg, model.params_host(), f"{spec} (random init)"
+        from .init import llmc_init
+        return cfg, llmc_init(cfg), f"{spec} (random init)"
     if path.is_dir() or path.is_file() or is_hub_id(spec):
         cfg, params, folder = load_hf(spec)
         return cfg, params, f"{spec} (Hugging Face, {folder})" if str(folder) != spec else f"{spec} (Hugging Face)"

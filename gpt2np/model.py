@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from .config import GPT2Config
+from .init import llmc_init
 from .profiling import ranges
 from .tensors import (
     DECAYED_BY_DEFAULT,
@@ -118,24 +119,10 @@ class GPT2:
 
     # ---- parameters ---------------------------------------------------------------------
     def init_random(self, seed: int):
-        """llm.c's init: N(0, 0.02) weights, N(0, 0.02/sqrt(2L)) residual projections, LN weights 1, biases 0.
-
-        The wte padding rows [V, Vp) stay zero.
-        """
-        rng = np.random.default_rng(seed)
-        cfg = self.cfg
-        host = np.zeros(self.num_parameters, np.float32)
-        hv = views(host, self.param_shapes)
-        residual_std = 0.02 / math.sqrt(2 * cfg.num_layers)
-        for name in PARAM_NAMES:
-            if name in ("ln1w", "ln2w", "lnfw"):
-                hv[name][...] = 1.0
-            elif name in ("attprojw", "fcprojw"):
-                hv[name][...] = rng.standard_normal(hv[name].shape, np.float32) * np.float32(residual_std)
-            elif name in ("wte", "wpe", "qkvw", "fcw"):
-                hv[name][...] = rng.standard_normal(hv[name].shape, np.float32) * np.float32(0.02)
-        hv["wte"][cfg.vocab_size:] = 0.0
-        self.load_params(host)
+        """llm.c's random init, bit for bit (gpt2np.init.llmc_init, its mt19937 seeded `seed`; llm.c's is 42):
+        N(0, 0.02) weights, N(0, 0.02/sqrt(2L)) residual projections, LN weights 1, biases 0, the wte padding rows
+        [V, Vp) zero; bf16 parameters are those values rounded to nearest even, as llm.c's cast."""
+        self.load_params(llmc_init(self.cfg, seed))
 
     def load_params(self, flat):
         """Copy a host (num_parameters,) float array into the parameter buffer."""

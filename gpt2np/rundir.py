@@ -55,7 +55,7 @@ FLAGS = {f.name: f.metadata["flag"] for f in dataclasses.fields(TrainConfig)} | 
 
 # settings run.json records since 2026-11-24 (AdamW's and the clipping's: a resume must keep them as it keeps the lr
 # schedule); an older run.json lacks them, and its runs resume without their check
-RECORDED_SINCE_2026_11_24 = ("weight_decay", "grad_clip", "beta1", "beta2", "eps")
+RECORDED_SINCE_2026_11_24 = ("weight_decay", "grad_clip", "beta1", "beta2", "eps", "init_seed")
 
 
 class RunDirError(ValueError):

@@ -272,7 +272,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
                                   reserved=dist.reserved_device_memory(), sharers=dist.gpu_sharers,
                                   attention=attention, master_weights=bool(cfg.master_weights),
                                   recompute=cfg.recompute)
-    model = GPT2(model_cfg, backend, B, T, seed=cfg.seed if params is None else None, attention=attention,
+    model = GPT2(model_cfg, backend, B, T, seed=cfg.init_seed if params is None else None, attention=attention,
                  fuse=bool(cfg.fuse), gelu_fusion=cfg.gelu_fusion, recompute=cfg.recompute,
                  master_weights=bool(cfg.master_weights))
     model.rounding_seed = cfg.seed            # bf16: the stochastic rounding of the parameters (AdamW)
@@ -298,7 +298,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
         raise ValueError("-y 1 (resume) needs -o, the folder the checkpoints are in")
     if cfg.output_dir and (cfg.resume or not evaluate_only):
         settings = {"batch_size": B, "seq_len": T, "total_batch_size": total_batch, "processes": dist.world_size,
-                    "zero_stage": dist.zero_stage, "seed": cfg.seed, "shuffle": cfg.shuffle,
+                    "zero_stage": dist.zero_stage, "seed": cfg.seed, "init_seed": cfg.init_seed, "shuffle": cfg.shuffle,
                     "overfit_single_batch": cfg.overfit_single_batch, "learning_rate": cfg.learning_rate,
                     "warmup_steps": cfg.warmup_steps, "final_lr_frac": cfg.final_lr_frac,
                     "lr_schedule": cfg.lr_schedule, "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip,
@@ -335,7 +335,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
         ("grad clip", cfg.grad_clip), ("max_steps", cfg.max_steps), ("val_loss_every", cfg.val_every),
         ("val_max_steps", cfg.val_max_batches), ("sample_every", cfg.sample_every), ("genT", cfg.gen_tokens),
         ("overfit_single_batch", cfg.overfit_single_batch), ("skip update lossz", f"{cfg.skip_update_lossz:f}"),
-        ("skip update gradz", f"{cfg.skip_update_gradz:f}"), ("seed", cfg.seed),
+        ("skip update gradz", f"{cfg.skip_update_gradz:f}"), ("seed", cfg.seed), ("init seed", cfg.init_seed),
         ("shuffle", int(train_loader.shuffle)), ("processes", dist.world_size),
         ("zero stage", dist.zero_stage), ("device", "cuda (the CPU emulator)" if backend_name == "emu"
                                                   else f"{backend.name} ({device_name})"),

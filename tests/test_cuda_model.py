@@ -6,6 +6,7 @@ CuPy by overriding the `cuda_backend` fixture.
 """
 import numpy as np
 import pytest
+from noise_params import key_bias_mask
 
 from gpt2np.backends.cuda.backend import CudaBackend
 from gpt2np.backends.numpy_backend import NumpyBackend
@@ -74,7 +75,9 @@ def test_three_adamw_steps(cuda_backend):
                                  adamw=AdamW(weight_decay=0.1, grad_clip=0.5))   # clipping active on tiny models too
             losses[id(model)].append(loss)
     np.testing.assert_allclose(losses[id(gpu)], losses[id(ref)], rtol=1e-5)
-    np.testing.assert_allclose(gpu.params_host(), ref.params_host(), rtol=1e-4, atol=2e-6)
+    noise = key_bias_mask(CFG)
+    np.testing.assert_allclose(gpu.params_host()[~noise], ref.params_host()[~noise], rtol=1e-4, atol=2e-6)
+    assert np.all(np.abs(gpu.params_host()[noise] - ref.params_host()[noise]) <= 3 * 3e-3)
 
 
 def test_gradients_do_not_depend_on_the_thread_schedule():
@@ -132,7 +135,9 @@ def test_fused_and_unfused_stay_close_over_ten_steps():
             loss, _ = train_step(model, lambda x=x, y=y: (x, y), step=step, lr=3e-3, adamw=AdamW(weight_decay=0.1))
             losses[model.fuse].append(loss)
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)
-    np.testing.assert_allclose(fused.params_host(), unfused.params_host(), rtol=1e-3, atol=1e-5)
+    noise = key_bias_mask(CFG)
+    np.testing.assert_allclose(fused.params_host()[~noise], unfused.params_host()[~noise], rtol=1e-3, atol=1e-5)
+    assert np.all(np.abs(fused.params_host()[noise] - unfused.params_host()[noise]) <= 10 * 3e-3)
 
 
 def test_fused_ops_on_numpy_are_the_unfused_sequence_bitwise():

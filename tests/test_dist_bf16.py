@@ -11,11 +11,14 @@ What "trains like one process" means in bf16: N ranks with micro-batch b are com
 They cannot agree bit for bit: one process rounds each parameter gradient to bf16 once, from the fp32 sum over
 all N*b sequences; N ranks round each rank's partial gradient to bf16, then the mean of those once more. So the
 gradients differ by about one bf16 rounding (2^-8 relative), and AdamW's update with them. The bound used
-(measured on this tiny model, 4 AdamW steps at lr 1e-3, 2 and 3 ranks, both backends): the losses agree to rtol
-1e-3 (measured <= 3.5e-5); all but 0.1% of the parameters are within 2 bf16 ulps of their magnitude or 2^-12
-absolute (measured: all but 2 of 34208; 2 ranks: every one within 1 ulp); the rest within 2 ulps plus one lr
-(near-zero gradients, where Adam's m / sqrt(v) is sensitive: measured at most 5.4e-4); fewer than 30% of the
-parameters differ at all (measured 14% with 2 ranks, 22% with 3; bf16 against fp32 on the same run: 43%).
+(measured on this tiny model, 4 AdamW steps at lr 1e-3, 2 and 3 ranks, both backends, llm.c's init): the losses
+agree to rtol 1e-3 (measured <= 3.5e-5 with NumPy's earlier init); all but 0.1% of the parameters are within 2
+bf16 ulps of their magnitude or 2^-12 absolute (measured: all but 1 of 34144 with 2 ranks, all but 7 with 3); the
+rest within 2 ulps plus 4 lr, as far as 4 Adam updates can differ (near-zero gradients, where Adam's m / sqrt(v) is
+sensitive: measured at most 1.15e-3); the key biases, whose gradient is round-off (tests/noise_params.py), within
+the same and left out of these counts; fewer than 30% of the
+parameters differ at all (measured 13% with 2 ranks, 21% with 3; with the earlier init bf16 against fp32 on the
+same run: 43%).
 """
 import re
 import subprocess
@@ -24,6 +27,7 @@ import sys
 import numpy as np
 import pytest
 from fake_gpu import FakeNccl, Group, ThreadComm
+from noise_params import key_bias_mask
 from test_dist import REPO, clean_env, mpiexec  # noqa: F401 (the fixture: mpiexec, probed with 2 ranks)
 from test_dist_fake_nccl import batches as fake_nccl_batches
 from test_dist_fake_nccl import train
@@ -103,13 +107,17 @@ def bits(params):
     return np.asarray(params).view(np.uint16)
 
 
-def close_to_one_process(params, reference, lr):
-    """The parameters' bound of the module docstring."""
+def close_to_one_process(params, reference, lr, steps=4):
+    """The parameters' bound of the module docstring (the key biases, whose gradient is round-off: within 2 ulps
+    plus steps x lr; noise_params)."""
     ref = reference.astype(np.float32)
     ulp = np.spacing(np.abs(ref)) * 2.0 ** 16                # bf16's ulp at |w| (fp32's has 16 more bits)
     diff = np.abs(params.astype(np.float32) - ref)
+    noise = key_bias_mask(TINY)
+    assert np.all(diff[noise] <= 2 * ulp[noise] + steps * lr)
+    ref, ulp, diff = ref[~noise], ulp[~noise], diff[~noise]
     assert np.any(diff > 0)                                  # the ranks' roundings do differ from one process's
-    assert np.all(diff <= 2 * ulp + lr), np.max(diff - 2 * ulp)
+    assert np.all(diff <= 2 * ulp + steps * lr), np.max(diff - 2 * ulp)
     assert np.mean(diff > 2 * ulp + 2.0 ** -12) < 1e-3, np.sum(diff > 2 * ulp + 2.0 ** -12)
     assert np.mean(diff > 0) < 0.3, np.mean(diff > 0)
 

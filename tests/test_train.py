@@ -295,3 +295,22 @@ def test_resume_without_e_takes_the_runs_model(tiny_model, tiny_shards, tmp_path
         code, out, err = run([*common, "-x", 4, "-o", part, "-y", 1], capsys)
         assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
         assert f"{run_file}: its model config is not a GPT-2 config" in err, err
+
+
+def test_a_descriptor_starts_from_llmcs_init_with_init_seed(tiny_shards, tmp_path, capsys, monkeypatch):
+    """-e d6: the weights are llm.c's random init (gpt2np.init) from --init-seed (default llm.c's 42; --seed, the
+    sampler's, leaves them alone); the run records the seed, and a resume with another --init-seed is another run."""
+    import gpt2np.model
+    from gpt2np.init import llmc_init
+    seeds = []
+    monkeypatch.setattr(gpt2np.model, "llmc_init", lambda cfg, seed: seeds.append(seed) or llmc_init(cfg, seed))
+    args = ["-e", "d6", "-i", tiny_shards / "syn_train.bin", "-j", tiny_shards / "syn_val.bin", "-b", 1, "-t", 8,
+            "--device", "cpu", "-s", 0, "-v", 0, "-x", 1, "-n", 1]
+    assert run(args + ["-o", tmp_path / "a", "--seed", 5], capsys)[0] == 0
+    assert run(args + ["-o", tmp_path / "b", "--init-seed", 7], capsys)[0] == 0
+    assert seeds == [42, 7]
+    assert json.loads((tmp_path / "b" / "run.json").read_text())["settings"]["init_seed"] == 7
+    code, out, err = run(args + ["-o", tmp_path / "b", "--init-seed", 8, "-y", 1, "-x", 2], capsys)
+    assert code == 2 and "--init-seed 7 there, 8 here" in err, err
+    code, out, err = run(args + ["-o", tmp_path / "c", "--init-seed", -1], capsys)
+    assert code == 2 and "--init-seed" in err and err.count("\n") == 1, err
