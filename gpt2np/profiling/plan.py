@@ -307,8 +307,10 @@ def measure(plan: Plan, backend, params=None, batches=None, activity_source="aut
     """Run the planned step for real on `backend` (a GPU, or the emulator) under the Profiler and put the measured
     time of each launch beside its floor (plan.measured, Launch.measured_ns). params: the model's weights (host
     array), else a random init."""
+    from ..init import LLMC_INIT_SEED
     from ..model import GPT2
-    model = GPT2(plan.cfg, backend, plan.B, plan.T, seed=0 if params is None else None, attention=plan.attention,
+    model = GPT2(plan.cfg, backend, plan.B, plan.T, seed=LLMC_INIT_SEED if params is None else None,
+                 attention=plan.attention,
                  fuse=plan.fuse, gelu_fusion=plan.gelu_fusion, recompute=plan.recompute)
     if params is not None:
         model.load_params(params)

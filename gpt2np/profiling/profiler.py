@@ -514,6 +514,7 @@ def profile_steps(model, batches, steps, lr=1e-4, activity_source="auto"):
 def main(argv=None):
     """Profile a few training steps and write the report; bad flags and files: one line, exit 2."""
     from ..backends import get_backend, resolve_attention, resolve_name
+    from ..init import LLMC_INIT_SEED
     from ..model import GPT2
     from ..starter import resolve_model
 
@@ -590,7 +591,7 @@ def main(argv=None):
     if note:
         print(f"note: {note}", file=sys.stderr)        # stdout holds the views
     recompute = args.recompute if args.recompute is not None else train_recompute(resolve_name(args.device))
-    model = GPT2(cfg, backend, args.batch_size, args.seq_len, seed=0 if params is None else None,
+    model = GPT2(cfg, backend, args.batch_size, args.seq_len, seed=LLMC_INIT_SEED if params is None else None,
                  attention=attention, recompute=recompute)
     if params is not None:
         model.load_params(params)
