@@ -235,15 +235,14 @@ def move_aside(out_dir):
 
 
 def trim_log(out_dir, step):
-    """Drop main.log's lines of steps after `step` (written by an attempt that stopped before its next
-    checkpoint), so a resumed run's log reads as one uninterrupted run's."""
+    """Drop main.log's lines of `step` and later (written by an attempt that stopped before its next checkpoint;
+    the resumed run evaluates `step` again, as llm.c's), so a resumed run's log reads as one uninterrupted run's."""
     path = os.path.join(out_dir, LOG_FILE)
     if not os.path.isfile(path):
         return
     with open(path) as f:
         lines = f.readlines()
-    kept = [line for line in lines if not (m := LOG_LINE.match(line))
-            or int(m.group(1)) < step or (m.group(2) != "trl" and int(m.group(1)) == step)]
+    kept = [line for line in lines if not (m := LOG_LINE.match(line)) or int(m.group(1)) < step]
     if kept != lines:
         with atomic_write(path, "w") as f:
             f.writelines(kept)

@@ -98,6 +98,15 @@ def evaluate(model, loader, max_batches, show_progress=True):
         return eval_loss(model, loader, max_batches, quiet_below=LONG_VALIDATION if show_progress else math.inf)[0]
 
 
+def throughput_text(backend, flops_per_token, tok_s, processes, device_name) -> str:
+    """The step line's throughput: on a GPU llm.c's MFU, one process's tokens (tok_s / processes, all of them
+    together) against one GPU's peak; on the CPU the GFLOP/s of all processes."""
+    if backend.name == "cuda":
+        util = mfu(flops_per_token, tok_s / processes, device_name, backend.precision)
+        return f"{100 * util:.1f}% MFU" if util is not None else "MFU n/a"
+    return f"{flops_per_token * tok_s / 1e9:.1f} GFLOP/s"
+
+
 def run_model(cfg: TrainConfig):
     """-y 1 without -e: run.json's model block of the run in -o (config, and its initial weights' hash or random init),
     or None where -o holds no run.json (-e's default then, as before). A run with no complete checkpoint to take the
@@ -316,10 +325,9 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
         skipped = int(info.get("nonfinite_skipped", 0))
         if "outliers" in info:
             guard.load_state(info["outliers"])
-        if start_step == total_steps:
-            say(f"{cfg.output_dir}: the run is at step {start_step} already, -x {total_steps}: nothing to do "
-                f"(give a larger -x to train on)")
-            return model
+        if start_step == total_steps:             # llm.c: the last step's evaluations, then the end
+            say(f"{cfg.output_dir}: the run is at step {start_step} already, -x {total_steps}: no step to train "
+                f"(give a larger -x to train on); the last step's evaluations run again")
     logger = Logger(None if evaluate_only else cfg.output_dir, dist.rank, resume=start_step > 0)
 
     device_name = device_label(backend)
@@ -417,11 +425,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
         k = len(step_times) - 1
         tok_s_ema = 0.95 * tok_s_ema + 0.05 * tok_s if k else 0.0
         tok_s_shown = tok_s_ema / (1.0 - 0.95 ** k) if k else tok_s
-        if backend.name == "cuda":
-            util = mfu(fpt, tok_s, device_name, backend.precision)
-            perf = f"{100 * util:.1f}% MFU" if util is not None else "MFU n/a"
-        else:
-            perf = f"{fpt * tok_s / 1e9:.1f} GFLOP/s"
+        perf = throughput_text(backend, fpt, tok_s, dist.world_size, device_name)
         if applied:
             # llm.c's line: the z-scores over the window (nan while it fills, the first 128 steps)
             line = (f"step {step_ + 1:4d}/{total_steps} | loss {loss:.6f} ({z_loss:+.2f}z)| norm {norm:.4f} "
@@ -451,13 +455,15 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
             trained_here = step > start_step
             stop_on_signal(signals, step, checkpoint if cfg.output_dir and trained_here else None, cfg.output_dir,
                            rank0)
-        if val_loader and (step % cfg.val_every == 0 or last) and not resumed_here:
+        # at the resumed step, as llm.c: the evaluations run (again: main.log was trimmed of them), not the
+        # checkpoint (a stop by signal writes its checkpoint before that step's evaluations)
+        if val_loader and (step % cfg.val_every == 0 or last):
             val_loss = dist.average(evaluate(model, val_loader, cfg.val_max_batches, show_progress=rank0))
             say(f"val loss {val_loss:.6f}")
             logger.log(f"s:{step} tel:{val_loss:.4f}")
-        if hellaswag_total and (cfg.hellaswag_due(step) or last) and not resumed_here:
+        if hellaswag_total and (cfg.hellaswag_due(step) or last):
             hellaswag_eval(step)
-        if decoder and rank0 and step > 0 and (step % cfg.sample_every == 0 or last) and not resumed_here:
+        if decoder and rank0 and step > 0 and (step % cfg.sample_every == 0 or last):
             say(sample_text(model, decoder, cfg))
         if (cfg.output_dir and cfg.checkpoint_every > 0 and step > 0 and (step % cfg.checkpoint_every == 0 or last)
                 and not resumed_here):
@@ -493,7 +499,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
             profiler = None
     if step_times:
         timed = step_times[1:] or step_times
-        say(f"total average iteration time: {1e3 * sum(timed) / len(timed):.3f} ms")
+        say(f"total average iteration time: {1e3 * sum(timed) / len(timed):f} ms")
     if guard.active:
         say(f"updates skipped as outliers (-sl {cfg.skip_update_lossz:g} -sg {cfg.skip_update_gradz:g}): "
             f"{guard.skipped}")

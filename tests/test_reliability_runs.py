@@ -153,13 +153,29 @@ def test_resume_past_or_at_max_steps(files, tmp_path, capsys):
     assert code == 0, err
     before = snapshot(out)
     code, stdout, err = run(args(files, out, "-x", 3, "-n", 3, "-y", 1), capsys)      # the run is complete
-    assert code == 0 and "nothing to do" in stdout and not STEP_LINE.search(stdout), err
+    assert code == 0 and "no step to train" in stdout and not STEP_LINE.search(stdout), err
     code, _, err = run(args(files, out, "-x", 2, "-n", 3, "-y", 1), capsys)           # it is already past -x
     assert code != 0
     one_error_line(err, "latest checkpoint is at step 3, past -x 2")
     del before["run.json"]                                                            # rewritten (same run)
     after = snapshot(out)
     assert {name: after[name] for name in before} == before
+
+
+def test_the_resumed_step_is_evaluated_as_llmcs(files, tmp_path, capsys):
+    """As llm.c's loop, a resume evaluates its step when due (the checkpoint a stop by signal writes comes before
+    that step's evaluations; here the first attempt ran with -v 0), then trains on; at the last step of a finished
+    run it evaluates it again. main.log holds each line once."""
+    out = tmp_path / "out"
+    assert run(args(files, out, "-x", 2, "-n", 2), capsys)[0] == 0                  # -v 0: no val line
+    code, stdout, err = run(args(files, out, "-x", 4, "-n", 2, "-y", 1, "-v", 2, "-m", 2), capsys)
+    assert code == 0, err
+    assert stdout.index("val loss") < stdout.index("step    3/4")
+    log = (out / "main.log").read_text().splitlines()
+    assert [line.split()[0] for line in log if "tel:" in line] == ["s:2", "s:4"], log
+    code, stdout, err = run(args(files, out, "-x", 4, "-n", 2, "-y", 1, "-v", 2, "-m", 2), capsys)
+    assert code == 0 and "no step to train" in stdout and stdout.count("val loss") == 1, err
+    assert (out / "main.log").read_text().splitlines() == log
 
 
 def test_resume_skips_incomplete_and_damaged_checkpoints(files, tmp_path, capsys):
@@ -574,8 +590,8 @@ def test_a_deferred_non_finite_step_stops_the_run_before_its_successor_is_report
 
 
 def test_trim_log_drops_every_kind_of_line_after_the_resumed_step(tmp_path):
-    """A resume from the checkpoint of step 2 keeps the log up to it (the val loss and HellaSwag lines of step 2 are
-    logged before it) and drops the lines the resumed run writes again: trl of 2 on, tel and eval after 2."""
+    """A resume from the checkpoint of step 2 keeps the log before it and drops the lines the resumed run writes
+    again: every line of step 2 on (as llm.c's, it evaluates step 2 again before training it)."""
     from gpt2np.rundir import trim_log
     lines = ["s:0 tel:5.0000", "s:0 eval:0.2000", "s:0 trl:5.1000 lr:0.000300 norm:1.00",
              "s:1 trl:5.0000 lr:0.000300 norm:1.00", "s:2 tel:4.9000", "s:2 eval:0.4000",
@@ -583,4 +599,4 @@ def test_trim_log_drops_every_kind_of_line_after_the_resumed_step(tmp_path):
              "s:4 eval:0.6000"]
     (tmp_path / "main.log").write_text("\n".join(lines) + "\n")
     trim_log(tmp_path, 2)
-    assert (tmp_path / "main.log").read_text().splitlines() == lines[:6]
+    assert (tmp_path / "main.log").read_text().splitlines() == lines[:4]

@@ -314,3 +314,17 @@ def test_a_descriptor_starts_from_llmcs_init_with_init_seed(tiny_shards, tmp_pat
     assert code == 2 and "--init-seed 7 there, 8 here" in err, err
     code, out, err = run(args + ["-o", tmp_path / "c", "--init-seed", -1], capsys)
     assert code == 2 and "--init-seed" in err and err.count("\n") == 1, err
+
+
+def test_step_line_mfu_is_one_gpus_share_under_mpiexec():
+    """llm.c's MFU: one process's tokens (B*T*grad_accum) against one GPU's peak; tok/s counts every process."""
+    from types import SimpleNamespace
+
+    from gpt2np.profiling.gpu_specs import mfu
+    from gpt2np.trainer import throughput_text
+    gpu = SimpleNamespace(name="cuda", precision="bf16")
+    one, two = (throughput_text(gpu, 1e9, 200_000.0, n, "H100 SXM") for n in (1, 2))
+    expected = mfu(1e9, 100_000.0, "H100 SXM", "bf16")
+    assert two == f"{100 * expected:.1f}% MFU" and one == f"{200 * expected:.1f}% MFU"
+    cpu = SimpleNamespace(name="numpy", precision="fp32")
+    assert throughput_text(cpu, 1e9, 200.0, 2, "cpu") == "200.0 GFLOP/s"
