@@ -383,6 +383,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
 
     def checkpoint(step):
         nonlocal last_saved
+        say(f"Writing checkpoint at step {step}", flush=True)             # llm.c's line
         save_checkpoint(cfg.output_dir, step, model, train_loader, dist, nonfinite_skipped=skipped,
                         outliers=guard.state())
         last_saved = step
@@ -573,22 +574,20 @@ def save_checkpoint(out_dir, step, model, train_loader, dist, nonfinite_skipped=
 
 def rotate_checkpoints(cfg: TrainConfig, step, dist, say):
     """-nk N (-nm M): the checkpoint of `step` is complete (DONE written); delete the one N checkpoints older
-    unless it is major (llm.c's rule, checkpoint.checkpoint_to_delete), one line saying so. Every rank first
+    unless it is major (llm.c's rule, checkpoint.checkpoint_to_delete), with llm.c's line (also when its files are
+    gone already, as llm.c's). Every rank first
     waits for DONE_step, then removes its own files of the old checkpoint (checkpoint.delete_checkpoint). A file
     that cannot be removed is a note, not the end of the run."""
     old = checkpoint_to_delete(step, cfg.checkpoint_every, cfg.checkpoints_keep, cfg.major_checkpoint_every)
     if old is None:
         return
     dist.barrier()                    # rank 0 wrote DONE_step: the new checkpoint is whole before one goes
+    say(f"Deleting checkpoint at step {old}", flush=True)
     try:
-        removed = delete_checkpoint(cfg.output_dir, old, dist.rank)
+        delete_checkpoint(cfg.output_dir, old, dist.rank)
     except OSError as e:
         print(f"note: -nk {cfg.checkpoints_keep}: could not delete the checkpoint of step {old}: {e}",
               file=sys.stderr, flush=True)
-        return
-    if removed:
-        say(f"deleted the checkpoint of step {old} in {cfg.output_dir} (-nk {cfg.checkpoints_keep}: the last "
-            f"{cfg.checkpoints_keep} are kept)", flush=True)
 
 
 def resume(out_dir, step, model, train_loader, dist):

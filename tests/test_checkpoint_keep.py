@@ -73,8 +73,10 @@ def test_nk_keeps_the_last_n_and_touches_nothing_else(files, tmp_path, capsys):
     assert train.main(args(files, out, "-x", 5, "-nk", 2)) == 0
     stdout = capsys.readouterr().out
     assert checkpoints(out) == {4: whole(4), 5: whole(5)}
-    assert [line for line in stdout.splitlines() if line.startswith("deleted")] == [
-        f"deleted the checkpoint of step {s} in {out} (-nk 2: the last 2 are kept)" for s in (1, 2, 3)]
+    assert [line for line in stdout.splitlines() if line.startswith("Deleting")] == [
+        f"Deleting checkpoint at step {s}" for s in (1, 2, 3)]          # llm.c's lines
+    assert [line for line in stdout.splitlines() if line.startswith("Writing")] == [
+        f"Writing checkpoint at step {s}" for s in range(1, 6)]
     assert all((out / name).read_bytes() == data for name, data in others.items())
     assert (out / "old" / "model_00000001.bin").read_bytes() == b"d"
     assert {p.name for p in out.iterdir()} == set(others) | whole(4) | whole(5) | {"old", "run.json", "main.log"}
@@ -83,7 +85,7 @@ def test_nk_keeps_the_last_n_and_touches_nothing_else(files, tmp_path, capsys):
 def test_nm_keeps_the_major_checkpoints(files, tmp_path, capsys):
     assert train.main(args(files, tmp_path, "-x", 7, "-nk", 2, "-nm", 3)) == 0
     assert checkpoints(tmp_path) == {3: whole(3), 6: whole(6), 7: whole(7)}
-    assert "deleted the checkpoint of step 3" not in capsys.readouterr().out
+    assert "Deleting checkpoint at step 3" not in capsys.readouterr().out
 
 
 def test_resume_after_rotation_is_bitwise(files, tmp_path, capsys):
@@ -96,7 +98,7 @@ def test_resume_after_rotation_is_bitwise(files, tmp_path, capsys):
     capsys.readouterr()
     assert train.main(args(files, split, "-x", 6, "-nk", 2, "-y", 1)) == 0
     out = capsys.readouterr().out
-    assert "resuming from step 4" in out and "deleted the checkpoint of step 4" in out
+    assert "resuming from step 4" in out and "Deleting checkpoint at step 4" in out
     assert checkpoints(split) == checkpoints(straight) == {5: whole(5), 6: whole(6)}
     for name in whole(6) - {"DONE_00000006"}:
         assert (split / name).read_bytes() == (straight / name).read_bytes(), name

@@ -166,8 +166,8 @@ def test_checkpoint_rotation_under_mpiexec(mpiexec, files, tmp_path):
     DONE files and prints the line; the last 2 checkpoints stay whole, and -y 1 resumes from the newest."""
     code, out, err, _ = launch(mpiexec, 2, train_argv(files, tmp_path, 2, "-n", 1, "-nk", 2))
     assert code == 0, err
-    assert [line.split(" in ")[0] for line in out.splitlines() if line.startswith("deleted")] == [
-        f"deleted the checkpoint of step {s}" for s in range(1, STEPS - 1)]
+    assert [line for line in out.splitlines() if line.startswith("Deleting")] == [
+        f"Deleting checkpoint at step {s}" for s in range(1, STEPS - 1)]
     kept = {f"{kind}_{s:08d}{tail}" for s in (STEPS - 1, STEPS)
             for kind, tail in (("model", ".bin"), ("state", "_00000.bin"), ("state", "_00001.bin"), ("DONE", ""))}
     assert {p.name for p in tmp_path.iterdir()} == kept | {"run.json", "main.log"}
