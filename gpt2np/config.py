@@ -244,6 +244,11 @@ class TrainConfig:
                                   "range summary; files in -o/profile (./profile without -o)", metavar="N",
                                   allowed=integer(0, words="an integer >= 0 (0 = off)"),
                                   what="the number of profiled steps")
+    log_gpu_every: int = _setting("-lg", -1, "every N steps, a line of the GPU's memory use under the step line "
+                                  "(llm.c's -lg; its NVML figures, utilization, clocks, power and temperature, are "
+                                  "not read here); -1 or 0 = never", metavar="N",
+                                  allowed=integer(-1, words="an integer >= -1 (-1, 0 = never)"),
+                                  what="the GPU log interval")
     nvtx: int = _setting("--nvtx", 1, "NVTX ranges for nsys, free without a profiler", choices=(0, 1))
     overwrite: bool = _setting("--overwrite", False, "start a new run in an -o that holds another run's files: "
                                "move them into -o/previous-TIME/ first (nothing is deleted)")

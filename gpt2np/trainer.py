@@ -98,6 +98,19 @@ def evaluate(model, loader, max_batches, show_progress=True):
         return eval_loss(model, loader, max_batches, quiet_below=LONG_VALIDATION if show_progress else math.inf)[0]
 
 
+def gpu_memory_line(backend) -> str:
+    """-lg's line, indented under the step line as llm.c's: the device's memory in use and its total (what the
+    runtime can tell: the CPU emulator knows no device memory)."""
+    total = getattr(backend.rt, "total_memory", None)
+    free = backend.free_memory()
+    if total is None or free is None:
+        return "                  memory: not known (the CUDA emulator has no device memory)"
+    total = total()
+    used = total - free
+    return (f"                  memory: {100 * used / total:.1f}% | {used / 2**30:.2f} GiB used of "
+            f"{total / 2**30:.2f} GiB")
+
+
 def throughput_text(backend, flops_per_token, tok_s, processes, device_name) -> str:
     """The step line's throughput: on a GPU llm.c's MFU, one process's tokens (tok_s / processes, all of them
     together) against one GPU's peak; on the CPU the GFLOP/s of all processes."""
@@ -229,6 +242,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
     if backend_name == "numpy" and cpu_math not in (None, asked_math):
         say(f"note: --cpu-math {asked_math}: the C loops did not build here (no working C compiler?), running the "
             f"NumPy reference code")
+    if backend_name == "numpy" and cfg.log_gpu_every > 0:
+        say(f"note: -lg {cfg.log_gpu_every}: this run is on the CPU, there is no GPU to log")
     if backend_name != "numpy" and cfg.cpu_math:
         say(f"note: --cpu-math {cfg.cpu_math} is for the CPU; this run is on {backend_name}, where --precision sets "
             f"the math")
@@ -437,6 +452,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
                 say(f"skipping update due to {'loss' if outlier == 'loss' else 'grad'} z-score of {z:f}")
                 line += f" | skipped: {outlier} z-score {z:.2f} > {flag} {limit:g} ({guard.skipped} outliers skipped)"
             say(line, flush=True)
+            if cfg.log_gpu_every > 0 and (step_ + 1) % cfg.log_gpu_every == 0 and backend.name == "cuda":
+                say(gpu_memory_line(backend), flush=True)
             logger.log(f"s:{step_} trl:{loss:.4f} lr:{lr_:.6f} norm:{norm:.2f}")      # llm.c's logger.h formats
         else:                                     # not in main.log: the step changed nothing
             say(f"step {step_ + 1:4d}/{total_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr_:.2e} | skipped: "

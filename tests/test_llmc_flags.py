@@ -23,7 +23,7 @@ def test_llmc_124m_command_parses_with_llmcs_meanings():
 def test_every_flag_of_llmcs_usage_is_taken():
     usage = ["-i", "-j", "-e", "-o", "-n", "-nk", "-nm", "-y", "-b", "-t", "-d", "-x", "-k", "-l", "-u", "-q", "-c",
              "-sl", "-sg", "-v", "-m", "-s", "-g", "-h", "-a", "-f", "-w", "-ge", "-z", "-r", "-pn", "-pr", "-pg",
-             "-pi", "-ps", "-pf"]
+             "-pi", "-ps", "-pf", "-lg"]
     ours = {action.option_strings[0] for action in train.build_parser()._actions if action.option_strings}
     assert set(usage) <= ours
 

@@ -328,3 +328,24 @@ def test_step_line_mfu_is_one_gpus_share_under_mpiexec():
     assert two == f"{100 * expected:.1f}% MFU" and one == f"{200 * expected:.1f}% MFU"
     cpu = SimpleNamespace(name="numpy", precision="fp32")
     assert throughput_text(cpu, 1e9, 200.0, 2, "cpu") == "200.0 GFLOP/s"
+
+
+def test_lg_logs_gpu_memory_under_the_step_line(tiny_model, tiny_shards, capsys):
+    """llm.c's -lg N: every N steps a line under the step line (here the device memory in use); on the CPU one
+    note that there is no GPU; a fake CUDA runtime's figures come out as they are."""
+    from types import SimpleNamespace
+
+    from gpt2np.trainer import gpu_memory_line
+    args = base_args(tiny_model, tiny_shards) + ["-x", 2, "-v", 0, "-lg", 1]
+    code, out, err = run(args, capsys)
+    assert code == 0 and "note: -lg 1: this run is on the CPU, there is no GPU to log" in out, err
+    code, out, err = run(args[:args.index("--device")] + ["--device", "emu", "-s", 0, "-x", 2, "-v", 0, "-lg", 2,
+                                                          "-b", 1, "-t", 8], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    at = [i for i, line in enumerate(lines) if line.startswith("step ")]
+    assert len(at) == 2 and lines[at[1] + 1].strip().startswith("memory:") and \
+        not lines[at[0] + 1].strip().startswith("memory:")
+    gib = 2 ** 30
+    fake = SimpleNamespace(rt=SimpleNamespace(total_memory=lambda: 80 * gib), free_memory=lambda: 60 * gib)
+    assert gpu_memory_line(fake).strip() == "memory: 25.0% | 20.00 GiB used of 80.00 GiB"
