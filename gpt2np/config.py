@@ -179,7 +179,8 @@ class TrainConfig:
     resume: int = _setting("-y", 0, "1 = resume from the latest checkpoint in -o", choices=(0, 1))
     overfit_single_batch: int = _setting("-a", 0, "1 = overfit a single batch, for debugging", choices=(0, 1))
     zero_stage: int = _setting("-z", 0, "ZeRO stage under mpiexec: 0 = plain data parallel, 1 = optimizer state "
-                               "sharded across ranks", choices=(0, 1))
+                               "sharded across ranks (as llm.c: stage 0 when the parameters do not divide evenly "
+                               "over the ranks; 2 and 3 run stage 0, with a note)", choices=(0, 1, 2, 3))
     dist_timeout: float = _setting("--dist-timeout", 600.0, "under mpiexec: abort all ranks when a collective takes "
                                    "longer, as a rank died or hangs; 0 = wait forever", metavar="SECONDS",
                                    allowed=number(0, words="a finite number of seconds >= 0 (0 = wait forever)"),

@@ -220,7 +220,10 @@ def train(cfg: TrainConfig, dist=None, model_given=True):
 
 
 def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True):
-    dist = dist or make_process_group(cfg.device, cfg.zero_stage, cfg.dist_timeout)
+    dist = dist or make_process_group(cfg.device, cfg.zero_stage if cfg.zero_stage <= 1 else 0, cfg.dist_timeout)
+    if cfg.zero_stage > 1:                      # llm.c's set_zero_configs: stages 2 and 3 run as 0
+        (print if dist.rank == 0 else (lambda *a, **k: None))(
+            f"note: -z {cfg.zero_stage}: ZeRO stages 2 and 3 are not supported (nor in llm.c): running stage 0")
     rank0 = dist.rank == 0
     say = print if rank0 else (lambda *a, **k: None)
     for flag, given, actual in (("-pn", cfg.num_processes, dist.world_size), ("-pr", cfg.process_rank, dist.rank)):
@@ -260,6 +263,10 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
     else:
         model_cfg, params, model_desc = resolve_model(cfg.model, keep_bf16=bf16)
     model_name = model_desc if recorded else f"-e {cfg.model}"        # in messages: what the model is
+    if dist.zero_stage == 1 and num_parameters(model_cfg) % dist.world_size:     # llm.c's set_zero_configs
+        say(f"note: -z 1: the model's {num_parameters(model_cfg)} parameters do not divide evenly over "
+            f"{dist.world_size} processes: ZeRO is off (stage 0), as in llm.c")
+        dist.zero_stage = 0
     train_pattern, val_pattern = resolve_data(cfg.train_data, cfg.val_data)
     if dist.rank == 0:
         if dist.world_size > 1:

@@ -349,3 +349,13 @@ def test_lg_logs_gpu_memory_under_the_step_line(tiny_model, tiny_shards, capsys)
     gib = 2 ** 30
     fake = SimpleNamespace(rt=SimpleNamespace(total_memory=lambda: 80 * gib), free_memory=lambda: 60 * gib)
     assert gpu_memory_line(fake).strip() == "memory: 25.0% | 20.00 GiB used of 80.00 GiB"
+
+
+def test_zero_stages_2_and_3_run_as_stage_0(tiny_model, tiny_shards, tmp_path, capsys):
+    """llm.c's set_zero_configs: -z 2 and -z 3 are taken and run as stage 0, with a note."""
+    for stage in (2, 3):
+        code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", 1, "-v", 0, "-z", stage,
+                                                                    "-o", tmp_path / str(stage)], capsys)
+        assert code == 0, err
+        assert f"note: -z {stage}: ZeRO stages 2 and 3 are not supported (nor in llm.c): running stage 0" in out
+        assert json.loads((tmp_path / str(stage) / "run.json").read_text())["settings"]["zero_stage"] == 0
