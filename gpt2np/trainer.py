@@ -293,8 +293,11 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
                               vocab_size=model_cfg.vocab_size)
     val_loader = DataLoader(val_pattern, B, T, dist.rank, dist.world_size,
                             vocab_size=model_cfg.vocab_size) if val_pattern and cfg.val_every > 0 else None
-    one_epoch = max(1, train_loader.num_tokens // total_batch)
+    one_epoch = train_loader.num_tokens // total_batch         # llm.c's train_num_batches for -x -1 (can be 0)
     total_steps = cfg.max_steps if cfg.max_steps >= 0 else one_epoch
+    if cfg.max_steps < 0 and one_epoch == 0:
+        say(f"note: -x -1: the train data's {train_loader.num_tokens} tokens are fewer than one step's "
+            f"{total_batch}: no step to train (as llm.c's)")
     evaluate_only = total_steps == 0          # -x 0: validate and sample the model once; -o is not written
 
     if backend.name == "cuda":        # one line saying what fits, before CuPy runs out of memory mid-allocation

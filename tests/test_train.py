@@ -14,7 +14,7 @@ import train
 from gpt2np.backends.numpy_backend import NumpyBackend
 from gpt2np.checkpoint import load_model, load_state, model_path, save_model, state_path
 from gpt2np.config import GPT2Config
-from gpt2np.data import write_shard
+from gpt2np.data import read_shard, write_shard
 from gpt2np.model import GPT2
 
 REPO = Path(__file__).resolve().parent.parent
@@ -359,3 +359,15 @@ def test_zero_stages_2_and_3_run_as_stage_0(tiny_model, tiny_shards, tmp_path, c
         assert code == 0, err
         assert f"note: -z {stage}: ZeRO stages 2 and 3 are not supported (nor in llm.c): running stage 0" in out
         assert json.loads((tmp_path / str(stage) / "run.json").read_text())["settings"]["zero_stage"] == 0
+
+
+def test_x_minus_one_counts_llmcs_epoch_which_can_be_zero(tiny_model, tiny_shards, capsys):
+    """-x -1 trains llm.c's train_num_batches = tokens // total batch; fewer tokens than one step: no step (a
+    note; the model is evaluated as with -x 0)."""
+    tokens = read_shard(tiny_shards / "syn_train.bin").size
+    code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", -1, "-v", 0, "-b", 4, "-t", 32, "-d", 128,
+                                                                "-s", 0], capsys)
+    assert code == 0 and f"training for {tokens // 128} steps" in out, err
+    code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", -1, "-b", 4, "-t", 32,
+                                                                "-d", 128 * (tokens // 128 + 1)], capsys)
+    assert code == 0 and "no step to train" in out and not re.search(r"^step ", out, re.M), err
