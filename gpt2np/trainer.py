@@ -39,7 +39,7 @@ from .interrupts import Stopped, StopSignals
 from .model import GPT2
 from .outlier import OutlierGuard, exceeded
 from .profiling import ranges
-from .profiling.gpu_specs import flops_per_token, mfu
+from .profiling.gpu_specs import flops_per_token, mfu, peak_flops
 from .profiling.profiler import Profiler, device_label, device_roofline, report_text, write_outputs
 from .rundir import check_output_dir, latest_complete_checkpoint, prepare_run_dir, read_run_file, run_identity
 from .sample import LlmcCoins, generate
@@ -57,10 +57,13 @@ MASTER_WEIGHTS_TEXT = {1: "enabled (fp32 copy, AdamW updates it)",
                        "fp32": "-w 0 has no effect: the parameters are fp32"}
 
 
-def header_table(rows):
-    width = max(len(k) for k, _ in rows)
+def header_table(rows, title=None):
+    """llm.c's header tables: keys padded to 21 characters, values to 50. title=False: the rows and the closing
+    line only (they follow the table before, as llm.c prints its later tables); else the opening lines first, with
+    the key column headed `title` (llm.c's first table: "Parameter")."""
+    width = max([21] + [len(k) for k, _ in rows])
     line = "+" + "-" * (width + 2) + "+" + "-" * 52 + "+"
-    out = [line, f"| {'Parameter':<{width}} | {'Value':<50} |", line]
+    out = [] if title is False else [line, f"| {title or 'Parameter':<{width}} | {'Value':<50} |", line]
     out += [f"| {k:<{width}} | {str(v):<50} |" for k, v in rows]
     out.append(line)
     return "\n".join(out)
@@ -357,36 +360,55 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
 
     device_name = device_label(backend)
     fpt = flops_per_token(model.num_parameters, model_cfg.num_layers, model_cfg.channels, T)
+    # llm.c's tables and lines (train_gpt2.cu's main), then gpt2np's own settings
+    train_shown = val_pattern if overfit and val_pattern else train_pattern                  # -a 1: llm.c's too
     say(header_table([
-        ("train data pattern", val_pattern if overfit and val_pattern else train_pattern),     # -a 1: llm.c's too
-        ("val data pattern", val_pattern or "-"),
-        ("output log dir", cfg.output_dir or "NULL"), ("checkpoint every", cfg.checkpoint_every),
+        ("train data pattern", train_shown), ("val data pattern", val_pattern or "-"),
+        ("output log dir", cfg.output_dir or "NULL"), ("checkpoint_every", cfg.checkpoint_every),
         ("resume", cfg.resume), ("micro batch size B", B), ("sequence length T", T),
         ("total batch size", total_batch), ("LR scheduler", cfg.lr_schedule),
         ("learning rate (LR)", f"{cfg.learning_rate:e}"), ("warmup iterations", cfg.warmup_steps),
         ("final LR fraction", f"{cfg.final_lr_frac:e}"), ("weight decay", f"{cfg.weight_decay:e}"),
-        ("grad clip", cfg.grad_clip), ("max_steps", cfg.max_steps), ("val_loss_every", cfg.val_every),
-        ("val_max_steps", cfg.val_max_batches), ("sample_every", cfg.sample_every), ("genT", cfg.gen_tokens),
-        ("overfit_single_batch", cfg.overfit_single_batch), ("skip update lossz", f"{cfg.skip_update_lossz:f}"),
-        ("skip update gradz", f"{cfg.skip_update_gradz:f}"), ("seed", cfg.seed), ("init seed", cfg.init_seed),
-        ("shuffle", int(train_loader.shuffle)), ("processes", dist.world_size),
-        ("zero stage", dist.zero_stage), ("device", "cuda (the CPU emulator)" if backend_name == "emu"
-                                                  else f"{backend.name} ({device_name})"),
-        ("precision", PRECISION_TEXT.get(backend.precision, backend.precision))]
+        ("skip update lossz", f"{cfg.skip_update_lossz:f}"), ("skip update gradz", f"{cfg.skip_update_gradz:f}"),
+        ("max_steps", cfg.max_steps), ("val_loss_every", cfg.val_every), ("val_max_steps", cfg.val_max_batches),
+        ("sample_every", cfg.sample_every), ("genT", cfg.gen_tokens),
+        ("overfit_single_batch", cfg.overfit_single_batch),
+        ("use_master_weights", "enabled" if cfg.master_weights else "disabled"),
+        ("gelu_fusion", model.gelu_fusion), ("recompute", model.recompute)]))
+    peak = peak_flops(device_name, backend.precision) if backend.name == "cuda" else None
+    say(header_table([("device", "cuda (the CPU emulator)" if backend_name == "emu"
+                       else f"{backend.name} ({device_name})"),
+                      ("peak TFlops", f"{peak / 1e12:.1f}" if peak else "n/a"),
+                      ("precision", backend.precision.upper())], title=False))
+    say(header_table([("weight init method", "intermediate checkpoint" if start_step else cfg.model),
+                      ("max_sequence_length T", model_cfg.max_seq_len), ("vocab_size V", model_cfg.vocab_size),
+                      ("padded_vocab_size Vp", model_cfg.padded_vocab_size), ("num_layers L", model_cfg.num_layers),
+                      ("num_heads NH", model_cfg.num_heads), ("channels C", model_cfg.channels),
+                      ("num_parameters", model.num_parameters)], title=False))
+    say(header_table([("train_num_batches", total_steps),
+                      ("val_num_batches", val_loader.eval_batches(cfg.val_max_batches) if val_loader else 0)],
+                     title=False))
+    say(header_table([("run hellaswag", "yes" if hellaswag_total else "no")], title=False))
+    say(header_table([("num_processes", dist.world_size), ("zero_stage", dist.zero_stage)], title=False))
+    param_bytes = model.num_parameters * model.params.dtype.itemsize
+    say(f"num_parameters: {model.num_parameters} => bytes: {param_bytes}")
+    say(f"allocated {param_bytes // 2 ** 20} MiB for model parameters")
+    say(f"batch_size B={B} * seq_len T={T} * num_processes={dist.world_size} and total_batch_size={total_batch}")
+    say(f"=> setting grad_accum_steps={accum}")
+    if T < model_cfg.max_seq_len and backend_name == "cuda":    # llm.c's CUDA trainer's warning (its CPU one has none)
+        say(f"WARNING: -t {T} is shorter than the model's max_seq_len {model_cfg.max_seq_len}: the wpe rows from "
+            f"{T} on get no gradient (GPT-2 trains at -t 1024, GPT-3 at -t 2048)")
+    say(header_table([                                          # gpt2np's settings beside llm.c's
+        ("model", model_desc), ("grad clip", cfg.grad_clip), ("seed", cfg.seed), ("init seed", cfg.init_seed),
+        ("shuffle", int(train_loader.shuffle)), ("precision", PRECISION_TEXT.get(backend.precision,
+                                                                                 backend.precision))]
         + ([("cpu math", cpu_math)] if cpu_math else [])
         + ([("master weights", MASTER_WEIGHTS_TEXT[cfg.master_weights if bf16 else "fp32"])]
            if bf16 or not cfg.master_weights else [])
-        + [("attention", attention), ("fuse", int(model.fuse)), ("gelu_fusion", model.gelu_fusion),
-           ("recompute", model.recompute), ("model", model_desc)]))
-    say(header_table([("max_sequence_length T", model_cfg.max_seq_len), ("vocab_size V", model_cfg.vocab_size),
-                      ("padded_vocab_size Vp", model_cfg.padded_vocab_size), ("num_layers L", model_cfg.num_layers),
-                      ("num_heads NH", model_cfg.num_heads), ("channels C", model_cfg.channels),
-                      ("num_parameters", model.num_parameters)]))
+        + [("attention", attention), ("fuse", int(model.fuse))], title="gpt2np"))
     say(f"train dataset num_batches: {train_loader.num_batches}")
     if val_loader:
         say(f"val dataset num_batches: {val_loader.num_batches}")
-    say(f"batch size: {B} x {T} x {dist.world_size} processes x {accum} accumulation steps "
-        f"= {total_batch} tokens per step")
     if evaluate_only:
         doing = [w for w, on in (("validating", val_loader), ("HellaSwag", hellaswag_total), ("sampling", decoder))
                  if on]

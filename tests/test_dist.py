@@ -116,7 +116,7 @@ def params_of(out):
 
 def test_two_ranks_equal_one_rank_with_twice_the_batch(runs, files):
     (one, out1), (two, out2) = runs["1x6"], runs["2x3"]
-    assert "6 x 16 x 1 processes" not in out2 and "3 x 16 x 2 processes" in out2
+    assert "batch_size B=3 * seq_len T=16 * num_processes=2 and total_batch_size=96" in out2
     np.testing.assert_allclose(step_losses(out2), step_losses(out1), rtol=1e-5)
     np.testing.assert_allclose(val_losses(out2), val_losses(out1), rtol=1e-5)
     np.testing.assert_allclose(params_of(two), params_of(one), rtol=0, atol=2e-5)

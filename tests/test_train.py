@@ -16,6 +16,7 @@ from gpt2np.checkpoint import load_model, load_state, model_path, save_model, st
 from gpt2np.config import GPT2Config
 from gpt2np.data import read_shard, write_shard
 from gpt2np.model import GPT2
+from gpt2np.tensors import num_parameters
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = GPT2Config(max_seq_len=64, vocab_size=50257, padded_vocab_size=50304, num_layers=2, num_heads=2, channels=32)
@@ -109,7 +110,7 @@ def test_gradient_accumulation_equals_big_batch(tiny_model, tiny_shards, tmp_pat
     assert code == 0, err
     code, out, err = run(common + ["-b", 2, "-d", 128, "-o", tmp_path / "accum"], capsys)
     assert code == 0, err
-    assert "2 accumulation steps" in out
+    assert "=> setting grad_accum_steps=2" in out
     _, big = load_model(model_path(tmp_path / "big", 2))
     _, acc = load_model(model_path(tmp_path / "accum", 2))
     np.testing.assert_allclose(acc, big, atol=2e-6)
@@ -371,3 +372,29 @@ def test_x_minus_one_counts_llmcs_epoch_which_can_be_zero(tiny_model, tiny_shard
     code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", -1, "-b", 4, "-t", 32,
                                                                 "-d", 128 * (tokens // 128 + 1)], capsys)
     assert code == 0 and "no step to train" in out and not re.search(r"^step ", out, re.M), err
+
+
+def test_header_is_llmcs_tables_then_gpt2nps(tiny_model, tiny_shards, capsys):
+    """train_gpt2.cu's header: its six tables' rows in its order (keys padded to 21, values to 50), its four lines,
+    then gpt2np's own settings in a table of their own."""
+    code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", 1, "-v", 0, "-d", 256], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    end = lines.index("=> setting grad_accum_steps=2")
+    rows = [line for line in lines[:end] if line.startswith("| ")]
+    assert [row[2:23].rstrip() for row in rows] == [
+        "Parameter", "train data pattern", "val data pattern", "output log dir", "checkpoint_every", "resume",
+        "micro batch size B", "sequence length T", "total batch size", "LR scheduler", "learning rate (LR)",
+        "warmup iterations", "final LR fraction", "weight decay", "skip update lossz", "skip update gradz",
+        "max_steps", "val_loss_every", "val_max_steps", "sample_every", "genT", "overfit_single_batch",
+        "use_master_weights", "gelu_fusion", "recompute", "device", "peak TFlops", "precision",
+        "weight init method", "max_sequence_length T", "vocab_size V", "padded_vocab_size Vp", "num_layers L",
+        "num_heads NH", "channels C", "num_parameters", "train_num_batches", "val_num_batches", "run hellaswag",
+        "num_processes", "zero_stage"]
+    assert all(len(row) == len("| " + 21 * "x" + " | " + 50 * "x" + " |") for row in rows)
+    n = num_parameters(TINY)
+    assert lines[end - 3:end + 1] == [f"num_parameters: {n} => bytes: {4 * n}",
+                                      f"allocated {4 * n // 2 ** 20} MiB for model parameters",
+                                      "batch_size B=4 * seq_len T=32 * num_processes=1 and total_batch_size=256",
+                                      "=> setting grad_accum_steps=2"]
+    assert "| gpt2np                | Value" in out and out.index("| gpt2np ") > out.index("grad_accum_steps=2")
