@@ -1,6 +1,6 @@
 """Downloading the files gpt2np can use: tinyshakespeare, llm.c's starter pack, GPT-2's BPE files.
 
-    python -m gpt2np.fetch [tinyshakespeare|model|tokenizer|debug-state|bpe|all ...] [--dir checkpoints]
+    python -m gpt2np.fetch [tinyshakespeare|model|model-bf16|tokenizer|debug-state|bpe|all ...] [--dir checkpoints]
     gpt2np fetch hellaswag [--dir DIR]     # hellaswag_val.jsonl into the download cache (gpt2np/cache.py)
 
 download() never hangs: every connect and read has a socket timeout; any failure (offline, timeout,
@@ -29,6 +29,7 @@ GPT2_BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/
 KNOWN_FILES = {
     "tinyshakespeare.txt": TINYSHAKESPEARE_URL,
     "gpt2_124M.bin": STARTER_PACK_URL + "gpt2_124M.bin",
+    "gpt2_124M_bf16.bin": STARTER_PACK_URL + "gpt2_124M_bf16.bin",
     "gpt2_tokenizer.bin": STARTER_PACK_URL + "gpt2_tokenizer.bin",
     "gpt2_124M_debug_state.bin": STARTER_PACK_URL + "gpt2_124M_debug_state.bin",
     "gpt2_vocab.bpe": GPT2_BPE_URL + "vocab.bpe",
@@ -38,6 +39,7 @@ KNOWN_FILES = {
 GROUPS = {
     "tinyshakespeare": ["tinyshakespeare.txt"],
     "model": ["gpt2_124M.bin"],
+    "model-bf16": ["gpt2_124M_bf16.bin"],
     "tokenizer": ["gpt2_tokenizer.bin"],
     "debug-state": ["gpt2_124M_debug_state.bin"],
     "bpe": ["gpt2_vocab.bpe", "gpt2_encoder.json"],

@@ -60,6 +60,9 @@ class Result:
         return self.correct_norm / max(self.n, 1)
 
 
+LLMC_EVAL_MAGIC = (20240522).to_bytes(4, "little")      # llm.c's eval file header (data_common.py write_evalfile)
+
+
 class BadExamples(ValueError):
     """A HellaSwag file that is not one (not UTF-8 text, a bad line, no examples); the message names the file."""
 
@@ -71,6 +74,10 @@ def read_examples(path, max_examples=-1):
         raise BadExamples(f"{path}: is a folder; expected a HellaSwag jsonl file")
     examples = []
     with open(path, "rb") as f:
+        if f.read(4) == LLMC_EVAL_MAGIC:
+            raise BadExamples(f"{path}: llm.c's HellaSwag eval file (dev/data/hellaswag.py's .bin, for its -h 1); "
+                              f"gpt2np scores the jsonl: give hellaswag_val.jsonl (fetched into the cache by -h 1)")
+        f.seek(0)
         for number, raw in enumerate(f, 1):
             if 0 <= max_examples <= len(examples):
                 break

@@ -253,6 +253,8 @@ def load_tokenizer_bin(path) -> TokenTable:
         if pos >= len(raw) or pos + 1 + raw[pos] > len(raw):
             raise TokenizerError(f"{path}: truncated tokenizer file: ends inside token {i} of {vocab_size}")
         n = raw[pos]
+        if n == 0:                       # llm.c's tokenizer_init asserts every token has a byte
+            raise TokenizerError(f"{path}: token {i} is empty (llm.c's tokenizer files give every token 1-255 bytes)")
         tokens.append(raw[pos + 1:pos + 1 + n])
         pos += 1 + n
     if pos != len(raw):

@@ -97,3 +97,11 @@ def test_console_script_entry_point():
     if installed.is_file():
         done = subprocess.run([str(installed), "eval", "gsm8k"], capture_output=True, text=True, timeout=60, env=env)
         assert done.returncode == 2 and "invalid choice: 'gsm8k'" in one_error_line(done.stderr)
+
+
+def test_fetch_knows_the_starter_packs_bf16_model():
+    """llm.c's starter pack (dev/download_starter_pack.sh) has gpt2_124M_bf16.bin beside gpt2_124M.bin: -e and
+    `gpt2np fetch model-bf16` can fetch it."""
+    from gpt2np import fetch
+    assert fetch.KNOWN_FILES["gpt2_124M_bf16.bin"] == fetch.STARTER_PACK_URL + "gpt2_124M_bf16.bin"
+    assert fetch.GROUPS["model-bf16"] == ["gpt2_124M_bf16.bin"]

@@ -249,6 +249,7 @@ def test_h_1_under_mpiexec_skips_on_every_rank_when_one_lacks_the_data(tmp_path,
     ("folder", ["-j", "hs: is a folder", "HellaSwag jsonl"]),
     ("binary", ["-j", "hs:1: not UTF-8 text", "not a HellaSwag jsonl file"]),
     ("shard", ["-j", "hs:1", "not a HellaSwag jsonl file"]),
+    ("llmc_eval_bin", ["-j", "hs: llm.c's HellaSwag eval file", "give hellaswag_val.jsonl"]),
     ("dir_is_a_file", ["--dir", "a.txt: is a file"]),
     ("dir_under_a_file", ["--dir", "a.txt is a file"]),
     ("dir_and_j", ["--dir", "not used with -j"]),
@@ -261,7 +262,7 @@ def test_bad_files_and_folders_are_one_line_naming_the_flag(tmp_path, params, js
     save_model(tmp_path / "m.bin", CFG, params)
     (tmp_path / "a.txt").write_text("x")
     hs = tmp_path / "hs"
-    flags = {"folder": ["-j", hs], "binary": ["-j", hs], "shard": ["-j", hs],
+    flags = {"folder": ["-j", hs], "binary": ["-j", hs], "shard": ["-j", hs], "llmc_eval_bin": ["-j", hs],
              "dir_is_a_file": ["--dir", tmp_path / "a.txt"], "dir_under_a_file": ["--dir", tmp_path / "a.txt" / "c"],
              "dir_and_j": ["-j", jsonl, "--dir", tmp_path / "cache"]}[case]
     if case == "folder":
@@ -270,6 +271,10 @@ def test_bad_files_and_folders_are_one_line_naming_the_flag(tmp_path, params, js
         hs.write_bytes(b"\xff\xfe\x00bad\n")
     elif case == "shard":
         write_shard(hs, np.arange(1000) % 50257)
+    elif case == "llmc_eval_bin":                # data_common.py's write_evalfile: a 256-int header, magic 20240522
+        header = np.zeros(256, "<i4")
+        header[:3] = [20240522, 1, 10]
+        hs.write_bytes(header.tobytes() + b"\x00" * 64)
     assert evaluate.main(["hellaswag", "-e", str(tmp_path / "m.bin")] + [str(f) for f in flags]) == 2
     err = capsys.readouterr().err
     lines = err.splitlines()

@@ -100,6 +100,15 @@ def test_gpt2_tokenizer_bin_round_trip(gpt2, tmp_path):
     assert table.decode([50256]) == "<|endoftext|>"
 
 
+def test_an_empty_token_is_refused_as_llmcs_reader_does(tmp_path):
+    """llm.c's tokenizer_init asserts every token has 1-255 bytes: a file with an empty one is damaged."""
+    header = np.array([20240328, 2, 3, 2] + [0] * 252, "<u4").tobytes()
+    path = tmp_path / "t.bin"
+    path.write_bytes(header + b"\x01a" + b"\x00" + b"\x01c")
+    with pytest.raises(TokenizerError, match="token 1 is empty"):
+        load_tokenizer_bin(path)
+
+
 # ---------------------------------------------------------------------------------------------
 # locating files
 
