@@ -9,6 +9,9 @@ ending's tokens are scored (the cross-entropy of predicting each of them from wh
 ending with the lowest summed loss (`pred = sum_loss.argmin()`), acc_norm the lowest mean loss per ending token
 (`pred_norm = avg_loss.argmin()`), the number llm.c's trainer logs as `s:STEP eval:ACC`.
 
+llm.c's own eval file (the starter pack's hellaswag_val.bin, written by its dev/data/hellaswag.py) is read too:
+it holds the same tokens, rendered already (read_llmc_evalfile).
+
 Batched on any backend: the 4 rows of an example (and of several examples, B rows a batch) are padded to the
 longest row of the batch. A row longer than the model's T + 1 tokens keeps its last T + 1 (its ending whole).
 """
@@ -74,10 +77,6 @@ def read_examples(path, max_examples=-1):
         raise BadExamples(f"{path}: is a folder; expected a HellaSwag jsonl file")
     examples = []
     with open(path, "rb") as f:
-        if f.read(4) == LLMC_EVAL_MAGIC:
-            raise BadExamples(f"{path}: llm.c's HellaSwag eval file (dev/data/hellaswag.py's .bin, for its -h 1); "
-                              f"gpt2np scores the jsonl: give hellaswag_val.jsonl (fetched into the cache by -h 1)")
-        f.seek(0)
         for number, raw in enumerate(f, 1):
             if 0 <= max_examples <= len(examples):
                 break
@@ -97,6 +96,54 @@ def read_examples(path, max_examples=-1):
                     or not all(isinstance(e, str) for e in endings) or not 0 <= label < 4):
                 raise BadExamples(f"{path}:{number}: expected a string ctx, 4 string endings and a label 0..3")
             examples.append({"ctx": ctx, "endings": endings, "label": label})
+    if not examples:
+        raise BadExamples(f"{path}: no HellaSwag examples")
+    return examples
+
+
+def is_llmc_evalfile(path) -> bool:
+    """Whether `path` starts as llm.c's eval file does (dev/data/data_common.py write_evalfile: magic 20240522)."""
+    with open(path, "rb") as f:
+        return f.read(4) == LLMC_EVAL_MAGIC
+
+
+def read_llmc_evalfile(path, max_examples=-1) -> list:
+    """The examples of llm.c's HellaSwag eval file (the starter pack's hellaswag_val.bin, dev/data/hellaswag.py's
+    output), already rendered: a 256-int32 header (magic, version 1, examples, longest example), then per example
+    uint16s: 65535, its size in bytes, its index, the label, the number of endings, the context's token count and
+    tokens, then each ending's token count and tokens. The same Examples render() makes of the jsonl."""
+    raw = Path(path).read_bytes()
+    if len(raw) < 1024:
+        raise BadExamples(f"{path}: llm.c eval file cut short inside its 1024-byte header")
+    header = np.frombuffer(raw[:1024], "<i4")
+    if header[1] != 1:
+        raise BadExamples(f"{path}: llm.c eval file version {header[1]} (expected 1)")
+    stream, count = np.frombuffer(raw[1024:len(raw) - len(raw) % 2], "<u2"), int(header[2])
+    examples, pos = [], 0
+    for number in range(count if max_examples < 0 else min(count, max_examples)):
+        try:
+            if stream[pos] != 0xFFFF:
+                raise BadExamples(f"{path}: example {number}: no start marker at byte {1024 + 2 * pos}: "
+                                  f"not llm.c's eval layout, or damaged")
+            size, label, endings, n_ctx = (int(x) for x in stream[[pos + 1, pos + 3, pos + 4, pos + 5]])
+            at = pos + 6
+            ctx = stream[at:at + n_ctx].tolist()
+            at += n_ctx
+            rows, lens = [], []
+            for _ in range(endings):
+                n = int(stream[at])
+                end = stream[at + 1:at + 1 + n].tolist()
+                if len(end) < n:
+                    raise IndexError
+                rows.append(ctx + end)
+                lens.append(n)
+                at += 1 + n
+        except IndexError:
+            raise BadExamples(f"{path}: example {number} of {count} is cut short: truncated file") from None
+        if 2 * (at - pos) != size or not 0 <= label < endings:
+            raise BadExamples(f"{path}: example {number}: its size or label does not fit its tokens: damaged")
+        examples.append(Example(rows, lens, label))
+        pos = at
     if not examples:
         raise BadExamples(f"{path}: no HellaSwag examples")
     return examples
@@ -157,5 +204,7 @@ def load(path=None, encoding=None, max_examples=-1, cache=None, timeout=10):
     """Rendered examples of `path` (default: hellaswag_val.jsonl, downloaded into the cache if missing)."""
     from .tokenizer import get_encoding
     path = Path(path) if path else cached(VAL_FILE, cache, timeout=timeout)
+    if path.is_file() and is_llmc_evalfile(path):               # llm.c's hellaswag_val.bin: tokens already
+        return path, read_llmc_evalfile(path, max_examples)
     encoding = encoding or get_encoding()
     return path, [render(e, encoding) for e in read_examples(path, max_examples)]

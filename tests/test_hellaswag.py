@@ -75,6 +75,39 @@ def test_scores_are_pytorchs(backend, B, params, expected, jsonl):
     assert result.correct_norm == int((avgs.argmin(1) == labels).sum())     # pred_norm = avg_loss.argmin()
 
 
+def write_llmc_evalfile(path, examples):
+    """llm.c's eval file layout (dev/data/data_common.py write_evalfile), written here from its description."""
+    enc, stream, longest = get_encoding(), [], 0
+    for idx, ex in enumerate(examples):
+        ctx = enc.encode(ex["ctx"])
+        ends = [enc.encode(" " + e) for e in ex["endings"]]
+        body = [idx, ex["label"], len(ends), len(ctx), *ctx] + [t for e in ends for t in [len(e), *e]]
+        size = 2 * (len(body) + 2)
+        stream += [65535, size, *body]
+        longest = max(longest, size)
+    header = np.zeros(256, "<i4")
+    header[:4] = [20240522, 1, len(examples), longest]
+    path.write_bytes(header.tobytes() + np.array(stream, "<u2").tobytes())
+
+
+def test_llmcs_eval_file_scores_as_the_jsonl(params, expected, jsonl, tmp_path):
+    """The starter pack's hellaswag_val.bin (llm.c's eval file: the same tokens, rendered) is read and scored as the
+    jsonl it was made from; -m takes its first examples."""
+    path = tmp_path / "hellaswag_val.bin"
+    write_llmc_evalfile(path, EXAMPLES)
+    (_, from_bin), (_, from_jsonl) = hellaswag.load(path), hellaswag.load(jsonl)
+    assert from_bin == from_jsonl
+    assert hellaswag.load(path, max_examples=2)[1] == from_jsonl[:2]
+    model = GPT2(CFG, get_backend("numpy"), 4, hellaswag.longest_row(from_bin) - 1)
+    model.load_params(params)
+    sums, _, labels = expected
+    assert hellaswag.score(model, from_bin).correct == int((sums.argmin(1) == labels).sum())
+    raw = path.read_bytes()
+    path.write_bytes(raw[:1024 + 10] + b"\x00\x00" + raw[1024 + 12:])      # the context token count gone wrong
+    with pytest.raises(hellaswag.BadExamples, match="hellaswag_val.bin: example 0"):
+        hellaswag.load(path)
+
+
 def test_an_empty_context_scores_the_ending_from_its_second_token(params, tmp_path):
     """llm.c's hellaswag.py: with no context the ending's first token is no target; the rest are (PyTorch's)."""
     from gpt2np.reference import TorchGPT2
@@ -249,7 +282,7 @@ def test_h_1_under_mpiexec_skips_on_every_rank_when_one_lacks_the_data(tmp_path,
     ("folder", ["-j", "hs: is a folder", "HellaSwag jsonl"]),
     ("binary", ["-j", "hs:1: not UTF-8 text", "not a HellaSwag jsonl file"]),
     ("shard", ["-j", "hs:1", "not a HellaSwag jsonl file"]),
-    ("llmc_eval_bin", ["-j", "hs: llm.c's HellaSwag eval file", "give hellaswag_val.jsonl"]),
+    ("llmc_eval_bin", ["-j", "hs: example 0: no start marker", "damaged"]),
     ("dir_is_a_file", ["--dir", "a.txt: is a file"]),
     ("dir_under_a_file", ["--dir", "a.txt is a file"]),
     ("dir_and_j", ["--dir", "not used with -j"]),
