@@ -154,14 +154,22 @@ def checkpoint_problem(out_dir, step):
 
 
 def _state_header(path, cfg, rank):
-    """read_state_header(path), its size checked too where only the model can say it: an llm.c state file with a
-    shuffled loader and no gpt2np footer holds m and v for all the model's parameters, or for this rank's ZeRO-1
-    shard of them (its header does not say which): a file that fits neither is truncated or corrupt."""
+    """read_state_header(path), its size checked too where only the model can say it: an llm.c state file (no
+    gpt2np footer) holds m and v for all the model's parameters, or for this rank's ZeRO-1 shard of them (its
+    header does not say which): a file that fits neither is truncated or corrupt."""
     info, n = read_state_header(path)
-    if n is not None:
+    if "n" in info:                                     # gpt2np's footer says it (and its size was checked)
         return info, n
+    world = int(info.get("world_size", 1))
+    if not 0 <= rank < world:
+        raise CheckpointError(f"{path}: its header says rank {info.get('rank')} of {world} processes: damaged")
     total = num_parameters(cfg)
-    sizes = dict.fromkeys([total, *(hi - lo for lo, hi in [shard_bounds(total, int(info["world_size"]))[rank]])])
+    sizes = dict.fromkeys([total, *(hi - lo for lo, hi in [shard_bounds(total, world)[rank]])])
+    if n is not None:                                   # from the file's size: must be the model's (or a shard)
+        if n not in sizes:
+            raise CheckpointError(f"{path}: optimizer state for {n} parameters, the model has {total}: truncated "
+                                  f"or corrupt")
+        return info, n
     problems = []
     for size in sizes:
         try:
@@ -234,15 +242,17 @@ def move_aside(out_dir):
     return target
 
 
-def trim_log(out_dir, step):
-    """Drop main.log's lines of `step` and later (written by an attempt that stopped before its next checkpoint;
-    the resumed run evaluates `step` again, as llm.c's), so a resumed run's log reads as one uninterrupted run's."""
+def trim_log(out_dir, step, rewritten=("tel", "eval")):
+    """Drop main.log's lines after `step` (written by an attempt that stopped before its next checkpoint) and its
+    lines of `step` the resumed run writes again (its trl; the `rewritten` kinds: the evaluations it runs again at
+    `step`, as llm.c's loop), so a resumed run's log reads as one uninterrupted run's."""
     path = os.path.join(out_dir, LOG_FILE)
     if not os.path.isfile(path):
         return
     with open(path) as f:
         lines = f.readlines()
-    kept = [line for line in lines if not (m := LOG_LINE.match(line)) or int(m.group(1)) < step]
+    kept = [line for line in lines if not (m := LOG_LINE.match(line)) or int(m.group(1)) < step
+            or (int(m.group(1)) == step and m.group(2) != "trl" and m.group(2) not in rewritten)]
     if kept != lines:
         with atomic_write(path, "w") as f:
             f.writelines(kept)
@@ -259,13 +269,15 @@ def check_output_dir(out_dir):
         raise RunDirError(f"-o {out_dir}: {blocking} is a file, so the folder cannot be made there")
 
 
-def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, read_only=False):
+def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, read_only=False,
+                    evaluated=lambda step: ("tel", "eval")):
     """Check -o against this run and claim it; returns the step to resume from (0 = start from scratch).
 
     Raises RunDirError (one line) when a fresh run would mix with checkpoints already there, or -y 1 finds
     another run's; with -y 1 the step returned is the latest complete checkpoint's, and that checkpoint's
     state files were written by as many processes with the same ZeRO stage. read_only (-x 0 -y 1: evaluate
-    the latest checkpoint): no file is written, and a checkpoint past total_steps is fine.
+    the latest checkpoint): no file is written, and a checkpoint past total_steps is fine. evaluated(step): the
+    main.log kinds ("tel", "eval") the run writes at `step` (trim_log keeps the others' lines of the resumed step).
     """
     check_output_dir(out_dir)
     say = _note if dist.rank == 0 else (lambda msg: None)
@@ -324,7 +336,7 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
             say(f"note: moved the previous run's files in {out_dir} to {target}")
         write_run_file(out_dir, identity)
         if step:
-            trim_log(out_dir, step)
+            trim_log(out_dir, step, evaluated(step))
     dist.barrier()
     return step
 

@@ -19,12 +19,14 @@ import warnings
 
 from .backends import cuda_problem, get_backend, gpu_present, resolve_attention, resolve_name, resolve_precision
 from .checkpoint import (
+    CheckpointError,
     checkpoint_to_delete,
     delete_checkpoint,
     done_path,
     load_model,
     load_state,
     model_path,
+    read_state_header,
     save_model,
     save_state,
     state_path,
@@ -99,6 +101,15 @@ def evaluate(model, loader, max_batches, show_progress=True):
     on stderr (plain lines when stderr is not a terminal)."""
     with ranges.range("validation"):
         return eval_loss(model, loader, max_batches, quiet_below=LONG_VALIDATION if show_progress else math.inf)[0]
+
+
+def resumes_zero1(out_dir) -> bool:
+    """Whether -o's latest complete checkpoint was written with ZeRO stage 1 (so -y 1 must keep its shards)."""
+    try:
+        step = latest_complete_checkpoint(out_dir)[0] if out_dir and os.path.isdir(out_dir) else None
+        return step is not None and read_state_header(state_path(out_dir, step, 0))[0].get("zero_stage") == 1
+    except CheckpointError:
+        return False
 
 
 def gpu_memory_line(backend) -> str:
@@ -267,9 +278,13 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
         model_cfg, params, model_desc = resolve_model(cfg.model, keep_bf16=bf16)
     model_name = model_desc if recorded else f"-e {cfg.model}"        # in messages: what the model is
     if dist.zero_stage == 1 and num_parameters(model_cfg) % dist.world_size:     # llm.c's set_zero_configs
-        say(f"note: -z 1: the model's {num_parameters(model_cfg)} parameters do not divide evenly over "
-            f"{dist.world_size} processes: ZeRO is off (stage 0), as in llm.c")
-        dist.zero_stage = 0
+        if cfg.resume and resumes_zero1(cfg.output_dir):
+            say(f"note: -z 1: the model's parameters do not divide evenly over {dist.world_size} processes (llm.c "
+                f"would turn ZeRO off); the run in {cfg.output_dir} was sharded so before 2026-11-24 and resumes so")
+        else:
+            say(f"note: -z 1: the model's {num_parameters(model_cfg)} parameters do not divide evenly over "
+                f"{dist.world_size} processes: ZeRO is off (stage 0), as in llm.c")
+            dist.zero_stage = 0
     train_pattern, val_pattern = resolve_data(cfg.train_data, cfg.val_data)
     if dist.rank == 0:
         if dist.world_size > 1:
@@ -335,19 +350,27 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
         raise ValueError("-y 1 (resume) needs -o, the folder the checkpoints are in")
     if cfg.output_dir and (cfg.resume or not evaluate_only):
         settings = {"batch_size": B, "seq_len": T, "total_batch_size": total_batch, "processes": dist.world_size,
-                    "zero_stage": dist.zero_stage, "seed": cfg.seed, "init_seed": cfg.init_seed, "shuffle": cfg.shuffle,
+                    "zero_stage": dist.zero_stage, "seed": cfg.seed, "shuffle": cfg.shuffle,
                     "overfit_single_batch": cfg.overfit_single_batch, "learning_rate": cfg.learning_rate,
                     "warmup_steps": cfg.warmup_steps, "final_lr_frac": cfg.final_lr_frac,
                     "lr_schedule": cfg.lr_schedule, "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip,
                     "beta1": cfg.beta1, "beta2": cfg.beta2, "eps": cfg.eps}
         if bf16:                                  # bf16 checkpoints hold master weights an fp32 run cannot use
             settings["precision"] = "bf16"
+        if params is None and (not recorded or recorded.get("init") == "random"):    # a random init's seed
+            settings["init_seed"] = cfg.init_seed
         identity = run_identity(model_cfg, params, train_loader.files, val_loader.files if val_loader else None,
                                 settings)
         if recorded:
             identity["model"] = recorded          # what the run started from, as run.json says
+        def evaluated(step):                      # main.log's kinds the loop writes at `step` (the resumed one)
+            last = step == total_steps
+            return ((("tel",) if val_loader and (step % cfg.val_every == 0 or last) else ())
+                    + (("eval",) if hellaswag_total and (cfg.hellaswag_due(step) or last) else ()))
+
         start_step = prepare_run_dir(cfg.output_dir, identity, dist, resume=bool(cfg.resume),
-                                     overwrite=cfg.overwrite, total_steps=total_steps, read_only=evaluate_only)
+                                     overwrite=cfg.overwrite, total_steps=total_steps, read_only=evaluate_only,
+                                     evaluated=evaluated)
     if start_step:
         info = resume(cfg.output_dir, start_step, model, train_loader, dist)
         skipped = int(info.get("nonfinite_skipped", 0))
@@ -412,8 +435,9 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
     if evaluate_only:
         doing = [w for w, on in (("validating", val_loader), ("HellaSwag", hellaswag_total), ("sampling", decoder))
                  if on]
-        say("-x 0: no training; " + (" and ".join(doing) + " the model once" if doing else
-                                     "nothing else asked for either (-v 0, -s 0): only the model is loaded"))
+        say(f"-x {cfg.max_steps}: no training" + (" (-o is not written)" if cfg.output_dir else "") + "; "
+            + (" and ".join(doing) + " the model once" if doing else
+               "nothing else asked for either (-v 0, -s 0): only the model is loaded"))
         if val_loader:
             say(f"val loss {dist.average(evaluate(model, val_loader, cfg.val_max_batches, show_progress=rank0)):.6f}")
         if hellaswag_total:

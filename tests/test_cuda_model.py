@@ -77,7 +77,7 @@ def test_three_adamw_steps(cuda_backend):
     np.testing.assert_allclose(losses[id(gpu)], losses[id(ref)], rtol=1e-5)
     noise = key_bias_mask(CFG)
     np.testing.assert_allclose(gpu.params_host()[~noise], ref.params_host()[~noise], rtol=1e-4, atol=2e-6)
-    assert np.all(np.abs(gpu.params_host()[noise] - ref.params_host()[noise]) <= 3 * 3e-3)
+    assert np.all(np.abs(gpu.params_host()[noise] - ref.params_host()[noise]) <= 2 * 3 * 3e-3)   # 2 lr a step
 
 
 def test_gradients_do_not_depend_on_the_thread_schedule():
@@ -137,7 +137,7 @@ def test_fused_and_unfused_stay_close_over_ten_steps():
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)
     noise = key_bias_mask(CFG)
     np.testing.assert_allclose(fused.params_host()[~noise], unfused.params_host()[~noise], rtol=1e-3, atol=1e-5)
-    assert np.all(np.abs(fused.params_host()[noise] - unfused.params_host()[noise]) <= 10 * 3e-3)
+    assert np.all(np.abs(fused.params_host()[noise] - unfused.params_host()[noise]) <= 2 * 10 * 3e-3)
 
 
 def test_fused_ops_on_numpy_are_the_unfused_sequence_bitwise():

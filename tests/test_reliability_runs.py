@@ -176,6 +176,9 @@ def test_the_resumed_step_is_evaluated_as_llmcs(files, tmp_path, capsys):
     code, stdout, err = run(args(files, out, "-x", 4, "-n", 2, "-y", 1, "-v", 2, "-m", 2), capsys)
     assert code == 0 and "no step to train" in stdout and stdout.count("val loss") == 1, err
     assert (out / "main.log").read_text().splitlines() == log
+    code, stdout, err = run(args(files, out, "-x", 4, "-n", 2, "-y", 1), capsys)         # -v 0: no val again
+    assert code == 0 and "val loss" not in stdout, err
+    assert (out / "main.log").read_text().splitlines() == log                            # s:4 tel kept
 
 
 def test_resume_skips_incomplete_and_damaged_checkpoints(files, tmp_path, capsys):
@@ -409,10 +412,11 @@ def test_x0_validates_and_samples_without_training(files, tmp_path, capsys):
     code, stdout, err = run(args(files, out, "-x", 0, "-s", 1, "-g", 8, "-v", 1, "-m", 2, "-y", 1), capsys)
     assert code == 0, err
     assert "resuming from step 2" in stdout and "generating:" in stdout and not STEP_LINE.search(stdout)
-    assert "-x 0: no training; validating and sampling the model once" in stdout
+    assert "-x 0: no training (-o is not written); validating and sampling the model once" in stdout
     assert snapshot(out) == before
     code, stdout, err = run(args(files, out, "-x", 0, "-s", 0, "-v", 0, "-y", 1), capsys)   # says what it does
-    assert code == 0 and "-x 0: no training; nothing else asked for either (-v 0, -s 0)" in stdout, stdout + err
+    assert code == 0 and "-x 0: no training (-o is not written); nothing else asked for either (-v 0, -s 0)" in \
+        stdout, stdout + err
 
 
 # ---- signals and kill -9 -------------------------------------------------------------------------------------
@@ -600,3 +604,26 @@ def test_trim_log_drops_every_kind_of_line_after_the_resumed_step(tmp_path):
     (tmp_path / "main.log").write_text("\n".join(lines) + "\n")
     trim_log(tmp_path, 2)
     assert (tmp_path / "main.log").read_text().splitlines() == lines[:4]
+    (tmp_path / "main.log").write_text("\n".join(lines) + "\n")             # only val again at step 2: eval kept
+    trim_log(tmp_path, 2, rewritten=("tel",))
+    assert (tmp_path / "main.log").read_text().splitlines() == lines[:4] + ["s:2 eval:0.4000"]
+
+
+def test_an_uneven_zero1_run_from_before_resumes_sharded(tmp_path):
+    """llm.c turns ZeRO-1 off when the parameters do not divide over the ranks, and so does gpt2np now; a run sharded
+    unevenly before (its latest checkpoint's state says stage 1) keeps its shards on -y 1 (trainer.resumes_zero1)."""
+    from gpt2np.checkpoint import done_path, save_model, save_state
+    from gpt2np.config import GPT2Config
+    from gpt2np.tensors import num_parameters
+    from gpt2np.trainer import resumes_zero1
+    cfg = GPT2Config(16, 37, 64, 1, 2, 8)
+    n = num_parameters(cfg)
+    for stage in (1, 0):
+        out = tmp_path / f"z{stage}"
+        out.mkdir()
+        save_model(out / "model_00000002.bin", cfg, np.zeros(n, np.float32))
+        info = {"step": 2, "world_size": 1, "rank": 0, "zero_stage": stage, "train_loader": {}, "n": n}
+        save_state(out / "state_00000002_00000.bin", info, np.zeros(n), np.zeros(n))
+        Path(done_path(out, 2)).write_text("")
+        assert resumes_zero1(str(out)) is bool(stage)
+    assert resumes_zero1(str(tmp_path / "none")) is False and resumes_zero1(None) is False

@@ -230,8 +230,8 @@ def test_resume_from_llmc_state_file(tiny_model, tiny_shards, tmp_path, capsys):
     np.testing.assert_array_equal(m_a, m_b)
     np.testing.assert_array_equal(v_a, v_b)
 
-    # such a file cut short is an incomplete checkpoint, skipped for the one before (its size is checked against the
-    # model's parameter count: the file alone cannot say it)
+    # such a file cut short, or with a damaged header, is an incomplete checkpoint, skipped for the one before (its
+    # size is checked against the model's parameter count: the file alone cannot say it)
     from gpt2np.rundir import latest_complete_checkpoint
     cut = tmp_path / "cut"
     cut.mkdir()
@@ -244,6 +244,31 @@ def test_resume_from_llmc_state_file(tiny_model, tiny_shards, tmp_path, capsys):
         (cut / f"state_{step:08d}_00000.bin").write_bytes(bytes(llmc[:-100] if step == 6 else llmc))
     step, notes = latest_complete_checkpoint(cut)
     assert step == 3 and len(notes) == 1 and "step 6" in notes[0] and "truncated" in notes[0], notes
+    state6 = cut / "state_00000006_00000.bin"
+    whole = bytearray((cut / "state_00000003_00000.bin").read_bytes())
+    for world in (0, -1):                                               # the header's world_size damaged
+        whole[8:12] = np.array([world], "<i4").tobytes()
+        state6.write_bytes(bytes(whole))
+        step, notes = latest_complete_checkpoint(cut)
+        assert step == 3 and "damaged" in notes[0], notes
+
+
+def test_a_footer_less_unshuffled_llmc_state_cut_by_whole_parameters_is_skipped(tiny_model, tiny_shards, tmp_path,
+                                                                                 capsys):
+    """An llm.c state in file order whose size is still a whole number of (m, v) pairs: its parameter count is
+    checked against the model's, so a cut one is skipped for the checkpoint before, with a note."""
+    from gpt2np.rundir import latest_complete_checkpoint
+    out = tmp_path / "run"
+    args = base_args(tiny_model, tiny_shards) + ["-x", 4, "-n", 2, "-v", 0, "--shuffle", 0, "-o", out]
+    assert run(args, capsys)[0] == 0
+    for step in (2, 4):
+        path = out / f"state_{step:08d}_00000.bin"
+        raw = path.read_bytes()
+        llmc = bytearray(raw[:len(raw) - 16 - int(np.frombuffer(raw[-16:-8], "<u8")[0])])
+        llmc[4 * 40:4 * 46] = bytes(24)
+        path.write_bytes(bytes(llmc[:-8] if step == 4 else llmc))      # one parameter's m and v fewer
+    step, notes = latest_complete_checkpoint(out)
+    assert step == 2 and len(notes) == 1 and "step 4" in notes[0] and "truncated or corrupt" in notes[0], notes
 
 
 def test_training_samples_are_llmcs(tiny_model):
@@ -298,7 +323,7 @@ def test_resume_without_e_takes_the_runs_model(tiny_model, tiny_shards, tmp_path
         assert f"{run_file}: its model config is not a GPT-2 config" in err, err
 
 
-def test_a_descriptor_starts_from_llmcs_init_with_init_seed(tiny_shards, tmp_path, capsys, monkeypatch):
+def test_a_descriptor_starts_from_llmcs_init_with_init_seed(tiny_model, tiny_shards, tmp_path, capsys, monkeypatch):
     """-e d6: the weights are llm.c's random init (gpt2np.init) from --init-seed (default llm.c's 42; --seed, the
     sampler's, leaves them alone); the run records the seed, and a resume with another --init-seed is another run."""
     import gpt2np.model
@@ -311,6 +336,11 @@ def test_a_descriptor_starts_from_llmcs_init_with_init_seed(tiny_shards, tmp_pat
     assert run(args + ["-o", tmp_path / "b", "--init-seed", 7], capsys)[0] == 0
     assert seeds == [42, 7]
     assert json.loads((tmp_path / "b" / "run.json").read_text())["settings"]["init_seed"] == 7
+    code, out, err = run(["-e", tiny_model] + args[2:] + ["-o", tmp_path / "f"], capsys)
+    assert code == 0, err                                                               # a model file:
+    assert "init_seed" not in json.loads((tmp_path / "f" / "run.json").read_text())["settings"]   # no init seed
+    assert run(["-e", tiny_model] + args[2:] + ["-o", tmp_path / "f", "-y", 1, "-x", 2, "--init-seed", 9],
+               capsys)[0] == 0
     code, out, err = run(args + ["-o", tmp_path / "b", "--init-seed", 8, "-y", 1, "-x", 2], capsys)
     assert code == 2 and "--init-seed 7 there, 8 here" in err, err
     code, out, err = run(args + ["-o", tmp_path / "c", "--init-seed", -1], capsys)
@@ -372,6 +402,7 @@ def test_x_minus_one_counts_llmcs_epoch_which_can_be_zero(tiny_model, tiny_shard
     code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", -1, "-b", 4, "-t", 32,
                                                                 "-d", 128 * (tokens // 128 + 1)], capsys)
     assert code == 0 and "no step to train" in out and not re.search(r"^step ", out, re.M), err
+    assert "-x -1: no training" in out and "val loss" in out
 
 
 def test_header_is_llmcs_tables_then_gpt2nps(tiny_model, tiny_shards, capsys):
