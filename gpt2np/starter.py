@@ -14,7 +14,7 @@ import numpy as np
 from .checkpoint import load_model
 from .config import DESCRIPTORS, descriptor, preset
 from .data import write_shard
-from .fetch import KNOWN_FILES, FetchError, ensure
+from .fetch import FetchError, ensure
 from .fileio import atomic_write
 from .paths import CHECKPOINTS_DIR, DATA_DIR
 from .prepare import TINYSHAKESPEARE_NAME, prepare_text, prepare_tinyshakespeare
@@ -22,6 +22,7 @@ from .tokenizer import TOKENIZER_BIN, TokenizerError, TokenizerNotFoundError, ge
 
 CHECKPOINTS = CHECKPOINTS_DIR
 DEFAULT_MODEL = "gpt2_124M.bin"
+STARTER_MODELS = (DEFAULT_MODEL, "gpt2_124M_bf16.bin")       # llm.c's starter pack's model files (fetched for -e)
 FALLBACK_PRESET = "d12"
 STDLIB_NAME = "python_stdlib"
 STDLIB_BYTES = 1_200_000          # about tinyshakespeare's size
@@ -36,9 +37,10 @@ def resolve_model(spec, timeout=10, keep_bf16=False):
     """(cfg, params or None, description) for -e: a preset name (random init), an llm.c file, the default, or
     a transformers GPT-2 folder or Hugging Face Hub id (gpt2np.hf; the hf extra).
 
-    A missing default file (gpt2_124M.bin) is fetched; if that fails, d12 from random init is used
-    with one line saying why. Any other missing file is an error. keep_bf16: a bf16 (v5) file's parameters as
-    stored (ml_dtypes bfloat16; a bf16 run loads them without an fp32 round trip).
+    A missing starter-pack model (gpt2_124M.bin, gpt2_124M_bf16.bin) is fetched; if that fails for the default
+    (gpt2_124M.bin), d12 from random init is used with one line saying why. Any other missing file is an error.
+    keep_bf16: a bf16 (v5) file's parameters as stored (ml_dtypes bfloat16; a bf16 run loads them without an fp32
+    round trip).
     """
     path = Path(spec)
     try:
@@ -49,10 +51,12 @@ def resolve_model(spec, timeout=10, keep_bf16=False):
         return cfg, None, f"{spec} (random init)"
     if not path.is_file() and path.name == spec and (CHECKPOINTS / spec).is_file():
         path = CHECKPOINTS / spec
-    if not path.is_file() and path.name == spec and spec in KNOWN_FILES:
+    if not path.is_file() and path.name == spec and spec in STARTER_MODELS:
         try:
             path = ensure(spec, CHECKPOINTS, timeout=timeout)
         except FetchError as e:
+            if spec != DEFAULT_MODEL:            # asked for by name: no stand-in
+                raise
             note(f"note: {e}; training {FALLBACK_PRESET} from random init instead")
             return preset(FALLBACK_PRESET), None, f"{FALLBACK_PRESET} (random init; {spec} unavailable)"
     if not path.is_file():

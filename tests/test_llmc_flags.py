@@ -150,3 +150,29 @@ def test_a_descriptor_is_random_init_even_beside_a_folder_of_that_name(tmp_path,
     assert load_any_model("gpt2:d6")[2] == "gpt2:d6 (random init)"
     (tmp_path / "gpt2:d6").mkdir()
     assert load_any_model("gpt2:d6")[2] == "gpt2:d6 (random init)"
+
+
+def test_a_starter_pack_model_asked_by_name_is_fetched_and_never_stood_in_for(tmp_path, monkeypatch):
+    """-e gpt2_124M_bf16.bin (missing) is fetched into checkpoints/; offline that is one error line, not a random d12
+    in its place, which only the default gpt2_124M.bin gets (with a note)."""
+    from gpt2np import starter
+    from gpt2np.fetch import FetchError
+    monkeypatch.setattr(starter, "CHECKPOINTS", tmp_path)
+    monkeypatch.chdir(tmp_path)
+    asked = []
+
+    def offline(name, folder, timeout=None):
+        asked.append(name)
+        raise FetchError(f"could not download {name} (offline?)")
+
+    monkeypatch.setattr(starter, "ensure", offline)
+    with pytest.raises(FetchError, match="gpt2_124M_bf16.bin"):
+        starter.resolve_model("gpt2_124M_bf16.bin")
+    notes = []
+    monkeypatch.setattr(starter, "note", notes.append)
+    cfg, params, what = starter.resolve_model("gpt2_124M.bin")
+    assert params is None and "d12 (random init; gpt2_124M.bin unavailable)" == what and len(notes) == 1
+    assert asked == ["gpt2_124M_bf16.bin", "gpt2_124M.bin"]
+    with pytest.raises(FileNotFoundError):                    # not a model of the starter pack: not fetched
+        starter.resolve_model("gpt2_tokenizer.bin")
+    assert asked == ["gpt2_124M_bf16.bin", "gpt2_124M.bin"]
