@@ -235,11 +235,10 @@ def train(cfg: TrainConfig, dist=None, model_given=True):
 
 def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True):
     dist = dist or make_process_group(cfg.device, cfg.zero_stage if cfg.zero_stage <= 1 else 0, cfg.dist_timeout)
-    if cfg.zero_stage > 1:                      # llm.c's set_zero_configs: stages 2 and 3 run as 0
-        (print if dist.rank == 0 else (lambda *a, **k: None))(
-            f"note: -z {cfg.zero_stage}: ZeRO stages 2 and 3 are not supported (nor in llm.c): running stage 0")
     rank0 = dist.rank == 0
     say = print if rank0 else (lambda *a, **k: None)
+    if cfg.zero_stage > 1:                      # llm.c's set_zero_configs: stages 2 and 3 run as 0
+        say(f"note: -z {cfg.zero_stage}: ZeRO stages 2 and 3 are not supported (nor in llm.c): running stage 0")
     for flag, given, actual in (("-pn", cfg.num_processes, dist.world_size), ("-pr", cfg.process_rank, dist.rank)):
         if given is not None and given != actual:       # llm.c's -pi mpi takes MPI's values the same way
             print(f"note: rank {dist.rank} of {dist.world_size}: {flag} {given} differs from what mpiexec started; "
