@@ -121,29 +121,34 @@ def read_llmc_evalfile(path, max_examples=-1) -> list:
     stream, count = np.frombuffer(raw[1024:len(raw) - len(raw) % 2], "<u2"), int(header[2])
     examples, pos = [], 0
     for number in range(count if max_examples < 0 else min(count, max_examples)):
+        if pos + 6 > len(stream) or pos + int(stream[pos + 1]) // 2 > len(stream):
+            raise BadExamples(f"{path}: example {number} of {count} is cut short: truncated file")
+        if stream[pos] != 0xFFFF:
+            raise BadExamples(f"{path}: example {number}: no start marker at byte {1024 + 2 * pos}: not llm.c's "
+                              f"eval layout, or damaged")
+        size, label, endings, n_ctx = (int(x) for x in stream[[pos + 1, pos + 3, pos + 4, pos + 5]])
+        if endings != 4 or not 0 <= label < 4:           # llm.c's evalloader asserts both; we score 4 endings
+            raise BadExamples(f"{path}: example {number}: {endings} endings, label {label} (HellaSwag has 4 "
+                              f"endings, label 0-3): damaged")
+        example = stream[pos:pos + size // 2]
         try:
-            if stream[pos] != 0xFFFF:
-                raise BadExamples(f"{path}: example {number}: no start marker at byte {1024 + 2 * pos}: "
-                                  f"not llm.c's eval layout, or damaged")
-            size, label, endings, n_ctx = (int(x) for x in stream[[pos + 1, pos + 3, pos + 4, pos + 5]])
-            at = pos + 6
-            ctx = stream[at:at + n_ctx].tolist()
-            at += n_ctx
+            at = 6 + n_ctx
+            ctx = example[6:at].tolist()
             rows, lens = [], []
             for _ in range(endings):
-                n = int(stream[at])
-                end = stream[at + 1:at + 1 + n].tolist()
-                if len(end) < n:
+                n = int(example[at])
+                end = example[at + 1:at + 1 + n].tolist()
+                if len(end) < n or (len(ctx) < n_ctx):
                     raise IndexError
                 rows.append(ctx + end)
                 lens.append(n)
                 at += 1 + n
         except IndexError:
-            raise BadExamples(f"{path}: example {number} of {count} is cut short: truncated file") from None
-        if 2 * (at - pos) != size or not 0 <= label < endings:
-            raise BadExamples(f"{path}: example {number}: its size or label does not fit its tokens: damaged")
+            at = -1
+        if at != size // 2 or size % 2:
+            raise BadExamples(f"{path}: example {number}: its token counts do not fit its {size} bytes: damaged")
         examples.append(Example(rows, lens, label))
-        pos = at
+        pos += size // 2
     if not examples:
         raise BadExamples(f"{path}: no HellaSwag examples")
     return examples

@@ -98,6 +98,8 @@ def identity_differences(saved: dict, current: dict) -> list:
     for key in sorted(theirs.keys() | ours.keys(), key=lambda k: (order.index(k) if k in order else len(order), k)):
         if key in RECORDED_SINCE_2026_11_24 and key not in theirs:
             continue                             # a run.json from before these were recorded: not known, not held
+        if key == "init_seed" and key not in ours:
+            continue                             # a run from a model file: its init seed does not matter
         if theirs.get(key) != ours.get(key):
             out.append(f"{FLAGS.get(key, key)} {_shown(theirs.get(key))} there, {_shown(ours.get(key))} here")
     return out

@@ -103,6 +103,19 @@ def evaluate(model, loader, max_batches, show_progress=True):
         return eval_loss(model, loader, max_batches, quiet_below=LONG_VALIDATION if show_progress else math.inf)[0]
 
 
+def zero_stage(cfg: TrainConfig, stage, processes, num_params):
+    """(the ZeRO stage to run, a note or None): llm.c's set_zero_configs turns stage 1 off when the parameters do not
+    divide evenly over the processes; a run resumed from a checkpoint sharded so (gpt2np before 2026-11-24) keeps
+    its shards."""
+    if stage != 1 or num_params % processes == 0:
+        return stage, None
+    if cfg.resume and resumes_zero1(cfg.output_dir):
+        return 1, (f"note: -z 1: the model's parameters do not divide evenly over {processes} processes (llm.c "
+                   f"would turn ZeRO off); the run in {cfg.output_dir} was sharded so before 2026-11-24 and resumes so")
+    return 0, (f"note: -z 1: the model's {num_params} parameters do not divide evenly over {processes} processes: "
+               f"ZeRO is off (stage 0), as in llm.c")
+
+
 def resumes_zero1(out_dir) -> bool:
     """Whether -o's latest complete checkpoint was written with ZeRO stage 1 (so -y 1 must keep its shards)."""
     try:
@@ -276,14 +289,10 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
     else:
         model_cfg, params, model_desc = resolve_model(cfg.model, keep_bf16=bf16)
     model_name = model_desc if recorded else f"-e {cfg.model}"        # in messages: what the model is
-    if dist.zero_stage == 1 and num_parameters(model_cfg) % dist.world_size:     # llm.c's set_zero_configs
-        if cfg.resume and resumes_zero1(cfg.output_dir):
-            say(f"note: -z 1: the model's parameters do not divide evenly over {dist.world_size} processes (llm.c "
-                f"would turn ZeRO off); the run in {cfg.output_dir} was sharded so before 2026-11-24 and resumes so")
-        else:
-            say(f"note: -z 1: the model's {num_parameters(model_cfg)} parameters do not divide evenly over "
-                f"{dist.world_size} processes: ZeRO is off (stage 0), as in llm.c")
-            dist.zero_stage = 0
+    stage, zero_note = zero_stage(cfg, dist.zero_stage, dist.world_size, num_parameters(model_cfg))
+    if zero_note:
+        say(zero_note)
+    dist.zero_stage = stage
     train_pattern, val_pattern = resolve_data(cfg.train_data, cfg.val_data)
     if dist.rank == 0:
         if dist.world_size > 1:

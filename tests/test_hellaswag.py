@@ -104,7 +104,14 @@ def test_llmcs_eval_file_scores_as_the_jsonl(params, expected, jsonl, tmp_path):
     assert hellaswag.score(model, from_bin).correct == int((sums.argmin(1) == labels).sum())
     raw = path.read_bytes()
     path.write_bytes(raw[:1024 + 10] + b"\x00\x00" + raw[1024 + 12:])      # the context token count gone wrong
-    with pytest.raises(hellaswag.BadExamples, match="hellaswag_val.bin: example 0"):
+    with pytest.raises(hellaswag.BadExamples, match="example 0: its token counts do not fit .* damaged"):
+        hellaswag.load(path)
+    path.write_bytes(raw[:-6])                                                # the last example cut short
+    with pytest.raises(hellaswag.BadExamples, match="example 4 of 5 is cut short: truncated"):
+        hellaswag.load(path)
+    three = [dict(EXAMPLES[0], endings=EXAMPLES[0]["endings"][:3], label=1)]   # llm.c's loader takes 4 endings
+    write_llmc_evalfile(path, three)
+    with pytest.raises(hellaswag.BadExamples, match="example 0: 3 endings, label 1 .* damaged"):
         hellaswag.load(path)
 
 

@@ -610,8 +610,9 @@ def test_trim_log_drops_every_kind_of_line_after_the_resumed_step(tmp_path):
 
 
 def test_an_uneven_zero1_run_from_before_resumes_sharded(tmp_path):
-    """llm.c turns ZeRO-1 off when the parameters do not divide over the ranks, and so does gpt2np now; a run sharded
-    unevenly before (its latest checkpoint's state says stage 1) keeps its shards on -y 1 (trainer.resumes_zero1)."""
+    """llm.c turns ZeRO-1 off when the parameters do not divide over the ranks, and so does gpt2np now
+    (trainer.zero_stage, the stage the trainer runs); a run sharded unevenly before (its latest checkpoint's state
+    says stage 1) keeps its shards on -y 1 (trainer.resumes_zero1)."""
     from gpt2np.checkpoint import done_path, save_model, save_state
     from gpt2np.config import GPT2Config
     from gpt2np.tensors import num_parameters
@@ -627,3 +628,25 @@ def test_an_uneven_zero1_run_from_before_resumes_sharded(tmp_path):
         Path(done_path(out, 2)).write_text("")
         assert resumes_zero1(str(out)) is bool(stage)
     assert resumes_zero1(str(tmp_path / "none")) is False and resumes_zero1(None) is False
+    from gpt2np.config import TrainConfig
+    from gpt2np.trainer import zero_stage
+    uneven = 3 * 1000 + 1
+    assert zero_stage(TrainConfig(), 1, 3, 3000) == (1, None)                       # even: as asked
+    stage, note = zero_stage(TrainConfig(), 1, 3, uneven)                           # uneven, a new run: off
+    assert stage == 0 and "do not divide evenly over 3 processes: ZeRO is off" in note
+    stage, note = zero_stage(TrainConfig(resume=1, output_dir=str(tmp_path / "z1")), 1, 3, uneven)
+    assert stage == 1 and "resumes so" in note                                      # its checkpoint is stage 1
+    assert zero_stage(TrainConfig(resume=1, output_dir=str(tmp_path / "z0")), 1, 3, uneven)[0] == 0
+
+
+def test_a_run_from_a_model_file_is_not_held_to_an_init_seed():
+    """--init-seed makes a random init's run; a run from a model file does not record it, and a run.json that did
+    (gpt2np for a few hours on 2026-11-24) is not held to it."""
+    from gpt2np.rundir import identity_differences
+    saved = {"model": {"sha256": "ab"}, "data": {"train": [], "val": None},
+             "settings": {"batch_size": 4, "init_seed": 42}}
+    ours = {"model": {"sha256": "ab"}, "data": {"train": [], "val": None}, "settings": {"batch_size": 4}}
+    assert identity_differences(saved, ours) == []
+    random_init = {"model": {"init": "random"}, "data": ours["data"], "settings": {"batch_size": 4, "init_seed": 7}}
+    assert identity_differences(dict(random_init, settings={"batch_size": 4, "init_seed": 42}), random_init) == [
+        "--init-seed 42 there, 7 here"]
