@@ -312,7 +312,8 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
             if steps and differences:
                 raise RunDirError(f"{out_dir} holds another run's checkpoints (none of them complete): use another "
                                   f"-o, or start a new run there with --overwrite (moves them into a subfolder)")
-            say(f"note: nothing to resume in {out_dir}; starting from scratch")
+            say(f"note: nothing to resume in {out_dir}; " + ("evaluating -e's model" if read_only
+                                                               else "starting from scratch"))
         else:
             _check_processes(state_path(out_dir, found, 0), dist)
             if differences:

@@ -417,6 +417,8 @@ def test_x0_validates_and_samples_without_training(files, tmp_path, capsys):
     code, stdout, err = run(args(files, out, "-x", 0, "-s", 0, "-v", 0, "-y", 1), capsys)   # says what it does
     assert code == 0 and "-x 0: no training (-o is not written); nothing else asked for either (-v 0, -s 0)" in \
         stdout, stdout + err
+    code, stdout, err = run(args(files, tmp_path / "empty", "-x", 0, "-v", 0, "-y", 1), capsys)
+    assert code == 0 and err == [f"note: nothing to resume in {tmp_path / 'empty'}; evaluating -e's model"], err
 
 
 # ---- signals and kill -9 -------------------------------------------------------------------------------------
