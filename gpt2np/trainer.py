@@ -453,7 +453,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
         if decoder and rank0:
             say(sample_text(model, decoder, cfg))
         return model
-    say(f"training for {total_steps} steps")
+    if start_step < total_steps:                  # (a finished run resumed: the note above says there is none)
+        say(f"training for {total_steps} steps")
 
     adamw = AdamW(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.grad_clip)
     step_times = []

@@ -154,6 +154,7 @@ def test_resume_past_or_at_max_steps(files, tmp_path, capsys):
     before = snapshot(out)
     code, stdout, err = run(args(files, out, "-x", 3, "-n", 3, "-y", 1), capsys)      # the run is complete
     assert code == 0 and "no step to train" in stdout and not STEP_LINE.search(stdout), err
+    assert "training for" not in stdout
     code, _, err = run(args(files, out, "-x", 2, "-n", 3, "-y", 1), capsys)           # it is already past -x
     assert code != 0
     one_error_line(err, "latest checkpoint is at step 3, past -x 2")
