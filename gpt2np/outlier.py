@@ -8,7 +8,8 @@ value over its buffer *including* the new value (population std; NaN while fewer
 step had been applied (the skipped step's t is not reused). llm.c prints both z-scores on every step line, -sl/-sg
 or not, and so does the trainer (the window is kept, and checkpointed, in every run).
 
-Here, one step late. The CUDA step runs without a host sync: the host reads each step's loss and norm back while
+Here the decision is one step late (the step line still prints llm.c's z-scores: zscores(lag=1)). The CUDA step
+runs without a host sync: the host reads each step's loss and norm back while
 the next step runs (gpt2np.train_step.PendingStep), so when it launches step s it knows the values of steps
 <= s - 2 only. Both backends therefore score step s against the same window: the WINDOW - 1 = 127 most recent
 finite values of steps <= s - 2, plus step s's own value (the window llm.c scores against, less step s - 1 and
@@ -112,12 +113,14 @@ class OutlierGuard:
                 raise ValueError(f"outlier window: step {step} observed after step {self.history[-1][0]}")
             self.history.append((int(step), float(loss), float(norm)))
 
-    def _others(self, step):
-        """(losses, norms) float64 (window - 1,) of the steps that score `step`, or None while too few."""
-        rows = [r for r in self.history if r[0] <= step - LAG][-(self.window - 1):]
-        if len(rows) < self.window - 1:
+    def _others(self, step, lag=LAG):
+        """(losses, norms) float64 (window - 1,) of the latest steps <= step - lag, or None while too few: llm.c's
+        detector scores a value once `window` values came before it (lag 1, its own numbers); one step later
+        (lag 2, the decision's window) the window - 1 then known, so that the first step scored is the same."""
+        rows = [r for r in self.history if r[0] <= step - lag]
+        if len(rows) < self.window - (lag - 1):
             return None
-        arr = np.array(rows, np.float64)
+        arr = np.array(rows[-(self.window - 1):], np.float64)
         return arr[:, 1], arr[:, 2]
 
     def limits(self, step: int) -> Limits:
@@ -127,9 +130,10 @@ class OutlierGuard:
             return NO_LIMITS
         return Limits(value_limit(others[0], self.loss_z), value_limit(others[1], self.grad_z))
 
-    def zscores(self, step: int, loss: float, norm: float):
-        """(loss z, norm z) of step's values over its window (llm.c's numbers); NaN while the window fills."""
-        others = self._others(step)
+    def zscores(self, step: int, loss: float, norm: float, lag: int = LAG):
+        """(loss z, norm z) of step's values over its window: lag 1, llm.c's numbers (the steps just before it, as
+        the step line prints them); lag 2, the decision's (limits()); NaN while the window fills."""
+        others = self._others(step, lag)
         if others is None:
             return math.nan, math.nan
         return zscore(others[0], loss), zscore(others[1], norm)

@@ -485,7 +485,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
             loss, norm = result
             applied = True
             outlier = exceeded(loss, norm, limits) if limits else None   # what the step was skipped for
-            z_loss, z_norm = guard.zscores(step_, loss, norm)
+            z_loss, z_norm = guard.zscores(step_, loss, norm, lag=1)       # the line's: llm.c's own numbers
+            z_skip = guard.zscores(step_, loss, norm) if outlier else None   # the decision's window (one step late)
             guard.observe(step_, loss, norm)
             guard.skipped += outlier is not None
         except NonFiniteError as e:               # the update was not applied: the model is still step's
@@ -512,8 +513,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
             line = (f"step {step_ + 1:4d}/{total_steps} | loss {loss:.6f} ({z_loss:+.2f}z)| norm {norm:.4f} "
                     f"({z_norm:+.2f}z)| lr {lr_:.2e} | {dt * 1e3:.2f} ms | {perf} | {tok_s_shown:.0f} tok/s")
             if outlier:                           # llm.c's line, then the step's; main.log keeps the loss (llm.c)
-                flag, z, limit = (("-sl", z_loss, cfg.skip_update_lossz) if outlier == "loss" else
-                                  ("-sg", z_norm, cfg.skip_update_gradz))
+                flag, z, limit = (("-sl", z_skip[0], cfg.skip_update_lossz) if outlier == "loss" else
+                                  ("-sg", z_skip[1], cfg.skip_update_gradz))
                 say(f"skipping update due to {'loss' if outlier == 'loss' else 'grad'} z-score of {z:f}")
                 line += f" | skipped: {outlier} z-score {z:.2f} > {flag} {limit:g} ({guard.skipped} outliers skipped)"
             say(line, flush=True)

@@ -268,14 +268,17 @@ def test_a_loss_spike_is_skipped_with_sl_and_not_without(files, tmp_path, capsys
     plain = run(files, capsys, "-o", tmp_path / "plain")
     assert not skipped_steps(plain) and "skipping update" not in plain and "outliers" not in plain
     # every step line has llm.c's z-scores, -sl or not: nan while the window fills (steps 0-127), then the
-    # loss's over the 127 values of steps s - 128 .. s - 2 (one step late, gpt2np.outlier) and its own
+    # loss's over the 127 values of steps s - 127 .. s - 1 and its own, as llm.c's detector; the skip decision's
+    # (the skip lines') over steps s - 128 .. s - 2 (one step late, gpt2np.outlier)
     zs = [m.groups() for m in re.finditer(r"^step +\d+/\d+ \| loss [0-9.]+ \((\S+)z\)\| norm [0-9.]+ \((\S+)z\)\|",
                                           plain, re.M)]
     assert len(zs) == SPIKE + 4 and all(z == ("+nan", "+nan") for z in zs[:128])
     b = step_losses(plain)
-    window = np.array(b[SPIKE - 128:SPIKE - 1] + [b[SPIKE]])
-    assert abs(float(zs[SPIKE][0]) - (b[SPIKE] - window.mean()) / window.std()) < 0.01
-    assert zs[SPIKE][0] == f"+{z:.2f}" and all(abs(float(x)) < 11.3 for z_ in zs[128:] for x in z_)
+    llmc_window = np.array(b[SPIKE - 127:SPIKE] + [b[SPIKE]])
+    assert abs(float(zs[SPIKE][0]) - (b[SPIKE] - llmc_window.mean()) / llmc_window.std()) < 0.01
+    lagged = np.array(b[SPIKE - 128:SPIKE - 1] + [b[SPIKE]])
+    assert abs(z - (b[SPIKE] - lagged.mean()) / lagged.std()) < 1e-4          # the skip line's z: the decision's
+    assert all(abs(float(x)) < 11.3 for z_ in zs[128:] for x in z_)
     a, b = step_losses(guarded), step_losses(plain)
     assert a[:SPIKE + 1] == b[:SPIKE + 1] and a[SPIKE + 1] != b[SPIKE + 1]    # the same until the spike's update
     assert a[SPIKE] > max(a[SPIKE - 127:SPIKE]) + 1
@@ -386,3 +389,28 @@ def test_thread_ranks_skip_the_same_steps(zero, monkeypatch):
     (skips0, params0), (skips1, params1) = group.run(rank_main)
     assert skips0 == skips1 and spike in skips0
     np.testing.assert_array_equal(params0, params1)
+
+
+def test_the_step_lines_z_is_llmcs_detector():
+    """zscores(lag=1), the step line's, equals llm.c's OutlierDetector (a 128-slot ring buffer of running sums: NaN
+    for its first 128 values, then the new value against the buffer holding it), modelled here from its
+    description, on a random sequence; lag 2 (the decision's) scores from the same first step."""
+    rng = np.random.default_rng(5)
+    values = rng.normal(3.0, 0.5, 300)
+    values[200] += 6.0
+    buffer, count, index, total, total_sq = [0.0] * 128, 0, 0, 0.0, 0.0
+    guard = OutlierGuard()
+    for s, v in enumerate(values):
+        if count < 128:
+            buffer[count], count = v, count + 1
+            total, total_sq, expected = total + v, total_sq + v * v, math.nan
+        else:
+            old, buffer[index], index = buffer[index], v, (index + 1) % 128
+            total, total_sq = total - old + v, total_sq - old * old + v * v
+            mean = total / 128
+            sd = math.sqrt(total_sq / 128 - mean * mean)
+            expected = 0.0 if sd == 0 else (v - mean) / sd
+        got = guard.zscores(s, v, v, lag=1)[0]
+        assert (math.isnan(got) and math.isnan(expected)) or abs(got - expected) < 1e-9, (s, got, expected)
+        assert math.isnan(guard.zscores(s, v, v)[0]) == math.isnan(expected)
+        guard.observe(s, v, v)
