@@ -134,11 +134,13 @@ def read_llmc_evalfile(path, max_examples=-1) -> list:
         try:
             at = 6 + n_ctx
             ctx = example[6:at].tolist()
+            if len(ctx) < n_ctx:
+                raise IndexError
             rows, lens = [], []
             for _ in range(endings):
                 n = int(example[at])
                 end = example[at + 1:at + 1 + n].tolist()
-                if len(end) < n or (len(ctx) < n_ctx):
+                if len(end) < n:
                     raise IndexError
                 rows.append(ctx + end)
                 lens.append(n)

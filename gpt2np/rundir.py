@@ -166,7 +166,8 @@ def _state_header(path, cfg, rank):
     if not 0 <= rank < world:
         raise CheckpointError(f"{path}: its header says rank {info.get('rank')} of {world} processes: damaged")
     total = num_parameters(cfg)
-    sizes = dict.fromkeys([total, *(hi - lo for lo, hi in [shard_bounds(total, world)[rank]])])
+    lo, hi = shard_bounds(total, world)[rank]
+    sizes = dict.fromkeys([total, hi - lo])                       # whole, or this rank's ZeRO-1 shard
     if n is not None:                                   # from the file's size: must be the model's (or a shard)
         if n not in sizes:
             raise CheckpointError(f"{path}: optimizer state for {n} parameters, the model has {total}: truncated "
