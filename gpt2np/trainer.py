@@ -36,14 +36,21 @@ from .config import GPT2Config, TrainConfig
 from .data import DataLoader
 from .dist import check_same_run, make_process_group, run_fingerprint, stop_together
 from .evaluate import eval_loss
-from .fileio import WriteError, append_line
+from .fileio import WriteError, append_line, atomic_write
 from .interrupts import Stopped, StopSignals
 from .model import GPT2
 from .outlier import OutlierGuard, exceeded
 from .profiling import ranges
 from .profiling.gpu_specs import flops_per_token, mfu, peak_flops
 from .profiling.profiler import Profiler, device_label, device_roofline, report_text, write_outputs
-from .rundir import check_output_dir, latest_complete_checkpoint, prepare_run_dir, read_run_file, run_identity
+from .rundir import (
+    LOG_LINE,
+    check_output_dir,
+    latest_complete_checkpoint,
+    prepare_run_dir,
+    read_run_file,
+    run_identity,
+)
 from .sample import LlmcCoins, generate
 from .schedule import learning_rate
 from .starter import Decoder, resolve_data, resolve_model
@@ -79,6 +86,7 @@ class Logger:
 
     def __init__(self, out_dir, rank, resume):
         self.path = os.path.join(out_dir, "main.log") if out_dir and rank == 0 else None
+        self._resumed = resume            # the first line of a resumed run may go before its step's kept lines
         if self.path:
             try:
                 os.makedirs(out_dir, exist_ok=True)
@@ -88,8 +96,29 @@ class Logger:
                 raise WriteError(self.path, e) from e
 
     def log(self, line):
-        if self.path:
+        if not self.path:
+            return
+        first, self._resumed = self._resumed, False
+        if not (first and self._insert_before_kept_eval(line)):
             append_line(self.path, line)
+
+    def _insert_before_kept_eval(self, line) -> bool:
+        """A resumed run's val line of step s goes before the HellaSwag lines of step s that main.log kept (the
+        resumed run does not run HellaSwag at s again): llm.c's order, a step's val loss before its HellaSwag.
+        Returns whether it did (main.log rewritten atomically)."""
+        m = LOG_LINE.match(line)
+        if not m or m.group(2) != "tel" or not os.path.isfile(self.path):
+            return False
+        with open(self.path) as f:
+            lines = f.readlines()
+        at = len(lines)
+        while at and (k := LOG_LINE.match(lines[at - 1])) and k.group(1) == m.group(1) and k.group(2) == "eval":
+            at -= 1
+        if at == len(lines):
+            return False
+        with atomic_write(self.path, "w") as f:
+            f.writelines(lines[:at] + [line + "\n"] + lines[at:])
+        return True
 
 
 LONG_VALIDATION = 100     # batches from which a validation shows its progress (-m -1 on a big val set)

@@ -612,6 +612,26 @@ def test_trim_log_drops_every_kind_of_line_after_the_resumed_step(tmp_path):
     assert (tmp_path / "main.log").read_text().splitlines() == lines[:4] + ["s:2 eval:0.4000"]
 
 
+def test_a_resumed_val_line_goes_before_its_steps_kept_hellaswag_line(tmp_path):
+    """A resume that evaluates only val at its step again (HellaSwag not due: trim_log kept that step's eval line)
+    writes its val line before the kept eval line, llm.c's order; any other first line is appended."""
+    from gpt2np.rundir import trim_log
+    from gpt2np.trainer import Logger
+    lines = ["s:0 tel:5.0000", "s:0 trl:5.1000 lr:0.000300 norm:1.00", "s:2 tel:4.9000", "s:2 eval:0.4000",
+             "s:2 trl:4.9500 lr:0.000300 norm:1.00"]
+    log = tmp_path / "main.log"
+    log.write_text("\n".join(lines) + "\n")
+    trim_log(tmp_path, 2, rewritten=("tel",))
+    logger = Logger(str(tmp_path), 0, resume=True)
+    logger.log("s:2 tel:4.8000")
+    logger.log("s:2 trl:4.8500 lr:0.000300 norm:1.00")
+    assert log.read_text().splitlines() == lines[:2] + ["s:2 tel:4.8000", "s:2 eval:0.4000",
+                                                        "s:2 trl:4.8500 lr:0.000300 norm:1.00"]
+    log.write_text("\n".join(lines[:4]) + "\n")           # a first line of another kind or step: appended
+    Logger(str(tmp_path), 0, resume=True).log("s:3 tel:4.7000")
+    assert log.read_text().splitlines() == lines[:4] + ["s:3 tel:4.7000"]
+
+
 def test_an_uneven_zero1_run_from_before_resumes_sharded(tmp_path):
     """llm.c turns ZeRO-1 off when the parameters do not divide over the ranks, and so does gpt2np now
     (trainer.zero_stage, the stage the trainer runs); a run sharded unevenly before (its latest checkpoint's state
