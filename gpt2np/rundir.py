@@ -101,11 +101,14 @@ def identity_differences(saved: dict, current: dict) -> list:
         if key == "init_seed" and key not in ours:
             continue                             # a run from a model file: its init seed does not matter
         if theirs.get(key) != ours.get(key):
-            out.append(f"{FLAGS.get(key, key)} {_shown(theirs.get(key))} there, {_shown(ours.get(key))} here")
+            out.append(f"{FLAGS.get(key, key)} {_shown(theirs.get(key), key)} there, {_shown(ours.get(key), key)} "
+                       f"here")
     return out
 
 
-def _shown(value):
+def _shown(value, key=None):
+    if value is None and key == "precision":   # recorded for bf16 only: fp32 and tf32 runs share checkpoints
+        return "fp32 or tf32"
     return "unset" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 

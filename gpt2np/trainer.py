@@ -32,7 +32,7 @@ from .checkpoint import (
     state_path,
 )
 from .cli import BadInput, one_line
-from .config import GPT2Config, TrainConfig
+from .config import GPT2Config, TrainConfig, descriptor
 from .data import DataLoader
 from .dist import check_same_run, make_process_group, run_fingerprint, stop_together
 from .evaluate import eval_loss
@@ -318,6 +318,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
     else:
         model_cfg, params, model_desc = resolve_model(cfg.model, keep_bf16=bf16)
     model_name = model_desc if recorded else f"-e {cfg.model}"        # in messages: what the model is
+    # the header's weight init method: -e as llm.c prints it, but the offline default's stand-in says what it is
+    init_method = cfg.model if params is not None or recorded or descriptor(cfg.model) else model_desc
     stage, zero_note = zero_stage(cfg, dist.zero_stage, dist.world_size, num_parameters(model_cfg))
     if zero_note:
         say(zero_note)
@@ -440,7 +442,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
                        else f"{backend.name} ({device_name})"),
                       ("peak TFlops", f"{peak / 1e12:.1f}" if peak else "n/a"),
                       ("precision", backend.precision.upper())], title=False))
-    say(header_table([("weight init method", "intermediate checkpoint" if start_step else cfg.model),
+    say(header_table([("weight init method", "intermediate checkpoint" if start_step else init_method),
                       ("max_sequence_length T", model_cfg.max_seq_len), ("vocab_size V", model_cfg.vocab_size),
                       ("padded_vocab_size Vp", model_cfg.padded_vocab_size), ("num_layers L", model_cfg.num_layers),
                       ("num_heads NH", model_cfg.num_heads), ("channels C", model_cfg.channels),

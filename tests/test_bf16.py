@@ -325,7 +325,7 @@ def test_train_bf16_resume_is_bitwise(files, tmp_path, capsys, device):
     # an fp32 run of the same folder is another run's: one line, bad input
     assert train.main(train_args(files, "-e", files / "tiny_bf16.bin", "-x", 6, "-o", full, "-y", 1,
                                  precision="fp32", device=device)) == 2
-    assert "--precision bf16 there, unset here" in capsys.readouterr().err
+    assert "--precision bf16 there, fp32 or tf32 here" in capsys.readouterr().err
 
 
 def test_train_v3_file_into_bf16(files, tmp_path, capsys):

@@ -405,6 +405,29 @@ def test_x_minus_one_counts_llmcs_epoch_which_can_be_zero(tiny_model, tiny_shard
     assert "-x -1: no training" in out and "val loss" in out
 
 
+def test_header_names_the_offline_stand_in_as_the_weight_init(tiny_shards, tmp_path, monkeypatch, capsys):
+    """Offline, the default gpt2_124M.bin is stood in for by a random init: the header's weight init method says so
+    (it named gpt2_124M.bin); -e as given otherwise (llm.c prints its -e)."""
+    from gpt2np import starter
+    from gpt2np.fetch import FetchError
+
+    def offline(name, folder, timeout=None):
+        raise FetchError(f"could not download {name} (offline?)")
+
+    monkeypatch.setattr(starter, "CHECKPOINTS", tmp_path)
+    monkeypatch.setattr(starter, "ensure", offline)
+    monkeypatch.setattr(starter, "FALLBACK_PRESET", "d6")         # the stand-in, smaller for the test
+    monkeypatch.chdir(tmp_path)
+    data = ["-i", tiny_shards / "syn_train.bin", "-j", tiny_shards / "syn_val.bin", "-b", 1, "-t", 16,
+            "--device", "cpu", "-s", 0, "-v", 0, "-x", 0]
+    code, out, err = run(data, capsys)
+    assert code == 0, err
+    assert re.search(r"^\| weight init method +\| d6 \(random init; gpt2_124M\.bin unavailable\) +\|$", out, re.M), out
+    code, out, err = run(data + ["-e", "d6"], capsys)
+    assert code == 0, err
+    assert re.search(r"^\| weight init method +\| d6 +\|$", out, re.M), out
+
+
 def test_header_is_llmcs_tables_then_gpt2nps(tiny_model, tiny_shards, capsys):
     """train_gpt2.cu's header: its six tables' rows in its order (keys padded to 21, values to 50), its four lines,
     then gpt2np's own settings in a table of their own."""
