@@ -71,6 +71,13 @@ def one_line_errors(code: int | None = None, then: Callable[[int], None] | None 
             raise
         print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
         exit_code = code if code is not None else RUN_FAILED if isinstance(error, RUN_ERRORS) else BAD_INPUT
+    except MemoryError as error:           # the machine's limit (a model, batch or context too large for it)
+        if debugging():
+            raise
+        detail = " ".join(str(error).split())
+        print(f"error: out of memory{f' ({detail})' if detail else ''}: give a smaller model, batch or context",
+              file=sys.stderr, flush=True)
+        exit_code = code if code is not None else RUN_FAILED
     else:
         return
     if then is not None:
@@ -127,6 +134,18 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(BAD_INPUT, f"error: {message} (see --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, then an empty text given for a flag or argument (-o '': a path no tool can use; some took it
+        for the current folder or for the flag's default) is BadInput naming it."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(namespace, action.dest, None) if action.dest != argparse.SUPPRESS else None
+            values = value if isinstance(value, list) else [value]
+            if action.default != "" and any(v == "" for v in values):
+                name = "/".join(action.option_strings) or action.metavar or action.dest
+                raise BadInput(f"{name} '': must be {TEXT.words}")
+        return namespace, extras
 
 
 def is_int(value) -> bool:

@@ -322,6 +322,11 @@ class TrainConfig:
                            f"(or leave it out) with --fuse 0, or --fuse 1 (on the CPU --fuse defaults to 0)")
         if self.resume and not self.output_dir:
             raise BadInput("-y 1 without -o: resuming reads the checkpoints in -o DIR")
+        if self.overwrite and not self.output_dir:
+            raise BadInput("--overwrite without -o: it moves the files of -o DIR aside; there is no -o")
+        if self.hellaswag_data and not (self.hellaswag_eval or self.hellaswag_every):
+            raise BadInput(f"--hellaswag-data {self.hellaswag_data} without -h 1 or --hellaswag N: nothing "
+                           f"evaluates HellaSwag")
         if self.checkpoint_every > 0 and not self.output_dir:
             raise BadInput(f"-n {self.checkpoint_every} without -o: checkpoints are written into -o DIR "
                            "(or use -n 0)")

@@ -60,6 +60,7 @@ def atomic_write(path, mode="wb"):
     or renaming the file is raised as WriteError naming `path`; other exceptions pass through unchanged.
     """
     path = Path(path)
+    _check_target(path)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +93,20 @@ def atomic_write(path, mode="wb"):
         if ours:
             raise WriteError(path, cause) from e
         raise
+
+
+def _check_target(path: Path):
+    """WriteError unless `path` can be replaced by a file: a folder, a device or a pipe there would be replaced (as
+    root, /dev/null by a regular file) or refuse only after the work; a file in the way of its folders would fail
+    with a bare 'File exists'."""
+    if path.is_dir():
+        raise WriteError(path, OSError(None, "it is a folder: give a file's path"))
+    if path.exists() and not path.is_file():
+        raise WriteError(path, OSError(None, "it is not a regular file (a device, pipe or socket): give a file's "
+                                             "path"))
+    blocking = file_in_the_way(path)
+    if blocking is not None:
+        raise WriteError(path, OSError(None, f"{blocking} is a file, so the folder cannot be made"))
 
 
 def file_in_the_way(path) -> Path | None:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .cli import ArgumentParser, BadInput, number, tool
-from .fileio import file_in_the_way
+from .fileio import atomic_write, file_in_the_way
 
 # llm.c vislog's reference values: OpenAI's GPT-2 checkpoints' val loss (FineWeb val) and HellaSwag accuracy;
 # GPT-3's HellaSwag (the GPT-3 paper, as build-nanogpt plots it)
@@ -115,11 +115,11 @@ def plot_runs(runs, output, baseline=None, yscale="log", ylim_top=None, title=No
         fig.suptitle(title)
     fig.tight_layout()
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     paths = [output.with_name(output.name + ".png"), output.with_name(output.name + ".svg")]
     try:
-        for path in paths:
-            fig.savefig(path, dpi=110)
+        for path in paths:                     # whole files or none (a full disk left a cut-off plot.png)
+            with atomic_write(path) as f:
+                fig.savefig(f, format=path.suffix[1:], dpi=110)
     finally:
         plt.close(fig)
     return paths

@@ -304,10 +304,8 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
                                   f"with -y 1, or start over with --overwrite (moves its files into a subfolder)")
             raise RunDirError(f"{out_dir} holds another run's checkpoints (up to step {steps[0]}): use another -o, "
                               f"or --overwrite to move them into a subfolder")
-        log = os.path.join(out_dir, LOG_FILE)
-        if not steps and differences and not overwrite and os.path.isfile(log) and os.path.getsize(log) > 0:
-            raise RunDirError(f"{out_dir} holds another run's main.log (no checkpoints; {'; '.join(differences)}): "
-                              f"use another -o, or --overwrite to move it into a subfolder")
+        if not steps and not overwrite:
+            _refuse_another_runs_log(out_dir, differences)
     else:
         found, notes = latest_complete_checkpoint(out_dir)
         for line in notes:
@@ -316,6 +314,8 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
             if steps and differences:
                 raise RunDirError(f"{out_dir} holds another run's checkpoints (none of them complete): use another "
                                   f"-o, or start a new run there with --overwrite (moves them into a subfolder)")
+            if not steps and not read_only:       # starting from scratch would truncate its main.log
+                _refuse_another_runs_log(out_dir, differences)
             say(f"note: nothing to resume in {out_dir}; " + ("evaluating -e's model" if read_only
                                                                else "starting from scratch"))
         else:
@@ -335,17 +335,36 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
         return step
     dist.barrier()                   # every rank has decided before rank 0 changes the folder
     if dist.rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as e:
+            raise RunDirError(f"-o {out_dir}: the folder cannot be made ({e.strerror or e})") from None
         removed = remove_stale_temp_files(out_dir)
         if removed:
             say(f"note: removed {len(removed)} temporary file(s) a stopped run left in {out_dir}")
         if overwrite and (target := move_aside(out_dir)):
             say(f"note: moved the previous run's files in {out_dir} to {target}")
-        write_run_file(out_dir, identity)
+        if saved is not None or not step:    # an unchecked run's: once its checkpoint has loaded (claim_run)
+            write_run_file(out_dir, identity)
         if step:
             trim_log(out_dir, step, evaluated(step))
     dist.barrier()
     return step
+
+
+def claim_run(out_dir, identity, dist):
+    """After a resume's checkpoint has loaded: write run.json where the folder had none (prepare_run_dir leaves it
+    unwritten, so a resume that fails to load, say with another -e, does not make the run another run's)."""
+    if dist.rank == 0 and read_run_file(out_dir) is None:
+        write_run_file(out_dir, identity)
+
+
+def _refuse_another_runs_log(out_dir, differences):
+    """A run with no checkpoints in -o would start main.log over: refuse when the log there is another run's."""
+    log = os.path.join(out_dir, LOG_FILE)
+    if differences and os.path.isfile(log) and os.path.getsize(log) > 0:
+        raise RunDirError(f"{out_dir} holds another run's main.log (no checkpoints; {'; '.join(differences)}): "
+                          f"use another -o, or --overwrite to move it into a subfolder")
 
 
 def _check_processes(path, dist):

@@ -46,6 +46,7 @@ from .profiling.profiler import Profiler, device_label, device_roofline, report_
 from .rundir import (
     LOG_LINE,
     check_output_dir,
+    claim_run,
     latest_complete_checkpoint,
     prepare_run_dir,
     read_run_file,
@@ -300,6 +301,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
     if backend_name == "numpy" and cpu_math not in (None, asked_math):
         say(f"note: --cpu-math {asked_math}: the C loops did not build here (no working C compiler?), running the "
             f"NumPy reference code")
+    if cfg.lr_schedule == "constant" and cfg.final_lr_frac != 1.0:
+        say(f"note: -q {cfg.final_lr_frac:g}: -k constant keeps the learning rate at -l; -q is not used")
     if backend_name == "numpy" and cfg.log_gpu_every > 0:
         say(f"note: -lg {cfg.log_gpu_every}: this run is on the CPU, there is no GPU to log")
     if backend_name != "numpy" and cfg.cpu_math:
@@ -412,6 +415,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
                                      evaluated=evaluated)
     if start_step:
         info = resume(cfg.output_dir, start_step, model, train_loader, dist)
+        if not evaluate_only:
+            claim_run(cfg.output_dir, identity, dist)
         skipped = int(info.get("nonfinite_skipped", 0))
         if "outliers" in info:
             guard.load_state(info["outliers"])

@@ -77,6 +77,9 @@ TRAIN_CASES = {  # id: (argv, pieces the line must hold: the flag, the value, wh
     "profile without training": (["--profile", "3", "-x", "0"], ["--profile 3", "-x 0", ">= 4"]),
     "resume without -o": (["-y", "1"], ["-y 1", "without -o"]),
     "checkpoints without -o": (["-n", "5"], ["-n 5", "without -o"]),
+    "overwrite without -o": (["--overwrite"], ["--overwrite without -o"]),
+    "hellaswag data without hellaswag": (["--hellaswag-data", "hs.jsonl"],
+                                         ["--hellaswag-data hs.jsonl", "without -h 1 or --hellaswag N"]),
     "total batch not a multiple": (["-d", "100", "-b", "4", "-t", "64"],
                                    ["-d 100", "-b 4", "-t 64", "multiple of B*T = 256"]),
     # argparse's own errors: one line too
@@ -262,6 +265,9 @@ def failing_tool(error):
     (ValueError("line one\nline two"), 2, "error: line one; line two"),
     (RuntimeError("the GPU fell off the bus"), 1, "error: the GPU fell off the bus"),
     (KeyboardInterrupt(), 130, "error: interrupted"),
+    (MemoryError("cannot allocate 33930608640 bytes"), 1,
+     "error: out of memory (cannot allocate 33930608640 bytes): give a smaller model, batch or context"),
+    (MemoryError(), 1, "error: out of memory: give a smaller model, batch or context"),
 ])
 def test_helper_maps_errors_to_one_line_and_a_code(error, code, expected, capsys, monkeypatch):
     monkeypatch.delenv("GPT2NP_DEBUG", raising=False)

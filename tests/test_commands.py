@@ -64,6 +64,13 @@ def test_eval_help_names_hellaswag(capsys):
     (["eval", "hellaswag", "-e", "m.bin", "-j", "no.jsonl"], "-j no.jsonl: no such file"),
     (["sample", "-e", "m.bin", "-g", "-1"], "-g -1"),
     (["plot", "no_run"], "no_run: no such run folder"),
+    (["prepare", "--input", ""], "--input '': must be a non-empty text"),        # '' was tinyshakespeare
+    (["hf", "export", "m.bin", "-o", ""], "-o/--output '': must be a non-empty text"),   # '' was the folder here
+    (["eval", "hellaswag", "-e", "m.bin", "-j", ""], "-j/--val-data '': must be a non-empty text"),
+    (["plot", "run", "-o", ""], "-o/--output '': must be a non-empty text"),
+    (["profile", "--out", ""], "--out '': must be a non-empty text"),
+    (["sample", "-e", ""], "-e/--model '': must be a non-empty text"),
+    (["plot", ""], "RUN_DIR '': must be a non-empty text"),
     (["nope"], "unknown command 'nope'"),
     ([], "no command"),
     (["--bogus"], "--bogus before a command"),

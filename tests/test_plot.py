@@ -55,6 +55,24 @@ def test_two_runs_on_one_figure_png_and_svg(runs, capsys):
     assert "run_b: last step 1, min train loss 10.0000, min val loss 10.5000" in out_text
 
 
+def test_a_failed_write_leaves_no_cut_off_plot(runs, capsys, monkeypatch):
+    """Each figure file is written whole or not at all: a full disk mid-write is one line naming the file, exit 1,
+    and no plot.png is left behind."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    def full_disk(fig, f, **kwargs):
+        f.write(b"\x89PNG partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    assert plot.main([str(runs / "run_a"), "-o", str(runs / "x")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: writing {runs / 'x.png'}: [Errno 28] No space left on device\n"
+    assert not list(runs.glob("x.*")) and not list(runs.glob(".x.*"))
+
+
 def test_without_matplotlib_one_line_names_the_extra(runs, capsys, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
     assert plot.main([str(runs / "run_a"), "-o", str(runs / "x")]) == 2

@@ -373,11 +373,45 @@ def test_another_runs_main_log_is_not_overwritten(files, tmp_path, capsys):
     code, _, err = run(args(files, out, "-x", 2, "-l", 1e-3), capsys)                  # another run (its lr)
     assert code == 2 and (out / "main.log").read_text() == log
     one_error_line(err, f"{out} holds another run's main.log (no checkpoints;", "--overwrite")
+    code, _, err = run(args(files, out, "-x", 2, "-l", 1e-3, "-y", 1), capsys)         # -y 1, nothing to resume
+    assert code == 2 and (out / "main.log").read_text() == log
+    one_error_line(err, f"{out} holds another run's main.log (no checkpoints;", "--overwrite")
     code, _, err = run(args(files, out, "-x", 2), capsys)                               # the same run: it starts over
     assert code == 0, err
     code, _, err = run(args(files, out, "-x", 2, "-l", 1e-3, "--overwrite"), capsys)
     assert code == 0, err
     assert [p.read_text() for p in out.glob("previous-*/main.log")] == [log]
+
+
+def test_an_output_folder_that_cannot_be_made_is_one_line_naming_o(files, tmp_path, capsys, monkeypatch):
+    """-o where the folder cannot be made (no permission; /proc) names -o and why (was the bare OSError)."""
+    from gpt2np import rundir
+
+    def refused(path, exist_ok=False):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(rundir.os, "makedirs", refused)
+    out = tmp_path / "out"
+    code, _, err = run(args(files, out, "-x", 1), capsys)
+    assert code == 2 and not out.exists()
+    one_error_line(err, f"-o {out}: the folder cannot be made (Permission denied)")
+
+
+def test_a_resume_that_fails_to_load_does_not_claim_the_run(files, tmp_path, capsys):
+    """-y 1 on checkpoints without run.json resumes unchecked; when the checkpoint does not load (another -e's
+    config) the folder is left as it was, so the right -e resumes it (run.json was written before the load)."""
+    out = tmp_path / "out"
+    code, _, err = run(args(files, out, "-x", 1, "-n", 1), capsys)
+    assert code == 0, err
+    (out / "run.json").unlink()
+    deeper = GPT2Config(**{**SMALL.__dict__, "num_layers": 3})
+    save_model(tmp_path / "deeper.bin", deeper, GPT2(deeper, NumpyBackend(), 1, 8, seed=3).params_host())
+    code, _, err = run(args(files, out, "-x", 2, "-n", 1, "-y", 1, model=tmp_path / "deeper.bin"), capsys)
+    assert code == 2 and not (out / "run.json").exists()
+    one_error_line(err, "model_00000001.bin")
+    code, stdout, err = run(args(files, out, "-x", 2, "-n", 1, "-y", 1), capsys)
+    assert code == 0 and "resuming from step 1" in stdout, err
+    assert (out / "run.json").is_file()
 
 
 def test_resume_keeps_the_optimizer_settings(files, tmp_path, capsys):

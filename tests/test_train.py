@@ -428,6 +428,15 @@ def test_header_names_the_offline_stand_in_as_the_weight_init(tiny_shards, tmp_p
     assert re.search(r"^\| weight init method +\| d6 +\|$", out, re.M), out
 
 
+def test_a_final_lr_fraction_with_the_constant_schedule_is_noted(tiny_model, tiny_shards, capsys):
+    """-k constant never decays: a -q given with it is said to be unused (llm.c ignores it silently)."""
+    code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", 1, "-v", 0, "-k", "constant", "-q", 0.5], capsys)
+    assert code == 0, err
+    assert "note: -q 0.5: -k constant keeps the learning rate at -l; -q is not used" in out.splitlines()
+    code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", 1, "-v", 0, "-k", "constant"], capsys)
+    assert code == 0 and "-q is not used" not in out, err
+
+
 def test_header_is_llmcs_tables_then_gpt2nps(tiny_model, tiny_shards, capsys):
     """train_gpt2.cu's header: its six tables' rows in its order (keys padded to 21, values to 50), its four lines,
     then gpt2np's own settings in a table of their own."""

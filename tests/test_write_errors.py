@@ -7,6 +7,7 @@ may mount a tmpfs (root outside a locked-down container), a really full disk is 
 import errno
 import os
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -143,6 +144,22 @@ def test_other_errors_in_the_body_pass_through(tmp_path, error):
             f.write(b"partial")
             raise error
     assert e.value is error and leftovers(tmp_path) == []
+
+
+def test_atomic_write_refuses_what_it_would_replace_wrongly(tmp_path):
+    """A folder, a pipe or a device at the path (as root, /dev/full was replaced by a regular file) and a file in
+    the way of the path's folders are refused before anything is written, each naming the path and why."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "afile").write_text("x")
+    for target, says in ((tmp_path / "fifo", "not a regular file"), (tmp_path / "folder", "it is a folder"),
+                         (tmp_path / "afile" / "out.bin", f"{tmp_path / 'afile'} is a file")):
+        with pytest.raises(WriteError) as caught:
+            with atomic_write(target) as f:
+                f.write(b"data")
+        assert str(caught.value).startswith(f"writing {target}: ") and says in str(caught.value)
+    assert stat.S_ISFIFO(os.stat(tmp_path / "fifo").st_mode) and (tmp_path / "afile").read_text() == "x"
+    assert os.listdir(tmp_path / "folder") == [] and sorted(os.listdir(tmp_path)) == ["afile", "fifo", "folder"]
 
 
 def test_log_on_full_disk_keeps_whole_lines(tmp_path, monkeypatch):
