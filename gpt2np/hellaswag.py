@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .cache import CachedFile, cached
+from .cli import is_int
 
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 VAL_FILE = CachedFile("hellaswag_val.jsonl", VAL_URL)
@@ -89,12 +90,17 @@ def read_examples(path, max_examples=-1):
                 continue
             try:
                 item = json.loads(line)
-                ctx, endings, label = item["ctx"], item["endings"], int(item["label"])
+                ctx, endings, label = item["ctx"], item["endings"], item["label"]
+                # "3" as the Hub's copy writes it is the index 3; int() would also make 1.5 or true an index: not so
+                label = int(label) if isinstance(label, str) else label
             except (ValueError, KeyError, TypeError) as e:
                 raise BadExamples(f"{path}:{number}: not a HellaSwag line with ctx, endings, label ({e})") from None
             if (not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4
-                    or not all(isinstance(e, str) for e in endings) or not 0 <= label < 4):
+                    or not all(isinstance(e, str) for e in endings)):
                 raise BadExamples(f"{path}:{number}: expected a string ctx, 4 string endings and a label 0..3")
+            if not is_int(label) or not 0 <= label < 4:
+                raise BadExamples(f"{path}:{number}: label {json.dumps(item['label'])}: expected an integer 0..3 "
+                                  f"(the index of the right ending)")
             examples.append({"ctx": ctx, "endings": endings, "label": label})
     if not examples:
         raise BadExamples(f"{path}: no HellaSwag examples")
@@ -112,6 +118,7 @@ def read_llmc_evalfile(path, max_examples=-1) -> list:
     output), already rendered: a 256-int32 header (magic, version 1, examples, longest example), then per example
     uint16s: 65535, its size in bytes, its index, the label, the number of endings, the context's token count and
     tokens, then each ending's token count and tokens. The same Examples render() makes of the jsonl."""
+    from .tokenizer import GPT2_VOCAB_SIZE
     raw = Path(path).read_bytes()
     if len(raw) < 1024:
         raise BadExamples(f"{path}: llm.c eval file cut short inside its 1024-byte header")
@@ -149,6 +156,11 @@ def read_llmc_evalfile(path, max_examples=-1) -> list:
             at = -1
         if at != size // 2 or size % 2:
             raise BadExamples(f"{path}: example {number}: its token counts do not fit its {size} bytes: damaged")
+        # GPT-2's tokens, as the jsonl renders; checked here, or the model's forward fails naming no file
+        top = max(max(row, default=0) for row in rows)
+        if top >= GPT2_VOCAB_SIZE:
+            raise BadExamples(f"{path}: example {number}: token id {top} outside GPT-2's vocabulary [0, "
+                              f"{GPT2_VOCAB_SIZE}): damaged, or not GPT-2's tokens")
         examples.append(Example(rows, lens, label))
         pos += size // 2
     if not examples:

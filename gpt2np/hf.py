@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import bf16_to_fp32, load_model, save_model
+from .checkpoint import bf16_to_fp32, check_finite_params, load_model, save_model
 from .cli import ArgumentParser, BadInput, tool
 from .config import GPT2Config, pad_vocab
 from .fileio import atomic_write
@@ -144,7 +144,8 @@ def hf_to_llmc(state: dict, cfg: GPT2Config, where="the checkpoint") -> np.ndarr
     if extra:
         raise ValueError(f"{where}: unexpected tensor {prefix}{extra[0]}"
                          + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "") + ": not a GPT2LMHeadModel")
-    if lm_head is not None and not np.array_equal(np.asarray(lm_head, np.float32), dst["wte"][:V]):
+    # equal_nan: a NaN in both is read_hf_folder's to name (the same NaN weight), not a difference
+    if lm_head is not None and not np.array_equal(np.asarray(lm_head, np.float32), dst["wte"][:V], equal_nan=True):
         raise ValueError(f"{where}: lm_head.weight differs from wte.weight: llm.c's GPT-2 ties them")
     return flat
 
@@ -242,7 +243,9 @@ def read_hf_folder(folder) -> tuple:
         source, state = folder / PYTORCH_BIN, read_pytorch_bin(folder / PYTORCH_BIN)
     else:
         raise FileNotFoundError(f"{folder}: no {SAFETENSORS}, {SAFETENSORS_INDEX} or {PYTORCH_BIN}")
-    return cfg, hf_to_llmc(state, cfg, str(source))
+    params = hf_to_llmc(state, cfg, str(source))
+    check_finite_params(source, cfg, params)     # as load_model does an llm.c file: NaN weights only fail later
+    return cfg, params
 
 
 def download_from_hub(repo_id, revision=None) -> Path:

@@ -235,6 +235,9 @@ def main(argv=None):
     encoding = get_encoding(args.bpe_dir)
     cfg, params, desc = load_any_model(args.model)
     prompt = encoding.encode_ordinary(args.prompt) if args.prompt else [encoding.eot_token]
+    if max(prompt) >= cfg.vocab_size and not args.prompt:      # no --prompt to blame: the default start is missing
+        raise BadInput(f"the model's vocabulary of {cfg.vocab_size} has no <|endoftext|> (token {prompt[0]}) to start "
+                       f"from without a prompt: give --prompt with tokens within it")
     if max(prompt) >= cfg.vocab_size:
         raise BadInput(f"--prompt: token {max(prompt)} is outside the model's vocabulary of {cfg.vocab_size} "
                        f"(a model trained with another tokenizer?)")

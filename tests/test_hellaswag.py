@@ -115,6 +115,29 @@ def test_llmcs_eval_file_scores_as_the_jsonl(params, expected, jsonl, tmp_path):
         hellaswag.load(path)
 
 
+def test_llmcs_eval_file_with_a_token_outside_gpt2s_vocabulary_names_the_file(params, tmp_path, capsys):
+    """A token id >= 50257 in llm.c's eval file: one line naming the file and the example (it used to be the
+    model's `inputs contain token id 60000`, naming no file), for eval hellaswag -j and train --hellaswag-data."""
+    from gpt2np.config import TrainConfig
+    from gpt2np.dist import SingleProcess
+    from gpt2np.trainer import load_hellaswag
+    path = tmp_path / "ev.bin"
+    write_llmc_evalfile(path, EXAMPLES)
+    raw = bytearray(path.read_bytes())
+    second = 1024 + int(np.frombuffer(raw[1026:1028], "<u2")[0])         # where example 1 starts
+    raw[second + 12:second + 14] = np.array([60000], "<u2").tobytes()      # its first context token
+    path.write_bytes(bytes(raw))
+    with pytest.raises(hellaswag.BadExamples, match=r"ev\.bin: example 1: token id 60000 outside .*50257"):
+        hellaswag.load(path)
+    assert len(hellaswag.load(path, max_examples=1)[1]) == 1               # the examples before it are fine
+    save_model(tmp_path / "m.bin", CFG, params)
+    assert evaluate.main(["hellaswag", "-e", str(tmp_path / "m.bin"), "-j", str(path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: -j {path}: example 1: token id 60000"), lines
+    with pytest.raises(ValueError, match=r"ev\.bin: example 1: token id 60000"):
+        load_hellaswag(TrainConfig(hellaswag_every=1, hellaswag_data=str(path)), CFG, SingleProcess())
+
+
 def test_an_empty_context_scores_the_ending_from_its_second_token(params, tmp_path):
     """llm.c's hellaswag.py: with no context the ending's first token is no target; the rest are (PyTorch's)."""
     from gpt2np.reference import TorchGPT2
@@ -161,6 +184,9 @@ def test_eval_hellaswag_command(tmp_path, jsonl, params, expected, capsys, monke
     ('{"ctx": "a", "endings": ["b", "c"], "label": 0}', ["hs.jsonl:1", "4 string endings"]),
     ('{"ctx": "a"}', ["hs.jsonl:1", "ctx, endings, label"]),
     ("not json", ["hs.jsonl:1"]),
+    ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 1.5}', ["hs.jsonl:1", "label 1.5", "integer 0..3"]),
+    ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": true}', ["hs.jsonl:1", "label true", "integer 0..3"]),
+    ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 4}', ["hs.jsonl:1", "label 4", "integer 0..3"]),
 ])
 def test_bad_jsonl_is_one_line(tmp_path, params, line, words, capsys):
     save_model(tmp_path / "m.bin", CFG, params)
@@ -168,6 +194,12 @@ def test_bad_jsonl_is_one_line(tmp_path, params, line, words, capsys):
     assert evaluate.main(["hellaswag", "-e", str(tmp_path / "m.bin"), "-j", str(tmp_path / "hs.jsonl")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and all(w in err for w in words)
+
+
+def test_a_label_written_as_a_string_still_reads(tmp_path):
+    """"2" (as the Hub's copy of HellaSwag writes labels) is the index 2; 1.5 and true are refused above."""
+    (tmp_path / "hs.jsonl").write_text(json.dumps(dict(EXAMPLES[0], label="2")) + "\n")
+    assert hellaswag.read_examples(tmp_path / "hs.jsonl")[0]["label"] == 2
 
 
 def test_train_hellaswag_every_n_steps_logs_eval_lines(tmp_path, jsonl, params, capsys):

@@ -162,6 +162,36 @@ def test_bad_folders_are_one_line(hf_model, tmp_path, capsys, changes, drop, exp
     assert not (tmp_path / "x.bin").exists()
 
 
+@pytest.mark.parametrize("value, tensor, where, llmc_name", [
+    (np.nan, "transformer.h.1.mlp.c_fc.weight", (3, 5), "fcw[1, 5, 3]"),     # Conv1D (in, out); fcw[1] (out, in)
+    (-np.inf, "transformer.h.1.mlp.c_fc.weight", (3, 5), "fcw[1, 5, 3]"),
+    (np.nan, "transformer.wte.weight", (7, 2), "wte[7, 2]"),                 # with a stored lm_head.weight too
+])
+def test_nan_or_inf_weights_are_one_line_as_for_an_llmc_file(hf_model, tmp_path, capsys, value, tensor, where,
+                                                             llmc_name):
+    """A folder with a NaN or infinite weight is refused as an llm.c model file with one is (checkpoint's
+    check_finite_params: the file and the tensor), by hf import and by eval's -e (it used to give `val loss nan`)."""
+    from safetensors.numpy import load_file, save_file
+
+    from gpt2np import evaluate
+    from gpt2np.data import write_shard
+    bad = bad_folder(tmp_path, hf_model)
+    tensors = load_file(bad / "model.safetensors")
+    tensors[tensor][where] = value
+    if tensor == "transformer.wte.weight":
+        tensors["lm_head.weight"] = tensors[tensor].copy()      # tied, NaN and all: not "differs from wte"
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    expected = f"{bad / 'model.safetensors'}: weight {llmc_name} is {np.float32(value)}"
+    assert hf.main(["import", str(bad), "-o", str(tmp_path / "x.bin")]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert expected in line and line.endswith("not a usable model"), line
+    assert not (tmp_path / "x.bin").exists()
+    write_shard(tmp_path / "val.bin", np.arange(200) % V)
+    assert evaluate.main(["-e", str(bad), "-j", str(tmp_path / "val.bin"), "-m", "1", "-t", "16"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert expected in line, line
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["import", "no/such/./dir", "-o", "x.bin"], ["no/such/./dir", "no such folder"]),
     (["import", "."], ["-o"]),

@@ -161,7 +161,21 @@ def test_prompt_outside_the_models_vocabulary(tmp_path, data_dir, capsys):
     path = tmp_path / "small_vocab.bin"
     save_model(path, cfg, GPT2(cfg, get_backend("numpy"), 1, 1, seed=1).params_host())
     assert sample.main(["-e", str(path), "--prompt", "Hello world", "--bpe-dir", str(data_dir)]) == 2
-    assert "outside the model's vocabulary of 300" in capsys.readouterr().err
+    assert "--prompt: token 15496 is outside the model's vocabulary of 300" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prompt", [[], ["--prompt", ""]])
+def test_no_prompt_with_a_vocabulary_without_endoftext(prompt, tmp_path, data_dir, capsys):
+    """No --prompt starts from <|endoftext|> (50256): a smaller vocabulary lacks it, and the one line says so
+    rather than blaming a --prompt that was not given."""
+    cfg = GPT2Config(16, 1000, 1024, 1, 2, 16)
+    path = tmp_path / "small_vocab.bin"
+    save_model(path, cfg, GPT2(cfg, get_backend("numpy"), 1, 1, seed=1).params_host())
+    assert sample.main(["-e", str(path), "-g", "2", "--bpe-dir", str(data_dir)] + prompt) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and not lines[0].startswith("error: --prompt:"), lines
+    assert "vocabulary of 1000 has no <|endoftext|> (token 50256) to start from" in lines[0], lines
+    assert "give --prompt" in lines[0], lines
 
 
 def test_the_default_llmc_model_is_fetched_like_train_does(monkeypatch, tmp_path, capsys):
