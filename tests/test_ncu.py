@@ -306,6 +306,26 @@ def test_empty_records_profile_is_an_error(tmp_path, capsys):
     assert str(records) in err and "no records" in err
 
 
+def test_a_records_profile_that_matches_no_kernel_is_named_in_the_note(builtin, tmp_path, capsys):
+    # a note, not an error, as for every other mismatch (align skips kernels the profile lacks): the kernels are
+    # still attributed, by their NVTX stacks or names
+    _, profile_json = builtin
+    path = tmp_path / "other.csv"
+    path.write_text(raw_csv([ncu.TIME], ["nsecond"], [(0, "foo_kernel", "(1,1,1)", "(32,1,1)", ["7"])]))
+    assert ncu.main([str(path), "--records", profile_json]) == 0
+    out = capsys.readouterr().out
+    assert f"--records {profile_json}: matched none of the 1 kernels" in out and "by name only" in out
+    assert "no --records profile" not in out              # was "no NVTX stacks and no --records profile"
+    assert ncu.main([str(path)]) == 0
+    assert "no NVTX stacks and no --records profile: kernels attributed by name only" in capsys.readouterr().out
+    # with NVTX stacks the unmatched profile is named too (it was not mentioned at all)
+    path.write_text(raw_csv([ncu.TIME], ["nsecond"], [(0, "foo_kernel", "(1,1,1)", "(32,1,1)", ["7"],
+                                                       "Train step 1 > gpt2_forward > layernorm_forward")], nvtx=True))
+    assert ncu.main([str(path), "--records", profile_json]) == 0
+    out = capsys.readouterr().out
+    assert f"--records {profile_json}: matched none of the 1 kernels" in out and "by their NVTX stacks" in out
+
+
 def test_output_paths_name_the_flag_and_missing_folders_are_made(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     good = good_raw(tmp_path)

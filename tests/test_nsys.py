@@ -263,6 +263,21 @@ def test_unclosed_range_and_cross_thread_startend(tmp_path):
     assert ("async_io", 120, 950, None) in ranges
 
 
+def test_an_unclosed_range_ends_at_the_last_integer_timestamp(tmp_path):
+    e = Export()
+    e.domain(1, "gpt2np")
+    e.range("Train step 3", 100, None)                      # never popped: runs to the last timestamp
+    e.range("late", 2_000, 2_100)
+    e.launch("k", 200)
+    path = e.write(tmp_path / "p.sqlite")
+    con = loosened(path, "NVTX_EVENTS")
+    con.execute("UPDATE NVTX_EVENTS SET start = 'x' WHERE eventType = ?", (nsys.NVTX_DOMAIN_CREATE,))  # not a range
+    con.commit()
+    con.close()
+    _, ranges, _, _ = nsys.read_report(path)                 # was a TypeError: text sorts after every number in SQL
+    assert ("Train step 3", 100, 2_100, 4242) in ranges
+
+
 def test_explicit_module_ranges(tmp_path):
     e = Export()
     e.range("Train step 2", 0, 1_000)
@@ -333,6 +348,40 @@ def test_missing_tables(tmp_path, capsys, dropped, problem):
     assert nsys.main([path]) == 2
     err = one_error_line(capsys)
     assert path in err and problem in err
+
+
+def loosened(path, table):
+    """A connection to the export with `table` remade without its NOT NULL constraints (nsys declares its times
+    INTEGER NOT NULL; a damaged export, or another tool's, may hold NULL or text there)."""
+    con = sqlite3.connect(path)
+    con.executescript(f"CREATE TABLE loose AS SELECT * FROM {table}; DROP TABLE {table}; "
+                      f"ALTER TABLE loose RENAME TO {table};")
+    return con
+
+
+@pytest.mark.parametrize("table, column, sql, problem", [
+    ("CUPTI_ACTIVITY_KIND_KERNEL", "start", "NULL", "column 'start' must be an integer timestamp (ns), got NULL"),
+    ("CUPTI_ACTIVITY_KIND_KERNEL", "end", "'soon'", "column 'end' must be an integer timestamp (ns), got 'soon'"),
+    ("CUPTI_ACTIVITY_KIND_KERNEL", "end", "start - 1000", "end 50500 is before start 51500"),
+    ("CUPTI_ACTIVITY_KIND_RUNTIME", "end", "NULL", "column 'end' must be an integer timestamp (ns), got NULL"),
+    ("CUPTI_ACTIVITY_KIND_MEMCPY", "start", "1.5", "column 'start' must be an integer timestamp (ns), got 1.5"),
+    ("CUPTI_ACTIVITY_KIND_MEMSET", "bytes", "'lots'", "column 'bytes' must be an integer, got 'lots'"),
+    ("NVTX_EVENTS", "start", "'x'", "column 'start' must be an integer timestamp (ns), got 'x'"),
+])
+def test_a_null_or_text_value_is_an_error_naming_the_file_table_and_column(tmp_path, capsys, table, column, sql,
+                                                                          problem):
+    path = copies_export().write(tmp_path / "p.sqlite")
+    con = loosened(path, table)
+    first = con.execute(f"SELECT min(rowid) FROM {table} WHERE eventType = 59" if table == "NVTX_EVENTS"
+                        else f"SELECT min(rowid) FROM {table}").fetchone()[0]
+    con.execute(f"UPDATE {table} SET {column} = {sql} WHERE rowid = ?", (first,))
+    con.commit()
+    con.close()
+    with pytest.raises(nsys.NsysReportError, match=f"{table} row {first}: "):
+        nsys.load(path)
+    assert nsys.main([path]) == 2                   # was a TypeError without the file, or a negative duration
+    err = one_error_line(capsys)
+    assert f"{path}: {table} row {first}: {problem}" in err
 
 
 def test_unknown_device_is_one_line(step_db, capsys):

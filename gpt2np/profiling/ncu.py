@@ -397,7 +397,9 @@ def agreement(kernels, matched) -> Optional[dict]:
             "total_ratio": total}
 
 
-def render(path, kernels, records, matched, roof) -> str:
+def render(path, kernels, records, matched, roof, records_path: Optional[str] = None) -> str:
+    """The kernel table, per-op totals and how the kernels were attributed: the agreement with the --records
+    profile (records_path), or a note when nothing matched it."""
     parts = [format_table(COLUMNS, kernel_rows(kernels, records, matched, roof),
                           f"Nsight Compute: {len(kernels)} kernels of {os.path.basename(path)}"
                           + (f" against {roof.device}" if roof else "")),
@@ -407,8 +409,14 @@ def render(path, kernels, records, matched, roof) -> str:
         parts.append(f"built-in vs ncu kernel times: {agree['kernels']} kernels matched, median ratio "
                      f"{agree['median_ratio']:.3f}, {100 * agree['within_10pct']:.0f}% within 10%, step total ratio "
                      f"{agree['total_ratio']:.3f}")
-    elif matched == {} and records and not any(k.nvtx for k in kernels):
-        parts.append("no NVTX stacks and no --records profile: kernels attributed by name only")
+    elif not matched:
+        # a profile of another configuration, step or device matches nothing: said, as align skips any mismatch
+        how = "their NVTX stacks" if any(k.nvtx for k in kernels) else "name only"
+        if records_path:
+            parts.append(f"--records {records_path}: matched none of the {len(kernels)} kernels (a profile of "
+                         f"another configuration or device?): kernels attributed by {how}")
+        elif how == "name only":
+            parts.append("no NVTX stacks and no --records profile: kernels attributed by name only")
     return "\n\n".join(parts) + "\n"
 
 
@@ -444,7 +452,7 @@ def main(argv=None) -> int:
     device = args.device or next((k.device for k in kernels if k.device and lookup(k.device)), None)
     roof = make_roofline(device, "fp32", args.precision) if device and (args.device or lookup(device)) else None
     out, matched = attribute(kernels, records)
-    sys.stdout.write(render(args.report, kernels, out, matched, roof))
+    sys.stdout.write(render(args.report, kernels, out, matched, roof, args.records))
     meta = {"source": os.path.abspath(args.report), "device": device, "tool": "ncu"}
     if args.csv:
         with report.writing("--csv", args.csv):

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..cli import ArgumentParser, BadInput, integer, tool
+from ..cli import ArgumentParser, BadInput, integer, is_int, tool
 from . import report
 from . import views as V
 from .gpu_specs import lookup
@@ -214,6 +214,26 @@ def _columns(con: sqlite3.Connection, table: str) -> set:
     return {row[1] for row in con.execute(f"PRAGMA table_info({table})")}
 
 
+def _integer(table: str, row: int, column: str, value, what: str = "an integer") -> None:
+    """NsysReportError (load names the file) unless a cell is an integer: nsys declares its times and sizes INTEGER
+    NOT NULL, and a NULL or text one (a damaged export, another tool's) would fail deep in the sorting and
+    arithmetic, with no file named."""
+    if not is_int(value):
+        raise NsysReportError(f"{table} row {row}: column {column!r} must be {what}, got "
+                              f"{'NULL' if value is None else repr(value)}")
+
+
+def _times(table: str, row: int, start, end, open_end: bool = False) -> None:
+    """_integer for a row's start and end (ns; open_end: end may be NULL, an unclosed NVTX range), and end >= start:
+    a reversed pair would be a negative duration."""
+    _integer(table, row, "start", start, "an integer timestamp (ns)")
+    if end is None and open_end:
+        return
+    _integer(table, row, "end", end, "an integer timestamp (ns)")
+    if end < start:
+        raise NsysReportError(f"{table} row {row}: end {end} is before start {start}")
+
+
 def _strings(con) -> Dict[int, str]:
     return dict(con.execute("SELECT id, value FROM StringIds"))
 
@@ -229,11 +249,15 @@ def read_ranges(con, strings: Dict[int, str]) -> List[NvtxRange]:
             f"SELECT {domain}, coalesce(text, ''), {text_id} FROM NVTX_EVENTS WHERE eventType = ?",
             (NVTX_DOMAIN_CREATE,)):
         domains.setdefault(dom_id, strings.get(tid, text) if tid is not None else text)
-    last = con.execute("SELECT max(max(coalesce(start, 0)), max(coalesce(end, 0))) FROM NVTX_EVENTS").fetchone()[0] or 0
+    # integer cells only: SQL sorts text after every number, and a row that is no range (a domain) is not checked
+    last = con.execute("SELECT max(coalesce(max(CASE WHEN typeof(start) = 'integer' THEN start END), 0), "
+                       "coalesce(max(CASE WHEN typeof(end) = 'integer' THEN end END), 0)) FROM NVTX_EVENTS"
+                       ).fetchone()[0]
     ranges = []
     query = (f"SELECT rowid, start, end, eventType, text, {text_id}, globalTid, {domain}, {end_tid} "
              f"FROM NVTX_EVENTS WHERE eventType IN ({','.join('?' * len(RANGE_EVENT_TYPES))}) ORDER BY start, rowid")
     for row, start, end, etype, text, tid_text, tid, dom, end_tid_value in con.execute(query, RANGE_EVENT_TYPES):
+        _times("NVTX_EVENTS", row, start, end, open_end=True)
         name = strings.get(tid_text) if tid_text is not None else None
         if name is None:
             name = text or ""
@@ -266,10 +290,11 @@ def read_kernels(con, strings: Dict[int, str], name_column: str = "demangledName
         name_expr = f"a.{names[0]}"
     dims = [f"a.{c}" if c in kcols else "1" for c in ("gridX", "gridY", "gridZ", "blockX", "blockY", "blockZ")]
     join, tid = _launch_join(con, "CUPTI_ACTIVITY_KIND_KERNEL")
-    query = (f"SELECT a.start, a.end, a.correlationId, {name_expr}, {', '.join(dims)}, r.start, r.end, {tid} "
-             f"{join} ORDER BY a.start, a.correlationId")
+    query = (f"SELECT a.rowid, a.start, a.end, a.correlationId, {name_expr}, {', '.join(dims)}, r.start, r.end, "
+             f"{tid} {join} ORDER BY a.start, a.correlationId")
     kernels = []
-    for start, end, corr, name_id, gx, gy, gz, bx, by, bz, rs, re_, thread in con.execute(query):
+    for row, start, end, corr, name_id, gx, gy, gz, bx, by, bz, rs, re_, thread in con.execute(query):
+        _times("CUPTI_ACTIVITY_KIND_KERNEL", row, start, end)       # the launch's r.start, r.end: read_api checks
         name = strings.get(name_id, f"kernel#{corr}") if name_id is not None else f"kernel#{corr}"
         grid, block = f"({gx},{gy},{gz})", f"({bx},{by},{bz})"
         kernels.append(Kernel(start, end, corr, name, f"grid={grid} block={block}", rs, re_, thread,
@@ -304,14 +329,18 @@ def read_copies(con) -> List[Kernel]:
     if "CUPTI_ACTIVITY_KIND_MEMCPY" in tables:
         kinds = _copy_kinds(con, tables)
         join, tid = _launch_join(con, "CUPTI_ACTIVITY_KIND_MEMCPY")
-        for start, end, corr, nbytes, kind, rs, re_, thread in con.execute(
-                f"SELECT a.start, a.end, a.correlationId, a.bytes, a.copyKind, r.start, r.end, {tid} {join}"):
+        for row, start, end, corr, nbytes, kind, rs, re_, thread in con.execute(
+                f"SELECT a.rowid, a.start, a.end, a.correlationId, a.bytes, a.copyKind, r.start, r.end, {tid} {join}"):
+            _times("CUPTI_ACTIVITY_KIND_MEMCPY", row, start, end)
+            _integer("CUPTI_ACTIVITY_KIND_MEMCPY", row, "bytes", nbytes)
             out.append(Kernel(start, end, corr, f"[CUDA memcpy {kinds.get(kind, kind)}]", f"bytes={nbytes}", rs, re_,
                               thread, kind="memcpy", bytes=int(nbytes or 0)))
     if "CUPTI_ACTIVITY_KIND_MEMSET" in tables:
         join, tid = _launch_join(con, "CUPTI_ACTIVITY_KIND_MEMSET")
-        for start, end, corr, nbytes, rs, re_, thread in con.execute(
-                f"SELECT a.start, a.end, a.correlationId, a.bytes, r.start, r.end, {tid} {join}"):
+        for row, start, end, corr, nbytes, rs, re_, thread in con.execute(
+                f"SELECT a.rowid, a.start, a.end, a.correlationId, a.bytes, r.start, r.end, {tid} {join}"):
+            _times("CUPTI_ACTIVITY_KIND_MEMSET", row, start, end)
+            _integer("CUPTI_ACTIVITY_KIND_MEMSET", row, "bytes", nbytes)
             out.append(Kernel(start, end, corr, "[CUDA memset]", f"bytes={nbytes}", rs, re_, thread, kind="memset",
                               bytes=int(nbytes or 0)))
     return sorted(out, key=lambda k: (k.start, k.correlation_id))
@@ -325,10 +354,13 @@ def read_api(con, strings: Dict[int, str]) -> List[ApiRow]:
     nsys stats and nvprof name them)."""
     rcols = _columns(con, "CUPTI_ACTIVITY_KIND_RUNTIME")
     tid = "globalTid" if "globalTid" in rcols else "NULL"
-    rows = con.execute(f"SELECT start, end, {tid}, correlationId, nameId FROM CUPTI_ACTIVITY_KIND_RUNTIME "
+    rows = con.execute(f"SELECT rowid, start, end, {tid}, correlationId, nameId FROM CUPTI_ACTIVITY_KIND_RUNTIME "
                        f"ORDER BY start, correlationId")
-    return [ApiRow(API_VERSION_RE.sub("", strings.get(name_id, f"api#{name_id}")), start, end, thread, corr)
-            for start, end, thread, corr, name_id in rows]
+    api = []
+    for row, start, end, thread, corr, name_id in rows:
+        _times("CUPTI_ACTIVITY_KIND_RUNTIME", row, start, end)     # also the launch times read_kernels joined
+        api.append(ApiRow(API_VERSION_RE.sub("", strings.get(name_id, f"api#{name_id}")), start, end, thread, corr))
+    return api
 
 
 def read_device(con) -> Optional[str]:
@@ -352,6 +384,8 @@ def load(path: str, name_column: str = "demangledName") -> Profile:
         device = read_device(con)
     except sqlite3.Error as e:
         raise NsysReportError(f"{path}: cannot read the export ({e})") from None
+    except NsysReportError as e:            # a reader's bad row (table, row, column): name the file
+        raise NsysReportError(f"{path}: {e}") from None
     finally:
         con.close()
     assign_stacks(kernels + copies, ranges)
