@@ -199,6 +199,7 @@ def test_fineweb_hub_id_and_config(tmp_path, capsys, monkeypatch):
 
 
 def test_offline_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", types.ModuleType("datasets"))     # installed (the data extra)
     monkeypatch.setattr(corpora, "hub_reachable", lambda timeout=5.0: False)
     code, out = run(["fineweb", "--shards", 1, "--output-dir", tmp_path], capsys)
     assert code == 2 and out.err.startswith("error: cannot reach the Hugging Face Hub")
