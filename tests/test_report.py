@@ -323,6 +323,72 @@ def test_read_json_errors(tmp_path, content, problem, capsys):
     assert err.count("\n") == 1 and str(path) in err and problem in err
 
 
+def damaged(tmp_path, change):
+    """A records file of sample_records (roofline ROOF) with change(doc) applied."""
+    path = tmp_path / "damaged.json"
+    report.write_json(sample_records(), str(path), ROOF)
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize("name, value", [("peak_flops", 0), ("matmul_peak_flops", 0), ("peak_bw", -1e12),
+                                         ("peak_flops", "fast"), ("peak_bw", math.inf)])
+def test_a_roofline_ceiling_that_is_not_a_number_above_0_is_an_error_naming_the_file_and_field(
+        tmp_path, capsys, name, value):
+    # a ceiling divides the achieved rate (% of peak): 0 was a ZeroDivisionError traceback, < 0 a negative percent
+    path = damaged(tmp_path, lambda doc: doc["roofline"].update({name: value}))
+    with pytest.raises(report.ReportError, match=f"roofline field '{name}' must be a finite number > 0 or null"):
+        report.read_json(str(path))
+    assert report.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and f"'{name}'" in err
+    assert report.main([str(damaged(tmp_path, lambda doc: doc["roofline"].update({name: None})))]) == 0  # unknown
+
+
+@pytest.mark.parametrize("name", ["duration_ns", "flops", "bytes"])
+def test_a_negative_time_or_amount_is_an_error_naming_the_file(tmp_path, capsys, name):
+    path = damaged(tmp_path, lambda doc: doc["records"][1].update({name: -5000}))
+    assert report.main([str(path)]) == 2                  # was rendered: negative times, rates and percentages
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and f"record 1: field '{name}' must be an integer >= 0" in err
+
+
+@pytest.mark.parametrize("meta, expected", [
+    ([1, 2], "'meta': expected an object of fields, got [1, 2]"),                     # was an AttributeError traceback
+    ("d12", "'meta': expected an object of fields"),
+    ({"module_params": [1, 2]}, "field 'module_params' must be an object of integers >= 0 or null"),   # traceback
+    ({"module_params": {"wte": "big"}}, "field 'module_params' must be an object of integers >= 0 or null, got "
+                                        "\"big\" for 'wte'"),                     # was a TypeError naming no file
+    ({"num_layers": "six"}, "field 'num_layers' must be an integer >= 0 or null, got \"six\""),   # the same
+    ({"num_layers": -2}, "field 'num_layers' must be an integer >= 0 or null"),      # was rendered
+    ({"emulated": "no"}, "field 'emulated' must be true/false or null"),           # was labelled as emulated
+    ({"backend": 3}, "field 'backend' must be text or null"),
+    ({"precision": ["tf32"]}, "field 'precision' must be text or null"),
+    ({"timing": {}}, "field 'timing' must be text or null"),
+    ({"cpu_math": 1}, "field 'cpu_math' must be text or null"),
+    ({"runtime": False}, "field 'runtime' must be text or null"),
+])
+def test_meta_of_the_wrong_type_is_an_error_naming_the_file_and_field(tmp_path, capsys, meta, expected):
+    path = damaged(tmp_path, lambda doc: doc.update(meta=meta))
+    with pytest.raises(report.ReportError, match="'meta': "):
+        report.read_json(str(path))
+    for views in ([], ["--views", "all"]):
+        assert report.main([str(path)] + views) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: {path}: ") and expected in err, err
+
+
+def test_meta_fields_may_be_null_or_absent(tmp_path, capsys):
+    unknown = dict.fromkeys(report.META_FIELDS)            # null: unknown, as if absent
+    for meta in (unknown, None, {}, {"num_layers": 1, "module_params": {"h.0.ln_1": 4}, "emulated": True,
+                                     "backend": "cuda", "precision": "tf32", "source": 3}):
+        path = damaged(tmp_path, lambda doc, meta=meta: doc.update(meta=meta))
+        for views in ([], ["--views", "all"]):
+            assert report.main([str(path)] + views) == 0, capsys.readouterr().err
+
+
 def test_report_cli(tmp_path, capsys):
     path = str(tmp_path / "k.json")
     report.write_json(sample_records(), path, ROOF)

@@ -308,6 +308,74 @@ def test_report_tool_re_renders_a_saved_profile(emu, tmp_path, capsys):
     assert out.splitlines()[0].endswith(f"[{report.EMULATED_NOTE}]") and "params" in out
 
 
+COMM = {"idx": 0, "step": 1, "name": "allreduce_grads", "collective": "all_reduce", "bytes": 4096, "ranks": 4,
+        "start_ns": 100, "duration_ns": 5000}
+
+
+def saved(emu, tmp_path, change):
+    """The emulated run's profile.json (ranges, API calls, memory, and COMM as its one collective) with change(doc)
+    applied."""
+    profile = emu[2]
+    path = tmp_path / "profile.json"
+    report.write_json(profile.records, str(path), None, profile.meta, V.profile_doc(profile))
+    doc = json.loads(path.read_text())
+    doc["comms"] = [dict(COMM)]
+    change(doc)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_saved_profile_with_a_collective_renders(emu, tmp_path, capsys):
+    path = saved(emu, tmp_path, lambda doc: None)
+    assert report.main([str(path), "--views", "all"]) == 0
+    assert "allreduce_grads" in capsys.readouterr().out
+    for mem in (None, {}):                   # not recorded
+        path = saved(emu, tmp_path, lambda doc, mem=mem: doc.update(memory=mem))
+        assert report.main([str(path), "--views", "model"]) == 0
+        assert "Model summary: not recorded" in capsys.readouterr().out
+
+
+def end_before_start(doc):
+    doc["ranges"][2]["end_ns"] = doc["ranges"][2]["start_ns"] - 1
+
+
+@pytest.mark.parametrize("change, expected", [
+    # a text time was a TypeError naming no file; a negative duration was rendered
+    (lambda doc: doc["ranges"][3].update(start_ns="12"),
+     "'ranges' row 3: field 'start_ns' must be an integer, got \"12\""),
+    (end_before_start, "'ranges' row 2: field 'end_ns' ("),
+    (lambda doc: doc["ranges"][0].update(name=7), "'ranges' row 0: field 'name' must be text, got 7"),
+    (lambda doc: doc["ranges"][0].update(parent="1"), "'ranges' row 0: field 'parent' must be an integer or null"),
+    (lambda doc: doc["ranges"][1].pop("end_ns"), "'ranges' row 1: lacks the field 'end_ns'"),
+    (lambda doc: doc["ranges"][1].update(bogus=1), "'ranges' row 1: has an unknown field 'bogus'"),
+    (lambda doc: doc.update(ranges={"a": 1}), "'ranges' must be a list of objects, got {\"a\": 1}"),
+    (lambda doc: doc["api"][1].update(duration_ns=-7),
+     "'api' row 1: field 'duration_ns' must be an integer >= 0, got -7"),
+    (lambda doc: doc["api"][0].update(start_ns=1.5), "'api' row 0: field 'start_ns' must be an integer, got 1.5"),
+    (lambda doc: doc["api"][0].update(record="0"), "'api' row 0: field 'record' must be an integer or null"),
+    (lambda doc: doc["api"].__setitem__(0, [1]), "'api' row 0: expected an object of fields, got [1]"),
+    (lambda doc: doc["comms"][0].update(bytes="4k"), "'comms' row 0: field 'bytes' must be an integer >= 0"),
+    (lambda doc: doc["comms"][0].update(duration_ns=-1), "'comms' row 0: field 'duration_ns' must be an integer >= 0"),
+    (lambda doc: doc["comms"][0].update(collective=None), "'comms' row 0: field 'collective' must be text"),
+    (lambda doc: doc.update(memory=[1]), "'memory': must be an object or null, got [1]"),
+    (lambda doc: doc["memory"].pop("total"), "'memory': lacks the field 'total'"),
+    (lambda doc: doc["memory"]["buffers"][0].update(bytes="many"),
+     "'memory': 'buffers' row 0: field 'bytes' must be an integer >= 0"),
+    (lambda doc: doc["memory"]["activations"][0].update(shape="2x8"),
+     "'memory': 'activations' row 0: field 'shape' must be a list of integers >= 0"),
+    (lambda doc: doc["memory"].update(peak={"bytes": "1G", "what": "rss"}),
+     "'memory': 'peak': field 'bytes' must be an integer >= 0 or null"),
+])
+def test_ranges_api_calls_collectives_and_memory_of_the_wrong_shape_are_errors_naming_the_file(
+        emu, tmp_path, capsys, change, expected):
+    path = saved(emu, tmp_path, change)
+    with pytest.raises(report.ReportError, match="^" + str(path)):
+        V.read_profile(str(path))
+    assert report.main([str(path), "--views", "all"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {path}: ") and expected in err, err
+
+
 def test_pyprof_view_gives_grid_block_tensor_cores_floor_and_percent_of_roofline():
     from gpt2np.profiling.gpu_specs import roofline
     roof = roofline("H100", "fp32", matmul_precision="tf32")

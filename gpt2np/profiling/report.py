@@ -687,13 +687,22 @@ def read_json(path: str) -> Tuple[List[KernelRecord], Optional[Roofline], Dict]:
     except TypeError as e:
         raise ReportError(f"{path}: a record lacks a field ({e})") from None
     roof = doc.get("roofline")
-    if roof is not None and not (isinstance(roof, dict) and isinstance(roof.get("device"), str) and all(
-            roof.get(k) is None or _is_number(roof[k]) for k in ("peak_flops", "peak_bw", "matmul_peak_flops"))):
+    if roof is not None and not (isinstance(roof, dict) and isinstance(roof.get("device"), str)):
         raise ReportError(f"{path}: 'roofline' must be null or {{device: text, peak_flops, peak_bw, "
                           f"matmul_peak_flops: numbers or null}}, got {json.dumps(roof)[:80]}")
+    for name in ("peak_flops", "peak_bw", "matmul_peak_flops") if roof else ():
+        # a ceiling divides the achieved rate (% of peak): 0 would divide by zero, < 0 give negative percentages
+        value = roof.get(name)
+        if value is not None and not (_is_number(value) and value > 0):
+            raise ReportError(f"{path}: roofline field {name!r} must be a finite number > 0 or null (unknown), "
+                              f"got {json.dumps(value)[:40]}")
     roof = Roofline(roof["device"], roof.get("peak_flops"), roof.get("peak_bw"),
                     roof.get("matmul_peak_flops")) if roof else None
-    return records, roof, doc.get("meta") or {}
+    meta = doc.get("meta")
+    problem = None if meta is None else fields_problem(meta, META_FIELDS)
+    if problem:
+        raise ReportError(f"{path}: 'meta': {problem}")
+    return records, roof, meta or {}
 
 
 def _is_int(value) -> bool:
@@ -702,6 +711,45 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+# a record's time and amounts: negative ones would print as negative times, rates and percentages of peak
+NON_NEGATIVE = ("duration_ns", "flops", "bytes")
+
+# what a field of a profile's JSON must be: kind -> (test, words); "kind?" also allows null (unknown)
+KINDS = {"text": (lambda v: isinstance(v, str), "text"),
+         "integer": (_is_int, "an integer"),
+         "count": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+         "flag": (lambda v: isinstance(v, bool), "true/false"),
+         "counts": (lambda v: isinstance(v, dict) and all(_is_int(n) and n >= 0 for n in v.values()),
+                    "an object of integers >= 0"),
+         "shape": (lambda v: isinstance(v, list) and all(_is_int(n) and n >= 0 for n in v), "a list of integers >= 0"),
+         "list": (lambda v: isinstance(v, list), "a list"),
+         "object": (lambda v: isinstance(v, dict), "an object")}
+# the meta fields the renderers read (profile_note, the module tree, the views' titles and PyProf's precision)
+META_FIELDS = {"emulated": "flag?", "backend": "text?", "runtime": "text?", "timing": "text?", "precision": "text?",
+               "cpu_math": "text?", "num_layers": "count?", "module_params": "counts?"}
+
+
+def fields_problem(row, kinds: Dict[str, str], required: Iterable[str] = (), others: bool = True) -> Optional[str]:
+    """What is wrong with a JSON object's fields (None: nothing): kinds maps a field to its kind (KINDS); an absent
+    field is fine unless `required` names it; a field kinds lacks is ignored, or (others=False) a problem."""
+    if not isinstance(row, dict):
+        return f"expected an object of fields, got {json.dumps(row)[:40]}"
+    missing = [name for name in required if name not in row]
+    unknown = [] if others else [name for name in row if name not in kinds]
+    if missing or unknown:
+        return f"{'lacks the field' if missing else 'has an unknown field'} {(missing or unknown)[0]!r}"
+    for name, kind in kinds.items():
+        test, words = KINDS[kind.rstrip("?")]
+        value = row.get(name)
+        if name in row and not (test(value) or (kind.endswith("?") and value is None)):
+            shown = json.dumps(value)[:40]
+            if kind.rstrip("?") == "counts" and isinstance(value, dict):        # name the entry
+                key = next(k for k, n in value.items() if not KINDS["count"][0](n))
+                shown = f"{json.dumps(value[key])[:40]} for {key!r}"
+            return f"field {name!r} must be {words}{' or null' if kind.endswith('?') else ''}, got {shown}"
+    return None
 
 
 def _record_problem(row) -> Optional[str]:
@@ -721,6 +769,8 @@ def _record_problem(row) -> Optional[str]:
             wanted = "a list of range instance ids"
         elif f.type is str:
             ok, wanted = isinstance(value, str), "text"
+        elif f.name in NON_NEGATIVE:
+            ok, wanted = _is_int(value) and value >= 0, "an integer >= 0"
         elif f.type is int:
             ok, wanted = _is_int(value), "an integer"
         else:                                         # Optional[int]: step, layer

@@ -26,7 +26,7 @@ import io
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Dict, List, Optional, Tuple
 
 from .report import (
@@ -37,6 +37,7 @@ from .report import (
     _us,
     classify,
     duration_stats,
+    fields_problem,
     format_table,
     kernel_rows,
     kernel_summary_rows,
@@ -600,18 +601,68 @@ def profile_doc(profile: Profile) -> dict:
             "comms": [asdict(c) for c in profile.comms], "memory": profile.memory}
 
 
+# the rows of profile.json besides the records: part -> (row class, field -> kind (report.KINDS)); times in ns,
+# durations, sizes and counts >= 0 (the views sum and divide them: text would fail deep inside, negative ones print)
+PARTS = {"ranges": (RangeInstance, {"id": "integer", "name": "text", "parent": "integer?", "depth": "count",
+                                    "start_ns": "integer", "end_ns": "integer", "step": "integer?", "style": "text"}),
+         "api": (ApiCall, {"name": "text", "start_ns": "integer", "duration_ns": "count", "record": "integer?",
+                           "thread": "integer?"}),
+         "comms": (CommRecord, {"idx": "integer", "step": "integer?", "name": "text", "collective": "text",
+                                "bytes": "count", "ranks": "count", "start_ns": "integer", "duration_ns": "count"})}
+# the memory model_summary reads: its fields, and the fields of the rows of its lists and of its peak
+MEMORY = {"total": "count", "buffers": "list", "activations": "list?", "peak": "object?"}
+MEMORY_ROWS = {"buffers": {"buffer": "text", "bytes": "count", "what": "text"},
+               "activations": {"buffer": "text", "shape": "shape", "bytes": "count"}}
+PEAK = {"bytes": "count?", "what": "text"}
+
+
+def _row_problem(part: str, row) -> Optional[str]:
+    """What is wrong with one row of `part` (PARTS) of profile.json (None: nothing)."""
+    cls, kinds = PARTS[part]
+    required = [f.name for f in fields(cls) if f.default is MISSING]
+    problem = fields_problem(row, kinds, required, others=False)
+    if problem is None and part == "ranges" and row["end_ns"] < row["start_ns"]:
+        problem = f"field 'end_ns' ({row['end_ns']}) must be >= its 'start_ns' ({row['start_ns']})"
+    return problem
+
+
+def _memory_problem(mem) -> Optional[str]:
+    """What is wrong with profile.json's 'memory' (None: nothing; {}: not recorded, as null)."""
+    if not isinstance(mem, dict):
+        return f"must be an object or null, got {json.dumps(mem)[:40]}"
+    problem = fields_problem(mem, MEMORY, required=("total", "buffers")) if mem else None
+    if problem:
+        return problem
+    for name, kinds in MEMORY_ROWS.items():
+        for i, row in enumerate(mem.get(name) or ()):
+            problem = fields_problem(row, kinds, required=kinds)
+            if problem:
+                return f"{name!r} row {i}: {problem}"
+    peak = mem.get("peak") or {}
+    problem = fields_problem(peak, PEAK, required=() if peak.get("bytes") is None else ("what",))
+    return problem and f"'peak': {problem}"
+
+
 def read_profile(path: str) -> Tuple[Profile, object]:
-    """(Profile, roofline) from a profile.json written by the profiler (older files: records only)."""
+    """(Profile, roofline) from a profile.json written by the profiler (older files: records only). A row of the
+    wrong shape is a ReportError naming the file, the part, the row and the field."""
     records, roof, meta = read_json(path)
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)
-    try:
-        rngs = [RangeInstance(**r) for r in doc.get("ranges") or []]
-        api = [ApiCall(**a) for a in doc.get("api") or []]
-        comms = [CommRecord(**c) for c in doc.get("comms") or []]
-    except TypeError as e:
-        raise ReportError(f"{path}: a range, API call or collective lacks a field ({e})") from None
-    return Profile(records, rngs, api, comms, doc.get("memory"), meta), roof
+    parts = {}
+    for part, (cls, _) in PARTS.items():
+        rows = [] if doc.get(part) is None else doc[part]
+        if not isinstance(rows, list):
+            raise ReportError(f"{path}: {part!r} must be a list of objects, got {json.dumps(rows)[:40]}")
+        for i, row in enumerate(rows):
+            problem = _row_problem(part, row)
+            if problem:
+                raise ReportError(f"{path}: {part!r} row {i}: {problem}")
+        parts[part] = [cls(**row) for row in rows]
+    problem = None if doc.get("memory") is None else _memory_problem(doc["memory"])
+    if problem:
+        raise ReportError(f"{path}: 'memory': {problem}")
+    return Profile(records, parts["ranges"], parts["api"], parts["comms"], doc.get("memory"), meta), roof
 
 
 def trace_ranges(profile: Profile):
