@@ -351,6 +351,18 @@ def write_hf_folder(folder, cfg: GPT2Config, params) -> list:
 
 
 # ---- -e: any model a command can read ------------------------------------------------------------------------
+def load_hf_model(spec) -> tuple:
+    """load_hf for a -e: a Hub id that reads as a mistyped llm.c descriptor (d6x, d12b) also says what the
+    descriptors are."""
+    try:
+        return load_hf(spec)
+    except HubError as e:
+        if re.match(r"d\d", spec):
+            from .config import DESCRIPTORS
+            raise HubError(f"{e}; as llm.c's model descriptor it is none of {DESCRIPTORS}") from None
+        raise
+
+
 def load_any_model(spec) -> tuple:
     """(GPT2Config, params, description) for a command's -e: an llm.c model file (also a name in checkpoints/;
     gpt2_124M.bin is fetched there when missing),
@@ -376,7 +388,7 @@ def load_any_model(spec) -> tuple:
         from .init import llmc_init
         return cfg, llmc_init(cfg), f"{spec} (random init)"
     if path.is_dir() or path.is_file() or is_hub_id(spec):
-        cfg, params, folder = load_hf(spec)
+        cfg, params, folder = load_hf_model(spec)
         return cfg, params, f"{spec} (Hugging Face, {folder})" if str(folder) != spec else f"{spec} (Hugging Face)"
     raise FileNotFoundError(f"{spec}: no such model file (an llm.c .bin, a transformers folder or a Hub id)")
 

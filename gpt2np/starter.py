@@ -60,9 +60,9 @@ def resolve_model(spec, timeout=10, keep_bf16=False):
             note(f"note: {e}; training {FALLBACK_PRESET} from random init instead")
             return preset(FALLBACK_PRESET), None, f"{FALLBACK_PRESET} (random init; {spec} unavailable)"
     if not path.is_file():
-        from .hf import is_hub_id, load_hf
+        from .hf import is_hub_id, load_hf_model
         if path.is_dir() or is_hub_id(spec):     # a transformers GPT-2 folder, or a Hugging Face Hub id (gpt2, ...)
-            cfg, params, _ = load_hf(spec)
+            cfg, params, _ = load_hf_model(spec)
             return cfg, params, f"{spec} (Hugging Face)"
         raise FileNotFoundError(f"{spec}: no such model file (give an llm.c model file, or llm.c's model "
                                 f"descriptor for random init: {DESCRIPTORS})")

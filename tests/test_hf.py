@@ -239,6 +239,22 @@ def test_a_hub_id_offline_says_so_in_one_line(tmp_path):
     assert "gpt2" in line and "offline" in line, line
 
 
+def test_a_mistyped_descriptor_offline_also_lists_the_descriptors(monkeypatch):
+    """-e d6x reads as a Hub id; offline its one line also says it is none of llm.c's descriptors (a Hub id that
+    does not look like one does not)."""
+    def offline(repo_id, revision=None):
+        raise hf.HubError(f"{repo_id}: not a local folder, and the Hugging Face Hub cannot be reached (offline?)")
+
+    monkeypatch.setattr(hf, "download_from_hub", offline)
+    for spec in ("d6x", "d12b"):
+        with pytest.raises(hf.HubError, match=rf"^{spec}: not a local folder.*; as llm.c's model descriptor it is "
+                                              r"none of dL or gpt2:dL \(L = 6, 12"):
+            hf.load_any_model(spec)
+    with pytest.raises(hf.HubError) as caught:
+        hf.load_any_model("gpt2-foo")
+    assert "descriptor" not in str(caught.value)
+
+
 def test_export_with_gpt2s_vocabulary_carries_the_tokenizer(tmp_path, data_dir, monkeypatch):
     """A model with GPT-2's 50257 tokens: the export holds vocab.json + merges.txt, AutoTokenizer reads them as
     tiktoken does, and transformers' greedy generate continues a prompt as gpt2np's sampler does."""
