@@ -402,3 +402,28 @@ def test_global_norm_squared_bf16(be, n):
     stats = be.zeros(STATS, F32)
     be.global_norm_squared_device(be.from_host(grads), stats)
     assert float(be.to_host(stats)[1]) == F32(got)
+
+
+def test_the_bf16_reference_runs_the_device_steps_ops_as_the_fp32_reference():
+    """Bf16NumpyBackend satisfies the whole contract: its device-step ops are NumpyBackend's (which take bf16
+    params and grads), bitwise; its norm into stats is its own global_norm_squared."""
+    n, t, seed = 1203, 9, 77
+    master, params, grads, m, v = case(n, 5)
+    stats = np.array([2.5, 3.7 ** 2], F32)
+    scalars = step_scalars(2e-3, t, 0.1)
+    got, want = ([a.copy() for a in (master, params, m, v)] for _ in range(2))
+    REF16.adamw_update_device(got[1], grads, got[2], got[3], scalars, stats, B1, B2, EPS, True, 1.0,
+                              master=got[0], seed=seed, offset=3)
+    REF32.adamw_update_device(want[1], grads, want[2], want[3], scalars, stats, B1, B2, EPS, True, 1.0,
+                              master=want[0], seed=seed, offset=3)
+    for g, w in zip(got, want):
+        assert_bitwise(g, w)
+    norm = np.zeros(STATS, F32)
+    REF16.global_norm_squared_device(grads, norm)
+    assert float(norm[1]) == F32(REF16.global_norm_squared(grads))
+    losses, mean = np.array([1.0, 2.0, 4.5], F32), np.zeros(STATS, F32)
+    REF16.loss_mean(mean, losses, 2, accumulate=False)
+    assert mean[0] == F32(7.5 / 3 / 2)
+    dst = np.zeros(3, BF16)
+    REF16.upload_(dst, np.array([1.0, 2.0, 3.0 + 2 ** -9], F32))          # rounded to nearest even
+    assert dst.astype(F32).tolist() == [1.0, 2.0, 3.0] and REF16.read_async(dst).result().tolist() == dst.tolist()

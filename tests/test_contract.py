@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from gpt2np.backends import get_backend
+from gpt2np.backends.bf16 import BF16
 from gpt2np.backends.contract import COSTS, DEVICE_STEP_OPS, OP_METHODS, Backend, gemm_term, op_cost
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
@@ -37,16 +38,17 @@ def contract_methods():
             if callable(member) and not name.startswith("_")]
 
 
-@pytest.mark.parametrize("backend_name", ["numpy", "emu"])
-def test_backends_implement_every_contract_method_with_its_signature(backend_name):
-    backend = get_backend(backend_name)
+@pytest.mark.parametrize("backend_name, precision", [("numpy", "fp32"), ("numpy", "bf16"), ("emu", "fp32"),
+                                                      ("emu", "bf16")])
+def test_backends_implement_every_contract_method_with_its_signature(backend_name, precision):
+    backend = get_backend(backend_name, precision=precision)
     for name in contract_methods():
         ours = inspect.signature(getattr(type(backend), name))
         want = inspect.signature(getattr(Backend, name))
         assert list(ours.parameters) == list(want.parameters), f"{type(backend).__name__}.{name}"
-    assert backend.name in ("numpy", "cuda") and backend.dtype == np.float32
+    assert backend.name in ("numpy", "cuda") and backend.dtype == (np.float32 if precision == "fp32" else BF16)
     assert backend.launches_kernels == (backend.name == "cuda") and backend.on_launch is None
-    assert backend.precision == "fp32" and isinstance(backend.device_name(), str)
+    assert backend.precision == precision and isinstance(backend.device_name(), str)
 
 
 def test_every_costed_op_is_a_contract_method_and_back():

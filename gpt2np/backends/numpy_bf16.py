@@ -214,6 +214,27 @@ class Bf16NumpyBackend:
 
             self.f._chunked(no_master, hi - lo)
 
+    # ---- the device step's (contract.Backend; the host step uses the ops above) ---------------
+    def upload_(self, dst, array):
+        """dst[...] = host array (rounded to nearest even into bf16)."""
+        self.f.upload_(dst, array)
+
+    def read_async(self, array):
+        return self.f.read_async(array)
+
+    def loss_mean(self, stats, losses, count, accumulate):
+        """As NumpyBackend's: losses and stats are fp32."""
+        self.f.loss_mean(stats, losses, count, accumulate)
+
+    def adamw_update_device(self, params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed, grad_clip, *,
+                            master=None, seed=0, offset=0):
+        """NumpyBackend.adamw_update_device: the CUDA kernel's arithmetic, which takes bf16 params and grads."""
+        self.f.adamw_update_device(params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed, grad_clip,
+                                   master=master, seed=seed, offset=offset)
+
+    def global_norm_squared_device(self, grads, stats):
+        stats[1] = self.global_norm_squared(grads)
+
     def global_norm_squared(self, grads):
         """sum(grads^2), each CHUNK upcast and summed in fp32 (as the fp32 backend sums), the chunks in float64."""
         if grads.dtype == F32:
