@@ -9,7 +9,10 @@ it, and then the ranks average their gradients, so every rank takes the same opt
   * on a GPU (cuda backend) with NCCL on the device buffers (cupy.cuda.nccl; rank 0 makes the NCCL
     unique id and MPI broadcasts it),
   * on the CPU (numpy backend) with MPI Allreduce on the host buffers.
-Scalars (the loss, the squared grad norm, the val loss) always go through MPI.
+Scalars: the device step's loss and squared grad norm stay on the device (model.stats) and are reduced by the
+gradients' collectives (reduce_stats: NCCL on a GPU; MPI through host copies when ranks share one). Host scalars
+go through MPI (comm.allreduce): the host step's loss (average) and, under ZeRO-1, its squared grad norm
+(grad_norm; under ZeRO-0 each rank has the whole norm of the averaged gradients), and the val loss.
 
 --precision bf16 (llm.c's mixed precision): the gradients and parameters are bf16 buffers. NCCL averages
 them in bf16 with ncclAvg (as llm.c does); MPI, which has no bf16 type, sums an fp32 copy and the mean is

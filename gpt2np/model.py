@@ -1,7 +1,8 @@
 """GPT-2: the network, written once against a backend's op contract.
 
-The model owns flat buffers in llm.c's discipline: parameters, gradients and the AdamW moments m, v
-are each one buffer with named views (tensors.PARAM_NAMES order); activations are preallocated for
+The model owns flat buffers in llm.c's discipline: parameters and gradients are each one buffer with named
+views (tensors.PARAM_NAMES order); the AdamW moments m, v are plain flat buffers, allocated at the first update
+and sized to its shard (all parameters, or this process's ZeRO-1 shard); activations are preallocated for
 (B, T). It knows the network, not the device: every op is a call on `backend`.
 
 Precision: the buffers take the backend's dtype (`backend.zeros`). With bf16 storage (precision "bf16") what
@@ -47,7 +48,8 @@ class TokenError(ValueError):
 class GPT2:
     """GPT-2 with preallocated buffers for batches up to (B, T).
 
-    params/grads/m/v: flat (num_parameters,) buffers; `param[name]`, `grad[name]` are shaped views.
+    params/grads: flat (num_parameters,) buffers; `param[name]`, `grad[name]` are shaped views. m/v: flat fp32
+    buffers of the update shard (all parameters, or the ZeRO-1 shard), no views, None until the first update.
     forward(inputs, targets) -> mean loss; backward(); grad_norm(); update(...).
     """
 

@@ -1,7 +1,8 @@
 """Flat-buffer layouts: the 16 parameter tensors in llm.c's order, and the activations for (B, T).
 
-Parameters, gradients and the AdamW moments m, v are each ONE flat buffer of
-`num_parameters(cfg)` elements; `views(flat, layout)` cuts named, shaped views out of it.
+Parameters and gradients are each ONE flat buffer of `num_parameters(cfg)` elements; `views(flat, layout)`
+cuts named, shaped views out of it. The AdamW moments m, v are flat buffers too, without views, sized to the
+update shard (gpt2np.model).
 """
 import numpy as np
 

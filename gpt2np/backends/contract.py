@@ -39,14 +39,14 @@ class Backend(Protocol):
     """A device that runs the op contract. Arrays are the backend's own (NumPy arrays, device arrays)."""
 
     name: str                # "numpy" or "cuda"
-    dtype: Any               # dtype of parameters and activations (float32)
+    dtype: Any               # dtype of parameters and activations (float32, or bf16 with precision "bf16")
     launches_kernels: bool   # whether ops run as kernel launches reported through on_launch
     on_launch: Optional[Callable]   # on_launch(kernel, kind, term, run): called instead of each launch;
     #                                 must call run() once (kind "kernel" or "gemm"; term: the op cost term)
 
     @property
     def precision(self) -> str:
-        """Math of the matmuls: "fp32", or "tf32" where tensor cores are on."""
+        """Math of the matmuls: "fp32", "tf32" where TF32 tensor cores are on, or "bf16" with bf16 storage."""
 
     def device_name(self) -> str:
         """What runs the ops: "cpu" or the GPU's name."""
@@ -484,7 +484,7 @@ COSTS: Dict[str, Callable[..., Cost]] = {
 # the op name -> the backend methods that run it, where they are named differently
 OP_METHODS = {"adamw": ("adamw_update", "adamw_update_device"),
               "global_norm": ("global_norm_squared", "global_norm_squared_device")}
-# ops that only the device step (train_step on a backend with device_step) runs
+# ops that only the device step (train_step on a backend with upload_tokens) runs
 DEVICE_STEP_OPS = ("loss_mean",)
 
 

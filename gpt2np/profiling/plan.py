@@ -23,7 +23,8 @@ synchronize, an event wait). The single-process CUDA step makes none (gpt2np.tra
 goes up with the batch, the loss and the grad norm stay on the device, the results come back asynchronously);
 a multi-rank step waits after each NCCL collective (gpt2np.dist), which a plan does not run.
 CUDA graphs: after the planned (eager, so every launch is attributed) step, two more steps run with cuda_graphs
-on, capturing and replaying the step; the graph launches of the replayed one are counted (1: the whole step).
+on: step 2 eagerly (train_step runs a shape's first such step eagerly: it allocates what the step needs), step 3
+capturing the step and launching the graph once; the graph launches of step 3 are counted (1: the whole step).
 Memory: the model's buffers (profiling.memory.memory_summary: parameters, gradients, AdamW m and v,
 activations by name, gradient scratch, tokens, the backend's work buffers) as the planned run allocates them.
 
@@ -124,7 +125,7 @@ class Plan:
     fuse: bool = True                   # the model's fused ops (GEMM epilogues, residual + LayerNorm): --fuse
     recompute: int = GPU_RECOMPUTE      # the model's -r: activations recomputed in backward instead of kept
     gelu_fusion: int = 2                # the model's -ge: GELU in the fc GEMM's epilogue (1 forward, 2 also backward)
-    graph_launches: int = 0             # CUDA graph launches of a replayed step (cuda_graphs on), 0 if not planned
+    graph_launches: int = 0             # CUDA graph launches of a captured step (cuda_graphs on), 0 if not planned
 
     @property
     def kernels(self) -> List[Launch]:
@@ -291,8 +292,8 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
 
 
 def graph_launches_per_step(model, batches) -> int:
-    """Graph launches of one replayed step with cuda_graphs on (steps 2 and 3: capture, then replay); raises if
-    the replayed step syncs the host."""
+    """Graph launches of one step with cuda_graphs on (step 2 runs eagerly, step 3 captures the step and launches
+    the graph once: step 3's are counted); raises if step 3 syncs the host."""
     from ..train_step import train_step
     rt = model.backend.rt
     train_step(model, lambda: batches[0], step=2, lr=LR, cuda_graphs=True)

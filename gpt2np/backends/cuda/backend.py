@@ -8,7 +8,8 @@ Every kernel launch goes through CudaBackend._launch and every GEMM through Cuda
 each with a name and the term of its op's cost it carries (backends.contract: the op's cost is one
 formula there, a sum of named terms; helper kernels such as a reduction's finishing stage carry none).
 Set `on_launch` to observe them: on_launch(name, kind, term, run) is called instead of running the
-work, with kind "kernel" or "gemm", and must call run() exactly once (a profiler wraps it in events).
+work, with kind "kernel" or "gemm", and must call run() exactly once (a measuring profiler times it: under
+CUPTI, else between events).
 
 Kernel arguments: arrays are passed as device pointers (they must be C-contiguous), scalars as
 np.int32 / np.float32. Every launch is checked against the kernel's signature read from its .cu file
@@ -26,7 +27,8 @@ check_memory_fits() compares that with the device's free memory before anything 
 does not fit ends in one line naming the largest B that does (DeviceMemoryError), not in CuPy's traceback.
 Limits checked here, each with a one-line KernelArgumentError (a ValueError): buffers indexed
 with int must have < 2^31 elements; encoder_forward needs C % 4 == 0 and 4-element alignment (16 bytes in fp32);
-encoder_backward needs token ids in [0, Vp) (it reads inp on the host, see _group_tokens).
+encoder_backward needs token ids in [0, Vp) (checked on the host copy grouped by _group_tokens: the one
+upload_tokens had when it filled inp, as the device step does, else inp read back to the host, a sync).
 """
 import math
 import re

@@ -47,7 +47,7 @@ EPILOGUES = ("none", "bias", "gelu_bias", "dgelu", "bgrad")
 
 
 class Runtime(Protocol):
-    name: str          # "cupy" or "emulator"
+    name: str          # "cupy", "emulator" or "plan"
     tf32: bool         # GEMMs on TF32 tensor cores (else exact fp32)
     epilogues: bool    # gemm takes an epilogue other than "none" (CupyRuntime: when cuBLASLt loads)
 
