@@ -389,7 +389,8 @@ def test_unknown_device_is_one_line(step_db, capsys):
     assert "unknown device 'Voodoo5'" in one_error_line(capsys)
 
 
-# llm.c's (and gpt2np.model's) op order inside one layer, with the module each call computes
+# llm.c's (and gpt2np.model's without fused ops or recompute) op order inside one layer, with the module each call
+# computes
 FORWARD_LAYER = [("layernorm_forward", "ln_1"), ("matmul_forward", "attn.c_attn"), ("attention_forward", "attn"),
                  ("matmul_forward", "attn.c_proj"), ("residual_forward", "residual"),
                  ("layernorm_forward", "ln_2"), ("matmul_forward", "mlp.c_fc"), ("gelu_forward", "mlp.gelu"),
@@ -453,6 +454,76 @@ def test_modules_of_a_full_step_with_gradient_accumulation(tmp_path):
     tree = report.module_tree(records)
     c_attn = next(n for _, n in tree.walk() if n.path == "h.1.attn.c_attn")
     assert c_attn.calls == 2 * (1 + 3) and c_attn.time("fprop") == 2 * 300 and c_attn.time("bprop") == 2 * 3 * 300
+
+
+def profiled_step_export(path, **settings):
+    """(the built-in profiler's kernel records of one training step, the export of that step) for a 3-layer model (a
+    first, a middle and a last layer) on the emulated CUDA backend with `settings` (GPT2's fuse, gelu_fusion,
+    attention, recompute): every range the model opened becomes an NVTX push/pop range (host times x 1000, room for
+    the launch calls), every kernel a launch inside the op range the profiler saw it launched in."""
+    import numpy as np
+
+    from gpt2np.backends import get_backend
+    from gpt2np.config import GPT2Config
+    from gpt2np.model import GPT2
+    from gpt2np.profiling.profiler import profile_steps
+    cfg, B, T = GPT2Config(32, 100, 128, 3, 1, 64), 2, 8                 # flash attention: head size 64
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
+    model = GPT2(cfg, get_backend("emu"), B, T, seed=0, **settings)
+    prof = profile_steps(model, [(tokens[:, :-1], tokens[:, 1:])], steps=1)
+    e, scale = Export(), 1000
+    spans = {r.id: (r.start_ns * scale, r.end_ns * scale) for r in prof.range_instances}
+    for r in prof.range_instances:
+        e.range(r.name, *spans[r.id])
+    kernels = [r for r in prof.records if r.kind == "kernel"]
+    by_range = {}
+    for r in kernels:
+        by_range.setdefault(r.range_ids[-1], []).append(r)
+    for rid, launched in by_range.items():           # spread over their range, in launch order
+        start, end = spans[rid]
+        for i, r in enumerate(launched):
+            e.launch(r.kernel, start + (end - start) * (i + 1) // (len(launched) + 1))
+    return kernels, e.write(path)
+
+
+@pytest.mark.parametrize("settings", [
+    {"attention": "flash"},                                   # a GPU run's defaults: fuse 1, -ge 2, flash, -r 0
+    {"fuse": False},                                          # no fused op, naive attention
+    {"fuse": False, "attention": "flash", "recompute": 1},
+    {"gelu_fusion": 1, "recompute": 1},
+    {"gelu_fusion": 0, "recompute": 2},
+    {"attention": "flash", "recompute": 2},
+], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_an_export_of_gpt2nps_own_step_gets_the_modules_the_model_names(tmp_path, settings):
+    """NVTX carries only the op names: the module of each op comes from gpt2np.model's order of them (fused,
+    flash, recomputing or not), the same as the model names to the built-in profiler, and so the layer (the fused
+    residual + LayerNorm ending "Layer l" computes h.{l+1}.ln_1, or ln_f)."""
+    truth, path = profiled_step_export(tmp_path / "p.sqlite", **settings)
+    records, _, _, _ = nsys.read_report(path)
+    assert [r.range_stack for r in records] == [r.range_stack for r in truth]         # the export is the step
+    got = [(r.op, r.module, r.direction, -1 if r.layer is None else r.layer) for r in records]
+    assert got == [(r.op, r.module, r.direction, r.layer) for r in truth]
+    assert {r.step for r in records} == {1}
+
+
+def test_gpt2nps_op_orders_are_read_off_the_model():
+    """Every fuse / GELU fusion / attention / recompute order of gpt2np.model tells one module per op (else
+    model_op_modules raises), fused ops included."""
+    layers, outside = nsys.model_op_modules()
+    modules = {(direction, op, place) for (direction, _, op), place in layers.items()}
+    assert {("fprop", "matmul_gelu_forward", (0, "mlp.c_fc")), ("bprop", "gelu_matmul_backward", (0, "mlp.c_proj")),
+            ("fprop", "fused_residual_layernorm_forward", (0, "ln_2")),
+            ("fprop", "fused_residual_layernorm_forward", (1, "ln_1")),
+            ("fprop", "flash_attention_forward", (0, "attn")), ("bprop", "flash_attention_backward", (0, "attn")),
+            ("bprop", "gelu_forward", (0, "mlp.gelu")), ("bprop", "layernorm_forward", (0, "ln_1"))} <= modules
+    fused = ("matmul_forward", "flash_attention_forward", "matmul_forward", "fused_residual_layernorm_forward",
+             "matmul_gelu_forward")
+    assert layers[("fprop", fused, "matmul_forward")] == (0, "mlp.c_proj")
+    assert nsys.infer_module("fused_residual_layernorm_forward", "fprop", 1, 1, fused + ("matmul_forward",), 3) == \
+        ("h.2.ln_1", 2)
+    assert nsys.infer_module("fused_residual_layernorm_forward", "fprop", 2, 1, fused + ("matmul_forward",), 3) == \
+        ("ln_f", None)
+    assert outside["loss_mean"] == "lm_head"
 
 
 def test_gpu_projection(step_db):

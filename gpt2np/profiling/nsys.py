@@ -24,16 +24,26 @@ How a kernel finds its ranges (the rule of `nsys stats --report nvtx_kern_sum`):
 From the stack: step ("Train step N"), direction (gpt2_forward -> fprop, gpt2_backward -> bprop,
 gpt2_update -> update), layer ("Layer l"), op (innermost other range, e.g. "matmul_forward")
 and the GPT-2 module (an explicit module-path range such as "h.3.attn.c_attn", else inferred
-from the op and how many ranges of that op came before it in the same layer and direction:
-the 1st..4th matmul_forward of a layer are c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj).
+from the op and the op ranges before it in the same "Layer l" range: NVTX carries op names only). gpt2np's
+own op orders, for every fuse / GELU fusion / attention / recompute setting, are read off gpt2np.model itself
+(model_op_modules), so a fused run's matmul_gelu_forward is mlp.c_fc and the matmul_forward after it mlp.c_proj,
+and the fused residual + LayerNorm that ends "Layer l" is h.{l+1}.ln_1 (ln_f after the last layer; its layer
+is that module's, as the built-in profiler counts it). Any other order (llm.c's) goes by how many ranges of the
+op came before it in the layer: the 1st..4th matmul_forward of a layer are c_attn, attn.c_proj, mlp.c_fc,
+mlp.c_proj (LAYER_MODULES).
 Nsight records no FLOPs or bytes of kernels, so those columns stay empty (0).
 """
+import functools
+import itertools
 import os
 import re
 import sqlite3
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from ..cli import ArgumentParser, BadInput, integer, is_int, tool
 from . import report
@@ -76,7 +86,8 @@ GENERIC_OPS = {"matmul_cublaslt": "matmul"}
 # cuDNN, NCCL -> (op, module of the op outside the layers or None, module override or None)
 KERNEL_OPS = [(re.compile(p), op, module) for p, op, module in (
     (r"^encoder_forward", "encoder_forward", None),
-    (r"wte_backward", "encoder_backward", "wte"), (r"wpe_backward", "encoder_backward", "wpe"),
+    (r"wte_backward", "encoder_backward", "wte"),
+    (r"wpe_backward|encoder_backward_wpe", "encoder_backward", "wpe"),            # llm.c's, gpt2np's
     (r"fused_residual_forward", "fused_residual_forward", None),
     (r"^residual_forward", "residual_forward", None),
     (r"^layernorm_forward", "layernorm_forward", None), (r"^layernorm_backward", "layernorm_backward", None),
@@ -100,7 +111,8 @@ def kernel_op(kernel_name: str):
             return op, module
     return None, None
 
-# the n-th range of an op inside one layer -> the module it computes (llm.c's call order)
+# the n-th range of an op inside one layer -> the module it computes (llm.c's call order; gpt2np's own orders come
+# from gpt2np.model: model_op_modules)
 LAYER_MODULES = {
     "fprop": {"layernorm_forward": ("ln_1", "ln_2"),
               "matmul_forward": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
@@ -487,16 +499,21 @@ def parse_stack(names: Sequence[str]):
 def to_records(kernels: Sequence[Kernel]) -> List[KernelRecord]:
     """KernelRecords in GPU order (copies and memsets among `kernels` become records of their kind).
 
-    Without an explicit module range, the module of an op inside a layer is told by the op's
-    position: the nth range of that op within the same "Layer l" range instance (so gradient
-    accumulation's repeated forward/backward passes each count from the start).
+    Without an explicit module range, the module of an op inside a layer is told by the op ranges before it
+    within the same "Layer l" range instance (so gradient accumulation's repeated forward/backward passes each
+    count from the start): infer_module.
     """
-    ordinals: Dict[tuple, Dict[int, int]] = {}
+    order = sorted(kernels, key=lambda k: (k.launch_start if k.launch_start is not None else k.start,
+                                           k.correlation_id))
+    stacks = {id(k): parse_stack([r.name for r in k.stack]) for k in order}
+    # the layers of the profiled model, as far as the export shows them (what is past the last one: ln_f)
+    num_layers = 1 + max((s[2] for s in stacks.values() if s[2] is not None), default=-1)
+    # "Layer l" range instance -> {op instance: (op, the ops before it there, how many of them are this op)}
+    in_layer: Dict[int, Dict[object, tuple]] = {}
     attributed = {}
-    for k in sorted(kernels, key=lambda k: (k.launch_start if k.launch_start is not None else k.start,
-                                            k.correlation_id)):
+    for k in order:
         names = [r.name for r in k.stack]
-        step, direction, layer, layer_at, op_at, module = parse_stack(names)
+        step, direction, layer, layer_at, op_at, module = stacks[id(k)]
         op = names[op_at].rpartition(":")[2] if op_at is not None else ""
         canon = canonical_op(op, direction)
         by_name, override = kernel_op(k.name)
@@ -509,11 +526,14 @@ def to_records(kernels: Sequence[Kernel]) -> List[KernelRecord]:
         if module is None and override:
             module = override
         if module is None:
-            nth = 0
+            before, nth = (), 0
             if op and layer_at is not None:
-                seen = ordinals.setdefault((k.stack[layer_at].row, canon), {})
-                nth = seen.setdefault(instance, len(seen))
-            module = infer_module(canon, direction, layer, nth)
+                seen = in_layer.setdefault(k.stack[layer_at].row, {})
+                if instance not in seen:
+                    ops = [o for o, _, _ in seen.values()]
+                    seen[instance] = (canon, tuple(ops), ops.count(canon))
+                _, before, nth = seen[instance]
+            module, layer = infer_module(canon, direction, layer, nth, before, num_layers)
         attributed[id(k)] = (step, direction, layer, op, module or "")
     records = []
     for idx, k in enumerate(kernels):
@@ -526,14 +546,112 @@ def to_records(kernels: Sequence[Kernel]) -> List[KernelRecord]:
     return records
 
 
-def infer_module(op: str, direction: str, layer: Optional[int], nth: int) -> str:
-    """The module computed by the nth range of canonical op `op` in a layer (or outside them)."""
+def infer_module(op: str, direction: str, layer: Optional[int], nth: int, before: Tuple[str, ...] = (),
+                 num_layers: Optional[int] = None) -> Tuple[str, Optional[int]]:
+    """(module, layer) of canonical op `op` inside "Layer l" (layer), after the op ranges `before` there, the nth
+    range of that op in it; or of an op outside the layers (layer None).
+
+    gpt2np's own op orders (model_op_modules) first: a module of the next layer (the fused residual + LayerNorm
+    that ends a layer computes h.{l+1}.ln_1) belongs to that layer, and past the last of the num_layers it is
+    ln_f, outside them (the built-in profiler's attribution). Else llm.c's order by position (LAYER_MODULES).
+    """
+    layers, outside = model_op_modules()
     if layer is None:
         if direction == "update":
-            return "optimizer"
-        return OUTSIDE_MODULES.get(op, "")
+            return "optimizer", None
+        return outside.get(op) or OUTSIDE_MODULES.get(op, ""), None
+    known = layers.get((direction, tuple(before), op))
+    if known is not None:
+        offset, name = known
+        if offset and num_layers is not None and layer + offset >= num_layers:
+            return "ln_f", None
+        return f"h.{layer + offset}.{name}", layer + offset
     names = LAYER_MODULES.get(direction, {}).get(op, ())
-    return f"h.{layer}.{names[nth]}" if nth < len(names) else f"h.{layer}"
+    return (f"h.{layer}.{names[nth]}" if nth < len(names) else f"h.{layer}"), layer
+
+
+class _NullBackend:
+    """A backend that runs nothing: enough for gpt2np.model to walk its passes and open its op ranges."""
+    launches_kernels = True
+    dtype = np.float32
+
+    def zeros(self, shape, dtype=np.float32):
+        return np.zeros(shape, dtype)
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+class _OpLog:
+    """A ranges listener: (range stack with the op innermost, module) of each op the model opens on this thread."""
+
+    def __init__(self):
+        from . import ranges
+        self.ops, self.thread, self.stack = [], threading.get_ident(), ranges.current_stack
+
+    def on_push(self, name, detail):
+        if isinstance(detail, tuple) and threading.get_ident() == self.thread:     # an op: (module, args, keywords)
+            self.ops.append((self.stack(), detail[0]))
+
+    def on_pop(self, name):
+        pass
+
+
+@functools.cache
+def model_op_modules():
+    """gpt2np.model's op orders, read off the model itself: one micro-step (forward, backward) of a 3-layer model
+    (a first, a middle and a last layer) on a backend that runs nothing, for every fuse / gelu_fusion / attention /
+    recompute setting, with the module the model names for each op range.
+
+    Returns (layers, outside). layers: {(direction, the ops before it in its "Layer l" range, op): (layer offset,
+    module in that layer)}, e.g. ("fprop", ("matmul_forward", "flash_attention_forward", "matmul_forward",
+    "fused_residual_layernorm_forward", "matmul_gelu_forward"), "matmul_forward") -> (0, "mlp.c_proj"); the
+    fused residual + LayerNorm ending a layer -> (1, "ln_1"), ln_f after the last layer included (it stands where
+    the next layer's ln_1 would). outside: {op: module} of the ops outside the layers (loss_mean -> lm_head).
+    An order that does not tell one module is a RuntimeError."""
+    from ..config import GPT2Config
+    from ..model import GPT2
+    from ..tensors import ATTENTIONS, RECOMPUTE_LEVELS
+    from . import ranges
+    cfg = GPT2Config(max_seq_len=2, vocab_size=2, padded_vocab_size=2, num_layers=3, num_heads=1, channels=1)
+    tokens = np.zeros((1, 2), np.int32)
+    layers: Dict[tuple, Tuple[int, str]] = {}
+    outside: Dict[str, str] = {}
+    for fuse, gelu_fusion, attention, recompute in itertools.product((False, True), (0, 1, 2), ATTENTIONS,
+                                                                     RECOMPUTE_LEVELS):
+        if gelu_fusion and not fuse:
+            continue                                    # the GELU epilogues are fused ops
+        model = GPT2(cfg, _NullBackend(), 1, 2, attention=attention, fuse=fuse, gelu_fusion=gelu_fusion,
+                     recompute=recompute)
+        log = _OpLog()
+        ranges.add_listener(log)
+        try:                                            # train_step's device step: loss_mean too
+            model.stage_batch(0, tokens, tokens)
+            model.forward_staged(0, tokens.shape)
+            model.backward()
+        finally:
+            ranges.remove_listener(log)
+        before: Dict[tuple, List[str]] = {}
+        for stack, module in log.ops:
+            _, direction, layer, _, op_at, _ = parse_stack(stack)
+            op = canonical_op(stack[op_at], direction)
+            if layer is None:
+                outside[op] = module
+                continue
+            m = MODULE_RE.fullmatch(module)
+            if module == "ln_f":
+                place = (1, "ln_1")
+            elif m and m.group(2) is not None:
+                place = (int(m.group(2)) - layer, module.split(".", 2)[2])
+            else:
+                raise RuntimeError(f"gpt2np.model: op {op} in Layer {layer} names module {module!r}")
+            ops = before.setdefault((direction, layer), [])
+            key = (direction, tuple(ops), op)
+            if layers.setdefault(key, place) != place:
+                raise RuntimeError(f"gpt2np.model's op orders do not tell the module of {key}: {layers[key]} or "
+                                   f"{place}")
+            ops.append(op)
+    return layers, outside
 
 
 def gpu_projection(kernels: Sequence[Kernel]) -> List[Tuple[str, int, int]]:
