@@ -640,17 +640,29 @@ def check_same_run(dist, fingerprint):
     raise RunMismatch(line)
 
 
-def stop_together(dist, code=1):
+def stop_together(dist, code=1, speaks=None):
     """Every rank has met the same reason to stop at the same point (check_same_run's verdict; a NaN loss or grad
     norm, which every rank sees alike after the all-reduce): no rank is left waiting in a collective, so abort_job
     has nothing to do, and rank 0 alone says why (the caller raises its error after this); the other ranks exit
     with status `code` (1: the run failed, 2: bad input) here, without a word: the same line from every rank would
-    help no one."""
+    help no one. speaks: whether this rank is one that says why (None: rank 0 alone)."""
     global _ranks_stopping
     if dist.world_size > 1:
         _ranks_stopping = True
-        if dist.rank != 0:
+        if not (dist.rank == 0 if speaks is None else speaks):
             raise SystemExit(code)
+
+
+def stop_on_problem(dist, problem):
+    """Raise `problem` (an exception, or None), stopping every rank when any found one: one collective tells them.
+    The ranks that found it say why (rank 0 alone when every rank did), the others exit 2 quietly; nobody is left
+    waiting, so there is no abort and no line from MPI (was: each rank's error, then the abort's)."""
+    if dist.world_size > 1:
+        found = dist.average(1.0 if problem is not None else 0.0)
+        if found > 0:
+            stop_together(dist, 2, speaks=None if found == 1.0 else problem is not None)
+    if problem is not None:
+        raise problem
 
 
 _group = None       # the MPI group of this process, once made (for abort_job and the excepthook)

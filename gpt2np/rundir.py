@@ -17,6 +17,8 @@ prepare_run_dir does all of it; under MPI every rank decides (reading only, so a
 and rank 0 alone changes the folder, between two barriers.
 """
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -36,7 +38,7 @@ from .checkpoint import (
     state_path,
 )
 from .config import TrainConfig
-from .dist import shard_bounds
+from .dist import shard_bounds, stop_on_problem
 from .fileio import atomic_write, file_in_the_way
 from .tensors import num_parameters
 
@@ -124,6 +126,11 @@ def read_run_file(out_dir):
         raise RunDirError(f"{path}: unreadable ({e}); move it away to use this folder") from None
     if not isinstance(saved, dict) or saved.get("format") != RUN_FORMAT:
         raise RunDirError(f"{path}: not a gpt2np run file (format {RUN_FORMAT!r}); move it away to use this folder")
+    data = saved.get("data")
+    if not (isinstance(saved.get("model"), dict) and isinstance(data, dict) and isinstance(saved.get("settings"), dict)
+            and isinstance(data.get("train"), list) and isinstance(data.get("val"), (list, type(None)))):
+        raise RunDirError(f"{path}: damaged (model, data and settings must be objects, data's train and val lists); "
+                          f"move it away to use this folder")
     return saved
 
 
@@ -287,50 +294,69 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
     """
     check_output_dir(out_dir)
     say = _note if dist.rank == 0 else (lambda msg: None)
-    if resume and overwrite:
-        raise RunDirError("-y 1 resumes the run in -o, --overwrite starts a new one there: give one of them")
-    saved = read_run_file(out_dir)
-    differences = identity_differences(saved, identity) if saved else None
-    step = 0
-    steps = checkpoint_steps(out_dir)
-    if not resume:
-        if steps and not overwrite:
-            if differences == [] and latest_complete_checkpoint(out_dir)[0] is None:
-                raise RunDirError(f"{out_dir} holds only incomplete checkpoint files of this run (step {steps[0]}: "
-                                  f"{checkpoint_problem(out_dir, steps[0])}): -y 1 starts the run over there, "
-                                  f"--overwrite moves them into a subfolder first")
-            if differences == []:
-                raise RunDirError(f"{out_dir} holds checkpoints of this run (up to step {steps[0]}): resume it "
-                                  f"with -y 1, or start over with --overwrite (moves its files into a subfolder)")
-            raise RunDirError(f"{out_dir} holds another run's checkpoints (up to step {steps[0]}): use another -o, "
-                              f"or --overwrite to move them into a subfolder")
-        if not steps and not overwrite:
-            _refuse_another_runs_log(out_dir, differences)
-    else:
-        found, notes = latest_complete_checkpoint(out_dir)
-        for line in notes:
-            say(line)
-        if found is None:
-            if steps and differences:
-                raise RunDirError(f"{out_dir} holds another run's checkpoints (none of them complete): use another "
-                                  f"-o, or start a new run there with --overwrite (moves them into a subfolder)")
-            if not steps and not read_only:       # starting from scratch would truncate its main.log
+
+    def checks():                        # every rank alike (the lock: rank 0); -> (step, log_aside)
+        nonlocal saved
+        if resume and overwrite:
+            raise RunDirError("-y 1 resumes the run in -o, --overwrite starts a new one there: give one of them")
+        if dist.rank == 0 and not read_only and os.path.isdir(out_dir):
+            _lock(out_dir)                   # before reading the folder: what is checked stays so until the run ends
+        saved = read_run_file(out_dir)
+        differences = identity_differences(saved, identity) if saved else None
+        step = 0
+        steps = checkpoint_steps(out_dir)
+        log = os.path.join(out_dir, LOG_FILE)
+        # a fresh start in a folder with this run's main.log and no checkpoint (a -n 0 run's whole record, or an attempt
+        # stopped before its first): the log is moved aside, not started over
+        log_aside = not steps and not overwrite and os.path.isfile(log) and os.path.getsize(log) > 0
+        if not resume:
+            if steps and not overwrite:
+                if differences == [] and latest_complete_checkpoint(out_dir)[0] is None:
+                    raise RunDirError(f"{out_dir} holds only incomplete checkpoint files of this run (step {steps[0]}: "
+                                      f"{checkpoint_problem(out_dir, steps[0])}): -y 1 starts the run over there, "
+                                      f"--overwrite moves them into a subfolder first")
+                if differences == []:
+                    raise RunDirError(f"{out_dir} holds checkpoints of this run (up to step {steps[0]}): resume it "
+                                      f"with -y 1, or start over with --overwrite (moves its files into a subfolder)")
+                raise RunDirError(f"{out_dir} holds another run's checkpoints (up to step {steps[0]}): use another -o, "
+                                  f"or --overwrite to move them into a subfolder")
+            if not steps and not overwrite:
                 _refuse_another_runs_log(out_dir, differences)
-            say(f"note: nothing to resume in {out_dir}; " + ("evaluating -e's model" if read_only
-                                                               else "starting from scratch"))
         else:
-            _check_processes(state_path(out_dir, found, 0), dist)
-            if differences:
-                raise RunDirError(f"{out_dir} holds another run's checkpoints, not this one's: "
-                                  f"{'; '.join(differences)}. Resume with that run's -e, data and settings, "
-                                  f"or use another -o")
-            if saved is None:
-                say(f"note: {out_dir} has no {RUN_FILE} (checkpoints from an older gpt2np, or copied): resuming "
-                    f"without checking they are this run's")
-            if found > total_steps and not read_only:
-                raise RunDirError(f"{out_dir}: its latest checkpoint is at step {found}, past -x {total_steps}: "
-                                  f"give -x {found} or more to resume it")
-            step = found
+            found, notes = latest_complete_checkpoint(out_dir)
+            for line in notes:
+                say(line)
+            log_aside = log_aside and found is None
+            if found is None:
+                if steps and differences:
+                    raise RunDirError(f"{out_dir} holds another run's checkpoints (none of them complete): use another "
+                                      f"-o, or start a new run there with --overwrite (moves them into a subfolder)")
+                if not steps and not read_only:       # starting from scratch would truncate its main.log
+                    _refuse_another_runs_log(out_dir, differences)
+                say(f"note: nothing to resume in {out_dir}; " + ("evaluating -e's model" if read_only
+                                                                   else "starting from scratch"))
+            else:
+                _check_processes(state_path(out_dir, found, 0), dist)
+                if differences:
+                    raise RunDirError(f"{out_dir} holds another run's checkpoints, not this one's: "
+                                      f"{'; '.join(differences)}. Resume with that run's -e, data and settings, "
+                                      f"or use another -o")
+                if saved is None:
+                    say(f"note: {out_dir} has no {RUN_FILE} (checkpoints from an older gpt2np, or copied): resuming "
+                        f"without checking they are this run's")
+                if found > total_steps and not read_only:
+                    raise RunDirError(f"{out_dir}: its latest checkpoint is at step {found}, past -x {total_steps}: "
+                                      f"give -x {found} or more to resume it")
+                step = found
+        return step, log_aside
+
+    saved = None
+    try:
+        step, log_aside = checks()
+        problem = None
+    except (ValueError, OSError) as e:      # RunDirError, a damaged state header
+        problem = e
+    stop_on_problem(dist, problem)
     if read_only:
         return step
     dist.barrier()                   # every rank has decided before rank 0 changes the folder
@@ -339,17 +365,48 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
             os.makedirs(out_dir, exist_ok=True)
         except OSError as e:
             raise RunDirError(f"-o {out_dir}: the folder cannot be made ({e.strerror or e})") from None
+        if os.path.realpath(out_dir) not in _held:
+            _lock(out_dir)
         removed = remove_stale_temp_files(out_dir)
         if removed:
             say(f"note: removed {len(removed)} temporary file(s) a stopped run left in {out_dir}")
         if overwrite and (target := move_aside(out_dir)):
             say(f"note: moved the previous run's files in {out_dir} to {target}")
+        elif log_aside and (target := move_aside(out_dir)):
+            say(f"note: {out_dir} holds this run's main.log without a checkpoint to resume: moved it to {target}, "
+                f"starting over")
         if saved is not None or not step:    # an unchecked run's: once its checkpoint has loaded (claim_run)
             write_run_file(out_dir, identity)
         if step:
             trim_log(out_dir, step, evaluated(step))
     dist.barrier()
     return step
+
+
+# realpath of an -o -> the open folder this process holds a lock on (flock), so that a second run or a resume
+# there stops instead of mixing its files with this run's
+_held = {}
+
+
+def _lock(out_dir):
+    """Hold an exclusive flock on the folder out_dir itself until release_run_dirs(): RunDirError when another
+    process holds one (a run writing there now). Where the file system has no such locks, nothing is held."""
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise RunDirError(f"{out_dir} is in use by another gpt2np run (it holds a lock on the folder): wait for "
+                              f"it to end, or use another -o") from None
+        return                           # no locks here (some network file systems): as before, unguarded
+    _held[os.path.realpath(out_dir)] = fd
+
+
+def release_run_dirs():
+    """Let go of the -o folders this process locked (the run has ended)."""
+    while _held:
+        os.close(_held.popitem()[1])
 
 
 def claim_run(out_dir, identity, dist):

@@ -31,10 +31,10 @@ from .checkpoint import (
     save_state,
     state_path,
 )
-from .cli import BadInput, one_line
+from .cli import BAD_INPUT_ERRORS, BadInput, is_int, one_line
 from .config import GPT2Config, TrainConfig, descriptor
 from .data import DataLoader
-from .dist import check_same_run, make_process_group, run_fingerprint, stop_together
+from .dist import check_same_run, make_process_group, run_fingerprint, stop_on_problem, stop_together
 from .evaluate import eval_loss
 from .fileio import WriteError, append_line, atomic_write
 from .interrupts import Stopped, StopSignals
@@ -50,6 +50,7 @@ from .rundir import (
     latest_complete_checkpoint,
     prepare_run_dir,
     read_run_file,
+    release_run_dirs,
     run_identity,
 )
 from .sample import LlmcCoins, generate
@@ -185,7 +186,10 @@ def run_model(cfg: TrainConfig):
     if not saved or not isinstance(saved.get("model"), dict) or "config" not in saved["model"]:
         return None
     try:
-        GPT2Config(**saved["model"]["config"])
+        config = saved["model"]["config"]
+        GPT2Config(**config)
+        if not all(is_int(v) for v in config.values()):   # 6.0 layers would fail deep in the model
+            raise ValueError(f"sizes must be integers, got {config}")
     except (TypeError, ValueError) as e:                 # a hand-edited or damaged run.json
         raise BadInput(f"-y 1 without -e: {os.path.join(cfg.output_dir, 'run.json')}: its model config is not a "
                        f"GPT-2 config ({one_line(e)}); give the run's -e") from None
@@ -274,6 +278,8 @@ def train(cfg: TrainConfig, dist=None, model_given=True):
                                f"parameters, gradients and AdamW moments (16 bytes a parameter in fp32) and the "
                                f"activations of -b x -t must fit; use a smaller -e, or a smaller -b (or -t) and -d "
                                f"to keep the tokens per step") from e
+        finally:
+            release_run_dirs()            # the -o lock prepare_run_dir took, held for the whole run
 
 
 def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True):
@@ -312,14 +318,30 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
     cfg = cfg.with_device_defaults(backend_name).validate()     # the device defaults against the other flags
     if cfg.output_dir:
         check_output_dir(cfg.output_dir)
-    if dist.rank != 0:
-        dist.barrier()                # rank 0 fetches and prepares what is missing, alone
     bf16 = backend.precision == "bf16"            # under mpiexec too: bf16 gradients averaged (gpt2np.dist)
-    recorded = run_model(cfg) if cfg.resume and not model_given else None
-    if recorded:                                  # -y 1 without -e: the run's model, weights from the checkpoint
-        model_cfg, params, model_desc = GPT2Config(**recorded["config"]), None, f"the run in {cfg.output_dir}"
+
+    def resolve_inputs():                         # the model and the data files (rank 0 fetches what is missing)
+        recorded = run_model(cfg) if cfg.resume and not model_given else None
+        if recorded:                              # -y 1 without -e: the run's model, weights from the checkpoint
+            model = GPT2Config(**recorded["config"]), None, f"the run in {cfg.output_dir}"
+        else:
+            model = resolve_model(cfg.model, keep_bf16=bf16)
+        return recorded, model, resolve_data(cfg.train_data, cfg.val_data)
+
+    # rank 0 first, alone (it fetches and prepares what is missing), then the others; bad input rank 0 finds stops
+    # every rank, in one line from rank 0 (the others would each find it too)
+    if dist.rank == 0:
+        try:
+            inputs, problem = resolve_inputs(), None
+            if dist.world_size > 1:
+                prefetch_hellaswag(cfg)
+        except BAD_INPUT_ERRORS as e:
+            problem = e
+        stop_on_problem(dist, problem)
     else:
-        model_cfg, params, model_desc = resolve_model(cfg.model, keep_bf16=bf16)
+        stop_on_problem(dist, None)
+        inputs = resolve_inputs()
+    recorded, (model_cfg, params, model_desc), (train_pattern, val_pattern) = inputs
     model_name = model_desc if recorded else f"-e {cfg.model}"        # in messages: what the model is
     # the header's weight init method: -e as llm.c prints it, but the offline default's stand-in says what it is
     init_method = cfg.model if params is not None or recorded or descriptor(cfg.model) else model_desc
@@ -327,11 +349,6 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
     if zero_note:
         say(zero_note)
     dist.zero_stage = stage
-    train_pattern, val_pattern = resolve_data(cfg.train_data, cfg.val_data)
-    if dist.rank == 0:
-        if dist.world_size > 1:
-            prefetch_hellaswag(cfg)
-        dist.barrier()
     B, T = cfg.batch_size, cfg.seq_len
     stop_if_bad(dist, T > model_cfg.max_seq_len, f"-t {T} is longer than the model's max_seq_len "
                 f"{model_cfg.max_seq_len}")
@@ -348,11 +365,16 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
     # -a 1 is llm.c's: the val shards (the train shards where there are none) in file order, read again from their
     # first batch every step, so every step trains on the same accum micro-batches
     overfit = bool(cfg.overfit_single_batch)
-    train_loader = DataLoader(val_pattern if overfit and val_pattern else train_pattern, B, T, dist.rank,
-                              dist.world_size, shuffle=bool(cfg.shuffle) and not overfit,
-                              vocab_size=model_cfg.vocab_size)
-    val_loader = DataLoader(val_pattern, B, T, dist.rank, dist.world_size,
-                            vocab_size=model_cfg.vocab_size) if val_pattern and cfg.val_every > 0 else None
+    try:                                          # every rank reads the shards: a bad one stops all, in one line
+        train_loader = DataLoader(val_pattern if overfit and val_pattern else train_pattern, B, T, dist.rank,
+                                  dist.world_size, shuffle=bool(cfg.shuffle) and not overfit,
+                                  vocab_size=model_cfg.vocab_size)
+        val_loader = DataLoader(val_pattern, B, T, dist.rank, dist.world_size,
+                                vocab_size=model_cfg.vocab_size) if val_pattern and cfg.val_every > 0 else None
+        problem = None
+    except BAD_INPUT_ERRORS as e:
+        problem = e
+    stop_on_problem(dist, problem)
     one_epoch = train_loader.num_tokens // total_batch         # llm.c's train_num_batches for -x -1 (can be 0)
     total_steps = cfg.max_steps if cfg.max_steps >= 0 else one_epoch
     if cfg.max_steps < 0 and one_epoch == 0:

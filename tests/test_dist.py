@@ -272,3 +272,26 @@ def test_bad_flags_under_mpiexec_are_one_line(mpiexec, files, tmp_path, extra, s
     assert code == 2, out + err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(says), err
+
+
+@pytest.mark.parametrize("case", ["missing train data", "another run's checkpoints", "another process count"])
+def test_bad_files_under_mpiexec_are_one_line(mpiexec, files, tmp_path, case):
+    """Bad input found in the files (a missing -i, -o holding another run's checkpoints, a resume by another
+    number of processes): one line, from rank 0, exit 2, no abort (dist.stop_on_problem; was every rank's line, then
+    MPI's abort lines)."""
+    out = tmp_path / "out"
+    if case == "missing train data":
+        argv = train_argv(files, out, 2, "-i", tmp_path / "missing.bin")
+        says = f"error: {tmp_path / 'missing.bin'}"
+    else:
+        code, _, err, _ = launch(mpiexec, 2, train_argv(files, out, 2, "-x", 3))
+        assert code == 0, err
+        if case == "another run's checkpoints":
+            argv, says = train_argv(files, out, 2, "-x", 3, "-l", 1e-3), f"error: {out} holds another run's checkpoints"
+        else:
+            argv, says = train_argv(files, out, 3, "-x", 6, "-y", 1), "error: "
+    code, stdout, err, _ = launch(mpiexec, 3 if case == "another process count" else 2, argv)
+    assert code == 2, stdout + err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("note:")]
+    assert len(lines) == 1 and lines[0].startswith(says), err
+    assert "aborting" not in err and "Abort" not in err, err

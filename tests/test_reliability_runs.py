@@ -364,7 +364,8 @@ def test_only_incomplete_checkpoints_are_named_as_such(files, tmp_path, capsys):
 
 def test_another_runs_main_log_is_not_overwritten(files, tmp_path, capsys):
     """A run that wrote no checkpoint still leaves its main.log: a different run into the same -o is refused (one
-    line) unless --overwrite moves it aside; the same run again may start over there."""
+    line) unless --overwrite moves it aside; the same run again starts over there, its old log moved aside (a -n 0
+    run's log is all it wrote)."""
     out = tmp_path / "out"
     code, _, err = run(args(files, out, "-x", 2), capsys)
     assert code == 0, err
@@ -376,11 +377,14 @@ def test_another_runs_main_log_is_not_overwritten(files, tmp_path, capsys):
     code, _, err = run(args(files, out, "-x", 2, "-l", 1e-3, "-y", 1), capsys)         # -y 1, nothing to resume
     assert code == 2 and (out / "main.log").read_text() == log
     one_error_line(err, f"{out} holds another run's main.log (no checkpoints;", "--overwrite")
-    code, _, err = run(args(files, out, "-x", 2), capsys)                               # the same run: it starts over
+    code, _, err = run(args(files, out, "-x", 2), capsys)             # the same run starts over, its old log kept
     assert code == 0, err
+    assert any("holds this run's main.log without a checkpoint to resume: moved it to" in line for line in err)
+    assert [p.read_text() for p in out.glob("previous-*/main.log")] == [log]
+    log = (out / "main.log").read_text()
     code, _, err = run(args(files, out, "-x", 2, "-l", 1e-3, "--overwrite"), capsys)
     assert code == 0, err
-    assert [p.read_text() for p in out.glob("previous-*/main.log")] == [log]
+    assert sorted(p.read_text() for p in out.glob("previous-*/main.log")) == [log, log]     # the same losses twice
 
 
 def test_an_output_folder_that_cannot_be_made_is_one_line_naming_o(files, tmp_path, capsys, monkeypatch):
@@ -707,3 +711,43 @@ def test_a_run_from_a_model_file_is_not_held_to_an_init_seed():
     random_init = {"model": {"init": "random"}, "data": ours["data"], "settings": {"batch_size": 4, "init_seed": 7}}
     assert identity_differences(dict(random_init, settings={"batch_size": 4, "init_seed": 42}), random_init) == [
         "--init-seed 42 there, 7 here"]
+
+
+def test_a_folder_in_use_by_another_run_is_refused(files, tmp_path, capsys):
+    """A run holds a lock on its -o for as long as it runs: a second run there, or a resume, stops in one line
+    (they mixed their main.log lines, run.json and checkpoints); evaluating the latest checkpoint (-x 0 -y 1) writes
+    nothing and may; once the holder ends the folder is free again."""
+    import fcntl
+    out = tmp_path / "out"
+    code, _, err = run(args(files, out, "-x", 2, "-n", 1), capsys)
+    assert code == 0, err
+    before = snapshot(out)
+    holder = os.open(out, os.O_RDONLY)                           # another process's run, as the lock sees it
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for extra in (["-y", 1, "-x", 3], ["--overwrite", "-x", 1]):
+            code, _, err = run(args(files, out, "-n", 1, *extra), capsys)
+            assert code == 2
+            one_error_line(err, f"{out} is in use by another gpt2np run", "use another -o")
+        assert snapshot(out) == before
+        code, stdout, err = run(args(files, out, "-x", 0, "-y", 1, "-v", 1, "-m", 1), capsys)
+        assert code == 0 and "val loss" in stdout, err
+    finally:
+        os.close(holder)
+    code, stdout, err = run(args(files, out, "-x", 3, "-n", 1, "-y", 1), capsys)
+    assert code == 0 and "resuming from step 2" in stdout, err
+
+
+@pytest.mark.parametrize("damage", [{"data": [1]}, {"data": "x"}, {"settings": [1]}, {"model": "m"},
+                                    {"data": {"train": "a.bin", "val": None}}])
+def test_a_run_json_of_the_wrong_shape_is_one_line(files, tmp_path, capsys, damage):
+    """run.json whose model, data or settings are not what gpt2np writes: one line naming it (was a traceback)."""
+    import json
+    out = tmp_path / "out"
+    code, _, err = run(args(files, out, "-x", 1, "-n", 1), capsys)
+    assert code == 0, err
+    (out / "run.json").write_text(json.dumps(json.loads((out / "run.json").read_text()) | damage))
+    for extra in (["-y", 1, "-x", 2], ["-x", 2]):
+        code, _, err = run(args(files, out, "-n", 1, *extra), capsys)
+        assert code == 2
+        one_error_line(err, f"{out / 'run.json'}: damaged", "move it away")

@@ -316,7 +316,8 @@ def test_resume_without_e_takes_the_runs_model(tiny_model, tiny_shards, tmp_path
     assert code == 2 and "-y 1 without -e" in err and "no complete checkpoint" in err, err
     run_file = part / "run.json"                                                   # a damaged model config
     saved = json.loads(run_file.read_text())
-    for damaged in ({**saved["model"]["config"], "channels": "768"}, {"layers": 2}, [1, 2]):
+    for damaged in ({**saved["model"]["config"], "channels": "768"}, {"layers": 2}, [1, 2],
+                    {**saved["model"]["config"], "num_layers": float(saved["model"]["config"]["num_layers"])}):
         run_file.write_text(json.dumps({**saved, "model": {**saved["model"], "config": damaged}}))
         code, out, err = run([*common, "-x", 4, "-o", part, "-y", 1], capsys)
         assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
