@@ -8,13 +8,16 @@ that llm.c does not read: either trainer resumes from the other's files (see the
 bf16 model files load without an fp32 round trip when asked (load_model(keep_bf16=True): ml_dtypes bfloat16),
 and bf16 parameters are written as they are.
 Every write goes to a temporary file in the same folder and is renamed into place.
-Rotation (-nk/-nm, llm.c's rule): checkpoint_to_delete says which older checkpoint a new one replaces,
-delete_checkpoint removes one process's files of it (DONE marker first, so it is never seen as complete again).
+Rotation (-nk/-nm): checkpoints_to_delete says which older checkpoints a new one replaces (llm.c's rule,
+checkpoint_to_delete, on the -n grid; the K newest that exist off it), delete_checkpoint removes one process's files
+of one (DONE marker first, so it is never seen as complete again). A checkpoint written again loses its DONE marker
+before its files are rewritten (remove_done_marker).
 Reading checks everything that can be checked cheaply: magic, version, sizes against the file size, the
 state's required keys, and that a model's weights are all finite; the message names the file and the problem.
 """
 import glob
 import json
+import math
 import os
 import re
 import struct
@@ -22,7 +25,7 @@ import struct
 import numpy as np
 
 from .config import GPT2Config
-from .fileio import atomic_write  # noqa: F401  (re-exported)
+from .fileio import WriteError, atomic_write  # noqa: F401  (atomic_write: re-exported)
 from .tensors import num_parameters, offsets, param_shapes
 
 MODEL_MAGIC = 20240326
@@ -362,13 +365,87 @@ def checkpoint_to_delete(step, checkpoint_every, keep, major_every=0):
     """llm.c's -nk/-nm rule: once the checkpoint of `step` is complete, the step whose checkpoint goes
     (step - keep * checkpoint_every), or None: keep 0 (all kept), no such step (<= 0), or a major one (a
     multiple of major_every, -nm). A step where no checkpoint was written (a stop or the last step off the -n
-    grid) names one that does not exist: nothing is deleted then, as in llm.c."""
+    grid) names one that does not exist, and a checkpoint written off the grid is never named: the trainer
+    rotates with checkpoints_to_delete, which agrees with this rule on the grid."""
     if keep <= 0 or checkpoint_every <= 0:
         return None
     old = step - keep * checkpoint_every
     if old <= 0 or (major_every > 0 and old % major_every == 0):
         return None
     return old
+
+
+# the names model_path, state_path and done_path give (checkpoint_files checks a name is exactly one of them)
+CHECKPOINT_NAME = re.compile(r"model_(\d+)\.bin|state_(\d+)_(\d+)\.bin|DONE_(\d+)")
+
+
+def checkpoint_files(out_dir) -> dict:
+    """{step: complete} for every step with a checkpoint file in out_dir (a model, any process's state, or a DONE
+    marker, under the exact names model_path/state_path/done_path give): complete is whether its DONE marker is
+    there. Other files (temporary ones, copies, other digit counts) are not checkpoint files. No folder: {}."""
+    found = {}
+    try:
+        entries = list(os.scandir(out_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return found
+    for entry in entries:
+        m = CHECKPOINT_NAME.fullmatch(entry.name)
+        if not m:
+            continue
+        model, state, rank, done = m.groups()
+        step = int(model or state or done)
+        canonical = (model_path(out_dir, step) if model else done_path(out_dir, step) if done
+                     else state_path(out_dir, step, int(rank)))
+        if os.path.basename(canonical) != entry.name or not entry.is_file():
+            continue
+        found[step] = found.get(step, False) or done is not None
+    return found
+
+
+def checkpoints_to_delete(step, found, keep, major_every=0, reach=0):
+    """-nk/-nm once the checkpoint of `step` is complete: the steps (oldest first) of the checkpoints to delete.
+    found: checkpoint_files of -o ({step: complete}). Kept: the `keep` newest complete checkpoints up to `step`
+    (its own the newest of them), every major one (a multiple of major_every, -nm), and any newer than `step`;
+    every other checkpoint older than `step` goes, an incomplete one too (it can never be resumed), back to
+    step - reach (reach > 0; the trainer's is llm.c's, keep * -n: a run that kept everything, resumed with -nk,
+    loses its past one checkpoint at a time as llm.c's would, not all at once). keep <= 0: [].
+
+    On the -n grid (every checkpoint at a multiple of -n, and none deleted by hand) this is llm.c's rule,
+    checkpoint_to_delete (step - keep * n, unless major), except that a step without a checkpoint (the last step
+    off the grid names one) is not named. It differs where llm.c's arithmetic misses a checkpoint that exists: one a
+    stop by signal wrote (llm.c writes none), the last step's off the grid, a run resumed with another -n or -nk, an
+    earlier deletion that failed. llm.c keeps those for good; here they count as the checkpoints they are, so -nk K
+    leaves the K newest whatever their steps."""
+    if keep <= 0:
+        return []
+    complete = sorted({s for s, done in found.items() if done and s < step} | {step}, reverse=True)
+    kept = set(complete[:keep])
+    lowest = step - reach if reach > 0 else -math.inf
+    return sorted(s for s in found if lowest <= s < step and s not in kept
+                  and not (major_every > 0 and s % major_every == 0))
+
+
+def remove_done_marker(out_dir, step):
+    """Remove the DONE marker of `step` (if there) before its checkpoint is written again: until the new DONE
+    marker, a crash must not leave the old marker vouching for a mix of old and new files. The folder is synced
+    so that the removal is on disk before the files it guards change. A marker that cannot be removed raises
+    WriteError naming it."""
+    path = done_path(out_dir, step)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise WriteError(path, e) from e
+    try:
+        fd = os.open(out_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass                                  # a file system whose folders cannot be synced: the unlink stands
+    return True
 
 
 def delete_checkpoint(out_dir, step, rank=0):

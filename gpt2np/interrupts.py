@@ -7,7 +7,10 @@
 The first signal only records itself; the trainer looks between steps, so a step and a checkpoint are never
 cut in half. A second one ends the process at once (one line, exit 128 + its number) for a user who will not
 wait; a temporary file that leaves behind is removed by the next run in that folder (gpt2np.rundir).
+Work with nothing to save (-x 0's evaluation) runs inside `with signals.at_once():`, where the first signal
+raises Stopped wherever the main thread is.
 """
+import contextlib
 import os
 import signal
 import threading
@@ -26,11 +29,13 @@ class StopSignals:
     def __init__(self):
         self.signum = None                        # the first signal received, None until then
         self._previous = {}
+        self._at_once = False                     # inside at_once(): the first signal raises Stopped
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                if signal.getsignal(signum) is not signal.SIG_IGN:    # ignored by who started us (`cmd &`): stays so
+                    self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc):
@@ -38,9 +43,24 @@ class StopSignals:
             signal.signal(signum, handler)
         self._previous.clear()
 
+    @contextlib.contextmanager
+    def at_once(self):
+        """Inside: the first signal raises Stopped(exit code) in the main thread, wherever it is, instead of
+        waiting for a look between steps: for work that has nothing to save (-x 0's evaluation). A signal received
+        before raises it on entering. The caller catches Stopped around the `with` to say so in its one line."""
+        self._at_once = True                      # first: a signal from here on raises in _handle
+        try:
+            if self.signum is not None:
+                raise Stopped(self.exit_code)
+            yield self
+        finally:
+            self._at_once = False
+
     def _handle(self, signum, frame):
         if self.signum is None:
             self.signum = signum
+            if self._at_once:
+                raise Stopped(self.exit_code)
             return
         # os.write, not print: a handler runs between any two bytecodes, maybe inside a print to stderr
         os.write(2, f"error: {signal.Signals(signum).name} again: exiting now, without a checkpoint\n".encode())

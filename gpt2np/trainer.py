@@ -20,13 +20,15 @@ import warnings
 from .backends import cuda_problem, get_backend, gpu_present, resolve_attention, resolve_name, resolve_precision
 from .checkpoint import (
     CheckpointError,
-    checkpoint_to_delete,
+    checkpoint_files,
+    checkpoints_to_delete,
     delete_checkpoint,
     done_path,
     load_model,
     load_state,
     model_path,
     read_state_header,
+    remove_done_marker,
     save_model,
     save_state,
     state_path,
@@ -504,12 +506,20 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
         say(f"-x {cfg.max_steps}: no training" + (" (-o is not written)" if cfg.output_dir else "") + "; "
             + (" and ".join(doing) + " the model once" if doing else
                "nothing else asked for either (-v 0, -s 0): only the model is loaded"))
-        if val_loader:
-            say(f"val loss {dist.average(evaluate(model, val_loader, cfg.val_max_batches, show_progress=rank0)):.6f}")
-        if hellaswag_total:
-            hellaswag_eval(None)
-        if decoder and rank0:
-            say(sample_text(model, decoder, cfg))
+        try:
+            with signals.at_once():               # nothing to checkpoint: the first signal ends it where it is
+                if val_loader:
+                    say(f"val loss "
+                        f"{dist.average(evaluate(model, val_loader, cfg.val_max_batches, show_progress=rank0)):.6f}")
+                if hellaswag_total:
+                    hellaswag_eval(None)
+                if decoder and rank0:
+                    say(sample_text(model, decoder, cfg))
+        except Stopped:                           # a training run's stop line and exit code (stop_on_signal's)
+            if rank0:
+                print(f"stopped by {signals.name} after {start_step} steps: -x {cfg.max_steps} trains nothing, "
+                      f"nothing to save", file=sys.stderr, flush=True)
+            raise
         return model
     if start_step < total_steps:                  # (a finished run resumed: the note above says there is none)
         say(f"training for {total_steps} steps")
@@ -695,8 +705,14 @@ def sample_text(model, decoder, cfg: TrainConfig) -> str:
 
 def save_checkpoint(out_dir, step, model, train_loader, dist, nonfinite_skipped=0, outliers=None):
     """model_STEP.bin (rank 0), state_STEP_RANK.bin (each rank), then DONE_STEP once all are written.
-    outliers: OutlierGuard.state() (-sl/-sg), kept so that a resumed run skips what the whole run would."""
+    outliers: OutlierGuard.state() (-sl/-sg), kept so that a resumed run skips what the whole run would.
+    A DONE_STEP already there (a resume from before `step` writes it again) is removed first, before any rank
+    writes a file of step: a crash part-way through must leave an incomplete checkpoint, not the old marker over
+    a mix of old and new files."""
     bf16 = model.low_precision                   # llm.c's v5 file; the fp32 master weights (-w 1) go into the state
+    if dist.rank == 0:
+        remove_done_marker(out_dir, step)
+    dist.barrier()                               # no rank writes its state while the old DONE_STEP may be there
     if dist.rank == 0:
         save_model(model_path(out_dir, step), model.cfg, model.params_host(), dtype="bf16" if bf16 else "fp32")
     info = {"step": step, "train_loader": train_loader.state(),
@@ -709,26 +725,41 @@ def save_checkpoint(out_dir, step, model, train_loader, dist, nonfinite_skipped=
     save_state(state_path(out_dir, step, dist.rank), info, m, v, master, loader=train_loader.llmc_state())
     dist.barrier()
     if dist.rank == 0:
-        with open(done_path(out_dir, step), "w"):
-            pass
+        try:
+            with open(done_path(out_dir, step), "w"):
+                pass
+        except OSError as e:                     # a write failing, as the model's and the state's: exit 1, one line
+            raise WriteError(done_path(out_dir, step), e) from e
 
 
 def rotate_checkpoints(cfg: TrainConfig, step, dist, say):
-    """-nk N (-nm M): the checkpoint of `step` is complete (DONE written); delete the one N checkpoints older
-    unless it is major (llm.c's rule, checkpoint.checkpoint_to_delete), with llm.c's line (also when its files are
-    gone already, as llm.c's). Every rank first
-    waits for DONE_step, then removes its own files of the old checkpoint (checkpoint.delete_checkpoint). A file
-    that cannot be removed is a note, not the end of the run."""
-    old = checkpoint_to_delete(step, cfg.checkpoint_every, cfg.checkpoints_keep, cfg.major_checkpoint_every)
-    if old is None:
+    """-nk N (-nm M): the checkpoint of `step` is complete (DONE written); delete the older checkpoints in -o but
+    the N newest (this one among them) and the major ones, oldest first, each with llm.c's line
+    (checkpoint.checkpoints_to_delete). On the -n grid that is llm.c's rule, step - N*n unless major; unlike llm.c
+    it counts the checkpoints that exist, so one a stop by signal wrote, or the last step's off the grid, is
+    rotated away in its turn (llm.c's arithmetic never names it, and names steps never written: those get no line
+    here). Rank 0 lists -o and tells the others (one broadcast, after its DONE_step: no rank deletes before the new
+    checkpoint is whole, and all delete the same steps); every rank removes its own files of them
+    (checkpoint.delete_checkpoint). A file that cannot be removed, or -o unlisted, is a note, not the end of the
+    run."""
+    keep = cfg.checkpoints_keep
+    if keep <= 0:
         return
-    dist.barrier()                    # rank 0 wrote DONE_step: the new checkpoint is whole before one goes
-    say(f"Deleting checkpoint at step {old}", flush=True)
-    try:
-        delete_checkpoint(cfg.output_dir, old, dist.rank)
-    except OSError as e:
-        print(f"note: -nk {cfg.checkpoints_keep}: could not delete the checkpoint of step {old}: {e}",
-              file=sys.stderr, flush=True)
+    old = []
+    if dist.rank == 0:
+        try:
+            old = checkpoints_to_delete(step, checkpoint_files(cfg.output_dir), keep, cfg.major_checkpoint_every,
+                                        reach=keep * cfg.checkpoint_every)
+        except OSError as e:
+            print(f"note: -nk {keep}: could not list {cfg.output_dir} for checkpoints to delete: {e}",
+                  file=sys.stderr, flush=True)
+    for gone in dist.broadcast_object(old):
+        say(f"Deleting checkpoint at step {gone}", flush=True)
+        try:
+            delete_checkpoint(cfg.output_dir, gone, dist.rank)
+        except OSError as e:
+            print(f"note: -nk {keep}: could not delete the checkpoint of step {gone}: {e}", file=sys.stderr,
+                  flush=True)
 
 
 def resume(out_dir, step, model, train_loader, dist):

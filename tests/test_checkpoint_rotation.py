@@ -1,0 +1,310 @@
+"""Checkpoint rotation and rewriting beyond llm.c's -n grid, and signals during -x 0.
+
+-nk K keeps the K newest checkpoints in -o, whatever steps they are at (a stop by signal, or a last step off the
+-n grid, writes one llm.c's rule, step - K*n, never reaches), plus -nm's major ones; it names only checkpoints
+that exist. A checkpoint rewritten (a resume from before it) loses its DONE marker before any of its files is
+written again. -x 0 stops at the first SIGINT/SIGTERM. Tiny models, in this process (the signals are sent to it).
+"""
+import errno
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import train
+from gpt2np import trainer
+from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.checkpoint import checkpoint_files, checkpoint_to_delete, checkpoints_to_delete, save_model
+from gpt2np.config import GPT2Config
+from gpt2np.data import write_shard
+from gpt2np.fileio import WriteError
+from gpt2np.model import GPT2
+from gpt2np.rundir import latest_complete_checkpoint
+from gpt2np.starter import write_byte_tokenizer
+from gpt2np.tokenizer import TOKENIZER_BIN
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = GPT2Config(max_seq_len=32, vocab_size=257, padded_vocab_size=384, num_layers=2, num_heads=4, channels=32)
+TIMEOUT = 60                     # seconds any one subprocess may take
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("rotation")
+    save_model(folder / "small.bin", SMALL, GPT2(SMALL, NumpyBackend(), 1, 8, seed=3).params_host())
+    tokens = np.random.default_rng(0).integers(0, SMALL.vocab_size, 24000)
+    write_shard(folder / "train.bin", tokens[2000:])
+    write_shard(folder / "val.bin", tokens[:2000])
+    write_byte_tokenizer(folder / TOKENIZER_BIN)
+    return folder
+
+
+def args(files, out, *extra):
+    return ["-e", files / "small.bin", "-i", files / "train.bin", "-j", files / "val.bin", "-b", 2, "-t", 16,
+            "--device", "cpu", "-s", 0, "-v", 0, "-o", out, *extra]
+
+
+def run(argv, capsys):
+    """train.py in this process: (exit code, stdout, stderr lines that are not empty)."""
+    code = train.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, [line for line in out.err.splitlines() if line.strip()]
+
+
+def checkpoints(out):
+    """{step: the names of its checkpoint files} in out."""
+    found = {}
+    for path in Path(out).iterdir():
+        if m := re.fullmatch(r"(?:model_(\d{8})\.bin|state_(\d{8})_\d{5}\.bin|DONE_(\d{8}))", path.name):
+            found.setdefault(int(next(g for g in m.groups() if g)), set()).add(path.name)
+    return found
+
+
+def whole(step):
+    return {f"model_{step:08d}.bin", f"state_{step:08d}_00000.bin", f"DONE_{step:08d}"}
+
+
+def deleted(stdout):
+    return [int(m) for m in re.findall(r"^Deleting checkpoint at step (\d+)$", stdout, re.M)]
+
+
+def signal_during_step(monkeypatch, at, signum=signal.SIGTERM):
+    """SIGTERM (signum) to this process while step `at` (0-based) trains: the run stops after it, at step at + 1."""
+    real = trainer.train_step
+
+    def step_then_signal(model, next_batch, *, step, **kwargs):
+        if step == at:
+            os.kill(os.getpid(), signum)
+        return real(model, next_batch, step=step, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", step_then_signal)
+
+
+# ---- -nk beyond the -n grid ----------------------------------------------------------------------------------
+def test_a_stop_off_the_grid_is_rotated_away(files, tmp_path, capsys, monkeypatch):
+    """-n 2 -nk 1, SIGTERM during step 3: the stop's checkpoint 3 replaces 2 (llm.c's rule would name step 1, which
+    never existed), and once resumed to 6 only checkpoint 6 is left, as in an uninterrupted run."""
+    straight, out = tmp_path / "straight", tmp_path / "out"
+    code, stdout, err = run(args(files, straight, "-x", 6, "-n", 2, "-nk", 1), capsys)
+    assert code == 0, err
+    assert checkpoints(straight) == {6: whole(6)} and deleted(stdout) == [2, 4]
+    with monkeypatch.context() as patch:
+        signal_during_step(patch, 2)
+        code, stdout, err = run(args(files, out, "-x", 6, "-n", 2, "-nk", 1), capsys)
+    assert code == 128 + signal.SIGTERM, err
+    assert err == [f"stopped by SIGTERM after 3 steps: checkpoint of step 3 written to {out} (resume with -y 1)"]
+    assert deleted(stdout) == [2]                           # not "step 1"
+    assert checkpoints(out) == {3: whole(3)}
+    code, stdout, err = run(args(files, out, "-x", 6, "-n", 2, "-nk", 1, "-y", 1), capsys)
+    assert code == 0 and "resuming from step 3" in stdout, err
+    assert deleted(stdout) == [3, 4]
+    assert checkpoints(out) == checkpoints(straight) == {6: whole(6)}
+    for name in whole(6) - {"DONE_00000006"}:
+        assert (out / name).read_bytes() == (straight / name).read_bytes(), name
+
+
+def test_a_last_step_off_the_grid_is_rotated_away(files, tmp_path, capsys):
+    """-n 2 -nk 1 -x 5: the last step's checkpoint 5 replaces 4 (llm.c names step 3, never written, and keeps 4
+    for good); resumed to -x 8, checkpoint 5 goes too."""
+    out = tmp_path / "out"
+    code, stdout, err = run(args(files, out, "-x", 5, "-n", 2, "-nk", 1, "-k", "constant"), capsys)
+    assert code == 0, err
+    assert deleted(stdout) == [2, 4] and checkpoints(out) == {5: whole(5)}
+    code, stdout, err = run(args(files, out, "-x", 8, "-n", 2, "-nk", 1, "-k", "constant", "-y", 1), capsys)
+    assert code == 0 and "resuming from step 5" in stdout, err
+    assert deleted(stdout) == [5, 6] and checkpoints(out) == {8: whole(8)}
+
+
+def test_nk_counts_checkpoints_that_exist_and_keeps_the_major_ones(files, tmp_path, capsys, monkeypatch):
+    """-n 2 -nk 2 -nm 4: a stop at step 3 keeps 2 and 3; resumed to -x 9, the newest two (8, 9) and the major
+    one (4) are left."""
+    out = tmp_path / "out"
+    with monkeypatch.context() as patch:
+        signal_during_step(patch, 2, signal.SIGINT)
+        code, stdout, err = run(args(files, out, "-x", 9, "-n", 2, "-nk", 2, "-nm", 4), capsys)
+    assert code == 128 + signal.SIGINT, err
+    assert deleted(stdout) == [] and checkpoints(out) == {2: whole(2), 3: whole(3)}
+    code, stdout, err = run(args(files, out, "-x", 9, "-n", 2, "-nk", 2, "-nm", 4, "-y", 1), capsys)
+    assert code == 0, err
+    assert deleted(stdout) == [2, 3, 6]
+    assert checkpoints(out) == {4: whole(4), 8: whole(8), 9: whole(9)}
+
+
+def llmc_keeps(steps, every, keep, major):
+    """The checkpoints llm.c's rule leaves after writing `steps` in order (every one of them is written)."""
+    kept = set()
+    for step in steps:
+        kept.add(step)
+        kept.discard(checkpoint_to_delete(step, every, keep, major))
+    return kept
+
+
+def test_on_the_grid_the_rule_is_llmcs():
+    """Checkpoints on the -n grid only (the last step too): the same deletions as llm.c's step - K*n, every time."""
+    for every, keep, major, steps in [(1, 2, 0, 12), (2, 3, 0, 20), (3, 1, 6, 30), (1, 2, 3, 10), (5, 2, 10, 60),
+                                      (2, 1, 0, 2), (4, 4, 4, 40)]:
+        found = {}
+        for step in range(every, steps + 1, every):
+            gone = checkpoints_to_delete(step, found, keep, major)
+            assert gone == [s for s in [checkpoint_to_delete(step, every, keep, major)] if s in found], (step, found)
+            found = {s: True for s in found if s not in gone} | {step: True}
+        assert set(found) == llmc_keeps(range(every, steps + 1, every), every, keep, major)
+
+
+def test_the_rule_keeps_the_newest_that_exist():
+    rng = random.Random(5)
+    for _ in range(500):
+        keep, major = rng.randint(1, 4), rng.choice([0, 0, 2, 3, 5])
+        step = rng.randint(1, 40)
+        found = {s: rng.random() < 0.8 for s in rng.sample(range(1, 50), rng.randint(0, 12)) if s != step}
+        gone = checkpoints_to_delete(step, found, keep, major)
+        assert gone == sorted(gone) and all(s in found and s < step for s in gone)
+        assert not [s for s in gone if major and s % major == 0]                     # -nm's: never
+        left = {s: done for s, done in found.items() if s not in gone} | {step: True}
+        older_complete = sorted((s for s, done in left.items() if done and s <= step), reverse=True)
+        assert step in older_complete[:keep]
+        # of the complete ones up to step: the newest `keep`, and the major ones; incomplete ones older than step go
+        assert [s for s in older_complete[keep:] if not (major and s % major == 0)] == []
+        assert [s for s, done in left.items() if not done and s < step and not (major and s % major == 0)] == []
+        assert all(s in left for s in found if s > step)                                 # newer: untouched
+    assert checkpoints_to_delete(7, {5: True, 6: True}, 0) == []                         # -nk 0: keep all
+    assert checkpoints_to_delete(3, {2: True, 1: True}, 1) == [1, 2]
+
+
+def test_checkpoint_files_lists_the_steps_of_our_names_only(tmp_path):
+    for name in ["model_00000004.bin", "state_00000004_00000.bin", "DONE_00000004", "state_00000005_00001.bin",
+                 "model_00000006.bin", "DONE_00000007", "model_00000003.bin.orig", "DONE_00000008.txt",
+                 "model_8.bin", "notes.txt", ".model_00000009.bin.123.abcdef12.tmp"]:
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "DONE_00000010").mkdir()
+    assert checkpoint_files(tmp_path) == {4: True, 5: False, 6: False, 7: True}
+    assert checkpoint_files(tmp_path / "missing") == {}
+
+
+# ---- a checkpoint rewritten --------------------------------------------------------------------------------
+def test_a_rewritten_checkpoint_loses_its_done_marker_first(files, tmp_path, capsys, monkeypatch):
+    """Checkpoint 6 is damaged (its model file cut), so -y 1 resumes from 4 and writes 6 again; the write fails
+    between the model and the state file (disk full): DONE_6 must be gone, else the new model_6 with the old
+    state_6 would pass as the complete checkpoint of step 6."""
+    out = tmp_path / "out"
+    code, _, err = run(args(files, out, "-x", 6, "-n", 2), capsys)
+    assert code == 0, err
+    model6 = out / "model_00000006.bin"
+    size = model6.stat().st_size
+    model6.write_bytes(model6.read_bytes()[:-4])
+    assert latest_complete_checkpoint(out)[0] == 4
+    real = trainer.save_state
+
+    def disk_full_at_state_6(path, *a, **k):
+        if os.path.basename(path) == "state_00000006_00000.bin":
+            assert model6.stat().st_size == size and not os.path.exists(out / "DONE_00000006")
+            raise WriteError(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(trainer, "save_state", disk_full_at_state_6)
+    code, stdout, err = run(args(files, out, "-x", 6, "-n", 2, "-y", 1), capsys)
+    assert code == 1 and "resuming from step 4" in stdout, err
+    assert err[-1] == f"error: writing {out / 'state_00000006_00000.bin'}: [Errno {errno.ENOSPC}] " \
+                      f"{os.strerror(errno.ENOSPC)}", err
+    assert not (out / "DONE_00000006").exists()
+    assert latest_complete_checkpoint(out)[0] == 4                       # not the mix of two step 6's
+    monkeypatch.undo()
+    code, stdout, err = run(args(files, out, "-x", 6, "-n", 2, "-y", 1), capsys)
+    assert code == 0 and "resuming from step 4" in stdout, err
+    assert latest_complete_checkpoint(out)[0] == 6
+
+
+# ---- -x 0 and signals ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("when", ["validation", "startup"])
+def test_x0_stops_at_the_first_signal(signum, when, files, tmp_path, capsys, monkeypatch):
+    """-x 0 has nothing to checkpoint: the first SIGINT/SIGTERM ends it where it is (during the validation, or
+    before it starts), with the stop's one line and exit code."""
+    real, evaluated = trainer.evaluate, []
+
+    def signal_then_evaluate(*a, **k):
+        if when == "validation":
+            os.kill(os.getpid(), signum)
+        evaluated.append(real(*a, **k))
+        return evaluated[-1]
+
+    def signal_then_load(*a, **k):
+        os.kill(os.getpid(), signum)
+        return real_load(*a, **k)
+
+    real_load = trainer.load_hellaswag
+    monkeypatch.setattr(trainer, "evaluate", signal_then_evaluate)
+    if when == "startup":
+        monkeypatch.setattr(trainer, "load_hellaswag", signal_then_load)
+    code, stdout, err = run(args(files, tmp_path / "out", "-x", 0, "-v", 1, "-m", 4, "-s", 1, "-g", 4), capsys)
+    assert code == 128 + signum, (stdout, err)
+    name = signal.Signals(signum).name
+    assert err == [f"stopped by {name} after 0 steps: -x 0 trains nothing, nothing to save"], err
+    assert evaluated == [] and "val loss" not in stdout and "generating" not in stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_x0_stops_at_a_signal_from_outside_during_a_long_validation(files, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "GPT2NP_TEST_"))}
+    env.update(PYTHONPATH=str(REPO), GPT2NP_NVTX="0", PYTHONUNBUFFERED="1", GPT2NP_PROGRESS="off")
+    argv = [sys.executable, str(REPO / "train.py"), *map(str, args(files, tmp_path / "out", "-x", 0, "-v", 1,
+                                                                      "-m", 10 ** 7))]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not any(line.startswith("-x 0: no training") for line in lines) and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)                                     # inside the validation (10^7 batches: minutes)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(TIMEOUT)
+        pytest.fail("-x 0 went on validating after SIGTERM")
+    reader.join(TIMEOUT)
+    stderr = proc.stderr.read()
+    assert code == 128 + signal.SIGTERM, stderr
+    assert stderr.splitlines() == ["stopped by SIGTERM after 0 steps: -x 0 trains nothing, nothing to save"], stderr
+    assert not any(line.startswith("val loss") for line in lines)
+
+
+def test_the_trainers_reach_is_llmcs():
+    """The trainer deletes back to step - K*n (llm.c's reach) only: a run that kept every checkpoint and is resumed
+    with -nk 2 -n 1 loses one a step, as llm.c's would; off-grid checkpoints inside the reach go (a stop's at 3)."""
+    everything = dict.fromkeys(range(1, 11), True)
+    assert checkpoints_to_delete(11, everything, 2, reach=2) == [9]
+    assert checkpoints_to_delete(11, everything, 2) == list(range(1, 10))                 # no reach: all but 10
+    assert checkpoints_to_delete(4, {2: True, 3: True}, 1, reach=2) == [2, 3]             # -n 2 -nk 1, a stop at 3
+    assert checkpoints_to_delete(6, {4: True, 5: False}, 1, reach=2) == [4, 5]            # an incomplete one too
+
+
+def test_a_signal_ignored_by_whoever_started_us_stays_ignored():
+    """`cmd &` in a script starts cmd with SIGINT ignored: StopSignals leaves it so (it took it over before), and
+    still handles SIGTERM; both are as they were afterwards."""
+    from gpt2np.interrupts import StopSignals
+    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    old_term = signal.getsignal(signal.SIGTERM)
+    try:
+        with StopSignals():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not old_term
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is old_term
+    finally:
+        signal.signal(signal.SIGINT, old_int)
