@@ -292,14 +292,18 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
     the latest checkpoint): no file is written, and a checkpoint past total_steps is fine. evaluated(step): the
     main.log kinds ("tel", "eval") the run writes at `step` (trim_log keeps the others' lines of the resumed step).
     """
-    check_output_dir(out_dir)
     say = _note if dist.rank == 0 else (lambda msg: None)
 
-    def checks():                        # every rank alike (the lock: rank 0); -> (step, log_aside)
+    def checks():                        # every rank alike (the folder and its lock: rank 0); -> (step, log_aside)
         nonlocal saved
+        check_output_dir(out_dir)
         if resume and overwrite:
             raise RunDirError("-y 1 resumes the run in -o, --overwrite starts a new one there: give one of them")
-        if dist.rank == 0 and not read_only and os.path.isdir(out_dir):
+        if dist.rank == 0 and not read_only:
+            try:
+                os.makedirs(out_dir, exist_ok=True)
+            except OSError as e:
+                raise RunDirError(f"-o {out_dir}: the folder cannot be made ({e.strerror or e})") from None
             _lock(out_dir)                   # before reading the folder: what is checked stays so until the run ends
         saved = read_run_file(out_dir)
         differences = identity_differences(saved, identity) if saved else None
@@ -326,7 +330,8 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
             found, notes = latest_complete_checkpoint(out_dir)
             for line in notes:
                 say(line)
-            log_aside = log_aside and found is None
+            # no complete checkpoint: a start from scratch, its incomplete checkpoint files moved aside with the log
+            log_aside = found is None and os.path.isfile(log) and os.path.getsize(log) > 0
             if found is None:
                 if steps and differences:
                     raise RunDirError(f"{out_dir} holds another run's checkpoints (none of them complete): use another "
@@ -361,12 +366,6 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
         return step
     dist.barrier()                   # every rank has decided before rank 0 changes the folder
     if dist.rank == 0:
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-        except OSError as e:
-            raise RunDirError(f"-o {out_dir}: the folder cannot be made ({e.strerror or e})") from None
-        if os.path.realpath(out_dir) not in _held:
-            _lock(out_dir)
         removed = remove_stale_temp_files(out_dir)
         if removed:
             say(f"note: removed {len(removed)} temporary file(s) a stopped run left in {out_dir}")
@@ -377,8 +376,8 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
                 f"starting over")
         if saved is not None or not step:    # an unchecked run's: once its checkpoint has loaded (claim_run)
             write_run_file(out_dir, identity)
-        if step:
-            trim_log(out_dir, step, evaluated(step))
+            if step:
+                trim_log(out_dir, step, evaluated(step))
     dist.barrier()
     return step
 
@@ -409,11 +408,13 @@ def release_run_dirs():
         os.close(_held.popitem()[1])
 
 
-def claim_run(out_dir, identity, dist):
-    """After a resume's checkpoint has loaded: write run.json where the folder had none (prepare_run_dir leaves it
-    unwritten, so a resume that fails to load, say with another -e, does not make the run another run's)."""
+def claim_run(out_dir, identity, dist, step, evaluated=lambda step: ("tel", "eval")):
+    """After a resume's checkpoint of `step` has loaded: where the folder had no run.json, write it and trim main.log
+    (prepare_run_dir leaves both undone, so a resume that fails to load, say with another -e, leaves the folder as
+    it was)."""
     if dist.rank == 0 and read_run_file(out_dir) is None:
         write_run_file(out_dir, identity)
+        trim_log(out_dir, step, evaluated(step))
 
 
 def _refuse_another_runs_log(out_dir, differences):

@@ -10,6 +10,7 @@ the step, the update not applied and no checkpoint written after it (or the step
 SIGINT/SIGTERM -> the step finishes, a checkpoint is written to -o, exit 130/143 (gpt2np.interrupts).
 -x 0 trains nothing: it validates and samples the model once and writes nothing.
 """
+import contextlib
 import math
 import os
 import signal
@@ -47,6 +48,7 @@ from .profiling.gpu_specs import flops_per_token, mfu, peak_flops
 from .profiling.profiler import Profiler, device_label, device_roofline, report_text, write_outputs
 from .rundir import (
     LOG_LINE,
+    RunDirError,
     check_output_dir,
     claim_run,
     latest_complete_checkpoint,
@@ -318,8 +320,13 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
             f"the math")
     requested_attention = cfg.attention
     cfg = cfg.with_device_defaults(backend_name).validate()     # the device defaults against the other flags
-    if cfg.output_dir:
-        check_output_dir(cfg.output_dir)
+    if cfg.output_dir:                            # early, before the model loads; every rank alike: one line
+        try:
+            check_output_dir(cfg.output_dir)
+            problem = None
+        except RunDirError as e:
+            problem = e
+        stop_on_problem(dist, problem)
     bf16 = backend.precision == "bf16"            # under mpiexec too: bf16 gradients averaged (gpt2np.dist)
 
     def resolve_inputs():                         # the model and the data files (rank 0 fetches what is missing)
@@ -440,7 +447,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
     if start_step:
         info = resume(cfg.output_dir, start_step, model, train_loader, dist)
         if not evaluate_only:
-            claim_run(cfg.output_dir, identity, dist)
+            claim_run(cfg.output_dir, identity, dist, start_step, evaluated)
         skipped = int(info.get("nonfinite_skipped", 0))
         if "outliers" in info:
             guard.load_state(info["outliers"])
@@ -507,7 +514,9 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
             + (" and ".join(doing) + " the model once" if doing else
                "nothing else asked for either (-v 0, -s 0): only the model is loaded"))
         try:
-            with signals.at_once():               # nothing to checkpoint: the first signal ends it where it is
+            # nothing to checkpoint: the first signal ends it where it is; not under mpiexec, where one rank stopping
+            # alone would leave the others waiting for it in a collective (they run to the end, as before)
+            with signals.at_once() if dist.world_size == 1 else contextlib.nullcontext():
                 if val_loader:
                     say(f"val loss "
                         f"{dist.average(evaluate(model, val_loader, cfg.val_max_batches, show_progress=rank0)):.6f}")

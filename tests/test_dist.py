@@ -274,7 +274,8 @@ def test_bad_flags_under_mpiexec_are_one_line(mpiexec, files, tmp_path, extra, s
     assert len(lines) == 1 and lines[0].startswith(says), err
 
 
-@pytest.mark.parametrize("case", ["missing train data", "another run's checkpoints", "another process count"])
+@pytest.mark.parametrize("case", ["missing train data", "another run's checkpoints", "another process count",
+                                  "-o a file", "-o under a file"])
 def test_bad_files_under_mpiexec_are_one_line(mpiexec, files, tmp_path, case):
     """Bad input found in the files (a missing -i, -o holding another run's checkpoints, a resume by another
     number of processes): one line, from rank 0, exit 2, no abort (dist.stop_on_problem; was every rank's line, then
@@ -283,6 +284,10 @@ def test_bad_files_under_mpiexec_are_one_line(mpiexec, files, tmp_path, case):
     if case == "missing train data":
         argv = train_argv(files, out, 2, "-i", tmp_path / "missing.bin")
         says = f"error: {tmp_path / 'missing.bin'}"
+    elif case.startswith("-o"):
+        (tmp_path / "afile").write_text("x")
+        target = tmp_path / "afile" / ("sub" if case.endswith("under a file") else "")
+        argv, says = train_argv(files, str(target).rstrip("/"), 2), "error: -o "
     else:
         code, _, err, _ = launch(mpiexec, 2, train_argv(files, out, 2, "-x", 3))
         assert code == 0, err

@@ -405,17 +405,18 @@ def test_a_resume_that_fails_to_load_does_not_claim_the_run(files, tmp_path, cap
     """-y 1 on checkpoints without run.json resumes unchecked; when the checkpoint does not load (another -e's
     config) the folder is left as it was, so the right -e resumes it (run.json was written before the load)."""
     out = tmp_path / "out"
-    code, _, err = run(args(files, out, "-x", 1, "-n", 1), capsys)
+    code, _, err = run(args(files, out, "-x", 1, "-n", 1, "-v", 1, "-m", 1), capsys)     # s:1 tel: the last step's
     assert code == 0, err
     (out / "run.json").unlink()
     deeper = GPT2Config(**{**SMALL.__dict__, "num_layers": 3})
     save_model(tmp_path / "deeper.bin", deeper, GPT2(deeper, NumpyBackend(), 1, 8, seed=3).params_host())
-    code, _, err = run(args(files, out, "-x", 2, "-n", 1, "-y", 1, model=tmp_path / "deeper.bin"), capsys)
-    assert code == 2 and not (out / "run.json").exists()
+    log = (out / "main.log").read_text()
+    code, _, err = run(args(files, out, "-x", 2, "-n", 1, "-y", 1, "-v", 1, model=tmp_path / "deeper.bin"), capsys)
+    assert code == 2 and not (out / "run.json").exists() and (out / "main.log").read_text() == log   # untouched
     one_error_line(err, "model_00000001.bin")
-    code, stdout, err = run(args(files, out, "-x", 2, "-n", 1, "-y", 1), capsys)
+    code, stdout, err = run(args(files, out, "-x", 2, "-n", 1, "-y", 1, "-v", 1, "-m", 1), capsys)
     assert code == 0 and "resuming from step 1" in stdout, err
-    assert (out / "run.json").is_file()
+    assert (out / "run.json").is_file() and (out / "main.log").read_text().count("s:1 tel:") == 1
 
 
 def test_resume_keeps_the_optimizer_settings(files, tmp_path, capsys):
@@ -751,3 +752,18 @@ def test_a_run_json_of_the_wrong_shape_is_one_line(files, tmp_path, capsys, dama
         code, _, err = run(args(files, out, "-n", 1, *extra), capsys)
         assert code == 2
         one_error_line(err, f"{out / 'run.json'}: damaged", "move it away")
+
+
+def test_a_resume_with_only_incomplete_checkpoints_moves_the_attempts_files_aside(files, tmp_path, capsys):
+    """-y 1 where the only checkpoint is incomplete (a kill inside the first checkpoint) starts over: that attempt's
+    main.log and checkpoint files go into previous-TIME/ (the log was truncated)."""
+    out = tmp_path / "out"
+    code, _, err = run(args(files, out, "-x", 2, "-n", 2), capsys)
+    assert code == 0, err
+    log = (out / "main.log").read_text()
+    os.remove(out / "DONE_00000002")
+    code, stdout, err = run(args(files, out, "-x", 1, "-n", 0, "-y", 1), capsys)
+    assert code == 0 and any("nothing to resume" in line for line in err), err
+    (previous,) = out.glob("previous-*")
+    assert (previous / "main.log").read_text() == log and (previous / "model_00000002.bin").is_file()
+    assert not (out / "model_00000002.bin").exists()
