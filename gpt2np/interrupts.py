@@ -30,18 +30,43 @@ class StopSignals:
         self.signum = None                        # the first signal received, None until then
         self._previous = {}
         self._at_once = False                     # inside at_once(): the first signal raises Stopped
+        self._arrivals = None                     # (read end, write end, the wakeup fd before ours)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
                 if signal.getsignal(signum) is not signal.SIG_IGN:    # ignored by who started us (`cmd &`): stays so
                     self._previous[signum] = signal.signal(signum, self._handle)
+            # Python runs a handler once for signals that arrive while the main thread is inside one C call (a
+            # checkpoint's write): the wakeup fd gets a byte per arrival, so _handle can count a quick second one
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            self._arrivals = (r, w, signal.set_wakeup_fd(w, warn_on_full_buffer=False))
         return self
 
     def __exit__(self, *exc):
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        if self._arrivals:
+            r, w, before = self._arrivals
+            signal.set_wakeup_fd(before)
+            os.close(r)
+            os.close(w)
+            self._arrivals = None
+
+    def _arrived(self) -> int:
+        """How many SIGINT/SIGTERM arrived since the last look (the wakeup fd's bytes; 1 where it is not ours)."""
+        if not self._arrivals:
+            return 1
+        data = b""
+        try:
+            while chunk := os.read(self._arrivals[0], 512):
+                data += chunk
+        except BlockingIOError:
+            pass
+        return max(1, sum(byte in STOP_SIGNALS for byte in data))
 
     @contextlib.contextmanager
     def at_once(self):
@@ -57,7 +82,7 @@ class StopSignals:
             self._at_once = False
 
     def _handle(self, signum, frame):
-        if self.signum is None:
+        if self.signum is None and self._arrived() < 2:
             self.signum = signum
             if self._at_once:
                 raise Stopped(self.exit_code)

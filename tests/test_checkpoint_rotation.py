@@ -308,3 +308,38 @@ def test_a_signal_ignored_by_whoever_started_us_stays_ignored():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is old_term
     finally:
         signal.signal(signal.SIGINT, old_int)
+
+
+TWO_QUICK_SIGNALS = r"""
+import os, signal, sys, threading, time
+import numpy as np
+from gpt2np.interrupts import StopSignals
+count = int(sys.argv[1])
+a = np.random.default_rng(0).random(30_000_000)
+with StopSignals() as signals:
+    def send():
+        time.sleep(0.3)                  # the main thread is inside np.sort by now
+        for _ in range(count):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+    started = time.monotonic()
+    threading.Thread(target=send).start()
+    while time.monotonic() - started < 0.5:
+        np.sort(a)                       # one C call of ~1 s: Python's handlers wait for it
+    print("recorded", signals.name, flush=True)
+"""
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_two_quick_signals_during_one_c_call_count_as_two(tmp_path, count):
+    """Python runs a handler once for signals that arrive while the main thread is in one C call (a checkpoint's
+    write): two Ctrl-C 10 ms apart still exit at once (the wakeup fd counts them); one is recorded, as always."""
+    script = tmp_path / "two.py"
+    script.write_text(TWO_QUICK_SIGNALS)
+    done = subprocess.run([sys.executable, str(script), str(count)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    if count == 1:
+        assert done.returncode == 0 and done.stdout == "recorded SIGINT\n", done.stderr
+    else:
+        assert done.returncode == 130 and done.stdout == "", done.stdout + done.stderr
+        assert done.stderr == "error: SIGINT again: exiting now, without a checkpoint\n", done.stderr
