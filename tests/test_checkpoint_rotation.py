@@ -16,47 +16,18 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
+import test_reliability_runs as reliability
 
-import train
 from gpt2np import trainer
-from gpt2np.backends.numpy_backend import NumpyBackend
-from gpt2np.checkpoint import checkpoint_files, checkpoint_to_delete, checkpoints_to_delete, save_model
-from gpt2np.config import GPT2Config
-from gpt2np.data import write_shard
+from gpt2np.checkpoint import checkpoint_files, checkpoint_to_delete, checkpoints_to_delete
 from gpt2np.fileio import WriteError
-from gpt2np.model import GPT2
 from gpt2np.rundir import latest_complete_checkpoint
-from gpt2np.starter import write_byte_tokenizer
-from gpt2np.tokenizer import TOKENIZER_BIN
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL = GPT2Config(max_seq_len=32, vocab_size=257, padded_vocab_size=384, num_layers=2, num_heads=4, channels=32)
 TIMEOUT = 60                     # seconds any one subprocess may take
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("rotation")
-    save_model(folder / "small.bin", SMALL, GPT2(SMALL, NumpyBackend(), 1, 8, seed=3).params_host())
-    tokens = np.random.default_rng(0).integers(0, SMALL.vocab_size, 24000)
-    write_shard(folder / "train.bin", tokens[2000:])
-    write_shard(folder / "val.bin", tokens[:2000])
-    write_byte_tokenizer(folder / TOKENIZER_BIN)
-    return folder
-
-
-def args(files, out, *extra):
-    return ["-e", files / "small.bin", "-i", files / "train.bin", "-j", files / "val.bin", "-b", 2, "-t", 16,
-            "--device", "cpu", "-s", 0, "-v", 0, "-o", out, *extra]
-
-
-def run(argv, capsys):
-    """train.py in this process: (exit code, stdout, stderr lines that are not empty)."""
-    code = train.main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, [line for line in out.err.splitlines() if line.strip()]
+files = reliability.files        # the fixture: a tiny model, its shards and tokenizer
+args, run = reliability.args, reliability.run
 
 
 def checkpoints(out):
