@@ -34,15 +34,15 @@ class StopSignals:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for signum in STOP_SIGNALS:
-                if signal.getsignal(signum) is not signal.SIG_IGN:    # ignored by who started us (`cmd &`): stays so
-                    self._previous[signum] = signal.signal(signum, self._handle)
             # Python runs a handler once for signals that arrive while the main thread is inside one C call (a
-            # checkpoint's write): the wakeup fd gets a byte per arrival, so _handle can count a quick second one
+            # checkpoint's write): the wakeup fd gets a byte per arrival, so _handle can count a quick second Ctrl-C
             r, w = os.pipe()
             os.set_blocking(r, False)
             os.set_blocking(w, False)
             self._arrivals = (r, w, signal.set_wakeup_fd(w, warn_on_full_buffer=False))
+            for signum in STOP_SIGNALS:
+                if signal.getsignal(signum) is not signal.SIG_IGN:    # ignored by who started us (`cmd &`): stays so
+                    self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc):
@@ -56,9 +56,11 @@ class StopSignals:
             os.close(w)
             self._arrivals = None
 
-    def _arrived(self) -> int:
-        """How many SIGINT/SIGTERM arrived since the last look (the wakeup fd's bytes; 1 where it is not ours)."""
-        if not self._arrivals:
+    def _arrived(self, signum) -> int:
+        """How many of `signum` arrived since the last look (the wakeup fd's bytes; 1 where it is not ours). Ctrl-C
+        only: a SIGTERM comes twice at once where mpiexec passes on the one a scheduler sent the whole job, and
+        that is one stop, with its checkpoint."""
+        if not self._arrivals or signum != signal.SIGINT:
             return 1
         data = b""
         try:
@@ -66,7 +68,7 @@ class StopSignals:
                 data += chunk
         except BlockingIOError:
             pass
-        return max(1, sum(byte in STOP_SIGNALS for byte in data))
+        return max(1, data.count(bytes([signal.SIGINT])))
 
     @contextlib.contextmanager
     def at_once(self):
@@ -82,7 +84,7 @@ class StopSignals:
             self._at_once = False
 
     def _handle(self, signum, frame):
-        if self.signum is None and self._arrived() < 2:
+        if self.signum is None and self._arrived(signum) < 2:
             self.signum = signum
             if self._at_once:
                 raise Stopped(self.exit_code)

@@ -330,8 +330,8 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
             found, notes = latest_complete_checkpoint(out_dir)
             for line in notes:
                 say(line)
-            # no complete checkpoint: a start from scratch, its incomplete checkpoint files moved aside with the log
-            log_aside = found is None and os.path.isfile(log) and os.path.getsize(log) > 0
+            # no complete checkpoint: a start from scratch, that attempt's log and incomplete checkpoint files aside
+            log_aside = found is None and (bool(steps) or os.path.isfile(log) and os.path.getsize(log) > 0)
             if found is None:
                 if steps and differences:
                     raise RunDirError(f"{out_dir} holds another run's checkpoints (none of them complete): use another "
@@ -372,8 +372,8 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
         if overwrite and (target := move_aside(out_dir)):
             say(f"note: moved the previous run's files in {out_dir} to {target}")
         elif log_aside and (target := move_aside(out_dir)):
-            say(f"note: {out_dir} holds this run's main.log without a checkpoint to resume: moved it to {target}, "
-                f"starting over")
+            say(f"note: {out_dir} holds no complete checkpoint to resume: moved what an earlier attempt left there "
+                f"(main.log, incomplete checkpoint files) to {target}, starting over")
         if saved is not None or not step:    # an unchecked run's: once its checkpoint has loaded (claim_run)
             write_run_file(out_dir, identity)
             if step:

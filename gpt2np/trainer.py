@@ -514,8 +514,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
             + (" and ".join(doing) + " the model once" if doing else
                "nothing else asked for either (-v 0, -s 0): only the model is loaded"))
         try:
-            # nothing to checkpoint: the first signal ends it where it is; not under mpiexec, where one rank stopping
-            # alone would leave the others waiting for it in a collective (they run to the end, as before)
+            # nothing to checkpoint: the first signal ends it where it is; under mpiexec, where one rank stopping
+            # alone would leave the others waiting for it in a collective, at the end, every rank together
             with signals.at_once() if dist.world_size == 1 else contextlib.nullcontext():
                 if val_loader:
                     say(f"val loss "
@@ -524,6 +524,8 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
                     hellaswag_eval(None)
                 if decoder and rank0:
                     say(sample_text(model, decoder, cfg))
+            if dist.world_size > 1 and signal_received(signals, dist):      # every rank alike, at the end
+                raise Stopped(signals.exit_code)
         except Stopped:                           # a training run's stop line and exit code (stop_on_signal's)
             if rank0:
                 print(f"stopped by {signals.name} after {start_step} steps: -x {cfg.max_steps} trains nothing, "

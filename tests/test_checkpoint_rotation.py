@@ -285,13 +285,13 @@ TWO_QUICK_SIGNALS = r"""
 import os, signal, sys, threading, time
 import numpy as np
 from gpt2np.interrupts import StopSignals
-count = int(sys.argv[1])
+count, signum = int(sys.argv[1]), getattr(signal, sys.argv[2])
 a = np.random.default_rng(0).random(30_000_000)
 with StopSignals() as signals:
     def send():
         time.sleep(0.3)                  # the main thread is inside np.sort by now
         for _ in range(count):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signum)
             time.sleep(0.01)
     started = time.monotonic()
     threading.Thread(target=send).start()
@@ -301,16 +301,17 @@ with StopSignals() as signals:
 """
 
 
-@pytest.mark.parametrize("count", [1, 2])
-def test_two_quick_signals_during_one_c_call_count_as_two(tmp_path, count):
+@pytest.mark.parametrize("count, name", [(1, "SIGINT"), (2, "SIGINT"), (2, "SIGTERM")])
+def test_two_quick_signals_during_one_c_call_count_as_two(tmp_path, count, name):
     """Python runs a handler once for signals that arrive while the main thread is in one C call (a checkpoint's
-    write): two Ctrl-C 10 ms apart still exit at once (the wakeup fd counts them); one is recorded, as always."""
+    write): two Ctrl-C 10 ms apart still exit at once (the wakeup fd counts them); one is recorded, as always. Two
+    SIGTERMs at once are one stop: mpiexec passes on the one a scheduler sent the whole job, ranks included."""
     script = tmp_path / "two.py"
     script.write_text(TWO_QUICK_SIGNALS)
-    done = subprocess.run([sys.executable, str(script), str(count)], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parent.parent)
-    if count == 1:
-        assert done.returncode == 0 and done.stdout == "recorded SIGINT\n", done.stderr
+    done = subprocess.run([sys.executable, str(script), str(count), name], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    if count == 1 or name == "SIGTERM":
+        assert done.returncode == 0 and done.stdout == f"recorded {name}\n", done.stderr
     else:
         assert done.returncode == 130 and done.stdout == "", done.stdout + done.stderr
         assert done.stderr == "error: SIGINT again: exiting now, without a checkpoint\n", done.stderr

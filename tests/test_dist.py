@@ -8,6 +8,7 @@ ends the job non-zero with a clear message instead of hanging.
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -300,3 +301,23 @@ def test_bad_files_under_mpiexec_are_one_line(mpiexec, files, tmp_path, case):
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith("note:")]
     assert len(lines) == 1 and lines[0].startswith(says), err
     assert "aborting" not in err and "Abort" not in err, err
+
+
+def test_a_signal_during_x0_under_mpiexec_stops_every_rank_at_the_end(mpiexec, files, tmp_path):
+    """-x 0 under mpiexec: a SIGTERM (mpiexec passes it to every rank) lets the evaluation finish on every rank
+    together (one rank stopping alone would leave the others in a collective), then the stop's line, exit 143."""
+    argv = [mpiexec, "-n", "2", *map(str, train_argv(files, tmp_path / "out", 2, "-x", 0, "-v", 1, "-m", 3000))]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env(PYTHONUNBUFFERED="1", GPT2NP_PROGRESS="off"))
+    try:
+        for line in proc.stdout:                                # the evaluation starts after this line
+            if line.startswith("-x 0: no training"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        stdout, err = proc.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stdout + err
+    assert "val loss" in stdout and "aborting" not in err, stdout + err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == ["stopped by SIGTERM after 0 steps: -x 0 trains nothing, nothing to save"], err

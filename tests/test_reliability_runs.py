@@ -379,7 +379,7 @@ def test_another_runs_main_log_is_not_overwritten(files, tmp_path, capsys):
     one_error_line(err, f"{out} holds another run's main.log (no checkpoints;", "--overwrite")
     code, _, err = run(args(files, out, "-x", 2), capsys)             # the same run starts over, its old log kept
     assert code == 0, err
-    assert any("holds this run's main.log without a checkpoint to resume: moved it to" in line for line in err)
+    assert any("holds no complete checkpoint to resume: moved what an earlier attempt left" in line for line in err)
     assert [p.read_text() for p in out.glob("previous-*/main.log")] == [log]
     log = (out / "main.log").read_text()
     code, _, err = run(args(files, out, "-x", 2, "-l", 1e-3, "--overwrite"), capsys)
@@ -767,3 +767,17 @@ def test_a_resume_with_only_incomplete_checkpoints_moves_the_attempts_files_asid
     (previous,) = out.glob("previous-*")
     assert (previous / "main.log").read_text() == log and (previous / "model_00000002.bin").is_file()
     assert not (out / "model_00000002.bin").exists()
+
+
+def test_a_resume_with_only_incomplete_checkpoints_and_no_log_moves_them_aside(files, tmp_path, capsys):
+    """The same without a main.log (-v 0 logs no line before the first step's): the incomplete checkpoint files go
+    aside too, not left to be skipped with a note by every later resume."""
+    out = tmp_path / "out"
+    code, _, err = run(args(files, out, "-x", 2, "-n", 2), capsys)
+    assert code == 0, err
+    os.remove(out / "DONE_00000002")
+    os.remove(out / "main.log")
+    code, stdout, err = run(args(files, out, "-x", 1, "-n", 0, "-y", 1), capsys)
+    assert code == 0, err
+    (previous,) = out.glob("previous-*")
+    assert (previous / "model_00000002.bin").is_file() and not list(out.glob("*_00000002*"))
