@@ -84,6 +84,17 @@ def launcher_rank(environ=os.environ) -> int:
     return 0
 
 
+LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launcher_size(environ=os.environ) -> int:
+    """How many processes this one's MPI launcher started (1 when not launched by one), known before MPI starts."""
+    for name in LAUNCHER_SIZE_VARS:
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return 1
+
+
 def shard_bounds(n, world_size):
     """[(lo, hi)] per rank: contiguous shards of n elements; the last rank also takes the n % world rest."""
     size = n // world_size

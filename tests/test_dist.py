@@ -321,3 +321,15 @@ def test_a_signal_during_x0_under_mpiexec_stops_every_rank_at_the_end(mpiexec, f
     assert "val loss" in stdout and "aborting" not in err, stdout + err
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines == ["stopped by SIGTERM after 0 steps: -x 0 trains nothing, nothing to save"], err
+
+
+def test_the_profile_command_under_mpiexec_is_one_line(mpiexec, files, tmp_path):
+    """`gpt2np profile` is one process: under mpiexec each rank would profile alone into the same --out. One line
+    from rank 0 naming train.py --profile, exit 2, nothing written."""
+    argv = [sys.executable, "-m", "gpt2np", "profile", "-e", files / "tiny.bin", "-b", 2, "-t", T, "--steps", 1,
+            "--device", "cpu", "--out", tmp_path / "p"]
+    code, out, err, _ = launch(mpiexec, 2, argv)
+    assert code == 2, out + err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: gpt2np profile runs one process, not 2 under mpiexec")
+    assert "train.py ... --profile" in lines[0] and not (tmp_path / "p").exists()

@@ -433,3 +433,42 @@ def test_train_profile_on_the_emulated_cuda_path_labels_every_view(tmp_path, cap
     assert report.main([saved, "--views", "all"]) == 0
     every = title_lines(capsys.readouterr().out)
     assert len(every) >= len(V.VIEWS) and all(t.endswith(f"[{report.EMULATED_NOTE}]") for t in every), every
+
+
+def test_the_kernel_reports_ranges_are_the_recorded_ones(cpu, tmp_path, capsys):
+    """`report` without --views shows the range instances the run recorded (one adamw per tensor, as the nvtx_sum
+    view counts them), not ones rebuilt from the launches' stacks (which merged back-to-back adamw calls into one);
+    a profile.json without ranges still gets the rebuilt ones, titled so."""
+    profile = cpu[2]
+    path = tmp_path / "profile.json"
+    report.write_json(profile.records, str(path), None, profile.meta, V.profile_doc(profile))
+
+    def instances(text, title, name):
+        section = text[text.index(title):]
+        return [line.split() for line in section.splitlines() if line.split()[-1:] == [name]][0][2]
+
+    assert report.main([str(path)]) == 0
+    text = capsys.readouterr().out
+    adamw = sum(1 for r in V.select(profile, "last").ranges if r.name == "adamw")
+    assert adamw == 16 and instances(text, "NVTX ranges", "adamw") == "16"
+    doc = json.loads(path.read_text())
+    del doc["ranges"]
+    path.write_text(json.dumps(doc))
+    assert report.main([str(path)]) == 0
+    assert "NVTX ranges (rebuilt from the launches' range stacks)" in capsys.readouterr().out
+
+
+def test_pyprof_marks_no_tensor_cores_on_the_cpu_in_bf16(cpu):
+    """The numpy backend's bf16 run computes its matmuls in fp32 on the CPU: TC no; the same records labelled a
+    CUDA bf16 run mark their GEMMs yes."""
+    profile = cpu[2]
+
+    def tc_column(meta):
+        labelled = V.Profile(profile.records, profile.ranges, profile.api, profile.comms, profile.memory, meta)
+        (pyprof,) = V.pyprof(V.select(labelled, "last"))
+        at = [c for c, _ in pyprof.columns].index("TC")
+        return {(row[3], row[at]) for row in pyprof.rows}
+
+    assert {tc for _, tc in tc_column({**profile.meta, "precision": "bf16"})} == {"no"}
+    marked = tc_column({**profile.meta, "backend": "cuda", "precision": "bf16"})
+    assert ("matmul_forward", "yes") in marked and ("layernorm_forward", "no") in marked

@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from ..backends.contract import backend_op_cost
-from ..cli import ArgumentParser, BadInput, integer, tool
+from ..cli import BAD_INPUT, ArgumentParser, BadInput, integer, tool
 from . import ranges
 from . import views as V
 from .report import EMULATED_NOTE, KernelRecord, write_chrome_trace, write_csv, write_json
@@ -560,6 +560,13 @@ def main(argv=None):
                       help="run the planned step for real (--device cuda, or emu: CPU times) and print the measured "
                            "time beside each floor")
     args = ap.parse_args(argv)
+    from ..dist import launcher_rank, launcher_size
+    if launcher_size() > 1:          # each rank would profile alone and all write the same --out files
+        if launcher_rank() > 0:
+            raise SystemExit(BAD_INPUT)             # rank 0 says why
+        raise BadInput(f"gpt2np profile runs one process, not {launcher_size()} under mpiexec (each would profile "
+                       f"alone into the same --out): profile a data-parallel run with `mpiexec -n N python "
+                       f"train.py ... --profile STEPS`")
     integer(1).check("-b", args.batch_size, "the batch size B")
     integer(1).check("-t", args.seq_len, "the sequence length T")
     integer(1).check("--steps", args.steps, "the number of profiled steps")

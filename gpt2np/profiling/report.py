@@ -571,12 +571,13 @@ def render(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, ste
     for one step (default: the last one), separated by blank lines; `note` goes on every title line
     (EMULATED_NOTE for a run on the emulator)."""
     recs = kernels_only(select_step(records, step))
-    if ranges is None:
-        ranges = ranges_from_records(recs)
+    title = "NVTX ranges"
+    if ranges is None:              # none recorded (an older profile.json): projected from the launches' stacks
+        ranges, title = ranges_from_records(recs), "NVTX ranges (rebuilt from the launches' range stacks)"
     parts = [kernel_table(recs, roof), module_tree_table(recs, num_layers, params=params), layer_table(recs),
              op_table(recs, roof), kernel_summary_table(recs, top=top_kernels)]
     if ranges:
-        parts.append(range_table(ranges))
+        parts.append(range_table(ranges, title))
     return "\n\n".join(label(part, note) for part in parts) + "\n"
 
 
@@ -903,8 +904,10 @@ def main(argv=None) -> int:
         sys.stdout.write(views.render_views(profile, roof, names, step=step))
         return 0
     note = profile_note(meta)
-    sys.stdout.write(render(records, roof, step, num_layers=meta.get("num_layers"), note=note,
-                            params=meta.get("module_params")))
+    from . import views
+    saved = views.select(views.read_profile(args.records)[0], step).ranges     # the host's range instances
+    sys.stdout.write(render(records, roof, step, ranges=[(r.name, r.start_ns, r.end_ns) for r in saved] or None,
+                            num_layers=meta.get("num_layers"), note=note, params=meta.get("module_params")))
     return 0
 
 

@@ -436,7 +436,8 @@ def floor_ns(record: KernelRecord, roof) -> Optional[float]:
 
 
 def pyprof(profile: Profile, roof=None) -> List[Table]:
-    precision = profile.meta.get("precision", "fp32")
+    # the CPU has no tensor cores: its bf16 run computes in fp32 (its matmuls are NumPy's)
+    precision = "fp32" if profile.meta.get("backend") == "numpy" else profile.meta.get("precision", "fp32")
     rows = []
     for r in sorted(profile.records, key=lambda r: r.idx):
         floor = floor_ns(r, roof)
