@@ -259,13 +259,9 @@ def evaluate_hellaswag(model, examples, total, dist):
 
 
 def stop_if_bad(dist, bad: bool, message: str):
-    """Bad input every rank checks alike (a flag against the model): a ValueError(message) where `bad`. When every
-    rank finds it (one collective agrees), rank 0 alone says so and the others exit 2 quietly, with no abort; a rank
-    alone with it fails as any failing rank does (abort_job ends the others)."""
-    if dist.world_size > 1 and dist.average(1.0 if bad else 0.0) == 1.0:
-        stop_together(dist, 2)
-    if bad:
-        raise ValueError(message)
+    """Bad input every rank checks alike (a flag against the model): a ValueError(message) where `bad`, rank 0
+    alone saying it when every rank finds it (dist.stop_on_problem)."""
+    stop_on_problem(dist, ValueError(message) if bad else None)
 
 
 def train(cfg: TrainConfig, dist=None, model_given=True):
