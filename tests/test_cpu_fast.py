@@ -94,6 +94,10 @@ def test_gelu_keeps_the_references_inf_and_nan():
     fast.gelu_forward(got, x)
     exact.gelu_forward(want, x)
     np.testing.assert_array_equal(got, want)                   # inf, NaN, NaN, 0
+    dout = np.full_like(x, 2.0)
+    fast.gelu_backward(got, x, dout)
+    exact.gelu_backward(want, x, dout)
+    np.testing.assert_array_equal(got, want)                   # NaN, NaN, NaN, 1
 
 
 @pytest.mark.parametrize("C, T", [(5, 7), (16, 7), (768, 7), (32, 23)])

@@ -12,13 +12,14 @@ summation order (sums, means) stays NumPy.
 
 FAST_SOURCE, the fast set (NumpyBackend(math="fast"), the trainer's default, --cpu-math): whole ops in one loop
 each, with their own e^x (exp_fast: within 1.02 ulp of the float64 value, where NumPy's float32 exp is within about
-2.5 and, on this kind of CPU, not vectorized: 2.2 ns an element against 0.75), every row sum in double (the norm's:
-float blocks of 1024 added in double), and FMA contraction allowed: GELU forward and backward (through sigmoid(2u) =
-(1 + tanh u) / 2, one e^x and no cancellation near GELU's zero), LayerNorm forward and backward rows, causal
-attention forward and backward per head (the masked half of its products skipped), the classifier's softmax +
-cross-entropy, the sum of squares. They are not bitwise NumPy's; the documented tolerance is a bound per op on the
-distance from the float64 value of the same formula (tests/test_cpu_fast.py lists them), and training runs track the
-exact path's loss curve. Results do not depend on the thread count (every row is computed alone), only on the
+2.5 and, on this kind of CPU, not vectorized: 2.2 ns an element against 0.75; GELU and the softmaxes run its
+arithmetic in 8-lane vectors over arguments they clamp first, with fewer selects), every row sum in double (the
+norm's: float blocks of 1024 added in double), and FMA contraction allowed: GELU forward and backward (through
+sigmoid(2u) = (1 + tanh u) / 2, one e^x and no cancellation near GELU's zero), LayerNorm forward and backward
+rows, causal attention forward and backward per head (the masked half of its products skipped), the classifier's
+softmax + cross-entropy, the sum of squares. They are not bitwise NumPy's; the documented tolerance is a bound per op
+on the distance from the float64 value of the same formula (tests/test_cpu_fast.py lists them), and training runs
+track the exact path's loss curve. Results do not depend on the thread count (every row is computed alone), only on the
 machine's vector width and FMA (the library is built with -march=native).
 
 Both are built with the system C compiler ($CC, else cc, gcc) into $GPT2NP_CPU_CACHE (default
@@ -372,6 +373,61 @@ static inline float exp_fast(float x)
     return x == x ? y : x;
 }
 
+/* Vectors of 8 floats in GCC's vector extension (one AVX register here; the compiler splits or lowers them
+   elsewhere), written out where GCC's own vectorization of a scalar loop costs more (GELU's clamps became extra
+   divisions) or cannot reach (attention's register blocks). */
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+#define LOAD8(p) (*(const v8u *)(p))
+#define STORE8(p, x) (*(v8u *)(p) = (x))
+
+static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+static inline v8 select8(vi8 mask, v8 a, v8 b) { return (v8)((mask & (vi8)a) | (~mask & (vi8)b)); }
+
+/* e^z for z in [-87.33654, 88]: exp_fast's arithmetic, where one scale factor 2^n serves (-126 <= n <= 127) */
+static inline v8 exp8_in_range(v8 z)
+{
+    v8 round = splat8(12582912.0f);
+    v8 n = (z * 1.44269504088896341f + round) - round;
+    v8 r = z - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187e-06f;
+    v8 p = splat8(0.0013751408181292297f);
+    p = p * r + 0.008368919080973128f;
+    p = p * r + 0.04166953339547563f;
+    p = p * r + 0.16666518437209643f;
+    p = p * r + 0.49999988592958855f;
+    p = p * (r * r) + r;
+    p = p + 1.0f;
+    vi8 scale = (__builtin_convertvector(n, vi8) + 127) << 23;
+    return p * (v8)scale;
+}
+
+/* e^z for z <= 0 (a softmax's shifted scores) or NaN: exp_fast's values there, its 0 below -87.33654 and its NaN
+   kept by selects */
+static inline v8 exp8_nonpositive(v8 z)
+{
+    v8 lo = splat8(-87.33654f);
+    v8 e = exp8_in_range(select8(z > lo, z, lo));
+    e = select8(z < lo, splat8(0.0f), e);
+    return select8(z == z, e, z);
+}
+
+/* a loop's last n < 8 elements through the same 8-lane code: the lanes past n are `pad` */
+static inline v8 load_tail8(const float *x, ptrdiff_t n, float pad)
+{
+    float lanes[8] = {pad, pad, pad, pad, pad, pad, pad, pad};
+    memcpy(lanes, x, (size_t)n * sizeof(float));
+    return LOAD8(lanes);
+}
+
+static inline void store_tail8(float *x, v8 y, ptrdiff_t n)
+{
+    float lanes[8];
+    STORE8(lanes, y);
+    memcpy(x, lanes, (size_t)n * sizeof(float));
+}
+
 /* Sums in double, in 8 lanes (vectorizable); the lanes are added pairwise at the end. */
 #define LANES 8
 static inline double lanes_total(double *acc)
@@ -396,15 +452,17 @@ static inline double sum_f(const float *restrict x, ptrdiff_t n)
 
 static inline float max_f(const float *restrict x, ptrdiff_t n)
 {
-    float m[2 * LANES];
-    for (int j = 0; j < 2 * LANES; j++)
-        m[j] = -INFINITY;
+    v8 m0 = splat8(-INFINITY), m1 = m0;
     ptrdiff_t i = 0;
-    for (; i + 2 * LANES <= n; i += 2 * LANES)
-        for (int j = 0; j < 2 * LANES; j++)
-            m[j] = x[i + j] > m[j] ? x[i + j] : m[j];
-    float r = -INFINITY;
-    for (int j = 0; j < 2 * LANES; j++)
+    for (; i + 16 <= n; i += 16) {
+        v8 a = LOAD8(x + i), b = LOAD8(x + i + 8);
+        m0 = select8(a > m0, a, m0);
+        m1 = select8(b > m1, b, m1);
+    }
+    float m[16], r = -INFINITY;
+    STORE8(m, m0);
+    STORE8(m + 8, m1);
+    for (int j = 0; j < 16; j++)
         r = m[j] > r ? m[j] : r;
     for (; i < n; i++)
         r = x[i] > r ? x[i] : r;
@@ -423,46 +481,86 @@ static inline double dot_f(const float *restrict x, const float *restrict y, ptr
     return lanes_total(acc);
 }
 
-/* dst[i] = e^{src[i] - m} for i < n, returning their sum in double (8 lanes, added pairwise); dst may be src */
+/* acc[j] += (double)e[j] for the 8 lanes */
+static inline void add_lanes8(double *restrict acc, v8 e)
+{
+    float lanes[8];
+    STORE8(lanes, e);
+    for (int j = 0; j < 8; j++)
+        acc[j] += (double)lanes[j];
+}
+
+/* dst[i] = e^{src[i] - m} for i < n (dst may be src, or NULL: the sum alone), returning their sum in double: 8 lanes,
+   added pairwise at the end; the last n % 8 through the same code, padded with -inf (e^-inf = 0) */
 static inline double exp_shifted_sum(float *dst, const float *src, ptrdiff_t n, float m)
 {
-    double acc[LANES] = {0};
+    double acc[8] = {0};
     ptrdiff_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++) {
-            dst[i + j] = exp_fast(src[i + j] - m);
-            acc[j] += (double)dst[i + j];
-        }
-    for (; i < n; i++) {
-        dst[i] = exp_fast(src[i] - m);
-        acc[0] += (double)dst[i];
+    for (; i + 8 <= n; i += 8) {
+        v8 e = exp8_nonpositive(LOAD8(src + i) - m);
+        if (dst)
+            STORE8(dst + i, e);
+        add_lanes8(acc, e);
+    }
+    if (i < n) {
+        v8 e = exp8_nonpositive(load_tail8(src + i, n - i, -INFINITY) - m);
+        if (dst)
+            store_tail8(dst + i, e, n - i);
+        add_lanes8(acc, e);
     }
     return lanes_total(acc);
 }
 
-/* GELU, tanh form: 0.5 x (1 + tanh u) = x sigmoid(2u), u = scale (x + cube x^3). out = x / (1 + e^{-2u}). */
-void gelu_forward_fast(const float *restrict x, float *restrict out, ptrdiff_t n, float cube, float scale)
+/* GELU's e^{-2u}, u = scale (x + cube x^3), with -2u clamped to [-87.33654, 88] (a NaN to the low end): outside,
+   1 + e is 1 or e to float32 precision, so GELU and its derivative keep their float32 values */
+static inline v8 gelu_exp8(v8 x, v8 x2, float cube, float scale)
 {
-    for (ptrdiff_t i = 0; i < n; i++) {
-        float xi = x[i];
-        float u = (xi * xi * cube + 1.0f) * xi * scale;
-        out[i] = xi / (1.0f + exp_fast(-2.0f * u));
-    }
+    v8 z = (x2 * cube + 1.0f) * x * (-2.0f * scale);
+    z = select8(z > splat8(-87.33654f), z, splat8(-87.33654f));
+    z = select8(z < splat8(88.0f), z, splat8(88.0f));
+    return exp8_in_range(z);
 }
 
-/* dinp = dout * gelu'(x), gelu' = sg + 2 x sg (1 - sg) scale (1 + 3 cube x^2), sg = sigmoid(2u); 1 - sg taken as
-   e sg where e = e^{-2u} <= 1 (no cancellation). dinp may be dout. */
+/* GELU, tanh form: 0.5 x (1 + tanh u) = x sigmoid(2u) = x / (1 + e^{-2u}); -inf gives NaN, as 0.5 x (1 + tanh u)
+   does (-inf * 0). Each element alone, in 8 lanes. */
+static inline v8 gelu8(v8 x, float cube, float scale)
+{
+    v8 y = x / (1.0f + gelu_exp8(x, x * x, cube, scale));
+    return select8(x == splat8(-INFINITY), splat8(NAN), y);
+}
+
+void gelu_forward_fast(const float *restrict x, float *restrict out, ptrdiff_t n, float cube, float scale)
+{
+    ptrdiff_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        STORE8(out + i, gelu8(LOAD8(x + i), cube, scale));
+    if (i < n)
+        store_tail8(out + i, gelu8(load_tail8(x + i, n - i, 0.0f), cube, scale), n - i);
+}
+
+/* gelu' = sg + 2 x sg (1 - sg) scale (1 + 3 cube x^2), sg = sigmoid(2u); 1 - sg taken as e sg where e = e^{-2u}
+   <= 1 (no cancellation). A non-finite x gives NaN (+ (x - x)), as the tanh form does (inf * 0). */
+static inline v8 gelu_grad8(v8 x, float cube, float scale)
+{
+    v8 x2 = x * x;
+    v8 e = gelu_exp8(x, x2, cube, scale);
+    v8 sg = 1.0f / (1.0f + e);
+    v8 rest = select8(e > splat8(1.0f), 1.0f - sg, e * sg);
+    return sg + 2.0f * x * sg * rest * scale * (3.0f * cube * x2 + 1.0f) + (x - x);
+}
+
+/* dinp = dout * gelu'(x); dinp may be dout */
 void gelu_backward_fast(const float *restrict x, const float *dout, float *dinp, ptrdiff_t n, float cube,
                         float scale)
 {
-    for (ptrdiff_t i = 0; i < n; i++) {
-        float xi = x[i], x2 = xi * xi;
-        float u = (x2 * cube + 1.0f) * xi * scale;
-        float e = exp_fast(-2.0f * u);
-        float sg = 1.0f / (1.0f + e);
-        float rest = e > 1.0f ? 1.0f - sg : e * sg;
-        float d = sg + 2.0f * xi * sg * rest * scale * (3.0f * cube * x2 + 1.0f);
-        dinp[i] = dout[i] * d;
+    ptrdiff_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8 d = LOAD8(dout + i) * gelu_grad8(LOAD8(x + i), cube, scale);
+        STORE8(dinp + i, d);
+    }
+    if (i < n) {
+        v8 d = load_tail8(dout + i, n - i, 0.0f) * gelu_grad8(load_tail8(x + i, n - i, 0.0f), cube, scale);
+        store_tail8(dinp + i, d, n - i);
     }
 }
 
@@ -516,12 +614,8 @@ void layernorm_backward_fast(const float *restrict x, const float *restrict dout
     }
 }
 
-/* Attention's products, head by head. Vectors of 8 floats in GCC's vector extension (one AVX register here; the
-   compiler splits or lowers them elsewhere); heads of 64 (every GPT-2 size) keep a whole output row in registers. */
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
-#define LOAD8(p) (*(const v8u *)(p))
-#define STORE8(p, x) (*(v8u *)(p) = (x))
+/* Attention's products, head by head, in 8-float vectors: heads of 64 (every GPT-2 size) keep a whole output row in
+   registers. */
 
 /* acc[0:HS] = sum_{i<n} c[i*cstride] rows[i*stride + 0:HS] (the sum in order of i) */
 static inline void rows_combine(float *restrict acc, const float *restrict c, ptrdiff_t cstride,
@@ -717,19 +811,7 @@ void classifier_fast(float *restrict logits, float *restrict losses, const int32
         float *x = logits + r * Vp;
         float target_logit = x[targets[r]];
         float m = max_f(x, V);
-        double total;
-        if (write_dlogits)
-            total = exp_shifted_sum(x, x, V, m);
-        else {
-            double acc[LANES] = {0};
-            ptrdiff_t i = 0;
-            for (; i + LANES <= V; i += LANES)
-                for (int j = 0; j < LANES; j++)
-                    acc[j] += (double)exp_fast(x[i + j] - m);
-            for (; i < V; i++)
-                acc[0] += (double)exp_fast(x[i] - m);
-            total = lanes_total(acc);
-        }
+        double total = exp_shifted_sum(write_dlogits ? x : NULL, x, V, m);
         losses[r] = (float)(log(total) + (double)m - (double)target_logit);
         if (write_dlogits) {
             float scale = (float)((double)dloss / total);
