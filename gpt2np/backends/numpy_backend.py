@@ -290,6 +290,9 @@ class NumpyBackend:
         """
         OC, C = weight.shape
         dout2 = dout.reshape(-1, OC)
+        if dbias is not None:       # first, while dout is in this core's cache (after a GEMM: 2-3x slower here)
+            sums = self._column_sums(dout2)[0] if OC > 1 and self._fusable(dout2) else dout2.sum(axis=0)
+            write_or_add(dbias, sums, accumulate)
         np.matmul(dout2, weight, out=dinp.reshape(-1, C))
         if accumulate:
             dw = self.scratch("mm_dweight", weight.shape)
@@ -297,9 +300,6 @@ class NumpyBackend:
             dweight += dw
         else:
             np.matmul(dout2.T, inp.reshape(-1, C), out=dweight)
-        if dbias is not None:
-            sums = self._column_sums(dout2)[0] if OC > 1 and self._fusable(dout2) else dout2.sum(axis=0)
-            write_or_add(dbias, sums, accumulate)
 
     def matmul_gelu_forward(self, out, pre, inp, weight, bias):
         """pre (B,T,OC) = inp @ weight^T + bias; out = gelu(pre): matmul_forward then gelu_forward (bitwise)."""
