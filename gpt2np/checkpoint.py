@@ -15,6 +15,7 @@ before its files are rewritten (remove_done_marker).
 Reading checks everything that can be checked cheaply: magic, version, sizes against the file size, the
 state's required keys, and that a model's weights are all finite; the message names the file and the problem.
 """
+import contextlib
 import glob
 import json
 import math
@@ -25,7 +26,7 @@ import struct
 import numpy as np
 
 from .config import GPT2Config
-from .fileio import WriteError, atomic_write  # noqa: F401  (atomic_write: re-exported)
+from .fileio import WriteError, atomic_write, sync_folder  # noqa: F401  (atomic_write: re-exported)
 from .tensors import num_parameters, offsets, param_shapes
 
 MODEL_MAGIC = 20240326
@@ -437,14 +438,8 @@ def remove_done_marker(out_dir, step):
         return False
     except OSError as e:
         raise WriteError(path, e) from e
-    try:
-        fd = os.open(out_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass                                  # a file system whose folders cannot be synced: the unlink stands
+    with contextlib.suppress(OSError):        # the folder cannot be synced: the unlink stands
+        sync_folder(out_dir)
     return True
 
 

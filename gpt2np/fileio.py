@@ -53,11 +53,13 @@ def _probe_errno(fd) -> OSError | None:
 
 @contextlib.contextmanager
 def atomic_write(path, mode="wb"):
-    """Open a temporary file next to `path`; on success flush, fsync and os.replace() it onto `path`.
+    """Open a temporary file next to `path`; on success flush, fsync and os.replace() it onto `path`, then fsync
+    the folder (the new name is as durable as the bytes).
 
     On any exception the temporary file is removed and `path` is left as it was. Missing parent folders are
     created. A failure of the write itself (see _is_write_failure) or of creating, flushing, syncing, closing
-    or renaming the file is raised as WriteError naming `path`; other exceptions pass through unchanged.
+    or renaming the file is raised as WriteError naming `path`; other exceptions pass through unchanged. (A failed
+    sync of the folder, after the rename, is raised too: the new file is then in place but may not outlive a crash.)
     """
     path = Path(path)
     _check_target(path)
@@ -81,6 +83,7 @@ def atomic_write(path, mode="wb"):
         os.fsync(f.fileno())
         f.close()
         os.replace(tmp, path)
+        sync_folder(path.parent)
     except BaseException as e:
         ours = isinstance(e, OSError) and (finishing or _is_write_failure(e, tmp))
         cause = e
@@ -93,6 +96,30 @@ def atomic_write(path, mode="wb"):
         if ours:
             raise WriteError(path, cause) from e
         raise
+
+
+# A folder that cannot be opened or synced (Windows, some network and FUSE file systems): its rename stands unsynced.
+FOLDER_SYNC_UNSUPPORTED = {errnos.EINVAL, errnos.ENOTSUP, errnos.EOPNOTSUPP, errnos.EBADF, errnos.EACCES,
+                           errnos.EPERM, errnos.EISDIR}
+
+
+def sync_folder(folder):
+    """fsync a folder after a file was renamed into it, made or removed there, so that the change of name survives a
+    power loss as the file's bytes do (without it a crash can bring back the old file, or none, under a DONE marker
+    written after). Where folders cannot be synced (FOLDER_SYNC_UNSUPPORTED) nothing happens; other errors raise."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError as e:
+        if e.errno in FOLDER_SYNC_UNSUPPORTED:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in FOLDER_SYNC_UNSUPPORTED:
+            raise
+    finally:
+        os.close(fd)
 
 
 def _check_target(path: Path):

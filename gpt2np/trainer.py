@@ -39,7 +39,7 @@ from .config import GPT2Config, TrainConfig, descriptor
 from .data import DataLoader
 from .dist import check_same_run, make_process_group, run_fingerprint, stop_on_problem, stop_together
 from .evaluate import eval_loss
-from .fileio import WriteError, append_line, atomic_write
+from .fileio import WriteError, append_line, atomic_write, sync_folder
 from .interrupts import Stopped, StopSignals
 from .model import GPT2
 from .outlier import OutlierGuard, exceeded
@@ -735,6 +735,7 @@ def save_checkpoint(out_dir, step, model, train_loader, dist, nonfinite_skipped=
         try:
             with open(done_path(out_dir, step), "w"):
                 pass
+            sync_folder(out_dir)                 # the marker as durable as the files it vouches for
         except OSError as e:                     # a write failing, as the model's and the state's: exit 1, one line
             raise WriteError(done_path(out_dir, step), e) from e
 

@@ -193,6 +193,23 @@ def test_a_rewritten_checkpoint_loses_its_done_marker_first(files, tmp_path, cap
     assert latest_complete_checkpoint(out)[0] == 6
 
 
+def test_each_done_marker_is_synced_to_disk_with_its_folder(files, tmp_path, capsys, monkeypatch):
+    """After DONE_s is made, -o is fsynced (so that a crash cannot lose the marker of a checkpoint the run reported
+    as written); the model and state files before it are synced with their folder by atomic_write."""
+    out = tmp_path / "out"
+    synced = []
+    real = trainer.sync_folder
+
+    def sync_folder(folder):
+        synced.append(sorted(p.name for p in Path(folder).glob("DONE_*")))
+        real(folder)
+
+    monkeypatch.setattr(trainer, "sync_folder", sync_folder)
+    code, _, err = run(args(files, out, "-x", 4, "-n", 2), capsys)
+    assert code == 0, err
+    assert synced == [["DONE_00000002"], ["DONE_00000002", "DONE_00000004"]]
+
+
 # ---- -x 0 and signals ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 @pytest.mark.parametrize("when", ["validation", "startup"])

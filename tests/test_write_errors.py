@@ -255,3 +255,40 @@ def test_checkpoint_on_a_really_full_disk(inputs, full_disk, capsys):
     assert not [name for name in files if name.startswith(".") or name.startswith("model_")], files
     lines = (out / "main.log").read_text().splitlines()
     assert lines and all(line.startswith("s:") for line in lines)
+
+
+def test_atomic_write_syncs_the_folder_after_the_rename(tmp_path, monkeypatch):
+    """The rename reaches the disk too: the folder is fsynced after os.replace (else a power loss can bring back
+    the old file, or none, under a DONE marker written after it). File systems that cannot sync a folder
+    (EINVAL) are passed over; a real failure there (EIO) is one WriteError naming the file."""
+    synced = []
+    real_fsync, real_replace = os.fsync, os.replace
+    failure = {}
+
+    def fsync(fd):
+        folder = stat.S_ISDIR(os.fstat(fd).st_mode)
+        synced.append("folder" if folder else "file")
+        if folder and failure:
+            raise OSError(failure["errno"], os.strerror(failure["errno"]))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        synced.append("rename")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = tmp_path / "sub" / "model.bin"
+    with atomic_write(path) as f:
+        f.write(b"one")
+    assert synced == ["file", "rename", "folder"] and path.read_bytes() == b"one"
+    failure["errno"] = errno.EINVAL
+    with atomic_write(path) as f:
+        f.write(b"two")
+    assert path.read_bytes() == b"two"
+    failure["errno"] = errno.EIO
+    with pytest.raises(WriteError) as e:
+        with atomic_write(path) as f:
+            f.write(b"three")
+    assert str(e.value) == f"writing {path}: [Errno 5] Input/output error"
+    assert path.read_bytes() == b"three" and leftovers(path.parent) == ["model.bin"]
