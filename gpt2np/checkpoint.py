@@ -15,7 +15,6 @@ before its files are rewritten (remove_done_marker).
 Reading checks everything that can be checked cheaply: magic, version, sizes against the file size, the
 state's required keys, and that a model's weights are all finite; the message names the file and the problem.
 """
-import contextlib
 import glob
 import json
 import math
@@ -429,8 +428,8 @@ def checkpoints_to_delete(step, found, keep, major_every=0, reach=0):
 def remove_done_marker(out_dir, step):
     """Remove the DONE marker of `step` (if there) before its checkpoint is written again: until the new DONE
     marker, a crash must not leave the old marker vouching for a mix of old and new files. The folder is synced
-    so that the removal is on disk before the files it guards change. A marker that cannot be removed raises
-    WriteError naming it."""
+    so that the removal is on disk before the files it guards change. A marker that cannot be removed (or its
+    removal synced) raises WriteError naming it."""
     path = done_path(out_dir, step)
     try:
         os.unlink(path)
@@ -438,8 +437,10 @@ def remove_done_marker(out_dir, step):
         return False
     except OSError as e:
         raise WriteError(path, e) from e
-    with contextlib.suppress(OSError):        # the folder cannot be synced: the unlink stands
-        sync_folder(out_dir)
+    try:
+        sync_folder(out_dir)                  # a file system that cannot sync folders: passed over there
+    except OSError as e:
+        raise WriteError(path, e) from e
     return True
 
 

@@ -56,10 +56,11 @@ def atomic_write(path, mode="wb"):
     """Open a temporary file next to `path`; on success flush, fsync and os.replace() it onto `path`, then fsync
     the folder (the new name is as durable as the bytes).
 
-    On any exception the temporary file is removed and `path` is left as it was. Missing parent folders are
-    created. A failure of the write itself (see _is_write_failure) or of creating, flushing, syncing, closing
-    or renaming the file is raised as WriteError naming `path`; other exceptions pass through unchanged. (A failed
-    sync of the folder, after the rename, is raised too: the new file is then in place but may not outlive a crash.)
+    On any exception before the rename the temporary file is removed and `path` is left as it was. Missing parent
+    folders are created. A failure of the write itself (see _is_write_failure) or of creating, flushing, syncing,
+    closing or renaming the file is raised as WriteError naming `path`; other exceptions pass through unchanged. (A
+    failed sync of the folder, after the rename, is raised too: the new file is then in place but may not outlive a
+    crash.)
     """
     path = Path(path)
     _check_target(path)

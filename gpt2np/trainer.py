@@ -737,6 +737,8 @@ def save_checkpoint(out_dir, step, model, train_loader, dist, nonfinite_skipped=
                 pass
             sync_folder(out_dir)                 # the marker as durable as the files it vouches for
         except OSError as e:                     # a write failing, as the model's and the state's: exit 1, one line
+            with contextlib.suppress(OSError):   # a marker made but not synced: not left vouching
+                os.unlink(done_path(out_dir, step))
             raise WriteError(done_path(out_dir, step), e) from e
 
 

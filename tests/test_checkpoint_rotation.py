@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import test_reliability_runs as reliability
 
-from gpt2np import trainer
+from gpt2np import checkpoint, trainer
 from gpt2np.checkpoint import checkpoint_files, checkpoint_to_delete, checkpoints_to_delete
 from gpt2np.fileio import WriteError
 from gpt2np.rundir import latest_complete_checkpoint
@@ -208,6 +208,26 @@ def test_each_done_marker_is_synced_to_disk_with_its_folder(files, tmp_path, cap
     code, _, err = run(args(files, out, "-x", 4, "-n", 2), capsys)
     assert code == 0, err
     assert synced == [["DONE_00000002"], ["DONE_00000002", "DONE_00000004"]]
+
+
+def test_a_done_marker_that_cannot_be_synced_is_not_left_behind(files, tmp_path, capsys, monkeypatch):
+    """EIO while syncing -o after DONE_2 is made: one line naming the marker, exit 1, and no DONE_2 vouching for a
+    checkpoint whose marker may not be on disk; removing a marker whose removal cannot be synced is one line too."""
+    out = tmp_path / "out"
+
+    def eio(folder):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(trainer, "sync_folder", eio)
+    code, _, err = run(args(files, out, "-x", 2, "-n", 2), capsys)
+    assert code == 1 and err[-1] == f"error: writing {out / 'DONE_00000002'}: [Errno {errno.EIO}] " \
+                                    f"{os.strerror(errno.EIO)}", err
+    assert not (out / "DONE_00000002").exists() and (out / "model_00000002.bin").exists()
+    (out / "DONE_00000002").touch()
+    monkeypatch.setattr(checkpoint, "sync_folder", eio)
+    with pytest.raises(WriteError) as e:
+        checkpoint.remove_done_marker(out, 2)
+    assert str(e.value) == f"writing {out / 'DONE_00000002'}: [Errno {errno.EIO}] {os.strerror(errno.EIO)}"
 
 
 # ---- -x 0 and signals ----------------------------------------------------------------------------------------

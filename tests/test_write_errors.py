@@ -266,8 +266,9 @@ def test_atomic_write_syncs_the_folder_after_the_rename(tmp_path, monkeypatch):
     failure = {}
 
     def fsync(fd):
-        folder = stat.S_ISDIR(os.fstat(fd).st_mode)
-        synced.append("folder" if folder else "file")
+        info = os.fstat(fd)
+        folder = stat.S_ISDIR(info.st_mode)
+        synced.append(("folder", info.st_ino) if folder else "file")
         if folder and failure:
             raise OSError(failure["errno"], os.strerror(failure["errno"]))
         real_fsync(fd)
@@ -281,7 +282,7 @@ def test_atomic_write_syncs_the_folder_after_the_rename(tmp_path, monkeypatch):
     path = tmp_path / "sub" / "model.bin"
     with atomic_write(path) as f:
         f.write(b"one")
-    assert synced == ["file", "rename", "folder"] and path.read_bytes() == b"one"
+    assert synced == ["file", "rename", ("folder", path.parent.stat().st_ino)] and path.read_bytes() == b"one"
     failure["errno"] = errno.EINVAL
     with atomic_write(path) as f:
         f.write(b"two")

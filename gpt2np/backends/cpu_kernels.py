@@ -339,6 +339,9 @@ void rows_add_at(float *restrict dst, const int32_t *restrict idx, const float *
 
 FAST_SOURCE = r"""
 #include <math.h>
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -384,6 +387,18 @@ typedef float v8u __attribute__((vector_size(32), aligned(4)));
 
 static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 static inline v8 select8(vi8 mask, v8 a, v8 b) { return (v8)((mask & (vi8)a) | (~mask & (vi8)b)); }
+
+/* x clamped to [lo, hi], a NaN to lo: AVX's max and min where there is AVX (one instruction each, where the selects
+   cost two or three), the selects elsewhere */
+static inline v8 clamp8(v8 x, float lo, float hi)
+{
+#ifdef __AVX__
+    return (v8)_mm256_min_ps(_mm256_max_ps((__m256)x, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+#else
+    x = select8(x > splat8(lo), x, splat8(lo));
+    return select8(x < splat8(hi), x, splat8(hi));
+#endif
+}
 
 /* e^z for z in [-87.33654, 88]: exp_fast's arithmetic, where one scale factor 2^n serves (-126 <= n <= 127) */
 static inline v8 exp8_in_range(v8 z)
@@ -512,13 +527,10 @@ static inline double exp_shifted_sum(float *dst, const float *src, ptrdiff_t n, 
 }
 
 /* GELU's e^{-2u}, u = scale (x + cube x^3), with -2u clamped to [-87.33654, 88] (a NaN to the low end): outside,
-   1 + e is 1 or e to float32 precision, so GELU and its derivative keep their float32 values */
+   1 + e is 1 to float32 precision, or e ~ 1.7e38, so that x / (1 + e) is 0 but for a few 1e-38 (x 6e-39). */
 static inline v8 gelu_exp8(v8 x, v8 x2, float cube, float scale)
 {
-    v8 z = (x2 * cube + 1.0f) * x * (-2.0f * scale);
-    z = select8(z > splat8(-87.33654f), z, splat8(-87.33654f));
-    z = select8(z < splat8(88.0f), z, splat8(88.0f));
-    return exp8_in_range(z);
+    return exp8_in_range(clamp8((x2 * cube + 1.0f) * x * (-2.0f * scale), -87.33654f, 88.0f));
 }
 
 /* GELU, tanh form: 0.5 x (1 + tanh u) = x sigmoid(2u) = x / (1 + e^{-2u}); -inf gives NaN, as 0.5 x (1 + tanh u)
@@ -539,14 +551,17 @@ void gelu_forward_fast(const float *restrict x, float *restrict out, ptrdiff_t n
 }
 
 /* gelu' = sg + 2 x sg (1 - sg) scale (1 + 3 cube x^2), sg = sigmoid(2u); 1 - sg taken as e sg where e = e^{-2u}
-   <= 1 (no cancellation). A non-finite x gives NaN (+ (x - x)), as the tanh form does (inf * 0). */
+   <= 1 (no cancellation). x is taken in [-12, 12]: beyond, gelu' is 1 or 0 to float32 precision, and the clamped e
+   (1e-38 where it is 0, 1.7e38 where it overflows) would meet the x^3 factor's growth (wrong from |x| ~ 6e10 on).
+   A non-finite x gives NaN (+ (x - x)), as the tanh form does (inf * 0). */
 static inline v8 gelu_grad8(v8 x, float cube, float scale)
 {
-    v8 x2 = x * x;
-    v8 e = gelu_exp8(x, x2, cube, scale);
+    v8 xc = clamp8(x, -12.0f, 12.0f);
+    v8 x2 = xc * xc;
+    v8 e = gelu_exp8(xc, x2, cube, scale);
     v8 sg = 1.0f / (1.0f + e);
     v8 rest = select8(e > splat8(1.0f), 1.0f - sg, e * sg);
-    return sg + 2.0f * x * sg * rest * scale * (3.0f * cube * x2 + 1.0f) + (x - x);
+    return sg + 2.0f * xc * sg * rest * scale * (3.0f * cube * x2 + 1.0f) + (x - x);
 }
 
 /* dinp = dout * gelu'(x); dinp may be dout */
