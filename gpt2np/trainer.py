@@ -357,6 +357,9 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
     B, T = cfg.batch_size, cfg.seq_len
     stop_if_bad(dist, T > model_cfg.max_seq_len, f"-t {T} is longer than the model's max_seq_len "
                 f"{model_cfg.max_seq_len}")
+    stop_if_bad(dist, backend.name == "cuda" and model_cfg.channels % 4 != 0, f"{model_name}: channels "
+                f"{model_cfg.channels} is not a multiple of 4, which the CUDA kernels need (kernels/encoder.cu loads 4 "
+                f"channels at once); train this model on the CPU (--device cpu)")
     attention, note = resolve_attention(backend, model_cfg.channels // model_cfg.num_heads, requested_attention)
     if note:
         say(f"note: {note}")

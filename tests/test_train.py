@@ -116,7 +116,8 @@ def test_gradient_accumulation_equals_big_batch(tiny_model, tiny_shards, tmp_pat
     np.testing.assert_allclose(acc, big, atol=2e-6)
 
 
-@pytest.mark.parametrize("problem", ["missing", "magic", "truncated", "token_range", "bad_total_batch"])
+@pytest.mark.parametrize("problem", ["missing", "magic", "truncated", "token_range", "bad_total_batch",
+                                     "cuda_channels"])
 def test_bad_input_is_one_clear_line(problem, tiny_model, tiny_shards, tmp_path, capsys):
     args = base_args(tiny_model, tiny_shards) + ["-x", 1, "-v", 0]
     bad = tmp_path / "bad.bin"
@@ -134,6 +135,11 @@ def test_bad_input_is_one_clear_line(problem, tiny_model, tiny_shards, tmp_path,
         small = GPT2Config(64, 100, 128, 1, 2, 16)
         save_model(bad, small, GPT2(small, NumpyBackend(), 1, 4, seed=0).params_host())
         args[1], expect = bad, "syn_train.bin"
+    elif problem == "cuda_channels":    # the CUDA kernels' C % 4: said before the run, not at its first kernel
+        odd = GPT2Config(64, 50257, 50304, 1, 2, 6)
+        save_model(bad, odd, GPT2(odd, NumpyBackend(), 1, 4, seed=0).params_host())
+        args[1], expect = bad, "channels 6 is not a multiple of 4"
+        args += ["--device", "emu"]
     else:                               # flags that contradict each other: bad input, found before the run
         args += ["-d", 100]
         expect = "must be a multiple"
@@ -141,6 +147,8 @@ def test_bad_input_is_one_clear_line(problem, tiny_model, tiny_shards, tmp_path,
     assert code == 2                   # bad input, found before or during the run: exit 2 (a failed run: 1)
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], err
+    if problem == "cuda_channels":
+        assert "training for" not in out
 
 
 def test_readme_main_command_smoke(tmp_path):
