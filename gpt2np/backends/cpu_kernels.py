@@ -10,17 +10,17 @@ contraction, no fast-math), so its results are BITWISE those of the NumPy code (
 it, and the golden run pins it). What NumPy computes with its own approximations (tanh, exp) or with its own
 summation order (sums, means) stays NumPy.
 
-FAST_SOURCE, the fast set (NumpyBackend(math="fast"), the trainer's default, --cpu-math): whole ops in one loop
-each, with their own e^x (exp_fast: within 1.02 ulp of the float64 value, where NumPy's float32 exp is within about
-2.5 and, on this kind of CPU, not vectorized: 2.2 ns an element against 0.75; GELU and the softmaxes run its
-arithmetic in 8-lane vectors over arguments they clamp first, with fewer selects), every row sum in double (the
-norm's: float blocks of 1024 added in double), and FMA contraction allowed: GELU forward and backward (through
-sigmoid(2u) = (1 + tanh u) / 2, one e^x and no cancellation near GELU's zero), LayerNorm forward and backward
-rows, causal attention forward and backward per head (the masked half of its products skipped), the classifier's
-softmax + cross-entropy, the sum of squares. They are not bitwise NumPy's; the documented tolerance is a bound per op
-on the distance from the float64 value of the same formula (tests/test_cpu_fast.py lists them), and training runs
-track the exact path's loss curve. Results do not depend on the thread count (every row is computed alone), only on the
-machine's vector width and FMA (the library is built with -march=native).
+FAST_SOURCE, the fast set (NumpyBackend(math="fast"), the trainer's default, --cpu-math): whole ops in one loop each,
+with their own e^x (exp8, 8 lanes at a time: within 1.02 ulp of the float64 value, where NumPy's float32 exp is within
+about 2.5 and, on this kind of CPU, not vectorized: 2.2 ns an element against 0.75; GELU and the softmaxes clamp their
+arguments first and skip its selects), every row sum in double (the norm's: float blocks of 1024 added in double), and
+FMA contraction allowed: GELU forward and backward (through sigmoid(2u) = (1 + tanh u) / 2, one e^x and no cancellation
+near GELU's zero), LayerNorm forward and backward rows, causal attention forward and backward per head (the masked half
+of its products skipped), the classifier's softmax + cross-entropy, the sum of squares. They are not bitwise NumPy's;
+the documented tolerance is a bound per op on the distance from the float64 value of the same formula
+(tests/test_cpu_fast.py lists them), and training runs track the exact path's loss curve. Results do not depend on the
+thread count (every row is computed alone), only on the machine's vector width and FMA (the library is built with
+-march=native).
 
 Both are built with the system C compiler ($CC, else cc, gcc) into $GPT2NP_CPU_CACHE (default
 ~/.cache/gpt2np/cpu), keyed by the sources, the flags, the compiler and the CPU; when no compiler works, load()
@@ -346,36 +346,6 @@ FAST_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-/* e^x to within 1.02 ulp of the float64 value (every float32 in +-[1, 64], tests/test_cpu_fast.py):
-   n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), e^r = 1 + r + r^2 P(r) on [-ln2/2, ln2/2] with P a
-   least-squares fit of degree 4, scaled by 2^n in two factors (n may be 128). Above 88.72283 +inf; below
-   -87.33654 0 (no subnormals); NaN stays NaN. Branch-free, so the loops around it vectorize. */
-static inline float exp_fast(float x)
-{
-    float xc = x < -87.33654f ? -87.33654f : x;
-    xc = xc > 88.72283f ? 88.72283f : xc;
-    xc = xc == xc ? xc : 0.0f;                        /* NaN: 0 here (a NaN cast to int is undefined), NaN out */
-    float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round to nearest by 1.5 * 2^23 */
-    float r = xc - n * 0.693145751953125f;
-    r = r - n * 1.428606765330187e-06f;
-    float p = 0.0013751408181292297f;
-    p = p * r + 0.008368919080973128f;
-    p = p * r + 0.04166953339547563f;
-    p = p * r + 0.16666518437209643f;
-    p = p * r + 0.49999988592958855f;
-    p = p * (r * r) + r;
-    p = p + 1.0f;
-    int32_t ni = (int32_t)n, n1 = ni >> 1;
-    uint32_t b1 = (uint32_t)(n1 + 127) << 23, b2 = (uint32_t)(ni - n1 + 127) << 23;
-    float s1, s2;
-    memcpy(&s1, &b1, 4);
-    memcpy(&s2, &b2, 4);
-    float y = (p * s1) * s2;
-    y = x > 88.72283f ? INFINITY : y;
-    y = x < -87.33654f ? 0.0f : y;
-    return x == x ? y : x;
-}
-
 /* Vectors of 8 floats in GCC's vector extension (one AVX register here; the compiler splits or lowers them
    elsewhere), written out where GCC's own vectorization of a scalar loop costs more (GELU's clamps became extra
    divisions) or cannot reach (attention's register blocks). */
@@ -400,12 +370,14 @@ static inline v8 clamp8(v8 x, float lo, float hi)
 #endif
 }
 
-/* e^z for z in [-87.33654, 88]: exp_fast's arithmetic, where one scale factor 2^n serves (-126 <= n <= 127) */
-static inline v8 exp8_in_range(v8 z)
+/* e^x, exp8 below: within 1.02 ulp of the float64 value (every float32 in +-[1, 64], tests/test_cpu_fast.py).
+   n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), e^r = 1 + r + r^2 P(r) on [-ln2/2, ln2/2] with P a
+   least-squares fit of degree 4, scaled by 2^n. exp8_reduced: e^r and n, for x in [-87.33654, 88.72283]. */
+static inline v8 exp8_reduced(v8 x, vi8 *n_out)
 {
-    v8 round = splat8(12582912.0f);
-    v8 n = (z * 1.44269504088896341f + round) - round;
-    v8 r = z - n * 0.693145751953125f;
+    v8 round = splat8(12582912.0f);                    /* round to nearest by 1.5 * 2^23 */
+    v8 n = (x * 1.44269504088896341f + round) - round;
+    v8 r = x - n * 0.693145751953125f;
     r = r - n * 1.428606765330187e-06f;
     v8 p = splat8(0.0013751408181292297f);
     p = p * r + 0.008368919080973128f;
@@ -413,12 +385,31 @@ static inline v8 exp8_in_range(v8 z)
     p = p * r + 0.16666518437209643f;
     p = p * r + 0.49999988592958855f;
     p = p * (r * r) + r;
-    p = p + 1.0f;
-    vi8 scale = (__builtin_convertvector(n, vi8) + 127) << 23;
-    return p * (v8)scale;
+    *n_out = __builtin_convertvector(n, vi8);
+    return p + 1.0f;
 }
 
-/* e^z for z <= 0 (a softmax's shifted scores) or NaN: exp_fast's values there, its 0 below -87.33654 and its NaN
+/* e^x: +inf above 88.72283, 0 below -87.33654 (no subnormals), NaN kept; 2^n in two factors (n may be 128) */
+static inline v8 exp8(v8 x)
+{
+    vi8 n;
+    v8 p = exp8_reduced(clamp8(x, -87.33654f, 88.72283f), &n);     /* a NaN to the low end: no NaN to int */
+    vi8 n1 = n >> 1;
+    v8 y = (p * (v8)((n1 + 127) << 23)) * (v8)((n - n1 + 127) << 23);
+    y = select8(x > splat8(88.72283f), splat8(INFINITY), y);
+    y = select8(x < splat8(-87.33654f), splat8(0.0f), y);
+    return select8(x == x, y, x);
+}
+
+/* e^z for z in [-87.33654, 88] (the callers clamp): one scale factor 2^n serves (-126 <= n <= 127) */
+static inline v8 exp8_in_range(v8 z)
+{
+    vi8 n;
+    v8 p = exp8_reduced(z, &n);
+    return p * (v8)((n + 127) << 23);
+}
+
+/* e^z for z <= 0 (a softmax's shifted scores) or NaN: exp8's values there, its 0 below -87.33654 and its NaN
    kept by selects */
 static inline v8 exp8_nonpositive(v8 z)
 {
@@ -839,11 +830,14 @@ void classifier_fast(float *restrict logits, float *restrict losses, const int32
     }
 }
 
-/* y = e^x element-wise (exp_fast; for its tests) */
+/* y = e^x element-wise (exp8; for its tests) */
 void exp_fast_array(const float *restrict x, float *restrict y, ptrdiff_t n)
 {
-    for (ptrdiff_t i = 0; i < n; i++)
-        y[i] = exp_fast(x[i]);
+    ptrdiff_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        STORE8(y + i, exp8(LOAD8(x + i)));
+    if (i < n)
+        store_tail8(y + i, exp8(load_tail8(x + i, n - i, 0.0f)), n - i);
 }
 
 /* sum of squares of x[0:n): float lanes within blocks of 1024 (a streaming pass: converting every element to double
