@@ -135,7 +135,13 @@ def test_stochastic_rounding_of_special_values(be):
     D_master, D_params = be.from_host(master), be.zeros(n)
     be.adamw_update(D_params, be.zeros(n), be.from_host(zeros), be.from_host(zeros), 1e-3, B1, B2, EPS, 0.0, 9,
                     master=D_master, seed=11, offset=5)
-    assert_bitwise(be.to_host(D_master), master)
+    got = be.to_host(D_master)
+    if be.rt.name == "cupy":
+        # On a GPU (CuPy builds every kernel with -ftz=true, as llm.c's --use_fast_math does) arithmetic flushes
+        # subnormals to a signed zero, and a NaN result is the canonical 0x7FFFFFFF whatever the input's payload
+        master = np.where(np.abs(master) < np.finfo(F32).tiny, np.copysign(F32(0), master), master).astype(F32)
+        master[np.isnan(master)] = np.uint32(0x7FFFFFFF).view(F32)
+    assert_bitwise(got, master)
     want = np.zeros(n, BF16)
     round_stochastic(master, want, 11, 9, 5)
     assert_bitwise(be.to_host(D_params), want)

@@ -16,7 +16,7 @@ from gpt2np.model import GPT2
 from gpt2np.tensors import PARAM_NAMES
 
 CFG = GPT2Config(max_seq_len=48, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=128)
-B, T = 2, 40                      # two tiles of 32 rows, the second partial
+B, T = 2, 40                      # one partial block of 64 rows, two key steps of 32 (the second partial)
 
 
 def batch():

@@ -390,7 +390,14 @@ def test_matmul_gelu_and_gelu_matmul_backward(cuda, shape, accumulate):
     REF.gelu_matmul_backward(dinp_ref, dw_ref, db_ref, dout, out_ref, wp, pre_ref, accumulate)
     dinp, dw, db = cuda.from_host(np.full((B, T, H), 7.0, np.float32)), dev(cuda, dw0), dev(cuda, db0)
     cuda.gelu_matmul_backward(dinp, dw, db, dev(cuda, dout), out, dev(cuda, wp), pre, accumulate)
-    close(host(cuda, dinp), dinp_ref, atol=1e-4)
+    if cuda.rt.name == "cupy":
+        # On a GPU, cuBLASLt's dGELU epilogue computes gelu'(pre) with the hardware tanh approximation: seen on an
+        # H100, gelu' off by up to 3.5e-5 (0.7% of dinp where gelu' nearly cancels). The bound: 1e-4 plus 2e-4 of
+        # the GEMM's own |dout @ wp| (the factor gelu' multiplies), so an epilogue that got gelu' wrong still fails.
+        grad = np.abs(dout.reshape(-1, C) @ wp).reshape(B, T, H)
+        assert np.all(np.abs(host(cuda, dinp) - dinp_ref) <= 1e-4 + 2e-4 * grad)
+    else:
+        close(host(cuda, dinp), dinp_ref, atol=1e-4)
     close(host(cuda, dw), dw_ref, atol=1e-4)
     close(host(cuda, db), db_ref, atol=1e-4)
 
@@ -423,8 +430,10 @@ def test_attention(cuda, shape):
 
 
 # ---- flash attention (kernels/flash_attention.cu: WMMA TF32) ----------------------------------
-# (B, T, NH) with HS = 64: a partial last tile, three tiles, exactly one tile, a single row
-FLASH_SHAPES = {"partial": (2, 45, 2), "three_tiles": (1, 70, 1), "one_tile": (3, 32, 1), "one_row": (1, 1, 2)}
+# (B, T, NH) with HS = 64 (a block owns 64 rows and walks the other side 32 at a time): a partial step, two
+# blocks and three steps, exactly one step, a single row, three blocks (the last partial) over five steps
+FLASH_SHAPES = {"partial": (2, 45, 2), "three_tiles": (1, 70, 1), "one_tile": (3, 32, 1), "one_row": (1, 1, 2),
+                "three_blocks": (2, 150, 2)}
 # TF32 tolerance, relative to the largest reference value: u = 2^-11 is TF32's unit roundoff (inputs rounded to
 # nearest, 10 explicit mantissa bits). Every result chains up to four rounded factors (q and k inside the
 # exponent, then P and v; backward: dout and v in dP, then dS and q/k), each off by at most u relative; products
