@@ -4,6 +4,7 @@
 #
 #   bench/ncu.sh                       # d12, B=4, T=64, step 1, into ./ncu_d12
 #   MODEL=d12 B=8 T=1024 OUT=ncu_big SET=full bench/ncu.sh
+#   PYTHON=python3 CLOCK_CONTROL=base bench/ncu.sh
 #
 # Needs ncu (Nsight Compute) on PATH, a GPU and the cuda extra. Writes:
 #   $OUT/builtin/      the built-in profile of steps 0 (warm-up) and 1 (profile.json: kernel order, FLOPs, modules)
@@ -17,11 +18,15 @@ T=${T:-64}
 OUT=${OUT:-ncu_${MODEL}}
 SET=${SET:-}                 # empty: the metrics below; "full": ncu's full section set as well
 NCU=${NCU:-ncu}
+PY=${PYTHON:-python}
+# ncu locks the GPU to its base clocks by default; the built-in profile runs at the GPU's own clocks, so the
+# comparison uses --clock-control none (CLOCK_CONTROL=base for ncu's reproducible, slower times)
+CLOCK_CONTROL=${CLOCK_CONTROL:-none}
 command -v "$NCU" >/dev/null || { echo "error: $NCU (Nsight Compute CLI) is not on PATH" >&2; exit 2; }
 mkdir -p "$OUT"
 
 # 1. the built-in profile of the same configuration (its step 1 is the kernel sequence ncu will see)
-python -m gpt2np.profiling.profiler -e "$MODEL" -b "$B" -t "$T" --steps 1 --device cuda --out "$OUT/builtin" \
+"$PY" -m gpt2np.profiling.profiler -e "$MODEL" -b "$B" -t "$T" --steps 1 --device cuda --out "$OUT/builtin" \
     --views phases,gpu_activities
 
 # 2. ncu on train.py, kernels inside the push/pop range "Train step 1" only (step 0 is the warm-up)
@@ -33,10 +38,10 @@ METRICS+=,gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed,launc
 EXTRA=()
 if [ "$SET" = full ]; then EXTRA=(--set full); fi
 "$NCU" --nvtx --nvtx-include "Train step 1/" --metrics "$METRICS" "${EXTRA[@]}" --target-processes all \
-    -o "$OUT/step" -f \
-    python train.py -e "$MODEL" -b "$B" -t "$T" -x 2 -v 0 -s 0 --device cuda
+    --clock-control "$CLOCK_CONTROL" -o "$OUT/step" -f \
+    "$PY" train.py -e "$MODEL" -b "$B" -t "$T" -x 2 -v 0 -s 0 --device cuda
 
 # 3. CSV, and the attribution (aligned with the built-in profile's step 1)
 "$NCU" --import "$OUT/step.ncu-rep" --csv --page raw --print-units base > "$OUT/step.csv"
-python -m gpt2np.profiling.ncu "$OUT/step.csv" --records "$OUT/builtin/profile.json" --step 1 \
+"$PY" -m gpt2np.profiling.ncu "$OUT/step.csv" --records "$OUT/builtin/profile.json" --step 1 \
     --csv "$OUT/kernels.csv" --json "$OUT/kernels.json"

@@ -203,7 +203,7 @@ __device__ __forceinline__ void flash_scores(float* S, const FlashARow* A, const
 
 // acc[j] (the 16 x 16 blocks of a 16 x 64 result) += P (16 x 32, ld FLASH_LDP) @ M (32 x 64, a shared step tile).
 __device__ __forceinline__ void flash_accumulate(FlashAcc* acc, const flash_in* P, const flash_in* M) {
-#pragma unroll
+#pragma unroll 1   // fully unrolled, the fragment loads run ahead and the backward kernels spill registers
     for (int i = 0; i < FLASH_BN / FLASH_K; i++) {
         FlashARow a;
         wmma::load_matrix_sync(a, P + i * FLASH_K, FLASH_LDP);

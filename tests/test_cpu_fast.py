@@ -301,7 +301,8 @@ def test_profiler_cpu_math_flag(monkeypatch, capsys):
     for flags in ([], ["--cpu-math", "exact"]):
         with pytest.raises(Stop):
             profiler_main(["--device", "cpu", *flags])
-    assert asked == [{}, {"math": "exact"}]                     # {}: get_backend's numpy default, fast
+    # no math: get_backend's numpy default, fast; fp32: train.py's precision on the CPU
+    assert asked == [{"precision": "fp32"}, {"precision": "fp32", "math": "exact"}]
     assert profiler_main(["--device", "emu", "--cpu-math", "fast"]) == 2
     assert profiler_main(["--plan", "--cpu-math", "exact"]) == 2
     err = capsys.readouterr().err.splitlines()

@@ -26,14 +26,17 @@ API = {1: "cudaLaunchKernel", 2: "cublasSgemm_v2", 3: "cudaMemcpyAsync", 4: "cud
 
 
 class FakeCupti:
-    """The activity source: push/pop external ids; `emit` is called by FakeGpu for every runtime call."""
+    """The activity source: push/pop external ids; `emit` is called by FakeGpu for every runtime call. Its device
+    runs `lag` activities behind the host (a kernel is done once `lag` more were issued after it, or at a host sync:
+    finish()), and stop() is CUPTI's forced flush: the records of unfinished work come back with start = end = 0."""
 
     timing = C.TIMING
 
-    def __init__(self):
+    def __init__(self, lag=40):
         self.external, self.activities, self.started = [], [], False
         self.clock = itertools.count(1_000_000, 1_000)
         self.corr = itertools.count(500)
+        self.lag, self.running = lag, []
 
     def start(self):
         self.started = True
@@ -56,8 +59,14 @@ class FakeCupti:
 
     def stop(self):
         self.started = False
+        for a in self.running:
+            a.start = a.end = 0
+        self.running = []
         out, self.activities = self.activities, []
         return out
+
+    def finish(self):
+        self.running = []
 
     def emit(self, cbid, *activities):
         if not self.started:                         # CUPTI records only while its activity kinds are enabled
@@ -73,6 +82,8 @@ class FakeCupti:
             t = next(self.clock)
             a.start, a.end, a.correlation_id = t, t + 500, corr
             self.activities.append(a)
+            self.running.append(a)
+        del self.running[:max(0, len(self.running) - self.lag)]
 
 
 def kernel(name, grid=(4, 1, 1), block=(128, 1, 1)):
@@ -116,8 +127,9 @@ class FakeGpu(EmuRuntime):
         self.source.emit(3, SimpleNamespace(kind=C.KIND_MEMCPY, copy_kind=1, bytes=out.nbytes))
         return out
 
-    def to_host(self, array):
+    def to_host(self, array):                   # cudaMemcpy: returns when the device has done all before it
         self.source.emit(3, SimpleNamespace(kind=C.KIND_MEMCPY, copy_kind=2, bytes=array.nbytes))
+        self.source.finish()
         return super().to_host(array)
 
     def upload(self, dst, array):
@@ -138,15 +150,15 @@ class FakeGpu(EmuRuntime):
 
     def synchronize(self):
         self.source.emit(6)
+        self.source.finish()
 
     def event(self):
         self.events += 1
         return super().event()
 
 
-@pytest.fixture(scope="module")
-def run():
-    source = FakeCupti()
+def profiled_step(source):
+    """(profiler, runtime, events made before it): step 0 unprofiled, step 1 under the Profiler, on FakeGpu."""
     rt = FakeGpu(source)
     model = GPT2(CFG, CudaBackend(rt), B, T, seed=0)
     rng = np.random.default_rng(0)
@@ -159,6 +171,11 @@ def run():
     return prof, rt, events_before
 
 
+@pytest.fixture(scope="module")
+def run():
+    return profiled_step(FakeCupti())
+
+
 def test_device_times_and_names_come_from_cupti_and_no_events_are_used(run):
     prof, rt, events_before = run
     assert prof.timing == C.TIMING and rt.events == events_before      # no event bracketed any launch
@@ -169,6 +186,54 @@ def test_device_times_and_names_come_from_cupti_and_no_events_are_used(run):
     assert not any(r.kernel.startswith("cublasSgemm (") for r in step)  # our labels gave way to the real names
     assert next(r for r in step if r.kernel == "layernorm_forward").grid.startswith("(")
     assert [r.idx for r in prof.records] == list(range(len(prof.records)))
+
+
+def test_the_device_is_synchronized_before_the_final_flush(run):
+    """The step returns with work still queued (the device step does not wait), and CUPTI's forced flush hands over
+    unfinished work without times: the profiler waits for the device first, so every activity of the step, the
+    last optimizer kernel and the stats readback included, has its device times (the H100's run showed 0 ns for
+    everything after the first forward kernels)."""
+    prof = run[0]
+    step = [r for r in prof.records if r.step == 1]
+    assert len(step) > FakeCupti().lag and all(r.start_ns >= 1_000_000 and r.duration_ns == 500 for r in step)
+    assert prof.incomplete == 0
+    assert step[-1].kind == "memcpy" and step[-1].kernel == "[CUDA memcpy DtoH]"       # the step's stats readback
+    assert any(r.op.startswith("adamw") for r in step[-6:])
+    assert "incomplete" not in V.render_views(prof.profile(), None, V.VIEWS)
+
+
+class StuckCupti(FakeCupti):
+    """A device whose last `lag` activities never finish, a sync or not: CUPTI's flush has them incomplete."""
+
+    def finish(self):
+        pass
+
+
+def test_incomplete_records_are_left_out_with_a_note_not_shown_as_0_ns(capsys, tmp_path):
+    prof, _, _ = profiled_step(StuckCupti(lag=7))
+    step = [r for r in prof.records if r.step == 1]
+    assert step and all(r.start_ns >= 1_000_000 and r.duration_ns == 500 for r in step)    # no 0 ns row
+    err = capsys.readouterr().err
+    assert prof.incomplete == 7
+    assert err.count("\n") == 1 and "note: 7 CUPTI activity records came back incomplete" in err
+    assert [r.idx for r in prof.records] == list(range(len(prof.records)))
+    assert all(a.record is None or 0 <= a.record < len(prof.records) for a in prof.api)
+    complete, _, _ = profiled_step(FakeCupti(lag=7))
+    assert len(complete.records) - len(prof.records) == 7        # the 7 launches and copies they were to time
+    profile = prof.profile()
+    assert profile.meta["incomplete_records"] == 7
+    for name in ("gpu_activities", "cuda_gpu_kern_sum", "kernels"):
+        t = V.tables(V.select(profile, "last"), name)[0]
+        assert t.footer == "note: 7 CUPTI activity records came back incomplete (unfinished at the flush, no device " \
+                           "times) and are left out", name
+    mins = [row[5] for row in V.tables(V.select(profile, "last"), "gpu_activities")[0].rows]
+    assert mins and "0ns" not in mins
+    # the note survives the files: re-rendered from profile.json, the views still say it
+    from gpt2np.profiling.profiler import write_outputs
+    paths = write_outputs(prof, tmp_path)
+    again, roof = V.read_profile(paths["json"])
+    assert V.render_views(again, roof, ("gpu_activities",)) == V.render_views(profile, None, ("gpu_activities",))
+    assert "7 CUPTI activity records came back incomplete" in V.render_views(again, roof, ("gpu_activities",))
 
 
 def test_extra_kernels_belong_to_the_op_that_launched_them_and_foreign_ones_to_none(run):

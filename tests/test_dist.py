@@ -39,25 +39,63 @@ def find_mpiexec():
     return str(here) if here.is_file() else shutil.which("mpiexec")
 
 
+def mpiexec_problem(exe):
+    """None when `exe -n 2` starts 2 ranks that mpi4py sees as one job, else why not (the fixture's skip reason)."""
+    probe = subprocess.run([exe, "-n", "2", sys.executable, "-c",
+                            "from mpi4py import MPI; c = MPI.COMM_WORLD; c.Get_rank() or print(c.Get_size())"],
+                           capture_output=True, text=True, timeout=RUN_TIMEOUT, env=clean_env())
+    if probe.returncode != 0 or probe.stdout.split() != ["2"]:
+        return f"{exe} does not start 2 ranks that mpi4py sees as one job: {probe.stdout!r} {probe.stderr!r}"
+    return None
+
+
 @pytest.fixture(scope="module")
 def mpiexec():
     pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install 'gpt2np[dist]')")
     exe = find_mpiexec()
     if exe is None:
         pytest.skip("no mpiexec found (pip install mpich)")
-    probe = subprocess.run([exe, "-n", "2", sys.executable, "-c",
-                            "from mpi4py import MPI; c = MPI.COMM_WORLD; c.Get_rank() or print(c.Get_size())"],
-                           capture_output=True, text=True, timeout=RUN_TIMEOUT, env=clean_env())
-    if probe.returncode != 0 or probe.stdout.split() != ["2"]:
-        pytest.skip(f"{exe} does not start 2 ranks that mpi4py sees as one job: {probe.stdout!r} {probe.stderr!r}")
+    problem = mpiexec_problem(exe)
+    if problem:
+        pytest.skip(problem)
     return exe
 
 
+# Open MPI's mpiexec refuses to start as root (as in many containers) unless both say it is meant; MPICH ignores them
+OMPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
 def clean_env(**extra):
+    """The environment of a launched job: no launcher's variables from the job pytest may run in (a rank's own
+    would confuse the job's), Open MPI's consent to run as root where we are root."""
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCHER_RANK_VARS and not k.startswith(("PMI_", "PMIX_", "OMPI_", "GPT2NP_TEST_"))}
+    if os.geteuid() == 0:
+        env.update(OMPI_AS_ROOT)
     env.update(GPT2NP_NVTX="0", PYTHONPATH=str(REPO), **extra)
     return env
+
+
+def test_open_mpi_starts_as_root_and_other_launcher_failures_still_skip_with_their_reason(tmp_path, monkeypatch):
+    """As root (as in many containers) Open MPI's mpiexec refuses to start unless OMPI_ALLOW_RUN_AS_ROOT and
+    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM say it is meant: the probe and the launched jobs carry both there, and only there.
+    The stand-in mpiexec answers the probe as 2 ranks would, once both are set."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\n"
+                    'if [ "$OMPI_ALLOW_RUN_AS_ROOT" = 1 ] && [ "$OMPI_ALLOW_RUN_AS_ROOT_CONFIRM" = 1 ]; then\n'
+                    "  echo 2; exit 0\nfi\n"
+                    "echo 'mpiexec has detected an attempt to run as root.' >&2; exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")            # a launcher's own variables never pass on
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert mpiexec_problem(str(fake)) is None
+    assert launch(str(fake), 2, ["true"])[:2] == (0, "2\n")
+    env = clean_env()
+    assert {k: v for k, v in env.items() if k.startswith("OMPI_")} == OMPI_AS_ROOT
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)           # not root: nothing added, and a refusal is the reason
+    assert not any(k.startswith("OMPI_") for k in clean_env())
+    problem = mpiexec_problem(str(fake))
+    assert problem.startswith(f"{fake} does not start 2 ranks") and "attempt to run as root" in problem
 
 
 @pytest.fixture(scope="module")

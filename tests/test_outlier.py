@@ -326,9 +326,11 @@ def test_resume_keeps_the_window(files, tmp_path, capsys):
 
 
 # Recorded with the code before the outlier guard (commit a70cf53, on the 2-core machine test_golden_run's numbers
-# come from): the final model of test_sl_0_changes_nothing's 40-step run on each device.
+# come from): the final model of test_sl_0_changes_nothing's 40-step run on each device. "emu" re-recorded after the
+# flash attention rewrite (64-row blocks, exp2, lazy rescaling: other roundings on the emulated CUDA path), with the
+# three runs of the test still bitwise equal to each other.
 BEFORE_GUARD_SHA256 = {"cpu": "af72e0909b3df59ff13f5285e849d300a11d88c61945bfef814ec7b660a22295",
-                       "emu": "1c532eae60ec62d3628847447814de796f1814b2d96f28faa083350adc86ca43"}
+                       "emu": "cea540675b19eb7437d2cae830ef3e6056d22dda32ebb1529343269f779eb992"}
 
 
 @pytest.mark.parametrize("device", ["cpu", "emu"])

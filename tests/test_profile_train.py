@@ -37,3 +37,13 @@ def test_profiler_tool_on_the_emulator_prints_every_view_labelled(tiny_model, tm
     assert len(titles) >= len(V.VIEWS)
     assert all(t.endswith(f"[{report.EMULATED_NOTE}]") for t in titles), titles
     assert "[CUDA memcpy HtoD]" in out and "cuLaunchKernel" in out and "nvtx_kern_sum" in out
+
+
+def test_train_profile_profiles_at_the_runs_own_precision(tiny_model, tiny_shards, tmp_path, capsys):  # noqa: F811
+    """--profile profiles the backend the run trains on, so at its precision; the views' titles say which."""
+    code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", 3, "-v", 0, "--profile", 1, "--precision", "bf16",
+                                                               "-o", tmp_path], capsys)
+    assert code == 0, err
+    assert "CPU activities (NumPy ops; no device, so no copies), precision bf16; timing:" in out
+    profile, _ = V.read_profile(str(tmp_path / "profile" / "profile.json"))
+    assert profile.meta["precision"] == "bf16"

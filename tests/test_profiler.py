@@ -221,3 +221,76 @@ def test_profile_defaults_to_train_pys_recompute(monkeypatch, tmp_path, capsys):
     capsys.readouterr()
     assert profiler.main(["--help"]) == 0
     assert "(default: train.py's, 0)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_measured_profile_runs_at_train_pys_precision(monkeypatch, tmp_path, capsys):
+    """Without --plan the profiler builds its backend at the precision train.py trains in on that device
+    (backends.resolve_precision: tf32 on a GPU with tensor cores), or at --precision; a precision the device has no
+    implementation of is one line. The GPU is a stand-in: resolve_precision asks it for its compute capability, and
+    get_backend builds the emulator at the precision asked."""
+    import gpt2np.backends as backends
+    from gpt2np.checkpoint import save_model
+    from gpt2np.profiling import profiler
+
+    path = tmp_path / "tiny.bin"
+    save_model(path, CFG, GPT2(CFG, NumpyBackend(threads=1), 1, 8, seed=0).params_host())
+    real_get_backend, capability = backends.get_backend, [90]
+    asked, built = [], []
+
+    def get_backend(name="numpy", precision="fp32", **options):
+        asked.append((name, precision))
+        return real_get_backend("emu" if name == "cuda" else name, precision=precision, **options)
+
+    class Stop(Exception):
+        pass
+
+    def stop(model, batches, steps, **keywords):
+        built.append(model.backend.precision)
+        raise Stop
+
+    monkeypatch.setattr(backends, "get_backend", get_backend)
+    monkeypatch.setattr(backends, "cuda_problem", lambda *a, **k: None)
+    monkeypatch.setattr(backends, "compute_capability", lambda: capability[0])
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    monkeypatch.setattr(profiler, "profile_steps", stop)
+
+    def profile(device, *precision):
+        asked.clear()
+        built.clear()
+        with pytest.raises(Stop):
+            profiler.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--out", str(tmp_path),
+                           *(("--precision", *precision) if precision else ())])
+        assert len(asked) == 1 and asked[0][1] == built[0]
+        return built[0]
+
+    assert profile("cuda") == "tf32" == backends.resolve_precision("cuda")[0]      # what train.py trains in
+    assert [profile("cuda", p) for p in ("fp32", "bf16", "tf32")] == ["fp32", "bf16", "tf32"]
+    assert profile("emu") == "fp32" and profile("emu", "tf32") == "tf32"
+    assert profile("cpu") == "fp32" and profile("cpu", "bf16") == "bf16"
+    capability[0] = 75                                 # no TF32 tensor cores: fp32, as train.py, with its note
+    capsys.readouterr()
+    assert profile("cuda") == "fp32" and profile("cuda", "tf32") == "fp32"
+    assert "note: this GPU (sm_75) has no TF32 tensor cores" in capsys.readouterr().err
+    for device, precision, words in (("cpu", "tf32", ["--precision tf32: --device cpu has no tf32, only fp32 or bf16"]),
+                                     ("cuda", "bf16", ["--precision bf16", "sm_75", "no bf16 tensor cores"])):
+        assert profiler.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--precision", precision,
+                              "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), err
+
+
+def test_the_views_say_the_precision_the_run_computed_in(tmp_path, capsys):
+    """The GPU activities, cuda_gpu_kern_sum and kernel table titles say the precision of the profiled run (the
+    cuBLAS kernel names do too, but only on a GPU)."""
+    from gpt2np.checkpoint import save_model
+    from gpt2np.profiling import profiler
+
+    path = tmp_path / "tiny.bin"
+    save_model(path, CFG, GPT2(CFG, NumpyBackend(threads=1), 1, 8, seed=0).params_host())
+    assert profiler.main(["-e", str(path), "-b", "1", "-t", "8", "--device", "emu", "--precision", "tf32",
+                          "--out", str(tmp_path / "out"), "--views", "gpu_activities,cuda_gpu_kern_sum,kernels"]) == 0
+    titles = [line for line in capsys.readouterr().out.splitlines()
+              if line.startswith(("GPU activities", "cuda_gpu_kern_sum", "Kernels of"))]
+    assert len(titles) == 3 and all(", precision tf32" in line for line in titles), titles
+    meta = json.load(open(tmp_path / "out" / "profile.json"))["meta"]
+    assert meta["precision"] == "tf32"

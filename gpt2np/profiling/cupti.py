@@ -10,8 +10,11 @@ with its device start/end timestamps, finds the op, layer and NVTX range that is
 event around the launch (which is what the fallback does, and says so).
 
     source = CuptiSource()        # raises CuptiUnavailable without cupti-python or a GPU
-    source.start(); ...; source.push(7); launch(); source.pop(); ...; activities = source.stop()
+    source.start(); ...; source.push(7); launch(); source.pop(); ...; synchronize(); activities = source.stop()
     parsed = parse(activities)    # {"kernels", "memcpy", "memset", "api", "external"} of plain dicts
+
+stop() flushes by force, and a forced flush hands over the records of work the device has not finished with
+start = end = 0: the caller synchronizes the device first (the profiler does), and complete() tells such records.
 
 parse() reads the attribute names of cupti-python's activity objects (kind, start, end, correlation_id,
 name, grid_x.., block_x.., bytes, copy_kind, cbid, thread_id, external_id); tests feed it fakes with
@@ -81,7 +84,8 @@ class CuptiSource:
         self.cupti.activity_pop_external_correlation_id(self.external_kind)
 
     def stop(self) -> List:
-        """Flush (forced) and disable; the activity objects collected since start()."""
+        """Flush (forced) and disable; the activity objects collected since start(). Synchronize the device
+        before: the records of unfinished work come back incomplete (see complete())."""
         self.cupti.activity_flush_all(1)
         self._disable()
         out, self.activities = self.activities, []
@@ -113,6 +117,12 @@ def available(backend) -> bool:
     except ImportError:
         return False
     return True
+
+
+def complete(activity: dict) -> bool:
+    """Whether a parsed kernel, memcpy or memset record has its device times: a forced flush delivers the
+    records of work not finished yet with start = end = 0."""
+    return activity["start"] > 0 and activity["end"] >= activity["start"]
 
 
 def _dims(a, prefix) -> str:

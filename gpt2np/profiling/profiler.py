@@ -15,7 +15,8 @@ Timing, by backend:
              the views say so); device start times come from the events' offsets to a reference event.
 
     python -m gpt2np.profiling.profiler -e d12 -b 4 -t 64 --steps 2 [--device cpu|cuda|emu] [--out DIR]
-                                         [--views all|NAME,NAME...]
+                                         [--precision tf32|fp32|bf16] [--views all|NAME,NAME...]
+                                         # at train.py's precision on the device unless --precision says
     python train.py ... --profile 2          # the same, inside a training run
     python -m gpt2np.profiling.profiler --plan --gpu H100 -e d12 -b 4 -t 1024 [--measure]
                                          # a roofline plan of one step, no GPU needed (gpt2np.profiling.plan)
@@ -180,6 +181,7 @@ class Profiler:
         self._ref = None                          # (reference event, host ns at it)
         self._thread = threading.get_ident()
         self.source, self.timing = None, TIMING_CPU
+        self.incomplete = 0                       # CUPTI records the device had not finished (left out)
         self._choose_timing(activity_source)
         self._t0 = time.perf_counter_ns()
 
@@ -368,7 +370,15 @@ class Profiler:
     def resolve(self):
         """Turn pending event pairs (or CUPTI's records) into device times (synchronizes once)."""
         if self.source is not None:
-            self._merge_cupti(self.source.stop())
+            # the step returns before the device is done, and CUPTI's final (forced) flush hands over the records of
+            # unfinished work with start = end = 0: wait for the device first
+            try:
+                self.backend.synchronize()
+            finally:
+                activities = self.source.stop()
+            self._merge_cupti(activities)
+            if self.incomplete:
+                print(f"note: {V.incomplete_note(self.incomplete)}", file=sys.stderr)
             return
         if not self._pending:
             return
@@ -382,16 +392,23 @@ class Profiler:
 
     def _merge_cupti(self, activities):
         """Device times, real kernel names and grids from CUPTI; activities CUPTI saw that no record
-        issued (a library's extra kernels, say) become records of the op that was running."""
-        from .cupti import parse
+        issued (a library's extra kernels, say) become records of the op that was running. An incomplete activity
+        (start 0 or end before start: unfinished at the flush) is counted in self.incomplete and left out, with
+        the record it was to fill: no view shows it as a kernel of 0 ns."""
+        from .cupti import complete, parse
         acts = parse(activities, getattr(self.source, "api_name", None))
         external = acts["external"]
         filled = set()
+        unfinished = set()                         # idx of records whose activity came back incomplete
         extras = {}                                # record idx -> records to insert after it
         orphans = []
 
         def place(act, kind, name, nbytes=0):
             idx = external.get(act["correlation"])
+            if not complete(act):
+                self.incomplete += 1
+                unfinished.add(idx)
+                return
             owner = self.records[idx] if idx is not None and idx < len(self.records) else None
             if owner is not None and owner.idx not in filled and owner.kind == kind:
                 filled.add(owner.idx)
@@ -419,15 +436,17 @@ class Profiler:
             place(act, "memcpy", f"[CUDA memcpy {act['direction']}]", act["bytes"])
         for act in acts["memset"]:
             place(act, "memset", "[CUDA memset]", act["bytes"])
+        dropped = unfinished - filled
         merged = []
         for r in self.records:
-            merged.append(r)
+            if r.idx not in dropped:
+                merged.append(r)
             merged.extend(extras.get(r.idx, ()))
         merged.extend(sorted(orphans, key=lambda r: r.start_ns))
         for i, r in enumerate(merged):
             r.idx = i
         old_to_new = {id(r): r.idx for r in merged}
-        by_old = {old: old_to_new[id(r)] for old, r in enumerate(self.records)}
+        by_old = {old: old_to_new[id(r)] for old, r in enumerate(self.records) if id(r) in old_to_new}
         self.records = merged
         self.api = [V.ApiCall(a["name"], a["start"], a["end"] - a["start"],
                               by_old.get(external.get(a["correlation"])), a["thread"]) for a in acts["api"]]
@@ -439,6 +458,8 @@ class Profiler:
                 "precision": getattr(be, "precision", "fp32")}
         if getattr(be, "math", None):
             meta["cpu_math"] = be.math                  # the numpy backend's --cpu-math, as it ran
+        if self.incomplete:
+            meta["incomplete_records"] = self.incomplete
         if self.model is not None:
             from .memory import module_parameters
             meta["num_layers"] = self.model.cfg.num_layers
@@ -513,7 +534,7 @@ def profile_steps(model, batches, steps, lr=1e-4, activity_source="auto"):
 @tool
 def main(argv=None):
     """Profile a few training steps and write the report; bad flags and files: one line, exit 2."""
-    from ..backends import get_backend, resolve_attention, resolve_name
+    from ..backends import PRECISIONS, get_backend, resolve_attention, resolve_name, resolve_precision
     from ..init import LLMC_INIT_SEED
     from ..model import GPT2
     from ..starter import resolve_model
@@ -536,6 +557,11 @@ def main(argv=None):
     ap.add_argument("--cpu-math", choices=["fast", "exact"],
                     help="on the CPU, as train.py's --cpu-math: fast = the fast C loops (default), exact = bitwise the "
                          "NumPy reference code")
+    ap.add_argument("--precision", choices=["tf32", "fp32", "bf16"],
+                    help="the math, as train.py's --precision: tf32 tensor cores, fp32 CUDA cores, or bf16 (bf16 "
+                         "storage and bf16 tensor cores, fp32 master weights; on the CPU bf16 storage, fp32 math) "
+                         "(default: train.py's on the device, tf32 on a GPU with tensor cores, else fp32; with --plan "
+                         "tf32)")
     ap.add_argument("--views", default=",".join(V.DEFAULT_VIEWS),
                     help=f"views to print, comma-separated, or 'all' (default {','.join(V.DEFAULT_VIEWS)}; "
                          f"all: {','.join(V.VIEWS)})")
@@ -546,9 +572,6 @@ def main(argv=None):
                            "sums per op and direction, the memory the run needs, the host syncs")
     plan.add_argument("--gpu", help="the GPU to plan for, as gpu_specs names it (H100, A100 80GB, L4, ...; default: "
                                     "the GPU measured with --measure, else H100)")
-    plan.add_argument("--precision", choices=["tf32", "fp32", "bf16"],
-                      help="the plan's math: tf32 tensor cores (default), fp32 CUDA cores, or bf16 (bf16 storage and "
-                           "bf16 tensor cores, fp32 master weights)")
     plan.add_argument("--plan-launches", action="store_true", help="print every launch of the plan")
     plan.add_argument("--fuse", type=int, choices=[0, 1], default=1,
                       help="1 = the fused ops (GEMM epilogues, residual + LayerNorm, one-pass LayerNorm backward), "
@@ -570,9 +593,8 @@ def main(argv=None):
     integer(1).check("-b", args.batch_size, "the batch size B")
     integer(1).check("-t", args.seq_len, "the sequence length T")
     integer(1).check("--steps", args.steps, "the number of profiled steps")
-    planning = {"--gpu": args.gpu is not None, "--precision": args.precision is not None,
-                "--plan-launches": args.plan_launches, "--measure": args.measure, "--fuse": args.fuse != 1,
-                "-ge": args.gelu_fusion is not None}
+    planning = {"--gpu": args.gpu is not None, "--plan-launches": args.plan_launches, "--measure": args.measure,
+                "--fuse": args.fuse != 1, "-ge": args.gelu_fusion is not None}
     if not args.plan and any(planning.values()):
         raise BadInput(f"{next(flag for flag, given in planning.items() if given)} needs --plan")
     if args.plan and args.cpu_math:
@@ -590,7 +612,16 @@ def main(argv=None):
     if args.cpu_math and resolve_name(args.device) in ("cuda", "emu"):
         raise BadInput(f"--cpu-math {args.cpu_math}: only for the CPU (numpy backend), not --device {args.device}"
                        + (f" (here {resolve_name(args.device)})" if args.device == "auto" else ""))
-    backend = get_backend(args.device, **({"math": args.cpu_math} if args.cpu_math else {}))
+    name = resolve_name(args.device)
+    if args.precision and args.precision not in PRECISIONS[name]:        # tf32 on the CPU
+        raise BadInput(f"--precision {args.precision}: --device {args.device}"
+                       + (f" (here {name})" if args.device == "auto" else "")
+                       + f" has no {args.precision}, only {' or '.join(PRECISIONS[name])}")
+    # the precision train.py trains in on this device (tf32 on a GPU with tensor cores), unless --precision says
+    precision, note = resolve_precision(name, args.precision)
+    if note:
+        print(f"note: {note}", file=sys.stderr)        # stdout holds the views
+    backend = get_backend(name, precision=precision, **({"math": args.cpu_math} if args.cpu_math else {}))
     cfg, params, desc = resolve_model(args.model)
     if args.seq_len > cfg.max_seq_len:
         raise BadInput(f"-t {args.seq_len}: longer than the model's max_seq_len {cfg.max_seq_len}")
@@ -609,7 +640,8 @@ def main(argv=None):
     roof = device_roofline(backend)
     label = device_label(backend) + (f" ({EMULATED_NOTE})" if prof.emulated else "")
     print(report_text(prof, roof, views, step=None if args.all_steps else "last"), end="")
-    paths = write_outputs(prof, args.out, roof, title=f"{desc}, B={args.batch_size}, T={args.seq_len}, {label}")
+    paths = write_outputs(prof, args.out, roof,
+                          title=f"{desc}, B={args.batch_size}, T={args.seq_len}, {backend.precision}, {label}")
     print("wrote " + ", ".join(paths.values()))
     return 0
 

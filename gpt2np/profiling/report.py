@@ -727,9 +727,9 @@ KINDS = {"text": (lambda v: isinstance(v, str), "text"),
          "shape": (lambda v: isinstance(v, list) and all(_is_int(n) and n >= 0 for n in v), "a list of integers >= 0"),
          "list": (lambda v: isinstance(v, list), "a list"),
          "object": (lambda v: isinstance(v, dict), "an object")}
-# the meta fields the renderers read (profile_note, the module tree, the views' titles and PyProf's precision)
+# the meta fields the renderers read (profile_note, the module tree, the views' titles and footers, PyProf's precision)
 META_FIELDS = {"emulated": "flag?", "backend": "text?", "runtime": "text?", "timing": "text?", "precision": "text?",
-               "cpu_math": "text?", "num_layers": "count?", "module_params": "counts?"}
+               "cpu_math": "text?", "num_layers": "count?", "module_params": "counts?", "incomplete_records": "count?"}
 
 
 def fields_problem(row, kinds: Dict[str, str], required: Iterable[str] = (), others: bool = True) -> Optional[str]:

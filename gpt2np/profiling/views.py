@@ -200,6 +200,24 @@ def _device_word(profile: Profile) -> str:
     return "GPU" if profile.on_device else "CPU"
 
 
+def _precision(profile: Profile) -> str:
+    """A title's ', precision tf32': the precision the profiled run computed in ('' where the profile does not know
+    it: an nsys export's precision is the one its roofline assumes)."""
+    precision = profile.meta.get("precision")
+    return f", precision {precision}" if precision and profile.meta.get("runtime") != "nsys" else ""
+
+
+def incomplete_note(count: int) -> str:
+    """The line saying that `count` CUPTI records came back without device times and are not in the views."""
+    return (f"{count} CUPTI activity record{'s' if count != 1 else ''} came back incomplete (unfinished at the flush, "
+            f"no device times) and {'are' if count != 1 else 'is'} left out")
+
+
+def _incomplete_footer(profile: Profile) -> str:
+    count = profile.meta.get("incomplete_records")
+    return f"note: {incomplete_note(count)}" if count else ""
+
+
 # ---------------------------------------------------------------------------------------------
 # nvprof
 
@@ -218,8 +236,10 @@ def gpu_activities(profile: Profile, roof=None) -> List[Table]:
     """nvprof's GPU activities: every kernel name, [CUDA memcpy HtoD/DtoH/DtoD] and [CUDA memset]."""
     title = ("GPU activities (kernels, copies, memsets)" if profile.on_device
              else "CPU activities (NumPy ops; no device, so no copies)")
-    return [_nvprof_table(f"{title}; timing: {profile.meta.get('timing', '?')}",
-                          _grouped((r.kernel, r.duration_ns) for r in profile.records))]
+    table = _nvprof_table(f"{title}{_precision(profile)}; timing: {profile.meta.get('timing', '?')}",
+                          _grouped((r.kernel, r.duration_ns) for r in profile.records))
+    table.footer = _incomplete_footer(profile)
+    return [table]
 
 
 def api_calls(profile: Profile, roof=None) -> List[Table]:
@@ -248,8 +268,10 @@ def nvtx_sum(profile: Profile, roof=None) -> List[Table]:
 
 def cuda_gpu_kern_sum(profile: Profile, roof=None) -> List[Table]:
     kernels = kernels_only(profile.records)
-    return [_nsys_table(f"cuda_gpu_kern_sum: {_device_word(profile)} kernels",
-                        _grouped((r.kernel, r.duration_ns) for r in kernels))]
+    table = _nsys_table(f"cuda_gpu_kern_sum: {_device_word(profile)} kernels{_precision(profile)}",
+                        _grouped((r.kernel, r.duration_ns) for r in kernels))
+    table.footer = _incomplete_footer(profile)
+    return [table]
 
 
 _MEM_ENDS = {"H": "Host", "D": "Device", "A": "Array", "P": "Peer"}
@@ -520,9 +542,13 @@ def comm(profile: Profile, roof=None) -> List[Table]:
 # ---------------------------------------------------------------------------------------------
 # report.py's tables as views (the same rows as its text report)
 
-def _report_view(rows_of):
+def _report_view(rows_of, per_launch=False):
+    """per_launch: the table of every launch, whose title says the precision and whose footer the launches left out."""
     def view(profile: Profile, roof=None):
-        return [Table(*rows_of(kernels_only(profile.records), roof))]
+        title, columns, rows = rows_of(kernels_only(profile.records), roof)
+        if not per_launch:
+            return [Table(title, columns, rows)]
+        return [Table(title + _precision(profile), columns, rows, _incomplete_footer(profile))]
     return view
 
 
@@ -532,7 +558,7 @@ VIEWS = {
     "nvtx_sum": nvtx_sum, "cuda_gpu_kern_sum": cuda_gpu_kern_sum, "cuda_gpu_mem_time_sum": cuda_gpu_mem_time_sum,
     "cuda_gpu_mem_size_sum": cuda_gpu_mem_size_sum, "cuda_api_sum": cuda_api_sum, "nvtx_kern_sum": nvtx_kern_sum,
     "user_ranges": user_ranges, "pyprof": pyprof, "comm": comm,
-    "kernels": _report_view(lambda recs, roof: kernel_rows(recs, roof)),
+    "kernels": _report_view(lambda recs, roof: kernel_rows(recs, roof), per_launch=True),
     "layers": _report_view(lambda recs, roof: layer_rows(recs)),
     "ops": _report_view(lambda recs, roof: op_rows(recs, roof)),
     "top_kernels": _report_view(lambda recs, roof: kernel_summary_rows(recs, top=15)),
