@@ -470,3 +470,25 @@ def test_header_is_llmcs_tables_then_gpt2nps(tiny_model, tiny_shards, capsys):
                                       "batch_size B=4 * seq_len T=32 * num_processes=1 and total_batch_size=256",
                                       "=> setting grad_accum_steps=2"]
     assert "| gpt2np                | Value" in out and out.index("| gpt2np ") > out.index("grad_accum_steps=2")
+
+
+def test_device_steps_are_timed_on_the_device(tiny_model, tiny_shards, capsys, monkeypatch):
+    """A device step's line shows its time between two events around its queueing (CudaBackend.elapsed_ms), not
+    host clocks between results, which show the bursts in which results arrive while the host runs ahead (0.4 ms
+    once on an H100); host steps (CPU) keep the host clock."""
+    from gpt2np.backends.cuda.backend import CudaBackend
+    spans = []
+
+    def elapsed(self, start, end):
+        spans.append((start, end))
+        return 123.25
+
+    monkeypatch.setattr(CudaBackend, "elapsed_ms", elapsed)
+    args = base_args(tiny_model, tiny_shards)
+    code, out, err = run(args[:args.index("--device")] + ["--device", "emu", "-s", 0, "-x", 3, "-v", 0,
+                                                          "-b", 1, "-t", 8], capsys)
+    assert code == 0, err
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3 and all("| 123.25 ms |" in line for line in steps), steps
+    assert len(spans) == 3 and all(s.t is not None and e.t is not None and s.t <= e.t for s, e in spans)
+    assert "total average iteration time: 123.250000 ms" in out
