@@ -657,7 +657,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
                                 dist=dist, cuda_graphs=bool(cfg.cuda_graphs), limits=limits)
         except NonFiniteError as e:               # the host step raises at once
             result = e
-        if isinstance(result, PendingStep):
+        if isinstance(result, PendingStep) and span is not None:
             span[1].record()
         else:
             span = None
