@@ -550,7 +550,7 @@ def run_training(cfg: TrainConfig, dist, signals: StopSignals, model_given=True)
     # A device step (CUDA) returns before the device has run it (gpt2np.train_step.PendingStep): its line is
     # printed when the next step has been queued (one step late), or before anything else the loop does
     # (validation, sampling, checkpoints, a stop), so a non-finite step still stops the run before a checkpoint.
-    pending = None                                # (step, lr, result, t0, limits) of the step whose line is not out
+    pending = None                                # (step, lr, result, t0, limits, span): the step whose line is not out
     last_report = None                            # when the previous line's result arrived
     tok_s_ema = 0.0                               # llm.c's smoothed tokens/s (from the run's second line on)
 

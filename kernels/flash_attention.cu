@@ -42,8 +42,8 @@
 // lse and D are float in both. Accumulators are fp32 (products exact, sums rounded in fp32).
 // Shared memory (one array per kernel, under the 48 KB a kernel gets without opting in): forward 43 KB,
 // dK/dV 35 KB, dQ 35 KB (fp32 build); 40, 37, 37 KB (bf16 build). Block: 128 threads (4 warps).
-// Global reads and writes are 16-byte vectors: rows of each head start 16-byte aligned (C % 64 == 0 and
-// CuPy's allocations), which the Python side relies on.
+// Global reads and writes are 16-byte vectors where the arrays are 16-byte aligned (then every row of a head is:
+// C % 64 == 0), else single elements (flash_aligned).
 // WMMA TF32 and bf16 need sm_80+: on older GPUs the kernels trap (CudaBackend refuses to launch them there).
 #include "common.cuh"
 #include <mma.h>
@@ -62,7 +62,8 @@
 #define FLASH_LN2 0.6931471805599453f
 // Blocks per SM each kernel is built to fit (__launch_bounds__'s second argument, which caps the registers):
 // measured on an H100 at d12 shapes against 1, 2 and 3 (-D overrides): fp32 build forward 2 (as 1; 3: +7%),
-// backward 2 (-2% against 1; 3: +11%); bf16 build forward 3 (-9%), backward 3 (-3%).
+// backward 2 (-2% against 1; 3: +11%); bf16 build forward 3 (-9%), backward 2 (-2%; 3: -3%, but dK/dV then
+// spills registers).
 #ifndef FLASH_FWD_MIN_BLOCKS
 #if defined(GPT2NP_BF16)
 #define FLASH_FWD_MIN_BLOCKS 3
@@ -72,7 +73,7 @@
 #endif
 #ifndef FLASH_BWD_MIN_BLOCKS
 #if defined(GPT2NP_BF16)
-#define FLASH_BWD_MIN_BLOCKS 3
+#define FLASH_BWD_MIN_BLOCKS 2
 #else
 #define FLASH_BWD_MIN_BLOCKS 2
 #endif
@@ -136,16 +137,26 @@ struct FlashRows {
     flash_vec v[FLASH_VECS];
 };
 
+// Whether p is 16-byte aligned: then (width and the head offset being multiples of FLASH_VEC elements) every row
+// of the head is, and the kernels use 16-byte vectors; else single elements. The model's activations are views
+// of one buffer, and an odd L*B*T puts qkv and atty off 16 bytes in the fp32 build.
+__device__ __forceinline__ bool flash_aligned(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
 // Reads rows row0 .. row0+31 into registers; rows at or past T are zeros. src points at channel 0 of row 0 of
-// this (batch, part, head); rows are `width` elements apart.
-__device__ __forceinline__ void flash_fetch(FlashRows& r, const floatX* src, int row0, int T, int width) {
+// this (batch, part, head); rows are `width` elements apart; vec: src is 16-byte aligned (flash_aligned).
+__device__ __forceinline__ void flash_fetch(FlashRows& r, const floatX* src, int row0, int T, int width, bool vec) {
 #pragma unroll
     for (int i = 0; i < FLASH_VECS; i++) {
         const int e = threadIdx.x + i * FLASH_THREADS;
         const int row = e / (FLASH_HS / FLASH_VEC), c = (e % (FLASH_HS / FLASH_VEC)) * FLASH_VEC;
         const int t = row0 + row;
-        if (t < T) {
+        if (t < T && vec) {
             r.v[i] = *reinterpret_cast<const flash_vec*>(src + (long long)t * width + c);
+        } else if (t < T) {
+#pragma unroll
+            for (int k = 0; k < FLASH_VEC; k++) r.v[i].e[k] = src[(long long)t * width + c + k];
         } else {
 #pragma unroll
             for (int k = 0; k < FLASH_VEC; k++) r.v[i].e[k] = to_floatX(0.0f);
@@ -172,9 +183,10 @@ __device__ __forceinline__ void flash_put(flash_in* tile, const FlashRows& r) {
 __device__ __forceinline__ void flash_own_rows(FlashARow* frag, flash_in* tile, const floatX* src, int row0, int T,
                                                int width, int warp) {
     FlashRows r;
+    const bool vec = flash_aligned(src);
 #pragma unroll
     for (int half = 0; half < FLASH_BM / FLASH_BN; half++) {
-        flash_fetch(r, src, row0 + half * FLASH_BN, T, width);
+        flash_fetch(r, src, row0 + half * FLASH_BN, T, width, vec);
         flash_put(tile + half * FLASH_STEP_ELEMS, r);
     }
     __syncthreads();
@@ -216,8 +228,14 @@ __device__ __forceinline__ void flash_accumulate(FlashAcc* acc, const flash_in* 
     }
 }
 
-// Writes 32 consecutive values src[0..31] * mul to dst (floatX, 16-byte aligned), rounded once.
+// Writes 32 consecutive values src[0..31] * mul to dst (floatX), rounded once; 16-byte vectors where dst is
+// 16-byte aligned.
 __device__ __forceinline__ void flash_store32(floatX* dst, const float* src, float mul) {
+    if (!flash_aligned(dst)) {
+#pragma unroll
+        for (int c = 0; c < 32; c++) dst[c] = to_floatX(src[c] * mul);
+        return;
+    }
 #pragma unroll
     for (int c = 0; c < 32; c += FLASH_VEC) {
         flash_vec v;
@@ -286,8 +304,9 @@ flash_attention_forward(floatX* out, float* lse, const floatX* inp, int B, int T
     for (int j = 0; j < FLASH_HS / 16; j++) wmma::fill_fragment(o[j], 0.0f);
     const int steps = (min(q0 + FLASH_BM, T) - 1) / FLASH_BN + 1;      // key steps up to the block's last row
     FlashRows kr, vr;
-    flash_fetch(kr, base + C, 0, T, C3);
-    flash_fetch(vr, base + 2 * C, 0, T, C3);
+    const bool vec = flash_aligned(base);              // inp's rows (and so K's and V's) 16-byte aligned
+    flash_fetch(kr, base + C, 0, T, C3, vec);
+    flash_fetch(vr, base + 2 * C, 0, T, C3, vec);
     for (int kt = 0; kt < steps; kt++) {
         const int k0 = kt * FLASH_BN;
         __syncthreads();                                // every warp is done with the last step's K, V
@@ -295,8 +314,8 @@ flash_attention_forward(floatX* out, float* lse, const floatX* inp, int B, int T
         flash_put(Vs, vr);
         __syncthreads();
         if (kt + 1 < steps) {                           // the next step's rows load while this one computes
-            flash_fetch(kr, base + C, k0 + FLASH_BN, T, C3);
-            flash_fetch(vr, base + 2 * C, k0 + FLASH_BN, T, C3);
+            flash_fetch(kr, base + C, k0 + FLASH_BN, T, C3, vec);
+            flash_fetch(vr, base + 2 * C, k0 + FLASH_BN, T, C3, vec);
         }
         // key k0 <= the warp's first row (k0 and w0 are multiples of 16) and k0 < T, so every row that gets
         // here has a finite maximum; a warp whose rows all come before k0, or lie past T, skips the step
@@ -432,8 +451,9 @@ flash_attention_backward_dkv(floatX* dinp, const floatX* dout, const floatX* inp
     // 32..63: D of query t - 32
     const float scale2 = scale * FLASH_LOG2E;
     float lse_r = 0.0f;
-    flash_fetch(qr, base, first * FLASH_BN, T, C3);
-    flash_fetch(dor, dbase, first * FLASH_BN, T, C);
+    const bool vec = flash_aligned(inp) && flash_aligned(dout);      // all rows of Q and dO 16-byte aligned
+    flash_fetch(qr, base, first * FLASH_BN, T, C3, vec);
+    flash_fetch(dor, dbase, first * FLASH_BN, T, C, vec);
     if (threadIdx.x < 2 * FLASH_BN) {
         const int t = first * FLASH_BN + threadIdx.x % FLASH_BN;
         lse_r = t < T ? (threadIdx.x < FLASH_BN ? lse_bh[t] * FLASH_LOG2E : D_bh[t]) : 0.0f;
@@ -446,8 +466,8 @@ flash_attention_backward_dkv(floatX* dinp, const floatX* dout, const floatX* inp
         if (threadIdx.x < 2 * FLASH_BN) lse_s[threadIdx.x] = lse_r;    // lse_s then D_s
         __syncthreads();
         if (qt + 1 < steps) {
-            flash_fetch(qr, base, q0 + FLASH_BN, T, C3);
-            flash_fetch(dor, dbase, q0 + FLASH_BN, T, C);
+            flash_fetch(qr, base, q0 + FLASH_BN, T, C3, vec);
+            flash_fetch(dor, dbase, q0 + FLASH_BN, T, C, vec);
             if (threadIdx.x < 2 * FLASH_BN) {
                 const int t = q0 + FLASH_BN + threadIdx.x % FLASH_BN;
                 lse_r = t < T ? (threadIdx.x < FLASH_BN ? lse_bh[t] * FLASH_LOG2E : D_bh[t]) : 0.0f;
@@ -518,8 +538,9 @@ flash_attention_backward_dq(floatX* dinp, const floatX* dout, const floatX* inp,
     const float D_q = q < T ? D[(long long)blockIdx.y * T + q] : 0.0f;
     const int steps = (min(q0 + FLASH_BM, T) - 1) / FLASH_BN + 1;
     FlashRows kr, vr;
-    flash_fetch(kr, base + C, 0, T, C3);
-    flash_fetch(vr, base + 2 * C, 0, T, C3);
+    const bool vec = flash_aligned(base);              // inp's rows (and so K's and V's) 16-byte aligned
+    flash_fetch(kr, base + C, 0, T, C3, vec);
+    flash_fetch(vr, base + 2 * C, 0, T, C3, vec);
     for (int kt = 0; kt < steps; kt++) {
         const int k0 = kt * FLASH_BN;
         __syncthreads();
@@ -527,8 +548,8 @@ flash_attention_backward_dq(floatX* dinp, const floatX* dout, const floatX* inp,
         flash_put(Vs, vr);
         __syncthreads();
         if (kt + 1 < steps) {
-            flash_fetch(kr, base + C, k0 + FLASH_BN, T, C3);
-            flash_fetch(vr, base + 2 * C, k0 + FLASH_BN, T, C3);
+            flash_fetch(kr, base + C, k0 + FLASH_BN, T, C3, vec);
+            flash_fetch(vr, base + 2 * C, k0 + FLASH_BN, T, C3, vec);
         }
         if (k0 > w0 + FLASH_WR - 1 || w0 >= T) continue;
         flash_scores(S, qf, Ks);                        // S = Q K^T

@@ -98,3 +98,25 @@ def test_resolve_attention_defaults_and_fallbacks():
     assert attention == "naive" and "sm_75" in note
     with pytest.raises(BadInput, match="--attention flash: .*sm_75.*use --attention naive"):
         resolve_attention(emu, 64, "flash", capability=75)
+
+
+@pytest.mark.parametrize("L, NH, B_, T_", [(1, 1, 1, 3), (2, 1, 1, 7), (1, 2, 1, 5)])
+def test_flash_with_activations_off_16_bytes(L, NH, B_, T_):
+    """The model's activations are views of one buffer: with L*B*T odd, the fp32 build's qkv and atty start 4 or 8
+    bytes past a 16-byte boundary, where the kernels' 16-byte vector loads and stores would fault (seen on an
+    H100: CUDA_ERROR_MISALIGNED_ADDRESS); they fall back to single elements there. Flash against naive attention
+    with exact GEMMs and fp32 WMMA (fp32 rounding apart)."""
+    cfg = GPT2Config(max_seq_len=16, vocab_size=100, padded_vocab_size=128, num_layers=L, num_heads=NH,
+                     channels=64 * NH)
+    tokens = np.random.default_rng(L * 100 + T_).integers(0, cfg.vocab_size, (B_, T_ + 1)).astype(np.int32)
+    results = []
+    for attention, options in (("flash", {"wmma_tf32": False}), ("naive", {})):
+        model = GPT2(cfg, get_backend("emu", precision="fp32", **options), B_, T_, seed=0, attention=attention)
+        if attention == "flash":
+            qkv = model.act["qkv"]
+            assert qkv.ctypes.data % 16 != 0 or model.act["atty"].ctypes.data % 16 != 0   # the case this tests
+        model.zero_grad()
+        loss = model.forward(tokens[:, :-1], tokens[:, 1:], for_backward=True)
+        model.backward()
+        results.append((loss, {name: np.array(g) for name, g in model.grads_host().items()}))
+    assert_close(results[0], results[1], REL_TOL, 1e-5)

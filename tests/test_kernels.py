@@ -484,6 +484,33 @@ def test_flash_attention(cuda, flash_shape):
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("slope", [0.4, 1.0, 5.0, -0.4])
+def test_flash_attention_rescales_when_the_row_max_grows(slope):
+    """Scores that grow along the keys (q = 8 e0, k_t = slope t e0: a row's score at key t is slope t) move the
+    forward's reference max by more than its 2^12 margin again and again, so O and l are rescaled through shared
+    memory many times; random N(0, 1) inputs never do (slope -0.4: the first key stays the max, no rescale). With
+    fp32 WMMA (TF32 would round scores of up to 750 by 2^-11 of themselves, inside the exponent) the kernels agree
+    with the NumPy op to fp32 rounding, relative to each output's largest value: measured 4e-5 at most (dinp at
+    slope 5, scores near 750 rounded in fp32 inside the exponent); with the rescale skipped, 2e-3 to 9."""
+    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
+    B, T, NH, C = 1, 150, 1, 64
+    rng = rng_for("flash_rescale", slope)
+    inp = randn(rng, B, T, 3 * C, scale=0.1)
+    inp[0, :, 0] = 8.0
+    inp[0, :, C] = slope * np.arange(T, dtype=np.float32)
+    dout = randn(rng, B, T, C)
+    out_ref, lse_ref, dinp_ref = (np.zeros(s, np.float32) for s in ((B, T, C), (B, NH, T), (B, T, 3 * C)))
+    REF.flash_attention_forward(out_ref, lse_ref, inp)
+    REF.flash_attention_backward(dinp_ref, dout, inp, out_ref, lse_ref)
+    be = CudaBackend(EmuRuntime(wmma_tf32=False, schedule="reverse", wmma_layout=FLASH_LAYOUT))
+    out, lse = be.zeros((B, T, C)), be.zeros((B, NH, T))
+    be.flash_attention_forward(out, lse, dev(be, inp))
+    dinp = be.zeros((B, T, 3 * C))
+    be.flash_attention_backward(dinp, dev(be, dout), dev(be, inp), out, lse)
+    for got, want in ((out, out_ref), (lse, lse_ref), (dinp, dinp_ref)):
+        np.testing.assert_allclose(host(be, got), want, rtol=0, atol=1e-4 * max(1.0, np.abs(want).max()))
+
+
 def test_flash_attention_needs_head_size_64(cuda):
     B, T, NH, C = 1, 4, 2, 96                                                   # HS = 48
     with pytest.raises(KernelArgumentError, match="head size 64.*HS=48.*--attention naive"):

@@ -492,3 +492,7 @@ def test_device_steps_are_timed_on_the_device(tiny_model, tiny_shards, capsys, m
     assert len(steps) == 3 and all("| 123.25 ms |" in line for line in steps), steps
     assert len(spans) == 3 and all(s.t is not None and e.t is not None and s.t <= e.t for s, e in spans)
     assert "total average iteration time: 123.250000 ms" in out
+    spans.clear()                                   # a host step (the CPU): its own clock, no events
+    code, out, err = run(args + ["-x", 2, "-v", 0], capsys)
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert code == 0 and len(steps) == 2 and spans == [] and not any("| 123.25 ms |" in line for line in steps)
