@@ -63,15 +63,27 @@ def mpiexec():
 
 # Open MPI's mpiexec refuses to start as root (as in many containers) unless both say it is meant; MPICH ignores them
 OMPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+# Open MPI 4 looks for ssh or rsh at start even for a job on this machine alone, and stops without either ("The
+# value of the MCA parameter "plm_rsh_agent" was set to a path that could not be found", seen on an H100 machine
+# lent to a session); its single-node launcher takes over when the rsh one is excluded (open-mpi/ompi#12386)
+OMPI_NO_RSH = {"OMPI_MCA_plm": "^rsh"}
+
+
+def ompi_env() -> dict:
+    """The Open MPI settings a local test job needs here (MPICH ignores them): consent to run as root where we are
+    root, and no rsh launcher where neither ssh nor rsh is installed."""
+    env = dict(OMPI_AS_ROOT) if os.geteuid() == 0 else {}
+    if shutil.which("ssh") is None and shutil.which("rsh") is None:
+        env.update(OMPI_NO_RSH)
+    return env
 
 
 def clean_env(**extra):
     """The environment of a launched job: no launcher's variables from the job pytest may run in (a rank's own
-    would confuse the job's), Open MPI's consent to run as root where we are root."""
+    would confuse the job's), ompi_env()'s settings."""
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCHER_RANK_VARS and not k.startswith(("PMI_", "PMIX_", "OMPI_", "GPT2NP_TEST_"))}
-    if os.geteuid() == 0:
-        env.update(OMPI_AS_ROOT)
+    env.update(ompi_env())
     env.update(GPT2NP_NVTX="0", PYTHONPATH=str(REPO), **extra)
     return env
 
@@ -88,6 +100,7 @@ def test_open_mpi_starts_as_root_and_other_launcher_failures_still_skip_with_the
     fake.chmod(0o755)
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")            # a launcher's own variables never pass on
     monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: f"/usr/bin/{name}")     # ssh is there
     assert mpiexec_problem(str(fake)) is None
     assert launch(str(fake), 2, ["true"])[:2] == (0, "2\n")
     env = clean_env()
@@ -96,6 +109,22 @@ def test_open_mpi_starts_as_root_and_other_launcher_failures_still_skip_with_the
     assert not any(k.startswith("OMPI_") for k in clean_env())
     problem = mpiexec_problem(str(fake))
     assert problem.startswith(f"{fake} does not start 2 ranks") and "attempt to run as root" in problem
+
+
+def test_open_mpi_gets_its_single_node_launcher_where_there_is_no_ssh(tmp_path, monkeypatch):
+    """Without ssh and rsh Open MPI 4 stops at start, even for a job on this machine alone: the stand-in mpiexec
+    refuses as it does unless its rsh launcher is excluded, which the jobs' environment then does."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\n"
+                    'if [ "$OMPI_MCA_plm" = "^rsh" ]; then echo 2; exit 0; fi\n'
+                    "echo 'The value of the MCA parameter \"plm_rsh_agent\" was set to a path' >&2; exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name in ("ssh", "rsh") else f"/usr/bin/{name}")
+    assert mpiexec_problem(str(fake)) is None
+    assert {k: v for k, v in clean_env().items() if k.startswith("OMPI_")} == OMPI_NO_RSH
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: f"/usr/bin/{name}")     # ssh installed: unchanged
+    assert "plm_rsh_agent" in mpiexec_problem(str(fake))
 
 
 @pytest.fixture(scope="module")

@@ -463,8 +463,10 @@ def test_x0_validates_and_samples_without_training(files, tmp_path, capsys):
 
 # ---- signals and kill -9 -------------------------------------------------------------------------------------
 def subprocess_env():
+    from test_dist import ompi_env  # Open MPI as root, or without ssh (as in containers)
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCHER_RANK_VARS and not k.startswith(("PMI_", "PMIX_", "OMPI_", "GPT2NP_TEST_"))}
+    env.update(ompi_env())
     env.update(PYTHONPATH=str(REPO), GPT2NP_NVTX="0", PYTHONUNBUFFERED="1")
     return env
 
