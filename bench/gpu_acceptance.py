@@ -3,6 +3,7 @@
     python bench/gpu_acceptance.py setup DIR [--full]        # synthetic token shards and model files in DIR
     python bench/gpu_acceptance.py preflight --device cuda    # what is there, as shell assignments (eval'd)
     python bench/gpu_acceptance.py loss-falls DIR/main.log [--min-drop 0.5]
+    python bench/gpu_acceptance.py ncu-agrees DIR/ncu.log [--tolerance 0.10]
     python bench/gpu_acceptance.py summary DIR                # DIR/stages.tsv -> DIR/summary.txt, summary.json
 
 Everything the stages read is written here, so that the acceptance needs no data file and no network: train and
@@ -181,6 +182,31 @@ def summary(out):
     return 0
 
 
+AGREEMENT = re.compile(r"built-in vs ncu kernel times: (\d+) kernels matched, median ratio ([0-9.]+), (\d+)% within "
+                       r"10%, step total ratio ([0-9.]+)")
+
+
+def ncu_agrees(log, tolerance):
+    """0 when bench/ncu.sh's log says the built-in kernel times agree with ncu's: the step total and the median
+    ratio (built-in / ncu) within `tolerance` of 1 (short kernels differ by ncu's own per-kernel overhead, so not
+    each kernel is held to it)."""
+    try:
+        text = open(log).read()
+    except OSError as e:
+        print(f"FAIL: {log}: {e.strerror}")
+        return 1
+    m = AGREEMENT.search(text)
+    if not m:
+        print(f"FAIL: {log} has no 'built-in vs ncu kernel times' line (the kernels did not match the built-in "
+              f"profile, or ncu did not finish)")
+        return 1
+    kernels, median, within, total = int(m.group(1)), float(m.group(2)), int(m.group(3)), float(m.group(4))
+    ok = abs(total - 1) <= tolerance and abs(median - 1) <= tolerance
+    print(f"{'PASS' if ok else 'FAIL'}: built-in / ncu kernel times over {kernels} kernels: step total {total:.3f}, "
+          f"median {median:.3f} (each within {tolerance:g} of 1 to pass); {within}% of the kernels within 10%")
+    return 0 if ok else 1
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -192,6 +218,9 @@ def main(argv=None):
     s = sub.add_parser("loss-falls")
     s.add_argument("log")
     s.add_argument("--min-drop", type=float, default=0.5)
+    s = sub.add_parser("ncu-agrees")
+    s.add_argument("log")
+    s.add_argument("--tolerance", type=float, default=0.10)
     s = sub.add_parser("summary")
     s.add_argument("dir")
     args = p.parse_args(argv)
@@ -201,6 +230,8 @@ def main(argv=None):
         return preflight(args.device)
     if args.cmd == "loss-falls":
         return loss_falls(args.log, args.min_drop)
+    if args.cmd == "ncu-agrees":
+        return ncu_agrees(args.log, args.tolerance)
     return summary(args.dir)
 
 

@@ -25,6 +25,10 @@
 #   plan_measure  python -m gpt2np.profiling.profiler --plan --measure: planned floor vs measured time per op
 #   memcheck      compute-sanitizer --tool memcheck over one training step of a tiny model
 #   racecheck     compute-sanitizer --tool racecheck over the same step
+#   ncu           bench/ncu.sh (TIME_ONLY=1, d12 B=4 T=1024): Nsight Compute's time of every kernel of a step,
+#                 attributed and set beside the built-in profiler's (ncu/ has the files)
+#   ncu_agrees    the built-in (CUPTI) kernel times agree with ncu's: the step total and the median ratio within
+#                 10%
 #
 # Offline: nothing is downloaded. A missing Python package makes the stages that need it SKIP with one line naming
 # the wheel to bring (pip install --no-index --find-links WHEELS PACKAGE); with --wheels DIR the script installs
@@ -38,7 +42,7 @@ ACC_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(dirname "$ACC_DIR")
 HELPER="$ACC_DIR/gpu_acceptance.py"
 PY=${PYTHON:-python}
-STAGES="preflight setup pytest_gpu compare_fp32 compare_tf32 compare_bf16 train train_loss gpu_step gpu_step_bf16 kernels plan_measure memcheck racecheck"
+STAGES="preflight setup pytest_gpu compare_fp32 compare_tf32 compare_bf16 train train_loss gpu_step gpu_step_bf16 kernels plan_measure memcheck racecheck ncu ncu_agrees"
 
 usage() { sed -n '2,/^# The script can be sourced/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
@@ -124,7 +128,16 @@ acc_find_sanitizer() {   # compute-sanitizer on PATH, else in the usual CUDA fol
     return 1
 }
 
-acc_preflight() {   # the tool checks -> CUDA_OK TORCH_OK TORCH_CPU_OK PYTEST_OK NCCL_OK SAN_OK (+ _WHY)
+acc_find_ncu() {         # Nsight Compute's ncu on PATH, else in the usual CUDA folders (then put on PATH)
+    command -v ncu >/dev/null 2>&1 && return 0
+    local d
+    for d in /usr/local/cuda/bin /usr/local/cuda/nsight-compute /opt/nvidia/nsight-compute; do
+        if [ -x "$d/ncu" ]; then PATH="$d:$PATH"; export PATH; return 0; fi
+    done
+    return 1
+}
+
+acc_preflight() {   # the tool checks -> CUDA_OK TORCH_OK TORCH_CPU_OK PYTEST_OK NCCL_OK SAN_OK NCU_OK (+ _WHY)
     local log="$OUT/preflight.log" t0=$SECONDS
     {
         echo "# gpt2np GPU acceptance, $(date -u +%FT%TZ), mode $MODE, device $DEVICE"
@@ -148,6 +161,12 @@ acc_preflight() {   # the tool checks -> CUDA_OK TORCH_OK TORCH_CPU_OK PYTEST_OK
         echo "# compute-sanitizer: $(command -v compute-sanitizer)" >> "$log"
     else
         SAN_OK=0; SAN_WHY="compute-sanitizer is not on PATH (nor in /usr/local/cuda/bin): it comes with the CUDA toolkit"
+    fi
+    if acc_find_ncu; then
+        NCU_OK=1; NCU_WHY=""
+        echo "# ncu: $(command -v ncu)" >> "$log"
+    else
+        NCU_OK=0; NCU_WHY="ncu (Nsight Compute) is not on PATH (nor in /usr/local/cuda/bin): it comes with the CUDA toolkit"
     fi
     echo "$checks" >> "$log"
     local missing=()
@@ -202,6 +221,8 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
             --device emu --gpu H100 --out "$OUT/plan"
         acc_skip memcheck "--device emu: compute-sanitizer needs a GPU (the emulator's guard pages stand in: tests/test_emulator.py)"
         acc_skip racecheck "--device emu: compute-sanitizer needs a GPU (the emulator's reverse schedule stands in)"
+        acc_skip ncu "--device emu: Nsight Compute needs a GPU"
+        acc_skip ncu_agrees "--device emu: Nsight Compute needs a GPU"
         return
     fi
 
@@ -211,7 +232,7 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
     if [ "$CUDA_OK" != 1 ]; then
         local stage
         for stage in pytest_gpu compare_fp32 compare_tf32 compare_bf16 train train_loss gpu_step gpu_step_bf16 kernels \
-                     plan_measure memcheck racecheck; do
+                     plan_measure memcheck racecheck ncu ncu_agrees; do
             acc_skip "$stage" "no usable GPU: $CUDA_WHY"
         done
         return
@@ -262,6 +283,14 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
         acc_skip memcheck "$SAN_WHY"
         acc_skip racecheck "$SAN_WHY"
     fi
+    if [ "${NCU_OK:-0}" = 1 ]; then
+        # kernel times only (one ncu pass a kernel), eager launches, ncu's clocks unlocked: see bench/ncu.sh
+        acc_run ncu 420 env PYTHON="$PY" TIME_ONLY=1 MODEL=d12 B=4 T=1024 OUT="$OUT/ncu" bash "$ACC_DIR/ncu.sh"
+        acc_run ncu_agrees 60 "$PY" "$HELPER" ncu-agrees "$OUT/ncu.log" --tolerance 0.10
+    else
+        acc_skip ncu "${NCU_WHY:-ncu not found}"
+        acc_skip ncu_agrees "${NCU_WHY:-ncu not found}"
+    fi
 }
 
 acc_main() {
@@ -310,7 +339,7 @@ json.dump({"mode": mode, "device": device, "gpu": gpu or "none seen", "commit": 
 PY
     echo "gpt2np GPU acceptance ($MODE, --device $DEVICE), results in $OUT"
     if [ "$DRY_RUN" = 1 ]; then            # print every stage's command as on a machine with everything
-        CUDA_OK=1 TORCH_OK=1 TORCH_CPU_OK=1 PYTEST_OK=1 NCCL_OK=1 SAN_OK=1
+        CUDA_OK=1 TORCH_OK=1 TORCH_CPU_OK=1 PYTEST_OK=1 NCCL_OK=1 SAN_OK=1 NCU_OK=1
         acc_record preflight SKIP 0 "dry run" "" ""
     else
         acc_preflight

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "bench" / "gpu_acceptance.sh"
 HELPER = REPO / "bench" / "gpu_acceptance.py"
 STAGES = ["preflight", "setup", "pytest_gpu", "compare_fp32", "compare_tf32", "compare_bf16", "train", "train_loss",
-          "gpu_step", "gpu_step_bf16", "kernels", "plan_measure", "memcheck", "racecheck"]
+          "gpu_step", "gpu_step_bf16", "kernels", "plan_measure", "memcheck", "racecheck", "ncu", "ncu_agrees"]
 
 
 def env(**extra):
@@ -58,6 +58,9 @@ def test_dry_run_prints_every_stage_with_the_real_clis(tmp_path):
     assert cmd["memcheck"][:3] == ["compute-sanitizer", "--tool", "memcheck"]
     assert cmd["racecheck"][:3] == ["compute-sanitizer", "--tool", "racecheck"]
     assert "--plan" in cmd["plan_measure"] and "--measure" in cmd["plan_measure"]
+    assert cmd["ncu"][0] == "env" and "TIME_ONLY=1" in cmd["ncu"] and "T=1024" in cmd["ncu"]
+    assert cmd["ncu"][-1].endswith("bench/ncu.sh")
+    assert cmd["ncu_agrees"][2] == "ncu-agrees" and cmd["ncu_agrees"][3].endswith("ncu.log")
     # the flags are the CLIs' own: their parsers accept them
     from gpt2np import compare
     from gpt2np.train_cli import parse_config
@@ -100,6 +103,36 @@ def test_a_failing_stage_fails_the_run_and_the_rest_go_on(tmp_path):
     assert "something broke" in (tmp_path / "bad.log").read_text()
     text = (tmp_path / "summary.txt").read_text()
     assert text.startswith("gpt2np GPU acceptance: FAIL  (2 passed, 2 failed, 1 skipped)")
+
+
+LOG_LINE = ("built-in vs ncu kernel times: 365 kernels matched, median ratio {median}, 78% within 10%, step total "
+            "ratio {total}\n")
+
+
+@pytest.mark.parametrize("median, total, passes", [("0.978", "0.981", True), ("0.815", "0.834", False),
+                                                   ("0.978", "1.130", False), ("1.080", "0.950", True)])
+def test_ncu_agrees_holds_the_step_total_and_the_median_to_10_percent(tmp_path, median, total, passes):
+    """The ncu_agrees stage reads bench/ncu.sh's agreement line (the H100 of 2026-11-24 gave 0.978 and 0.981; at
+    T=64 with graphs in the ncu run, whose GEMMs differ, 0.815 and 0.834)."""
+    log = tmp_path / "ncu.log"
+    log.write_text("...\n" + LOG_LINE.format(median=median, total=total))
+    r = subprocess.run([sys.executable, str(HELPER), "ncu-agrees", str(log)], capture_output=True, text=True)
+    assert r.returncode == (0 if passes else 1), r.stdout
+    assert r.stdout.startswith("PASS" if passes else "FAIL") and f"step total {float(total):.3f}" in r.stdout
+    log.write_text("ncu finished but nothing matched\n")
+    r = subprocess.run([sys.executable, str(HELPER), "ncu-agrees", str(log)], capture_output=True, text=True)
+    assert r.returncode == 1 and "no 'built-in vs ncu kernel times' line" in r.stdout
+
+
+def test_missing_ncu_skips_the_ncu_stages(tmp_path):
+    body = ("MODE=quick DEVICE=cuda ONLY=ncu,ncu_agrees\n"
+            "CUDA_OK=1 TORCH_OK=1 TORCH_CPU_OK=1 PYTEST_OK=1 SAN_OK=1 NCU_OK=0 NCU_WHY='ncu is not on PATH'\n"
+            "acc_stages\nacc_finish")
+    r = source(body, tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    _, stages = summary(tmp_path)
+    assert list(stages) == ["ncu", "ncu_agrees"]
+    assert all(s["status"] == "SKIP" and "not on PATH" in s["reason"] for s in stages.values())
 
 
 def test_skips_pass_unless_strict(tmp_path):
