@@ -96,9 +96,26 @@ def preflight(device):
         put("NCCL", why is None, why and f"NCCL not usable by CuPy ({why})")
         if why and problem is None:
             wheels.append("nvidia-nccl-cu13")
+        # The fast path's plumbing, which the GPU path runs without (each with a note) but then is not the fast path:
+        # cuBLASLt through nvmath-python (GEMM epilogues, and the GEMMs inside CUDA graphs), CUPTI (the profiler's
+        # device times), NVTX ranges (ncu's and nsys's filters)
+        extras = []
+        for module, wheel, what in (("nvmath.bindings.cublasLt", "nvmath-python", "no GEMM epilogues, no CUDA graphs"),
+                                    ("cupti.cupti", "cupti-python", "the profiler falls back to CUDA events"),
+                                    ("nvtx", "nvtx", "no NVTX ranges, so ncu/nsys cannot filter by step")):
+            mod, why = _try(lambda m=module: importlib.import_module(m))
+            if mod is not None and wheel == "nvtx" and not hasattr(mod, "get_domain"):
+                mod, why = None, "nvtx older than 0.2.12 (no nvtx.get_domain)"
+            if mod is None:
+                extras.append(f"{wheel} ({what}: {why})")
+                wheels.append(wheel)
+                if wheel == "cupti-python" and _try(lambda: importlib.import_module("elftools"))[0] is None:
+                    wheels.append("pyelftools")                 # cupti-python's own dependency
+        put("EXTRAS", not extras, extras and "not installed: " + "; ".join(extras))
     else:
         put("CUDA", False, "--device emu: no GPU used")
         put("NCCL", False, "--device emu: no GPU used")
+        put("EXTRAS", True)
     torch, why = _try(lambda: importlib.import_module("torch"))
     put("TORCH_CPU", torch is not None, why and f"torch is not installed ({why})")
     if torch is None:

@@ -152,7 +152,10 @@ acc_preflight() {   # the tool checks -> CUDA_OK TORCH_OK TORCH_CPU_OK PYTEST_OK
     if [ -n "${WHEELS_NEEDED:-}" ] && [ -n "${WHEELS:-}" ] && [ "${DRY_RUN:-0}" != 1 ]; then
         echo "\$ $PY -m pip install --no-index --find-links $WHEELS $WHEELS_NEEDED" >> "$log"
         # shellcheck disable=SC2086
+        # with their dependencies where the folder has them, else the named wheels alone (a carried wheel's pins,
+        # e.g. cupti-python's on nvidia-cuda-cupti, need not match what the machine has and works with)
         "$PY" -m pip install --no-index --find-links "$WHEELS" $WHEELS_NEEDED >> "$log" 2>&1 \
+            || "$PY" -m pip install --no-index --no-deps --find-links "$WHEELS" $WHEELS_NEEDED >> "$log" 2>&1 \
             || echo "# pip could not install every wheel from $WHEELS" >> "$log"
         checks=$("$PY" "$HELPER" preflight --device "$DEVICE" 2>>"$log") && eval "$checks"
     fi
@@ -174,6 +177,7 @@ acc_preflight() {   # the tool checks -> CUDA_OK TORCH_OK TORCH_CPU_OK PYTEST_OK
     [ "$TORCH_OK" = 1 ] || missing+=("PyTorch: $TORCH_WHY")
     [ "$PYTEST_OK" = 1 ] || missing+=("pytest: $PYTEST_WHY")
     [ "$NCCL_OK" = 1 ] || missing+=("NCCL: $NCCL_WHY")
+    [ "${EXTRAS_OK:-1}" = 1 ] || missing+=("$EXTRAS_WHY")
     [ "$SAN_OK" = 1 ] || [ "$DEVICE" = emu ] || missing+=("$SAN_WHY")
     local bring=""
     if [ -n "${WHEELS_NEEDED:-}" ]; then

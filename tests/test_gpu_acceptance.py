@@ -179,6 +179,25 @@ def test_preflight_names_the_wheels_to_bring(no_cupy_no_torch):
     assert values["WHEELS_NEEDED"].strip("'").split() == ["cupy-cuda13x", "torch"]
 
 
+def test_preflight_names_the_fast_paths_missing_plumbing(tmp_path):
+    """nvmath-python (GEMM epilogues, GEMMs in CUDA graphs), cupti-python (with its pyelftools) and nvtx: the GPU path
+    runs without them, each with a note, but then is not the fast path (the H100 image of 2026-11-24 had none of
+    them); the preflight names them among the wheels to bring."""
+    fake = tmp_path / "fake"
+    for name in ("nvmath", "cupti", "nvtx", "elftools"):
+        (fake / name).mkdir(parents=True)
+        (fake / name / "__init__.py").write_text(f'raise ImportError("No module named {name}")\n')
+    r = subprocess.run([sys.executable, str(HELPER), "preflight", "--device", "cuda"], capture_output=True,
+                       text=True, env=env(PYTHONPATH=str(fake) + os.pathsep + str(REPO)), timeout=60)
+    assert r.returncode == 0, r.stderr
+    values = dict(line.split("=", 1) for line in r.stdout.splitlines())
+    assert values["EXTRAS_OK"] == "0" and "no CUDA graphs" in values["EXTRAS_WHY"]
+    assert values["WHEELS_NEEDED"].strip("'").split()[-4:] == ["nvmath-python", "cupti-python", "pyelftools", "nvtx"]
+    r = subprocess.run([sys.executable, str(HELPER), "preflight", "--device", "cuda"], capture_output=True,
+                       text=True, env=env(PYTHONPATH=str(REPO)), timeout=60)      # this machine has them
+    assert "EXTRAS_OK=1" in r.stdout.splitlines()
+
+
 def test_missing_gpu_packages_skip_with_the_pip_line(tmp_path, no_cupy_no_torch):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
@@ -223,3 +242,21 @@ def test_emulator_smoke(tmp_path):
     assert "OK: the loss falls" in (tmp_path / "train_loss.log").read_text()
     step = (tmp_path / "gpu_step.log").read_text()
     assert "PyTorch runs eager on the CPU" in step and "ratio" in step
+
+
+def test_gpu_wheels_downloads_the_fast_paths_plumbing_without_dependencies(tmp_path):
+    """bench/gpu_wheels.sh (run online, for an offline GPU machine): its pip command, shown by --dry-run (no network
+    in tests); bad arguments are one line and exit 2."""
+    script = REPO / "bench" / "gpu_wheels.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    r = subprocess.run(["bash", str(script), str(tmp_path / "w"), "--python", "3.11", "--dry-run"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(r.stdout)
+    assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "--only-binary=:all:" in cmd
+    assert cmd[cmd.index("--python-version") + 1] == "3.11" and cmd[cmd.index("-d") + 1] == str(tmp_path / "w")
+    assert [c.split(">")[0] for c in cmd[-4:]] == ["nvtx", "cupti-python", "nvmath-python", "pyelftools"]
+    assert not (tmp_path / "w").exists()
+    for bad in ([], ["--python", "twelve", "x"], ["--bogus", "x"]):
+        r = subprocess.run(["bash", str(script), *bad], capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1
