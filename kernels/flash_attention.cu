@@ -228,6 +228,20 @@ __device__ __forceinline__ void flash_accumulate(FlashAcc* acc, const flash_in* 
     }
 }
 
+// The walk over K and V, step kt (rows 32 kt ..): the rows fetched before into the shared tiles Ks, Vs, then the
+// next step's rows fetched into kr, vr, to arrive while this step computes. base: this (batch, head)'s inp.
+__device__ __forceinline__ void flash_kv_step(flash_in* Ks, flash_in* Vs, FlashRows& kr, FlashRows& vr,
+                                              const floatX* base, int kt, int steps, int T, int C, bool vec) {
+    __syncthreads();                                    // every warp is done with the last step's K, V
+    flash_put(Ks, kr);
+    flash_put(Vs, vr);
+    __syncthreads();
+    if (kt + 1 < steps) {
+        flash_fetch(kr, base + C, (kt + 1) * FLASH_BN, T, 3 * C, vec);
+        flash_fetch(vr, base + 2 * C, (kt + 1) * FLASH_BN, T, 3 * C, vec);
+    }
+}
+
 // Writes 32 consecutive values src[0..31] * mul to dst (floatX), rounded once; 16-byte vectors where dst is
 // 16-byte aligned.
 __device__ __forceinline__ void flash_store32(floatX* dst, const float* src, float mul) {
@@ -309,14 +323,7 @@ flash_attention_forward(floatX* out, float* lse, const floatX* inp, int B, int T
     flash_fetch(vr, base + 2 * C, 0, T, C3, vec);
     for (int kt = 0; kt < steps; kt++) {
         const int k0 = kt * FLASH_BN;
-        __syncthreads();                                // every warp is done with the last step's K, V
-        flash_put(Ks, kr);
-        flash_put(Vs, vr);
-        __syncthreads();
-        if (kt + 1 < steps) {                           // the next step's rows load while this one computes
-            flash_fetch(kr, base + C, k0 + FLASH_BN, T, C3, vec);
-            flash_fetch(vr, base + 2 * C, k0 + FLASH_BN, T, C3, vec);
-        }
+        flash_kv_step(Ks, Vs, kr, vr, base, kt, steps, T, C, vec);
         // key k0 <= the warp's first row (k0 and w0 are multiples of 16) and k0 < T, so every row that gets
         // here has a finite maximum; a warp whose rows all come before k0, or lie past T, skips the step
         if (k0 > w0 + FLASH_WR - 1 || w0 >= T) continue;
@@ -543,14 +550,7 @@ flash_attention_backward_dq(floatX* dinp, const floatX* dout, const floatX* inp,
     flash_fetch(vr, base + 2 * C, 0, T, C3, vec);
     for (int kt = 0; kt < steps; kt++) {
         const int k0 = kt * FLASH_BN;
-        __syncthreads();
-        flash_put(Ks, kr);
-        flash_put(Vs, vr);
-        __syncthreads();
-        if (kt + 1 < steps) {
-            flash_fetch(kr, base + C, k0 + FLASH_BN, T, C3, vec);
-            flash_fetch(vr, base + 2 * C, k0 + FLASH_BN, T, C3, vec);
-        }
+        flash_kv_step(Ks, Vs, kr, vr, base, kt, steps, T, C, vec);
         if (k0 > w0 + FLASH_WR - 1 || w0 >= T) continue;
         flash_scores(S, qf, Ks);                        // S = Q K^T
         flash_scores(dP, dof, Vs);                      // dP = dO V^T
