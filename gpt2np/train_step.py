@@ -18,7 +18,8 @@ Two ways to run it, the same math:
     returns a PendingStep: its loss and grad_norm arrive by an asynchronous copy and are resolved when read
     (raising NonFiniteError then), so the trainer prints step N while step N+1 runs. With cuda_graphs, the
     device work of a step is captured once per shape as a CUDA graph (after one eager step, which makes every
-    lazily allocated buffer) and replayed afterwards: one launch per step instead of hundreds.
+    lazily allocated buffer) and replayed afterwards: one launch per step instead of hundreds (under MPI, three:
+    the collectives run between them, see _device_segments).
 """
 import math
 import sys
@@ -107,8 +108,9 @@ def train_step(model, next_batch: Callable[[], Batch], *, step: int, lr: float, 
     step: 0-based index (the NVTX range is "Train step {step}", AdamW's t is step + 1).
     dist: a process group (gpt2np.dist); None = this process alone. The loss and the gradients are
     averaged over micro-batches and processes; the grad norm is the global one, before clipping.
-    cuda_graphs: on the device step, capture the step as a CUDA graph once per shape and replay it (single
-    process only; ignored while a profiler watches the launches, and on the host step).
+    cuda_graphs: on the device step, capture the step as a CUDA graph once per shape and replay it (under MPI as
+    three graphs with the collectives between them; ignored while a profiler watches the launches, and on the host
+    step).
     limits: an outlier.Limits (None: none): the update is skipped when the loss or the norm is above its limit
     (outlier.exceeded: the same comparisons on the host step and in the device step's AdamW kernel).
     Returns a StepResult (host step) or a PendingStep (device step, see the module docstring). A step whose loss
@@ -166,54 +168,74 @@ def _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_gra
         model.set_step_scalars(lr, adamw.beta1, adamw.beta2, adamw.weight_decay, step + 1, limits)
         shard = dist.shard(model.num_parameters)
 
-        def body():
-            _device_body(model, shape, accum_steps, adamw, dist, shard)
-
-        graphs_ok = (cuda_graphs and dist.world_size == 1 and be.on_launch is None and hasattr(be.rt, "begin_capture")
+        graphs_ok = (cuda_graphs and be.on_launch is None and hasattr(be.rt, "begin_capture")
                      and getattr(be.rt, "captures_gemms", True))
         cache = _GRAPHS.setdefault(model, {})
         key = (shape, accum_steps, adamw, shard)
-        if not graphs_ok or cache.get(("eager", key)):
-            body()
-        else:
-            held = cache.get(key)
-            state = (model.m, model.v, model.master)
-            fresh = (held is not None and held.generation == be.scratch_generation
-                     and all(a is b for a, b in zip(held.state, state)))
-            if fresh:
-                held.graph.launch()
-            elif (model.m is None or model.has_master_weights and model.master is None
-                  or held is None and not cache.get(("warm", key))):
-                body()                                   # eager first: it allocates what the step needs
-                cache[("warm", key)] = True
+        for i, (device_work, collective) in enumerate(_device_segments(model, shape, accum_steps, adamw, dist, shard)):
+            if not graphs_ok or cache.get(("eager", key)):
+                device_work()
             else:
-                be.rt.begin_capture()
-                try:
-                    body()
-                except NotImplementedError as e:         # a library call that refuses stream capture: run eagerly
-                    be.rt.end_capture()
-                    cache[("eager", key)] = True
-                    print(f"note: the step could not be captured as a CUDA graph ({e}); it runs eagerly",
-                          file=sys.stderr, flush=True)
-                    body()
-                    return PendingStep(step, be.read_async(model.stats))
-                except BaseException:
-                    be.rt.end_capture()
-                    raise
-                graph = be.rt.end_capture()
-                cache[key] = _Captured(graph, be.scratch_generation, state)
-                graph.launch()
+                _replay_or_capture(model, cache, (key, i), ("eager", key), device_work)
+            if collective is not None:
+                collective(model)
         return PendingStep(step, be.read_async(model.stats))
 
 
-def _device_body(model, shape, accum_steps, adamw, dist, shard):
-    """The device work of a step, everything after the uploads: what a CUDA graph captures."""
-    model.zero_grad()
-    for i in range(accum_steps):
-        model.forward_staged(i, shape, grad_accum_steps=accum_steps)
-        model.backward(grad_accum_steps=accum_steps)
-    dist.average_grads(model)
-    model.grad_norm_device(shard if dist.zero_stage == 1 else None)
-    dist.reduce_stats(model)
-    model.update_device(adamw.beta1, adamw.beta2, adamw.eps, adamw.grad_clip, shard=shard)
-    dist.gather_params(model)
+def _replay_or_capture(model, cache, key, eager_key, device_work):
+    """Run device_work as the CUDA graph cached under key: replayed when it was captured with today's buffers, else
+    run eagerly once (the first time: it allocates what the step needs) and captured the next time. A library call
+    that refuses capture ends the capture, runs device_work eagerly and sets eager_key: the step's shape then runs
+    eagerly from now on (one note)."""
+    be = model.backend
+    held = cache.get(key)
+    state = (model.m, model.v, model.master)
+    if (held is not None and held.generation == be.scratch_generation
+            and all(a is b for a, b in zip(held.state, state))):
+        held.graph.launch()
+    elif (model.m is None or model.has_master_weights and model.master is None
+          or held is None and not cache.get(("warm", key))):
+        device_work()                                    # eager first: it allocates what the step needs
+        cache[("warm", key)] = True
+    else:
+        be.rt.begin_capture()
+        try:
+            device_work()
+        except NotImplementedError as e:                 # a library call that refuses stream capture: run eagerly
+            be.rt.end_capture()
+            cache[eager_key] = True
+            print(f"note: the step could not be captured as a CUDA graph ({e}); it runs eagerly",
+                  file=sys.stderr, flush=True)
+            device_work()
+            return
+        except BaseException:
+            be.rt.end_capture()
+            raise
+        graph = be.rt.end_capture()
+        cache[key] = _Captured(graph, be.scratch_generation, state)
+        graph.launch()
+
+
+def _device_segments(model, shape, accum_steps, adamw, dist, shard):
+    """The device work of a step, everything after the uploads, as (device work, collective or None) pairs, each
+    device work what one CUDA graph captures. One process: the whole step, one graph. Under MPI (any number of
+    ranks, one included): the collectives run between the graphs, as they wait on the host (MPI, and NCCL for the
+    collective watchdog), which no graph may hold; so a step is three graphs: forward and backward, the gradient
+    norm, AdamW."""
+
+    def forward_backward():
+        model.zero_grad()
+        for i in range(accum_steps):
+            model.forward_staged(i, shape, grad_accum_steps=accum_steps)
+            model.backward(grad_accum_steps=accum_steps)
+
+    def grad_norm():
+        model.grad_norm_device(shard if dist.zero_stage == 1 else None)
+
+    def update():
+        model.update_device(adamw.beta1, adamw.beta2, adamw.eps, adamw.grad_clip, shard=shard)
+
+    if isinstance(dist, SingleProcess):
+        return [(lambda: (forward_backward(), grad_norm(), update()), None)]
+    return [(forward_backward, dist.average_grads), (grad_norm, dist.reduce_stats), (update, dist.gather_params)]
+

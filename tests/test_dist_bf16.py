@@ -87,9 +87,9 @@ def staged_collectives(comm):
     return lambda backend, buf: StagedCollectives(comm, backend.rt)
 
 
-def thread_ranks(backend, ranks, zero, make_collectives=None):
+def thread_ranks(backend, ranks, zero, make_collectives=None, cuda_graphs=False, launches=None):
     """[(losses, params)] of each thread rank; make_collectives(comm): the collectives factory (None: the
-    default, MPI on host buffers)."""
+    default, MPI on host buffers). launches: a dict to put each rank's CUDA graph launches per step in."""
     group, (x, y) = Group(ranks), batches(ranks)
 
     def rank_main(rank):
@@ -98,7 +98,8 @@ def thread_ranks(backend, ranks, zero, make_collectives=None):
                                collectives=make_collectives(comm) if make_collectives else None)
         model = GPT2(TINY, BACKENDS[backend](), B_PER_RANK, T, seed=3)
         assert model.has_master_weights
-        return train(model, x, y, dist, rows=slice(rank * B_PER_RANK, (rank + 1) * B_PER_RANK))
+        return train(model, x, y, dist, rows=slice(rank * B_PER_RANK, (rank + 1) * B_PER_RANK),
+                     cuda_graphs=cuda_graphs, launches=None if launches is None else launches.setdefault(rank, []))
 
     return group.run(rank_main)
 
@@ -163,6 +164,19 @@ def test_nccl_bf16_on_the_emulator_trains_like_one_process(reference, ranks, zer
     assert stats and all(op == nccl.NCCL_SUM for _, op in stats)
     gathers = {dtype for _, name, dtype, _ in nccl.types if name in ("allGather", "broadcast")}
     assert gathers == ({nccl.NCCL_BFLOAT16} if zero else set())
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_nccl_bf16_steps_replay_as_cuda_graphs_bitwise_the_eager_steps(zero):
+    """bf16 data parallel with CUDA graphs (three a step, the collectives between them): the master weights,
+    stochastic rounding's per-step seed and the bf16 gradients' ncclAvg give the eager steps' bits."""
+    eager = thread_ranks("emu", 2, zero, nccl_collectives(FakeNccl()))
+    launches = {}
+    graphed = thread_ranks("emu", 2, zero, nccl_collectives(FakeNccl()), cuda_graphs=True, launches=launches)
+    for (eager_losses, eager_params), (losses, params) in zip(eager, graphed):
+        assert losses == eager_losses
+        np.testing.assert_array_equal(bits(params), bits(eager_params))
+    assert launches == {rank: [0] + [3] * (STEPS - 1) for rank in range(2)}
 
 
 @pytest.mark.parametrize("zero", [0, 1])

@@ -39,14 +39,18 @@ def batches(ranks, steps=STEPS):
     return tokens[..., :-1], tokens[..., 1:]
 
 
-def train(model, x, y, dist=None, rows=slice(None), adamw=ADAMW):
+def train(model, x, y, dist=None, rows=slice(None), adamw=ADAMW, cuda_graphs=False, launches=None):
     """One step per batch of x, y on this rank's rows of it (lr 1e-3); returns the losses and the final
-    parameters."""
+    parameters. launches: a list to append each step's count of CUDA graph launches to."""
     losses = []
     for step in range(len(x)):
         batch = (np.ascontiguousarray(x[step, rows]), np.ascontiguousarray(y[step, rows]))
-        loss, _ = train_step(model, lambda b=batch: b, step=step, lr=1e-3, adamw=adamw, dist=dist)
+        before = launches is not None and model.backend.rt.graph_launches
+        loss, _ = train_step(model, lambda b=batch: b, step=step, lr=1e-3, adamw=adamw, dist=dist,
+                             cuda_graphs=cuda_graphs)
         losses.append(float(loss))
+        if launches is not None:
+            launches.append(model.backend.rt.graph_launches - before)
     return losses, model.params_host()
 
 
@@ -59,16 +63,18 @@ def nccl_factory(nccl):
     return lambda comm: (lambda backend, buf: NcclCollectives(comm, backend.rt, nccl=nccl, stream_ptr=lambda: 0))
 
 
-def thread_ranks(ranks, zero, make_collectives):
+def thread_ranks(ranks, zero, make_collectives, steps=STEPS, cuda_graphs=False, launches=None):
     """Train on `ranks` thread ranks with MpiProcessGroup over a ThreadComm; make_collectives(comm) gives the
-    group's collectives factory."""
-    group, (x, y) = Group(ranks), batches(ranks)
+    group's collectives factory. launches: a dict to put each rank's graph launches per step in."""
+    group, (x, y) = Group(ranks), batches(ranks, steps)
 
     def rank_main(rank):
         comm = ThreadComm(group, rank)
         dist = MpiProcessGroup(comm, zero_stage=zero, timeout=0, collectives=make_collectives(comm))
         model = GPT2(TINY, emu_backend(), B_PER_RANK, T, seed=3)
-        return train(model, x, y, dist, rows=slice(rank * B_PER_RANK, (rank + 1) * B_PER_RANK))
+        mine = None if launches is None else launches.setdefault(rank, [])
+        return train(model, x, y, dist, rows=slice(rank * B_PER_RANK, (rank + 1) * B_PER_RANK),
+                     cuda_graphs=cuda_graphs, launches=mine)
 
     return group.run(rank_main)
 
@@ -98,6 +104,25 @@ def test_nccl_path_on_the_emulator_trains_like_one_process(reference, ranks, zer
         # (the device step's all-reduce of its STATS statistics stands alone)
         assert all(grouped for _, name, count, grouped in nccl.log
                    if name != "allReduce" or tail and count != STATS)
+
+
+@pytest.mark.parametrize("ranks, zero, staged", [(1, 0, False), (2, 0, False), (3, 1, False), (2, 1, True)])
+def test_data_parallel_steps_replay_as_cuda_graphs_bitwise_the_eager_steps(ranks, zero, staged):
+    """Under MPI the step is three graphs (forward and backward, the norm, AdamW) with the collectives between
+    them, on the host: NCCL's (each waits for the stream) or the host-staged ones of ranks sharing a GPU. One rank
+    (mpiexec -n 1) too: before, its collectives were captured inside the one graph, and their wait failed there."""
+    if staged:
+        collectives = lambda comm: (lambda backend, buf: StagedCollectives(comm, backend.rt))   # noqa: E731
+    else:
+        collectives = nccl_factory(FakeNccl())
+    eager = thread_ranks(ranks, zero, collectives, steps=4)
+    launches = {}
+    graphed = thread_ranks(ranks, zero, collectives, steps=4, cuda_graphs=True, launches=launches)
+    for (eager_losses, eager_params), (losses, params) in zip(eager, graphed):
+        assert losses == eager_losses
+        np.testing.assert_array_equal(params, eager_params)
+    # each rank: an eager warm-up step, then three graphs captured and launched, then replayed
+    assert launches == {rank: [0, 3, 3, 3] for rank in range(ranks)}
 
 
 @pytest.mark.parametrize("zero", [0, 1])
