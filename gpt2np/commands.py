@@ -12,7 +12,7 @@ from .cli import ArgumentParser, BadInput, program_name, tool
 # name -> (module whose main runs it, argv prefix, one line for the command list)
 COMMANDS = {
     "train": ("gpt2np.train_cli", [], "train GPT-2 (llm.c's train_gpt2 flags; the same as python train.py)"),
-    "prepare": ("gpt2np.prepare", [], "text, tinyshakespeare, FineWeb-Edu or TinyStories -> llm.c token shards"),
+    "prepare": ("gpt2np.prepare", [], "text, tinyshakespeare, FineWeb(-Edu) or TinyStories -> llm.c token shards"),
     "fetch": ("gpt2np.fetch", [], "download tinyshakespeare, llm.c's gpt2_124M.bin, tokenizer, BPE files, HellaSwag"),
     "compare": ("gpt2np.compare", [], "check logits, gradients and AdamW steps against a PyTorch GPT-2"),
     "profile": ("gpt2np.profiling.profiler", [], "profile training steps: per-kernel/op table, module tree, views"),

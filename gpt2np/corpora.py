@@ -1,7 +1,13 @@
-"""FineWeb-Edu's sample -> llm.c token shards, as llm.c's dev/data/fineweb.py makes them (TinyStories: tinystories.py).
+"""FineWeb's samples -> llm.c token shards, as llm.c's dev/data/fineweb.py makes them (TinyStories: tinystories.py).
 
     gpt2np prepare fineweb --shards 10          # edu_fineweb_val_000000.bin, edu_fineweb_train_000001.bin, ...
+    gpt2np prepare fineweb -t classic -v 100B   # fineweb_val_000000.bin, ... from FineWeb's sample-100BT
     gpt2np prepare fineweb --source docs.parquet --shard-size 1000000     # a local copy (parquet or jsonl)
+
+-t/--type and -v/--version are llm.c's: FineWeb-Edu (`edu`, HuggingFaceFW/fineweb-edu, shards edu_fineweb_*) or
+FineWeb (`classic`, HuggingFaceFW/fineweb, shards fineweb_*), its 10B- or 100B-token sample (sample-10BT,
+sample-100BT). The default here is edu 10B, the data of llm.c's GPT-2 reproductions (llm.c's script defaults to
+classic).
 
 Documents come from the Hugging Face Hub through `datasets` (streamed: only what the shards need is read;
 `pip install 'gpt2np[data]'`), or from local parquet/jsonl files with a `text` field (--source). Each document
@@ -40,9 +46,16 @@ class Corpus:
     train_split: str
 
 
-CORPORA = {
-    "fineweb": Corpus("edu_fineweb", "HuggingFaceFW/fineweb-edu", "sample-10BT", "train"),
-}
+# llm.c's fineweb.py -t (type) and -v (version): type -> (shard prefix, Hub id); version -> the Hub config
+FINEWEB_TYPES = {"edu": ("edu_fineweb", "HuggingFaceFW/fineweb-edu"), "classic": ("fineweb", "HuggingFaceFW/fineweb")}
+FINEWEB_VERSIONS = {"10B": "sample-10BT", "100B": "sample-100BT"}
+FINEWEB_DEFAULT = ("edu", "10B")
+
+
+def fineweb_corpus(kind="edu", version="10B") -> Corpus:
+    """FineWeb (`classic`) or FineWeb-Edu (`edu`), its 10B or 100B sample."""
+    name, hub_id = FINEWEB_TYPES[kind]
+    return Corpus(name, hub_id, FINEWEB_VERSIONS[version], "train")
 
 
 class NoDocuments(DataError):
@@ -182,8 +195,12 @@ def _load_progress(path, settings):
         streams = state["streams"]
     except (ValueError, KeyError, TypeError):
         raise DataError(f"{path}: not a progress file of gpt2np prepare; remove it to start over") from None
-    if state.get("settings") != settings:
-        theirs = state.get("settings")
+    theirs = state.get("settings")
+    if isinstance(theirs, dict) and "config" not in theirs:
+        # written before -t/-v (2026-11-24): FineWeb-Edu's sample-10BT from the Hub, or a --source
+        hub = theirs.get("source") == FINEWEB_TYPES["edu"][1]
+        theirs = {**theirs, "config": FINEWEB_VERSIONS["10B"] if hub else None}
+    if theirs != settings:
         raise DataError(f"{path}: written with other settings ({theirs}) than this run's ({settings}); use another "
                         f"--output-dir, or remove the folder's shards and this file to start over")
     return {"settings": settings, "streams": streams}
@@ -262,14 +279,15 @@ def write_stream(documents, out_dir, name, stream, first_index, splits, state, s
 
 
 def prepare_corpus(which, out_dir, shards=-1, shard_size=SHARD_SIZE, source=None, workers=None, bpe_dir=None,
-                   cache=None):
-    """Write `which`'s shards (see the module docstring) into out_dir; returns the paths written by this call.
-    shards: how many in all, val included (-1: all the data)."""
-    corpus = CORPORA[which]
+                   cache=None, kind="edu", version="10B"):
+    """Write `which`'s shards (which: "fineweb", of type `kind` and sample `version`, see the module docstring)
+    into out_dir; returns the paths written by this call. shards: how many in all, val included (-1: all the
+    data). With a --source, kind names the shards and version plays no part."""
+    corpus = fineweb_corpus(kind, version)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"dataset": which, "source": str(Path(source).resolve()) if source else corpus.hub_id,
-                "shard_size": shard_size}
+                "config": None if source else corpus.config, "shard_size": shard_size}
     state_path = progress_path(out_dir, corpus.name)
     state = _load_progress(state_path, settings)
     if cache is not None:

@@ -1,7 +1,7 @@
 """Tokenize a text file into llm.c token shards: <name>_val.bin (the first val_tokens tokens) and <name>_train.bin.
 
     python -m gpt2np.prepare [--input FILE | tinyshakespeare] [--output-dir DIR] [--val-tokens 32768] [--bpe-dir DIR]
-    gpt2np prepare fineweb --shards N          # FineWeb-Edu sample-10BT, 100M-token shards, val first (corpora.py)
+    gpt2np prepare fineweb --shards N          # FineWeb-Edu sample-10BT (llm.c's -t classic, -v 100B too), val first
     gpt2np prepare tinystories                 # TinyStories_val.bin, TinyStories_train.bin (tinystories.py)
 
 As llm.c does for tinyshakespeare, the text is cut at blank lines ("\\n\\n") into documents, each document
@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .cli import ArgumentParser, BadInput, integer, tool
+from .corpora import FINEWEB_DEFAULT, FINEWEB_TYPES, FINEWEB_VERSIONS
 from .data import DataError, write_shard
 from .fetch import TINYSHAKESPEARE_URL, check_folder, download, removing_new_folders
 from .paths import DATA_DIR, data_search_dirs
@@ -108,9 +109,14 @@ def main(argv=None):
     parser = ArgumentParser(prog="python -m gpt2np.prepare", description=__doc__.split("\n")[0])
     parser.add_argument("dataset", nargs="?", choices=["tinyshakespeare", "fineweb", "tinystories"],
                         help="a known dataset (default when --input is not given: tinyshakespeare); fineweb "
-                             "(FineWeb-Edu sample-10BT, streamed from the Hugging Face Hub: pip install "
-                             "'gpt2np[data]') and tinystories (llm.c's: TinyStories_all_data.tar.gz, downloaded) "
-                             "or read from --source")
+                             "(FineWeb-Edu sample-10BT by default, see -t/-v; streamed from the Hugging Face Hub: "
+                             "pip install 'gpt2np[data]') and tinystories (llm.c's: TinyStories_all_data.tar.gz, "
+                             "downloaded) or read from --source")
+    parser.add_argument("-t", "--type", choices=list(FINEWEB_TYPES), help="fineweb: edu (FineWeb-Edu, shards "
+                        "edu_fineweb_*) or classic (FineWeb, shards fineweb_*), llm.c's fineweb.py -t (default: edu, "
+                        "the data of llm.c's GPT-2 runs; llm.c's script defaults to classic)")
+    parser.add_argument("-v", "--version", choices=list(FINEWEB_VERSIONS), help="fineweb: the sample on the Hub, "
+                        "10B (sample-10BT) or 100B (sample-100BT) tokens, llm.c's fineweb.py -v (default: 10B)")
     parser.add_argument("--shards", type=int, help="fineweb: shards to write in all, the "
                         "val shard included (default -1: all the data)")
     parser.add_argument("--shard-size", type=int, help="fineweb: tokens per "
@@ -155,6 +161,13 @@ def main(argv=None):
 
 def check_flags_apply(args):
     """BadInput for a flag that means nothing for what is prepared (it would be ignored silently)."""
+    for flag, value in (("-t", args.type), ("-v", args.version)):
+        if value is not None and args.dataset != "fineweb":
+            what = args.dataset or (f"--input {args.input}" if args.input else "tinyshakespeare")
+            raise BadInput(f"{flag} {value}: only for fineweb (FineWeb's type and sample), not {what}")
+    if args.version is not None and args.source:
+        raise BadInput(f"-v {args.version}: the sample to download, not used with --source {args.source} (nothing "
+                       f"is downloaded); give one or the other")
     if args.dataset in LARGE:
         if args.val_tokens is not None:
             split = "shard 0 (--shard-size tokens)" if args.dataset == "fineweb" else "first json file"
@@ -198,9 +211,11 @@ def prepare_large(args, cache=None):
     if args.source:
         source_files(args.source)
     get_encoding(args.bpe_dir)
+    kind, version = args.type or FINEWEB_DEFAULT[0], args.version or FINEWEB_DEFAULT[1]
     written = prepare_corpus(args.dataset, args.output_dir, shards, shard_size, args.source,
-                             args.workers, args.bpe_dir, cache=cache)
-    print(f"{args.dataset}: {len(written)} shard(s) written into {args.output_dir}")
+                             args.workers, args.bpe_dir, cache=cache, kind=kind, version=version)
+    what = f"{args.source}, as {kind}" if args.source else f"{kind} {FINEWEB_VERSIONS[version]}"
+    print(f"{args.dataset} ({what}): {len(written)} shard(s) written into {args.output_dir}")
     return 0
 
 

@@ -189,13 +189,49 @@ def test_tinystories_takes_no_shard_flags(tmp_path, capsys, flag):
     assert code == 2 and f"{flag} 2: only for fineweb" in res.err and "TinyStories_train.bin" in res.err
 
 
-def test_fineweb_hub_id_and_config(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("flags, kind, hub_id, config, name", [
+    ([], "edu", "HuggingFaceFW/fineweb-edu", "sample-10BT", "edu_fineweb"),
+    (["-t", "edu", "-v", "100B"], "edu", "HuggingFaceFW/fineweb-edu", "sample-100BT", "edu_fineweb"),
+    (["-t", "classic"], "classic", "HuggingFaceFW/fineweb", "sample-10BT", "fineweb"),
+    (["--type", "classic", "--version", "100B"], "classic", "HuggingFaceFW/fineweb", "sample-100BT", "fineweb"),
+])
+def test_fineweb_hub_id_and_config(tmp_path, capsys, monkeypatch, flags, kind, hub_id, config, name):
+    """llm.c's fineweb.py -t edu|classic and -v 10B|100B: the Hub dataset, its sample and the shards' names."""
     calls = []
     monkeypatch.setitem(sys.modules, "datasets", fake_datasets({"train": DOCS}, calls))
     monkeypatch.setattr(corpora, "hub_reachable", lambda timeout=5.0: True)
-    assert run(["fineweb", "--shards", 1, "--shard-size", SIZE, "--output-dir", tmp_path], capsys)[0] == 0
-    assert calls == [("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)]
-    assert [f.name for f in shards_of(tmp_path)] == ["edu_fineweb_val_000000.bin"]
+    code, out = run(["fineweb", *flags, "--shards", 1, "--shard-size", SIZE, "--output-dir", tmp_path], capsys)
+    assert code == 0, out.err
+    assert calls == [(hub_id, config, "train", True)]
+    assert [f.name for f in tmp_path.glob("*_val_*.bin")] == [f"{name}_val_000000.bin"]
+    assert f"fineweb ({kind} {config}): 1 shard(s)" in out.out
+
+
+def test_another_sample_into_the_same_folder_is_refused_and_old_progress_files_resume(tmp_path, capsys, monkeypatch):
+    """Both samples name their shards alike (llm.c keeps them in separate folders): a 100B run into a 10B run's
+    folder is one line. A progress file written before -t/-v (no config in its settings) is the edu 10B one."""
+    monkeypatch.setitem(sys.modules, "datasets", fake_datasets({"train": DOCS}, []))
+    monkeypatch.setattr(corpora, "hub_reachable", lambda timeout=5.0: True)
+    common = ["fineweb", "--shards", 1, "--shard-size", SIZE, "--output-dir", tmp_path]
+    assert run(common, capsys)[0] == 0
+    code, out = run(common + ["-v", "100B"], capsys)
+    assert code == 2 and "other settings" in out.err and len(out.err.strip().splitlines()) == 1
+    progress = tmp_path / "edu_fineweb_progress.json"
+    state = json.loads(progress.read_text())
+    del state["settings"]["config"]
+    progress.write_text(json.dumps(state))
+    code, out = run(common, capsys)
+    assert code == 0 and "done already" in out.out, out.err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["tinystories", "-t", "classic"], ["-t classic: only for fineweb", "not tinystories"]),
+    (["-v", "100B"], ["-v 100B: only for fineweb", "not tinyshakespeare"]),
+    (["fineweb", "--source", "docs.jsonl", "-v", "100B"], ["-v 100B", "not used with --source"]),
+])
+def test_fineweb_type_and_version_elsewhere_are_one_line(tmp_path, capsys, argv, words):
+    code, out = run(argv + ["--output-dir", tmp_path / "out"], capsys)
+    assert code == 2 and all(w in out.err for w in words) and len(out.err.strip().splitlines()) == 1, out.err
 
 
 def test_offline_is_one_line(tmp_path, capsys, monkeypatch):
