@@ -82,6 +82,16 @@ def test_module_tree_gives_parameters_per_module_and_time_to_wpe(emu):
     assert memory.module_parameters(CFG)["h.1.mlp.c_proj"] == 4 * C * C + C
 
 
+def test_module_tree_says_what_it_leaves_out(emu, cpu):
+    """The tree holds kernels only: its title counts the copies and memsets (in gpu_activities and phases)."""
+    _, _, profile = emu
+    (t,) = V.modules(profile)
+    others = [r for r in profile.records if r.kind != "kernel"]
+    assert others and f"{len(others)} copies and memsets, {sum(r.duration_ns for r in others) / 1e3:,.1f} us" in t.title
+    (t,) = V.modules(cpu[2])                     # the numpy backend has none: nothing said
+    assert "copies" not in t.title
+
+
 def test_model_summary_is_the_models_buffers(emu, cpu):
     for model, prof, profile in (emu, cpu):
         mem = prof.memory

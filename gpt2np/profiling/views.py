@@ -511,6 +511,11 @@ def modules(profile: Profile, roof=None) -> List[Table]:
     columns, rows = module_tree_rows(kernels_only(profile.records), profile.meta.get("num_layers"),
                                      params=params or None)
     where = "" if params else " (parameters unknown: the profile was made without the model)"
+    # copies and memsets belong to no module: said, so that the tree's total is not taken for the phases' one
+    left_out = [r for r in profile.records if r.kind != "kernel"]
+    if left_out:
+        where += (f" (kernels; {len(left_out)} copies and memsets, {sum(r.duration_ns for r in left_out) / 1e3:,.1f} "
+                  f"us, are in gpu_activities and phases)")
     return [Table(f"GPT-2 modules: parameters and time{where}", columns, rows)]
 
 
