@@ -104,6 +104,17 @@ def test_per_op_sums_are_the_op_contracts_costs():
     assert plan.bytes == sum(c.bytes for *_, c in listener.calls)
 
 
+def test_host_copies_show_their_bytes_outside_the_floor(small_plan):
+    """The token uploads cross the host link: no device memory traffic and no floor, their bytes in the bound column
+    (at least the int32 inputs and targets of the batch; the step's statistics come back as a few bytes)."""
+    rows = {g["op"]: g for g in P.op_rows(small_plan) if g["op"].startswith("[CUDA memcpy")}
+    htod, dtoh = rows["[CUDA memcpy HtoD]"], rows["[CUDA memcpy DtoH]"]
+    assert htod["hbm_bytes"] == dtoh["hbm_bytes"] == 0 and not htod["floor_ns"] and not dtoh["floor_ns"]
+    assert htod["host_bytes"] >= 2 * 4 * B * T
+    assert htod["bound"] == f"host link: {htod['host_bytes']:,} B, not in the floor"
+    assert dtoh["bound"].startswith("host link: ") and dtoh["host_bytes"] > 0
+
+
 def test_floors_are_the_roofline_of_the_named_gpu(small_plan):
     h100 = lookup("H100")
     fp32, tf32, bw = h100.fp32 * 1e12, h100.tf32 * 1e12, h100.mem_gbps * 1e9

@@ -359,7 +359,7 @@ def op_rows(plan: Plan) -> List[dict]:
         r = x.record
         g = groups.setdefault(x.group, {"direction": r.direction, "op": x.group[1], "instances": set(),
                                         "launches": 0, "copies": 0, "flops": 0, "bytes": 0, "hbm_bytes": 0,
-                                        "floor_ns": 0.0, "compute_ns": 0.0, "measured_ns": None})
+                                        "host_bytes": 0, "floor_ns": 0.0, "compute_ns": 0.0, "measured_ns": None})
         if r.op:
             g["instances"].add(tuple(r.range_ids))
         if x.is_launch:
@@ -368,6 +368,8 @@ def op_rows(plan: Plan) -> List[dict]:
             g["bytes"] += r.bytes
         else:
             g["copies"] += 1
+            if not _on_device(r):
+                g["host_bytes"] += r.bytes       # over the host link: no device memory traffic, no floor
         g["hbm_bytes"] += x.hbm_bytes
         g["floor_ns"] += x.floor_ns or 0.0
         if x.bound == "compute":
@@ -385,6 +387,10 @@ def op_rows(plan: Plan) -> List[dict]:
         c = g.pop("compute_ns")
         g["bound"] = ("-" if not g["floor_ns"] else "compute" if c >= g["floor_ns"] else
                       "memory" if c == 0 else "mixed")
+        if g["host_bytes"] and not g["floor_ns"]:
+            n = g["host_bytes"]
+            size = f"{n:,} B" if n < 1e3 else f"{n / 1e3:,.1f} kB" if n < 1e6 else f"{n / 1e6:,.1f} MB"
+            g["bound"] = f"host link: {size}, not in the floor"
         rows.append(g)
     order = {d: i for i, d in enumerate(DIRECTIONS)}
     rows.sort(key=lambda g: (order.get(g["direction"], len(order)), -g["floor_ns"]))
