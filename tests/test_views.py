@@ -308,14 +308,18 @@ def test_communication_rows_with_bus_bandwidth(zero):
     assert "mpi:all_reduce" in users
 
 
-def test_report_tool_re_renders_a_saved_profile(emu, tmp_path, capsys):
+def test_report_tool_re_renders_a_saved_profile(emu, tmp_path, capsys, monkeypatch):
     _, prof, profile = emu
     paths = write_outputs(prof, tmp_path)
+    loads = []
+    real_load = json.load
+    monkeypatch.setattr(json, "load", lambda f, **kw: loads.append(f.name) or real_load(f, **kw))
     assert report.main([paths["json"], "--views", "all"]) == 0
     assert capsys.readouterr().out == V.render_views(profile, None, V.VIEWS)
     assert report.main([paths["json"]]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].endswith(f"[{report.EMULATED_NOTE}]") and "params" in out
+    assert loads == [paths["json"]] * 2            # the file parsed once a run (a GPU step's profile is megabytes)
 
 
 COMM = {"idx": 0, "step": 1, "name": "allreduce_grads", "collective": "all_reduce", "bytes": 4096, "ranks": 4,

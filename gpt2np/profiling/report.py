@@ -662,17 +662,23 @@ def write_json(records: Sequence[KernelRecord], path: str, roof: Optional[Roofli
     _atomic_write(path, json.dumps(doc, indent=1) + "\n")
 
 
-def read_json(path: str) -> Tuple[List[KernelRecord], Optional[Roofline], Dict]:
-    """Records, roofline and meta from a file written by write_json."""
+def load_json_doc(path: str):
+    """The parsed JSON of a records file; ReportError naming the file when it cannot be read or parsed."""
     if os.path.isdir(path):
         raise ReportError(f"{path}: is a folder; expected a JSON records file")
     try:
         with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+            return json.load(f)
     except FileNotFoundError:
         raise ReportError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ReportError(f"{path}: not a JSON records file ({e})") from None
+
+
+def read_json(path: str, doc=None) -> Tuple[List[KernelRecord], Optional[Roofline], Dict]:
+    """Records, roofline and meta from a file written by write_json (doc: its parsed JSON, when read already)."""
+    if doc is None:
+        doc = load_json_doc(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("records"), list):
         raise ReportError(f"{path}: no 'records' list (expected a file written by gpt2np.profiling.report.write_json)")
     names = [f.name for f in fields(KernelRecord)]
@@ -892,20 +898,19 @@ def main(argv=None) -> int:
                                    "or 'all' (see gpt2np.profiling.views)")
     args = p.parse_args(argv)
     step = parse_step(args.step)
-    records, roof, meta = read_json(args.records)
+    from . import views
+    profile, roof = views.read_profile(args.records)       # the file parsed once, every part checked
+    records, meta = profile.records, profile.meta
     require_records(records, args.records)
     check_step(records, step, args.records)
     if args.device:
         roof = make_roofline(args.device, args.precision, args.matmul_precision)
     if args.views:
-        from . import views
         names = views.parse_views(args.views)
-        profile, _ = views.read_profile(args.records)
         sys.stdout.write(views.render_views(profile, roof, names, step=step))
         return 0
     note = profile_note(meta)
-    from . import views
-    saved = views.select(views.read_profile(args.records)[0], step).ranges     # the host's range instances
+    saved = views.select(profile, step).ranges     # the host's range instances
     sys.stdout.write(render(records, roof, step, ranges=[(r.name, r.start_ns, r.end_ns) for r in saved] or None,
                             num_layers=meta.get("num_layers"), note=note, params=meta.get("module_params")))
     return 0

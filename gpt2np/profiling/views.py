@@ -44,6 +44,7 @@ from .report import (
     kernels_only,
     label,
     layer_rows,
+    load_json_doc,
     module_tree_rows,
     op_rows,
     profile_note,
@@ -678,9 +679,8 @@ def _memory_problem(mem) -> Optional[str]:
 def read_profile(path: str) -> Tuple[Profile, object]:
     """(Profile, roofline) from a profile.json written by the profiler (older files: records only). A row of the
     wrong shape is a ReportError naming the file, the part, the row and the field."""
-    records, roof, meta = read_json(path)
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
+    doc = load_json_doc(path)
+    records, roof, meta = read_json(path, doc)
     parts = {}
     for part, (cls, _) in PARTS.items():
         rows = [] if doc.get(part) is None else doc[part]
