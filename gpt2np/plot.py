@@ -9,6 +9,7 @@ last value, as vislog does. Left panel: train and val loss of every run (log sca
 logged one: HellaSwag accuracy. --baseline draws OpenAI's GPT-2 (and GPT-3) checkpoint values as dashed lines.
 Needs matplotlib: pip install 'gpt2np[plot]'.
 """
+import math
 import sys
 from pathlib import Path
 
@@ -23,14 +24,15 @@ HELLA3_BASELINE = {"124M": 0.337, "350M": 0.436, "774M": 0.510, "1558M": 0.547}
 STREAMS = {"trl": "train loss", "tel": "val loss", "eval": "HellaSwag"}
 
 
-def parse_log(path) -> dict:
-    """{stream: ([steps], [values])} of a main.log, steps sorted, the last value of a step kept."""
+def parse_log(path, skipped=None) -> dict:
+    """{stream: ([steps], [values])} of a main.log, steps sorted, the last value of a step kept. skipped: a list to
+    append the numbers (from 1) of the `s:` lines that could not be read to."""
     streams = {}
     try:
         lines = Path(path).read_text(errors="replace").splitlines()
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such log file") from None
-    for line in lines:
+    for line_number, line in enumerate(lines, 1):
         parts = line.split()
         if not parts or not parts[0].startswith("s:"):
             continue
@@ -38,11 +40,20 @@ def parse_log(path) -> dict:
             step = int(parts[0][2:])
             pairs = [part.split(":", 1) for part in parts[1:]]
             values = {key: float(value) for key, value in pairs}
-        except ValueError:
-            continue                        # a line cut short (a killed run) or another format: skip it
+        except ValueError:                  # a line cut short (a killed run) or another format: skip it
+            if skipped is not None:
+                skipped.append(line_number)
+            continue
         for key, value in values.items():
             streams.setdefault(key, {})[step] = value
     return {key: tuple(map(list, zip(*sorted(by_step.items())))) for key, by_step in streams.items()}
+
+
+def undrawn(streams, log_axis) -> int:
+    """How many values the figure leaves out: NaN and infinities (matplotlib draws no point for them), and losses
+    <= 0 when the loss axis is logarithmic (HellaSwag's axis is linear)."""
+    return sum(not math.isfinite(v) or (log_axis and key != "eval" and v <= 0)
+               for key, (_, values) in streams.items() for v in values)
 
 
 def find_log(run) -> Path:
@@ -147,11 +158,20 @@ def main(argv=None):
         (path.parent.name or str(path.parent)) if path.name == "main.log" else path.stem for path in logs]
     if len(labels) != len(logs):
         raise BadInput(f"--labels {args.labels}: {len(labels)} names for {len(logs)} runs")
-    runs = []
+    runs, notes = [], []
     for label, path in zip(labels, logs):
-        streams = {k: v for k, v in parse_log(path).items() if k in STREAMS}
+        skipped = []
+        streams = {k: v for k, v in parse_log(path, skipped).items() if k in STREAMS}
         if not streams:
             raise ValueError(f"{path}: no `s:STEP trl:LOSS`, `tel:` or `eval:` lines: not a main.log of a run")
+        if skipped:
+            lines = ", ".join(map(str, skipped[:3])) + (", ..." if len(skipped) > 3 else "")
+            notes.append(f"note: {path}: {len(skipped)} unreadable `s:` line(s) skipped (line {lines}; a run killed "
+                         f"while writing, or another format)")
+        missing = undrawn(streams, args.yscale == "log")
+        if missing:
+            why = "NaN, infinite, or a loss <= 0 on the log axis" if args.yscale == "log" else "NaN or infinite"
+            notes.append(f"note: {path}: {missing} value(s) not drawn ({why})")
         runs.append((label, streams))
     out = Path(args.output)
     if out.is_dir():
@@ -164,6 +184,8 @@ def main(argv=None):
         print(f"wrote {path}")
     for label, streams in runs:
         print(summary(label, streams))
+    for note in notes:                    # after the figure is written: an error above stays the one line
+        print(note, file=sys.stderr)
     return 0
 
 

@@ -32,7 +32,9 @@ def runs(tmp_path):
 
 
 def test_parse_keeps_the_last_value_of_a_step_and_skips_broken_lines(runs):
-    streams = plot.parse_log(runs / "run_a" / "main.log")
+    skipped = []
+    streams = plot.parse_log(runs / "run_a" / "main.log", skipped)
+    assert skipped == [10]                          # `s:3 tr`, a line cut short
     assert streams["trl"] == ([0, 1, 2, 3], [10.9871, 9.4, 8.6, 8.1])
     assert streams["tel"] == ([0, 2], [10.9512, 8.9])
     assert streams["eval"] == ([2], [0.25])
@@ -53,6 +55,23 @@ def test_two_runs_on_one_figure_png_and_svg(runs, capsys):
     out_text = capsys.readouterr().out
     assert "run_a: last step 3, min train loss 8.1000, min val loss 8.9000, max HellaSwag 0.2500" in out_text
     assert "run_b: last step 1, min train loss 10.0000, min val loss 10.5000" in out_text
+
+
+@pytest.mark.parametrize("yscale, drawn_out", [("log", 3), ("linear", 2)])
+def test_skipped_lines_and_undrawn_values_are_said(runs, capsys, yscale, drawn_out):
+    """A line that cannot be read and values the figure cannot show (NaN, inf; a loss <= 0 on a log axis) are each
+    one note on stderr, naming the log, instead of silently missing points."""
+    log = runs / "run_c" / "main.log"
+    log.parent.mkdir()
+    log.write_text("s:0 trl:10.5\ns:1 trl:nan\ns:2 trl:inf\ns:3 trl:0.0\ns:4 tel:x\ns:5 trl:9.0\n")
+    assert plot.main([str(log.parent), "-o", str(runs / "c"), "--yscale", yscale]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"note: {log}: 1 unreadable `s:` line(s) skipped (line 5; a run killed while writing, or "
+                      f"another format)")
+    assert err[1].startswith(f"note: {log}: {drawn_out} value(s) not drawn (") and len(err) == 2
+    capsys.readouterr()
+    assert plot.main([str(runs / "run_b"), "-o", str(runs / "b")]) == 0    # a clean log: no notes
+    assert capsys.readouterr().err == ""
 
 
 def test_a_failed_write_leaves_no_cut_off_plot(runs, capsys, monkeypatch):
