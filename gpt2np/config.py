@@ -254,7 +254,8 @@ class TrainConfig:
     overwrite: bool = _setting("--overwrite", False, "start a new run in an -o that holds another run's files: "
                                "move them into -o/previous-TIME/ first (nothing is deleted)")
     cuda_graphs: int = _setting("--cuda-graphs", 1, "CUDA backend: capture each training step's launches once per "
-                                "shape as a CUDA graph and replay it (one launch per step); 0 = launch eagerly "
+                                "shape as a CUDA graph and replay it (one launch per step; under mpiexec three, the "
+                                "collectives between them); 0 = launch eagerly "
                                 "(profiling always does, for per-kernel numbers)", choices=(0, 1))
     skip_update_lossz: float = _setting("-sl", 0.0, "skip the update of a step whose loss lies more than this many "
                                         "standard deviations above the mean of the last 128 steps; 0 = off",

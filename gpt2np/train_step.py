@@ -171,8 +171,9 @@ def _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_gra
         graphs_ok = (cuda_graphs and be.on_launch is None and hasattr(be.rt, "begin_capture")
                      and getattr(be.rt, "captures_gemms", True))
         cache = _GRAPHS.setdefault(model, {})
-        key = (shape, accum_steps, adamw, shard)
-        for i, (device_work, collective) in enumerate(_device_segments(model, shape, accum_steps, adamw, dist, shard)):
+        segments = _device_segments(model, shape, accum_steps, adamw, dist, shard)
+        key = (shape, accum_steps, adamw, shard, len(segments))     # one process's step is one graph, MPI's three
+        for i, (device_work, collective) in enumerate(segments):
             if not graphs_ok or cache.get(("eager", key)):
                 device_work()
             else:

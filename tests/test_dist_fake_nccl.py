@@ -125,6 +125,28 @@ def test_data_parallel_steps_replay_as_cuda_graphs_bitwise_the_eager_steps(ranks
     assert launches == {rank: [0, 3, 3, 3] for rank in range(ranks)}
 
 
+def test_one_model_graphed_alone_then_under_mpi_keeps_the_graphs_apart():
+    """A single process's step is one graph (the whole step), a rank's first graph only forward and backward: the
+    same model stepped both ways (a script reusing it) must not replay the one for the other."""
+    x, y = batches(1, steps=6)
+    results = []
+    for graphs in (False, True):
+        model = GPT2(TINY, emu_backend(), B_PER_RANK, T, seed=3)
+        first = train(model, x[:3], y[:3], cuda_graphs=graphs)[0]
+        group = Group(1)
+
+        def rank_main(rank, model=model, graphs=graphs, group=group):
+            comm = ThreadComm(group, rank)
+            dist = MpiProcessGroup(comm, timeout=0, collectives=nccl_factory(FakeNccl())(comm))
+            return [float(train_step(model, lambda b=(x[s], y[s]): b, step=s, lr=1e-3, adamw=ADAMW, dist=dist,
+                                     cuda_graphs=graphs)[0]) for s in range(3, 6)]
+
+        (later,) = group.run(rank_main)
+        results.append((first + later, model.params_host()))
+    assert results[1][0] == results[0][0]
+    np.testing.assert_array_equal(results[1][1], results[0][1])
+
+
 @pytest.mark.parametrize("zero", [0, 1])
 def test_ranks_sharing_a_gpu_average_through_mpi_on_host_copies(reference, zero):
     results = thread_ranks(3, zero, lambda comm: (lambda backend, buf: StagedCollectives(comm, backend.rt)))
