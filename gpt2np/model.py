@@ -140,16 +140,18 @@ class GPT2:
     @property
     def grads(self):
         """The flat (num_parameters,) gradient buffer."""
-        self._fill_deferred_zeros()
+        self.fill_deferred_zeros()
         return self._grads
 
     @property
     def grad(self):
         """{name: shaped view of the gradient buffer}."""
-        self._fill_deferred_zeros()
+        self.fill_deferred_zeros()
         return self._grad
 
-    def _fill_deferred_zeros(self):
+    def fill_deferred_zeros(self):
+        """The zero fill zero_grad() deferred, done now if it is still pending (before the gradients are read, or
+        written by work that runs none of this Python: a CUDA graph's replay)."""
         if self._zero_fill_pending:                  # zero_grad() deferred its fill; someone reads first
             self.backend.fill_(self._grads, 0.0)
             self._zero_fill_pending = False

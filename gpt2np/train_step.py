@@ -193,6 +193,9 @@ def _replay_or_capture(model, cache, key, eager_key, device_work):
     state = (model.m, model.v, model.master)
     if (held is not None and held.generation == be.scratch_generation
             and all(a is b for a, b in zip(held.state, state))):
+        # a replay runs none of the model's Python: a zero fill that a zero_grad() since the last step deferred is
+        # done now, not later (at the next read of the gradients) over the gradients the replay writes
+        model.fill_deferred_zeros()
         held.graph.launch()
     elif (model.m is None or model.has_master_weights and model.master is None
           or held is None and not cache.get(("warm", key))):
