@@ -158,20 +158,38 @@ extern "C" __global__ void layernorm_backward_params_partial(float* __restrict__
     }
 }
 
-// Stage 2: dweight[c] += sum_k partial[k,0,c]; dbias[c] += sum_k partial[k,1,c], k in order
-// (accumulate == 0: = instead of +=, the old dweight/dbias are not read).
+// Stage 2: dweight[c] += sum_k partial[k,0,c]; dbias[c] += sum_k partial[k,1,c] (accumulate == 0: = instead
+// of +=, the old dweight/dbias are not read). Block (X, Y): X columns, Y threads per column; thread y adds the
+// chunks k = y, y + Y, y + 2Y, ... in order, then thread 0 of the column adds the Y sums in y order: a fixed
+// order for a given Y (Y = 1: one thread adds every chunk in order). Y threads a column keep Y times the loads
+// in flight: with one thread per column (C threads in all) the thousands of chunks of a large batch were read
+// one latency after another. Dynamic shared memory: 2*X*Y floats.
 extern "C" __global__ void layernorm_backward_params_finish(floatX* __restrict__ dweight, floatX* __restrict__ dbias,
                                                             const float* __restrict__ partial,
                                                             int num_chunks, int C, int accumulate) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) {
-        return;
-    }
+    extern __shared__ float sums[];          // [2][Y][X]: the column sums of each thread row
+    const int X = blockDim.x;
+    const int Y = blockDim.y;
+    const int x = threadIdx.x;
+    const int y = threadIdx.y;
+    const int c = blockIdx.x * X + x;
     float dw = 0.0f;
     float db = 0.0f;
-    for (int k = 0; k < num_chunks; k++) {
-        dw += partial[((long long)k * 2) * C + c];
-        db += partial[((long long)k * 2 + 1) * C + c];
+    if (c < C) {
+        for (int k = y; k < num_chunks; k += Y) {
+            dw += partial[((long long)k * 2) * C + c];
+            db += partial[((long long)k * 2 + 1) * C + c];
+        }
+    }
+    sums[y * X + x] = dw;
+    sums[(Y + y) * X + x] = db;
+    __syncthreads();
+    if (y != 0 || c >= C) {
+        return;
+    }
+    for (int i = 1; i < Y; i++) {
+        dw += sums[i * X + x];
+        db += sums[(Y + i) * X + x];
     }
     dweight[c] = to_floatX(accumulate ? to_float(dweight[c]) + dw : dw);
     dbias[c] = to_floatX(accumulate ? to_float(dbias[c]) + db : db);

@@ -112,6 +112,8 @@ LAUNCH_SETTINGS = {
     "norm_max_blocks": (1, INT_LIMIT, 1, "most blocks of the global norm's first stage"),
     "encoder_token_blocks": (1, GRID_Y_LIMIT, 1, "most block rows of encoder_backward_wte_grouped"),
     "layernorm_rows_per_block": (1, INT_LIMIT, 1, "rows per block of the one-pass LayerNorm backward"),
+    "layernorm_max_blocks": (1, INT_LIMIT, 1, "most blocks (row chunks) of the one-pass LayerNorm backward"),
+    "layernorm_finish_threads": (1, 32, 1, "threads per column of the LayerNorm parameter gradients' finish"),
 }
 # kernels/flash_attention.cu's compile-time shape: head size, rows per tile, threads per block
 FLASH_HEAD_SIZE, FLASH_ROWS, FLASH_THREADS = 64, 64, 128   # FLASH_ROWS: rows a block owns (FLASH_BM)
@@ -159,7 +161,9 @@ class CudaBackend:
       norm_threads, norm_max_blocks: the global norm's first stage
       encoder_token_blocks: most block rows (gridDim.y) of encoder_backward_wte_grouped; each row
         loops over every gridDim.y-th unique token (at most GRID_Y_LIMIT)
-      layernorm_rows_per_block: rows each block of layernorm_backward_fused owns (its partial sums' row chunk)
+      layernorm_rows_per_block, layernorm_max_blocks: rows each block of layernorm_backward_fused owns (its partial
+        sums' row chunk), raised where the rows would need more blocks than the most (then ceil(N / most))
+      layernorm_finish_threads: threads per column of layernorm_backward_params_finish (each adds every Y-th chunk)
 
     Fusion (the ops' `fused` flag and the fused ops): bias, bias + GELU, dGELU and bias-gradient GEMM epilogues
     where the runtime has them (runtime.epilogues: the emulator, the planner, CupyRuntime with cuBLASLt), else the
@@ -196,6 +200,10 @@ class CudaBackend:
         self.norm_max_blocks = 1024
         self.encoder_token_blocks = GRID_Y_LIMIT
         self.layernorm_rows_per_block = 16    # H100, d12 step: fp32 27 us a call (44 with 32), bf16 94 (118)
+        # a large batch (B=64, T=1024: 4096 chunks of 16 rows) in about one wave of blocks instead: 4 blocks of 8 warps
+        # (48 KiB of accumulators at C=768) fit an SM, 528 on an H100; fewer partial sums to write and add up
+        self.layernorm_max_blocks = 512
+        self.layernorm_finish_threads = 8
         self._modules = {}
         self._functions = {}
         self._scratch = {}
@@ -284,7 +292,7 @@ class CudaBackend:
                             else 2 * N * C + 3 * N * C + B * NH * T * T)  # attention_y, _dy, _dqkvr, _datt
         floats = (attention_floats
                   + -(-N // chunk) * widest        # column_partial (the widest reduction)
-                  + -(-N // self.layernorm_rows_per_block) * 2 * C   # layernorm_partial (one-pass backward)
+                  + self._layernorm_chunks(N)[1] * 2 * C    # layernorm_partial (one-pass backward)
                   + 4 * C                          # bias_grad (an epilogue's bias gradient, before it is added)
                   + self.norm_max_blocks + 1)      # norm_partial, norm_total
         uploads = 2 * N + (3 * N + 2)              # inputs, targets; encoder_backward's token groups (int32)
@@ -468,10 +476,11 @@ class CudaBackend:
         return _blocks(n, self.elementwise_threads), (self.elementwise_threads,)
 
     def _column_sums(self, partial_kernel, finish_kernel, rows, cols, partial_cols, partial_args, finish_outputs,
-                     accumulate, term):
+                     accumulate, term, finish_shared_floats=0):
         """Two-stage deterministic column reduction over `rows` of a (rows, cols) matrix; the finish
-        kernel adds the sums into finish_outputs (accumulate) or overwrites them (not accumulate). The
-        partial stage carries the op's cost `term`, the finish is its helper."""
+        kernel adds the sums into finish_outputs (accumulate) or overwrites them (not accumulate), one thread a
+        column (finish_shared_floats: the dynamic shared memory it takes, in floats per thread). The partial stage
+        carries the op's cost `term`, the finish is its helper."""
         chunk = max(1, int(self.reduce_rows_per_chunk), -(-rows // 65535))   # gridDim.y <= 65535
         chunks = -(-rows // chunk)
         partial = self.scratch("column_partial", (chunks, partial_cols, cols), np.float32)
@@ -480,7 +489,8 @@ class CudaBackend:
                      (partial, *partial_args, _i32(rows), _i32(cols), _i32(chunk)), term=term)
         threads = _threads_for(cols, 256)
         self._launch(finish_kernel, _blocks(cols, threads), (threads,),
-                     (*finish_outputs, partial, _i32(chunks), _i32(cols), _i32(bool(accumulate))))
+                     (*finish_outputs, partial, _i32(chunks), _i32(cols), _i32(bool(accumulate))),
+                     shared_mem=4 * finish_shared_floats * threads)
 
     # ---- encoder ------------------------------------------------------------------------
     def encoder_forward(self, out, inp, wte, wpe):
@@ -629,20 +639,27 @@ class CudaBackend:
         self._check_int_size(op, "inp", N * C)
         warps = min(self.row_warps, self.layernorm_rows_per_block, SHARED_LIMIT // (4 * 2 * C))  # acc: W*2*C floats
         if fused and warps >= 1:
-            rows = int(self.layernorm_rows_per_block)
-            blocks = -(-N // rows)
+            rows, blocks = self._layernorm_chunks(N)
             partial = self.scratch("layernorm_partial", (blocks, 2, C), np.float32)
             self._launch("layernorm_backward_fused", (blocks,), (32 * warps,),
                          (partial, dinp, dout, inp, weight, mean, rstd, _i32(N), _i32(C), _i32(rows)),
                          term="backward", shared_mem=4 * 2 * C * warps)
-            threads = _threads_for(C, 256)
-            self._launch("layernorm_backward_params_finish", _blocks(C, threads), (threads,),
-                         (dweight, dbias, partial, _i32(blocks), _i32(C), _i32(bool(accumulate))))
+            Y = min(int(self.layernorm_finish_threads), blocks)      # threads per column: at most one per chunk
+            self._launch("layernorm_backward_params_finish", (-(-C // 32),), (32, Y),
+                         (dweight, dbias, partial, _i32(blocks), _i32(C), _i32(bool(accumulate))),
+                         shared_mem=4 * 2 * 32 * Y)
             return
         self._launch("layernorm_backward_dinp", *self._row_launch(N),
                      (dinp, dout, inp, weight, mean, rstd, _i32(N), _i32(C)), term="backward" if fused else "dinp")
         self._column_sums("layernorm_backward_params_partial", "layernorm_backward_params_finish",
-                          N, C, 2, (dout, inp, mean, rstd), (dweight, dbias), accumulate, None if fused else "dparams")
+                          N, C, 2, (dout, inp, mean, rstd), (dweight, dbias), accumulate, None if fused else "dparams",
+                          finish_shared_floats=2)
+
+    def _layernorm_chunks(self, N):
+        """(rows a block owns, blocks) of the one-pass LayerNorm backward over N rows: layernorm_rows_per_block
+        rows a block, or more where that would take more than layernorm_max_blocks blocks."""
+        rows = max(int(self.layernorm_rows_per_block), -(-N // int(self.layernorm_max_blocks)))
+        return rows, -(-N // rows)
 
     # ---- matmul -------------------------------------------------------------------------
     def matmul_forward(self, out, inp, weight, bias, fused=False):
