@@ -323,6 +323,21 @@ def test_launch_configuration_is_checked(mod):
 
 
 @needs_gpp
+def test_dynamic_shared_memory_past_what_the_launch_gave_faults(mod):
+    """extern __shared__ memory ends where the launch's shared_mem (rounded up to 128 bytes) ends: a kernel that
+    uses more than its launch asked for stops with a message saying so (on a GPU it would use other memory)."""
+    fn = mod.get_function("block_sum_dynamic")
+    x, out = rand(64), np.zeros(1, np.float32)
+    with pytest.raises(EmuKernelError, match=r"block_sum_dynamic.*thread \(32,0,0\): write of dynamic shared memory "
+                                             r"at byte 128, past the 128 bytes the launch gave"):
+        fn(1, 64, (out, x, np.int32(64)), shared_mem=32 * 4)
+    with pytest.raises(EmuKernelError, match="past the 0 bytes the launch gave"):
+        fn(1, 64, (out, x, np.int32(64)))
+    fn(1, 64, (out, x, np.int32(64)), shared_mem=64 * 4)
+    np.testing.assert_allclose(out[0], x.sum(), rtol=1e-5)
+
+
+@needs_gpp
 def test_portable_ucontext_switch_and_define_option():
     """-DGPT2NP_EMU_UCONTEXT (an NVRTC-style option passed through to g++) selects the portable
     ucontext fiber switch used off x86-64; results and error reports must be the same."""

@@ -124,7 +124,13 @@ bool g_has_error = false;
 char g_error[4096];
 void* g_fault_addr = nullptr;     // SIGSEGV/SIGBUS address of the last launch's fault
 int g_fault_access = 0;           // 0 none, 1 read, 2 write, 3 unknown (see gpt2np_emu_last_fault)
-alignas(256) unsigned char g_dyn_smem[kMaxDynSmem];   // extern __shared__ memory
+// extern __shared__ memory: each launch's bytes (rounded up to kDynSmemAlign) end where a PROT_NONE page starts, so
+// a kernel that reads or writes past the dynamic shared memory its launch asked for faults here (on a GPU it would
+// read or corrupt other memory silently). g_dyn_smem_guard: that page; the region before it holds kMaxDynSmem.
+constexpr unsigned kDynSmemAlign = 128;
+unsigned char* g_dyn_smem = nullptr;
+unsigned char* g_dyn_smem_guard = nullptr;
+size_t g_page_bytes = 0;          // the guard page's size (read once: sysconf is not for a signal handler)
 unsigned long long g_dyn_smem_bytes = 0;
 alignas(16) unsigned char g_altstack[64 * 1024];
 unsigned g_wmma_layout = 0;       // which element layout WMMA fragments use this launch (include/mma.h)
@@ -558,6 +564,11 @@ inline void on_fault(int sig, siginfo_t* info, void* ctx) {
         if (overflow)
             set_error(f, "fiber stack overflow (each emulated thread has %u KiB of stack: "
                       "very large local arrays?)", kStackBytes / 1024);
+        else if (g_dyn_smem_guard && addr >= (char*)g_dyn_smem_guard
+                 && addr < (char*)g_dyn_smem_guard + g_page_bytes)
+            set_error(f, "%s of dynamic shared memory at byte %lld, past the %llu bytes "
+                      "the launch gave (its shared_mem argument)", fault_access(ctx) == 2 ? "write" : "read",
+                      (long long)(addr - (char*)g_dyn_smem), g_dyn_smem_bytes);
         else {
             g_fault_addr = addr;
             g_fault_access = fault_access(ctx);
@@ -598,6 +609,22 @@ struct LaunchConfig {          // mirrored by ctypes in emulator.py
     unsigned wmma_layout;      // WMMA fragment element layout: 0 natural, else a seed (include/mma.h)
     int wmma_tf32;             // 1: WMMA inputs are TF32 (the hardware); 0: fp32 (a test aid)
 };
+
+// The dynamic shared memory region and its guard page, made once.
+inline bool ensure_dyn_smem() {
+    if (g_dyn_smem_guard) return true;
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    const size_t data = ((size_t)kMaxDynSmem + page - 1) / page * page;
+    void* mem = mmap(nullptr, data + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) return false;
+    if (mprotect((char*)mem + data, page, PROT_NONE) != 0) {
+        munmap(mem, data + page);
+        return false;
+    }
+    g_dyn_smem_guard = (unsigned char*)mem + data;
+    g_page_bytes = page;
+    return true;
+}
 
 inline bool ensure_capacity(unsigned n) {
     if (n <= g_capacity) return true;
@@ -664,6 +691,10 @@ inline int run_grid(const LaunchConfig* c) {
                   g_kernel_name, c->shared_mem, kMaxDynSmem);
         return 1;
     }
+    if (!ensure_dyn_smem()) {
+        set_error(nullptr, "kernel '%s': cannot map the dynamic shared memory", g_kernel_name);
+        return 1;
+    }
     const unsigned n = (unsigned)n64;
     if (!ensure_capacity(n)) {
         set_error(nullptr, "kernel '%s': cannot allocate %u fiber stacks", g_kernel_name, n);
@@ -685,6 +716,7 @@ inline int run_grid(const LaunchConfig* c) {
     blockDim = dim3(bx, by, bz);
     gridDim = dim3(c->grid[0], c->grid[1], c->grid[2]);
     g_dyn_smem_bytes = c->shared_mem;
+    g_dyn_smem = g_dyn_smem_guard - (c->shared_mem + kDynSmemAlign - 1) / kDynSmemAlign * kDynSmemAlign;
     g_wmma_layout = c->wmma_layout;
     g_wmma_tf32 = c->wmma_tf32;
     const unsigned long long gx = c->grid[0], gy = c->grid[1], gz = c->grid[2];
