@@ -303,13 +303,11 @@ def test_layernorm_backward_fused_is_bitwise_the_same_on_both_schedules():
 
 
 @pytest.mark.parametrize("Y", [1, 3, 8])
-def test_layernorm_params_finish_adds_in_its_documented_order(Y):
+def test_layernorm_params_finish_adds_in_its_documented_order(cuda, Y):
     """Block (32, Y): thread y of a column adds chunks y, y+Y, ... in order, then the column's first thread adds the Y
-    sums in y order; bitwise that order in float32 (Y = 1: every chunk in order, as the one-thread finish did).
-    Partial sums of mixed magnitudes, so another order would round otherwise."""
+    sums in y order; bitwise that order in float32 (Y = 1: every chunk in order, as the one-thread finish did), on
+    the emulator and, through test_gpu.py, on a GPU. Partial sums of mixed magnitudes, so that the orders differ."""
     from gpt2np.backends.cuda.backend import _i32
-    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
-    be = CudaBackend(EmuRuntime())
     chunks, C = 21, 70
     rng = rng_for("layernorm_params_finish", Y)
     partial = (rng.standard_normal((chunks, 2, C)) * 10.0 ** rng.integers(-4, 5, (chunks, 2, C))).astype(np.float32)
@@ -323,37 +321,41 @@ def test_layernorm_params_finish_adds_in_its_documented_order(Y):
     total = lanes[0]
     for lane in lanes[1:]:
         total = total + lane
+    sequential = np.zeros((2, C), np.float32)
+    for k in range(chunks):
+        sequential = sequential + partial[k]
+    assert np.array_equal(total, sequential) == (Y == 1)      # the check below can tell the orders apart
     for accumulate in (False, True):
-        dw, db = dev(be, old[0]), dev(be, old[1])
-        be._launch("layernorm_backward_params_finish", (-(-C // 32),), (32, Y),
-                   (dw, db, dev(be, partial), _i32(chunks), _i32(C), _i32(accumulate)), shared_mem=4 * 2 * 32 * Y)
+        dw, db = dev(cuda, old[0]), dev(cuda, old[1])
+        cuda._launch("layernorm_backward_params_finish", (-(-C // 32),), (32, Y),
+                     (dw, db, dev(cuda, partial), _i32(chunks), _i32(C), _i32(accumulate)), shared_mem=4 * 2 * 32 * Y)
         expected = old + total if accumulate else total
-        assert np.array_equal(host(be, dw), expected[0]) and np.array_equal(host(be, db), expected[1])
-    # another order of the same partial sums rounds otherwise: the check above can tell orders apart
-    assert not np.array_equal(total, partial.sum(axis=0, dtype=np.float64).astype(np.float32)) or Y == 1
+        assert np.array_equal(host(cuda, dw), expected[0]) and np.array_equal(host(cuda, db), expected[1])
 
 
-def test_layernorm_backward_takes_more_rows_a_block_past_its_most_blocks():
+def test_layernorm_backward_takes_more_rows_a_block_past_its_most_blocks(cuda):
     """A batch whose rows would need more than layernorm_max_blocks blocks gets ceil(N / most) rows a block: the
     same chunks, so bitwise the same results, as asking for those rows; within the NumPy reference's tolerance."""
-    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
     B, T, C = 3, 7, 40                                     # N = 21 rows
     rng = rng_for("layernorm_backward_max_blocks")
     x, w, dout, dinp0 = randn(rng, B, T, C), randn(rng, C), randn(rng, B, T, C), randn(rng, B, T, C)
     mean, rstd = x.mean(-1), (1 / np.sqrt(x.var(-1) + 1e-5)).astype(np.float32)
     dinp_ref, dw_ref, db_ref = dinp0.copy(), np.zeros(C, np.float32), np.zeros(C, np.float32)
     REF.layernorm_backward(dinp_ref, dw_ref, db_ref, dout, x, w, mean, rstd, False)
+    saved = cuda.layernorm_rows_per_block, cuda.layernorm_max_blocks
     results = []
-    for rows, most in ((4, 2), (11, 512)):
-        be = small_launches(CudaBackend(EmuRuntime()))
-        be.layernorm_rows_per_block, be.layernorm_max_blocks = rows, most
-        assert be._layernorm_chunks(B * T) == (11, 2)
-        dinp, dw, db = dev(be, dinp0), be.zeros(C), be.zeros(C)
-        be.layernorm_backward(dinp, dw, db, dev(be, dout), dev(be, x), dev(be, w), dev(be, mean), dev(be, rstd),
-                              accumulate=False, fused=True)
-        results.append([host(be, a) for a in (dinp, dw, db)])
-        for got, want in zip(results[-1], (dinp_ref, dw_ref, db_ref)):
-            close(got, want, atol=1e-4)
+    try:
+        for rows, most in ((4, 2), (11, 512)):
+            cuda.layernorm_rows_per_block, cuda.layernorm_max_blocks = rows, most
+            assert cuda._layernorm_chunks(B * T) == (11, 2)
+            dinp, dw, db = dev(cuda, dinp0), cuda.zeros(C), cuda.zeros(C)
+            cuda.layernorm_backward(dinp, dw, db, dev(cuda, dout), dev(cuda, x), dev(cuda, w), dev(cuda, mean),
+                                    dev(cuda, rstd), accumulate=False, fused=True)
+            results.append([host(cuda, a) for a in (dinp, dw, db)])
+            for got, want in zip(results[-1], (dinp_ref, dw_ref, db_ref)):
+                close(got, want, atol=1e-4)
+    finally:
+        cuda.layernorm_rows_per_block, cuda.layernorm_max_blocks = saved
     assert all(np.array_equal(a, b) for a, b in zip(*results))
 
 

@@ -637,9 +637,9 @@ class CudaBackend:
         for what, array in (("dinp", dinp), ("dout", dout)):
             self._check_shape(op, what, array, inp.shape)
         self._check_int_size(op, "inp", N * C)
-        warps = min(self.row_warps, self.layernorm_rows_per_block, SHARED_LIMIT // (4 * 2 * C))  # acc: W*2*C floats
+        rows, blocks = self._layernorm_chunks(N)
+        warps = min(self.row_warps, rows, SHARED_LIMIT // (4 * 2 * C))    # acc: W*2*C floats
         if fused and warps >= 1:
-            rows, blocks = self._layernorm_chunks(N)
             partial = self.scratch("layernorm_partial", (blocks, 2, C), np.float32)
             self._launch("layernorm_backward_fused", (blocks,), (32 * warps,),
                          (partial, dinp, dout, inp, weight, mean, rstd, _i32(N), _i32(C), _i32(rows)),
