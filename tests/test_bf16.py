@@ -367,6 +367,17 @@ def test_compare_bf16_against_autocast(files, capsys):
     assert ("OK: all 28 checks" in out) == (rc == 0)
 
 
+def test_compare_bf16_on_a_few_tokens_says_the_ratios_are_noise(files, capsys):
+    """At B*T < 64 the per-token losses are a handful of numbers: the output says the ratios mean little there."""
+    pytest.importorskip("torch")
+    from gpt2np import compare
+    compare.main(["-e", str(files / "tiny.bin"), "--precision", "bf16", "-b", "1", "-t", "1", "--steps", "0"])
+    out = capsys.readouterr().out
+    assert "note: only B*T = 1 of 64 tokens:" in out and "use B*T >= 64" in out
+    compare.main(["-e", str(files / "tiny.bin"), "--precision", "bf16", "-b", "2", "-t", "32", "--steps", "0"])
+    assert "note: only B*T" not in capsys.readouterr().out
+
+
 def test_compare_bf16_on_the_emulated_cuda_path(files, capsys):
     """compare --precision bf16 --backend emu: the CUDA backend's bf16 build (kernels, bf16 GEMMs, device AdamW with
     stochastic rounding) against PyTorch fp32 next to autocast: every tensor's error measured (the same 2.5x pin as
