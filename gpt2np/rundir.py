@@ -305,6 +305,12 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
             except OSError as e:
                 raise RunDirError(f"-o {out_dir}: the folder cannot be made ({e.strerror or e})") from None
             _lock(out_dir)                   # before reading the folder: what is checked stays so until the run ends
+        elif dist.rank == 0 and os.path.isdir(out_dir):
+            # -x 0 -y 1 writes nothing: a shared lock keeps a run from starting there while it reads; beside a run
+            # that writes there now it goes on, saying what that run's checkpoint rotation may do
+            if not _lock(out_dir, shared=True):
+                say(f"note: {out_dir} is in use by another gpt2np run: its checkpoint rotation (-nk) may remove the "
+                    f"checkpoint chosen here before it is read")
         saved = read_run_file(out_dir)
         differences = identity_differences(saved, identity) if saved else None
         step = 0
@@ -387,19 +393,23 @@ def prepare_run_dir(out_dir, identity, dist, *, resume, overwrite, total_steps, 
 _held = {}
 
 
-def _lock(out_dir):
-    """Hold an exclusive flock on the folder out_dir itself until release_run_dirs(): RunDirError when another
-    process holds one (a run writing there now). Where the file system has no such locks, nothing is held."""
+def _lock(out_dir, shared=False):
+    """Hold a flock on the folder out_dir itself until release_run_dirs(): exclusive (a run that writes there),
+    RunDirError when another process holds any; or shared (a run that only reads there), False when a writer holds
+    one. Where the file system has no such locks, nothing is held. True when held (or there are no locks)."""
     fd = os.open(out_dir, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            if shared:
+                return False
             raise RunDirError(f"{out_dir} is in use by another gpt2np run (it holds a lock on the folder): wait for "
                               f"it to end, or use another -o") from None
-        return                           # no locks here (some network file systems): as before, unguarded
+        return True                      # no locks here (some network file systems): as before, unguarded
     _held[os.path.realpath(out_dir)] = fd
+    return True
 
 
 def release_run_dirs():

@@ -719,7 +719,8 @@ def test_a_run_from_a_model_file_is_not_held_to_an_init_seed():
 def test_a_folder_in_use_by_another_run_is_refused(files, tmp_path, capsys):
     """A run holds a lock on its -o for as long as it runs: a second run there, or a resume, stops in one line
     (they mixed their main.log lines, run.json and checkpoints); evaluating the latest checkpoint (-x 0 -y 1) writes
-    nothing and may; once the holder ends the folder is free again."""
+    nothing and may, with a note (the run's rotation may remove its checkpoint), and holds a shared lock that keeps a
+    run from starting there meanwhile; once the holder ends the folder is free again."""
     import fcntl
     out = tmp_path / "out"
     code, _, err = run(args(files, out, "-x", 2, "-n", 1), capsys)
@@ -735,8 +736,21 @@ def test_a_folder_in_use_by_another_run_is_refused(files, tmp_path, capsys):
         assert snapshot(out) == before
         code, stdout, err = run(args(files, out, "-x", 0, "-y", 1, "-v", 1, "-m", 1), capsys)
         assert code == 0 and "val loss" in stdout, err
+        assert any(f"note: {out} is in use by another gpt2np run: its checkpoint rotation (-nk) may remove" in line
+                   for line in err), err
     finally:
         os.close(holder)
+    # an evaluation there (-x 0 -y 1, a shared lock) keeps a run from starting until it ends
+    reader = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(reader, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        code, _, err = run(args(files, out, "-n", 1, "-y", 1, "-x", 3), capsys)
+        assert code == 2
+        one_error_line(err, f"{out} is in use by another gpt2np run", "use another -o")
+    finally:
+        os.close(reader)
+    code, stdout, err = run(args(files, out, "-x", 0, "-y", 1, "-v", 1, "-m", 1), capsys)
+    assert code == 0 and not any("in use" in line for line in err), err
     code, stdout, err = run(args(files, out, "-x", 3, "-n", 1, "-y", 1), capsys)
     assert code == 0 and "resuming from step 2" in stdout, err
 
