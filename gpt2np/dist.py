@@ -463,18 +463,30 @@ class MpiProcessGroup:
         """(lo, hi) of the flat parameters this rank updates: its ZeRO-1 shard, or all of them."""
         return shard_bounds(n, self.world_size)[self.rank] if self.zero_stage == 1 else (0, n)
 
+    def _device_done(self, model):
+        """Wait for the device work queued before a collective (a backend that launches kernels; the numpy backend's
+        work is done when it returns), so that the collective's range (its NVTX range, the profiler's communication
+        time) holds the collective alone, not the backward the device was still running; the collective waits for
+        that work anyway."""
+        if getattr(model.backend, "launches_kernels", False):
+            model.backend.synchronize()
+
     def average_grads(self, model):
         """Average model.grads over the ranks: all of them (ZeRO-0) or this rank's shard (ZeRO-1)."""
         self._inject_fault()
         coll = self._device_collectives(model.backend, model.grads)
         if self.zero_stage == 1:
-            with self.watchdog.guard("reduce-scatter of the gradients"), ranges.range(
-                    "reduce_scatter_grads", ranges.Collective("reduce_scatter", model.grads.nbytes, self.world_size)):
-                coll.reduce_scatter_mean(model.grads, shard_bounds(model.num_parameters, self.world_size))
+            with self.watchdog.guard("reduce-scatter of the gradients"):
+                self._device_done(model)
+                with ranges.range("reduce_scatter_grads",
+                                  ranges.Collective("reduce_scatter", model.grads.nbytes, self.world_size)):
+                    coll.reduce_scatter_mean(model.grads, shard_bounds(model.num_parameters, self.world_size))
         else:
-            with self.watchdog.guard("all-reduce of the gradients"), ranges.range(
-                    "allreduce_grads", ranges.Collective("all_reduce", model.grads.nbytes, self.world_size)):
-                coll.all_reduce_mean(model.grads)
+            with self.watchdog.guard("all-reduce of the gradients"):
+                self._device_done(model)
+                with ranges.range("allreduce_grads",
+                                  ranges.Collective("all_reduce", model.grads.nbytes, self.world_size)):
+                    coll.all_reduce_mean(model.grads)
         self._grad_steps += 1
 
     def grad_norm(self, model):
@@ -493,24 +505,28 @@ class MpiProcessGroup:
         """ZeRO-1: every rank's updated shard of the parameters to all ranks."""
         if self.zero_stage == 1:
             coll = self._device_collectives(model.backend, model.params)
-            with self.watchdog.guard("all-gather of the parameters"), ranges.range(
-                    "allgather_params", ranges.Collective("all_gather", model.params.nbytes, self.world_size)):
-                coll.all_gather(model.params, shard_bounds(model.num_parameters, self.world_size))
+            with self.watchdog.guard("all-gather of the parameters"):
+                self._device_done(model)
+                with ranges.range("allgather_params",
+                                  ranges.Collective("all_gather", model.params.nbytes, self.world_size)):
+                    coll.all_gather(model.params, shard_bounds(model.num_parameters, self.world_size))
 
     def reduce_stats(self, model):
         """The device step's statistics over the ranks (model.stats: [loss, squared grad norm]): the loss
         averaged; under ZeRO-1 the squared norms of the shards summed (under ZeRO-0 every rank has the whole
         norm already). One all-reduce of the two floats: the loss is divided by the ranks first, so a sum
-        averages it. On NCCL this waits for the stream (the watchdog's guard, as every collective here): the
-        multi-rank step's host syncs are these and the gradient collectives'."""
+        averages it. On NCCL this waits for the stream (the watchdog's guard, as every collective here), after
+        waiting for the work before it (_device_done): the multi-rank step's host syncs are these and the gradient
+        collectives'."""
         coll = self._device_collectives(model.backend, model.stats)
-        with self.watchdog.guard("all-reduce of the step's loss and grad norm"), ranges.range(
-                "allreduce_stats", ranges.Collective("all_reduce", model.stats.nbytes, self.world_size)):
-            if self.zero_stage == 1:
-                model.stats[:1] /= self.world_size
-                coll.all_reduce_sum(model.stats)
-            else:
-                coll.all_reduce_mean(model.stats[:1])
+        with self.watchdog.guard("all-reduce of the step's loss and grad norm"):
+            self._device_done(model)
+            with ranges.range("allreduce_stats", ranges.Collective("all_reduce", model.stats.nbytes, self.world_size)):
+                if self.zero_stage == 1:
+                    model.stats[:1] /= self.world_size
+                    coll.all_reduce_sum(model.stats)
+                else:
+                    coll.all_reduce_mean(model.stats[:1])
 
     def average(self, value):
         """The mean of a host scalar over the ranks."""

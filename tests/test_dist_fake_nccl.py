@@ -148,6 +148,44 @@ def test_one_model_graphed_alone_then_under_mpi_keeps_the_graphs_apart():
 
 
 @pytest.mark.parametrize("zero", [0, 1])
+def test_a_collectives_range_holds_the_collective_not_the_backward_before_it(zero):
+    """On a GPU the host reaches a collective while the device still runs the backward (queued, or a graph): the
+    device's work is waited for before the collective's range opens, so its NVTX range and the profiler's
+    communication time hold the collective alone (the collective waited for that work inside its range before)."""
+    from gpt2np.profiling import ranges
+    events = []
+
+    class Listener:
+        def on_push(self, name, detail):
+            events.append(name)
+
+        def on_pop(self, name):
+            pass
+
+    x, y = batches(1, steps=2)
+    group = Group(1)
+
+    def rank_main(rank):
+        comm = ThreadComm(group, rank)
+        dist = MpiProcessGroup(comm, zero_stage=zero, timeout=0, collectives=nccl_factory(FakeNccl())(comm))
+        model = GPT2(TINY, emu_backend(), B_PER_RANK, T, seed=3)
+        real = model.backend.synchronize
+        model.backend.synchronize = lambda: (events.append("wait for the device"), real())
+        return train(model, x, y, dist)
+
+    listener = Listener()
+    ranges.add_listener(listener)
+    try:
+        group.run(rank_main)
+    finally:
+        ranges.remove_listener(listener)
+    names = {"allreduce_grads", "reduce_scatter_grads", "allreduce_stats", "allgather_params"}
+    opened = [i for i, name in enumerate(events) if name in names]
+    assert len(opened) == 2 * (3 if zero else 2)
+    assert all(events[i - 1] == "wait for the device" for i in opened), events
+
+
+@pytest.mark.parametrize("zero", [0, 1])
 def test_ranks_sharing_a_gpu_average_through_mpi_on_host_copies(reference, zero):
     results = thread_ranks(3, zero, lambda comm: (lambda backend, buf: StagedCollectives(comm, backend.rt)))
     ref_losses, ref_params = reference[3]
