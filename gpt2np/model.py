@@ -140,18 +140,16 @@ class GPT2:
     @property
     def grads(self):
         """The flat (num_parameters,) gradient buffer."""
-        self.fill_deferred_zeros()
+        self._fill_deferred_zeros()
         return self._grads
 
     @property
     def grad(self):
         """{name: shaped view of the gradient buffer}."""
-        self.fill_deferred_zeros()
+        self._fill_deferred_zeros()
         return self._grad
 
-    def fill_deferred_zeros(self):
-        """The zero fill zero_grad() deferred, done now if it is still pending (before the gradients are read, or
-        written by work that runs none of this Python: a CUDA graph's replay)."""
+    def _fill_deferred_zeros(self):
         if self._zero_fill_pending:                  # zero_grad() deferred its fill; someone reads first
             self.backend.fill_(self._grads, 0.0)
             self._zero_fill_pending = False
@@ -351,6 +349,19 @@ class GPT2:
         else:
             self.mean_loss = float(self.backend.to_host(self.act["losses"]).mean(dtype=np.float64))
         self._dlogits_ready = write_dlogits
+
+    # what a step's device work leaves on the host side of the model: the flags of zero_grad, forward and backward, the
+    # batch's views. A CUDA graph's replay runs none of that Python, so the device step puts back what it left when the
+    # graph was captured (train_step._replay_or_capture)
+    _STEP_STATE = ("_grads_zero", "_zero_fill_pending", "_loss_accumulates", "_dlogits_ready", "_has_targets",
+                   "_loss_on_device", "mean_loss", "x", "y")
+
+    def step_state(self) -> tuple:
+        return tuple(getattr(self, name, None) for name in self._STEP_STATE)
+
+    def set_step_state(self, state: tuple):
+        for name, value in zip(self._STEP_STATE, state):
+            setattr(self, name, value)
 
     # ---- backward -----------------------------------------------------------------------
     def zero_grad(self):

@@ -153,6 +153,7 @@ class _Captured(NamedTuple):
     generation: int               # backend.scratch_generation when captured (a newer one: buffers moved)
     state: tuple                  # model.m, model.v, model.master when captured (load_optimizer_state and, for
                                   # bf16 parameters, load_params replace them)
+    host_state: tuple             # model.step_state() after the captured work: what a replay leaves on the host
 
 
 def _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_graphs, limits):
@@ -193,10 +194,10 @@ def _replay_or_capture(model, cache, key, eager_key, device_work):
     state = (model.m, model.v, model.master)
     if (held is not None and held.generation == be.scratch_generation
             and all(a is b for a, b in zip(held.state, state))):
-        # a replay runs none of the model's Python: a zero fill that a zero_grad() since the last step deferred is
-        # done now, not later (at the next read of the gradients) over the gradients the replay writes
-        model.fill_deferred_zeros()
         held.graph.launch()
+        # a replay runs none of the model's Python: its flags as the captured run left them (say, a zero_grad() since
+        # the last step must not zero, or be overwritten by, the gradients the replay writes)
+        model.set_step_state(held.host_state)
     elif (model.m is None or model.has_master_weights and model.master is None
           or held is None and not cache.get(("warm", key))):
         device_work()                                    # eager first: it allocates what the step needs
@@ -216,7 +217,7 @@ def _replay_or_capture(model, cache, key, eager_key, device_work):
             be.rt.end_capture()
             raise
         graph = be.rt.end_capture()
-        cache[key] = _Captured(graph, be.scratch_generation, state)
+        cache[key] = _Captured(graph, be.scratch_generation, state, model.step_state())
         graph.launch()
 
 

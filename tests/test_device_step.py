@@ -79,18 +79,25 @@ def test_graph_replay_is_bitwise_the_eager_step(accum):
     assert eager.backend.rt.graph_launches == 0
 
 
-def test_a_zero_grad_between_replayed_steps_leaves_the_replays_gradients():
-    """zero_grad() defers its fill to the next read of the gradients; a replayed step runs none of the model's Python,
-    so that fill must not land on the gradients the replay wrote (read after the step, e.g. by a collective)."""
+def test_a_replayed_step_leaves_the_models_flags_as_the_eager_step():
+    """A replayed step runs none of the model's Python: its flags must end as the eager step's. zero_grad() defers its
+    fill to the next read of the gradients (that fill must not land on the gradients the replay wrote) and makes the
+    next backward overwrite them (after the replay a further backward must add to them)."""
     eager, graphed = GPT2(CFG, emu(), B, T, seed=3), GPT2(CFG, emu(), B, T, seed=3)
-    data = batches(4, seed=6)
+    data = batches(5, seed=6)
     for step in range(4):
         for model, graphs in ((eager, False), (graphed, True)):
             model.zero_grad()
             train_step(model, feeder(data[step:step + 1]), step=step, lr=1e-3, adamw=ADAMW, cuda_graphs=graphs)
         assert graphed.backend.rt.graph_launches == max(0, step)
+        assert graphed.step_state()[:7] == eager.step_state()[:7]
         np.testing.assert_array_equal(graphed.backend.to_host(graphed.grads), eager.backend.to_host(eager.grads))
         assert np.any(eager.backend.to_host(eager.grads))
+    x, y = data[4]
+    for model in (eager, graphed):                       # one more backward accumulates into the step's gradients
+        model.forward(x, y, for_backward=True)
+        model.backward()
+    np.testing.assert_array_equal(graphed.backend.to_host(graphed.grads), eager.backend.to_host(eager.grads))
 
 
 def test_a_step_that_refuses_capture_runs_eagerly_with_one_note(capsys):
