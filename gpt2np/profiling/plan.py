@@ -388,9 +388,7 @@ def op_rows(plan: Plan) -> List[dict]:
         g["bound"] = ("-" if not g["floor_ns"] else "compute" if c >= g["floor_ns"] else
                       "memory" if c == 0 else "mixed")
         if g["host_bytes"] and not g["floor_ns"]:
-            n = g["host_bytes"]
-            size = f"{n:,} B" if n < 1e3 else f"{n / 1e3:,.1f} kB" if n < 1e6 else f"{n / 1e6:,.1f} MB"
-            g["bound"] = f"host link: {size}, not in the floor"
+            g["bound"] = "host link"           # host <-> device copies: bytes over PCIe/NVLink-C2C, not in the floor
         rows.append(g)
     order = {d: i for i, d in enumerate(DIRECTIONS)}
     rows.sort(key=lambda g: (order.get(g["direction"], len(order)), -g["floor_ns"]))
@@ -470,9 +468,12 @@ def op_table(plan: Plan) -> Table:
         columns += [(f"{_measured_word(plan)} (us)", "r"), ("floor/measured", "r")]
     out = []
     for g in rows:
+        bound = g["bound"]
+        if bound == "host link":           # their bytes cross it, not device memory: said here, not in MB moved
+            bound = f"host link: {_si(g['host_bytes'])}B, not in the floor"
         row = [g["direction"], g["op"], g["calls"], g["launches"], f"{g['flops'] / 1e9:,.2f}",
                f"{g['hbm_bytes'] / 1e6:,.1f}", f"{g['flops'] / g['hbm_bytes']:.1f}" if g["hbm_bytes"] else "-",
-               _us(g["floor_ns"]) if g["floor_ns"] else "-", f"{100.0 * g['floor_ns'] / floor:.1f}", g["bound"]]
+               _us(g["floor_ns"]) if g["floor_ns"] else "-", f"{100.0 * g['floor_ns'] / floor:.1f}", bound]
         if measured:
             row += [_us(g["measured_ns"]), _eff(g["floor_ns"], g["measured_ns"])]
         out.append(row)
@@ -574,8 +575,8 @@ def render(plan: Plan, launches: bool = False) -> str:
 
 LAUNCH_FIELDS = ["idx", "step", "direction", "layer", "op", "module", "params", "kernel", "kind", "term", "grid",
                  "block", "flops", "bytes", "floor_ns", "bound", "measured_ns"]
-OP_FIELDS = ["direction", "op", "calls", "launches", "copies", "flops", "bytes", "hbm_bytes", "floor_ns", "bound",
-             "measured_ns"]
+OP_FIELDS = ["direction", "op", "calls", "launches", "copies", "flops", "bytes", "hbm_bytes", "host_bytes", "floor_ns",
+             "bound", "measured_ns"]
 
 
 def launch_dicts(plan: Plan) -> List[dict]:
