@@ -49,11 +49,17 @@ def parse_log(path, skipped=None) -> dict:
     return {key: tuple(map(list, zip(*sorted(by_step.items())))) for key, by_step in streams.items()}
 
 
-def undrawn(streams, log_axis) -> int:
-    """How many values the figure leaves out: NaN and infinities (matplotlib draws no point for them), and losses
-    <= 0 when the loss axis is logarithmic (HellaSwag's axis is linear)."""
-    return sum(not math.isfinite(v) or (log_axis and key != "eval" and v <= 0)
-               for key, (_, values) in streams.items() for v in values)
+def undrawn(streams, log_axis) -> list:
+    """[(step, why)] of the values the figure leaves out, in step order: NaN and infinities (matplotlib draws no point
+    for them), and losses <= 0 when the loss axis is logarithmic (HellaSwag's axis is linear)."""
+    out = []
+    for key, (steps, values) in streams.items():
+        for step, v in zip(steps, values):
+            if not math.isfinite(v):
+                out.append((step, "NaN or infinite"))
+            elif log_axis and key != "eval" and v <= 0:
+                out.append((step, "a loss <= 0 on the log axis"))
+    return sorted(out)
 
 
 def find_log(run) -> Path:
@@ -170,8 +176,9 @@ def main(argv=None):
                          f"while writing, or another format)")
         missing = undrawn(streams, args.yscale == "log")
         if missing:
-            why = "NaN, infinite, or a loss <= 0 on the log axis" if args.yscale == "log" else "NaN or infinite"
-            notes.append(f"note: {path}: {missing} value(s) not drawn ({why})")
+            steps = ", ".join(str(step) for step, _ in missing[:3]) + (", ..." if len(missing) > 3 else "")
+            why = "; ".join(dict.fromkeys(why for _, why in missing))
+            notes.append(f"note: {path}: {len(missing)} value(s) not drawn (step {steps}: {why})")
         runs.append((label, streams))
     out = Path(args.output)
     if out.is_dir():
