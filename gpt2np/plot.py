@@ -76,13 +76,17 @@ def find_log(run) -> Path:
 
 def summary(label, streams) -> str:
     """One line per run: its last step and the best values, as vislog prints them."""
+    def best(key, pick):                 # over the finite values (min/max would keep a NaN that comes first)
+        finite = [v for v in streams[key][1] if math.isfinite(v)]
+        return pick(finite) if finite else float("nan")
+
     parts = [label]
     if "trl" in streams:
-        parts.append(f"last step {streams['trl'][0][-1]}, min train loss {min(streams['trl'][1]):.4f}")
+        parts.append(f"last step {streams['trl'][0][-1]}, min train loss {best('trl', min):.4f}")
     if "tel" in streams:
-        parts.append(f"min val loss {min(streams['tel'][1]):.4f}")
+        parts.append(f"min val loss {best('tel', min):.4f}")
     if "eval" in streams:
-        parts.append(f"max HellaSwag {max(streams['eval'][1]):.4f}")
+        parts.append(f"max HellaSwag {best('eval', max):.4f}")
     return ": ".join(parts[:2]) + (", " + ", ".join(parts[2:]) if len(parts) > 2 else "")
 
 

@@ -58,16 +58,19 @@ def test_two_runs_on_one_figure_png_and_svg(runs, capsys):
 
 
 @pytest.mark.parametrize("yscale, drawn_out", [
-    ("log", "3 value(s) not drawn (step 1, 2, 3: NaN or infinite; a loss <= 0 on the log axis)"),
-    ("linear", "2 value(s) not drawn (step 1, 2: NaN or infinite)")])
+    ("log", "3 value(s) not drawn (step 0, 2, 3: NaN or infinite; a loss <= 0 on the log axis)"),
+    ("linear", "2 value(s) not drawn (step 0, 2: NaN or infinite)")])
 def test_skipped_lines_and_undrawn_values_are_said(runs, capsys, yscale, drawn_out):
     """A line that cannot be read and values the figure cannot show (NaN, inf; a loss <= 0 on a log axis) are each
-    one note on stderr, naming the log, instead of silently missing points."""
+    one note on stderr, naming the log, instead of silently missing points; the summary's best values are the finite
+    ones (a NaN first is not the minimum)."""
     log = runs / "run_c" / "main.log"
     log.parent.mkdir()
-    log.write_text("s:0 trl:10.5\ns:1 trl:nan\ns:2 trl:inf\ns:3 trl:0.0\ns:4 tel:x\ns:5 trl:9.0\n")
+    log.write_text("s:0 trl:nan\ns:1 trl:10.5\ns:2 trl:inf\ns:3 trl:0.0\ns:4 tel:x\ns:5 trl:9.0\n")
     assert plot.main([str(log.parent), "-o", str(runs / "c"), "--yscale", yscale]) == 0
-    err = capsys.readouterr().err.splitlines()
+    res = capsys.readouterr()
+    assert "run_c: last step 5, min train loss 0.0000" in res.out
+    err = res.err.splitlines()
     assert err[0] == (f"note: {log}: 1 unreadable `s:` line(s) skipped (line 5; a run killed while writing, or "
                       f"another format)")
     assert err[1] == f"note: {log}: {drawn_out}" and len(err) == 2
