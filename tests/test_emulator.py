@@ -324,8 +324,9 @@ def test_launch_configuration_is_checked(mod):
 
 @needs_gpp
 def test_dynamic_shared_memory_past_what_the_launch_gave_faults(mod):
-    """extern __shared__ memory ends where the launch's shared_mem (rounded up to 128 bytes) ends: a kernel that
-    uses more than its launch asked for stops with a message saying so (on a GPU it would use other memory)."""
+    """extern __shared__ memory ends where the launch's shared_mem (rounded up to 128 bytes) ends, on a guard page, and
+    the rounding's bytes hold a canary: a kernel that uses more than its launch asked for stops with a message saying
+    so (on a GPU it would use other memory)."""
     fn = mod.get_function("block_sum_dynamic")
     x, out = rand(64), np.zeros(1, np.float32)
     with pytest.raises(EmuKernelError, match=r"block_sum_dynamic.*thread \(32,0,0\): write of dynamic shared memory "
@@ -333,6 +334,10 @@ def test_dynamic_shared_memory_past_what_the_launch_gave_faults(mod):
         fn(1, 64, (out, x, np.int32(64)), shared_mem=32 * 4)
     with pytest.raises(EmuKernelError, match="past the 0 bytes the launch gave"):
         fn(1, 64, (out, x, np.int32(64)))
+    # 4 floats short: inside the rounding to 128 bytes, found after the block by the canary bytes there
+    with pytest.raises(EmuKernelError, match=r"block \(0,0,0\): write of dynamic shared memory at byte 240, past the "
+                                             r"240 bytes the launch gave .*found after the block, thread unknown"):
+        fn(1, 64, (out, x, np.int32(64)), shared_mem=60 * 4)
     fn(1, 64, (out, x, np.int32(64)), shared_mem=64 * 4)
     np.testing.assert_allclose(out[0], x.sum(), rtol=1e-5)
 

@@ -61,7 +61,8 @@ Semantics and checks:
     buffers: a write there is reported (without block and thread), a read is not.
   * Dynamic shared memory is limited to 48 KiB unless fn.max_dynamic_shared_size_bytes is raised
     (at most 227 KiB), as on the GPU. It ends on a PROT_NONE page at the launch's shared_mem rounded up
-    to 128 bytes, so a kernel that uses more than its launch gave faults (the error says so).
+    to 128 bytes, so a kernel that uses more than its launch gave faults (the error says so); a write
+    into the rounding is found after the block by the canary bytes there.
 
 Compilation: `g++ -E` with the shim (extern "C" kernels found, __shared__/__global__ rewritten),
 then `g++ -O2 -std=c++20 -fPIC -shared` into a .so cached under GPT2NP_EMU_CACHE (default

@@ -124,9 +124,11 @@ bool g_has_error = false;
 char g_error[4096];
 void* g_fault_addr = nullptr;     // SIGSEGV/SIGBUS address of the last launch's fault
 int g_fault_access = 0;           // 0 none, 1 read, 2 write, 3 unknown (see gpt2np_emu_last_fault)
-// extern __shared__ memory: each launch's bytes (rounded up to kDynSmemAlign) end where a PROT_NONE page starts, so
-// a kernel that reads or writes past the dynamic shared memory its launch asked for faults here (on a GPU it would
-// read or corrupt other memory silently). g_dyn_smem_guard: that page; the region before it holds kMaxDynSmem.
+// extern __shared__ memory: each launch's bytes (rounded up to kDynSmemAlign, the alignment kernels may assume: WMMA
+// needs 32 bytes) end where a PROT_NONE page starts, so a kernel that reads or writes past the dynamic shared memory
+// its launch asked for faults here (on a GPU it would read or corrupt other memory silently); a write into the
+// rounding's slack is found after the block by its canary bytes (fill_shared). g_dyn_smem_guard: that page; the
+// region before it holds kMaxDynSmem.
 constexpr unsigned kDynSmemAlign = 128;
 unsigned char* g_dyn_smem = nullptr;
 unsigned char* g_dyn_smem_guard = nullptr;
@@ -567,7 +569,8 @@ inline void on_fault(int sig, siginfo_t* info, void* ctx) {
         else if (g_dyn_smem_guard && addr >= (char*)g_dyn_smem_guard
                  && addr < (char*)g_dyn_smem_guard + g_page_bytes)
             set_error(f, "%s of dynamic shared memory at byte %lld, past the %llu bytes "
-                      "the launch gave (its shared_mem argument)", fault_access(ctx) == 2 ? "write" : "read",
+                      "the launch gave (its shared_mem argument)",
+                      fault_access(ctx) == 2 ? "write" : fault_access(ctx) == 1 ? "read" : "access",
                       (long long)(addr - (char*)g_dyn_smem), g_dyn_smem_bytes);
         else {
             g_fault_addr = addr;
@@ -644,9 +647,22 @@ inline bool ensure_capacity(unsigned n) {
     return true;
 }
 
+constexpr unsigned char kDynSmemCanary = 0xA5;
+
 inline void fill_shared() {
     memset(__start_emu_shared, 0xFF, (size_t)(__stop_emu_shared - __start_emu_shared));
     memset(g_dyn_smem, 0xFF, g_dyn_smem_bytes);
+    // the bytes between the launch's shared_mem and the guard page (its rounding to kDynSmemAlign): a canary,
+    // checked after the block, so that a write past shared_mem that stops short of the guard page is found too
+    memset(g_dyn_smem + g_dyn_smem_bytes, kDynSmemCanary, (size_t)(g_dyn_smem_guard - g_dyn_smem) - g_dyn_smem_bytes);
+}
+
+// After a block: the first byte of the rounding slack past shared_mem that a thread wrote, or -1.
+inline long long dyn_smem_slack_written() {
+    const size_t slack = (size_t)(g_dyn_smem_guard - g_dyn_smem) - g_dyn_smem_bytes;
+    for (size_t i = 0; i < slack; i++)
+        if (g_dyn_smem[g_dyn_smem_bytes + i] != kDynSmemCanary) return (long long)(g_dyn_smem_bytes + i);
+    return -1;
 }
 
 // Runs one block; returns false on error (message in g_error).
@@ -671,6 +687,13 @@ inline bool run_block() {
     g_cur = nullptr;
     if (g_has_error) return false;
     if (g_live > 0) { report_deadlock(); return false; }
+    const long long written = dyn_smem_slack_written();
+    if (written >= 0) {
+        set_error(nullptr, "kernel '%s' block (%u,%u,%u): write of dynamic shared memory at byte %lld, past the %llu "
+                  "bytes the launch gave (its shared_mem argument; found after the block, thread unknown)",
+                  g_kernel_name, blockIdx.x, blockIdx.y, blockIdx.z, written, g_dyn_smem_bytes);
+        return false;
+    }
     return true;
 }
 
