@@ -19,7 +19,8 @@ fineweb.py. The rest are train shards.
 Resumable: a shard is written atomically, then `<name>_progress.json` records how far the documents are done
 (documents consumed, the tokens carried into the next shard). Run again and finished shards are skipped, the
 documents they used are skipped untokenized, and the work goes on from the first missing shard; a larger
---shards adds shards. A progress file from other settings (source, shard size) is refused in one line.
+--shards adds shards. A progress file from other settings (source, sample, shard size) is refused in one
+line.
 """
 import glob
 import itertools
@@ -52,7 +53,7 @@ FINEWEB_VERSIONS = {"10B": "sample-10BT", "100B": "sample-100BT"}
 FINEWEB_DEFAULT = ("edu", "10B")
 
 
-def fineweb_corpus(kind="edu", version="10B") -> Corpus:
+def fineweb_corpus(kind=FINEWEB_DEFAULT[0], version=FINEWEB_DEFAULT[1]) -> Corpus:
     """FineWeb (`classic`) or FineWeb-Edu (`edu`), its 10B or 100B sample."""
     name, hub_id = FINEWEB_TYPES[kind]
     return Corpus(name, hub_id, FINEWEB_VERSIONS[version], "train")
@@ -279,7 +280,7 @@ def write_stream(documents, out_dir, name, stream, first_index, splits, state, s
 
 
 def prepare_corpus(which, out_dir, shards=-1, shard_size=SHARD_SIZE, source=None, workers=None, bpe_dir=None,
-                   cache=None, kind="edu", version="10B"):
+                   cache=None, kind=FINEWEB_DEFAULT[0], version=FINEWEB_DEFAULT[1]):
     """Write `which`'s shards (which: "fineweb", of type `kind` and sample `version`, see the module docstring)
     into out_dir; returns the paths written by this call. shards: how many in all, val included (-1: all the
     data). With a --source, kind names the shards and version plays no part."""

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .cli import ArgumentParser, BadInput, integer, tool
-from .corpora import FINEWEB_DEFAULT, FINEWEB_TYPES, FINEWEB_VERSIONS
+from .corpora import FINEWEB_DEFAULT, FINEWEB_TYPES, FINEWEB_VERSIONS, SHARD_SIZE, prepare_corpus, source_files
 from .data import DataError, write_shard
 from .fetch import TINYSHAKESPEARE_URL, check_folder, download, removing_new_folders
 from .paths import DATA_DIR, data_search_dirs
@@ -114,7 +114,8 @@ def main(argv=None):
                              "downloaded) or read from --source")
     parser.add_argument("-t", "--type", choices=list(FINEWEB_TYPES), help="fineweb: edu (FineWeb-Edu, shards "
                         "edu_fineweb_*) or classic (FineWeb, shards fineweb_*), llm.c's fineweb.py -t (default: edu, "
-                        "the data of llm.c's GPT-2 runs; llm.c's script defaults to classic)")
+                        "the data of llm.c's GPT-2 runs; llm.c's script defaults to classic); with --source it only "
+                        "names the shards")
     parser.add_argument("-v", "--version", choices=list(FINEWEB_VERSIONS), help="fineweb: the sample on the Hub, "
                         "10B (sample-10BT) or 100B (sample-100BT) tokens, llm.c's fineweb.py -v (default: 10B)")
     parser.add_argument("--shards", type=int, help="fineweb: shards to write in all, the "
@@ -196,7 +197,6 @@ def check_flags_apply(args):
 def prepare_large(args, cache=None):
     """gpt2np prepare fineweb|tinystories (cache: the download cache, None with --source): see gpt2np/corpora.py
     and gpt2np/tinystories.py."""
-    from .corpora import SHARD_SIZE, prepare_corpus, source_files
     if args.dataset == "tinystories":
         return prepare_stories(args, cache)
     shards = -1 if args.shards is None else args.shards
@@ -221,7 +221,6 @@ def prepare_large(args, cache=None):
 
 def prepare_stories(args, cache=None):
     """gpt2np prepare tinystories: llm.c's TinyStories_val.bin and TinyStories_train.bin (gpt2np/tinystories.py)."""
-    from .corpora import source_files
     from .tinystories import prepare_tinystories
     if args.workers is not None:
         integer(1).check("--workers", args.workers, "the tokenizing processes")

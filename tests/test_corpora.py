@@ -222,6 +222,18 @@ def test_another_sample_into_the_same_folder_is_refused_and_old_progress_files_r
     progress.write_text(json.dumps(state))
     code, out = run(common, capsys)
     assert code == 0 and "done already" in out.out, out.err
+    # and one written from a --source before -t/-v: its sample is none
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    local = ["fineweb", "--source", source, "--shards", 1, "--shard-size", SIZE, "--workers", 1,
+             "--output-dir", tmp_path / "local"]
+    assert run(local, capsys)[0] == 0
+    progress = tmp_path / "local" / "edu_fineweb_progress.json"
+    state = json.loads(progress.read_text())
+    assert state["settings"].pop("config") is None
+    progress.write_text(json.dumps(state))
+    code, out = run(local, capsys)
+    assert code == 0 and "done already" in out.out, out.err
 
 
 @pytest.mark.parametrize("argv, words", [
