@@ -129,22 +129,29 @@ def test_one_model_graphed_alone_then_under_mpi_keeps_the_graphs_apart():
     """A single process's step is one graph (the whole step), a rank's first graph only forward and backward: the
     same model stepped both ways (a script reusing it) must not replay the one for the other."""
     x, y = batches(1, steps=6)
-    results = []
+    results, launches = [], []
     for graphs in (False, True):
         model = GPT2(TINY, emu_backend(), B_PER_RANK, T, seed=3)
-        first = train(model, x[:3], y[:3], cuda_graphs=graphs)[0]
+        first = train(model, x[:3], y[:3], cuda_graphs=graphs, launches=launches)[0]
         group = Group(1)
 
         def rank_main(rank, model=model, graphs=graphs, group=group):
             comm = ThreadComm(group, rank)
             dist = MpiProcessGroup(comm, timeout=0, collectives=nccl_factory(FakeNccl())(comm))
-            return [float(train_step(model, lambda b=(x[s], y[s]): b, step=s, lr=1e-3, adamw=ADAMW, dist=dist,
-                                     cuda_graphs=graphs)[0]) for s in range(3, 6)]
+            out = []
+            for s in range(3, 6):
+                before = model.backend.rt.graph_launches
+                out.append(float(train_step(model, lambda b=(x[s], y[s]): b, step=s, lr=1e-3, adamw=ADAMW,
+                                            dist=dist, cuda_graphs=graphs)[0]))
+                launches.append(model.backend.rt.graph_launches - before)
+            return out
 
         (later,) = group.run(rank_main)
         results.append((first + later, model.params_host()))
     assert results[1][0] == results[0][0]
     np.testing.assert_array_equal(results[1][1], results[0][1])
+    # eager: none; graphed: alone warm-up, capture, replay; under MPI its own warm-up, capture, replay of three
+    assert launches == [0] * 6 + [0, 1, 1] + [0, 3, 3]
 
 
 @pytest.mark.parametrize("zero", [0, 1])
