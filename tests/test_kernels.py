@@ -302,13 +302,13 @@ def test_layernorm_backward_fused_is_bitwise_the_same_on_both_schedules():
         assert np.array_equal(first, second)
 
 
-@pytest.mark.parametrize("Y", [1, 3, 8])
+@pytest.mark.parametrize("Y", [1, 3, 8, 32])
 def test_layernorm_params_finish_adds_in_its_documented_order(cuda, Y):
     """Block (32, Y): thread y of a column adds chunks y, y+Y, ... in order, then the column's first thread adds the Y
     sums in y order; bitwise that order in float32 (Y = 1: every chunk in order, as the one-thread finish did), on
     the emulator and, through test_gpu.py, on a GPU. Partial sums of mixed magnitudes, so that the orders differ."""
     from gpt2np.backends.cuda.backend import _i32
-    chunks, C = 21, 70
+    chunks, C = 75, 70                                    # Y = 32: two or three chunks a thread
     rng = rng_for("layernorm_params_finish", Y)
     partial = (rng.standard_normal((chunks, 2, C)) * 10.0 ** rng.integers(-4, 5, (chunks, 2, C))).astype(np.float32)
     old = randn(rng, 2, C)
