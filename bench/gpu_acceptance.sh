@@ -21,6 +21,8 @@
 #   train_loss    the train loss in train/main.log falls (and stays finite)
 #   gpu_step      bench/gpu_step.py: ms/step, tok/s, MFU, per-kernel table, PyTorch eager and torch.compile
 #   gpu_step_bf16 the same in bf16 (--precision bf16; PyTorch under bf16 autocast), and at llm.c's B=64 (--full)
+#   op_bench      bench/op_bench.py: bf16 LayerNorm backward alone at B=64 T=1024, its finish's threads a column and
+#                 its most blocks tried (information: launch settings to tune, not a pass/fail on speed)
 #   kernels       python -m gpt2np.profiling.profiler: the kernel table of one step (profile/ has CSV/JSON/trace)
 #   plan_measure  python -m gpt2np.profiling.profiler --plan --measure: planned floor vs measured time per op
 #   memcheck      compute-sanitizer --tool memcheck over one training step of a tiny model
@@ -42,7 +44,7 @@ ACC_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(dirname "$ACC_DIR")
 HELPER="$ACC_DIR/gpu_acceptance.py"
 PY=${PYTHON:-python}
-STAGES="preflight setup pytest_gpu compare_fp32 compare_tf32 compare_bf16 train train_loss gpu_step gpu_step_bf16 kernels plan_measure memcheck racecheck ncu ncu_agrees"
+STAGES="preflight setup pytest_gpu compare_fp32 compare_tf32 compare_bf16 train train_loss gpu_step gpu_step_bf16 op_bench kernels plan_measure memcheck racecheck ncu ncu_agrees"
 
 usage() { sed -n '2,/^# The script can be sourced/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
@@ -219,6 +221,8 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
         acc_run gpu_step 300 "$PY" bench/gpu_step.py --runtime emu --model tiny -b 2 -t 8 --steps 1 --warmup 0 --top 10
         acc_run gpu_step_bf16 300 "$PY" bench/gpu_step.py --runtime emu --model tiny -b 2 -t 8 --steps 1 --warmup 0 \
             --top 10 --precision bf16
+        acc_run op_bench 300 "$PY" bench/op_bench.py layernorm_backward --runtime emu -b 2 -t 8 -c 64 --reps 2 \
+            --precision bf16 --set layernorm_finish_threads=1,32
         acc_run kernels 300 "$PY" -m gpt2np.profiling.profiler -e "$data/tiny.bin" -b 2 -t 16 --steps 1 \
             --device emu --out "$OUT/profile" --views gpu_activities,kernels
         acc_run plan_measure 300 "$PY" -m gpt2np.profiling.profiler -e "$data/tiny.bin" -b 2 -t 16 --plan --measure \
@@ -235,8 +239,8 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
     acc_run setup 300 "$PY" "$HELPER" setup "$data" "${full[@]}"
     if [ "$CUDA_OK" != 1 ]; then
         local stage
-        for stage in pytest_gpu compare_fp32 compare_tf32 compare_bf16 train train_loss gpu_step gpu_step_bf16 kernels \
-                     plan_measure memcheck racecheck ncu ncu_agrees; do
+        for stage in pytest_gpu compare_fp32 compare_tf32 compare_bf16 train train_loss gpu_step gpu_step_bf16 op_bench \
+                     kernels plan_measure memcheck racecheck ncu ncu_agrees; do
             acc_skip "$stage" "no usable GPU: $CUDA_WHY"
         done
         return
@@ -268,6 +272,8 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
     [ "$MODE" = full ] && bf16_b=64                     # llm.c's usual d12 batch: its tokens/s is the yardstick
     acc_run gpu_step_bf16 600 "$PY" bench/gpu_step.py --model d12 -b "$bf16_b" -t 1024 --steps "$gsteps" \
         --warmup "$gwarm" --precision bf16 --torch "$torch_modes"
+    acc_run op_bench 300 "$PY" bench/op_bench.py layernorm_backward -b 64 -t 1024 --precision bf16 \
+        --set layernorm_max_blocks=512,1000000 --set layernorm_finish_threads=1,8,32
     if [ "$TORCH_OK" != 1 ]; then
         echo "# PyTorch side not run: $TORCH_WHY" >> "$OUT/gpu_step.log"
     fi

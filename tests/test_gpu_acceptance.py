@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "bench" / "gpu_acceptance.sh"
 HELPER = REPO / "bench" / "gpu_acceptance.py"
 STAGES = ["preflight", "setup", "pytest_gpu", "compare_fp32", "compare_tf32", "compare_bf16", "train", "train_loss",
-          "gpu_step", "gpu_step_bf16", "kernels", "plan_measure", "memcheck", "racecheck", "ncu", "ncu_agrees"]
+          "gpu_step", "gpu_step_bf16", "op_bench", "kernels", "plan_measure", "memcheck", "racecheck", "ncu",
+          "ncu_agrees"]
 
 
 def env(**extra):
@@ -76,6 +77,9 @@ def test_dry_run_prints_every_stage_with_the_real_clis(tmp_path):
     assert cmd["compare_bf16"][-2:] == ["--precision", "bf16"] and compare.parse_args(
         cmd["compare_bf16"][3:]).precision == "bf16"
     assert cmd["gpu_step_bf16"][cmd["gpu_step_bf16"].index("--precision") + 1] == "bf16"
+    assert cmd["op_bench"][1].endswith("bench/op_bench.py") and cmd["op_bench"][2] == "layernorm_backward"
+    ob = cmd["op_bench"]
+    assert "layernorm_finish_threads=1,8,32" in ob and ob[ob.index("-b") + 1] == "64"
 
 
 def test_full_runs_longer(tmp_path):
