@@ -44,7 +44,7 @@ def op_call(be, op, B, T, C, fuse, rng):
     be.layernorm_forward(out, mean, rstd, x, w, b)                # the saved statistics the backward reads
     dinp, dw, db = dev(B, T, C), be.zeros(C, be.dtype), be.zeros(C, be.dtype)
     args = (dinp, dw, db, dev(B, T, C), x, w, mean, rstd)
-    return lambda: be.layernorm_backward(*args, accumulate=False, fused=fuse), args + (False,)
+    return lambda: be.layernorm_backward(*args, accumulate=False, fused=fuse), args + (False, fuse)
 
 
 def time_op(be, call, reps):

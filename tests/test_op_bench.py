@@ -50,6 +50,18 @@ def test_every_combination_of_the_settings_runs_with_them_set(op_bench, capsys, 
     assert launches == [2] * 4                   # one untimed launch of the captured graph, one timed
 
 
+@pytest.mark.parametrize("fuse", [0, 1])
+def test_the_bandwidth_is_the_contracts_bytes_of_the_path_run(op_bench, fuse):
+    """--fuse 1 is costed as the one-pass kernel (fewer bytes), --fuse 0 as the two passes."""
+    import numpy as np
+
+    from gpt2np.backends import get_backend
+    from gpt2np.backends.contract import op_cost
+    be = get_backend("emu")
+    _, args = op_bench.op_call(be, "layernorm_backward", 2, 4, 64, bool(fuse), np.random.default_rng(0))
+    assert op_cost("layernorm_backward", args).bytes == op_cost("layernorm_backward", args[:-1], fused=bool(fuse)).bytes
+
+
 @pytest.mark.parametrize("flag, words", [("nope=1", "NAME one of"), ("row_warps=x", "must be integers"),
                                          ("row_warps", "expected NAME=V1,V2"),
                                          ("layernorm_finish_threads=8,64", "an integer in 1..32")])
