@@ -11,7 +11,8 @@ the host. Printed: microseconds per call and the bandwidth the op contract's min
     python bench/op_bench.py layernorm_backward --runtime emu -b 2 -t 16 -c 64 --reps 2   # dry run, no GPU
 
 Ops: layernorm_backward (--fuse 1: the one-pass kernel, as training runs it; 0: dinp, then column sums),
-layernorm_forward, fused_residual_layernorm_forward. Settings: CudaBackend's launch settings (LAUNCH_SETTINGS).
+layernorm_forward, fused_residual_layernorm_forward, fused_classifier (softmax, loss and dlogits over -v's vocabulary:
+classifier_threads). Settings: CudaBackend's launch settings (LAUNCH_SETTINGS).
 """
 import argparse
 import itertools
@@ -23,14 +24,21 @@ from gpt2np.backends import BackendUnavailable, get_backend
 from gpt2np.backends.contract import op_cost
 from gpt2np.backends.cuda.backend import LAUNCH_SETTINGS, KernelArgumentError
 
-OPS = ("layernorm_backward", "layernorm_forward", "fused_residual_layernorm_forward")
+OPS = ("layernorm_backward", "layernorm_forward", "fused_residual_layernorm_forward", "fused_classifier")
 
 
-def op_call(be, op, B, T, C, fuse, rng):
-    """(call, args): a function that runs `op` once on fixed device buffers of shape (B, T, C), and the op's argument
-    list (for its cost)."""
+def op_call(be, op, B, T, C, fuse, rng, V=50257):
+    """(call, args): a function that runs `op` once on fixed device buffers of shape (B, T, C) (the classifier: logits
+    (B, T, Vp) over a vocabulary of V, padded to a multiple of 128 as llm.c pads it), and the op's argument list (for
+    its cost)."""
     def dev(*shape, scale=1.0):
         return be.from_host((rng.standard_normal(shape) * scale).astype(np.float32), be.dtype)
+
+    if op == "fused_classifier":          # in place: each call turns the last call's dlogits into new ones, alike work
+        Vp = -(-V // 128) * 128
+        targets = be.from_host(rng.integers(0, V, (B, T)).astype(np.int32))
+        args = (dev(B, T, Vp), be.zeros((B, T), np.float32), targets, V, 1.0 / (B * T), True)
+        return lambda: be.fused_classifier(*args), args
 
     x, w, b = dev(B, T, C, scale=2.0), dev(C), dev(C)
     out, mean, rstd = be.zeros((B, T, C), be.dtype), be.zeros((B, T), np.float32), be.zeros((B, T), np.float32)
@@ -84,6 +92,7 @@ def main(argv=None):
     p.add_argument("-b", type=int, default=4, help="batch size B (default 4)")
     p.add_argument("-t", type=int, default=1024, help="sequence length T (default 1024)")
     p.add_argument("-c", type=int, default=768, help="channels C (default 768, d12's)")
+    p.add_argument("-v", "--vocab", type=int, default=50257, help="fused_classifier: vocabulary V (default GPT-2's)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="the kernels' build (storage)")
     p.add_argument("--fuse", type=int, choices=(0, 1), default=1, help="layernorm_backward: the one-pass kernel")
     p.add_argument("--set", action="append", default=[], metavar="NAME=V1,V2",
@@ -95,8 +104,8 @@ def main(argv=None):
         settings = [parse_set(s) for s in args.set]
     except ValueError as e:
         p.error(str(e))
-    if min(args.b, args.t, args.c, args.reps) < 1:
-        p.error("-b, -t, -c and --reps must be >= 1")
+    if min(args.b, args.t, args.c, args.vocab, args.reps) < 1:
+        p.error("-b, -t, -c, -v and --reps must be >= 1")
     try:
         be = get_backend("emu" if args.runtime == "emu" else "cuda", precision=args.precision)
     except BackendUnavailable as e:
@@ -115,7 +124,8 @@ def main(argv=None):
     for values in itertools.product(*[vals for _, vals in settings]):
         for name, value in zip(names, values):
             setattr(be, name, value)
-        call, op_args = op_call(be, args.op, args.b, args.t, args.c, bool(args.fuse), np.random.default_rng(0))
+        call, op_args = op_call(be, args.op, args.b, args.t, args.c, bool(args.fuse), np.random.default_rng(0),
+                                args.vocab)
         us = time_op(be, call, args.reps)
         cost = op_cost(args.op, op_args)
         print("  ".join([f"{v:>{len(n)}}" for n, v in zip(names, values)] + [f"{us:7.2f}",

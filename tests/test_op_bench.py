@@ -18,9 +18,10 @@ def op_bench():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("op", ["layernorm_backward", "layernorm_forward", "fused_residual_layernorm_forward"])
+@pytest.mark.parametrize("op", ["layernorm_backward", "layernorm_forward", "fused_residual_layernorm_forward",
+                                "fused_classifier"])
 def test_each_op_times_on_the_emulator(op_bench, capsys, op, precision):
-    assert op_bench.main([op, "--runtime", "emu", "-b", "2", "-t", "4", "-c", "64", "--reps", "2",
+    assert op_bench.main([op, "--runtime", "emu", "-b", "2", "-t", "4", "-c", "64", "-v", "300", "--reps", "2",
                           "--precision", precision]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"{op} on cpu, {precision} storage, B=2 T=4 C=64, 2 calls a graph [emulated")
