@@ -128,15 +128,19 @@ def test_ncu_agrees_holds_the_step_total_and_the_median_to_10_percent(tmp_path, 
     assert r.returncode == 1 and "no 'built-in vs ncu kernel times' line" in r.stdout
 
 
-def test_missing_ncu_skips_the_ncu_stages(tmp_path):
-    body = ("MODE=quick DEVICE=cuda ONLY=ncu,ncu_agrees\n"
-            "CUDA_OK=1 TORCH_OK=1 TORCH_CPU_OK=1 PYTEST_OK=1 SAN_OK=1 NCU_OK=0 NCU_WHY='ncu is not on PATH'\n"
+@pytest.mark.parametrize("stages, tools", [
+    ("ncu,ncu_agrees", "PYTEST_OK=1 SAN_OK=1 NCU_OK=0 NCU_WHY='ncu is not on PATH'"),
+    ("memcheck,racecheck", "PYTEST_OK=1 SAN_OK=0 SAN_WHY='compute-sanitizer is not on PATH'")])
+def test_a_missing_tool_skips_its_stages(tmp_path, stages, tools):
+    """No ncu: the ncu stages SKIP; no compute-sanitizer: memcheck and racecheck; each naming what is missing."""
+    body = (f"MODE=quick DEVICE=cuda ONLY={stages}\n"
+            f"CUDA_OK=1 TORCH_OK=1 TORCH_CPU_OK=1 {tools}\n"
             "acc_stages\nacc_finish")
     r = source(body, tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    _, stages = summary(tmp_path)
-    assert list(stages) == ["ncu", "ncu_agrees"]
-    assert all(s["status"] == "SKIP" and "not on PATH" in s["reason"] for s in stages.values())
+    _, result = summary(tmp_path)
+    assert list(result) == stages.split(",")
+    assert all(s["status"] == "SKIP" and "not on PATH" in s["reason"] for s in result.values())
 
 
 def test_skips_pass_unless_strict(tmp_path):
@@ -151,16 +155,6 @@ def test_budget_skips_what_does_not_fit(tmp_path):
     _, stages = summary(tmp_path)
     assert stages["late"]["status"] == "SKIP" and "time budget" in stages["late"]["reason"]
 
-
-def test_missing_sanitizer_skips_the_sanitizer_stages(tmp_path):
-    body = ("MODE=quick DEVICE=cuda ONLY=memcheck,racecheck\n"
-            "CUDA_OK=1 TORCH_OK=1 TORCH_CPU_OK=1 PYTEST_OK=1 SAN_OK=0 SAN_WHY='compute-sanitizer is not on PATH'\n"
-            "acc_stages\nacc_finish")
-    r = source(body, tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
-    _, stages = summary(tmp_path)
-    assert list(stages) == ["memcheck", "racecheck"]
-    assert all(s["status"] == "SKIP" and "not on PATH" in s["reason"] for s in stages.values())
 
 
 @pytest.fixture
