@@ -41,6 +41,11 @@ import subprocess
 import sys
 import time
 
+# before NumPy, in this process and (through the environment) in every part's: gpt2np sets OpenBLAS's thread timeout,
+# which OpenBLAS reads once, when NumPy loads it (with its default, its threads spin after every GEMM and took ~5%
+# of gpt2np's step here: runs A-Y, 2026-11-21 to 24, had NumPy first, put there by an import sorter)
+import gpt2np  # noqa: F401
+
 GEMM_TERMS = {"matmul_forward": ("gemm",), "matmul_backward": ("dinp", "dweight"),
               "attention_forward": ("scores", "weighted_sum"),
               "attention_backward": ("dv", "datt", "dq", "dk")}
@@ -148,7 +153,6 @@ def round_ratios(gpt2np_runs, floors_by_library, gemms, adamw_bytes, warmup):
 def bench_gpt2np(args):
     import numpy as np
 
-    import gpt2np  # noqa: F401  (first: it sets OpenBLAS's thread timeout before NumPy loads OpenBLAS)
     from gpt2np.backends.numpy_backend import NumpyBackend
     from gpt2np.config import preset
     from gpt2np.model import GPT2
@@ -300,7 +304,6 @@ def floor_numpy(gemms, args, reps=None):
     the best of `reps` runs (default args.reps) after one untimed."""
     import numpy as np
 
-    import gpt2np  # noqa: F401  (OpenBLAS thread timeout, as for gpt2np's step)
     from gpt2np.profiling.cpu_roof import add_bandwidth
     rng = np.random.default_rng(0)
     seconds = []
@@ -317,7 +320,6 @@ def cold_gemm_seconds(recorded, args):
     over the whole set (the set is hundreds of MB, so no GEMM finds its operands in cache)."""
     import numpy as np
 
-    import gpt2np  # noqa: F401  (OpenBLAS thread timeout, as for gpt2np's step)
     rng = np.random.default_rng(1)
     calls = []
     for *shape, count in recorded:

@@ -17,6 +17,9 @@ import math
 import statistics
 import time
 
+import gpt2np  # noqa: F401  (before NumPy: it sets OpenBLAS's thread timeout, read when NumPy loads OpenBLAS)
+
+# isort: split
 import numpy as np
 
 from gpt2np.backends.numpy_backend import NumpyBackend

@@ -2,6 +2,9 @@
 import os
 from pathlib import Path
 
+import gpt2np  # noqa: F401  (before NumPy, as train.py: OpenBLAS's thread timeout; else the numpy backend warns)
+
+# isort: split
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

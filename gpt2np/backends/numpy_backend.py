@@ -17,6 +17,7 @@ results do not depend on the thread count. The GEMMs are the BLAS's: OpenBLAS's 
 """
 import math
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -43,6 +44,30 @@ PARALLEL_MIN = 1 << 20
 # rows per block of the fast LayerNorm backward's parameter-gradient partial sums (part of its results' rounding)
 LN_BLOCK = 16
 MATHS = ("exact", "fast")        # NumpyBackend(math=): bitwise the NumPy code, or cpu_kernels' fast set
+
+
+_spin_warned = False
+
+
+def warn_openblas_spin():
+    """Warn once per process when NumPy loaded OpenBLAS before gpt2np set its thread timeout (gpt2np/__init__.py):
+    OpenBLAS's threads then spin on the cores after every GEMM, and a d12 CPU step ran ~5% slower on 2 cores."""
+    global _spin_warned
+    import gpt2np
+    if _spin_warned or not gpt2np.OPENBLAS_TIMEOUT_MISSED or "openblas" not in _blas_name():
+        return
+    _spin_warned = True
+    warnings.warn("NumPy was imported before gpt2np, so OpenBLAS keeps its threads spinning after every GEMM (a "
+                  "CPU training step ~5% slower): import gpt2np first, or set OPENBLAS_THREAD_TIMEOUT=4 before "
+                  "NumPy loads", RuntimeWarning, stacklevel=3)
+
+
+def _blas_name() -> str:
+    """The name of NumPy's BLAS as its build configuration gives it (e.g. scipy-openblas), lower case; '' if unknown."""
+    try:
+        return str(np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]).lower()
+    except Exception:                  # an older NumPy or another layout of its configuration: no warning
+        return ""
 
 
 def gelu_into(y, x):
@@ -79,6 +104,8 @@ class NumpyBackend:
             raise ValueError(f"math={math!r}: expected {' or '.join(MATHS)}")
         self.dtype = np.dtype(dtype)
         self.threads = threads or min(8, _cpu_count())
+        if self.threads > 1:
+            warn_openblas_spin()
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         self._scratch = {}
         self._local = threading.local()
