@@ -553,7 +553,8 @@ def infer_module(op: str, direction: str, layer: Optional[int], nth: int, before
 
     gpt2np's own op orders (model_op_modules) first: a module of the next layer (the fused residual + LayerNorm
     that ends a layer computes h.{l+1}.ln_1) belongs to that layer, and past the last of the num_layers it is
-    ln_f, outside them (the built-in profiler's attribution). Else llm.c's order by position (LAYER_MODULES).
+    ln_f, outside them (the built-in profiler's attribution); where some of the layer's ops left no kernel in the
+    export, the one place those orders agree on. Else llm.c's order by position (LAYER_MODULES).
     """
     layers, outside = model_op_modules()
     if layer is None:
@@ -561,6 +562,8 @@ def infer_module(op: str, direction: str, layer: Optional[int], nth: int, before
             return "optimizer", None
         return outside.get(op) or OUTSIDE_MODULES.get(op, ""), None
     known = layers.get((direction, tuple(before), op))
+    if known is None and before is not None:
+        known = _place_with_ops_missing(direction, tuple(before), op, nth)
     if known is not None:
         offset, name = known
         if offset and num_layers is not None and layer + offset >= num_layers:
@@ -568,6 +571,22 @@ def infer_module(op: str, direction: str, layer: Optional[int], nth: int, before
         return f"h.{layer + offset}.{name}", layer + offset
     names = LAYER_MODULES.get(direction, {}).get(op, ())
     return (f"h.{layer}.{names[nth]}" if nth < len(names) else f"h.{layer}"), layer
+
+
+def _is_subsequence(part: tuple, whole: tuple) -> bool:
+    rest = iter(whole)
+    return all(item in rest for item in part)
+
+
+@functools.cache
+def _place_with_ops_missing(direction: str, before: tuple, op: str, nth: int):
+    """(layer offset, module) of the nth `op` after the ops `before` where some of the layer's ops left no kernel in
+    the export (filtered out of the capture, by name or kind): the one place of gpt2np's op orders whose ops before
+    it hold `before` in order, with `op` nth times among them; None where no order or more than one place fits."""
+    layers, _ = model_op_modules()
+    places = {place for (d, ops, o), place in layers.items()
+              if d == direction and o == op and ops.count(op) == nth and _is_subsequence(before, ops)}
+    return places.pop() if len(places) == 1 else None
 
 
 class _NullBackend:
