@@ -43,7 +43,8 @@ import time
 
 # before NumPy, in this process and (through the environment) in every part's: gpt2np sets OpenBLAS's thread timeout,
 # which OpenBLAS reads once, when NumPy loads it (with its default, its threads spin after every GEMM and took ~5%
-# of gpt2np's step here: runs A-Y, 2026-11-21 to 24, had NumPy first, put there by an import sorter)
+# of gpt2np's step here: the runs of 2026-11-23 06:30 to 2026-11-24 17:45 UTC had NumPy first, put there by an
+# import sorter)
 import gpt2np  # noqa: F401
 
 GEMM_TERMS = {"matmul_forward": ("gemm",), "matmul_backward": ("dinp", "dweight"),

@@ -68,12 +68,22 @@ def test_the_check_finds_numpy_first():
     assert numpy_before_gpt2np(main.body, False) == [2]
 
 
+WARNING = "RuntimeWarning: NumPy was imported before gpt2np"
+THREAD_VARIABLES = ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+
+
 def run_snippet(code, **env):
-    environ = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    environ = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
     proc = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
-                          env={**environ, **env}, timeout=120)
+                          env={**environ, **env}, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     return proc.stderr
+
+
+def openblas_numpy():
+    import numpy as np
+    if "openblas" not in str(np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]).lower():
+        pytest.skip("NumPy's BLAS here is not OpenBLAS: there is nothing to warn about")
 
 
 MAKE_BACKENDS = ("from gpt2np.backends.numpy_backend import NumpyBackend\n"
@@ -81,12 +91,20 @@ MAKE_BACKENDS = ("from gpt2np.backends.numpy_backend import NumpyBackend\n"
 
 
 def test_numpy_backend_warns_once_when_numpy_came_first():
-    import numpy as np
-    if "openblas" not in str(np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]).lower():
-        pytest.skip("NumPy's BLAS here is not OpenBLAS: there is nothing to warn about")
+    openblas_numpy()
     stderr = run_snippet("import numpy\nimport gpt2np\n" + MAKE_BACKENDS)
-    assert stderr.count("RuntimeWarning: NumPy was imported before gpt2np") == 1, stderr
+    assert stderr.count(WARNING) == 1, stderr
     assert "OPENBLAS_THREAD_TIMEOUT=4" in stderr
+    assert stderr.startswith("<string>:4: "), stderr          # the line that made the first backend
+
+
+def test_the_warning_names_the_users_line_through_get_backend():
+    """The trainer, compare and the profiler make the backend through get_backend: the warning names the caller's
+    line, not gpt2np's."""
+    openblas_numpy()
+    stderr = run_snippet("import numpy\nimport gpt2np\nfrom gpt2np.backends import get_backend\n\n"
+                         "get_backend('numpy', threads=2)\n")
+    assert stderr.startswith("<string>:5: " + WARNING), stderr
 
 
 @pytest.mark.parametrize("code, env", [
@@ -94,9 +112,11 @@ def test_numpy_backend_warns_once_when_numpy_came_first():
     ("import numpy\nimport gpt2np\n" + MAKE_BACKENDS, {"OPENBLAS_THREAD_TIMEOUT": "4"}),   # the user set it
     ("import numpy\nimport gpt2np\nfrom gpt2np.backends.numpy_backend import NumpyBackend\n"
      "NumpyBackend(threads=1, fused=False)\n", {}),                                # one thread: no worker spins
+    ("import numpy\nimport gpt2np\n" + MAKE_BACKENDS, {"OPENBLAS_NUM_THREADS": "1"}),   # OpenBLAS has no workers
+    ("import numpy\nimport gpt2np\n" + MAKE_BACKENDS, {"OMP_NUM_THREADS": "1"}),
 ])
 def test_numpy_backend_is_quiet_where_the_timeout_holds_or_cannot_matter(code, env):
-    assert "RuntimeWarning" not in run_snippet(code, **env)
+    assert WARNING not in run_snippet(code, **env)
 
 
 def test_gpt2np_first_sets_the_timeout_before_numpy_loads():

@@ -16,6 +16,8 @@ results do not depend on the thread count. The GEMMs are the BLAS's: OpenBLAS's 
 (OPENBLAS_NUM_THREADS, else the cores) can change their last bits (measured: 1 against 2 threads).
 """
 import math
+import os
+import sys
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -51,15 +53,31 @@ _spin_warned = False
 
 def warn_openblas_spin():
     """Warn once per process when NumPy loaded OpenBLAS before gpt2np set its thread timeout (gpt2np/__init__.py):
-    OpenBLAS's threads then spin on the cores after every GEMM, and a d12 CPU step ran ~5% slower on 2 cores."""
+    OpenBLAS's threads then spin on the cores after every GEMM, and a d12 CPU step ran ~5% slower on 2 cores. Not
+    where OpenBLAS runs one thread (OPENBLAS_NUM_THREADS, GOTO_NUM_THREADS or OMP_NUM_THREADS, the first set, is 1)
+    or NumPy's build names another BLAS (or none it can tell: a distribution's NumPy says "blas")."""
     global _spin_warned
     import gpt2np
     if _spin_warned or not gpt2np.OPENBLAS_TIMEOUT_MISSED or "openblas" not in _blas_name():
         return
+    threads = next((os.environ[v] for v in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+                    if os.environ.get(v)), "")
+    if threads.strip() == "1":
+        return
     _spin_warned = True
     warnings.warn("NumPy was imported before gpt2np, so OpenBLAS keeps its threads spinning after every GEMM (a "
                   "CPU training step ~5% slower): import gpt2np first, or set OPENBLAS_THREAD_TIMEOUT=4 before "
-                  "NumPy loads", RuntimeWarning, stacklevel=3)
+                  "NumPy loads", RuntimeWarning, stacklevel=_first_frame_outside(gpt2np))
+
+
+def _first_frame_outside(package) -> int:
+    """warnings.warn's stacklevel that names the first caller outside `package` (the user's line, not
+    get_backend's), counted from the function that calls warn."""
+    root = os.path.dirname(os.path.abspath(package.__file__)) + os.sep
+    frame, level = sys._getframe(2), 2          # 1 = the caller of this function (the one calling warn)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _blas_name() -> str:
@@ -839,7 +857,6 @@ def write_or_add(out, value, accumulate):
 
 
 def _cpu_count():
-    import os
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
