@@ -797,3 +797,21 @@ def test_a_resume_with_only_incomplete_checkpoints_and_no_log_moves_them_aside(f
     assert code == 0, err
     (previous,) = out.glob("previous-*")
     assert (previous / "model_00000002.bin").is_file() and not list(out.glob("*_00000002*"))
+
+
+def test_signal_tests_pass_when_pytest_starts_with_signals_ignored():
+    """pytest started with SIGINT and SIGTERM ignored (nohup, `cmd &` in a script, some CI runners): the signal tests,
+    in this process and in child trainers, still pass (conftest gives the tests the default dispositions)."""
+    selected = ["tests/test_reliability_runs.py::test_signal_checkpoints_and_exits",
+                "tests/test_checkpoint_rotation.py::test_x0_stops_at_the_first_signal",
+                "tests/test_checkpoint_rotation.py::test_two_quick_signals_during_one_c_call_count_as_two",
+                "tests/test_checkpoint_rotation.py::test_nk_counts_checkpoints_that_exist_and_keeps_the_major_ones"]
+
+    def ignore_signals():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selected], cwd=REPO,
+                          capture_output=True, text=True, timeout=20 * TIMEOUT, preexec_fn=ignore_signals)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
