@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""llm.c's entry point: `python train.py FLAGS` is `gpt2np train FLAGS` (gpt2np/train_cli.py)."""
+"""llm.c's entry point: `python train.py FLAGS` is `gpt2np train FLAGS` (gpt2np/cli/train.py)."""
 import sys
 
 try:
-    from gpt2np.train_cli import build_parser, main, parse_config  # noqa: F401  (tests and scripts use these)
+    from gpt2np.cli.train import build_parser, main, parse_config  # noqa: F401  (tests and scripts use these)
 except KeyboardInterrupt:                  # Ctrl-C while importing, before the run's own handling: one line too
     print("error: interrupted", file=sys.stderr)
     sys.exit(130)

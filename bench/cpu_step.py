@@ -111,7 +111,7 @@ class Recorder:
     def on_push(self, name, detail):
         if detail is None:
             return
-        from gpt2np.backends.contract import op_cost
+        from gpt2np.ops.contract import op_cost
         args_ = detail[1]
         if name in GEMM_TERMS:
             cost = op_cost(name, args_)
@@ -154,10 +154,10 @@ def round_ratios(gpt2np_runs, floors_by_library, gemms, adamw_bytes, warmup):
 def bench_gpt2np(args):
     import numpy as np
 
-    from gpt2np.backends.numpy_backend import NumpyBackend
+    from gpt2np import ranges
+    from gpt2np.backends.numpy.backend import NumpyBackend
     from gpt2np.config import preset
     from gpt2np.model import GPT2
-    from gpt2np.profiling import ranges
     from gpt2np.tensors import activation_shapes, layout_size
     from gpt2np.train_step import AdamW, train_step
 

@@ -29,9 +29,9 @@ VAL_TOKENS = 1 << 15
 
 def setup(out, full=False):
     """Write DIR/train_000.bin, DIR/val_000.bin, DIR/tiny.bin, DIR/small.bin; print what was written."""
-    from gpt2np.checkpoint import save_model
     from gpt2np.config import GPT2Config, preset
-    from gpt2np.data import write_shard
+    from gpt2np.datasets.data import write_shard
+    from gpt2np.formats.checkpoint import save_model
     from gpt2np.tensors import PARAM_NAMES, num_parameters, param_shapes, views
 
     os.makedirs(out, exist_ok=True)

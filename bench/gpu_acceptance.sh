@@ -13,7 +13,7 @@
 #                 pytest, compute-sanitizer; nvidia-smi, versions, the git commit -> preflight.log
 #   setup         synthetic token shards and model files (bench/gpu_acceptance.py setup): no data files needed
 #   pytest_gpu    python -m pytest -m gpu
-#   compare_fp32  python -m gpt2np.compare --backend cuda, against the PyTorch reference, exact fp32
+#   compare_fp32  python -m gpt2np.cli.compare --backend cuda, against the PyTorch reference, exact fp32
 #   compare_tf32  the same with --precision tf32 (the TF32 tolerances)
 #   compare_bf16  compare --precision bf16: gpt2np's bf16 and PyTorch autocast bf16 against PyTorch fp32 (FAILs
 #                 while gpt2np's error exceeds 1.5x autocast's: llm.c's bf16 residual stream, see the README)
@@ -205,10 +205,10 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
         acc_run setup 300 "$PY" "$HELPER" setup "$data" "${full[@]}"
         acc_skip pytest_gpu "--device emu: the GPU tests need a GPU (python -m pytest runs the emulator tests)"
         if [ "$TORCH_CPU_OK" = 1 ]; then
-            acc_run compare_fp32 300 "$PY" -m gpt2np.compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 --steps 2
-            acc_run compare_tf32 300 "$PY" -m gpt2np.compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 --steps 2 \
+            acc_run compare_fp32 300 "$PY" -m gpt2np.cli.compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 --steps 2
+            acc_run compare_tf32 300 "$PY" -m gpt2np.cli.compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 --steps 2 \
                 --precision tf32
-            acc_run compare_bf16 300 "$PY" -m gpt2np.compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 \
+            acc_run compare_bf16 300 "$PY" -m gpt2np.cli.compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 \
                 --precision bf16
         else
             acc_skip compare_fp32 "$TORCH_CPU_WHY"
@@ -252,8 +252,8 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
         acc_skip pytest_gpu "$PYTEST_WHY (bring it: pip install --no-index --find-links WHEELS pytest)"
     fi
     if [ "$TORCH_CPU_OK" = 1 ]; then      # the reference runs in PyTorch on the CPU: a CPU build is enough
-        local cmp=("$PY" -m gpt2np.compare -e "$data/small.bin" --backend cuda -b 4 -t 64 --steps 5)
-        [ "$MODE" = full ] && cmp=("$PY" -m gpt2np.compare -e "$data/small.bin" --backend cuda -b 4 -t 256 --steps 10)
+        local cmp=("$PY" -m gpt2np.cli.compare -e "$data/small.bin" --backend cuda -b 4 -t 64 --steps 5)
+        [ "$MODE" = full ] && cmp=("$PY" -m gpt2np.cli.compare -e "$data/small.bin" --backend cuda -b 4 -t 256 --steps 10)
         acc_run compare_fp32 600 "${cmp[@]}"
         acc_run compare_tf32 600 "${cmp[@]}" --precision tf32
         acc_run compare_bf16 600 "${cmp[@]}" --precision bf16

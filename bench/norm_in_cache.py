@@ -22,7 +22,7 @@ import gpt2np  # noqa: F401  (before NumPy: it sets OpenBLAS's thread timeout, r
 # isort: split
 import numpy as np
 
-from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.backends.numpy.backend import NumpyBackend
 
 C = 768
 SHAPES = [(C, 4 * C), (4 * C, C), (C, C), (3 * C, C)]       # (OC, IC) of c_proj, c_fc, attn c_proj, c_attn

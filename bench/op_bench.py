@@ -21,8 +21,8 @@ import sys
 import numpy as np
 
 from gpt2np.backends import BackendUnavailable, get_backend
-from gpt2np.backends.contract import op_cost
 from gpt2np.backends.cuda.backend import LAUNCH_SETTINGS, KernelArgumentError
+from gpt2np.ops.contract import op_cost
 
 OPS = ("layernorm_backward", "layernorm_forward", "fused_residual_layernorm_forward", "fused_classifier")
 

@@ -10,7 +10,7 @@ import sys
 OPENBLAS_TIMEOUT_MISSED = "numpy" in sys.modules and "OPENBLAS_THREAD_TIMEOUT" not in os.environ
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
-from .config import GPT2Config, preset  # noqa: E402
+from gpt2np.config import GPT2Config, preset  # noqa: E402
 
 __all__ = ["GPT2Config", "preset"]
 __version__ = "0.1.0"

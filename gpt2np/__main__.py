@@ -1,6 +1,6 @@
-"""`python -m gpt2np COMMAND ...` is the `gpt2np` console script (gpt2np/commands.py)."""
+"""`python -m gpt2np COMMAND ...` is the `gpt2np` console script (gpt2np/cli/main.py)."""
 import sys
 
-from gpt2np.commands import main
+from gpt2np.cli.main import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@ import re
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import get_args
 
-from .cli import SWITCH, TEXT, Allowed, BadInput, integer, is_finite, is_int, number, one_of
+from gpt2np.errors import SWITCH, TEXT, Allowed, BadInput, integer, is_finite, is_int, number, one_of
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ import math
 
 import numpy as np
 
-from .config import GPT2Config
-from .data import llmc_generator
-from .tensors import param_shapes, views
+from gpt2np.config import GPT2Config
+from gpt2np.datasets.data import llmc_generator
+from gpt2np.tensors import param_shapes, views
 
 LLMC_INIT_SEED = 42              # llm.c's manual_seed(&init_rng, 42)
 
@@ -29,7 +29,7 @@ def llmc_normal(n: int, std: float, generator: np.random.MT19937, mean: float = 
     count = (n + (16 if n % 16 else 0)) if n >= 16 else 4 * ((n + 1) // 2)
     draws = generator.random_raw(count).astype(np.uint32)
     out = np.empty(n, np.float32)
-    from .backends import cpu_kernels
+    from gpt2np.backends.numpy import cpu_kernels
     kernels = cpu_kernels.load()
     if kernels is not None:
         kernels.llmc_normal(out.ctypes.data, draws.ctypes.data, n, mean, std)

@@ -17,10 +17,10 @@ import math
 
 import numpy as np
 
-from .config import GPT2Config
-from .init import llmc_init
-from .profiling import ranges
-from .tensors import (
+from gpt2np import ranges
+from gpt2np.config import GPT2Config
+from gpt2np.init import llmc_init
+from gpt2np.tensors import (
     DECAYED_BY_DEFAULT,
     FP32_ACTIVATIONS,
     PARAM_NAMES,

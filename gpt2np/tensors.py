@@ -6,7 +6,7 @@ update shard (gpt2np.model).
 """
 import numpy as np
 
-from .config import GPT2Config
+from gpt2np.config import GPT2Config
 
 # llm.c's parameter order; indices matter (checkpoints store tensors in this order).
 PARAM_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",

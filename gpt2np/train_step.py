@@ -29,9 +29,9 @@ from typing import Callable, NamedTuple, Tuple
 
 import numpy as np
 
-from .dist import SingleProcess
-from .outlier import exceeded
-from .profiling import ranges
+from gpt2np import ranges
+from gpt2np.dist import SingleProcess
+from gpt2np.outlier import exceeded
 
 Batch = Tuple[np.ndarray, np.ndarray]          # (inputs, targets), each (B, T) token ids
 

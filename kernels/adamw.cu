@@ -17,7 +17,7 @@
 // bf16 build (-DGPT2NP_BF16): params and grads are bf16, `master` holds the fp32 master weights. The
 // (exactly upcast) gradient drives the same fp32 update of master, m and v, and params = master rounded
 // stochastically with the noise of (seed, t, offset + i), offset being params[0]'s index in the model's
-// flat parameter buffer: bitwise gpt2np.backends.bf16.round_stochastic (SplitMix64, see there). A null
+// flat parameter buffer: bitwise gpt2np.bf16.round_stochastic (SplitMix64, see there). A null
 // `master` (llm.c's -w 0, no master weights) updates the upcast bf16 parameter itself, rounded the same way.
 // m and v are fp32 in both builds.
 #include "common.cuh"
@@ -37,7 +37,7 @@
 #define SCALAR_NORM_LIMIT 5
 
 #if defined(GPT2NP_BF16)
-// SplitMix64 (gpt2np.backends.bf16): the golden-ratio increment and the finalizer's multipliers
+// SplitMix64 (gpt2np.bf16): the golden-ratio increment and the finalizer's multipliers
 #define SPLITMIX_GAMMA 0x9E3779B97F4A7C15ull
 #define SPLITMIX_MIX1 0xBF58476D1CE4E5B9ull
 #define SPLITMIX_MIX2 0x94D049BB133111EBull

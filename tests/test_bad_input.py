@@ -12,10 +12,13 @@ import pytest
 from test_nsys import training_step_export
 
 import train
-from gpt2np import cli, compare, fetch, prepare
+from gpt2np import errors as cli
 from gpt2np.backends.cuda import nvrtc_check
+from gpt2np.cli import compare
 from gpt2np.config import TrainConfig, value_type
-from gpt2np.profiling import nsys, profiler, report
+from gpt2np.datasets import fetch, prepare
+from gpt2np.profiling import nsys, profiler
+from gpt2np.profiling.render import report
 
 REPO = Path(__file__).resolve().parent.parent
 

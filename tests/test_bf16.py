@@ -9,11 +9,11 @@ import pytest
 
 import train
 from gpt2np.backends import PrecisionUnavailable, get_backend, resolve_precision
-from gpt2np.backends.bf16 import BF16, random_bits16, round_nearest, round_stochastic, stream_key
-from gpt2np.backends.numpy_bf16 import Bf16NumpyBackend
-from gpt2np.checkpoint import fp32_to_bf16, load_model, load_state, model_path, save_model, state_path
+from gpt2np.backends.numpy.bf16 import Bf16NumpyBackend
+from gpt2np.bf16 import BF16, random_bits16, round_nearest, round_stochastic, stream_key
 from gpt2np.config import GPT2Config
-from gpt2np.data import write_shard
+from gpt2np.datasets.data import write_shard
+from gpt2np.formats.checkpoint import fp32_to_bf16, load_model, load_state, model_path, save_model, state_path
 from gpt2np.model import GPT2
 from gpt2np.profiling.memory import memory_summary
 from gpt2np.tensors import PARAM_NAMES
@@ -350,7 +350,7 @@ def test_compare_bf16_against_autocast(files, capsys):
     this pins the measured ratios below 2.5 rather than asserting a pass; against autocast with its residual
     stream rounded to bf16 as llm.c's (compare's extra column) every ratio is within 1.5."""
     pytest.importorskip("torch")
-    from gpt2np import compare
+    from gpt2np.cli import compare
     rc = compare.main(["-e", str(files / "tiny.bin"), "--precision", "bf16", "-b", "4", "-t", "32"])
     out = capsys.readouterr().out
     assert rc in (0, 1), out
@@ -370,7 +370,7 @@ def test_compare_bf16_against_autocast(files, capsys):
 def test_compare_bf16_on_a_few_tokens_says_the_ratios_are_noise(files, capsys):
     """At B*T < 64 the per-token losses are a handful of numbers: the output says the ratios mean little there."""
     pytest.importorskip("torch")
-    from gpt2np import compare
+    from gpt2np.cli import compare
     compare.main(["-e", str(files / "tiny.bin"), "--precision", "bf16", "-b", "1", "-t", "1", "--steps", "0"])
     out = capsys.readouterr().out
     assert "note: only B*T = 1 of 64 tokens:" in out and "use B*T >= 64" in out
@@ -383,7 +383,7 @@ def test_compare_bf16_on_the_emulated_cuda_path(files, capsys):
     stochastic rounding) against PyTorch fp32 next to autocast: every tensor's error measured (the same 2.5x pin as
     the reference above, for the same reason) and the 10-step curve within autocast's band."""
     pytest.importorskip("torch")
-    from gpt2np import compare
+    from gpt2np.cli import compare
     rc = compare.main(["-e", str(files / "tiny.bin"), "--precision", "bf16", "-b", "4", "-t", "32", "--backend", "emu"])
     out = capsys.readouterr().out
     assert rc in (0, 1) and "gpt2np backend emu (bf16" in out, out

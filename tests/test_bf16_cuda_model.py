@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gpt2np.backends import get_backend
-from gpt2np.backends.bf16 import BF16
+from gpt2np.bf16 import BF16
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 from gpt2np.tensors import PARAM_NAMES

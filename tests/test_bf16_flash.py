@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 from test_emulator import needs_gpp
 
-from gpt2np.backends.bf16 import BF16
 from gpt2np.backends.cuda.backend import CudaBackend, KernelArgumentError
 from gpt2np.backends.cuda.runtime_emu import EmuRuntime
-from gpt2np.backends.numpy_bf16 import Bf16NumpyBackend
+from gpt2np.backends.numpy.bf16 import Bf16NumpyBackend
+from gpt2np.bf16 import BF16
 
 HS = 64
 LAYOUTS = (0, 0xC0FFEE)

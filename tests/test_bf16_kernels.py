@@ -21,9 +21,9 @@ import pytest
 # the shapes and the launch tuning of the fp32 kernel tests
 from test_kernels import SHAPES, small_launches  # noqa: F401
 
-from gpt2np.backends.bf16 import BF16
 from gpt2np.backends.cuda.backend import KERNEL_SIGNATURES, STORAGE, CudaBackend, KernelArgumentError
-from gpt2np.backends.numpy_bf16 import Bf16NumpyBackend
+from gpt2np.backends.numpy.bf16 import Bf16NumpyBackend
+from gpt2np.bf16 import BF16
 
 F32 = np.dtype(np.float32)
 ULP = 2.0 ** -7                  # one bf16 ulp, relative (the most a single rounding can move across)

@@ -21,11 +21,11 @@ import math
 import numpy as np
 import pytest
 
-from gpt2np.backends.bf16 import BF16, round_stochastic
 from gpt2np.backends.cuda.backend import CudaBackend, KernelArgumentError
 from gpt2np.backends.cuda.runtime_emu import EmuRuntime
-from gpt2np.backends.numpy_backend import NumpyBackend
-from gpt2np.backends.numpy_bf16 import Bf16NumpyBackend
+from gpt2np.backends.numpy.backend import NumpyBackend
+from gpt2np.backends.numpy.bf16 import Bf16NumpyBackend
+from gpt2np.bf16 import BF16, round_stochastic
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2, STATS, STEP_SCALARS
 
@@ -264,7 +264,8 @@ def test_adamw_update_bf16_without_master(be, t, wd, scale, offset):
 def test_bf16_reference_without_master_in_pieces_and_chunks(monkeypatch):
     """Bf16NumpyBackend.adamw_update(master=None) splits a segment into ADAMW_PIECE pieces and CHUNKs: the same
     bits as one master-weights update of the whole segment (upcast params as masters)."""
-    from gpt2np.backends import numpy_backend, numpy_bf16
+    from gpt2np.backends.numpy import backend as numpy_backend
+    from gpt2np.backends.numpy import bf16 as numpy_bf16
     monkeypatch.setattr(numpy_bf16, "ADAMW_PIECE", 500)
     monkeypatch.setattr(numpy_backend, "CHUNK", 128)
     ref = Bf16NumpyBackend(threads=2)

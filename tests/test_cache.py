@@ -6,10 +6,10 @@ import urllib.request
 
 import pytest
 
-from gpt2np import cache, fetch
-from gpt2np.cache import CachedFile, cache_dir, cached, is_done, mark_done, record_path
-from gpt2np.cli import BadInput
-from gpt2np.fetch import FetchError
+from gpt2np.datasets import cache, fetch
+from gpt2np.datasets.cache import CachedFile, cache_dir, cached, is_done, mark_done, record_path
+from gpt2np.datasets.fetch import FetchError
+from gpt2np.errors import BadInput
 
 BODY = b"".join(b'{"line": %d}\n' % i for i in range(5000))      # ~70 kB: several chunks
 URL = "https://example.invalid/hellaswag_val.jsonl"

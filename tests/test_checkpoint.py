@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2np.checkpoint import (
+from gpt2np.config import GPT2Config, preset
+from gpt2np.formats.checkpoint import (
     CheckpointError,
     atomic_write,
     bf16_to_fp32,
@@ -16,7 +17,6 @@ from gpt2np.checkpoint import (
     save_model,
     save_state,
 )
-from gpt2np.config import GPT2Config, preset
 from gpt2np.tensors import num_parameters
 
 CFG = GPT2Config(16, 37, 64, 2, 2, 8)
@@ -177,7 +177,7 @@ def read_llmc_state(path, n, master):
 
 
 def test_state_file_is_llmc_layout(tmp_path):
-    from gpt2np.data import DataLoader, write_shard
+    from gpt2np.datasets.data import DataLoader, write_shard
     for i, size in enumerate((300, 170, 420)):
         write_shard(tmp_path / f"s_{i}.bin", np.arange(size) + 1000 * i)
     loader = DataLoader(str(tmp_path / "s_*.bin"), 2, 4, 1, 2, shuffle=True)      # rank 1 of 2
@@ -227,7 +227,7 @@ def test_llmc_state_without_footer_loads(tmp_path):
 def test_an_llmc_state_cut_before_its_loader_orders_is_one_line(tmp_path):
     """llm.c writes its state file in place: one killed after m and v has no loader section. That is a
     CheckpointError naming the file (not a struct error), however much of the section is there."""
-    from gpt2np.data import DataLoader, write_shard
+    from gpt2np.datasets.data import DataLoader, write_shard
     write_shard(tmp_path / "s.bin", np.arange(400))
     loader = DataLoader(str(tmp_path / "s.bin"), 2, 4, shuffle=True)
     n = 32

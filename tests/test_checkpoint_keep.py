@@ -8,9 +8,16 @@ import pytest
 
 import train
 from gpt2np.backends import get_backend
-from gpt2np.checkpoint import checkpoint_to_delete, delete_checkpoint, done_path, model_path, save_model, state_path
 from gpt2np.config import GPT2Config
-from gpt2np.data import write_shard
+from gpt2np.datasets.data import write_shard
+from gpt2np.formats.checkpoint import (
+    checkpoint_to_delete,
+    delete_checkpoint,
+    done_path,
+    model_path,
+    save_model,
+    state_path,
+)
 from gpt2np.model import GPT2
 
 TINY = GPT2Config(max_seq_len=32, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=4, channels=32)

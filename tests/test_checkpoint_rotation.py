@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 import test_reliability_runs as reliability
 
-from gpt2np import checkpoint, trainer
-from gpt2np.checkpoint import checkpoint_files, checkpoint_to_delete, checkpoints_to_delete
 from gpt2np.fileio import WriteError
-from gpt2np.rundir import latest_complete_checkpoint
+from gpt2np.formats import checkpoint
+from gpt2np.formats.checkpoint import checkpoint_files, checkpoint_to_delete, checkpoints_to_delete
+from gpt2np.train import trainer
+from gpt2np.train.rundir import latest_complete_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 60                     # seconds any one subprocess may take
@@ -306,7 +307,7 @@ def test_the_trainers_reach_is_llmcs():
 def test_a_signal_ignored_by_whoever_started_us_stays_ignored():
     """`cmd &` in a script starts cmd with SIGINT ignored: StopSignals leaves it so (it took it over before), and
     still handles SIGTERM; both are as they were afterwards."""
-    from gpt2np.interrupts import StopSignals
+    from gpt2np.train.interrupts import StopSignals
     old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
     old_term = signal.getsignal(signal.SIGTERM)
     try:
@@ -321,7 +322,7 @@ def test_a_signal_ignored_by_whoever_started_us_stays_ignored():
 TWO_QUICK_SIGNALS = r"""
 import os, signal, sys, threading, time
 import numpy as np
-from gpt2np.interrupts import StopSignals
+from gpt2np.train.interrupts import StopSignals
 count, signum = int(sys.argv[1]), getattr(signal, sys.argv[2])
 a = np.random.default_rng(0).random(30_000_000)
 with StopSignals() as signals:

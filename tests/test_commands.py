@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import train
-from gpt2np import commands
+from gpt2np.cli import main as commands
 
 REPO = Path(__file__).resolve().parent.parent
 NAMES = ["train", "prepare", "fetch", "compare", "profile", "plan", "nsys", "ncu", "report", "hf", "eval", "sample",
@@ -89,13 +89,13 @@ def test_train_is_train_py(capsys):
     via_command = capsys.readouterr().err
     assert train.main(["-k", "step"]) == 2
     assert capsys.readouterr().err == via_command
-    assert train.main is commands.importlib.import_module("gpt2np.train_cli").main
+    assert train.main is commands.importlib.import_module("gpt2np.cli.train").main
 
 
 def test_console_script_entry_point():
     tomllib = pytest.importorskip("tomllib")                     # Python 3.11+
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"gpt2np": "gpt2np.commands:main"}
+    assert scripts == {"gpt2np": "gpt2np.cli.main:main"}
     env = {k: v for k, v in os.environ.items() if k != "GPT2NP_DEBUG"}
     done = subprocess.run([sys.executable, "-m", "gpt2np", "sample", "-g", "x", "-e", "m.bin"], capture_output=True,
                           text=True, timeout=120, cwd=REPO, env=env)
@@ -109,6 +109,6 @@ def test_console_script_entry_point():
 def test_fetch_knows_the_starter_packs_bf16_model():
     """llm.c's starter pack (dev/download_starter_pack.sh) has gpt2_124M_bf16.bin beside gpt2_124M.bin: -e and
     `gpt2np fetch model-bf16` can fetch it."""
-    from gpt2np import fetch
+    from gpt2np.datasets import fetch
     assert fetch.KNOWN_FILES["gpt2_124M_bf16.bin"] == fetch.STARTER_PACK_URL + "gpt2_124M_bf16.bin"
     assert fetch.GROUPS["model-bf16"] == ["gpt2_124M_bf16.bin"]

@@ -1,4 +1,4 @@
-"""llm.c debug state files (gpt2np/debug_state.py) and the compare CLI (gpt2np/compare.py).
+"""llm.c debug state files (gpt2np/formats/debug_state.py) and the compare CLI (gpt2np/cli/compare.py).
 
 The CLI tests run twice over: against a stand-in model (the float64 PyTorch reference behind
 gpt2np's model API; tests the tool itself) and, once gpt2np.model exists, against the real
@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from gpt2np import compare
-from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.backends.numpy.backend import NumpyBackend
+from gpt2np.cli import compare
 from gpt2np.config import GPT2Config, preset
-from gpt2np.debug_state import DebugState, DebugStateError, expected_size, read_debug_state, write_debug_state
+from gpt2np.formats.debug_state import DebugState, DebugStateError, expected_size, read_debug_state, write_debug_state
 from gpt2np.tensors import DECAYED_BY_DEFAULT, PARAM_NAMES, num_parameters, param_shapes, views
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,11 +31,11 @@ def have(module):
 
 
 HAVE_TORCH = have("torch")
-HAVE_MODEL = all(have(m) for m in ("gpt2np.model", "gpt2np.backends", "gpt2np.checkpoint"))
+HAVE_MODEL = all(have(m) for m in ("gpt2np.model", "gpt2np.backends", "gpt2np.formats.checkpoint"))
 needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="the PyTorch reference needs torch")
 needs_model = pytest.mark.skipif(
     not (HAVE_MODEL and HAVE_TORCH),
-    reason="needs torch and gpt2np.model / gpt2np.backends / gpt2np.checkpoint (not written yet)")
+    reason="needs torch and gpt2np.model / gpt2np.backends / gpt2np.formats.checkpoint (not written yet)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -68,7 +68,7 @@ def write_model_file(path, cfg, flat):
 
 
 def read_model_file(path):
-    """Test-only stand-in for gpt2np.checkpoint.load_model while that does not exist."""
+    """Test-only stand-in for gpt2np.formats.checkpoint.load_model while that does not exist."""
     header = np.fromfile(path, dtype="<i4", count=256)
     assert header[0] == 20240326 and header[1] == 3
     maxT, V, L, NH, C, Vp = (int(v) for v in header[2:8])
@@ -233,7 +233,7 @@ class ReferenceAsModel:
     (and independently of) the real model. `corrupt` = (tensor, scale) perturbs one gradient."""
 
     def __init__(self, cfg, params, corrupt=None):
-        from gpt2np.reference import TorchGPT2
+        from gpt2np.torch_gpt2 import TorchGPT2
         self.cfg, self.ref, self.corrupt = cfg, TorchGPT2(cfg, params, "float64"), corrupt
         self.num_parameters = params.size
         self.backend = NumpyBackend(threads=1)        # train_step synchronizes it
@@ -289,7 +289,7 @@ def stand_in(monkeypatch):
         opts["cpu_math"].append(cpu_math)
         return ReferenceAsModel(cfg, params, opts["corrupt"])
     monkeypatch.setattr(compare, "build_model", stand_in_model)
-    if not have("gpt2np.checkpoint"):
+    if not have("gpt2np.formats.checkpoint"):
         monkeypatch.setattr(compare, "load_model_file", read_model_file)
     return opts
 
@@ -350,7 +350,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(small_model, stand_in, tmp_path, c
 
 
 def test_cli_missing_model_file_subprocess(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "gpt2np.compare", "-e", str(tmp_path / "none.bin")],
+    r = subprocess.run([sys.executable, "-m", "gpt2np.cli.compare", "-e", str(tmp_path / "none.bin")],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
 

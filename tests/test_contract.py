@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from gpt2np.backends import get_backend
-from gpt2np.backends.bf16 import BF16
-from gpt2np.backends.contract import COSTS, DEVICE_STEP_OPS, OP_METHODS, Backend, gemm_term, op_cost
+from gpt2np.bf16 import BF16
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
+from gpt2np.ops.contract import COSTS, DEVICE_STEP_OPS, OP_METHODS, Backend, gemm_term, op_cost
 from gpt2np.profiling.profiler import profile_steps
 
 CFG = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=16)
@@ -103,7 +103,7 @@ def test_flash_attention_backward_counts_what_its_kernels_compute(precision):
     delta reads dout and out and writes D (B,NH,T); dkv and dq each recompute S = q k^T and dP = dout v^T (2 HS
     FLOPs each), P = exp(S scale - lse) and dS = P (dP - D) scale (6 FLOPs) and read q, k, v, dout, lse and D; dkv
     then computes dV = P^T dout and dK = dS^T q and writes dk and dv, dq computes dQ = dS k and writes dq."""
-    from gpt2np.backends.bf16 import BF16
+    from gpt2np.bf16 import BF16
     dtype = BF16 if precision == "bf16" else np.float32
     X = np.dtype(dtype).itemsize
     Bx, Tx, NH, HS = 2, 40, 2, 64
@@ -191,7 +191,7 @@ def test_every_cuda_launch_names_a_term_of_its_op_once(attention, fuse, precisio
             current[-1][2][term] += 1
         run()
 
-    from gpt2np.profiling import ranges
+    from gpt2np import ranges
     tracker = OpTracker()
     ranges.add_listener(tracker)
     backend.on_launch = hook
@@ -235,7 +235,7 @@ def test_bf16_storage_halves_the_bytes_of_storage_terms():
     """bf16 arrays move 2 bytes per element where fp32 ones move 4; statistics (mean, rstd, losses, lse) stay 4
     bytes, and AdamW with fp32 master weights moves 28 bytes per parameter either way (bf16: reads master, g, m, v;
     writes p, master, m, v)."""
-    from gpt2np.backends.bf16 import BF16
+    from gpt2np.bf16 import BF16
 
     def arrays(dtype, *shapes):
         return tuple(np.zeros(s, dtype) for s in shapes)

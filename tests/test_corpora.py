@@ -10,9 +10,9 @@ import types
 import numpy as np
 import pytest
 
-from gpt2np import corpora, prepare
-from gpt2np.data import read_shard
-from gpt2np.tokenizer import get_encoding
+from gpt2np.datasets import corpora, prepare
+from gpt2np.datasets.data import read_shard
+from gpt2np.formats.tokenizer import get_encoding
 
 DOCS = [f"Story {i}. " + "Once upon a time a small fox found a red ball in the garden. " * (i % 5 + 1)
         for i in range(60)]
@@ -128,7 +128,7 @@ def test_tinystories_is_llmcs(tmp_path, capsys):
 def test_tinystories_downloads_and_unpacks_llmcs_tarball_once(tmp_path, capsys, monkeypatch):
     import tarfile
 
-    from gpt2np import fetch, tinystories
+    from gpt2np.datasets import fetch, tinystories
     files = write_story_files(tmp_path / "made")
     tarball = tmp_path / "TinyStories_all_data.tar.gz"
     with tarfile.open(tarball, "w:gz") as tar:
@@ -171,7 +171,7 @@ def test_a_bad_tinystories_source_is_one_line(tmp_path, capsys, content, words):
 
 
 def test_tinystories_offline_is_one_line_naming_source(tmp_path, capsys, monkeypatch):
-    from gpt2np import fetch
+    from gpt2np.datasets import fetch
 
     def offline(url, dest, timeout=10, **_):
         raise fetch.FetchError(f"could not download {url}: [Errno -2] Name or service not known (offline?)")

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 from test_cpu_kernels import Spy, run_steps  # run_steps: (norms, params, m, v, grads) of 3 steps of a tiny model
 
-import gpt2np.backends.numpy_backend as numpy_backend
-from gpt2np.backends import cpu_kernels, get_backend
-from gpt2np.backends.numpy_backend import NumpyBackend
+import gpt2np.backends.numpy.backend as numpy_backend
+from gpt2np.backends import get_backend
+from gpt2np.backends.numpy import cpu_kernels
+from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.model import GPT2
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the fast path is off")
@@ -315,8 +316,8 @@ def test_compare_cpu_math_flag(capsys):
     backend in one line."""
     from test_cpu_kernels import CFG
 
-    from gpt2np.compare import build_model
-    from gpt2np.compare import main as compare_main
+    from gpt2np.cli.compare import build_model
+    from gpt2np.cli.compare import main as compare_main
     params = GPT2(CFG, NumpyBackend(), 1, 1, seed=1).params_host()
     assert build_model(CFG, "numpy", 1, 8, params).backend.math == "fast"
     assert build_model(CFG, "numpy", 1, 8, params, cpu_math="exact").backend.math == "exact"

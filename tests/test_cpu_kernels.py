@@ -1,4 +1,4 @@
-"""The numpy backend's fused path (C loops of backends/cpu_kernels.py) gives BITWISE the results of its NumPy
+"""The numpy backend's fused path (C loops of backends/numpy/cpu_kernels.py) gives BITWISE the results of its NumPy
 code, the reference: op by op on awkward sizes and values, and over whole training steps. Also the
 cache-blocked NumPy code (classifier rows, GELU blocks, AdamW chunks) against itself at other block sizes."""
 import re
@@ -6,9 +6,9 @@ import re
 import numpy as np
 import pytest
 
-import gpt2np.backends.numpy_backend as numpy_backend
-from gpt2np.backends import cpu_kernels
-from gpt2np.backends.numpy_backend import NumpyBackend
+import gpt2np.backends.numpy.backend as numpy_backend
+from gpt2np.backends.numpy import cpu_kernels
+from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 from gpt2np.train_step import AdamW, train_step
@@ -128,7 +128,7 @@ def test_fused_stochastic_rounding_is_bitwise_bf16s(n, offset):
     """bf16.round_stochastic through the C loop: the same bits as its NumPy hash for every element, at awkward
     offsets (past 2^32) and awkward values (NaN, infinities, signed zeros, carries into the
     exponent: low halves 0xFFFF)."""
-    from gpt2np.backends.bf16 import BF16, round_stochastic
+    from gpt2np.bf16 import BF16, round_stochastic
     rng = np.random.default_rng(n)
     x = awkward(rng, n)
     x.view(np.uint32)[n // 2:] |= np.uint32(0xFFFF) * (rng.random(n - n // 2) < 0.3)   # carries
@@ -256,7 +256,7 @@ def load_cpu_step_bench():
 def test_cpu_step_bench_floor_counts_the_steps_gemms_and_adamw_bytes():
     """The floor's parts: the GEMM shapes it times add up to the op contract's GEMM FLOPs of a step (matmuls and
     attention's batched products), and AdamW's bytes are 28 per parameter."""
-    from gpt2np.profiling import ranges
+    from gpt2np import ranges
     bench = load_cpu_step_bench()
     model = GPT2(CFG, NumpyBackend(threads=2), 2, 8, seed=1)
     x = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 9)).astype(np.int32)

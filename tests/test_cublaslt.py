@@ -202,7 +202,7 @@ def test_cuda_data_type_values_are_cudas():
 def test_bf16_gemms_go_through_gemmex_with_fp32_compute():
     """bf16 operands: cublasGemmEx (and the strided-batched form) with CUDA_R_16BF matrices, CUBLAS_COMPUTE_32F and
     the default algorithm, operands swapped as for sgemm (row-major C^T = op(B)^T op(A)^T); no sgemm call."""
-    from gpt2np.backends.bf16 import BF16
+    from gpt2np.bf16 import BF16
     rt, _ = runtime(tf32=True)
     a, b, c = DeviceArray(0x1000, N, C, dtype=BF16), DeviceArray(0x2000, OC, C, dtype=BF16), \
         DeviceArray(0x3000, N, OC, dtype=BF16)
@@ -224,7 +224,7 @@ def test_bf16_gemms_go_through_gemmex_with_fp32_compute():
 def test_bf16_epilogue_plan_has_bf16_layouts_and_exact_fp32_compute():
     """An epilogue GEMM on bf16 operands: CUDA_R_16BF (14) layouts, CUBLAS_COMPUTE_32F (68, not TF32's 77) with fp32
     scale; a plan of its own (not the fp32 plan of the same shape)."""
-    from gpt2np.backends.bf16 import BF16
+    from gpt2np.bf16 import BF16
     rt, lt = runtime(tf32=True)
     inp, w, out = (DeviceArray(0x10000, N, C, dtype=BF16), DeviceArray(0x20000, OC, C, dtype=BF16),
                    DeviceArray(0x30000, N, OC, dtype=BF16))

@@ -9,7 +9,7 @@ import pytest
 from noise_params import key_bias_mask
 
 from gpt2np.backends.cuda.backend import CudaBackend
-from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 from gpt2np.tensors import PARAM_NAMES

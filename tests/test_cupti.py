@@ -16,8 +16,8 @@ from gpt2np.backends.cuda.runtime_emu import EmuRuntime
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 from gpt2np.profiling import cupti as C
-from gpt2np.profiling import views as V
 from gpt2np.profiling.profiler import TIMING_EMU, Profiler
+from gpt2np.profiling.render import views as V
 
 CFG = GPT2Config(32, 100, 128, 2, 2, 16)
 B, T = 2, 8

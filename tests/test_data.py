@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpt2np.data import (
+from gpt2np.datasets.data import (
     HEADER_BYTES,
     SHARD_MAGIC,
     DataError,
@@ -325,7 +325,7 @@ def test_token_beyond_vocab_is_an_error(tmp_path):
 TRUNCATE_UNDER_LOADER = """
 import os, sys
 import numpy as np
-from gpt2np.data import DataError, DataLoader, HEADER_BYTES, write_shard
+from gpt2np.datasets.data import DataError, DataLoader, HEADER_BYTES, write_shard
 path = sys.argv[1]
 write_shard(path, np.arange(4000) % 50000)
 loader = DataLoader(path, 4, 16, vocab_size=50257)

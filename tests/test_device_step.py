@@ -8,7 +8,7 @@ import pytest
 
 from gpt2np.backends.cuda.backend import CudaBackend
 from gpt2np.backends.cuda.runtime_emu import EmuRuntime
-from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2, STATS, STEP_SCALARS
 from gpt2np.tensors import param_shapes, views

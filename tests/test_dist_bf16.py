@@ -32,21 +32,14 @@ from test_dist import REPO, clean_env, mpiexec  # noqa: F401 (the fixture: mpiex
 from test_dist_fake_nccl import batches as fake_nccl_batches
 from test_dist_fake_nccl import train
 
-from gpt2np.backends.bf16 import BF16, round_nearest
 from gpt2np.backends.cuda.backend import CudaBackend
 from gpt2np.backends.cuda.runtime_emu import EmuRuntime
-from gpt2np.backends.numpy_bf16 import Bf16NumpyBackend
-from gpt2np.checkpoint import load_model, load_state, model_path, save_model, state_path
+from gpt2np.backends.numpy.bf16 import Bf16NumpyBackend
+from gpt2np.bf16 import BF16, round_nearest
 from gpt2np.config import GPT2Config
-from gpt2np.data import write_shard
-from gpt2np.dist import (
-    DistError,
-    HostCollectives,
-    MpiProcessGroup,
-    NcclCollectives,
-    StagedCollectives,
-    shard_bounds,
-)
+from gpt2np.datasets.data import write_shard
+from gpt2np.dist import DistError, HostCollectives, MpiProcessGroup, NcclCollectives, StagedCollectives, shard_bounds
+from gpt2np.formats.checkpoint import load_model, load_state, model_path, save_model, state_path
 from gpt2np.model import GPT2
 from gpt2np.tensors import num_parameters
 

@@ -15,10 +15,9 @@ import pytest
 from test_dist import REPO, TINY, clean_env, find_mpiexec
 
 from gpt2np import dist as dist_mod
-from gpt2np.backends.numpy_backend import NumpyBackend
-from gpt2np.checkpoint import save_model
+from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import TrainConfig
-from gpt2np.data import DataLoader, write_shard
+from gpt2np.datasets.data import DataLoader, write_shard
 from gpt2np.dist import (
     RunMismatch,
     SingleProcess,
@@ -27,6 +26,7 @@ from gpt2np.dist import (
     mismatch_line,
     run_fingerprint,
 )
+from gpt2np.formats.checkpoint import save_model
 from gpt2np.model import GPT2
 
 T = 16
@@ -115,7 +115,7 @@ def test_ranks_started_alike_train(mpiexec, files):
 # ---- the comparison without MPI ---------------------------------------------------------------------------------
 
 def fingerprint(files, cfg=None, params_from="tiny.bin", train="train.bin"):
-    from gpt2np.checkpoint import load_model
+    from gpt2np.formats.checkpoint import load_model
     cfg = (cfg or TrainConfig(batch_size=3, seq_len=T, learning_rate=0.003)).with_device_defaults("numpy")
     model_cfg, params = load_model(files / params_from)
     loader = DataLoader(str(files / train), cfg.batch_size, T)
@@ -126,7 +126,7 @@ def test_fingerprint_holds_settings_model_and_data(files):
     fp = fingerprint(files)
     assert fp["-b"] == "3" and fp["-l"] == "0.003" and fp["--shuffle"] == "1" and fp["-o"] == "none"
     assert fp["--device"] == "numpy (fp32, exact math)" and fp["-e model"] == f"{SUM} C=32"
-    from gpt2np.checkpoint import load_model
+    from gpt2np.formats.checkpoint import load_model
     model_cfg, params = load_model(files / "tiny.bin")
     fast = NumpyBackend(math="fast")                        # exact where the C loops do not build
     assert run_fingerprint(TrainConfig().with_device_defaults("numpy"), fast, model_cfg, params,

@@ -159,7 +159,7 @@ def test_a_collectives_range_holds_the_collective_not_the_backward_before_it(zer
     """On a GPU the host reaches a collective while the device still runs the backward (queued, or a graph): the
     device's work is waited for before the collective's range opens, so its NVTX range and the profiler's
     communication time hold the collective alone (the collective waited for that work inside its range before)."""
-    from gpt2np.profiling import ranges
+    from gpt2np import ranges
     events = []
 
     class Listener:

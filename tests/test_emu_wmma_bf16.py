@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from test_emulator import needs_gpp
 
-from gpt2np.backends.bf16 import BF16
 from gpt2np.backends.cuda.emulator import EmuKernelError, EmuModule
+from gpt2np.bf16 import BF16
 
 HERE = Path(__file__).resolve().parent
 LAYOUTS = (0, 0xC0FFEE)

@@ -5,13 +5,14 @@ import re
 import numpy as np
 import pytest
 
-from gpt2np import evaluate
-from gpt2np.backends import cpu_kernels, get_backend
-from gpt2np.checkpoint import load_model, save_model
+from gpt2np.backends import get_backend
+from gpt2np.backends.numpy import cpu_kernels
+from gpt2np.cli import eval as evaluate
 from gpt2np.config import GPT2Config
-from gpt2np.data import DataLoader, write_shard
+from gpt2np.datasets.data import DataLoader, write_shard
+from gpt2np.formats.checkpoint import load_model, save_model
 from gpt2np.model import GPT2
-from gpt2np.trainer import evaluate as trainer_evaluate
+from gpt2np.train.trainer import evaluate as trainer_evaluate
 
 CFG = GPT2Config(32, 100, 128, 2, 2, 16)
 
@@ -98,7 +99,7 @@ def test_eval_on_the_emulated_cuda_path_takes_trainings_defaults(tmp_path, capsy
     """--device emu: the CUDA backend with training's defaults (flash attention where the head size is 64): the
     val loss of a head-size-64 model is the NumPy one within the flash kernels' TF32 tolerance."""
     from gpt2np.backends import inference_backend
-    from gpt2np.compare import TF32_LOSS_ABS_TOL
+    from gpt2np.cli.compare import TF32_LOSS_ABS_TOL
     cfg = GPT2Config(32, 100, 128, 1, 2, 128)                       # head size 64
     save_model(tmp_path / "m64.bin", cfg, GPT2(cfg, get_backend("numpy"), 1, 1, seed=5).params_host())
     write_shard(tmp_path / "val_000.bin", np.random.default_rng(0).integers(0, 100, 400))

@@ -2,7 +2,7 @@
 path and on NumPy: the loss and every gradient after one forward/backward, and bitwise reproducibility.
 
 The flash kernels (kernels/flash_attention.cu) multiply on TF32 tensor cores. With TF32 on (the GEMMs too) the two
-attentions agree within the TF32 tolerance that gpt2np.compare uses against PyTorch; with TF32 off (GEMMs exact and
+attentions agree within the TF32 tolerance that gpt2np.cli.compare uses against PyTorch; with TF32 off (GEMMs exact and
 the emulator's WMMA in fp32, a test aid: EmuRuntime(wmma_tf32=False)) they agree to fp32 rounding, which checks the
 kernels' algorithm (tiles, online softmax, masks, recomputation) apart from TF32. Two runs give bitwise the same
 gradients, also under the other thread schedule and another WMMA fragment layout: no atomics, fixed orders."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpt2np.backends import get_backend
-from gpt2np.compare import REL_TOL, TF32_LOSS_ABS_TOL, TF32_REL_TOL
+from gpt2np.cli.compare import REL_TOL, TF32_LOSS_ABS_TOL, TF32_REL_TOL
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 from gpt2np.tensors import PARAM_NAMES
@@ -86,7 +86,7 @@ def test_flash_activations_keep_lse_not_the_probabilities():
 
 def test_resolve_attention_defaults_and_fallbacks():
     from gpt2np.backends import resolve_attention
-    from gpt2np.cli import BadInput
+    from gpt2np.errors import BadInput
     numpy_be, emu = get_backend("numpy"), get_backend("emu")
     assert resolve_attention(numpy_be, 64) == ("naive", None)
     assert resolve_attention(numpy_be, 48, "flash") == ("flash", None)          # NumPy runs any head size

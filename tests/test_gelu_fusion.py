@@ -11,8 +11,8 @@ from test_recompute import CFG, B, T, assert_bitwise, batches, train
 from test_train import base_args, run, tiny_model, tiny_shards  # noqa: F401  (fixtures)
 
 from gpt2np.backends import get_backend
-from gpt2np.cli import BadInput
 from gpt2np.config import TrainConfig
+from gpt2np.errors import BadInput
 from gpt2np.model import GPT2
 from gpt2np.profiling import plan as P
 from gpt2np.profiling.profiler import main as profiler_main

@@ -29,10 +29,10 @@ import numpy as np
 import pytest
 
 import train
-from gpt2np.backends.numpy_backend import NumpyBackend
-from gpt2np.checkpoint import load_model, load_state, model_path, save_model, state_path
+from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import GPT2Config
-from gpt2np.data import write_shard
+from gpt2np.datasets.data import write_shard
+from gpt2np.formats.checkpoint import load_model, load_state, model_path, save_model, state_path
 from gpt2np.model import GPT2
 from gpt2np.tensors import param_shapes, views
 

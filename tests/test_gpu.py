@@ -36,7 +36,7 @@ def test_default_launch_shapes_match_numpy():
     """The production launch configuration (big blocks, 128-row chunks) on a mid-size problem."""
     from gpt2np.backends.cuda.backend import CudaBackend
     from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
-    from gpt2np.backends.numpy_backend import NumpyBackend
+    from gpt2np.backends.numpy.backend import NumpyBackend
     from gpt2np.config import GPT2Config
     from gpt2np.model import GPT2
     cfg = GPT2Config(max_seq_len=256, vocab_size=1000, padded_vocab_size=1024, num_layers=2, num_heads=4,
@@ -61,7 +61,7 @@ def test_d12_training_smoke():
     """GPT-2 124M at B=4, T=128: the first loss matches NumPy and 20 steps on one batch overfit it."""
     from gpt2np.backends.cuda.backend import CudaBackend
     from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
-    from gpt2np.backends.numpy_backend import NumpyBackend
+    from gpt2np.backends.numpy.backend import NumpyBackend
     from gpt2np.config import preset
     from gpt2np.model import GPT2
     from gpt2np.train_step import train_step

@@ -63,10 +63,10 @@ def test_dry_run_prints_every_stage_with_the_real_clis(tmp_path):
     assert cmd["ncu"][-1].endswith("bench/ncu.sh")
     assert cmd["ncu_agrees"][2] == "ncu-agrees" and cmd["ncu_agrees"][3].endswith("ncu.log")
     # the flags are the CLIs' own: their parsers accept them
-    from gpt2np import compare
-    from gpt2np.train_cli import parse_config
+    from gpt2np.cli import compare
+    from gpt2np.cli.train import parse_config
     for name in ("compare_fp32", "compare_tf32"):
-        argv = cmd[name][cmd[name].index("gpt2np.compare") + 1:]
+        argv = cmd[name][cmd[name].index("gpt2np.cli.compare") + 1:]
         assert compare.parse_args(argv).backend == "cuda"
     assert compare.parse_args(cmd["compare_tf32"][3:]).rel_tol == compare.TF32_REL_TOL
     train = parse_config(cmd["train"][cmd["train"].index("train.py") + 1:])

@@ -28,9 +28,9 @@ def cuda():
     """The bf16 kernel tests on CuPy, with the emulator tests' small launch shapes."""
     from test_bf16_kernels import small_launches
 
-    from gpt2np.backends.bf16 import BF16
     from gpt2np.backends.cuda.backend import CudaBackend
     from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
+    from gpt2np.bf16 import BF16
     return small_launches(CudaBackend(CupyRuntime(tf32=False), dtype=BF16))
 
 

@@ -11,7 +11,7 @@ import pytest
 from test_dist import COLLECTIVES_CHECK, GLOBAL_B, STEPS, files, launch, mpiexec, step_losses, train_argv  # noqa: F401 (fixtures)
 
 from gpt2np.backends import cuda_problem, gpu_available
-from gpt2np.checkpoint import load_model, load_state, model_path, state_path
+from gpt2np.formats.checkpoint import load_model, load_state, model_path, state_path
 
 pytestmark = pytest.mark.gpu
 

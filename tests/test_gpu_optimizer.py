@@ -20,9 +20,9 @@ def be():
     from gpt2np.backends import compute_capability
     if compute_capability() < 80:
         pytest.skip("bf16 needs sm_80 or newer")
-    from gpt2np.backends.bf16 import BF16
     from gpt2np.backends.cuda.backend import CudaBackend
     from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
+    from gpt2np.bf16 import BF16
     backend = CudaBackend(CupyRuntime(tf32=False), dtype=BF16)
     backend.elementwise_threads = 64
     backend.norm_threads, backend.norm_max_blocks = 64, 7

@@ -24,16 +24,11 @@ import gpt2np.backends as backends
 import train
 from gpt2np.backends import BackendUnavailable, cuda_status, get_backend, resolve_precision
 from gpt2np.backends.cuda import runtime_cupy
-from gpt2np.backends.cuda.backend import (
-    LAUNCH_SETTINGS,
-    CudaBackend,
-    DeviceMemoryError,
-    KernelArgumentError,
-)
+from gpt2np.backends.cuda.backend import LAUNCH_SETTINGS, CudaBackend, DeviceMemoryError, KernelArgumentError
 from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
 from gpt2np.backends.cuda.runtime_emu import EmuRuntime
-from gpt2np.cli import BadInput
 from gpt2np.config import GPT2Config, TrainConfig, preset
+from gpt2np.errors import BadInput
 from gpt2np.model import GPT2
 from gpt2np.train_step import train_step
 
@@ -160,7 +155,7 @@ class Chosen(Exception):
 @pytest.mark.parametrize("device", ["auto", "cuda"])
 def test_trainer_honours_precision_whichever_way_the_gpu_was_chosen(monkeypatch, device, flags, expected):
     """--device auto finding a GPU gets the same precision as --device cuda (sm_90 here: tf32 by default)."""
-    from gpt2np import trainer
+    from gpt2np.train import trainer
     monkeypatch.setattr(backends, "_status", (None, True))           # a usable GPU...
     monkeypatch.setattr(backends, "compute_capability", lambda: 90)  # ... with tensor cores
     chosen = []
@@ -176,7 +171,7 @@ def test_trainer_honours_precision_whichever_way_the_gpu_was_chosen(monkeypatch,
 
 
 def test_header_says_the_precision(tmp_path, data_dir, capsys):
-    from gpt2np import trainer
+    from gpt2np.train import trainer
     trainer.train(TrainConfig(model="d12", device="cpu", max_steps=0, batch_size=1, seq_len=8, val_every=0,
                               sample_every=0, precision="tf32"))
     out = capsys.readouterr().out
@@ -185,7 +180,7 @@ def test_header_says_the_precision(tmp_path, data_dir, capsys):
 
 
 def test_auto_on_a_gpu_machine_with_a_broken_install_says_why_it_uses_the_cpu(monkeypatch, data_dir, capsys):
-    from gpt2np import trainer
+    from gpt2np.train import trainer
     line = "cuBLAS for CUDA 13 not found (libcublas.so.13: ...): pip install 'nvidia-cublas>=13,<14'"
     monkeypatch.setattr(backends, "_status", (line, True))
     trainer.train(TrainConfig(model="d12", device="auto", max_steps=0, batch_size=1, seq_len=8, val_every=0,
@@ -467,7 +462,7 @@ def test_cupy_runtime_free_memory_counts_the_pool():
 
 
 def test_train_py_says_what_fits_instead_of_a_traceback(monkeypatch, data_dir, capsys):
-    from gpt2np import trainer
+    from gpt2np.train import trainer
     monkeypatch.setattr(trainer, "get_backend",
                         lambda name, precision="fp32", **_: CudaBackend(CountingRuntime(4 << 30)))
     code = train.main(["--device", "cpu", "-e", "d12", "-b", "16", "-t", "256", "-x", "1", "-v", "0", "-s", "0"])
@@ -478,7 +473,7 @@ def test_train_py_says_what_fits_instead_of_a_traceback(monkeypatch, data_dir, c
 
 
 def test_an_out_of_memory_error_during_the_run_is_one_line(monkeypatch, data_dir, capsys):
-    from gpt2np import trainer
+    from gpt2np.train import trainer
 
     class OutOfMemoryError(MemoryError):           # what cupy.cuda.memory raises
         pass
@@ -509,7 +504,7 @@ def requirements(extra=None):
 
 
 def test_nvtx_is_pinned_where_its_domain_api_exists():
-    """gpt2np/profiling/ranges.py uses nvtx.get_domain and nvtx.Domain, added in nvtx 0.2.12; with an older nvtx
+    """gpt2np/ranges.py uses nvtx.get_domain and nvtx.Domain, added in nvtx 0.2.12; with an older nvtx
     it would swallow the AttributeError and NVTX would be silently off."""
     pin = requirements()["nvtx"]
     low = tuple(int(p) for p in re.search(r">=\s*([\d.]+)", pin)[1].split("."))

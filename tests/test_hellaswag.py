@@ -7,12 +7,13 @@ import re
 import numpy as np
 import pytest
 
-from gpt2np import evaluate, hellaswag
 from gpt2np.backends import get_backend
-from gpt2np.checkpoint import save_model
+from gpt2np.cli import eval as evaluate
 from gpt2np.config import GPT2Config
+from gpt2np.datasets import hellaswag
+from gpt2np.formats.checkpoint import save_model
+from gpt2np.formats.tokenizer import get_encoding
 from gpt2np.model import GPT2
-from gpt2np.tokenizer import get_encoding
 
 torch = pytest.importorskip("torch")
 CFG = GPT2Config(64, 50257, 50304, 1, 2, 16)
@@ -37,7 +38,7 @@ def params():
 @pytest.fixture(scope="module")
 def expected(params):
     """Per-ending summed and mean losses by PyTorch, each row alone (no padding), float64."""
-    from gpt2np.reference import TorchGPT2
+    from gpt2np.torch_gpt2 import TorchGPT2
     ref = TorchGPT2(CFG, params, "float64")
     enc = get_encoding()
     sums, avgs = np.zeros((len(EXAMPLES), 4)), np.zeros((len(EXAMPLES), 4))
@@ -120,7 +121,7 @@ def test_llmcs_eval_file_with_a_token_outside_gpt2s_vocabulary_names_the_file(pa
     model's `inputs contain token id 60000`, naming no file), for eval hellaswag -j and train --hellaswag-data."""
     from gpt2np.config import TrainConfig
     from gpt2np.dist import SingleProcess
-    from gpt2np.trainer import load_hellaswag
+    from gpt2np.train.trainer import load_hellaswag
     path = tmp_path / "ev.bin"
     write_llmc_evalfile(path, EXAMPLES)
     raw = bytearray(path.read_bytes())
@@ -140,7 +141,7 @@ def test_llmcs_eval_file_with_a_token_outside_gpt2s_vocabulary_names_the_file(pa
 
 def test_an_empty_context_scores_the_ending_from_its_second_token(params, tmp_path):
     """llm.c's hellaswag.py: with no context the ending's first token is no target; the rest are (PyTorch's)."""
-    from gpt2np.reference import TorchGPT2
+    from gpt2np.torch_gpt2 import TorchGPT2
     example = {"ctx": "", "label": 0, "endings": ["The dog ran home.", "A cat", "Birds sing at dawn every day.", "x y"]}
     path = tmp_path / "empty.jsonl"
     path.write_text(json.dumps(example) + "\n")
@@ -204,7 +205,7 @@ def test_a_label_written_as_a_string_still_reads(tmp_path):
 
 def test_train_hellaswag_every_n_steps_logs_eval_lines(tmp_path, jsonl, params, capsys):
     import train
-    from gpt2np.data import write_shard
+    from gpt2np.datasets.data import write_shard
     save_model(tmp_path / "m.bin", CFG, params)
     rng = np.random.default_rng(0)
     write_shard(tmp_path / "train.bin", rng.integers(0, 2000, 4000))
@@ -221,7 +222,7 @@ def test_train_hellaswag_every_n_steps_logs_eval_lines(tmp_path, jsonl, params, 
 
 def test_train_h_1_evaluates_at_the_v_steps_as_llmc(tmp_path, jsonl, params, capsys):
     import train
-    from gpt2np.data import write_shard
+    from gpt2np.datasets.data import write_shard
     save_model(tmp_path / "m.bin", CFG, params)
     write_shard(tmp_path / "train.bin", np.random.default_rng(0).integers(0, 2000, 4000))
     out_dir = tmp_path / "run"
@@ -235,7 +236,7 @@ def test_train_h_1_evaluates_at_the_v_steps_as_llmc(tmp_path, jsonl, params, cap
 def test_h_1_without_the_data_is_a_note_and_no_evaluation_as_llmc(tmp_path, params, capsys):
     """llm.c's -h 1 skips HellaSwag when its file is missing; --hellaswag N (asked for by interval) still stops."""
     import train
-    from gpt2np.data import write_shard
+    from gpt2np.datasets.data import write_shard
     save_model(tmp_path / "m.bin", CFG, params)
     write_shard(tmp_path / "train.bin", np.random.default_rng(0).integers(0, 2000, 4000))
     base = ["-e", str(tmp_path / "m.bin"), "-i", str(tmp_path / "train.bin"), "-b", "4", "-t", "16", "-x", "2",
@@ -252,7 +253,7 @@ def test_train_hellaswag_needs_gpt2s_vocabulary(tmp_path, jsonl, capsys):
     import train
     small = GPT2Config(32, 100, 128, 1, 2, 16)
     save_model(tmp_path / "s.bin", small, GPT2(small, get_backend("numpy"), 1, 1, seed=1).params_host())
-    from gpt2np.data import write_shard
+    from gpt2np.datasets.data import write_shard
     write_shard(tmp_path / "train.bin", np.arange(1000) % 100)
     assert train.main(["-e", str(tmp_path / "s.bin"), "-i", str(tmp_path / "train.bin"), "-b", "2", "-t", "8",
                        "-x", "1", "--hellaswag", "1", "--hellaswag-data", str(jsonl), "-s", "0",
@@ -261,7 +262,7 @@ def test_train_hellaswag_needs_gpt2s_vocabulary(tmp_path, jsonl, capsys):
 
 
 def test_eval_hellaswag_reads_the_cached_val_file(tmp_path, jsonl, params, capsys, monkeypatch):
-    from gpt2np.cache import mark_done
+    from gpt2np.datasets.cache import mark_done
     monkeypatch.setenv("GPT2NP_CACHE", str(tmp_path / "cache"))
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "hellaswag_val.jsonl").write_bytes(jsonl.read_bytes())
@@ -273,7 +274,7 @@ def test_eval_hellaswag_reads_the_cached_val_file(tmp_path, jsonl, params, capsy
 
 def test_train_x0_evaluates_hellaswag_once(tmp_path, jsonl, params, capsys):
     import train
-    from gpt2np.data import write_shard
+    from gpt2np.datasets.data import write_shard
     save_model(tmp_path / "m.bin", CFG, params)
     write_shard(tmp_path / "train.bin", np.arange(2000) % 1000)
     assert train.main(["-e", str(tmp_path / "m.bin"), "-i", str(tmp_path / "train.bin"), "-b", "8", "-t", "32",
@@ -291,7 +292,7 @@ def test_h_1_under_mpiexec_skips_on_every_rank_when_one_lacks_the_data(tmp_path,
 
     from test_dist import clean_env, find_mpiexec
 
-    from gpt2np.data import write_shard
+    from gpt2np.datasets.data import write_shard
     pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install 'gpt2np[dist]')")
     exe = find_mpiexec()
     if exe is None:
@@ -303,7 +304,7 @@ def test_h_1_under_mpiexec_skips_on_every_rank_when_one_lacks_the_data(tmp_path,
             "-v", "2", "-h", "1", "--hellaswag-data", str(jsonl), "-s", "0", "--device", "cpu",
             "--dist-timeout", "30", "-o", str(out_dir)]
     script = tmp_path / "run.py"
-    script.write_text("import sys\nfrom mpi4py import MPI\nimport gpt2np.hellaswag as hs\n"
+    script.write_text("import sys\nfrom mpi4py import MPI\nimport gpt2np.datasets.hellaswag as hs\n"
                       "if MPI.COMM_WORLD.Get_rank() == 1:\n"
                       "    def load(*a, **k):\n"
                       "        raise OSError('could not download hellaswag_val.jsonl: timed out')\n"
@@ -328,8 +329,8 @@ def test_h_1_under_mpiexec_skips_on_every_rank_when_one_lacks_the_data(tmp_path,
 ])
 def test_bad_files_and_folders_are_one_line_naming_the_flag(tmp_path, params, jsonl, case, words, capsys,
                                                              monkeypatch):
-    from gpt2np import fetch
-    from gpt2np.data import write_shard
+    from gpt2np.datasets import fetch
+    from gpt2np.datasets.data import write_shard
     monkeypatch.setattr(fetch, "download", lambda *a, **k: pytest.fail("downloaded"))
     save_model(tmp_path / "m.bin", CFG, params)
     (tmp_path / "a.txt").write_text("x")
@@ -369,10 +370,10 @@ def test_a_failed_download_leaves_no_cache_folder_it_made(tmp_path, params, caps
 def test_hellaswag_data_error_names_the_flag_only_for_the_file_itself(tmp_path, jsonl, monkeypatch):
     """--hellaswag-data that is missing is `--hellaswag-data X: no such file`; a file that is there but cannot be
     rendered (no GPT-2 BPE files: also a FileNotFoundError) keeps its own message."""
-    from gpt2np import tokenizer
     from gpt2np.config import TrainConfig
     from gpt2np.dist import SingleProcess
-    from gpt2np.trainer import load_hellaswag
+    from gpt2np.formats import tokenizer
+    from gpt2np.train.trainer import load_hellaswag
     missing = TrainConfig(hellaswag_every=1, hellaswag_data=str(tmp_path / "nope.jsonl"))
     with pytest.raises(ValueError, match=r"--hellaswag-data .*nope\.jsonl: no such file"):
         load_hellaswag(missing, CFG, SingleProcess())

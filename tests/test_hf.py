@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpt2np import hf
 from gpt2np.backends import get_backend
-from gpt2np.checkpoint import load_model, read_model_header
+from gpt2np.formats import hf
+from gpt2np.formats.checkpoint import load_model, read_model_header
 from gpt2np.model import GPT2
 from gpt2np.tensors import views
 
@@ -173,8 +173,8 @@ def test_nan_or_inf_weights_are_one_line_as_for_an_llmc_file(hf_model, tmp_path,
     check_finite_params: the file and the tensor), by hf import and by eval's -e (it used to give `val loss nan`)."""
     from safetensors.numpy import load_file, save_file
 
-    from gpt2np import evaluate
-    from gpt2np.data import write_shard
+    from gpt2np.cli import eval as evaluate
+    from gpt2np.datasets.data import write_shard
     bad = bad_folder(tmp_path, hf_model)
     tensors = load_file(bad / "model.safetensors")
     tensors[tensor][where] = value
@@ -258,10 +258,10 @@ def test_a_mistyped_descriptor_offline_also_lists_the_descriptors(monkeypatch):
 def test_export_with_gpt2s_vocabulary_carries_the_tokenizer(tmp_path, data_dir, monkeypatch):
     """A model with GPT-2's 50257 tokens: the export holds vocab.json + merges.txt, AutoTokenizer reads them as
     tiktoken does, and transformers' greedy generate continues a prompt as gpt2np's sampler does."""
-    from gpt2np.checkpoint import save_model
+    from gpt2np.cli.sample import generate
     from gpt2np.config import GPT2Config
-    from gpt2np.sample import generate
-    from gpt2np.tokenizer import get_encoding
+    from gpt2np.formats.checkpoint import save_model
+    from gpt2np.formats.tokenizer import get_encoding
     monkeypatch.setenv("GPT2NP_BPE_DIR", str(data_dir))
     cfg = GPT2Config(32, 50257, 50304, 2, 2, 16)
     model = GPT2(cfg, get_backend("numpy"), 1, 32, seed=2)
@@ -285,7 +285,7 @@ def test_export_with_gpt2s_vocabulary_carries_the_tokenizer(tmp_path, data_dir, 
 def test_train_takes_a_transformers_folder_as_e(hf_model, tmp_path, capsys):
     """train -e DIR: the imported weights, validated once (-x 0) with the loss transformers gives."""
     import train
-    from gpt2np.data import write_shard
+    from gpt2np.datasets.data import write_shard
     folder, model = hf_model
     tokens = np.random.default_rng(3).integers(0, V, 2 * 16 + 1)
     write_shard(tmp_path / "val.bin", tokens)

@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from gpt2np.backends.huge_pages import HUGE_MIN, HUGE_PAGE, huge_zeros
-from gpt2np.backends.numpy_backend import NumpyBackend
-from gpt2np.backends.numpy_bf16 import Bf16NumpyBackend
+from gpt2np.backends.numpy.backend import NumpyBackend
+from gpt2np.backends.numpy.bf16 import Bf16NumpyBackend
+from gpt2np.backends.numpy.huge_pages import HUGE_MIN, HUGE_PAGE, huge_zeros
 from gpt2np.profiling import cpu_roof
 
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2np.backends import cpu_kernels
-from gpt2np.backends.numpy_backend import NumpyBackend
-from gpt2np.backends.numpy_bf16 import Bf16NumpyBackend
+from gpt2np.backends.numpy import cpu_kernels
+from gpt2np.backends.numpy.backend import NumpyBackend
+from gpt2np.backends.numpy.bf16 import Bf16NumpyBackend
 from gpt2np.config import GPT2Config
-from gpt2np.data import llmc_generator
+from gpt2np.datasets.data import llmc_generator
 from gpt2np.init import LLMC_INIT_SEED, _normal_numpy, llmc_init, llmc_normal
 from gpt2np.model import GPT2
 from gpt2np.tensors import param_shapes, views

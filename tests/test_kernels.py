@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gpt2np.backends.cuda.backend import CudaBackend, KernelArgumentError
-from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.backends.numpy.backend import NumpyBackend
 
 # (B, T, C, NH, V, Vp, maxT)
 SHAPES = {

@@ -89,9 +89,9 @@ def test_pn_pr_that_differ_from_the_launch_are_noted_and_mpiexecs_used(tmp_path,
     import numpy as np
 
     from gpt2np.backends import get_backend
-    from gpt2np.checkpoint import save_model
     from gpt2np.config import GPT2Config
-    from gpt2np.data import write_shard
+    from gpt2np.datasets.data import write_shard
+    from gpt2np.formats.checkpoint import save_model
     from gpt2np.model import GPT2
     cfg = GPT2Config(32, 100, 128, 1, 2, 16)
     save_model(tmp_path / "m.bin", cfg, GPT2(cfg, get_backend("numpy"), 1, 1, seed=1).params_host())
@@ -117,7 +117,7 @@ def test_llmcs_model_descriptors(spec, shape, params):
     """-e takes llm.c's model descriptors (gpt_build_from_descriptor): dL / gpt2:dL for its 8 GPT-2 depths,
     gpt3:cC for its GPT-3 table (context 2048), with llm.c's layers, heads and channels."""
     from gpt2np.config import descriptor
-    from gpt2np.starter import resolve_model
+    from gpt2np.datasets.starter import resolve_model
     from gpt2np.tensors import num_parameters
     cfg, params_, what = resolve_model(spec)
     assert params_ is None and what == f"{spec} (random init)" and cfg == descriptor(spec)
@@ -141,8 +141,8 @@ def test_a_descriptor_llmc_does_not_have_is_one_line(spec, says, capsys):
 def test_a_descriptor_is_random_init_even_beside_a_folder_of_that_name(tmp_path, monkeypatch):
     """`-e d12 -o d12` and its `-y 1` restart: the folder d12 (the run's -o) does not turn -e d12 into a Hugging Face
     folder; only a file of that name is read as a model file."""
-    from gpt2np.hf import load_any_model
-    from gpt2np.starter import resolve_model
+    from gpt2np.datasets.starter import resolve_model
+    from gpt2np.formats.hf import load_any_model
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d12").mkdir()
     cfg, params, what = resolve_model("d12")
@@ -155,8 +155,8 @@ def test_a_descriptor_is_random_init_even_beside_a_folder_of_that_name(tmp_path,
 def test_a_starter_pack_model_asked_by_name_is_fetched_and_never_stood_in_for(tmp_path, monkeypatch):
     """-e gpt2_124M_bf16.bin (missing) is fetched into checkpoints/; offline that is one error line, not a random d12
     in its place, which only the default gpt2_124M.bin gets (with a note)."""
-    from gpt2np import starter
-    from gpt2np.fetch import FetchError
+    from gpt2np.datasets import starter
+    from gpt2np.datasets.fetch import FetchError
     monkeypatch.setattr(starter, "CHECKPOINTS", tmp_path)
     monkeypatch.chdir(tmp_path)
     asked = []

@@ -7,7 +7,7 @@ full of NaN before zero_grad() must leave no trace, including the rows no op wri
 import numpy as np
 import pytest
 
-from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 

@@ -10,8 +10,9 @@ import pytest
 from gpt2np.backends import get_backend
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
-from gpt2np.profiling import ncu, report
+from gpt2np.profiling import ncu
 from gpt2np.profiling.profiler import profile_steps, write_outputs
+from gpt2np.profiling.render import report
 
 HEAD = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
         '"Device","CC"')

@@ -6,7 +6,8 @@ import sqlite3
 
 import pytest
 
-from gpt2np.profiling import nsys, report
+from gpt2np.profiling import nsys
+from gpt2np.profiling.render import report
 
 # Table layouts as `nsys export -t sqlite` writes them (the columns we read, plus some we do not).
 SCHEMA = """
@@ -666,9 +667,9 @@ def test_llmc_names_map_to_layer_op_direction_and_module(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# the profiler's views of an export (gpt2np.profiling.views, the same renderers)
+# the profiler's views of an export (gpt2np.profiling.render.views, the same renderers)
 
-from gpt2np.profiling import views as V  # noqa: E402
+from gpt2np.profiling.render import views as V  # noqa: E402
 
 
 def copies_export():

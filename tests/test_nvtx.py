@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpt2np.profiling import ranges
+from gpt2np import ranges
 
 REPO = Path(__file__).resolve().parents[1]
 INJECT_SOURCE = Path(__file__).resolve().parent / "nvtx_inject" / "inject.c"
@@ -110,7 +110,7 @@ def node(name, *children):
 def test_synthetic_program_tree_is_recovered_exactly(inject_lib, tmp_path):
     events, out = run_traced("""
         import threading
-        from gpt2np.profiling import ranges
+        from gpt2np import ranges
 
         def worker():
             with ranges.range("worker"):
@@ -156,7 +156,7 @@ def test_synthetic_program_tree_is_recovered_exactly(inject_lib, tmp_path):
 
 def test_disabled_emits_nothing(inject_lib, tmp_path):
     events, _ = run_traced("""
-        from gpt2np.profiling import ranges
+        from gpt2np import ranges
         ranges.enable(False)
         with ranges.range("outer"):
             with ranges.range("inner"):
@@ -168,7 +168,7 @@ def test_disabled_emits_nothing(inject_lib, tmp_path):
 
 def test_env_var_off_by_default_and_enable_overrides(inject_lib, tmp_path):
     events, _ = run_traced("""
-        from gpt2np.profiling import ranges
+        from gpt2np import ranges
         assert not ranges.enabled()
         with ranges.range("hidden"):
             pass
@@ -210,15 +210,15 @@ def expected_step(step, num_layers):
 
 def test_training_step_tree(inject_lib, tmp_path):
     try:
-        from gpt2np.backends.numpy_backend import NumpyBackend  # noqa: F401
+        from gpt2np.backends.numpy.backend import NumpyBackend  # noqa: F401
         from gpt2np.model import GPT2  # noqa: F401
     except ImportError as e:
         pytest.skip(f"gpt2np.model is not importable yet: {e}")
     num_layers = 2
     events, _ = run_traced(f"""
         import numpy as np
-        from gpt2np.profiling import ranges
-        from gpt2np.backends.numpy_backend import NumpyBackend
+        from gpt2np import ranges
+        from gpt2np.backends.numpy.backend import NumpyBackend
         from gpt2np.config import GPT2Config
         from gpt2np.model import GPT2
         from gpt2np.train_step import train_step

@@ -57,7 +57,7 @@ def test_the_bandwidth_is_the_contracts_bytes_of_the_path_run(op_bench, fuse):
     import numpy as np
 
     from gpt2np.backends import get_backend
-    from gpt2np.backends.contract import op_cost
+    from gpt2np.ops.contract import op_cost
     be = get_backend("emu")
     _, args = op_bench.op_call(be, "layernorm_backward", 2, 4, 64, bool(fuse), np.random.default_rng(0))
     assert op_cost("layernorm_backward", args).bytes == op_cost("layernorm_backward", args[:-1], fused=bool(fuse)).bytes

@@ -86,7 +86,7 @@ def openblas_numpy():
         pytest.skip("NumPy's BLAS here is not OpenBLAS: there is nothing to warn about")
 
 
-MAKE_BACKENDS = ("from gpt2np.backends.numpy_backend import NumpyBackend\n"
+MAKE_BACKENDS = ("from gpt2np.backends.numpy.backend import NumpyBackend\n"
                  "NumpyBackend(threads=2, fused=False)\nNumpyBackend(threads=2, fused=False)\n")
 
 
@@ -110,7 +110,7 @@ def test_the_warning_names_the_users_line_through_get_backend():
 @pytest.mark.parametrize("code, env", [
     ("import gpt2np\nimport numpy\n" + MAKE_BACKENDS, {}),                         # the right order
     ("import numpy\nimport gpt2np\n" + MAKE_BACKENDS, {"OPENBLAS_THREAD_TIMEOUT": "4"}),   # the user set it
-    ("import numpy\nimport gpt2np\nfrom gpt2np.backends.numpy_backend import NumpyBackend\n"
+    ("import numpy\nimport gpt2np\nfrom gpt2np.backends.numpy.backend import NumpyBackend\n"
      "NumpyBackend(threads=1, fused=False)\n", {}),                                # one thread: no worker spins
     ("import numpy\nimport gpt2np\n" + MAKE_BACKENDS, {"OPENBLAS_NUM_THREADS": "1"}),   # OpenBLAS has no workers
     ("import numpy\nimport gpt2np\n" + MAKE_BACKENDS, {"OMP_NUM_THREADS": "1"}),

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.backends.numpy.backend import NumpyBackend
 
 be = NumpyBackend(dtype=np.float64, threads=1)
 B, T, C, NH, OC = 2, 5, 8, 2, 6
@@ -287,7 +287,7 @@ def test_accumulate_false_overwrites_parameter_gradients():
 
 def test_threaded_ops_bitwise_equal_single_thread(monkeypatch):
     """Splitting rows over threads changes no bit of any op's result (every op, both directions)."""
-    import gpt2np.backends.numpy_backend as backend_numpy
+    import gpt2np.backends.numpy.backend as backend_numpy
     monkeypatch.setattr(backend_numpy, "PARALLEL_MIN", 1)      # split even these small shapes
     monkeypatch.setattr(backend_numpy, "CHUNK", 1000)          # AdamW and the norm: many chunks
     single, threaded = NumpyBackend(threads=1), NumpyBackend(threads=3)

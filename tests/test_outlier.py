@@ -13,14 +13,14 @@ from fake_gpu import FakeNccl, Group, ThreadComm
 
 import train
 from gpt2np import outlier
-from gpt2np.backends.bf16 import BF16
 from gpt2np.backends.cuda.backend import CudaBackend
 from gpt2np.backends.cuda.runtime_emu import EmuRuntime
-from gpt2np.backends.numpy_backend import NumpyBackend
-from gpt2np.checkpoint import load_state, model_path, save_model, state_path
+from gpt2np.backends.numpy.backend import NumpyBackend
+from gpt2np.bf16 import BF16
 from gpt2np.config import GPT2Config
-from gpt2np.data import write_shard
+from gpt2np.datasets.data import write_shard
 from gpt2np.dist import MpiProcessGroup, NcclCollectives
+from gpt2np.formats.checkpoint import load_state, model_path, save_model, state_path
 from gpt2np.model import GPT2, STEP_SCALARS
 from gpt2np.outlier import NO_LIMITS, Limits, OutlierGuard, exceeded, value_limit, zscore
 from gpt2np.tensors import param_shapes, views

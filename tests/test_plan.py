@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from test_train import tiny_model  # noqa: F401  (fixture)
 
+from gpt2np import ranges
 from gpt2np.backends import get_backend
-from gpt2np.backends.contract import op_cost
 from gpt2np.backends.cuda.runtime_plan import PlanArray, PlanRuntime
-from gpt2np.cli import BadInput
 from gpt2np.config import GPT2Config, preset
+from gpt2np.errors import BadInput
 from gpt2np.model import GPT2, STATS
+from gpt2np.ops.contract import op_cost
 from gpt2np.profiling import plan as P
-from gpt2np.profiling import ranges
 from gpt2np.profiling.gpu_specs import lookup
 from gpt2np.profiling.profiler import attribution, main
-from gpt2np.profiling.report import EMULATED_NOTE, _si
+from gpt2np.profiling.render.report import EMULATED_NOTE, _si
 from gpt2np.tensors import activation_shapes, layout_size, num_parameters
 
 CFG = GPT2Config(32, 100, 128, 2, 2, 16)          # maxT > T: encoder_backward also clears dwpe[T:]
@@ -289,7 +289,7 @@ def test_flash_kernels_are_held_against_the_tensor_core_peak():
     """Our WMMA kernels (flash attention) run their products on tensor cores: their floor uses the matmul
     (tensor-core) ceiling, as cuBLAS's GEMMs do; the other kernels of ours stay on the fp32 CUDA-core ceiling."""
     from gpt2np.profiling.gpu_specs import roofline
-    from gpt2np.profiling.report import KernelRecord
+    from gpt2np.profiling.render.report import KernelRecord
     roof = roofline(lookup("H100"), "fp32", matmul_precision="tf32")
 
     def record(kernel):

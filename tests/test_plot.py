@@ -2,7 +2,7 @@
 one figure written as PNG and SVG, HellaSwag's panel when a run logged `eval:`; bad input: one line, exit 2."""
 import pytest
 
-from gpt2np import plot
+from gpt2np.cli import plot
 
 pytest.importorskip("matplotlib")
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import tiktoken
 
-from gpt2np import fetch, prepare
-from gpt2np.data import DataError, read_shard
-from gpt2np.fetch import FetchError, download
-from gpt2np.tokenizer import EOT_TEXT, GPT2_PAT_STR, get_encoding, load_tokenizer_bin
+from gpt2np.datasets import fetch, prepare
+from gpt2np.datasets.data import DataError, read_shard
+from gpt2np.datasets.fetch import FetchError, download
+from gpt2np.formats.tokenizer import EOT_TEXT, GPT2_PAT_STR, get_encoding, load_tokenizer_bin
 
 PAYLOAD = bytes(range(256)) * 1000   # 256 kB: several chunks, so the progress bar moves
 TEXT = "To be, or not to be.\n\nThat is the question.\n" * 100

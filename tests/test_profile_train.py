@@ -4,8 +4,8 @@ import json
 
 from test_train import base_args, run, tiny_model, tiny_shards  # noqa: F401  (fixtures)
 
-from gpt2np.profiling import report
-from gpt2np.profiling import views as V
+from gpt2np.profiling.render import report
+from gpt2np.profiling.render import views as V
 
 
 def test_train_profile_prints_the_views_and_writes_the_files(tiny_model, tiny_shards, tmp_path, capsys):  # noqa: F811

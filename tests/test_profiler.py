@@ -6,11 +6,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 from gpt2np.profiling.profiler import profile_steps, write_outputs
-from gpt2np.profiling.report import render
+from gpt2np.profiling.render.report import render
 
 CFG = GPT2Config(32, 100, 128, 2, 2, 16)
 B, T = 2, 8
@@ -117,7 +117,7 @@ def test_cpu_roofline_is_measured_and_fills_bound_and_percent_of_peak(monkeypatc
     GB/s), named as measured, so the tables get a bound and a % of peak as on a GPU."""
     from gpt2np.profiling import cpu_roof
     from gpt2np.profiling.profiler import device_roofline
-    from gpt2np.profiling.report import classify
+    from gpt2np.profiling.render.report import classify
     monkeypatch.setattr(cpu_roof, "GEMM_SIZE", 64)              # small: the test checks the plumbing, not speed
     monkeypatch.setattr(cpu_roof, "STREAM_BYTES", 1 << 20)
     roof = device_roofline(NumpyBackend(threads=2))
@@ -146,7 +146,7 @@ def test_a_fused_op_belongs_to_the_layer_of_the_module_it_computes(emu_fused):
     """The fused residual + LayerNorm that ends "Layer l" (llm.c's range tree) computes h.{l+1}.ln_1, or ln_f after
     the last layer: its launches count in that module's layer (ln_f's outside the layers, as the numpy backend's
     unfused ln_f), so every layer has the same launches and the per-layer view and the module tree agree."""
-    from gpt2np.profiling.report import layer_rows, module_tree
+    from gpt2np.profiling.render.report import layer_rows, module_tree
     cfg, step = emu_fused
     L = cfg.num_layers
     kernels = [r for r in step if r.kind == "kernel"]
@@ -193,8 +193,8 @@ def test_profile_defaults_to_train_pys_recompute(monkeypatch, tmp_path, capsys):
     CPU and on a GPU), as its help says and as --plan does (plan_step's default)."""
     import inspect
 
-    from gpt2np.checkpoint import save_model
     from gpt2np.config import TrainConfig
+    from gpt2np.formats.checkpoint import save_model
     from gpt2np.profiling import plan as planner
     from gpt2np.profiling import profiler
 
@@ -229,7 +229,7 @@ def test_a_measured_profile_runs_at_train_pys_precision(monkeypatch, tmp_path, c
     implementation of is one line. The GPU is a stand-in: resolve_precision asks it for its compute capability, and
     get_backend builds the emulator at the precision asked."""
     import gpt2np.backends as backends
-    from gpt2np.checkpoint import save_model
+    from gpt2np.formats.checkpoint import save_model
     from gpt2np.profiling import profiler
 
     path = tmp_path / "tiny.bin"
@@ -282,7 +282,7 @@ def test_a_measured_profile_runs_at_train_pys_precision(monkeypatch, tmp_path, c
 def test_the_views_say_the_precision_the_run_computed_in(tmp_path, capsys):
     """The GPU activities, cuda_gpu_kern_sum and kernel table titles say the precision of the profiled run (the
     cuBLAS kernel names do too, but only on a GPU)."""
-    from gpt2np.checkpoint import save_model
+    from gpt2np.formats.checkpoint import save_model
     from gpt2np.profiling import profiler
 
     path = tmp_path / "tiny.bin"

@@ -80,7 +80,7 @@ def test_off_and_the_environment_override(clock, monkeypatch):
 def test_long_validation_in_training_shows_progress(capsys):
     """The trainer's validation shows progress lines when it is long (LONG_VALIDATION batches or more), and
     says nothing for the usual few batches."""
-    from gpt2np import trainer
+    from gpt2np.train import trainer
 
     class Loader:
         num_batches = trainer.LONG_VALIDATION

@@ -1,4 +1,4 @@
-"""The PyTorch reference (gpt2np/reference.py) against independent checks.
+"""The PyTorch reference (gpt2np/torch_gpt2.py) against independent checks.
 
 Its forward pass against a loop-by-loop NumPy transcription of the equations, its gradients against
 central finite differences, and its AdamW against llm.c's update rule written out in NumPy; all in
@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("torch", reason="the PyTorch reference needs torch")
 
 from gpt2np.config import GPT2Config
-from gpt2np.reference import ReferenceUnavailableError, TorchGPT2, require_torch
 from gpt2np.tensors import DECAYED_BY_DEFAULT, PARAM_NAMES, num_parameters, param_shapes, views
+from gpt2np.torch_gpt2 import ReferenceUnavailableError, TorchGPT2, require_torch
 
 TINY = GPT2Config(max_seq_len=8, vocab_size=13, padded_vocab_size=16, num_layers=2, num_heads=2,
                   channels=8)

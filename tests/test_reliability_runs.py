@@ -20,10 +20,13 @@ import numpy as np
 import pytest
 
 import train
-from gpt2np import trainer
-from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.backends.runtime_base import Ready
-from gpt2np.checkpoint import (
+from gpt2np.config import GPT2Config
+from gpt2np.datasets.data import write_shard
+from gpt2np.datasets.starter import write_byte_tokenizer
+from gpt2np.dist import LAUNCHER_RANK_VARS
+from gpt2np.formats.checkpoint import (
     CheckpointError,
     atomic_write,
     load_model,
@@ -33,14 +36,11 @@ from gpt2np.checkpoint import (
     save_state,
     state_path,
 )
-from gpt2np.config import GPT2Config
-from gpt2np.data import write_shard
-from gpt2np.dist import LAUNCHER_RANK_VARS
+from gpt2np.formats.tokenizer import TOKENIZER_BIN
 from gpt2np.model import GPT2
-from gpt2np.rundir import TEMP_FILE
-from gpt2np.starter import write_byte_tokenizer
 from gpt2np.tensors import offsets, param_shapes, views
-from gpt2np.tokenizer import TOKENIZER_BIN
+from gpt2np.train import trainer
+from gpt2np.train.rundir import TEMP_FILE
 from gpt2np.train_step import NonFiniteError, PendingStep, train_step
 
 REPO = Path(__file__).resolve().parent.parent
@@ -389,7 +389,7 @@ def test_another_runs_main_log_is_not_overwritten(files, tmp_path, capsys):
 
 def test_an_output_folder_that_cannot_be_made_is_one_line_naming_o(files, tmp_path, capsys, monkeypatch):
     """-o where the folder cannot be made (no permission; /proc) names -o and why (was the bare OSError)."""
-    from gpt2np import rundir
+    from gpt2np.train import rundir
 
     def refused(path, exist_ok=False):
         raise PermissionError(13, "Permission denied", path)
@@ -558,7 +558,7 @@ def test_sigterm_under_mpiexec_stops_every_rank_at_the_same_step(files, tmp_path
 
 SECOND_SIGNAL = """
 import os, signal, time
-from gpt2np.interrupts import StopSignals
+from gpt2np.train.interrupts import StopSignals
 with StopSignals() as signals:
     os.kill(os.getpid(), signal.SIGINT)
     deadline = time.monotonic() + 10
@@ -640,7 +640,7 @@ def test_a_deferred_non_finite_step_stops_the_run_before_its_successor_is_report
 def test_trim_log_drops_every_kind_of_line_after_the_resumed_step(tmp_path):
     """A resume from the checkpoint of step 2 keeps the log before it and drops the lines the resumed run writes
     again: every line of step 2 on (as llm.c's, it evaluates step 2 again before training it)."""
-    from gpt2np.rundir import trim_log
+    from gpt2np.train.rundir import trim_log
     lines = ["s:0 tel:5.0000", "s:0 eval:0.2000", "s:0 trl:5.1000 lr:0.000300 norm:1.00",
              "s:1 trl:5.0000 lr:0.000300 norm:1.00", "s:2 tel:4.9000", "s:2 eval:0.4000",
              "s:2 trl:4.9500 lr:0.000300 norm:1.00", "s:3 trl:4.9000 lr:0.000300 norm:1.00", "s:4 tel:4.8000",
@@ -656,8 +656,8 @@ def test_trim_log_drops_every_kind_of_line_after_the_resumed_step(tmp_path):
 def test_a_resumed_val_line_goes_before_its_steps_kept_hellaswag_line(tmp_path):
     """A resume that evaluates only val at its step again (HellaSwag not due: trim_log kept that step's eval line)
     writes its val line before the kept eval line, llm.c's order; any other first line is appended."""
-    from gpt2np.rundir import trim_log
-    from gpt2np.trainer import Logger
+    from gpt2np.train.rundir import trim_log
+    from gpt2np.train.trainer import Logger
     lines = ["s:0 tel:5.0000", "s:0 trl:5.1000 lr:0.000300 norm:1.00", "s:2 tel:4.9000", "s:2 eval:0.4000",
              "s:2 trl:4.9500 lr:0.000300 norm:1.00"]
     log = tmp_path / "main.log"
@@ -677,10 +677,10 @@ def test_an_uneven_zero1_run_from_before_resumes_sharded(tmp_path):
     """llm.c turns ZeRO-1 off when the parameters do not divide over the ranks, and so does gpt2np now
     (trainer.zero_stage, the stage the trainer runs); a run sharded unevenly before (its latest checkpoint's state
     says stage 1) keeps its shards on -y 1 (trainer.resumes_zero1)."""
-    from gpt2np.checkpoint import done_path, save_model, save_state
     from gpt2np.config import GPT2Config
+    from gpt2np.formats.checkpoint import done_path, save_model, save_state
     from gpt2np.tensors import num_parameters
-    from gpt2np.trainer import resumes_zero1
+    from gpt2np.train.trainer import resumes_zero1
     cfg = GPT2Config(16, 37, 64, 1, 2, 8)
     n = num_parameters(cfg)
     for stage in (1, 0):
@@ -693,7 +693,7 @@ def test_an_uneven_zero1_run_from_before_resumes_sharded(tmp_path):
         assert resumes_zero1(str(out)) is bool(stage)
     assert resumes_zero1(str(tmp_path / "none")) is False and resumes_zero1(None) is False
     from gpt2np.config import TrainConfig
-    from gpt2np.trainer import zero_stage
+    from gpt2np.train.trainer import zero_stage
     uneven = 3 * 1000 + 1
     assert zero_stage(TrainConfig(), 1, 3, 3000) == (1, None)                       # even: as asked
     stage, note = zero_stage(TrainConfig(), 1, 3, uneven)                           # uneven, a new run: off
@@ -706,7 +706,7 @@ def test_an_uneven_zero1_run_from_before_resumes_sharded(tmp_path):
 def test_a_run_from_a_model_file_is_not_held_to_an_init_seed():
     """--init-seed makes a random init's run; a run from a model file does not record it, and a run.json that did
     (gpt2np for a few hours on 2026-11-24) is not held to it."""
-    from gpt2np.rundir import identity_differences
+    from gpt2np.train.rundir import identity_differences
     saved = {"model": {"sha256": "ab"}, "data": {"train": [], "val": None},
              "settings": {"batch_size": 4, "init_seed": 42}}
     ours = {"model": {"sha256": "ab"}, "data": {"train": [], "val": None}, "settings": {"batch_size": 4}}

@@ -1,4 +1,4 @@
-"""gpt2np.profiling.report and .gpu_specs: roofline numbers, tables, module tree, range summaries, files."""
+"""gpt2np.profiling.render.report and .gpu_specs: roofline numbers, tables, module tree, range summaries, files."""
 import builtins
 import csv
 import json
@@ -8,9 +8,10 @@ import os
 import pytest
 
 from gpt2np.config import preset
-from gpt2np.profiling import gpu_specs, report
+from gpt2np.profiling import gpu_specs
 from gpt2np.profiling.gpu_specs import Roofline
-from gpt2np.profiling.report import KernelRecord
+from gpt2np.profiling.render import report
+from gpt2np.profiling.render.report import KernelRecord
 from gpt2np.tensors import num_parameters
 
 # ---------------------------------------------------------------------------------------------

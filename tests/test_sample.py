@@ -4,12 +4,12 @@ and `gpt2np sample` tokenizes, generates and prints (bad flags: one line, exit 2
 import numpy as np
 import pytest
 
-from gpt2np import sample
 from gpt2np.backends import get_backend
-from gpt2np.checkpoint import save_model
+from gpt2np.cli import sample
+from gpt2np.cli.sample import KVCache, generate
 from gpt2np.config import GPT2Config, pad_vocab
+from gpt2np.formats.checkpoint import save_model
 from gpt2np.model import GPT2
-from gpt2np.sample import KVCache, generate
 
 TOL = 1e-5
 
@@ -180,7 +180,8 @@ def test_no_prompt_with_a_vocabulary_without_endoftext(prompt, tmp_path, data_di
 
 def test_the_default_llmc_model_is_fetched_like_train_does(monkeypatch, tmp_path, capsys):
     """-e gpt2_124M.bin not in checkpoints/: fetched as train's -e is; offline, one line says what failed."""
-    from gpt2np import fetch, hf
+    from gpt2np.datasets import fetch
+    from gpt2np.formats import hf
     asked = []
 
     def offline(filename, dest_dir, **kwargs):

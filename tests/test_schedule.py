@@ -3,7 +3,7 @@ lengths, warmups and final fractions, in llm.c's float32 arithmetic with NumPy, 
 import numpy as np
 import pytest
 
-from gpt2np.schedule import SCHEDULES, learning_rate
+from gpt2np.train.schedule import SCHEDULES, learning_rate
 
 LR = np.float32(6e-4)
 

@@ -167,7 +167,7 @@ def rel(a, b):
 
 @pytest.fixture(scope="module")
 def runs():
-    from gpt2np.reference import TorchGPT2
+    from gpt2np.torch_gpt2 import TorchGPT2
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (B, T + 1)).astype(np.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
 

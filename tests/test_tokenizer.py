@@ -6,8 +6,8 @@ import pytest
 import tiktoken
 
 from gpt2np import paths
-from gpt2np import tokenizer as tk
-from gpt2np.tokenizer import (
+from gpt2np.formats import tokenizer as tk
+from gpt2np.formats.tokenizer import (
     TokenizerError,
     TokenizerNotFoundError,
     get_encoding,
@@ -126,7 +126,7 @@ def test_search_order_and_not_found_message(tmp_path, monkeypatch):
     monkeypatch.delenv("GPT2NP_DATA_DIR", raising=False)
     with pytest.raises(TokenizerNotFoundError) as e:
         get_encoding()
-    one_line_error(e, fake_repo / "checkpoints", tmp_path / "shared" / "data", "--bpe-dir", "gpt2np.fetch")
+    one_line_error(e, fake_repo / "checkpoints", tmp_path / "shared" / "data", "--bpe-dir", "gpt2np.datasets.fetch")
 
     data = tmp_path / "data"
     data.mkdir()

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import train
-from gpt2np.backends.numpy_backend import NumpyBackend
-from gpt2np.checkpoint import load_model, load_state, model_path, save_model, state_path
+from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import GPT2Config
-from gpt2np.data import read_shard, write_shard
+from gpt2np.datasets.data import read_shard, write_shard
+from gpt2np.formats.checkpoint import load_model, load_state, model_path, save_model, state_path
 from gpt2np.model import GPT2
 from gpt2np.tensors import num_parameters
 
@@ -175,7 +175,7 @@ def test_ctrl_c_while_train_py_imports_is_one_line(monkeypatch, capsys):
         def __getattr__(self, name):
             raise KeyboardInterrupt
 
-    monkeypatch.setitem(sys.modules, "gpt2np.train_cli", Interrupted("gpt2np.train_cli"))
+    monkeypatch.setitem(sys.modules, "gpt2np.cli.train", Interrupted("gpt2np.cli.train"))
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(REPO / "train.py"), run_name="__main__")
     assert e.value.code == 130 and capsys.readouterr().err == "error: interrupted\n"
@@ -240,7 +240,7 @@ def test_resume_from_llmc_state_file(tiny_model, tiny_shards, tmp_path, capsys):
 
     # such a file cut short, or with a damaged header, is an incomplete checkpoint, skipped for the one before (its
     # size is checked against the model's parameter count: the file alone cannot say it)
-    from gpt2np.rundir import latest_complete_checkpoint
+    from gpt2np.train.rundir import latest_complete_checkpoint
     cut = tmp_path / "cut"
     cut.mkdir()
     for step in (3, 6):
@@ -265,7 +265,7 @@ def test_a_footer_less_unshuffled_llmc_state_cut_by_whole_parameters_is_skipped(
                                                                                  capsys):
     """An llm.c state in file order whose size is still a whole number of (m, v) pairs: its parameter count is
     checked against the model's, so a cut one is skipped for the checkpoint before, with a note."""
-    from gpt2np.rundir import latest_complete_checkpoint
+    from gpt2np.train.rundir import latest_complete_checkpoint
     out = tmp_path / "run"
     args = base_args(tiny_model, tiny_shards) + ["-x", 4, "-n", 2, "-v", 0, "--shuffle", 0, "-o", out]
     assert run(args, capsys)[0] == 0
@@ -283,7 +283,7 @@ def test_training_samples_are_llmcs(tiny_model):
     """A training sample as llm.c's: -g counts the EOT it starts from (genT - 1 new tokens), the coins restart from
     --seed (llm.c: 1337) every sample, each token is the first id whose cumulative probability exceeds its coin."""
     from gpt2np.config import TrainConfig
-    from gpt2np.trainer import sample_text
+    from gpt2np.train.trainer import sample_text
     model = GPT2(TINY, NumpyBackend(), 1, 32)
     model.load_params(load_model(tiny_model)[1])
 
@@ -361,7 +361,7 @@ def test_step_line_mfu_is_one_gpus_share_under_mpiexec():
     from types import SimpleNamespace
 
     from gpt2np.profiling.gpu_specs import mfu
-    from gpt2np.trainer import throughput_text
+    from gpt2np.train.trainer import throughput_text
     gpu = SimpleNamespace(name="cuda", precision="bf16")
     one, two = (throughput_text(gpu, 1e9, 200_000.0, n, "H100 SXM") for n in (1, 2))
     expected = mfu(1e9, 100_000.0, "H100 SXM", "bf16")
@@ -375,7 +375,7 @@ def test_lg_logs_gpu_memory_under_the_step_line(tiny_model, tiny_shards, capsys)
     note that there is no GPU; a fake CUDA runtime's figures come out as they are."""
     from types import SimpleNamespace
 
-    from gpt2np.trainer import gpu_memory_line
+    from gpt2np.train.trainer import gpu_memory_line
     args = base_args(tiny_model, tiny_shards) + ["-x", 2, "-v", 0, "-lg", 1]
     code, out, err = run(args, capsys)
     assert code == 0 and "note: -lg 1: this run is on the CPU, there is no GPU to log" in out, err
@@ -417,8 +417,8 @@ def test_x_minus_one_counts_llmcs_epoch_which_can_be_zero(tiny_model, tiny_shard
 def test_header_names_the_offline_stand_in_as_the_weight_init(tiny_shards, tmp_path, monkeypatch, capsys):
     """Offline, the default gpt2_124M.bin is stood in for by a random init: the header's weight init method says so
     (it named gpt2_124M.bin); -e as given otherwise (llm.c prints its -e)."""
-    from gpt2np import starter
-    from gpt2np.fetch import FetchError
+    from gpt2np.datasets import starter
+    from gpt2np.datasets.fetch import FetchError
 
     def offline(name, folder, timeout=None):
         raise FetchError(f"could not download {name} (offline?)")

@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 
 from gpt2np.backends import get_backend
-from gpt2np.backends.numpy_backend import NumpyBackend
+from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2, STATS, STEP_SCALARS
-from gpt2np.profiling import memory, report
-from gpt2np.profiling import views as V
+from gpt2np.profiling import memory
 from gpt2np.profiling.profiler import main as profiler_main
 from gpt2np.profiling.profiler import profile_steps, write_outputs
+from gpt2np.profiling.render import report
+from gpt2np.profiling.render import views as V
 
 CFG = GPT2Config(32, 100, 128, 2, 2, 16)
 B, T = 2, 8
@@ -429,8 +430,8 @@ def test_every_view_is_in_the_json_and_csv_files(cpu, tmp_path):
 def test_train_profile_on_the_emulated_cuda_path_labels_every_view(tmp_path, capsys):
     """train.py --device emu --profile: the CUDA backend over the emulator, every view labelled as emulated."""
     import train
-    from gpt2np.checkpoint import save_model
-    from gpt2np.data import write_shard
+    from gpt2np.datasets.data import write_shard
+    from gpt2np.formats.checkpoint import save_model
     model_path = tmp_path / "tiny.bin"
     save_model(model_path, CFG, GPT2(CFG, NumpyBackend(), B, T, seed=0).params_host())
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, 2000).astype(np.uint16)

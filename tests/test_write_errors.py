@@ -16,11 +16,11 @@ import pytest
 
 import train
 from gpt2np import fileio
-from gpt2np.backends.numpy_backend import NumpyBackend
-from gpt2np.checkpoint import model_path, save_model
+from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import GPT2Config
-from gpt2np.data import write_shard
+from gpt2np.datasets.data import write_shard
 from gpt2np.fileio import WriteError, append_line, atomic_write
+from gpt2np.formats.checkpoint import model_path, save_model
 from gpt2np.model import GPT2
 
 # 34,208 parameters: its checkpoint (137 kB) does not fit the 96 kB tmpfs below

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..backends.huge_pages import huge_zeros
-from .gpu_specs import Roofline
+from gpt2np.backends.numpy.huge_pages import huge_zeros
+from gpt2np.profiling.gpu_specs import Roofline
 
 GEMM_SIZE = 1536
 STREAM_BYTES = 64 << 20

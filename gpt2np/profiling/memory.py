@@ -15,7 +15,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from ..tensors import FP32_ACTIVATIONS, PARAM_NAMES, activation_shapes, param_shapes
+from gpt2np.tensors import FP32_ACTIVATIONS, PARAM_NAMES, activation_shapes, param_shapes
 
 MiB = 1024 * 1024
 

@@ -37,11 +37,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from ..cli import ArgumentParser, BadInput, tool
-from . import nsys, report
-from .gpu_specs import lookup
-from .gpu_specs import roofline as make_roofline
-from .report import KernelRecord, format_table
+from gpt2np.errors import ArgumentParser, BadInput, tool
+from gpt2np.profiling import nsys
+from gpt2np.profiling.gpu_specs import lookup
+from gpt2np.profiling.gpu_specs import roofline as make_roofline
+from gpt2np.profiling.render import report
+from gpt2np.profiling.render.report import KernelRecord, format_table
 
 TIME = "gpu__time_duration.sum"
 DRAM = "dram__bytes.sum"

@@ -1,5 +1,5 @@
 """Attribute every kernel, copy and memset of an Nsight Systems profile to its NVTX range stack, and show the
-profiler's views of it (gpt2np.profiling.views: the same renderers as the built-in profiler's).
+profiler's views of it (gpt2np.profiling.render.views: the same renderers as the built-in profiler's).
 
     nsys profile -t cuda,nvtx -o prof python train.py ...
     nsys export -t sqlite prof.nsys-rep            (or: nsys stats prof.nsys-rep, which also writes it)
@@ -45,12 +45,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..cli import ArgumentParser, BadInput, integer, is_int, tool
-from . import report
-from . import views as V
-from .gpu_specs import lookup
-from .gpu_specs import roofline as make_roofline
-from .report import KernelRecord
+from gpt2np.errors import ArgumentParser, BadInput, integer, is_int, tool
+from gpt2np.profiling.gpu_specs import lookup
+from gpt2np.profiling.gpu_specs import roofline as make_roofline
+from gpt2np.profiling.render import report
+from gpt2np.profiling.render import views as V
+from gpt2np.profiling.render.report import KernelRecord
 
 # NVTX_EVENTS.eventType values (Nsight Systems export schema)
 NVTX_MARK = 34
@@ -329,7 +329,7 @@ def _copy_kinds(con, tables) -> Dict[int, str]:
     """copyKind -> HtoD, DtoH, ...: the export's own ENUM_CUDA_MEMCPY_OPER, else CUPTI's numbering."""
     if "ENUM_CUDA_MEMCPY_OPER" in tables:
         return {i: copy_kind_name(name or "") for i, name in con.execute("SELECT id, name FROM ENUM_CUDA_MEMCPY_OPER")}
-    from .cupti import MEMCPY_KINDS
+    from gpt2np.profiling.cupti import MEMCPY_KINDS
     return dict(MEMCPY_KINDS)
 
 
@@ -605,7 +605,7 @@ class _OpLog:
     """A ranges listener: (range stack with the op innermost, module) of each op the model opens on this thread."""
 
     def __init__(self):
-        from . import ranges
+        from gpt2np import ranges
         self.ops, self.thread, self.stack = [], threading.get_ident(), ranges.current_stack
 
     def on_push(self, name, detail):
@@ -628,10 +628,10 @@ def model_op_modules():
     fused residual + LayerNorm ending a layer -> (1, "ln_1"), ln_f after the last layer included (it stands where
     the next layer's ln_1 would). outside: {op: module} of the ops outside the layers (loss_mean -> lm_head).
     An order that does not tell one module is a RuntimeError."""
-    from ..config import GPT2Config
-    from ..model import GPT2
-    from ..tensors import ATTENTIONS, RECOMPUTE_LEVELS
-    from . import ranges
+    from gpt2np import ranges
+    from gpt2np.config import GPT2Config
+    from gpt2np.model import GPT2
+    from gpt2np.tensors import ATTENTIONS, RECOMPUTE_LEVELS
     cfg = GPT2Config(max_seq_len=2, vocab_size=2, padded_vocab_size=2, num_layers=3, num_heads=1, channels=1)
     tokens = np.zeros((1, 2), np.int32)
     layers: Dict[tuple, Tuple[int, str]] = {}
@@ -697,7 +697,7 @@ def read_report(path: str, name_column: str = "demangledName"):
 
 
 # ---------------------------------------------------------------------------------------------
-# the profiler's views (gpt2np.profiling.views) of an export
+# the profiler's views (gpt2np.profiling.render.views) of an export
 
 TIMING = "Nsight Systems export (CUPTI device timestamps)"
 
@@ -754,8 +754,8 @@ def views_profile(profile: Profile, records: Sequence[KernelRecord], precision: 
 def preset_parameters(name: str) -> Dict[str, int]:
     """Parameters per module of llm.c's model descriptor (d12, gpt2:d24, gpt3:c768, ...) for the module tree;
     BadInput naming --model."""
-    from ..config import DESCRIPTORS, descriptor
-    from .memory import module_parameters
+    from gpt2np.config import DESCRIPTORS, descriptor
+    from gpt2np.profiling.memory import module_parameters
     try:
         cfg = descriptor(name)
     except ValueError as e:
@@ -801,7 +801,7 @@ def main(argv=None) -> int:
                                    f"NVTX ranges projected onto the GPU")
     p.add_argument("--csv", help="write every activity's record to this CSV file")
     p.add_argument("--json", help="write the records, ranges and API calls to this JSON file "
-                                  "(python -m gpt2np.profiling.report FILE --views all re-renders it)")
+                                  "(python -m gpt2np.profiling.render.report FILE --views all re-renders it)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON: kernels, copies, API calls, ranges")
     p.add_argument("--png", help="write a bar chart of time by op and direction")
     p.add_argument("--out", help="folder for views.json, one CSV per view (views/) and the plots")

@@ -45,11 +45,11 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ..cli import BadInput
-from . import ranges
-from .gpu_specs import DeviceSpec, Roofline, UnknownDeviceError, lookup, require, roofline
-from .report import EMULATED_NOTE, KernelRecord, _atomic_write, _si, label
-from .views import MiB, Table, floor_ns
+from gpt2np import ranges
+from gpt2np.errors import BadInput
+from gpt2np.profiling.gpu_specs import DeviceSpec, Roofline, UnknownDeviceError, lookup, require, roofline
+from gpt2np.profiling.render.report import EMULATED_NOTE, KernelRecord, _atomic_write, _si, label
+from gpt2np.profiling.render.views import MiB, Table, floor_ns
 
 GB = 1e9
 GiB = 1 << 30
@@ -69,7 +69,7 @@ PLAN_NOTE = "a model from peak rates, not a measurement"
 def train_recompute(device: str = "cuda") -> int:
     """train.py's -r default on `device` ("cuda", "emu", or the CPU's "numpy"/"cpu"): gpt2np.config.TrainConfig's
     (0 on both, every activation kept; llm.c's is 1), which profile and plan take when no -r is given."""
-    from ..config import TrainConfig
+    from gpt2np.config import TrainConfig
     return TrainConfig().with_device_defaults(device).recompute
 
 
@@ -212,8 +212,8 @@ def random_batches(cfg, B, T, seed=0):
 def profiled_step(model, batches, measure=True, activity_source="auto", before=None):
     """Step 0 unrecorded (a warm-up, as profile_steps does), then step 1 under the Profiler (measure=False: the
     planning mode). Returns (profiler, terms): terms[i] is the cost term the i-th kernel launch carried."""
-    from ..train_step import train_step
-    from .profiler import Profiler
+    from gpt2np.profiling.profiler import Profiler
+    from gpt2np.train_step import train_step
 
     def step(i):
         train_step(model, lambda: batches[i % len(batches)], step=i, lr=LR)
@@ -256,11 +256,11 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
     `attention` "flash" or "naive" (None: training's default on a GPU, see backends.resolve_attention); fuse: the
     model's fused ops (GPT2's `fuse`, the trainer's --fuse); recompute: GPT2's, the trainer's -r (default: its
     default on a GPU, GPU_RECOMPUTE: 0); gelu_fusion: GPT2's, the trainer's -ge (None: 2 with fuse, else 0)."""
-    from ..backends import resolve_attention
-    from ..backends.bf16 import BF16
-    from ..backends.cuda.backend import CudaBackend
-    from ..backends.cuda.runtime_plan import PlanRuntime
-    from ..model import GPT2
+    from gpt2np.backends import resolve_attention
+    from gpt2np.backends.cuda.backend import CudaBackend
+    from gpt2np.backends.cuda.runtime_plan import PlanRuntime
+    from gpt2np.bf16 import BF16
+    from gpt2np.model import GPT2
 
     spec, precision, notes = resolve_gpu(gpu, precision)
     roof = roofline(spec, "fp32", matmul_precision=precision)
@@ -294,7 +294,7 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
 def graph_launches_per_step(model, batches) -> int:
     """Graph launches of one step with cuda_graphs on (step 2 runs eagerly, step 3 captures the step and launches
     the graph once: step 3's are counted); raises if step 3 syncs the host."""
-    from ..train_step import train_step
+    from gpt2np.train_step import train_step
     rt = model.backend.rt
     train_step(model, lambda: batches[0], step=2, lr=LR, cuda_graphs=True)
     launched, synced = rt.graph_launches, len(rt.syncs)
@@ -308,8 +308,8 @@ def measure(plan: Plan, backend, params=None, batches=None, activity_source="aut
     """Run the planned step for real on `backend` (a GPU, or the emulator) under the Profiler and put the measured
     time of each launch beside its floor (plan.measured, Launch.measured_ns). params: the model's weights (host
     array), else a random init."""
-    from ..init import LLMC_INIT_SEED
-    from ..model import GPT2
+    from gpt2np.init import LLMC_INIT_SEED
+    from gpt2np.model import GPT2
     model = GPT2(plan.cfg, backend, plan.B, plan.T, seed=LLMC_INIT_SEED if params is None else None,
                  attention=plan.attention,
                  fuse=plan.fuse, gelu_fusion=plan.gelu_fusion, recompute=plan.recompute)
@@ -681,7 +681,7 @@ def run(args, cfg, params, desc) -> int:
 def measuring_backend(device: str, precision: str):
     """The backend --measure runs the step on: the GPU (--device cuda, or auto with one) or the emulator
     (--device emu); at the plan's precision where that backend has it."""
-    from ..backends import PRECISIONS, get_backend, gpu_available, resolve_name
+    from gpt2np.backends import PRECISIONS, get_backend, gpu_available, resolve_name
     name = resolve_name(device) if device != "auto" else ("cuda" if gpu_available() else "")
     if name not in ("cuda", "emu"):
         raise BadInput(f"--measure runs the step's kernels: --device cuda (a GPU) or --device emu (the CPU "

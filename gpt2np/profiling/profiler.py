@@ -29,11 +29,11 @@ import time
 
 import numpy as np
 
-from ..backends.contract import backend_op_cost
-from ..cli import BAD_INPUT, ArgumentParser, BadInput, integer, tool
-from . import ranges
-from . import views as V
-from .report import EMULATED_NOTE, KernelRecord, write_chrome_trace, write_csv, write_json
+from gpt2np import ranges
+from gpt2np.errors import BAD_INPUT, ArgumentParser, BadInput, integer, tool
+from gpt2np.ops.contract import backend_op_cost
+from gpt2np.profiling.render import views as V
+from gpt2np.profiling.render.report import EMULATED_NOTE, KernelRecord, write_chrome_trace, write_csv, write_json
 
 DIRECTIONS = {"gpt2_forward": "fprop", "gpt2_backward": "bprop", "gpt2_calculate_grad_norm": "update",
               "gpt2_update": "update"}
@@ -195,7 +195,7 @@ class Profiler:
         runtime = getattr(getattr(be, "rt", None), "name", "")
         why = "CUPTI not requested"
         if activity_source == "auto":
-            from . import cupti
+            from gpt2np.profiling import cupti
             why = "no GPU" if runtime != "cupy" else "cupti-python is not installed"
             activity_source = None
             if cupti.available(be):
@@ -244,7 +244,7 @@ class Profiler:
                 be.rt = self._rt
         self.resolve()
         if self.model is not None:
-            from .memory import memory_summary
+            from gpt2np.profiling.memory import memory_summary
             self.memory = memory_summary(self.model, None if self.measure else {"bytes": None, "what": TIMING_NONE})
         return False
 
@@ -395,7 +395,7 @@ class Profiler:
         issued (a library's extra kernels, say) become records of the op that was running. An incomplete activity
         (start 0 or end before start: unfinished at the flush) is counted in self.incomplete and left out, with
         the record it was to fill: no view shows it as a kernel of 0 ns."""
-        from .cupti import complete, parse
+        from gpt2np.profiling.cupti import complete, parse
         acts = parse(activities, getattr(self.source, "api_name", None))
         external = acts["external"]
         filled = set()
@@ -461,7 +461,7 @@ class Profiler:
         if self.incomplete:
             meta["incomplete_records"] = self.incomplete
         if self.model is not None:
-            from .memory import module_parameters
+            from gpt2np.profiling.memory import module_parameters
             meta["num_layers"] = self.model.cfg.num_layers
             meta["module_params"] = module_parameters(self.model.cfg)
         return meta
@@ -484,9 +484,9 @@ def device_label(backend):
 def device_roofline(backend):
     """The GPU's roofline (fp32 kernels, GEMMs at the backend's precision); on the CPU (numpy backend) the one
     measured now (cpu_roof: GEMM rate and bandwidth); None on the emulator and on GPUs gpu_specs does not know."""
-    from .gpu_specs import UnknownDeviceError, roofline
+    from gpt2np.profiling.gpu_specs import UnknownDeviceError, roofline
     if backend.name == "numpy":
-        from .cpu_roof import measure
+        from gpt2np.profiling.cpu_roof import measure
         return measure(backend.threads)
     if backend.name != "cuda":
         return None
@@ -519,7 +519,7 @@ def report_text(profiler, roof=None, views=None, step="last"):
 def profile_steps(model, batches, steps, lr=1e-4, activity_source="auto"):
     """Run `steps` training steps (train_step, batches in turn) under the profiler, after one unprofiled
     warm-up step (step 0)."""
-    from ..train_step import train_step
+    from gpt2np.train_step import train_step
 
     def step(i):
         train_step(model, lambda: batches[i % len(batches)], step=i, lr=lr)
@@ -534,10 +534,10 @@ def profile_steps(model, batches, steps, lr=1e-4, activity_source="auto"):
 @tool
 def main(argv=None):
     """Profile a few training steps and write the report; bad flags and files: one line, exit 2."""
-    from ..backends import PRECISIONS, get_backend, resolve_attention, resolve_name, resolve_precision
-    from ..init import LLMC_INIT_SEED
-    from ..model import GPT2
-    from ..starter import resolve_model
+    from gpt2np.backends import PRECISIONS, get_backend, resolve_attention, resolve_name, resolve_precision
+    from gpt2np.datasets.starter import resolve_model
+    from gpt2np.init import LLMC_INIT_SEED
+    from gpt2np.model import GPT2
 
     ap = ArgumentParser(prog="python -m gpt2np.profiling.profiler", description=__doc__.split("\n")[0])
     ap.add_argument("-e", "--model", dest="model", default="d12", help="llm.c model file or preset (default d12)")
@@ -548,7 +548,7 @@ def main(argv=None):
     ap.add_argument("--out", default="profile", help="folder for CSV, JSON, trace and PNG (default ./profile)")
     ap.add_argument("--attention", choices=["flash", "naive"],
                     help="the model's attention (default: flash on a GPU, the emulator and --plan; naive on the CPU)")
-    from .plan import train_recompute
+    from gpt2np.profiling.plan import train_recompute
     gpu_r, cpu_r = train_recompute("cuda"), train_recompute("numpy")
     ap.add_argument("--recompute", "-r", type=int, choices=[0, 1, 2],
                     help="the model's recompute, as train.py's -r: 0 = keep every activation, 1 = recompute the GELU "
@@ -583,7 +583,7 @@ def main(argv=None):
                       help="run the planned step for real (--device cuda, or emu: CPU times) and print the measured "
                            "time beside each floor")
     args = ap.parse_args(argv)
-    from ..dist import launcher_rank, launcher_size
+    from gpt2np.dist import launcher_rank, launcher_size
     if launcher_size() > 1:          # each rank would profile alone and all write the same --out files
         if launcher_rank() > 0:
             raise SystemExit(BAD_INPUT)             # rank 0 says why
@@ -604,7 +604,7 @@ def main(argv=None):
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise BadInput(f"--out {args.out}: is a file; expected a folder (made if missing)")
     if args.plan:
-        from . import plan as planner
+        from gpt2np.profiling import plan as planner
         cfg, params, desc = resolve_model(args.model)
         if args.seq_len > cfg.max_seq_len:
             raise BadInput(f"-t {args.seq_len}: longer than the model's max_seq_len {cfg.max_seq_len}")

@@ -100,7 +100,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...paths import EMU_HEADERS_DIR
+from gpt2np.paths import EMU_HEADERS_DIR
 
 EMU_DIR = EMU_HEADERS_DIR
 SHIM_HEADER = EMU_DIR / "cuda_emu.h"

@@ -21,10 +21,10 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ...cli import ArgumentParser, BadInput, integer, tool
-from ...paths import KERNEL_DIR
-from .backend import BF16_OPTIONS, KERNEL_FILES
-from .runtime_cupy import nvrtc_options
+from gpt2np.backends.cuda.backend import BF16_OPTIONS, KERNEL_FILES
+from gpt2np.backends.cuda.runtime_cupy import nvrtc_options
+from gpt2np.errors import ArgumentParser, BadInput, integer, tool
+from gpt2np.paths import KERNEL_DIR
 
 ARCHS = ("75", "80", "90")
 # the two builds of every kernel file (kernels/common.cuh: floatX float, or __nv_bfloat16) -> their extra options

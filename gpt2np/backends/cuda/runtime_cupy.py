@@ -377,7 +377,7 @@ class CupyRuntime:
                  ld_aux):
         """One GEMM with an epilogue through cublasLtMatmul, row-major as gemm: cuBLASLt computes the column-major
         D (n,m) = op(B)^T op(A)^T in place of C (D and C the same matrix), the epilogue reading bias/aux by pointer."""
-        from .runtime_emu import check_epilogue
+        from gpt2np.backends.cuda.runtime_emu import check_epilogue
         if self.lt is None:
             raise RuntimeError(f"gemm epilogue {epilogue}: cuBLASLt is not available (CupyRuntime.epilogues is False)")
         check_epilogue(epilogue, m, n, alpha, batch, bias, aux, ld_aux)

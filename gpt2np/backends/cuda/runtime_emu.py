@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ..bf16 import BF16
+from gpt2np.bf16 import BF16
 
 BIAS_DTYPES = (np.dtype(np.float32), BF16)     # GEMM operands and epilogue vectors: fp32, or bf16 (the bf16 build)
 
@@ -111,7 +111,7 @@ class EmuRuntime:
         aid that checks a kernel's algorithm to fp32 rounding (emu/include/mma.h)."""
         if schedule not in (None, "forward", "reverse"):
             raise ValueError(f"EmuRuntime: schedule must be 'forward' or 'reverse', got {schedule!r}")
-        from .emulator import guard_mode, resolve_wmma_layout
+        from gpt2np.backends.cuda.emulator import guard_mode, resolve_wmma_layout
         self.schedule = schedule
         self.wmma_layout = resolve_wmma_layout(wmma_layout)
         self.wmma_tf32 = bool(wmma_tf32)
@@ -151,7 +151,7 @@ class EmuRuntime:
     # ---- kernels --------------------------------------------------------------------------
     def compile(self, path: Path, options=()):
         """Compile kernels/<file>.cu (its directory is the include path; options: -D/-U/-I as NVRTC's) -> module."""
-        from .emulator import EmuModule
+        from gpt2np.backends.cuda.emulator import EmuModule
         path = Path(path)
         return EmuModule(path.read_text(), tuple(options), include_dirs=(str(path.parent),), schedule=self.schedule,
                          name=path.name,
@@ -235,7 +235,7 @@ class EmuRuntime:
     def zeros(self, shape, dtype):
         if self.guard == "off":
             return np.zeros(shape, dtype)
-        from .emulator import device_array
+        from gpt2np.backends.cuda.emulator import device_array
         return device_array(shape, dtype, self.guard)      # guarded (fresh mappings are zero-filled)
 
     def empty(self, shape, dtype):
@@ -288,7 +288,7 @@ class EmuRuntime:
 
 def check_epilogue(epilogue, m, n, alpha, batch, bias, aux, ld_aux):
     """The arguments an epilogue needs (runtime.EPILOGUES): a bias vector of the right length, an aux matrix."""
-    from .runtime import EPILOGUES
+    from gpt2np.backends.cuda.runtime import EPILOGUES
     if epilogue not in EPILOGUES:
         raise ValueError(f"gemm: unknown epilogue {epilogue!r}; known: {', '.join(EPILOGUES)}")
     if epilogue == "none":
@@ -305,7 +305,7 @@ def check_epilogue(epilogue, m, n, alpha, batch, bias, aux, ld_aux):
 
 def gelu(x):
     """GPT-2's GELU (tanh form) in float32, numpy_backend.gelu_forward's operations."""
-    from ..numpy_backend import gelu_into
+    from gpt2np.backends.numpy.backend import gelu_into
     y = np.empty_like(x)
     gelu_into(y, x)
     return y
@@ -313,7 +313,7 @@ def gelu(x):
 
 def gelu_grad(x):
     """gelu'(x) in float32, numpy_backend.gelu_backward's operations."""
-    from ..numpy_backend import GELU_CUBE, GELU_SCALE
+    from gpt2np.backends.numpy.backend import GELU_CUBE, GELU_SCALE
     x2 = np.multiply(x, x)
     th = np.tanh(GELU_SCALE * ((x2 * np.float32(GELU_CUBE) + 1.0) * x))
     slope = (x2 * np.float32(3.0 * GELU_CUBE) + 1.0) * np.float32(GELU_SCALE * 0.5) * x * (1.0 - th * th)

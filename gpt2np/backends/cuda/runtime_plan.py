@@ -221,7 +221,7 @@ class PlanRuntime:
 
     # ---- kernels --------------------------------------------------------------------------
     def compile(self, path: Path, options=()):
-        from .backend import KERNELS
+        from gpt2np.backends.cuda.backend import KERNELS
         return PlanModule(Path(path).stem, KERNELS)
 
     def launch(self, function, grid, block, args, shared_mem=0):
@@ -242,7 +242,7 @@ class PlanRuntime:
 
     def gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
              batch=1, epilogue="none", bias=None, aux=None, ld_aux=0):
-        from .runtime_emu import check_epilogue
+        from gpt2np.backends.cuda.runtime_emu import check_epilogue
         if len({a.dtype, b.dtype, c.dtype}) != 1:
             raise ValueError(f"gemm operands of mixed dtypes ({a.dtype}, {b.dtype}, {c.dtype})")
         _check_operand(a, batch, (k, m) if transa else (m, k), lda, stride_a, "A")
@@ -318,7 +318,7 @@ class PlanRuntime:
 
 
 def _check_operand(array, batch, shape, ld, stride, what):
-    from .runtime_emu import BIAS_DTYPES
+    from gpt2np.backends.cuda.runtime_emu import BIAS_DTYPES
     """The emulator's GEMM operand check on sizes: `batch` (rows, cols) matrices with row stride ld and
     batch stride `stride` must fit in the array."""
     if array.dtype not in BIAS_DTYPES:

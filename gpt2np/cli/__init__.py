@@ -1,0 +1,1 @@
+"""The gpt2np command and its subcommands."""

@@ -1,0 +1,1 @@
+"""Data: token shards and their loader, downloads and their cache, corpora, HellaSwag."""

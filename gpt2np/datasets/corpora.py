@@ -1,0 +1,325 @@
+"""FineWeb's samples -> llm.c token shards, as llm.c's dev/data/fineweb.py makes them (TinyStories: tinystories.py).
+
+    gpt2np prepare fineweb --shards 10          # edu_fineweb_val_000000.bin, edu_fineweb_train_000001.bin, ...
+    gpt2np prepare fineweb -t classic -v 100B   # fineweb_val_000000.bin, ... from FineWeb's sample-100BT
+    gpt2np prepare fineweb --source docs.parquet --shard-size 1000000     # a local copy (parquet or jsonl)
+
+-t/--type and -v/--version are llm.c's: FineWeb-Edu (`edu`, HuggingFaceFW/fineweb-edu, shards edu_fineweb_*) or
+FineWeb (`classic`, HuggingFaceFW/fineweb, shards fineweb_*), its 10B- or 100B-token sample (sample-10BT,
+sample-100BT). The default here is edu 10B, the data of llm.c's GPT-2 reproductions (llm.c's script defaults to
+classic).
+
+Documents come from the Hugging Face Hub through `datasets` (streamed: only what the shards need is read;
+`pip install 'gpt2np[data]'`), or from local parquet/jsonl files with a `text` field (--source). Each document
+is <|endoftext|> + its GPT-2 tokens (tiktoken, in --workers processes), and the token stream is cut into shards
+of exactly --shard-size tokens (llm.c: 100M; the last shard holds the rest), a document running over a shard's
+end continuing in the next. Shard 0 is the val split: FineWeb's first shard_size tokens as in llm.c's
+fineweb.py. The rest are train shards.
+
+Resumable: a shard is written atomically, then `<name>_progress.json` records how far the documents are done
+(documents consumed, the tokens carried into the next shard). Run again and finished shards are skipped, the
+documents they used are skipped untokenized, and the work goes on from the first missing shard; a larger
+--shards adds shards. A progress file from other settings (source, sample, shard size) is refused in one
+line.
+"""
+import glob
+import itertools
+import json
+import multiprocessing
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gpt2np.datasets.data import DataError, write_shard
+from gpt2np.progress import progress
+
+SHARD_SIZE = 100_000_000          # llm.c's shard size in tokens
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A dataset on the Hub: id, config, the split whose stream is cut into shards (val is its first shard)."""
+    name: str                     # shard file prefix
+    hub_id: str
+    config: str | None
+    train_split: str
+
+
+# llm.c's fineweb.py -t (type) and -v (version): type -> (shard prefix, Hub id); version -> the Hub config
+FINEWEB_TYPES = {"edu": ("edu_fineweb", "HuggingFaceFW/fineweb-edu"), "classic": ("fineweb", "HuggingFaceFW/fineweb")}
+FINEWEB_VERSIONS = {"10B": "sample-10BT", "100B": "sample-100BT"}
+FINEWEB_DEFAULT = ("edu", "10B")
+
+
+def fineweb_corpus(kind=FINEWEB_DEFAULT[0], version=FINEWEB_DEFAULT[1]) -> Corpus:
+    """FineWeb (`classic`) or FineWeb-Edu (`edu`), its 10B or 100B sample."""
+    name, hub_id = FINEWEB_TYPES[kind]
+    return Corpus(name, hub_id, FINEWEB_VERSIONS[version], "train")
+
+
+class NoDocuments(DataError):
+    """A document stream that holds no document at all (an empty source)."""
+
+
+class OfflineError(OSError):
+    """The Hub cannot be reached or `datasets` is missing: one line saying what to do."""
+
+
+# ---- documents ------------------------------------------------------------------------------------------------
+def source_files(pattern) -> list:
+    """The files of --source (a glob, or one file's name), sorted; DataError naming --source when there are none."""
+    matches = sorted(glob.glob(str(pattern))) or ([str(pattern)] if Path(pattern).exists() else [])
+    files = [f for f in matches if Path(f).is_file()]
+    if not files and matches:
+        what = "is a folder" if matches == [str(pattern)] else f"matches only folders ({len(matches)})"
+        raise DataError(f"--source {pattern}: {what}; expected parquet/jsonl files (a glob such as 'DIR/*.parquet')")
+    if not files:
+        raise DataError(f"--source {pattern}: no such file")
+    return files
+
+
+def local_documents(pattern):
+    """Texts (the `text` field) of local .parquet / .jsonl / .json files matching pattern, in sorted order."""
+    return itertools.chain.from_iterable(_file_documents(Path(f)) for f in source_files(pattern))
+
+
+def _file_documents(path):
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ImportError(f"{path}: reading parquet needs pyarrow (pip install 'gpt2np[data]')") from None
+        try:
+            table = pq.ParquetFile(path)
+        except Exception as e:      # pyarrow's errors (ArrowInvalid, ...) for a file that is not parquet
+            raise DataError(f"{path}: not a readable parquet file ({' '.join(str(e).split())[:200]})") from None
+        if "text" not in table.schema_arrow.names:
+            raise DataError(f"{path}: no `text` column (columns: {', '.join(table.schema_arrow.names)})")
+        for batch in table.iter_batches(columns=["text"], batch_size=1024):
+            yield from batch.column(0).to_pylist()
+    else:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start}): not a jsonl "
+                                    f"file with a `text` field") from None
+                if line.strip():
+                    try:
+                        text = json.loads(line)["text"]
+                    except (ValueError, KeyError, TypeError) as e:
+                        raise DataError(f"{path}:{number}: not a json line with a `text` field ({e})") from None
+                    if not isinstance(text, str):
+                        raise DataError(f"{path}:{number}: its `text` is a {type(text).__name__}, not a string")
+                    yield text
+
+
+def hub_endpoint():
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+
+
+def hub_reachable(timeout=5.0) -> bool:
+    """Whether a TCP connection to the Hub's host opens within timeout (else `datasets` retries for half a
+    minute before failing)."""
+    import socket
+    from urllib.parse import urlsplit
+    url = urlsplit(hub_endpoint())
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout).close()
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def hub_documents(corpus: Corpus, split, cache=None):
+    """Texts of a split of a Hub dataset, streamed through `datasets`; OfflineError when it cannot be reached."""
+    try:
+        import datasets
+    except ImportError:
+        raise OfflineError(f"prepare {corpus.hub_id}: downloading needs `datasets` (pip install 'gpt2np[data]'), "
+                           f"or give --source FILE (a local parquet/jsonl copy)") from None
+    if not hub_reachable():
+        raise OfflineError(f"cannot reach the Hugging Face Hub ({hub_endpoint()}) to read {corpus.hub_id} (offline?); "
+                           f"give --source FILE with a local parquet/jsonl copy")
+    try:
+        stream = datasets.load_dataset(corpus.hub_id, name=corpus.config, split=split, streaming=True,
+                                       cache_dir=str(cache) if cache else None)
+        iterator = iter(stream)
+        first = next(iterator)
+    except Exception as e:          # the Hub's errors come in many types (HTTP, connection, offline mode)
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise OfflineError(f"cannot read {corpus.hub_id} ({corpus.config or 'default'}, {split}) from the Hugging "
+                           f"Face Hub (offline?): {reason}; give --source FILE with a local parquet/jsonl copy"
+                           ) from None
+    yield first["text"]
+    for row in iterator:
+        yield row["text"]
+
+
+# ---- tokenizing in processes ------------------------------------------------------------------------------------
+_encoding = None
+
+
+def _init_worker(bpe_dir):
+    global _encoding
+    from gpt2np.formats.tokenizer import get_encoding
+    _encoding = get_encoding(bpe_dir)
+
+
+def _tokenize(text):
+    """<|endoftext|> + the document's tokens, uint16 (llm.c's tokenize)."""
+    ids = _encoding.encode_ordinary(text)
+    tokens = np.empty(len(ids) + 1, np.uint16)
+    tokens[0] = _encoding.eot_token
+    tokens[1:] = ids
+    return tokens
+
+
+# ---- shards ------------------------------------------------------------------------------------------------------
+def shard_path(out_dir, name, split, index):
+    return Path(out_dir) / f"{name}_{split}_{index:06d}.bin"
+
+
+def progress_path(out_dir, name):
+    return Path(out_dir) / f"{name}_progress.json"
+
+
+def _load_progress(path, settings):
+    if not path.is_file():
+        return {"settings": settings, "streams": {}}
+    try:
+        state = json.loads(path.read_text())
+        streams = state["streams"]
+    except (ValueError, KeyError, TypeError):
+        raise DataError(f"{path}: not a progress file of gpt2np prepare; remove it to start over") from None
+    theirs = state.get("settings")
+    if isinstance(theirs, dict) and "config" not in theirs:
+        # written before -t/-v (2026-11-24): FineWeb-Edu's sample-10BT from the Hub, or a --source
+        hub = theirs.get("source") == FINEWEB_TYPES["edu"][1]
+        theirs = {**theirs, "config": FINEWEB_VERSIONS["10B"] if hub else None}
+    if theirs != settings:
+        raise DataError(f"{path}: written with other settings ({theirs}) than this run's ({settings}); use another "
+                        f"--output-dir, or remove the folder's shards and this file to start over")
+    return {"settings": settings, "streams": streams}
+
+
+def _save_progress(path, state):
+    from gpt2np.fileio import atomic_write
+    with atomic_write(path, "w") as f:
+        json.dump(state, f)
+
+
+def write_stream(documents, out_dir, name, stream, first_index, splits, state, state_path, pool, bar,
+                 shard_size=SHARD_SIZE, max_shards=-1):
+    """Tokenize `documents` into shards first_index, first_index+1, ... (splits(k) names shard k's split), at most
+    max_shards (-1: until the documents end). Resumes from state["streams"][stream]. Returns the paths written."""
+    done = state["streams"].get(stream, {"shards": 0, "docs": 0, "carry": [], "finished": False})
+    written = []
+    for k in range(done["shards"]):
+        if 0 <= max_shards <= k:
+            break
+        path = shard_path(out_dir, name, splits(first_index + k), first_index + k)
+        if not path.is_file():
+            raise DataError(f"{path}: missing, though {state_path.name} counts it done; remove {state_path} to "
+                            f"start over")
+        print(f"{path}: done already", flush=True)
+        bar.update((path.stat().st_size - 1024) // 2)
+    if done["finished"] or 0 <= max_shards <= done["shards"]:
+        return written
+    docs = itertools.islice(documents, done["docs"], None)       # documents already in finished shards: skipped
+
+    def pieces():
+        """(tokens, documents consumed once they are in): the carried rest of a document first, then documents."""
+        consumed = done["docs"]
+        if done["carry"]:
+            yield np.asarray(done["carry"], np.uint16), consumed
+        for tokens in pool.imap(_tokenize, docs, chunksize=16):
+            consumed += 1
+            yield tokens, consumed
+
+    buffer = np.empty(shard_size, np.uint16)
+    fill, consumed = 0, done["docs"]
+
+    def flush(n):
+        index = first_index + done["shards"]
+        path = shard_path(out_dir, name, splits(index), index)
+        write_shard(path, buffer[:n])
+        written.append(path)
+        print(f"wrote {path} ({n:,} tokens)", flush=True)
+
+    for tokens, consumed in pieces():
+        at = 0
+        while at < len(tokens):
+            take = min(shard_size - fill, len(tokens) - at)
+            buffer[fill:fill + take] = tokens[at:at + take]
+            fill, at = fill + take, at + take
+            bar.update(take)
+            if fill == shard_size:                # a full shard: written, then recorded (the rest is carried)
+                flush(shard_size)
+                fill = 0
+                done = {"shards": done["shards"] + 1, "docs": consumed, "carry": tokens[at:].tolist(),
+                        "finished": False}
+                state["streams"][stream] = done
+                _save_progress(state_path, state)
+                if 0 <= max_shards <= done["shards"]:
+                    return written
+    if fill:
+        flush(fill)
+        done = {"shards": done["shards"] + 1, "docs": consumed, "carry": [], "finished": True}
+    elif not done["shards"]:
+        raise NoDocuments(f"{stream}: no documents")
+    else:
+        done = dict(done, finished=True)
+    state["streams"][stream] = done
+    _save_progress(state_path, state)
+    return written
+
+
+def prepare_corpus(which, out_dir, shards=-1, shard_size=SHARD_SIZE, source=None, workers=None, bpe_dir=None,
+                   cache=None, kind=FINEWEB_DEFAULT[0], version=FINEWEB_DEFAULT[1]):
+    """Write `which`'s shards (which: "fineweb", of type `kind` and sample `version`, see the module docstring)
+    into out_dir; returns the paths written by this call. shards: how many in all, val included (-1: all the
+    data). With a --source, kind names the shards and version plays no part."""
+    corpus = fineweb_corpus(kind, version)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = {"dataset": which, "source": str(Path(source).resolve()) if source else corpus.hub_id,
+                "config": None if source else corpus.config, "shard_size": shard_size}
+    state_path = progress_path(out_dir, corpus.name)
+    state = _load_progress(state_path, settings)
+    if cache is not None:
+        os.environ.setdefault("HF_DATASETS_CACHE", str(cache))
+
+    def docs(split):
+        if source:                          # a local copy: one stream (val = its first shard)
+            return local_documents(source)
+        return hub_documents(corpus, split, cache)
+
+    workers = workers or max(1, (os.cpu_count() or 2) // 2)
+    total = shards * shard_size if shards > 0 else None
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+    written = []
+    with context.Pool(workers, initializer=_init_worker, initargs=(bpe_dir,)) as pool, \
+            progress(total=total, desc=f"{which} tokens", unit="tok", unit_scale=True) as bar:
+        split = corpus.train_split
+        try:
+            written += write_stream(docs(split), out_dir, corpus.name, "all", 0,
+                                    lambda k: "val" if k == 0 else "train", state, state_path, pool, bar,
+                                    shard_size, max_shards=shards)
+        except NoDocuments:
+            where = (f"--source {source}: no documents (no jsonl line or parquet row)" if source
+                     else f"{corpus.hub_id} ({corpus.config or 'default'}, {split}): no documents")
+            raise NoDocuments(f"{where}: nothing to tokenize") from None
+    write_tokenizer_once(out_dir, bpe_dir)
+    return written
+
+
+def write_tokenizer_once(out_dir, bpe_dir):
+    """gpt2_tokenizer.bin beside the shards, unless it is there already (fineweb's and tinystories' preparers)."""
+    from gpt2np.formats.tokenizer import TOKENIZER_BIN, get_encoding, write_tokenizer_bin
+    if not (Path(out_dir) / TOKENIZER_BIN).exists():
+        write_tokenizer_bin(Path(out_dir) / TOKENIZER_BIN, get_encoding(bpe_dir))

@@ -1,0 +1,1 @@
+"""The profiler's tables, views and reports, from recorded kernel times."""
