@@ -21,7 +21,18 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from gpt2np.fileio import WriteError
+
+class WriteError(OSError):
+    """Writing `path` failed. errno and strerror are those of the underlying OSError (None if it had none)."""
+
+    def __init__(self, path, cause: OSError):
+        super().__init__(cause.errno, cause.strerror or str(cause))
+        self.path = self.filename = os.fspath(path)
+
+    def __str__(self):
+        reason = f"[Errno {self.errno}] {self.strerror}" if self.errno is not None else self.strerror
+        return f"writing {self.path}: {reason}"
+
 
 BAD_INPUT, RUN_FAILED, INTERRUPTED = 2, 1, 130      # 130 = 128 + SIGINT, what shells report for Ctrl-C
 # What bad flags and files raise: the loaders' own errors derive from ValueError or OSError; KeyError, TypeError

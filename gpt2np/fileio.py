@@ -9,21 +9,12 @@ import contextlib
 import errno as errnos
 import os
 import secrets
+from contextlib import contextmanager
 from pathlib import Path
 
+from gpt2np.errors import BadInput, WriteError
+
 PROBE_BYTES = 1 << 20        # at most this much is written to a doomed temp file to learn why a write failed
-
-
-class WriteError(OSError):
-    """Writing `path` failed. errno and strerror are those of the underlying OSError (None if it had none)."""
-
-    def __init__(self, path, cause: OSError):
-        super().__init__(cause.errno, cause.strerror or str(cause))
-        self.path = self.filename = os.fspath(path)
-
-    def __str__(self):
-        reason = f"[Errno {self.errno}] {self.strerror}" if self.errno is not None else self.strerror
-        return f"writing {self.path}: {reason}"
 
 
 def _is_write_failure(e: BaseException, tmp: Path) -> bool:
@@ -173,3 +164,47 @@ def append_line(path, line: str):
             raise WriteError(path, e) from e
     finally:
         os.close(fd)
+
+
+# ---- local folders --------------------------------------------------------------------------------------------
+def check_folder(flag, folder) -> Path:
+    """`folder` as a Path when it is a folder or can be made one; BadInput naming `flag` when it or one of its
+    parents is a file (`--dir x.txt/sub`), so the command stops before any download or tokenizing."""
+    folder = Path(folder)
+    blocking = folder if folder.exists() and not folder.is_dir() else file_in_the_way(folder)
+    if blocking is not None:
+        where = "is a file" if blocking == folder else f"{blocking} is a file"
+        raise BadInput(f"{flag} {folder}: {where}; expected a folder (made if missing)")
+    return folder
+
+
+def missing_folders(folder) -> list:
+    """The folders that making `folder` would create, deepest first."""
+    folder, missing = Path(folder), []
+    for path in (folder, *folder.parents):
+        if path.exists() or path.is_symlink():
+            break
+        missing.append(path)
+    return missing
+
+
+def remove_empty(folders):
+    """Remove those of the folders that are empty, deepest first: a failed command leaves none it made behind."""
+    for path in sorted(set(map(Path, folders)), key=lambda p: len(p.absolute().parts), reverse=True):
+        try:
+            path.rmdir()
+        except OSError:            # not empty (something was written into it), or gone already: it stays
+            pass
+
+
+@contextmanager
+def removing_new_folders(*folders):
+    """Inside: any of `folders` (and their parents) that did not exist and are still empty when the body fails
+    are removed again."""
+    made = [missing_folders(folder) for folder in folders if folder is not None]
+    try:
+        yield
+    except BaseException:
+        for missing in made:
+            remove_empty(missing)
+        raise

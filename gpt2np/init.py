@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from gpt2np.config import GPT2Config
-from gpt2np.datasets.data import llmc_generator
+from gpt2np.rng import llmc_generator
 from gpt2np.tensors import param_shapes, views
 
 LLMC_INIT_SEED = 42              # llm.c's manual_seed(&init_rng, 42)
@@ -25,7 +25,7 @@ LLMC_INIT_SEED = 42              # llm.c's manual_seed(&init_rng, 42)
 
 def llmc_normal(n: int, std: float, generator: np.random.MT19937, mean: float = 0.0) -> np.ndarray:
     """(n,) float32 from llm.c's normal_(data, n, mean, std, state), taking its draws from `generator` (llm.c's
-    mt19937: data.llmc_generator)."""
+    mt19937: rng.llmc_generator)."""
     count = (n + (16 if n % 16 else 0)) if n >= 16 else 4 * ((n + 1) // 2)
     draws = generator.random_raw(count).astype(np.uint32)
     out = np.empty(n, np.float32)

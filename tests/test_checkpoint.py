@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from gpt2np.config import GPT2Config, preset
+from gpt2np.fileio import atomic_write
 from gpt2np.formats.checkpoint import (
     CheckpointError,
-    atomic_write,
     bf16_to_fp32,
     fp32_to_bf16,
     load_model,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import test_reliability_runs as reliability
 
-from gpt2np.fileio import WriteError
+from gpt2np.errors import WriteError
 from gpt2np.formats import checkpoint
 from gpt2np.formats.checkpoint import checkpoint_files, checkpoint_to_delete, checkpoints_to_delete
 from gpt2np.train import trainer

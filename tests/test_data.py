@@ -14,11 +14,11 @@ from gpt2np.datasets.data import (
     SHARD_MAGIC,
     DataError,
     DataLoader,
-    atomic_write,
     read_shard,
     read_shard_header,
     write_shard,
 )
+from gpt2np.fileio import atomic_write
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from gpt2np.backends import get_backend
+from gpt2np.cli import hf as hf_cli
+from gpt2np.datasets import starter
 from gpt2np.formats import hf
 from gpt2np.formats.checkpoint import load_model, read_model_header
 from gpt2np.model import GPT2
@@ -72,7 +74,7 @@ def test_import_gives_transformers_logits_and_export_loads_back(hf_model, tokens
     assert (folder / "model.safetensors").is_file()
     expected = hf_logits(model, tokens)
     out = tmp_path / "model.bin"
-    assert hf.main(["import", str(folder), "-o", str(out)]) == 0
+    assert hf_cli.main(["import", str(folder), "-o", str(out)]) == 0
     assert "V=300 (padded 384)" in capsys.readouterr().out
     cfg, version = read_model_header(out)
     assert version == 3 and (cfg.vocab_size, cfg.padded_vocab_size, cfg.max_seq_len) == (V, 384, MAXT)
@@ -85,14 +87,14 @@ def test_import_gives_transformers_logits_and_export_loads_back(hf_model, tokens
     assert np.abs(ours - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
 
     exported = tmp_path / "exported"
-    assert hf.main(["export", str(out), "-o", str(exported)]) == 0
+    assert hf_cli.main(["export", str(out), "-o", str(exported)]) == 0
     assert sorted(p.name for p in exported.iterdir()) == ["config.json", "model.safetensors"]
     back, info = transformers.GPT2LMHeadModel.from_pretrained(exported, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     again = hf_logits(back.eval(), tokens)
     assert np.abs(again - ours).max() <= 1e-4 * max(1.0, np.abs(ours).max())
     # and the export imports to the same bytes
-    assert hf.main(["import", str(exported), "-o", str(tmp_path / "again.bin")]) == 0
+    assert hf_cli.main(["import", str(exported), "-o", str(tmp_path / "again.bin")]) == 0
     assert (tmp_path / "again.bin").read_bytes() == out.read_bytes()
 
 
@@ -121,13 +123,13 @@ def test_bf16_import_and_dtype_flag(hf_model, tmp_path):
     _, params, _ = hf.load_hf(str(half))
     _, exact, _ = hf.load_hf(str(folder))
     assert np.abs(params - exact).max() <= 2 ** -8 * np.abs(exact).max()
-    assert hf.main(["import", str(folder), "-o", str(tmp_path / "m5.bin"), "--dtype", "bf16"]) == 0
+    assert hf_cli.main(["import", str(folder), "-o", str(tmp_path / "m5.bin"), "--dtype", "bf16"]) == 0
     assert read_model_header(tmp_path / "m5.bin")[1] == 5
 
 
 def test_sample_and_eval_take_a_transformers_folder_as_e(hf_model, tmp_path):
     folder, _ = hf_model
-    cfg, params, desc = hf.load_any_model(str(folder))
+    cfg, params, desc = starter.load_any_model(str(folder))
     assert cfg.vocab_size == V and "Hugging Face" in desc
     _, from_file, _ = hf.load_hf(str(folder / "model.safetensors"))
     np.testing.assert_array_equal(params, from_file)
@@ -156,7 +158,7 @@ def bad_folder(tmp_path, hf_model, config_changes=None, drop=None):
 ])
 def test_bad_folders_are_one_line(hf_model, tmp_path, capsys, changes, drop, expected):
     bad = bad_folder(tmp_path, hf_model, changes, drop)
-    assert hf.main(["import", str(bad), "-o", str(tmp_path / "x.bin")]) == 2
+    assert hf_cli.main(["import", str(bad), "-o", str(tmp_path / "x.bin")]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert all(piece in line for piece in expected), line
     assert not (tmp_path / "x.bin").exists()
@@ -182,7 +184,7 @@ def test_nan_or_inf_weights_are_one_line_as_for_an_llmc_file(hf_model, tmp_path,
         tensors["lm_head.weight"] = tensors[tensor].copy()      # tied, NaN and all: not "differs from wte"
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     expected = f"{bad / 'model.safetensors'}: weight {llmc_name} is {np.float32(value)}"
-    assert hf.main(["import", str(bad), "-o", str(tmp_path / "x.bin")]) == 2
+    assert hf_cli.main(["import", str(bad), "-o", str(tmp_path / "x.bin")]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert expected in line and line.endswith("not a usable model"), line
     assert not (tmp_path / "x.bin").exists()
@@ -200,7 +202,7 @@ def test_nan_or_inf_weights_are_one_line_as_for_an_llmc_file(hf_model, tmp_path,
 ])
 def test_bad_flags_are_one_line(argv, expected, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert hf.main(argv) == 2
+    assert hf_cli.main(argv) == 2
     line = one_error_line(capsys.readouterr().err)
     assert all(piece in line for piece in expected), line
 
@@ -208,7 +210,7 @@ def test_bad_flags_are_one_line(argv, expected, capsys, tmp_path, monkeypatch):
 def test_a_file_or_folder_of_the_wrong_kind_is_one_line(hf_model, tmp_path, capsys, monkeypatch):
     folder, _ = hf_model
     monkeypatch.chdir(tmp_path)
-    assert hf.main(["import", str(folder), "-o", "m.bin"]) == 0
+    assert hf_cli.main(["import", str(folder), "-o", "m.bin"]) == 0
     capsys.readouterr()
     (tmp_path / "notes.txt").write_text("x")
     (tmp_path / "empty").mkdir()
@@ -219,13 +221,13 @@ def test_a_file_or_folder_of_the_wrong_kind_is_one_line(hf_model, tmp_path, caps
             (["export", "empty", "-o", "out"], ["empty: is a folder", "llm.c model file"]),
             (["export", str(folder), "-o", "out"], ["is a transformers folder", "hf import"]),
             (["export", "m.bin", "-o", "notes.txt/out"], ["-o notes.txt/out", "notes.txt is a file"])):
-        assert hf.main(argv) == 2
+        assert hf_cli.main(argv) == 2
         line = one_error_line(capsys.readouterr().err)
         assert all(piece in line for piece in expected), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "m.bin", "notes.txt"]
     (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match="model.safetensors: is a file;"):   # -e of the other commands: the same
-        hf.load_any_model(str(tmp_path / "model.safetensors"))              # (no config.json beside it)
+        starter.load_any_model(str(tmp_path / "model.safetensors"))              # (no config.json beside it)
 
 
 def test_a_hub_id_offline_says_so_in_one_line(tmp_path):
@@ -249,24 +251,24 @@ def test_a_mistyped_descriptor_offline_also_lists_the_descriptors(monkeypatch):
     for spec in ("d6x", "d12b"):
         with pytest.raises(hf.HubError, match=rf"^{spec}: not a local folder.*; as llm.c's model descriptor it is "
                                               r"none of dL or gpt2:dL \(L = 6, 12"):
-            hf.load_any_model(spec)
+            starter.load_any_model(spec)
     with pytest.raises(hf.HubError) as caught:
-        hf.load_any_model("gpt2-foo")
+        starter.load_any_model("gpt2-foo")
     assert "descriptor" not in str(caught.value)
 
 
 def test_export_with_gpt2s_vocabulary_carries_the_tokenizer(tmp_path, data_dir, monkeypatch):
     """A model with GPT-2's 50257 tokens: the export holds vocab.json + merges.txt, AutoTokenizer reads them as
     tiktoken does, and transformers' greedy generate continues a prompt as gpt2np's sampler does."""
-    from gpt2np.cli.sample import generate
     from gpt2np.config import GPT2Config
     from gpt2np.formats.checkpoint import save_model
     from gpt2np.formats.tokenizer import get_encoding
+    from gpt2np.generate import generate
     monkeypatch.setenv("GPT2NP_BPE_DIR", str(data_dir))
     cfg = GPT2Config(32, 50257, 50304, 2, 2, 16)
     model = GPT2(cfg, get_backend("numpy"), 1, 32, seed=2)
     save_model(tmp_path / "m.bin", cfg, model.params_host())
-    assert hf.main(["export", str(tmp_path / "m.bin"), "-o", str(tmp_path / "out")]) == 0
+    assert hf_cli.main(["export", str(tmp_path / "m.bin"), "-o", str(tmp_path / "out")]) == 0
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert names == ["config.json", "merges.txt", "model.safetensors", "vocab.json"]
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")

@@ -16,9 +16,9 @@ from gpt2np.backends.numpy import cpu_kernels
 from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.backends.numpy.bf16 import Bf16NumpyBackend
 from gpt2np.config import GPT2Config
-from gpt2np.datasets.data import llmc_generator
 from gpt2np.init import LLMC_INIT_SEED, _normal_numpy, llmc_init, llmc_normal
 from gpt2np.model import GPT2
+from gpt2np.rng import llmc_generator
 from gpt2np.tensors import param_shapes, views
 
 TINY = GPT2Config(max_seq_len=16, vocab_size=37, padded_vocab_size=64, num_layers=2, num_heads=2, channels=8)

@@ -141,8 +141,7 @@ def test_a_descriptor_llmc_does_not_have_is_one_line(spec, says, capsys):
 def test_a_descriptor_is_random_init_even_beside_a_folder_of_that_name(tmp_path, monkeypatch):
     """`-e d12 -o d12` and its `-y 1` restart: the folder d12 (the run's -o) does not turn -e d12 into a Hugging Face
     folder; only a file of that name is read as a model file."""
-    from gpt2np.datasets.starter import resolve_model
-    from gpt2np.formats.hf import load_any_model
+    from gpt2np.datasets.starter import load_any_model, resolve_model
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d12").mkdir()
     cfg, params, what = resolve_model("d12")

@@ -26,9 +26,9 @@ from gpt2np.config import GPT2Config
 from gpt2np.datasets.data import write_shard
 from gpt2np.datasets.starter import write_byte_tokenizer
 from gpt2np.dist import LAUNCHER_RANK_VARS
+from gpt2np.fileio import atomic_write
 from gpt2np.formats.checkpoint import (
     CheckpointError,
-    atomic_write,
     load_model,
     load_state,
     model_path,

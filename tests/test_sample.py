@@ -6,10 +6,11 @@ import pytest
 
 from gpt2np.backends import get_backend
 from gpt2np.cli import sample
-from gpt2np.cli.sample import KVCache, generate
 from gpt2np.config import GPT2Config, pad_vocab
 from gpt2np.formats.checkpoint import save_model
+from gpt2np.generate import KVCache, generate, sample_next
 from gpt2np.model import GPT2
+from gpt2np.rng import LlmcCoins
 
 TOL = 1e-5
 
@@ -214,7 +215,7 @@ def xorshift_coins(state, count):
 
 
 def test_llmc_coins_are_llmc_random_f32():
-    coins = sample.LlmcCoins(1337)
+    coins = LlmcCoins(1337)
     assert [coins.random() for _ in range(2000)] == xorshift_coins(1337, 2000)
 
 
@@ -226,10 +227,10 @@ def test_sample_next_picks_the_first_id_whose_cumulative_probability_exceeds_the
         class Fixed:
             def random(self, coin=coin):
                 return coin
-        assert sample.sample_next(logits, Fixed()) == int(np.argmax(cdf > coin))
+        assert sample_next(logits, Fixed()) == int(np.argmax(cdf > coin))
 
 
 def test_a_zero_state_takes_llmcs_1337():
     """xorshift keeps a state of 0 at 0 (every coin 0.0); --seed 0 samples as llm.c's 1337 instead."""
-    zero, llmc = sample.LlmcCoins(0), sample.LlmcCoins(1337)
+    zero, llmc = LlmcCoins(0), LlmcCoins(1337)
     assert [zero.random() for _ in range(5)] == [llmc.random() for _ in range(5)]

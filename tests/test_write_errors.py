@@ -19,7 +19,8 @@ from gpt2np import fileio
 from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.datasets.data import write_shard
-from gpt2np.fileio import WriteError, append_line, atomic_write
+from gpt2np.errors import WriteError
+from gpt2np.fileio import append_line, atomic_write
 from gpt2np.formats.checkpoint import model_path, save_model
 from gpt2np.model import GPT2
 

@@ -19,25 +19,9 @@ import time
 from pathlib import Path
 
 from gpt2np.errors import ArgumentParser, BadInput, integer, tool
-from gpt2np.progress import progress
+from gpt2np.train.evaluate import eval_loss
 
 TASKS = ("loss", "hellaswag")
-
-
-def eval_loss(model, loader, max_batches=-1, desc="val", quiet_below=0):
-    """(mean loss, batches) over the first max_batches batches of the loader from its start, as training's val loss
-    counts them (-1: llm.c's count; more than there are wraps around: DataLoader.eval_batches), with a progress bar
-    when there are quiet_below batches or more (training's val loss: only for a long one)."""
-    loader.reset()
-    n = loader.eval_batches(max_batches)
-    total = 0.0
-    with progress(total=n, desc=desc, unit="batch", quiet=n < quiet_below) as bar:
-        for _ in range(n):
-            x, y = loader.next_batch()
-            total += model.forward(x, y)
-            bar.update(1)
-            bar.set_postfix_str(f"loss {total / bar.n:.4f}", refresh=False)
-    return total / max(n, 1), n
 
 
 @tool
@@ -74,8 +58,7 @@ def main(argv=None):
     check_cpu_math(args)
 
     from gpt2np.datasets.data import DataLoader
-    from gpt2np.datasets.starter import resolve_data
-    from gpt2np.formats.hf import load_any_model
+    from gpt2np.datasets.starter import load_any_model, resolve_data
     from gpt2np.model import GPT2
     if args.task == "hellaswag":
         return eval_hellaswag(args)
@@ -125,8 +108,8 @@ def eval_hellaswag(args):
     """gpt2np eval hellaswag: acc and acc_norm of -e on the examples of -j."""
     from gpt2np.datasets import hellaswag
     from gpt2np.datasets.cache import checked_cache_dir
-    from gpt2np.datasets.fetch import removing_new_folders
-    from gpt2np.formats.hf import load_any_model
+    from gpt2np.datasets.starter import load_any_model
+    from gpt2np.fileio import removing_new_folders
     from gpt2np.model import GPT2
     # the files and folders first, before a model is loaded or anything downloaded
     if args.val_data and args.dir:

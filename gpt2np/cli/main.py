@@ -22,7 +22,7 @@ COMMANDS = {
     "nsys": ("gpt2np.profiling.nsys", [], "attribute an Nsight Systems SQLite export to layers and ops"),
     "ncu": ("gpt2np.profiling.ncu", [], "attribute an Nsight Compute export (CSV or .ncu-rep) to layers and ops"),
     "report": ("gpt2np.profiling.render.report", [], "re-render a saved profile (profile.json): tables, views, plots"),
-    "hf": ("gpt2np.formats.hf", [], "Hugging Face GPT-2 <-> llm.c model file: hf import, hf export"),
+    "hf": ("gpt2np.cli.hf", [], "Hugging Face GPT-2 <-> llm.c model file: hf import, hf export"),
     "eval": ("gpt2np.cli.eval", [], "val loss on token shards; eval hellaswag: HellaSwag acc, acc_norm"),
     "sample": ("gpt2np.cli.sample", [], "generate text from a model (KV cache)"),
     "plot": ("gpt2np.cli.plot", [], "plot train/val loss and HellaSwag of runs from their main.log"),

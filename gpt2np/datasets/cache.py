@@ -37,7 +37,7 @@ def cache_dir(override=None) -> Path:
 def checked_cache_dir(override=None) -> Path:
     """cache_dir(override), refused in one line (BadInput naming --dir, or $GPT2NP_CACHE) when it or a parent
     of it is a file: checked before anything is downloaded or read."""
-    from gpt2np.datasets.fetch import check_folder
+    from gpt2np.fileio import check_folder
     flag = "--dir" if override else f"${CACHE_ENV}" if os.environ.get(CACHE_ENV) else "the cache folder"
     return check_folder(flag, cache_dir(override))
 

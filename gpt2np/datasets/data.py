@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from gpt2np.fileio import atomic_write  # noqa: F401  (re-exported)
+from gpt2np.rng import llmc_generator  # noqa: F401  (the loader's shuffle)
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -136,16 +137,6 @@ def expand_patterns(pattern_or_patterns):
 
 
 SHUFFLE_SEED = 42                  # llm.c's: each rank's shuffle generator is seeded 42 + its rank
-
-
-def llmc_generator(seed: int) -> np.random.MT19937:
-    """llm.c's mt19937 (llmc/rand.h, PyTorch's) after manual_seed(seed): NumPy's MT19937 in the state that its
-    legacy integer seeding (the reference generator's init_genrand) leaves, so random_raw() gives randint32()'s
-    sequence."""
-    _, key, pos, *_ = np.random.RandomState(seed).get_state()
-    generator = np.random.MT19937()
-    generator.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": pos}}
-    return generator
 
 
 def llmc_permute(order: list, generator: np.random.MT19937) -> list:

@@ -12,12 +12,10 @@ import socket
 import sys
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
-from gpt2np.datasets.data import atomic_write
-from gpt2np.errors import ArgumentParser, BadInput, number, tool
-from gpt2np.fileio import file_in_the_way
+from gpt2np.errors import ArgumentParser, number, tool
+from gpt2np.fileio import atomic_write, check_folder, missing_folders, remove_empty
 from gpt2np.paths import CHECKPOINTS_DIR
 from gpt2np.progress import progress as show_progress
 
@@ -54,50 +52,6 @@ class FetchError(OSError):
 
     def __str__(self):
         return self.args[0] if self.args else ""
-
-
-# ---- local folders --------------------------------------------------------------------------------------------
-def check_folder(flag, folder) -> Path:
-    """`folder` as a Path when it is a folder or can be made one; BadInput naming `flag` when it or one of its
-    parents is a file (`--dir x.txt/sub`), so the command stops before any download or tokenizing."""
-    folder = Path(folder)
-    blocking = folder if folder.exists() and not folder.is_dir() else file_in_the_way(folder)
-    if blocking is not None:
-        where = "is a file" if blocking == folder else f"{blocking} is a file"
-        raise BadInput(f"{flag} {folder}: {where}; expected a folder (made if missing)")
-    return folder
-
-
-def missing_folders(folder) -> list:
-    """The folders that making `folder` would create, deepest first."""
-    folder, missing = Path(folder), []
-    for path in (folder, *folder.parents):
-        if path.exists() or path.is_symlink():
-            break
-        missing.append(path)
-    return missing
-
-
-def remove_empty(folders):
-    """Remove those of the folders that are empty, deepest first: a failed command leaves none it made behind."""
-    for path in sorted(set(map(Path, folders)), key=lambda p: len(p.absolute().parts), reverse=True):
-        try:
-            path.rmdir()
-        except OSError:            # not empty (something was written into it), or gone already: it stays
-            pass
-
-
-@contextmanager
-def removing_new_folders(*folders):
-    """Inside: any of `folders` (and their parents) that did not exist and are still empty when the body fails
-    are removed again."""
-    made = [missing_folders(folder) for folder in folders if folder is not None]
-    try:
-        yield
-    except BaseException:
-        for missing in made:
-            remove_empty(missing)
-        raise
 
 
 def download(url, dest, timeout=10, progress=True, opener=None):

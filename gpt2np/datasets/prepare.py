@@ -24,8 +24,9 @@ from gpt2np.datasets.corpora import (
     source_files,
 )
 from gpt2np.datasets.data import DataError, write_shard
-from gpt2np.datasets.fetch import TINYSHAKESPEARE_URL, check_folder, download, removing_new_folders
+from gpt2np.datasets.fetch import TINYSHAKESPEARE_URL, download
 from gpt2np.errors import ArgumentParser, BadInput, integer, tool
+from gpt2np.fileio import check_folder, removing_new_folders
 from gpt2np.formats.tokenizer import TOKENIZER_BIN, get_encoding, write_tokenizer_bin
 from gpt2np.paths import DATA_DIR, data_search_dirs
 from gpt2np.progress import progress

@@ -6,6 +6,7 @@ local copy exists, else on a corpus every machine with Python has (the standard 
 tokenized with GPT-2 BPE when the BPE files are found, else byte by byte.
 """
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from gpt2np.datasets.fetch import FetchError, ensure
 from gpt2np.datasets.prepare import TINYSHAKESPEARE_NAME, prepare_text, prepare_tinyshakespeare
 from gpt2np.fileio import atomic_write
 from gpt2np.formats.checkpoint import load_model
+from gpt2np.formats.hf import PYTORCH_BIN, HubError, is_hub_id, load_hf
 from gpt2np.formats.tokenizer import (
     TOKENIZER_BIN,
     TokenizerError,
@@ -66,7 +68,7 @@ def resolve_model(spec, timeout=10, keep_bf16=False):
             note(f"note: {e}; training {FALLBACK_PRESET} from random init instead")
             return preset(FALLBACK_PRESET), None, f"{FALLBACK_PRESET} (random init; {spec} unavailable)"
     if not path.is_file():
-        from gpt2np.formats.hf import is_hub_id, load_hf_model
+        from gpt2np.datasets.starter import load_hf_model
         if path.is_dir() or is_hub_id(spec):     # a transformers GPT-2 folder, or a Hugging Face Hub id (gpt2, ...)
             cfg, params, _ = load_hf_model(spec)
             return cfg, params, f"{spec} (Hugging Face)"
@@ -178,3 +180,46 @@ class Decoder:
         if self.encoding is not None:
             return self.encoding.decode([i for i in ids if i < self.encoding.n_vocab])
         return " ".join(str(i) for i in ids)
+
+
+# ---- -e: any model a command can read ------------------------------------------------------------------------
+def load_hf_model(spec) -> tuple:
+    """load_hf for a -e: a Hub id that reads as a mistyped llm.c descriptor (d6x, d12b) also says what the
+    descriptors are."""
+    try:
+        return load_hf(spec)
+    except HubError as e:
+        if re.match(r"d\d", spec):
+            from gpt2np.config import DESCRIPTORS
+            raise HubError(f"{e}; as llm.c's model descriptor it is none of {DESCRIPTORS}") from None
+        raise
+
+
+def load_any_model(spec) -> tuple:
+    """(GPT2Config, params, description) for a command's -e: an llm.c model file (also a name in checkpoints/;
+    gpt2_124M.bin is fetched there when missing),
+    llm.c's model descriptors d6..d84, gpt2:dL, gpt3:cC (llm.c's random init, bit for bit: gpt2np.init), a
+    transformers GPT-2 folder, or a
+    Hugging Face Hub id (downloaded when online)."""
+    from gpt2np.config import descriptor
+    from gpt2np.datasets.fetch import KNOWN_FILES, ensure
+    from gpt2np.paths import CHECKPOINTS_DIR
+    path = Path(spec)
+    if not path.exists() and path.name == spec and (CHECKPOINTS_DIR / spec).is_file():
+        path = CHECKPOINTS_DIR / spec               # as train's -e: gpt2_124M.bin in checkpoints/
+    elif not path.exists() and path.name == spec and spec.endswith(".bin") and spec in KNOWN_FILES:
+        path = ensure(spec, CHECKPOINTS_DIR)        # as train's -e: llm.c's gpt2_124M.bin is fetched (offline: 1 line)
+    if path.is_file() and path.suffix not in (".safetensors", ".json") and path.name != PYTORCH_BIN:
+        cfg, params = load_model(path)
+        return cfg, params, str(path)
+    try:
+        cfg = None if path.is_file() else descriptor(spec)   # as train's -e: llm.c's descriptors, random init
+    except ValueError as e:
+        raise ValueError(f"-e {e}") from None
+    if cfg is not None:
+        from gpt2np.init import llmc_init
+        return cfg, llmc_init(cfg), f"{spec} (random init)"
+    if path.is_dir() or path.is_file() or is_hub_id(spec):
+        cfg, params, folder = load_hf_model(spec)
+        return cfg, params, f"{spec} (Hugging Face, {folder})" if str(folder) != spec else f"{spec} (Hugging Face)"
+    raise FileNotFoundError(f"{spec}: no such model file (an llm.c .bin, a transformers folder or a Hub id)")

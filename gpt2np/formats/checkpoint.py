@@ -25,7 +25,8 @@ import struct
 import numpy as np
 
 from gpt2np.config import GPT2Config
-from gpt2np.fileio import WriteError, atomic_write, sync_folder  # noqa: F401  (atomic_write: re-exported)
+from gpt2np.errors import WriteError
+from gpt2np.fileio import atomic_write, sync_folder
 from gpt2np.tensors import num_parameters, offsets, param_shapes
 
 MODEL_MAGIC = 20240326

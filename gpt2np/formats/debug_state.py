@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpt2np.config import GPT2Config
-from gpt2np.formats.checkpoint import atomic_write
+from gpt2np.fileio import atomic_write
 from gpt2np.tensors import PARAM_NAMES, layout_size, param_shapes
 
 MAGIC = 20240327

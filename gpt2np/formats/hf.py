@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from gpt2np.config import GPT2Config, pad_vocab
-from gpt2np.errors import ArgumentParser, BadInput, tool
+from gpt2np.errors import BadInput
 from gpt2np.fileio import atomic_write
-from gpt2np.formats.checkpoint import bf16_to_fp32, check_finite_params, load_model, save_model
+from gpt2np.formats.checkpoint import bf16_to_fp32, check_finite_params
 from gpt2np.tensors import PARAM_NAMES, num_parameters, param_shapes, views
 
 INSTALL = "pip install 'gpt2np[hf]'"
@@ -334,7 +334,7 @@ def write_hf_folder(folder, cfg: GPT2Config, params) -> list:
     """config.json + model.safetensors (fp32) for GPT2LMHeadModel.from_pretrained, and GPT-2's tokenizer files
     (vocab.json, merges.txt) for AutoTokenizer when tokenizer_files finds them; returns the paths written."""
     st = _safetensors()
-    from gpt2np.datasets.fetch import check_folder
+    from gpt2np.fileio import check_folder
     folder = check_folder("-o", folder)
     folder.mkdir(parents=True, exist_ok=True)
     blob = st.numpy.save(llmc_to_hf(cfg, params), metadata={"format": "pt"})
@@ -348,103 +348,3 @@ def write_hf_folder(folder, cfg: GPT2Config, params) -> list:
             f.write(Path(source).read_bytes())
         written.append(folder / name)
     return written
-
-
-# ---- -e: any model a command can read ------------------------------------------------------------------------
-def load_hf_model(spec) -> tuple:
-    """load_hf for a -e: a Hub id that reads as a mistyped llm.c descriptor (d6x, d12b) also says what the
-    descriptors are."""
-    try:
-        return load_hf(spec)
-    except HubError as e:
-        if re.match(r"d\d", spec):
-            from gpt2np.config import DESCRIPTORS
-            raise HubError(f"{e}; as llm.c's model descriptor it is none of {DESCRIPTORS}") from None
-        raise
-
-
-def load_any_model(spec) -> tuple:
-    """(GPT2Config, params, description) for a command's -e: an llm.c model file (also a name in checkpoints/;
-    gpt2_124M.bin is fetched there when missing),
-    llm.c's model descriptors d6..d84, gpt2:dL, gpt3:cC (llm.c's random init, bit for bit: gpt2np.init), a
-    transformers GPT-2 folder, or a
-    Hugging Face Hub id (downloaded when online)."""
-    from gpt2np.config import descriptor
-    from gpt2np.datasets.fetch import KNOWN_FILES, ensure
-    from gpt2np.paths import CHECKPOINTS_DIR
-    path = Path(spec)
-    if not path.exists() and path.name == spec and (CHECKPOINTS_DIR / spec).is_file():
-        path = CHECKPOINTS_DIR / spec               # as train's -e: gpt2_124M.bin in checkpoints/
-    elif not path.exists() and path.name == spec and spec.endswith(".bin") and spec in KNOWN_FILES:
-        path = ensure(spec, CHECKPOINTS_DIR)        # as train's -e: llm.c's gpt2_124M.bin is fetched (offline: 1 line)
-    if path.is_file() and path.suffix not in (".safetensors", ".json") and path.name != PYTORCH_BIN:
-        cfg, params = load_model(path)
-        return cfg, params, str(path)
-    try:
-        cfg = None if path.is_file() else descriptor(spec)   # as train's -e: llm.c's descriptors, random init
-    except ValueError as e:
-        raise ValueError(f"-e {e}") from None
-    if cfg is not None:
-        from gpt2np.init import llmc_init
-        return cfg, llmc_init(cfg), f"{spec} (random init)"
-    if path.is_dir() or path.is_file() or is_hub_id(spec):
-        cfg, params, folder = load_hf_model(spec)
-        return cfg, params, f"{spec} (Hugging Face, {folder})" if str(folder) != spec else f"{spec} (Hugging Face)"
-    raise FileNotFoundError(f"{spec}: no such model file (an llm.c .bin, a transformers folder or a Hub id)")
-
-
-# ---- the command ---------------------------------------------------------------------------------------------
-def _size(path) -> str:
-    size = Path(path).stat().st_size
-    return f"{size / 1e6:,.1f} MB" if size >= 1e6 else f"{size:,} bytes"
-
-
-@tool
-def main(argv=None):
-    """gpt2np hf import|export: bad input (flags, files, an unknown or unreachable model): one line, exit 2."""
-    p = ArgumentParser(prog="python -m gpt2np.formats.hf", description=__doc__.split("\n")[0],
-                       epilog="`gpt2np hf import --help` and `gpt2np hf export --help` show each one's flags.")
-    sub = p.add_subparsers(dest="action", metavar="{import,export}", required=True)
-    imp = sub.add_parser("import", help="a transformers GPT-2 (folder or Hub id) -> llm.c model file",
-                         description="Read a GPT2LMHeadModel (config.json + model.safetensors, or pytorch_model.bin "
-                                     "with PyTorch installed; or a Hugging Face Hub id such as gpt2, gpt2-medium, "
-                                     "openai-community/gpt2-xl) and write llm.c's model file.")
-    imp.add_argument("source", metavar="DIR_OR_ID", help="transformers model folder, or a Hub id (needs network)")
-    imp.add_argument("-o", "--output", required=True, help="llm.c model file to write (e.g. gpt2_124M.bin)")
-    imp.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
-                     help="fp32 = llm.c version 3 (default), bf16 = version 5")
-    imp.add_argument("--revision", help="Hub revision (branch, tag or commit; default main)")
-    exp = sub.add_parser("export", help="llm.c model file -> config.json + model.safetensors",
-                         description="Write an llm.c model file (fp32 v3 or bf16 v5) as a transformers "
-                                     "GPT2LMHeadModel folder: config.json and model.safetensors (fp32), and for "
-                                     "GPT-2's vocabulary its tokenizer (vocab.json, merges.txt from the BPE files "
-                                     "that prepare uses) when they are found.")
-    exp.add_argument("model", metavar="MODEL", help="llm.c model file")
-    exp.add_argument("-o", "--output", required=True, help="folder to write (made if missing)")
-    args = p.parse_args(argv)
-    if args.action == "import":
-        out = Path(args.output)
-        if out.is_dir():
-            raise BadInput(f"-o {out}: is a folder; expected the model file to write")
-        cfg, params, folder = load_hf(args.source, args.revision)
-        save_model(out, cfg, params, args.dtype)
-        print(f"{folder} -> {out}: GPT-2 L={cfg.num_layers} H={cfg.num_heads} C={cfg.channels} "
-              f"maxT={cfg.max_seq_len} V={cfg.vocab_size} (padded {cfg.padded_vocab_size}), "
-              f"{num_parameters(cfg):,} parameters, {args.dtype} ({_size(out)})")
-    else:
-        from gpt2np.datasets.fetch import check_folder, removing_new_folders
-        model = Path(args.model)
-        if model.is_dir():
-            what = ("a transformers folder: `hf import` converts it to an llm.c model file"
-                    if (model / CONFIG_JSON).is_file() else "a folder")
-            raise BadInput(f"{args.model}: is {what}; hf export reads an llm.c model file (.bin, as train writes)")
-        check_folder("-o", args.output)
-        cfg, params = load_model(args.model)
-        with removing_new_folders(args.output):
-            for path in write_hf_folder(args.output, cfg, params):
-                print(f"wrote {path} ({_size(path)})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import tiktoken
 
-from gpt2np.datasets.data import atomic_write
+from gpt2np.fileio import atomic_write
 from gpt2np.paths import data_search_dirs
 
 TOKENIZER_MAGIC = 20240328

@@ -20,14 +20,12 @@ import warnings
 
 from gpt2np import ranges
 from gpt2np.backends import cuda_problem, get_backend, gpu_present, resolve_attention, resolve_name, resolve_precision
-from gpt2np.cli.eval import eval_loss
-from gpt2np.cli.sample import LlmcCoins, generate
 from gpt2np.config import GPT2Config, TrainConfig, descriptor
 from gpt2np.datasets.data import DataLoader
 from gpt2np.datasets.starter import Decoder, resolve_data, resolve_model
 from gpt2np.dist import check_same_run, make_process_group, run_fingerprint, stop_on_problem, stop_together
-from gpt2np.errors import BAD_INPUT_ERRORS, BadInput, is_int, one_line
-from gpt2np.fileio import WriteError, append_line, atomic_write, sync_folder
+from gpt2np.errors import BAD_INPUT_ERRORS, BadInput, WriteError, is_int, one_line
+from gpt2np.fileio import append_line, atomic_write, sync_folder
 from gpt2np.formats.checkpoint import (
     CheckpointError,
     checkpoint_files,
@@ -43,11 +41,14 @@ from gpt2np.formats.checkpoint import (
     save_state,
     state_path,
 )
+from gpt2np.generate import generate
 from gpt2np.model import GPT2
 from gpt2np.outlier import OutlierGuard, exceeded
 from gpt2np.profiling.gpu_specs import flops_per_token, mfu, peak_flops
 from gpt2np.profiling.profiler import Profiler, device_label, device_roofline, report_text, write_outputs
+from gpt2np.rng import LlmcCoins
 from gpt2np.tensors import num_parameters
+from gpt2np.train.evaluate import eval_loss
 from gpt2np.train.interrupts import Stopped, StopSignals
 from gpt2np.train.rundir import (
     LOG_LINE,
