@@ -15,8 +15,9 @@ import train
 from gpt2np import errors as cli
 from gpt2np.backends.cuda import nvrtc_check
 from gpt2np.cli import compare
+from gpt2np.cli import fetch as fetch_cli
 from gpt2np.config import TrainConfig, value_type
-from gpt2np.datasets import fetch, prepare
+from gpt2np.datasets import prepare
 from gpt2np.profiling import nsys, profiler
 from gpt2np.profiling.render import report
 
@@ -183,10 +184,10 @@ def test_prepare_errors(tmp_path, a_file, capsys):
 
 
 def test_fetch_errors(a_file, capsys):
-    assert_bad_input(fetch.main, ["--timeout", "0"], ["--timeout 0", "> 0"], capsys)
-    assert_bad_input(fetch.main, ["--timeout", "nan"], ["--timeout nan", "finite"], capsys)
-    assert_bad_input(fetch.main, ["--dir", a_file], ["--dir", str(a_file), "is a file"], capsys)
-    assert_bad_input(fetch.main, ["bogus"], ["'bogus'", "tinyshakespeare"], capsys)
+    assert_bad_input(fetch_cli.main, ["--timeout", "0"], ["--timeout 0", "> 0"], capsys)
+    assert_bad_input(fetch_cli.main, ["--timeout", "nan"], ["--timeout nan", "finite"], capsys)
+    assert_bad_input(fetch_cli.main, ["--dir", a_file], ["--dir", str(a_file), "is a file"], capsys)
+    assert_bad_input(fetch_cli.main, ["bogus"], ["'bogus'", "tinyshakespeare"], capsys)
 
 
 def test_compare_errors(tmp_path, capsys):

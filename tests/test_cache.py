@@ -6,7 +6,8 @@ import urllib.request
 
 import pytest
 
-from gpt2np.datasets import cache, fetch
+from gpt2np.cli import fetch as fetch_cli
+from gpt2np.datasets import cache
 from gpt2np.datasets.cache import CachedFile, cache_dir, cached, is_done, mark_done, record_path
 from gpt2np.datasets.fetch import FetchError
 from gpt2np.errors import BadInput
@@ -92,14 +93,14 @@ def test_expected_size_and_hash_are_checked(tmp_path):
 def test_fetch_hellaswag_goes_to_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GPT2NP_CACHE", str(tmp_path / "env"))
     monkeypatch.setattr(urllib.request, "urlopen", opener())
-    assert fetch.main(["hellaswag", "--timeout", "1"]) == 0
+    assert fetch_cli.main(["hellaswag", "--timeout", "1"]) == 0
     assert (tmp_path / "env" / "hellaswag_val.jsonl").read_bytes() == BODY
-    assert fetch.main(["hellaswag", "--dir", str(tmp_path / "flag")]) == 0
+    assert fetch_cli.main(["hellaswag", "--dir", str(tmp_path / "flag")]) == 0
     assert is_done(tmp_path / "flag" / "hellaswag_val.jsonl")
-    assert fetch.main(["hellaswag", "--dir", str(tmp_path / "flag")]) == 0
+    assert fetch_cli.main(["hellaswag", "--dir", str(tmp_path / "flag")]) == 0
     assert "already present" in capsys.readouterr().err
     monkeypatch.setattr(urllib.request, "urlopen", opener(reset_after=100))
-    assert fetch.main(["hellaswag", "--dir", str(tmp_path / "other")]) == 1
+    assert fetch_cli.main(["hellaswag", "--dir", str(tmp_path / "other")]) == 1
     assert "Connection reset" in capsys.readouterr().err
 
 

@@ -109,6 +109,7 @@ def test_console_script_entry_point():
 def test_fetch_knows_the_starter_packs_bf16_model():
     """llm.c's starter pack (dev/download_starter_pack.sh) has gpt2_124M_bf16.bin beside gpt2_124M.bin: -e and
     `gpt2np fetch model-bf16` can fetch it."""
+    from gpt2np.cli import fetch as fetch_cli
     from gpt2np.datasets import fetch
     assert fetch.KNOWN_FILES["gpt2_124M_bf16.bin"] == fetch.STARTER_PACK_URL + "gpt2_124M_bf16.bin"
-    assert fetch.GROUPS["model-bf16"] == ["gpt2_124M_bf16.bin"]
+    assert fetch_cli.GROUPS["model-bf16"] == ["gpt2_124M_bf16.bin"]

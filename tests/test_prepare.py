@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tiktoken
 
+from gpt2np.cli import fetch as fetch_cli
 from gpt2np.datasets import fetch, prepare
 from gpt2np.datasets.data import DataError, read_shard
 from gpt2np.datasets.fetch import FetchError, download
@@ -129,18 +130,18 @@ def test_fetch_a_file_in_the_way_of_dir_is_one_line_before_any_download(tmp_path
     for argv, words in ((["--dir", str(tmp_path / "a.txt" / "sub")], ["--dir", "a.txt/sub", "a.txt is a file"]),
                         (["tokenizer", "--dir", str(tmp_path / "a.txt")], ["--dir", "a.txt: is a file"]),
                         (["hellaswag", "--dir", str(tmp_path / "a.txt")], ["--dir", "a.txt: is a file"])):
-        assert fetch.main(argv) == 2
+        assert fetch_cli.main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: ") and all(w in err for w in words), err
 
 
 def test_a_failed_fetch_leaves_no_folder_it_made(server, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(fetch.KNOWN_FILES, "gpt2_tokenizer.bin", f"{server}/nothing")
-    assert fetch.main(["tokenizer", "--dir", str(tmp_path / "new" / "sub"), "--timeout", "5"]) == 1
+    assert fetch_cli.main(["tokenizer", "--dir", str(tmp_path / "new" / "sub"), "--timeout", "5"]) == 1
     assert "404" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setitem(fetch.KNOWN_FILES, "gpt2_tokenizer.bin", f"{server}/file.bin")   # a success keeps it
-    assert fetch.main(["tokenizer", "--dir", str(tmp_path / "new" / "sub"), "--timeout", "5"]) == 0
+    assert fetch_cli.main(["tokenizer", "--dir", str(tmp_path / "new" / "sub"), "--timeout", "5"]) == 0
     assert (tmp_path / "new" / "sub" / "gpt2_tokenizer.bin").read_bytes() == PAYLOAD
 
 

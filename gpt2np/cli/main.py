@@ -14,7 +14,7 @@ COMMANDS = {
     "train": ("gpt2np.cli.train", [], "train GPT-2 (llm.c's train_gpt2 flags; the same as python train.py)"),
     "prepare": ("gpt2np.datasets.prepare", [],
                 "text, tinyshakespeare, FineWeb(-Edu) or TinyStories -> llm.c token shards"),
-    "fetch": ("gpt2np.datasets.fetch", [],
+    "fetch": ("gpt2np.cli.fetch", [],
               "download tinyshakespeare, llm.c's gpt2_124M.bin, tokenizer, BPE files, HellaSwag"),
     "compare": ("gpt2np.cli.compare", [], "check logits, gradients and AdamW steps against a PyTorch GPT-2"),
     "profile": ("gpt2np.profiling.profiler", [], "profile training steps: per-kernel/op table, module tree, views"),
