@@ -51,3 +51,14 @@ def test_ci_runs_the_readme_test_command():
     test_command = next(line for line in readme.splitlines() if "pytest" in line)
     ci = (paths.REPO_ROOT / ".ci" / "run").read_text().splitlines()
     assert ci[-1] == test_command
+
+
+def test_backends_have_the_traits_their_names_promise():
+    """Code above the backends asks traits (on_gpu, launches_kernels, has_cpu_math, label), never a name: a
+    backend's attributes are those device_traits gives for its --device before there is a backend."""
+    from gpt2np.backends import TRAITS, device_traits, get_backend
+    for device, kwargs in (("cpu", {}), ("cpu", {"precision": "bf16"}), ("emu", {}), ("emu", {"precision": "bf16"})):
+        backend, traits = get_backend(device, **kwargs), device_traits(device)
+        assert (backend.on_gpu, backend.launches_kernels, backend.has_cpu_math, backend.label) == \
+            (traits.on_gpu, traits.launches_kernels, traits.has_cpu_math, traits.label), device
+    assert TRAITS["cuda"].on_gpu and TRAITS["cuda"].launches_kernels and not TRAITS["cuda"].has_cpu_math

@@ -11,6 +11,7 @@ Training's default precision is resolve_precision(): tf32 on a GPU with tensor c
 """
 import importlib
 import os
+from dataclasses import dataclass
 
 PRECISIONS = {"numpy": ("fp32", "bf16"), "cuda": ("fp32", "tf32", "bf16"), "emu": ("fp32", "tf32", "bf16")}
 
@@ -19,6 +20,28 @@ MIN_DRIVER_CUDA = 13000          # cudaDriverGetVersion() of a driver for CUDA 1
 MIN_COMPUTE_CAPABILITY = 75      # CUDA 13 builds for Turing (sm_75) and newer
 TENSOR_CORE_TF32 = 80            # TF32 and bf16 tensor cores: Ampere (sm_80) and newer
 INSTALL = 'pip install -e ".[cuda]"'
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What the code above the backends may ask of a device: the attributes every backend instance has too, and
+    for a --device name before there is a backend (device_traits). Nothing outside backends/ checks a name."""
+    on_gpu: bool              # a real GPU: device memory, CUDA events, MFU against the GPU's peak
+    launches_kernels: bool    # runs kernels/*.cu, on a GPU or on the CPU emulator
+    has_cpu_math: bool        # takes --cpu-math (the NumPy backend)
+    label: str                # the device as the training header names it
+
+
+TRAITS = {"numpy": Traits(False, False, True, "cpu"), "cuda": Traits(True, True, False, "cuda"),
+          "emu": Traits(False, True, False, "cuda (the CPU emulator)")}
+
+
+def device_traits(name: str) -> Traits:
+    """The Traits of the backend a --device name selects (resolve_name: auto, cpu, cuda-emu)."""
+    resolved = resolve_name(name)
+    if resolved not in TRAITS:
+        raise ValueError(f"unknown backend {resolved!r}: expected numpy, cuda, emu or auto")
+    return TRAITS[resolved]
 
 
 class BackendUnavailable(RuntimeError):

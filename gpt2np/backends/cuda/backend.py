@@ -172,6 +172,16 @@ class CudaBackend:
 
     name = "cuda"
     launches_kernels = True
+    has_cpu_math = False
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the kernels run on a real GPU (CuPy), not the CPU emulator or the planner."""
+        return self.rt.on_gpu
+
+    @property
+    def label(self) -> str:
+        return "cuda" if self.rt.on_gpu else "cuda (the CPU emulator)"
 
     def __setattr__(self, name, value):
         if name in LAUNCH_SETTINGS:

@@ -206,6 +206,7 @@ class CupyRuntime:
     """NVRTC-compiled kernels, cuBLAS GEMMs and CUDA events through CuPy on the current device."""
 
     name = "cupy"
+    on_gpu = True
 
     def __init__(self, tf32=False, cupy=None, cublas=None, cublaslt=None, set_workspace=None):
         """cupy, cublas, cublaslt, set_workspace (cublas_set_workspace's function): stand-ins for tests (default:

@@ -96,6 +96,7 @@ class EmuRuntime:
     """Runs kernels on the CPU emulator; arrays are NumPy arrays."""
 
     name = "emulator"
+    on_gpu = False
     epilogues = True        # bias, GELU, dGELU and bias-gradient epilogues, in NumPy after the product
     tf32 = False            # GEMMs in exact fp32 NumPy; EmuRuntime(tf32=True) rounds their inputs to TF32
 

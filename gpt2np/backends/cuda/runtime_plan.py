@@ -190,6 +190,7 @@ class PlanRuntime:
     for; tf32: GEMMs on TF32 tensor cores (CudaBackend.precision reads it)."""
 
     name = "plan"
+    on_gpu = False            # plans for a GPU, runs nothing
     epilogues = True          # plans the cuBLASLt path (bias, GELU, dGELU, bias-gradient epilogues)
 
     def __init__(self, device="H100", tf32=True):

@@ -108,6 +108,9 @@ class NumpyBackend:
     name = "numpy"
     precision = "fp32"
     launches_kernels = False      # an op is one unit of work here; on_launch is never called
+    on_gpu = False
+    has_cpu_math = True
+    label = "cpu"
     on_launch = None
 
     def __init__(self, dtype=np.float32, threads=None, fused=None, math="exact"):

@@ -42,6 +42,9 @@ class Bf16NumpyBackend:
     precision = "bf16"
     dtype = BF16                  # storage of parameters, gradients and activations
     launches_kernels = False
+    on_gpu = False
+    has_cpu_math = True
+    label = "cpu"
     on_launch = None
 
     def __init__(self, threads=None, fused=None, math="exact"):
