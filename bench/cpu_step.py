@@ -42,9 +42,8 @@ import sys
 import time
 
 # before NumPy, in this process and (through the environment) in every part's: gpt2np sets OpenBLAS's thread timeout,
-# which OpenBLAS reads once, when NumPy loads it (with its default, its threads spin after every GEMM and took ~5%
-# of gpt2np's step here: the runs of 2026-11-23 06:30 to 2026-11-24 17:45 UTC had NumPy first, put there by an
-# import sorter)
+# which OpenBLAS reads once, when NumPy loads it (with its default, its threads spin after every GEMM and slow
+# gpt2np's step by a few percent; an import sorter must not move NumPy above this line)
 import gpt2np  # noqa: F401
 
 GEMM_TERMS = {"matmul_forward": ("gemm",), "matmul_backward": ("dinp", "dweight"),
@@ -187,9 +186,8 @@ def bench_gpt2np(args):
     peak = peak_rss_bytes()                              # the step's, before the floor's operands are allocated
     # Paired: --steps more times, a step, a step timed, then the floor measured in this process (seconds apart, so
     # the machine runs at the same speed). The floor's operands and its 2 x 256 MiB bandwidth arrays evict the
-    # step's memory from caches and TLBs: a step right after them took 7% longer (2026-11-24, in one process:
-    # median 1417-1427 ms against 1311-1332 back to back), so the step paired is the second after a floor, and
-    # none of these is among the timed steps.
+    # step's memory from caches and TLBs, which slows the step right after them, so the step paired is the second
+    # after a floor, and none of these is among the timed steps.
     step = args.warmup + args.steps
     for _ in range(args.steps if args.paired else 0):
         timed_step(step)

@@ -13,7 +13,7 @@
 #                 pytest, compute-sanitizer; nvidia-smi, versions, the git commit -> preflight.log
 #   setup         synthetic token shards and model files (bench/gpu_acceptance.py setup): no data files needed
 #   pytest_gpu    python -m pytest -m gpu
-#   compare_fp32  python -m gpt2np.cli.compare --backend cuda, against the PyTorch reference, exact fp32
+#   compare_fp32  python -m gpt2np compare --backend cuda, against the PyTorch reference, exact fp32
 #   compare_tf32  the same with --precision tf32 (the TF32 tolerances)
 #   compare_bf16  compare --precision bf16: gpt2np's bf16 and PyTorch autocast bf16 against PyTorch fp32 (FAILs
 #                 while gpt2np's error exceeds 1.5x autocast's: llm.c's bf16 residual stream, see the README)
@@ -23,8 +23,8 @@
 #   gpu_step_bf16 the same in bf16 (--precision bf16; PyTorch under bf16 autocast), and at llm.c's B=64 (--full)
 #   op_bench      bench/op_bench.py: bf16 LayerNorm backward alone at B=64 T=1024, its finish's threads a column and
 #                 its most blocks tried (information: launch settings to tune, not a pass/fail on speed)
-#   kernels       python -m gpt2np.profiling.profiler: the kernel table of one step (profile/ has CSV/JSON/trace)
-#   plan_measure  python -m gpt2np.profiling.profiler --plan --measure: planned floor vs measured time per op
+#   kernels       python -m gpt2np profile: the kernel table of one step (profile/ has CSV/JSON/trace)
+#   plan_measure  python -m gpt2np profile --plan --measure: planned floor vs measured time per op
 #   memcheck      compute-sanitizer --tool memcheck over one training step of a tiny model
 #   racecheck     compute-sanitizer --tool racecheck over the same step
 #   ncu           bench/ncu.sh (TIME_ONLY=1, d12 B=4 T=1024): Nsight Compute's time of every kernel of a step,
@@ -205,10 +205,10 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
         acc_run setup 300 "$PY" "$HELPER" setup "$data" "${full[@]}"
         acc_skip pytest_gpu "--device emu: the GPU tests need a GPU (python -m pytest runs the emulator tests)"
         if [ "$TORCH_CPU_OK" = 1 ]; then
-            acc_run compare_fp32 300 "$PY" -m gpt2np.cli.compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 --steps 2
-            acc_run compare_tf32 300 "$PY" -m gpt2np.cli.compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 --steps 2 \
+            acc_run compare_fp32 300 "$PY" -m gpt2np compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 --steps 2
+            acc_run compare_tf32 300 "$PY" -m gpt2np compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 --steps 2 \
                 --precision tf32
-            acc_run compare_bf16 300 "$PY" -m gpt2np.cli.compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 \
+            acc_run compare_bf16 300 "$PY" -m gpt2np compare -e "$data/tiny.bin" --backend emu -b 2 -t 32 \
                 --precision bf16
         else
             acc_skip compare_fp32 "$TORCH_CPU_WHY"
@@ -223,9 +223,9 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
             --top 10 --precision bf16
         acc_run op_bench 300 "$PY" bench/op_bench.py layernorm_backward --runtime emu -b 2 -t 8 -c 64 --reps 2 \
             --precision bf16 --set layernorm_finish_threads=1,32
-        acc_run kernels 300 "$PY" -m gpt2np.profiling.profiler -e "$data/tiny.bin" -b 2 -t 16 --steps 1 \
+        acc_run kernels 300 "$PY" -m gpt2np profile -e "$data/tiny.bin" -b 2 -t 16 --steps 1 \
             --device emu --out "$OUT/profile" --views gpu_activities,kernels
-        acc_run plan_measure 300 "$PY" -m gpt2np.profiling.profiler -e "$data/tiny.bin" -b 2 -t 16 --plan --measure \
+        acc_run plan_measure 300 "$PY" -m gpt2np profile -e "$data/tiny.bin" -b 2 -t 16 --plan --measure \
             --device emu --gpu H100 --out "$OUT/plan"
         acc_skip memcheck "--device emu: compute-sanitizer needs a GPU (the emulator's guard pages stand in: tests/test_emulator.py)"
         acc_skip racecheck "--device emu: compute-sanitizer needs a GPU (the emulator's reverse schedule stands in)"
@@ -252,8 +252,8 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
         acc_skip pytest_gpu "$PYTEST_WHY (bring it: pip install --no-index --find-links WHEELS pytest)"
     fi
     if [ "$TORCH_CPU_OK" = 1 ]; then      # the reference runs in PyTorch on the CPU: a CPU build is enough
-        local cmp=("$PY" -m gpt2np.cli.compare -e "$data/small.bin" --backend cuda -b 4 -t 64 --steps 5)
-        [ "$MODE" = full ] && cmp=("$PY" -m gpt2np.cli.compare -e "$data/small.bin" --backend cuda -b 4 -t 256 --steps 10)
+        local cmp=("$PY" -m gpt2np compare -e "$data/small.bin" --backend cuda -b 4 -t 64 --steps 5)
+        [ "$MODE" = full ] && cmp=("$PY" -m gpt2np compare -e "$data/small.bin" --backend cuda -b 4 -t 256 --steps 10)
         acc_run compare_fp32 600 "${cmp[@]}"
         acc_run compare_tf32 600 "${cmp[@]}" --precision tf32
         acc_run compare_bf16 600 "${cmp[@]}" --precision bf16
@@ -277,9 +277,9 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
     if [ "$TORCH_OK" != 1 ]; then
         echo "# PyTorch side not run: $TORCH_WHY" >> "$OUT/gpu_step.log"
     fi
-    acc_run kernels 300 "$PY" -m gpt2np.profiling.profiler -e d12 -b 4 -t 1024 --steps 1 --device cuda \
+    acc_run kernels 300 "$PY" -m gpt2np profile -e d12 -b 4 -t 1024 --steps 1 --device cuda \
         --out "$OUT/profile" --views gpu_activities,kernels
-    acc_run plan_measure 300 "$PY" -m gpt2np.profiling.profiler -e d12 -b 4 -t 1024 --plan --measure \
+    acc_run plan_measure 300 "$PY" -m gpt2np profile -e d12 -b 4 -t 1024 --plan --measure \
         --device cuda --out "$OUT/plan"
     if [ "$SAN_OK" = 1 ]; then
         local step=("$PY" train.py -e "$data/tiny.bin" -i "$data/train_*.bin" -j "$data/val_*.bin" -b 2 -t 32

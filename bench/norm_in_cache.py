@@ -1,4 +1,4 @@
-"""Is the gradient norm cheaper taken while each weight gradient is still in cache? (issue 18's idea, measured)
+"""Is the gradient norm cheaper taken while each weight gradient is still in cache?
 
 The backward pass of d12's 12 blocks at B*T rows, as the step runs it: for each layer's four linear layers (c_proj,
 c_fc, attn c_proj, c_attn: the model's backward order) the dinp GEMM and the dweight GEMM, the dweights written

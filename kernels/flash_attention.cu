@@ -60,10 +60,9 @@
 #define FLASH_RESCALE_ABOVE 12.0f      // forward: how far (log2 units) a row's max may pass its reference max
 #define FLASH_LOG2E 1.4426950408889634f
 #define FLASH_LN2 0.6931471805599453f
-// Blocks per SM each kernel is built to fit (__launch_bounds__'s second argument, which caps the registers):
-// measured on an H100 at d12 shapes against 1, 2 and 3 (-D overrides): fp32 build forward 2 (as 1; 3: +7%),
-// backward 2 (-2% against 1; 3: +11%); bf16 build forward 3 (-9%), backward 2 (-2%; 3: -3%, but dK/dV then
-// spills registers).
+// Blocks per SM each kernel is built to fit (__launch_bounds__'s second argument, which caps the registers),
+// the fastest of 1, 2 and 3 at d12 shapes (-D overrides; the timings are in docs/benchmarks.md); the bf16
+// backward stays at 2 because 3 spills dK/dV's registers.
 #ifndef FLASH_FWD_MIN_BLOCKS
 #if defined(GPT2NP_BF16)
 #define FLASH_FWD_MIN_BLOCKS 3

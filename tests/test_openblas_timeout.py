@@ -1,8 +1,8 @@
 """OpenBLAS's thread timeout: gpt2np sets it on import, which only works before NumPy loads OpenBLAS.
 
-With OpenBLAS's default its threads spin after every GEMM and take the cores from the work between GEMMs: a d12 CPU
-step measured ~5% slower on 2 cores (2026-11-24). The CPU benches must import gpt2np first (an import sorter had
-moved NumPy above it in bench/cpu_step.py, unseen for three days), and the numpy backend warns where it cannot.
+With OpenBLAS's default its threads spin after every GEMM and take the cores from the work between GEMMs, and a
+CPU step runs a few percent slower. The CPU benches must import gpt2np first (an import sorter can move NumPy above
+it unseen), and the numpy backend warns where it cannot.
 """
 import ast
 import os

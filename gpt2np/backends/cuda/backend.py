@@ -209,12 +209,12 @@ class CudaBackend:
         self.norm_threads = 512
         self.norm_max_blocks = 1024
         self.encoder_token_blocks = GRID_Y_LIMIT
-        self.layernorm_rows_per_block = 16    # H100, d12 step: fp32 27 us a call (44 with 32), bf16 94 (118)
-        # a large batch (B=64, T=1024: 4096 chunks of 16 rows) in about one wave of blocks instead: 4 blocks of 8 warps
-        # (48 KiB of accumulators at C=768) fit an SM, 528 on an H100; fewer partial sums to write and add up
+        self.layernorm_rows_per_block = 16    # faster than 32 at d12 (docs/benchmarks.md)
+        # a large batch (B=64, T=1024: 4096 chunks of 16 rows) in about one wave of blocks instead: 4 blocks of 8
+        # warps (48 KiB of accumulators at C=768) fit an SM; fewer partial sums to write and add up
         self.layernorm_max_blocks = 512
-        # the finish is latency-bound (a load, then the next): 32 threads a column, 1024 a block of 32 columns, keep
-        # 32 loads of a column in flight (24 blocks at C=768); not yet timed on a GPU against 8 or 16
+        # the finish is latency-bound (a load, then the next): 32 threads a column, 1024 a block of 32 columns,
+        # keep 32 loads of a column in flight (24 blocks at C=768)
         self.layernorm_finish_threads = 32
         self._modules = {}
         self._functions = {}

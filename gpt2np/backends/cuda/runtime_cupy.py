@@ -91,7 +91,7 @@ def nvrtc_options(kernel_dir):
     --fmad=false: every float multiply and add rounded on its own, as the CPU emulator (g++, ISO C++: no
     contraction) and the NumPy reference compute them; NVRTC would otherwise fuse a*b + c into one FMA, and the
     elementwise kernels (AdamW, LayerNorm, GELU, ...) would stop giving the emulator's bits, which the tests
-    claim. It should cost little there (those kernels wait on memory; not yet measured on a GPU); the GEMMs
+    claim. It should cost little there (those kernels wait on memory); the GEMMs
     (cuBLAS, cuBLASLt) and the WMMA tiles of flash attention are not affected.
     """
     kernel_dir = Path(kernel_dir).resolve()
