@@ -104,7 +104,7 @@ def model_state(model, x, y, vocab_size: int) -> DebugState:
     loss = model.forward(x, y)
     logits = np.asarray(model.logits_host())[:, :, :vocab_size]
     model.zero_grad()
-    model.backward()
+    model.backward(from_logits=True)
     grads = {name: np.asarray(g) for name, g in model.grads_host().items()}
     return DebugState(x, y, logits, float(loss), grads)
 
