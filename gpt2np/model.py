@@ -235,20 +235,20 @@ class GPT2:
         targets None: no targets copied, None returned for them.
         """
         be = self.backend
-        inputs = self._check_tokens(inputs, "inputs")
+        if targets is None:
+            inputs = self._check_tokens(inputs, "inputs")
+        else:
+            inputs, targets = self._check_pair(inputs, targets)
         b, t = inputs.shape
-        x = _batch_view(self.token_slots[0][0], b, t)
+        x, y = (_batch_view(buf, b, t) for buf in self.token_slots[0])
         be.copy_(x, be.from_host(inputs))
         if targets is None:
             return x, None
-        inputs, targets = self._check_pair(inputs, targets)
-        y = _batch_view(self.token_slots[0][1], b, t)
         be.copy_(y, be.from_host(targets))
         return x, y
 
     def stage_batch(self, slot, inputs, targets):
-        """Queue host (b, t) token arrays into token slot `slot` -> their (inputs, targets) device
-        views.
+        """Queue host (b, t) tokens into token slot `slot` -> their (inputs, targets) device views.
 
         The device step's upload (slot: the 0-based micro-batch of the step): nothing is read back,
         and encoder_backward's grouping of the inputs goes up with them, made from this host copy
