@@ -86,9 +86,9 @@ def test_graph_replay_is_bitwise_the_eager_step(accum):
 
 
 def test_a_replayed_step_leaves_the_model_as_the_eager_step():
-    """A replayed step runs none of the model's Python: the model must end as after the eager step. A zero_grad()
-    before the step must not land on the gradients the replay wrote, and after the replay a further backward must
-    add to them."""
+    """A replayed step runs none of the model's Python: the model must end as after the eager step.
+    A zero_grad() before the step must not land on the gradients the replay wrote, and after the
+    replay a further backward must add to them."""
     eager, graphed = GPT2(CFG, emu(), B, T, seed=3), GPT2(CFG, emu(), B, T, seed=3)
     data = batches(5, seed=6)
     for step in range(4):
@@ -153,8 +153,8 @@ def test_nvmath_cublas_takes_cupys_arguments_in_cupys_order():
 
 
 def test_staged_and_host_tokens_run_the_same_forward_and_backward():
-    """forward(tokens=stage_batch(...)) is forward(inputs, targets) on uploaded tokens: the same dlogits and
-    gradients, bitwise; the loss stays on the device in stats[0] (written, then added to)."""
+    """forward(tokens=stage_batch(...)) is forward(inputs, targets) on uploaded tokens: the same
+    dlogits and gradients, bitwise; the loss stays on the device in stats[0] (set, then added)."""
     host, staged = GPT2(CFG, emu(), B, T, seed=4), GPT2(CFG, emu(), B, T, seed=4)
     (x, y), (x2, y2) = batches(2, seed=7)
     losses = []
@@ -162,11 +162,12 @@ def test_staged_and_host_tokens_run_the_same_forward_and_backward():
         losses.append(host.forward(inputs, targets, for_backward=True, grad_accum_steps=2))
         host.backward(accumulate=i > 0)
         tokens = staged.stage_batch(i, inputs, targets)
-        assert staged.forward(tokens=tokens, for_backward=True, grad_accum_steps=2, device_loss=True,
-                              accumulate_loss=i > 0) is None
+        assert staged.forward(tokens=tokens, for_backward=True, grad_accum_steps=2,
+                              device_loss=True, accumulate_loss=i > 0) is None
         assert host.logits_host().tobytes() == staged.logits_host().tobytes()
         staged.backward(tokens, accumulate=i > 0)
-        assert host.backend.to_host(host.grads).tobytes() == staged.backend.to_host(staged.grads).tobytes()
+        be = host.backend
+        assert be.to_host(host.grads).tobytes() == staged.backend.to_host(staged.grads).tobytes()
     assert staged.backend.to_host(staged.stats)[0] == pytest.approx(sum(losses) / 2, rel=1e-6)
     with pytest.raises(ValueError, match="not both"):
         staged.forward(x, y, tokens=tokens)

@@ -3,8 +3,8 @@
 train_step's first micro-batch calls backward(accumulate=False), which saves zero_grad()'s pass over
 the buffer; zero_grad() then backward() (adding to the zeros) must give the same. Checked on the
 NumPy backend and on the CUDA backend (kernels on the CPU emulator): a gradient buffer full of NaN
-before the step must leave no trace, including the rows no op writes to at a smaller (b, t) (wpe rows
-t.., the wte padding rows), and reading the gradients after zero_grad() sees zeros.
+before the step must leave no trace, including the rows no op writes to at a smaller (b, t) (wpe
+rows t.., the wte padding rows), and reading the gradients after zero_grad() sees zeros.
 """
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ from gpt2np.model import GPT2
 
 CFG = GPT2Config(max_seq_len=8, vocab_size=37, padded_vocab_size=40, num_layers=2, num_heads=2, channels=16)
 B, T = 2, 6
-STARTS = ["overwrite", "zero_grad"]       # how a step starts: backward(accumulate=False), or zero_grad()
+STARTS = ["overwrite", "zero_grad"]     # a step's start: backward(accumulate=False), or zero_grad()
 
 
 @pytest.fixture(params=["numpy", "emulated-cuda"])
