@@ -20,6 +20,11 @@ Two ways to run it, the same math:
     device work of a step is captured once per shape as a CUDA graph (after one eager step, which makes every
     lazily allocated buffer) and replayed afterwards: one launch per step instead of hundreds (under MPI, three:
     the collectives run between them, see _device_segments).
+
+Either way each micro-batch's forward and backward are told whether they start the step: the first
+overwrites the gradients (and the device loss), the others add to them. So no zero_grad() pass is
+needed, and the model keeps no record of where a step stands: a graph's replay, which runs none of
+the model's Python, needs nothing put back.
 """
 import math
 import sys
@@ -124,12 +129,11 @@ def train_step(model, next_batch: Callable[[], Batch], *, step: int, lr: float, 
     if hasattr(model.backend, "upload_tokens"):
         return _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_graphs, limits)
     with ranges.range(f"Train step {step}"):
-        model.zero_grad()
         loss = 0.0
-        for _ in range(accum_steps):
+        for i in range(accum_steps):
             x, y = next_batch()
             loss += model.forward(x, y, for_backward=True, grad_accum_steps=accum_steps) / accum_steps
-            model.backward(grad_accum_steps=accum_steps)
+            model.backward(accumulate=i > 0)
         dist.average_grads(model)
         loss = dist.average(loss)
         norm = dist.grad_norm(model)
@@ -153,16 +157,15 @@ class _Captured(NamedTuple):
     generation: int               # backend.scratch_generation when captured (a newer one: buffers moved)
     state: tuple                  # model.m, model.v, model.master when captured (load_optimizer_state and, for
                                   # bf16 parameters, load_params replace them)
-    host_state: tuple             # model.step_state() after the captured work: what a replay leaves on the host
 
 
 def _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_graphs, limits):
     be = model.backend
     with ranges.range(f"Train step {step}"):
-        shape = None
+        shape, staged = None, []
         for i in range(accum_steps):                    # the uploads: tokens, their grouping (no host wait)
             x, y = next_batch()
-            model.stage_batch(i, x, y)
+            staged.append(model.stage_batch(i, x, y))
             if shape not in (None, np.shape(x)):
                 raise ValueError(f"micro-batch {i} is {np.shape(x)}, the first was {shape}")
             shape = np.shape(x)
@@ -172,7 +175,7 @@ def _device_step(model, next_batch, step, lr, accum_steps, adamw, dist, cuda_gra
         graphs_ok = (cuda_graphs and be.on_launch is None and hasattr(be.rt, "begin_capture")
                      and getattr(be.rt, "captures_gemms", True))
         cache = _GRAPHS.setdefault(model, {})
-        segments = _device_segments(model, shape, accum_steps, adamw, dist, shard)
+        segments = _device_segments(model, staged, adamw, dist, shard)
         key = (shape, accum_steps, adamw, shard, len(segments))     # one process's step is one graph, MPI's three
         for i, (device_work, collective) in enumerate(segments):
             if not graphs_ok or cache.get(("eager", key)):
@@ -188,16 +191,15 @@ def _replay_or_capture(model, cache, key, eager_key, device_work):
     """Run device_work as the CUDA graph cached under key: replayed when it was captured with today's buffers, else
     run eagerly once (the first time: it allocates what the step needs) and captured the next time. A library call
     that refuses capture ends the capture, runs device_work eagerly and sets eager_key: the step's shape then runs
-    eagerly from now on (one note)."""
+    eagerly from now on (one note).
+    A replay runs none of the model's Python: what the step does was fixed by the arguments its
+    calls were captured with (the key's shape and layout), and it leaves nothing to put back."""
     be = model.backend
     held = cache.get(key)
     state = (model.m, model.v, model.master)
     if (held is not None and held.generation == be.scratch_generation
             and all(a is b for a, b in zip(held.state, state))):
         held.graph.launch()
-        # a replay runs none of the model's Python: its flags as the captured run left them (say, a zero_grad() since
-        # the last step must not zero, or be overwritten by, the gradients the replay writes)
-        model.set_step_state(held.host_state)
     elif (model.m is None or model.has_master_weights and model.master is None
           or held is None and not cache.get(("warm", key))):
         device_work()                                    # eager first: it allocates what the step needs
@@ -217,22 +219,23 @@ def _replay_or_capture(model, cache, key, eager_key, device_work):
             be.rt.end_capture()
             raise
         graph = be.rt.end_capture()
-        cache[key] = _Captured(graph, be.scratch_generation, state, model.step_state())
+        cache[key] = _Captured(graph, be.scratch_generation, state)
         graph.launch()
 
 
-def _device_segments(model, shape, accum_steps, adamw, dist, shard):
+def _device_segments(model, staged, adamw, dist, shard):
     """The device work of a step, everything after the uploads, as (device work, collective or None) pairs, each
     device work what one CUDA graph captures. One process: the whole step, one graph. Under MPI (any number of
     ranks, one included): the collectives run between the graphs, as they wait on the host (MPI, and NCCL for the
     collective watchdog), which no graph may hold; so a step is three graphs: forward and backward, the gradient
-    norm, AdamW."""
+    norm, AdamW. staged: each micro-batch's (inputs, targets) token views (model.stage_batch)."""
+    accum_steps = len(staged)
 
     def forward_backward():
-        model.zero_grad()
-        for i in range(accum_steps):
-            model.forward_staged(i, shape, grad_accum_steps=accum_steps)
-            model.backward(grad_accum_steps=accum_steps)
+        for i, tokens in enumerate(staged):
+            model.forward(tokens=tokens, for_backward=True, grad_accum_steps=accum_steps,
+                          device_loss=True, accumulate_loss=i > 0)
+            model.backward(tokens, accumulate=i > 0)
 
     def grad_norm():
         model.grad_norm_device(shard if dist.zero_stage == 1 else None)

@@ -223,7 +223,7 @@ def test_precision_resolution():
 def test_model_buffers_and_memory_halve():
     f = GPT2(TINY, get_backend("numpy"), 4, 32, seed=1)
     h = GPT2(TINY, get_backend("numpy", "bf16"), 4, 32, seed=1)
-    assert h.params.dtype == h._grads.dtype == h.acts.dtype == h.dresidual.dtype == BF16
+    assert h.params.dtype == h.grads.dtype == h.acts.dtype == h.dresidual.dtype == BF16
     for name in ("ln1_mean", "ln2_rstd", "lnf_mean", "losses"):
         assert h.act[name].dtype == np.float32
     assert h.act["ln1"].dtype == h.act["att"].dtype == BF16

@@ -252,7 +252,9 @@ class ReferenceAsModel:
         for p in self.ref.params.values():
             p.grad = None
 
-    def backward(self, grad_accum_steps=1):
+    def backward(self, tokens=None, *, accumulate=True, from_logits=False):
+        if not accumulate:                            # train_step's first micro-batch overwrites
+            self.zero_grad()
         self.loss.backward()
 
     def grads_host(self):

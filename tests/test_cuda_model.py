@@ -55,7 +55,7 @@ def test_backward_gradients(cuda_backend):
     for model in (ref, gpu):
         model.forward(x, y, for_backward=model is gpu)  # both paths: dlogits in forward, or in backward
         model.zero_grad()
-        model.backward()
+        model.backward(from_logits=model is not gpu)
     g_ref, g = ref.grads_host(), gpu.grads_host()
     for name in PARAM_NAMES:
         scale = max(1e-3, float(np.abs(g_ref[name]).max()))
@@ -116,7 +116,7 @@ def test_fused_and_unfused_loss_and_gradients_agree(tf32):
         for micro in range(2):
             x, y = batch(20 + micro)
             losses.append(model.forward(x, y, for_backward=True, grad_accum_steps=2))
-            model.backward(grad_accum_steps=2)
+            model.backward()
     assert losses[2:] == pytest.approx(losses[:2], rel=1e-6 if not tf32 else 1e-5)
     g_unfused, g_fused = unfused.grads_host(), fused.grads_host()
     tolerance = 2e-5       # both paths round the same GEMM inputs to TF32; the rest is fp32 order (seen: 2e-7)

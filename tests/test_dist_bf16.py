@@ -205,7 +205,6 @@ def one_update(backend, ranks, zero, grads, make_collectives=None):
         model.rounding_seed = 1234
         for step in (1, 2):
             model.backend.copy_(model.grads, model.backend.from_host(grads))
-            model._grads_zero = model._zero_fill_pending = False
             if dist is not None:
                 dist.average_grads(model)
             model.update(1e-3, eps=1e-8, weight_decay=0.1, step=step, grad_clip=0.0, grad_norm=0.0,

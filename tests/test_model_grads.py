@@ -1,8 +1,10 @@
-"""zero_grad() defers its fill: the next backward() overwrites every gradient instead of adding to it.
+"""A step's first backward overwrites every gradient instead of adding to it.
 
-Checked on the NumPy backend and on the CUDA backend (kernels on the CPU emulator): a gradient buffer
-full of NaN before zero_grad() must leave no trace, including the rows no op writes to at a smaller
-(b, t) (wpe rows t.., the wte padding rows), and reading the gradients before any backward sees zeros.
+train_step's first micro-batch calls backward(accumulate=False), which saves zero_grad()'s pass over
+the buffer; zero_grad() then backward() (adding to the zeros) must give the same. Checked on the
+NumPy backend and on the CUDA backend (kernels on the CPU emulator): a gradient buffer full of NaN
+before the step must leave no trace, including the rows no op writes to at a smaller (b, t) (wpe
+rows t.., the wte padding rows), and reading the gradients after zero_grad() sees zeros.
 """
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from gpt2np.model import GPT2
 
 CFG = GPT2Config(max_seq_len=8, vocab_size=37, padded_vocab_size=40, num_layers=2, num_heads=2, channels=16)
 B, T = 2, 6
+STARTS = ["overwrite", "zero_grad"]     # a step's start: backward(accumulate=False), or zero_grad()
 
 
 @pytest.fixture(params=["numpy", "emulated-cuda"])
@@ -35,10 +38,9 @@ def grads_from_zero(backend, *batches):
     """Reference: gradients accumulated over `batches` into a buffer that really holds zeros."""
     model = GPT2(CFG, backend, B, T, seed=0)
     model.backend.fill_(model.grads, 0.0)
-    model._grads_zero = False                                   # force the "+=" path throughout
-    for x, y in batches:
+    for x, y in batches:                                        # the "+=" path throughout
         model.forward(x, y, for_backward=True, grad_accum_steps=len(batches))
-        model.backward()
+        model.backward(accumulate=True)
     return model.backend.to_host(model.grads)
 
 
@@ -48,12 +50,20 @@ def poisoned_model(backend):
     return model
 
 
-def test_backward_after_zero_grad_overwrites_everything(backend):
+def start_step(model, start):
+    """Begin a step as `start` says -> the first backward's accumulate."""
+    if start == "zero_grad":
+        model.zero_grad()
+    return start == "zero_grad"
+
+
+@pytest.mark.parametrize("start", STARTS)
+def test_first_backward_overwrites_everything(backend, start):
     x, y = batch(B - 1, T - 2, seed=1)                          # smaller than (B, T): wpe rows t.. unwritten
     model = poisoned_model(backend)
-    model.zero_grad()
+    accumulate = start_step(model, start)
     model.forward(x, y, for_backward=True)
-    model.backward()
+    model.backward(accumulate=accumulate)
     got = model.backend.to_host(model.grads)
     assert not np.isnan(got).any()
     np.testing.assert_array_equal(got, grads_from_zero(backend, (x, y)))
@@ -61,13 +71,15 @@ def test_backward_after_zero_grad_overwrites_everything(backend):
     assert np.all(grad["wpe"][T - 2:] == 0.0) and np.all(grad["wte"][CFG.vocab_size:] == 0.0)
 
 
-def test_accumulation_after_zero_grad(backend):
+@pytest.mark.parametrize("start", STARTS)
+def test_accumulation_after_the_first_backward(backend, start):
     batches = [batch(B, T, seed=s) for s in (2, 3)]
     model = poisoned_model(backend)
-    model.zero_grad()
+    accumulate = start_step(model, start)
     for x, y in batches:
         model.forward(x, y, for_backward=True, grad_accum_steps=2)
-        model.backward()
+        model.backward(accumulate=accumulate)
+        accumulate = True
     np.testing.assert_array_equal(model.backend.to_host(model.grads), grads_from_zero(backend, *batches))
 
 

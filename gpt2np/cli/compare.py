@@ -103,8 +103,7 @@ def model_state(model, x, y, vocab_size: int) -> DebugState:
     """One forward + backward of the gpt2np model: logits (B,T,V), loss, grads {name: llm.c shape}."""
     loss = model.forward(x, y)
     logits = np.asarray(model.logits_host())[:, :, :vocab_size]
-    model.zero_grad()
-    model.backward()
+    model.backward(accumulate=False, from_logits=True)       # overwrites: no zero_grad() needed
     grads = {name: np.asarray(g) for name, g in model.grads_host().items()}
     return DebugState(x, y, logits, float(loss), grads)
 

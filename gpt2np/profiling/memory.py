@@ -62,7 +62,7 @@ def memory_summary(model, peak: Optional[dict] = None) -> dict:
     dtype = np.dtype(model.params.dtype)
     stats = getattr(model, "acts_fp32", None)
     rows = [("parameters", _nbytes(model.params), f"{model.num_parameters:,} {dtype.name}"),
-            ("gradients", _nbytes(model._grads), f"same layout as the parameters, {dtype.name}"),
+            ("gradients", _nbytes(model.grads), f"same layout as the parameters, {dtype.name}"),
             ("AdamW m", _nbytes(model.m), "allocated at the first update" if model.m is None else "first moment"),
             ("AdamW v", _nbytes(model.v), "allocated at the first update" if model.v is None else "second moment")]
     if dtype != np.float32:
@@ -75,10 +75,10 @@ def memory_summary(model, peak: Optional[dict] = None) -> dict:
               f"kept for backward, B={model.B}, T={model.T}" +
               (f", -r {model.recompute}" if getattr(model, "recompute", 0) else "") +
               (f"; {dtype.name}, LayerNorm statistics and losses float32" if stats is not None else "")),
-            ("gradient scratch", sum(_nbytes(a) for a in (model.dresidual, model.d_btc, model.d_bt3c,
-                                                          model.d_bt4c)),
+            ("gradient scratch", sum(_nbytes(a) for a in (model.dresidual, model.dbtc, model.dbt3c,
+                                                          model.dbt4c)),
              "dresidual, (B,T,C), (B,T,3C), (B,T,4C): reused by every layer"),
-            ("tokens", _nbytes(model.inputs) + _nbytes(model.targets), "inputs and targets (int32)")]
+            ("tokens", sum(_nbytes(a) for a in model.token_slots[0]), "inputs and targets (int32)")]
     scratch = getattr(model.backend, "_scratch", None) or {}
     rows.append(("backend scratch", sum(_nbytes(a) for a in scratch.values()),
                  f"{len(scratch)} work buffer{'' if len(scratch) == 1 else 's'} of the {model.backend.name} backend"))

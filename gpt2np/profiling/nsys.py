@@ -645,9 +645,9 @@ def model_op_modules():
         log = _OpLog()
         ranges.add_listener(log)
         try:                                            # train_step's device step: loss_mean too
-            model.stage_batch(0, tokens, tokens)
-            model.forward_staged(0, tokens.shape)
-            model.backward()
+            staged = model.stage_batch(0, tokens, tokens)
+            model.forward(tokens=staged, for_backward=True, device_loss=True)
+            model.backward(staged, accumulate=False)
         finally:
             ranges.remove_listener(log)
         before: Dict[tuple, List[str]] = {}
