@@ -138,6 +138,9 @@ class GPT2:
         self.dbt3c = backend.zeros((B, T, 3 * C))
         self.dbt4c = backend.zeros((B, T, 4 * C))
         self.mean_loss = None        # the last forward's mean loss, read back (or None)
+        # what the last forward left in act["logits"], for the checks of backward and logits_host only:
+        # "logits", "logits+targets" (the classifier can still run) or "dlogits" (for_backward)
+        self.logits_hold = None
         self.stats = self.step_scalars = None        # the device step's buffers, made on first use
         self.batch_shape = self.act = None
         self._set_batch_shape(B, T)
@@ -171,10 +174,9 @@ class GPT2:
         return views(self.backend.to_host(self.grads), self.param_shapes)
 
     def logits_host(self):
-        """Return a (b, t, Vp) host copy of the last forward's logits.
-
-        dlogits once forward(for_backward=True) or backward wrote them over the logits.
-        """
+        """Return a (b, t, Vp) host copy of the last forward's logits."""
+        if self.logits_hold == "dlogits":
+            raise RuntimeError("logits were overwritten by dlogits in the fused classifier")
         return self.backend.to_host(self.act["logits"])
 
     # ---- activations and tokens ---------------------------------------------------------
@@ -324,6 +326,7 @@ class GPT2:
             self._op("matmul_forward", "lm_head", be.matmul_forward, a["logits"], a["lnf"],
                      p["wte"], None, self.fuse)
             self.mean_loss = None
+            self.logits_hold = "logits" if y is None else "dlogits" if for_backward else "logits+targets"
             if y is not None:
                 self._classifier(y, for_backward, grad_accum_steps)
                 if device_loss:              # the device step: the mean stays in stats[0]
@@ -416,6 +419,10 @@ class GPT2:
         buffer held does not matter (a step's first micro-batch: no zero_grad() pass over the
         buffer).
         """
+        want = "logits+targets" if from_logits else "dlogits"
+        if self.logits_hold != want:
+            raise RuntimeError("backward() needs a forward() with targets first: with for_backward=True, or "
+                               "backward(from_logits=True) after a forward that kept the logits")
         b, t = self.batch_shape
         if tokens is None:
             tokens = [_batch_view(buf, b, t) for buf in self.token_slots[0]]
@@ -430,6 +437,7 @@ class GPT2:
         with ranges.range("gpt2_backward"):
             if from_logits:
                 self._classifier(y, True, 1)
+                self.logits_hold = "dlogits"
             be.fill_(dres, 0.0)
             self._op("matmul_backward", "lm_head", be.matmul_backward, dbtc, g["wte"], None,
                      a["logits"], a["lnf"], p["wte"], accumulate, fuse)

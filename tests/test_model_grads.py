@@ -91,3 +91,25 @@ def test_reading_grads_after_zero_grad_sees_zeros(backend):
     model = poisoned_model(backend)
     model.zero_grad()
     assert all(np.all(g == 0.0) for g in model.grads_host().values())
+
+
+def test_backward_refuses_a_forward_that_left_no_dlogits():
+    """backward() starts from the dlogits of forward(for_backward=True); after a forward that kept the logits it
+    needs from_logits=True, and after one without targets it cannot run: one RuntimeError each, never gradients of
+    the wrong thing. logits_host() refuses once dlogits were written over the logits."""
+    cfg = GPT2Config(max_seq_len=8, vocab_size=32, padded_vocab_size=32, num_layers=1, num_heads=2, channels=8)
+    model = GPT2(cfg, NumpyBackend(threads=1), 2, 8, seed=1)
+    x = np.arange(16, dtype=np.int32).reshape(2, 8) % 32
+    model.forward(x)
+    with pytest.raises(RuntimeError, match="with targets"):
+        model.backward()
+    model.forward(x, x)
+    with pytest.raises(RuntimeError, match="from_logits"):
+        model.backward()
+    model.backward(from_logits=True)
+    with pytest.raises(RuntimeError, match="dlogits"):
+        model.logits_host()
+    model.forward(x, x, for_backward=True)
+    with pytest.raises(RuntimeError, match="with targets"):
+        model.backward(from_logits=True)
+    model.backward()
