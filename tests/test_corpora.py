@@ -10,7 +10,8 @@ import types
 import numpy as np
 import pytest
 
-from gpt2np.datasets import corpora, prepare
+from gpt2np.cli import prepare as prepare_cli
+from gpt2np.datasets import corpora
 from gpt2np.datasets.data import read_shard
 from gpt2np.formats.tokenizer import get_encoding
 
@@ -39,7 +40,7 @@ def sources(tmp_path_factory):
 
 
 def run(argv, capsys):
-    code = prepare.main([str(a) for a in argv])
+    code = prepare_cli.main([str(a) for a in argv])
     return code, capsys.readouterr()
 
 
@@ -207,33 +208,15 @@ def test_fineweb_hub_id_and_config(tmp_path, capsys, monkeypatch, flags, kind, h
     assert f"fineweb ({kind} {config}): 1 shard(s)" in out.out
 
 
-def test_another_sample_into_the_same_folder_is_refused_and_old_progress_files_resume(tmp_path, capsys, monkeypatch):
+def test_another_sample_into_the_same_folder_is_refused(tmp_path, capsys, monkeypatch):
     """Both samples name their shards alike (llm.c keeps them in separate folders): a 100B run into a 10B run's
-    folder is one line. A progress file written before -t/-v (no config in its settings) is the edu 10B one."""
+    folder is one line."""
     monkeypatch.setitem(sys.modules, "datasets", fake_datasets({"train": DOCS}, []))
     monkeypatch.setattr(corpora, "hub_reachable", lambda timeout=5.0: True)
     common = ["fineweb", "--shards", 1, "--shard-size", SIZE, "--output-dir", tmp_path]
     assert run(common, capsys)[0] == 0
     code, out = run(common + ["-v", "100B"], capsys)
     assert code == 2 and "other settings" in out.err and len(out.err.strip().splitlines()) == 1
-    progress = tmp_path / "edu_fineweb_progress.json"
-    state = json.loads(progress.read_text())
-    del state["settings"]["config"]
-    progress.write_text(json.dumps(state))
-    code, out = run(common, capsys)
-    assert code == 0 and "done already" in out.out, out.err
-    # and one written from a --source before -t/-v: its sample is none
-    source = tmp_path / "docs.jsonl"
-    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
-    local = ["fineweb", "--source", source, "--shards", 1, "--shard-size", SIZE, "--workers", 1,
-             "--output-dir", tmp_path / "local"]
-    assert run(local, capsys)[0] == 0
-    progress = tmp_path / "local" / "edu_fineweb_progress.json"
-    state = json.loads(progress.read_text())
-    assert state["settings"].pop("config") is None
-    progress.write_text(json.dumps(state))
-    code, out = run(local, capsys)
-    assert code == 0 and "done already" in out.out, out.err
 
 
 @pytest.mark.parametrize("argv, words", [

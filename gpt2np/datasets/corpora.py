@@ -20,19 +20,25 @@ Resumable: a shard is written atomically, then `<name>_progress.json` records ho
 (documents consumed, the tokens carried into the next shard). Run again and finished shards are skipped, the
 documents they used are skipped untokenized, and the work goes on from the first missing shard; a larger
 --shards adds shards. A progress file from other settings (source, sample, shard size) is refused in one
-line.
+line. Ctrl-C ends the run and its tokenizing processes at once (tokenizing_pool), in one line; a rerun resumes.
 """
 import glob
 import itertools
 import json
 import multiprocessing
 import os
+import signal
+import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 
 from gpt2np.datasets.data import DataError, write_shard
+from gpt2np.fileio import atomic_write
+from gpt2np.formats.tokenizer import TOKENIZER_BIN, get_encoding, write_tokenizer_bin
 from gpt2np.progress import progress
 
 SHARD_SIZE = 100_000_000          # llm.c's shard size in tokens
@@ -82,23 +88,41 @@ def source_files(pattern) -> list:
 
 def local_documents(pattern):
     """Texts (the `text` field) of local .parquet / .jsonl / .json files matching pattern, in sorted order."""
-    return itertools.chain.from_iterable(_file_documents(Path(f)) for f in source_files(pattern))
+    return itertools.chain.from_iterable(file_documents(Path(f)) for f in source_files(pattern))
 
 
-def _file_documents(path):
+def open_parquet(path):
+    """pyarrow's ParquetFile of a --source file whose `text` column holds strings; DataError naming the file."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"{path}: reading parquet needs pyarrow (pip install 'gpt2np[data]')") from None
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:      # pyarrow's errors (ArrowInvalid, ...) for a file that is not parquet
+        raise DataError(f"{path}: not a readable parquet file ({' '.join(str(e).split())[:200]})") from None
+    schema = table.schema_arrow
+    if "text" not in schema.names:
+        raise DataError(f"{path}: no `text` column (columns: {', '.join(schema.names)})")
+    kind = schema.field("text").type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f"{path}: its `text` column holds {kind}, not strings")
+    return table
+
+
+def file_documents(path):
+    """The texts of one --source file (parquet rows or jsonl lines); DataError naming the file and the row or
+    line that has no text."""
     if path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ImportError(f"{path}: reading parquet needs pyarrow (pip install 'gpt2np[data]')") from None
-        try:
-            table = pq.ParquetFile(path)
-        except Exception as e:      # pyarrow's errors (ArrowInvalid, ...) for a file that is not parquet
-            raise DataError(f"{path}: not a readable parquet file ({' '.join(str(e).split())[:200]})") from None
-        if "text" not in table.schema_arrow.names:
-            raise DataError(f"{path}: no `text` column (columns: {', '.join(table.schema_arrow.names)})")
-        for batch in table.iter_batches(columns=["text"], batch_size=1024):
-            yield from batch.column(0).to_pylist()
+        row = 0
+        for batch in open_parquet(path).iter_batches(columns=["text"], batch_size=1024):
+            texts = batch.column(0).to_pylist()
+            if None in texts:
+                raise DataError(f"{path}: row {row + texts.index(None)} (counting from 0): its `text` is null, "
+                                f"not a string")
+            row += len(texts)
+            yield from texts
     else:
         with open(path, "rb") as f:
             for number, raw in enumerate(f, 1):
@@ -124,8 +148,6 @@ def hub_endpoint():
 def hub_reachable(timeout=5.0) -> bool:
     """Whether a TCP connection to the Hub's host opens within timeout (else `datasets` retries for half a
     minute before failing)."""
-    import socket
-    from urllib.parse import urlsplit
     url = urlsplit(hub_endpoint())
     try:
         socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
@@ -161,22 +183,46 @@ def hub_documents(corpus: Corpus, split, cache=None):
 
 
 # ---- tokenizing in processes ------------------------------------------------------------------------------------
-_encoding = None
+worker_encoding = None            # a tokenizing process's tiktoken Encoding (set by init_worker)
 
 
-def _init_worker(bpe_dir):
-    global _encoding
-    from gpt2np.formats.tokenizer import get_encoding
-    _encoding = get_encoding(bpe_dir)
+def init_worker(bpe_dir):
+    """A tokenizing process's start: it ignores SIGINT (a Ctrl-C to the process group is the parent's to handle:
+    it terminates the pool) and loads the tokenizer once."""
+    global worker_encoding
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    worker_encoding = get_encoding(bpe_dir)
 
 
-def _tokenize(text):
-    """<|endoftext|> + the document's tokens, uint16 (llm.c's tokenize)."""
-    ids = _encoding.encode_ordinary(text)
+def tokenize(text):
+    """<|endoftext|> + the document's tokens, uint16 (llm.c's tokenize), in a tokenizing process."""
+    ids = worker_encoding.encode_ordinary(text)
     tokens = np.empty(len(ids) + 1, np.uint16)
-    tokens[0] = _encoding.eot_token
+    tokens[0] = worker_encoding.eot_token
     tokens[1:] = ids
     return tokens
+
+
+@contextmanager
+def tokenizing_pool(workers, bpe_dir):
+    """A multiprocessing Pool of `workers` tokenizing processes (forked where the platform can), terminated on
+    the way out. Ctrl-C interrupts only the parent: a worker that died of it could hold the pool's queue lock,
+    and terminating the pool would then wait for that lock forever."""
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+    # SIGINT stays blocked while the workers start (they inherit the mask), so none dies of it before
+    # init_worker ignores it; a Ctrl-C meanwhile reaches the parent when the mask is restored
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        pool = context.Pool(workers, initializer=init_worker, initargs=(bpe_dir,))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    with pool:                    # Pool.__exit__ terminates the workers
+        yield pool
+
+
+def default_workers(workers=None) -> int:
+    """--workers, or half the CPUs."""
+    return workers or max(1, (os.cpu_count() or 2) // 2)
 
 
 # ---- shards ------------------------------------------------------------------------------------------------------
@@ -188,7 +234,8 @@ def progress_path(out_dir, name):
     return Path(out_dir) / f"{name}_progress.json"
 
 
-def _load_progress(path, settings):
+def load_progress(path, settings):
+    """The progress file's state, or a new one; DataError when it was written with other settings."""
     if not path.is_file():
         return {"settings": settings, "streams": {}}
     try:
@@ -197,28 +244,31 @@ def _load_progress(path, settings):
     except (ValueError, KeyError, TypeError):
         raise DataError(f"{path}: not a progress file of gpt2np prepare; remove it to start over") from None
     theirs = state.get("settings")
-    if isinstance(theirs, dict) and "config" not in theirs:
-        # written before -t/-v (2026-11-24): FineWeb-Edu's sample-10BT from the Hub, or a --source
-        hub = theirs.get("source") == FINEWEB_TYPES["edu"][1]
-        theirs = {**theirs, "config": FINEWEB_VERSIONS["10B"] if hub else None}
     if theirs != settings:
-        raise DataError(f"{path}: written with other settings ({theirs}) than this run's ({settings}); use another "
-                        f"--output-dir, or remove the folder's shards and this file to start over")
+        raise DataError(f"{path}: written with other settings ({theirs}) than this run's ({settings}); use "
+                        f"another --output-dir, or remove the folder's shards and this file to start over")
     return {"settings": settings, "streams": streams}
 
 
-def _save_progress(path, state):
-    from gpt2np.fileio import atomic_write
+def save_progress(path, state):
     with atomic_write(path, "w") as f:
         json.dump(state, f)
 
 
-def write_stream(documents, out_dir, name, stream, first_index, splits, state, state_path, pool, bar,
-                 shard_size=SHARD_SIZE, max_shards=-1):
-    """Tokenize `documents` into shards first_index, first_index+1, ... (splits(k) names shard k's split), at most
-    max_shards (-1: until the documents end). Resumes from state["streams"][stream]. Returns the paths written."""
-    done = state["streams"].get(stream, {"shards": 0, "docs": 0, "carry": [], "finished": False})
-    written = []
+def count_documents(pattern) -> int:
+    """The documents of --source's files: parquet rows (from the files' metadata) and non-blank jsonl lines."""
+    total = 0
+    for name in source_files(pattern):
+        if Path(name).suffix == ".parquet":
+            total += open_parquet(Path(name)).metadata.num_rows
+        else:
+            with open(name, "rb") as f:
+                total += sum(1 for line in f if line.strip())
+    return total
+
+
+def skip_done_shards(out_dir, name, first_index, splits, done, state_path, max_shards, count):
+    """Say which shards a resumed run finds done already, and count their tokens and documents."""
     for k in range(done["shards"]):
         if 0 <= max_shards <= k:
             break
@@ -227,7 +277,18 @@ def write_stream(documents, out_dir, name, stream, first_index, splits, state, s
             raise DataError(f"{path}: missing, though {state_path.name} counts it done; remove {state_path} to "
                             f"start over")
         print(f"{path}: done already", flush=True)
-        bar.update((path.stat().st_size - 1024) // 2)
+        count((path.stat().st_size - 1024) // 2, 0)
+    count(0, done["docs"])
+
+
+def write_stream(documents, out_dir, name, stream, first_index, splits, state, state_path, pool, count,
+                 shard_size=SHARD_SIZE, max_shards=-1):
+    """Tokenize `documents` into shards first_index, first_index+1, ... (splits(k) names shard k's split), at most
+    max_shards (-1: until the documents end). Resumes from state["streams"][stream]. count(tokens, documents)
+    moves the progress bar. Returns the paths written."""
+    done = state["streams"].get(stream, {"shards": 0, "docs": 0, "carry": [], "finished": False})
+    written = []
+    skip_done_shards(out_dir, name, first_index, splits, done, state_path, max_shards, count)
     if done["finished"] or 0 <= max_shards <= done["shards"]:
         return written
     docs = itertools.islice(documents, done["docs"], None)       # documents already in finished shards: skipped
@@ -237,7 +298,7 @@ def write_stream(documents, out_dir, name, stream, first_index, splits, state, s
         consumed = done["docs"]
         if done["carry"]:
             yield np.asarray(done["carry"], np.uint16), consumed
-        for tokens in pool.imap(_tokenize, docs, chunksize=16):
+        for tokens in pool.imap(tokenize, docs, chunksize=16):
             consumed += 1
             yield tokens, consumed
 
@@ -251,20 +312,22 @@ def write_stream(documents, out_dir, name, stream, first_index, splits, state, s
         written.append(path)
         print(f"wrote {path} ({n:,} tokens)", flush=True)
 
-    for tokens, consumed in pieces():
+    for tokens, now_consumed in pieces():
+        count(0, now_consumed - consumed)
+        consumed = now_consumed
         at = 0
         while at < len(tokens):
             take = min(shard_size - fill, len(tokens) - at)
             buffer[fill:fill + take] = tokens[at:at + take]
             fill, at = fill + take, at + take
-            bar.update(take)
+            count(take, 0)
             if fill == shard_size:                # a full shard: written, then recorded (the rest is carried)
                 flush(shard_size)
                 fill = 0
                 done = {"shards": done["shards"] + 1, "docs": consumed, "carry": tokens[at:].tolist(),
                         "finished": False}
                 state["streams"][stream] = done
-                _save_progress(state_path, state)
+                save_progress(state_path, state)
                 if 0 <= max_shards <= done["shards"]:
                     return written
     if fill:
@@ -275,8 +338,19 @@ def write_stream(documents, out_dir, name, stream, first_index, splits, state, s
     else:
         done = dict(done, finished=True)
     state["streams"][stream] = done
-    _save_progress(state_path, state)
+    save_progress(state_path, state)
     return written
+
+
+def progress_bar(which, shards, shard_size, source):
+    """The bar of a prepare_corpus run and count(tokens, documents) that moves it: in tokens out of the shards
+    asked for (--shards N), else in documents out of --source's (unknown for the Hub's whole sample)."""
+    if shards > 0 or not source:
+        bar = progress(total=shards * shard_size if shards > 0 else None, desc=f"{which} tokens", unit="tok",
+                       unit_scale=True)
+        return bar, lambda tokens, documents: bar.update(tokens)
+    bar = progress(total=count_documents(source), desc=f"{which} documents", unit="doc")
+    return bar, lambda tokens, documents: bar.update(documents)
 
 
 def prepare_corpus(which, out_dir, shards=-1, shard_size=SHARD_SIZE, source=None, workers=None, bpe_dir=None,
@@ -290,25 +364,18 @@ def prepare_corpus(which, out_dir, shards=-1, shard_size=SHARD_SIZE, source=None
     settings = {"dataset": which, "source": str(Path(source).resolve()) if source else corpus.hub_id,
                 "config": None if source else corpus.config, "shard_size": shard_size}
     state_path = progress_path(out_dir, corpus.name)
-    state = _load_progress(state_path, settings)
+    state = load_progress(state_path, settings)
     if cache is not None:
         os.environ.setdefault("HF_DATASETS_CACHE", str(cache))
-
-    def docs(split):
-        if source:                          # a local copy: one stream (val = its first shard)
-            return local_documents(source)
-        return hub_documents(corpus, split, cache)
-
-    workers = workers or max(1, (os.cpu_count() or 2) // 2)
-    total = shards * shard_size if shards > 0 else None
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+    split = corpus.train_split
+    # a local copy is one stream (val = its first shard), as the Hub's train split is
+    documents = local_documents(source) if source else hub_documents(corpus, split, cache)
+    bar, count = progress_bar(which, shards, shard_size, source)
     written = []
-    with context.Pool(workers, initializer=_init_worker, initargs=(bpe_dir,)) as pool, \
-            progress(total=total, desc=f"{which} tokens", unit="tok", unit_scale=True) as bar:
-        split = corpus.train_split
+    with tokenizing_pool(default_workers(workers), bpe_dir) as pool, bar:
         try:
-            written += write_stream(docs(split), out_dir, corpus.name, "all", 0,
-                                    lambda k: "val" if k == 0 else "train", state, state_path, pool, bar,
+            written += write_stream(documents, out_dir, corpus.name, "all", 0,
+                                    lambda k: "val" if k == 0 else "train", state, state_path, pool, count,
                                     shard_size, max_shards=shards)
         except NoDocuments:
             where = (f"--source {source}: no documents (no jsonl line or parquet row)" if source
@@ -320,6 +387,5 @@ def prepare_corpus(which, out_dir, shards=-1, shard_size=SHARD_SIZE, source=None
 
 def write_tokenizer_once(out_dir, bpe_dir):
     """gpt2_tokenizer.bin beside the shards, unless it is there already (fineweb's and tinystories' preparers)."""
-    from gpt2np.formats.tokenizer import TOKENIZER_BIN, get_encoding, write_tokenizer_bin
     if not (Path(out_dir) / TOKENIZER_BIN).exists():
         write_tokenizer_bin(Path(out_dir) / TOKENIZER_BIN, get_encoding(bpe_dir))
