@@ -318,3 +318,23 @@ def test_prepare_tinyshakespeare(tmp_path, data_dir, gpt2, monkeypatch):
     assert (tokens == 50256).sum() == len((data_dir / "tinyshakespeare.txt").read_text().split("\n\n"))
     decoded = load_tokenizer_bin(shards.tokenizer).decode(tokens)
     assert decoded.replace(EOT_TEXT, "") == (data_dir / "tinyshakespeare.txt").read_text(encoding="utf-8")
+
+
+def test_fetch_and_prepare_write_into_the_current_folder_where_train_looks(server, tmp_path, capsys, monkeypatch,
+                                                                           bytes_encoding):
+    """fetch and prepare write into checkpoints/ of the folder they run in (not the source tree's), the paths they
+    print work as printed from there, and train's defaults (starter.resolve_data) find the shards there."""
+    from gpt2np.datasets import starter
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GPT2NP_DATA_DIR", raising=False)
+    monkeypatch.setenv("GPT2NP_PROGRESS", "off")
+    monkeypatch.setitem(fetch.KNOWN_FILES, "tinyshakespeare.txt", f"{server}/input.txt")
+    monkeypatch.setattr(prepare_cli, "get_encoding", lambda bpe_dir=None: bytes_encoding)
+    assert fetch_cli.main(["tinyshakespeare"]) == 0
+    assert capsys.readouterr().err == "checkpoints/tinyshakespeare.txt: downloaded\n"
+    assert (tmp_path / "checkpoints" / "tinyshakespeare.txt").read_text() == TEXT
+    assert prepare_cli.main(["tinyshakespeare"]) == 0         # the fetched copy: nothing is downloaded
+    printed = [line.split()[1] for line in capsys.readouterr().out.splitlines()]
+    assert printed == ["checkpoints/data/tiny_shakespeare_val.bin", "checkpoints/data/tiny_shakespeare_train.bin"]
+    assert all((tmp_path / path).is_file() for path in printed)
+    assert starter.resolve_data(None, None) == (printed[1], printed[0])
