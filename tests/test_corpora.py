@@ -195,36 +195,37 @@ def test_tinystories_offline_is_one_line_naming_source(tmp_path, capsys, monkeyp
 
 @pytest.mark.parametrize("empty", ["val", "train"])
 def test_tinystories_without_stories_is_refused(tmp_path, capsys, empty):
-    """A split whose files hold no story is refused in one line, as an empty text or --source is: no 0-token
-    shard is written."""
+    """A split whose files hold no story is refused in one line, as an empty text or --source is:
+    no 0-token shard is written."""
     folder = tmp_path / "all"
     folder.mkdir()
     (folder / "data00.json").write_text("[]" if empty == "val" else '[{"story": "one"}]')
     (folder / "data01.json").write_text("[]")
     (folder / "data02.json").write_text("[]" if empty == "train" else '[{"story": "two"}]')
-    code, res = run(["tinystories", "--source", folder / "*.json", "--workers", 1, "--output-dir", tmp_path / "o"],
-                    capsys)
+    code, res = run(["tinystories", "--source", folder / "*.json", "--workers", 1,
+                     "--output-dir", tmp_path / "o"], capsys)
     files = "data00.json" if empty == "val" else "data01.json, data02.json"
     assert code == 2 and res.err.count("\n") == 1, res.err
-    assert f"the {empty} split's file(s) ({files}) hold no stories: nothing to tokenize" in res.err, res.err
+    assert f"the {empty} split's file(s) ({files}) hold no stories: nothing to tokenize" in res.err
     assert not (tmp_path / "o").exists()
 
 
 def test_a_parquet_row_or_column_without_text_is_named(tmp_path, capsys):
-    """A null `text` (a row) or a column of another type: one line naming the file and the row, not tiktoken's
-    TypeError."""
+    """A null `text` (a row) or a column of another type: one line naming the file and the row,
+    not tiktoken's TypeError."""
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
-    texts = DOCS * 30                                   # 1,800 rows: the null is in the second batch read
+    texts = DOCS * 30                             # 1,800 rows: the null is in the second batch read
     texts[1500] = None
     pq.write_table(pa.table({"text": texts}), tmp_path / "nulls.parquet")
     pq.write_table(pa.table({"text": list(range(5))}), tmp_path / "ints.parquet")
-    for name, words in (("nulls.parquet", "nulls.parquet: row 1500 (counting from 0): its `text` is null"),
-                        ("ints.parquet", "ints.parquet: its `text` column holds int64, not strings")):
-        code, res = run(["fineweb", "--source", tmp_path / name, "--workers", 1, "--output-dir", tmp_path / "o"],
-                        capsys)
-        assert code == 2 and res.err.count("\n") == 1 and words in res.err and "TypeError" not in res.err, res.err
-        assert not (tmp_path / "o").exists()
+    for name, words in (
+            ("nulls.parquet", "nulls.parquet: row 1500 (counting from 0): its `text` is null"),
+            ("ints.parquet", "ints.parquet: its `text` column holds int64, not strings")):
+        code, res = run(["fineweb", "--source", tmp_path / name, "--workers", 1,
+                         "--output-dir", tmp_path / "o"], capsys)
+        assert code == 2 and res.err.count("\n") == 1 and words in res.err, res.err
+        assert "TypeError" not in res.err and not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("flag", ["--shards", "--shard-size"])
@@ -337,7 +338,7 @@ def test_a_source_that_is_not_parquet_is_named(tmp_path, capsys):
     assert len(out.err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
-# ---- Ctrl-C to the process group ---------------------------------------------------------------------------------
+# ---- Ctrl-C to the process group -------------------------------------------------------------
 def children(pid) -> list:
     """The process ids of pid's children (Linux's /proc)."""
     path = Path(f"/proc/{pid}/task/{pid}/children")
@@ -345,17 +346,18 @@ def children(pid) -> list:
 
 
 def interrupt_mid_run(argv, delay, cwd):
-    """`python -m gpt2np ARGV` in its own process group, sent SIGINT as a terminal's Ctrl-C is (to the whole
-    group) `delay` seconds after its 2 tokenizing processes started: (exit code, seconds from the signal to the
-    exit of every process of the group, stderr)."""
+    """`python -m gpt2np ARGV` in its own process group, sent SIGINT as a terminal's Ctrl-C is (to
+    the whole group) `delay` seconds after its 2 tokenizing processes started: (exit code, seconds
+    from the signal to the exit of every process of the group, stderr)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "GPT2NP_PROGRESS": "off"}
     env.pop("GPT2NP_DEBUG", None)
-    child = subprocess.Popen([sys.executable, "-m", "gpt2np", *map(str, argv)], cwd=cwd, env=env, text=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    child = subprocess.Popen([sys.executable, "-m", "gpt2np", *map(str, argv)], cwd=cwd, env=env,
+                             text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             start_new_session=True)
     deadline = time.monotonic() + 120
     while len(children(child.pid)) < 2 and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert child.poll() is None, f"the run ended before its workers were seen: {child.stderr.read()}"
+    assert child.poll() is None, f"ended before its workers were seen: {child.stderr.read()}"
     time.sleep(delay)
     sent = time.monotonic()
     os.killpg(child.pid, signal.SIGINT)
@@ -373,22 +375,26 @@ def interrupt_mid_run(argv, delay, cwd):
     return child.returncode, time.monotonic() - sent, err
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the workers through Linux's /proc")
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the workers in /proc")
 @pytest.mark.parametrize("dataset", ["fineweb", "tinystories"])
-def test_ctrl_c_to_the_group_ends_every_process_at_once_in_one_line(dataset, tmp_path, capsys, monkeypatch):
-    """Ctrl-C reaches the parent and its tokenizing processes alike: the workers ignore it (one that died of it
-    could hold the pool's queue lock, and the parent would wait for it forever, after printing the workers'
-    tracebacks); the parent terminates them and exits 130 with one line. A fineweb rerun resumes."""
+def test_ctrl_c_to_the_group_ends_every_process_at_once_in_one_line(dataset, tmp_path, capsys,
+                                                                     monkeypatch):
+    """Ctrl-C reaches the parent and its tokenizing processes alike: the workers ignore it (one
+    that died of it could hold the pool's queue lock, and the parent would wait for it forever,
+    after printing the workers' tracebacks); the parent terminates them and exits 130 with one
+    line. A fineweb rerun resumes."""
     if dataset == "fineweb":
         pa = pytest.importorskip("pyarrow")
         import pyarrow.parquet as pq
-        docs = [f"Story {i}. " + "Once upon a time a small fox found a red ball. " * (i % 5 + 1) for i in range(60000)]
+        docs = [f"Story {i}. " + "Once upon a time a small fox found a red ball. " * (i % 5 + 1)
+                for i in range(60000)]
         pq.write_table(pa.table({"text": docs}), tmp_path / "big.parquet")
-        argv = ["prepare", "fineweb", "--workers", 2, "--source", "big.parquet", "--shard-size", 20000]
+        argv = ["prepare", "fineweb", "--workers", 2, "--source", "big.parquet",
+                "--shard-size", 20000]
     else:
         (tmp_path / "all").mkdir()
         for i in range(3):
-            stories = [{"story": f"Story {i}-{k}. " + "A small fox found a red ball. " * (k % 5 + 1)}
+            stories = [{"story": f"Story {i}-{k}. " + "A fox found a red ball. " * (k % 5 + 1)}
                        for k in range(20000)]
             (tmp_path / "all" / f"data{i:02d}.json").write_text(json.dumps(stories))
         argv = ["prepare", "tinystories", "--workers", 2, "--source", "all/*.json"]
@@ -398,7 +404,9 @@ def test_ctrl_c_to_the_group_ends_every_process_at_once_in_one_line(dataset, tmp
         assert seconds < 5, f"{seconds:.1f} s from SIGINT to the end of the group"
         assert not list(tmp_path.glob("out/.*.tmp"))            # no half-written shard left behind
     if dataset == "fineweb":
-        done = json.loads((tmp_path / "out" / "edu_fineweb_progress.json").read_text())["streams"]["all"]["shards"]
+        state = json.loads((tmp_path / "out" / "edu_fineweb_progress.json").read_text())
+        done = state["streams"]["all"]["shards"]
         monkeypatch.chdir(tmp_path)
         code, out = run(argv[1:] + ["--output-dir", "out", "--shards", done + 1], capsys)
-        assert code == 0 and out.out.count("done already") == done and out.out.count("wrote") == 1, out
+        assert code == 0 and out.out.count("done already") == done, out
+        assert out.out.count("wrote") == 1, out

@@ -202,8 +202,9 @@ def test_an_empty_or_too_short_text_is_refused_before_tokenizing(tmp_path, bytes
     (tmp_path / "blank.txt").write_text("\n\n  \n")
     (tmp_path / "short.txt").write_text("a" * 100 + "\n\n" + "b" * 100)       # at most 204 tokens
     for name, words in (("empty.txt", ["empty.txt: empty"]), ("blank.txt", ["blank.txt: only whitespace"]),
-                        ("short.txt", ["short.txt: 202 bytes", "at most 204 tokens", "32769", "--val-tokens"])):
-        val = ["--val-tokens", "32768"] if name == "short.txt" else []      # the default split adapts (below)
+                        ("short.txt", ["short.txt: 202 bytes", "at most 204 tokens", "32769",
+                                       "--val-tokens"])):
+        val = ["--val-tokens", "32768"] if name == "short.txt" else []   # the default adapts
         assert prepare_cli.main(["--input", str(tmp_path / name), "--output-dir", str(tmp_path / "out")] + val) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "tokenizing" not in err and all(w in err for w in words), err
@@ -212,29 +213,34 @@ def test_an_empty_or_too_short_text_is_refused_before_tokenizing(tmp_path, bytes
                          "--val-tokens", "200"]) == 0       # 204 tokens: a training split is left
 
 
-def test_a_small_text_gets_a_smaller_val_split_with_a_note(tmp_path, bytes_encoding, capsys, monkeypatch):
-    """A text too short for llm.c's 32,768 val tokens and a training split (100 KB of English is about 25,000
-    GPT-2 tokens): val is its first 10%, said in a note; a text too short even for that is one line."""
+def test_a_small_text_gets_a_smaller_val_split_with_a_note(tmp_path, bytes_encoding, capsys,
+                                                           monkeypatch):
+    """A text too short for llm.c's 32,768 val tokens and a training split (100 KB of English is
+    about 25,000 GPT-2 tokens): val is its first 10%, said in a note; a text too short even for
+    that is one line."""
     monkeypatch.setattr(prepare_cli, "get_encoding", lambda bpe_dir=None: bytes_encoding)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("GPT2NP_PROGRESS", "off")
-    (tmp_path / "small.txt").write_text(TEXT * 4)                  # 17,600 bytes, 400 documents: 18,001 tokens
+    (tmp_path / "small.txt").write_text(TEXT * 4)       # 17,600 bytes, 400 documents, 18,001 tokens
     assert prepare_cli.main(["--input", "small.txt"]) == 0
     out, err = capsys.readouterr()
-    assert err == ("note: small.txt: 18,001 tokens, too few for the default 32,768-token val split; val is the "
-                   "first 10% (1,800 tokens), train the other 16,201 (--val-tokens N sets val)\n"), err
+    assert err == ("note: small.txt: 18,001 tokens, too few for the default 32,768-token val "
+                   "split; val is the first 10% (1,800 tokens), train the other 16,201 "
+                   "(--val-tokens N sets val)\n"), err
     assert out == ("wrote checkpoints/data/small_val.bin (1,800 tokens)\n"
                    "wrote checkpoints/data/small_train.bin (16,201 tokens)\n"), out
-    val, train = read_shard("checkpoints/data/small_val.bin"), read_shard("checkpoints/data/small_train.bin")
+    val = read_shard("checkpoints/data/small_val.bin")
+    train = read_shard("checkpoints/data/small_train.bin")
     assert len(val) == 1800 and len(train) == 16201 and val[0] == 256
-    (tmp_path / "tiny.txt").write_text("abcdefg")                     # 8 tokens: 10% is none
+    (tmp_path / "tiny.txt").write_text("abcdefg")                      # 8 tokens: 10% is none
     assert prepare_cli.main(["--input", "tiny.txt", "--output-dir", "tiny"]) == 2
-    err = capsys.readouterr().err
-    assert err == "error: tiny.txt: only 8 token(s): too few to split into val (10%) and train; give a longer text\n"
+    assert capsys.readouterr().err == ("error: tiny.txt: only 8 token(s): too few to split into "
+                                       "val (10%) and train; give a longer text\n")
     assert not (tmp_path / "tiny").exists()
-    (tmp_path / "mid.txt").write_bytes(b"a\r\n\r\n" * 100)     # 500 bytes, 401 tokens: found after tokenizing
-    assert prepare_cli.main(["--input", "mid.txt", "--val-tokens", "450", "--output-dir", "mid"]) == 2
-    err = capsys.readouterr().err                                   # an explicit --val-tokens is kept, and named
+    (tmp_path / "mid.txt").write_bytes(b"a\r\n\r\n" * 100)  # 500 bytes; 401 tokens once tokenized
+    assert prepare_cli.main(["--input", "mid.txt", "--val-tokens", "450", "--output-dir", "mid"]
+                            ) == 2
+    err = capsys.readouterr().err                      # an explicit --val-tokens is kept, and named
     assert err.count("\n") == 1 and "mid.txt: only 401 tokens" in err and "--val-tokens" in err, err
 
 
@@ -320,10 +326,11 @@ def test_prepare_tinyshakespeare(tmp_path, data_dir, gpt2, monkeypatch):
     assert decoded.replace(EOT_TEXT, "") == (data_dir / "tinyshakespeare.txt").read_text(encoding="utf-8")
 
 
-def test_fetch_and_prepare_write_into_the_current_folder_where_train_looks(server, tmp_path, capsys, monkeypatch,
-                                                                           bytes_encoding):
-    """fetch and prepare write into checkpoints/ of the folder they run in (not the source tree's), the paths they
-    print work as printed from there, and train's defaults (starter.resolve_data) find the shards there."""
+def test_fetch_and_prepare_write_into_the_current_folder_where_train_looks(
+        server, tmp_path, capsys, monkeypatch, bytes_encoding):
+    """fetch and prepare write into checkpoints/ of the folder they run in (not the source tree's),
+    the paths they print work as printed from there, and train's defaults
+    (starter.resolve_data) find the shards there."""
     from gpt2np.datasets import starter
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("GPT2NP_DATA_DIR", raising=False)
@@ -333,8 +340,9 @@ def test_fetch_and_prepare_write_into_the_current_folder_where_train_looks(serve
     assert fetch_cli.main(["tinyshakespeare"]) == 0
     assert capsys.readouterr().err == "checkpoints/tinyshakespeare.txt: downloaded\n"
     assert (tmp_path / "checkpoints" / "tinyshakespeare.txt").read_text() == TEXT
-    assert prepare_cli.main(["tinyshakespeare"]) == 0         # the fetched copy: nothing is downloaded
+    assert prepare_cli.main(["tinyshakespeare"]) == 0    # the fetched copy: nothing is downloaded
     printed = [line.split()[1] for line in capsys.readouterr().out.splitlines()]
-    assert printed == ["checkpoints/data/tiny_shakespeare_val.bin", "checkpoints/data/tiny_shakespeare_train.bin"]
+    assert printed == ["checkpoints/data/tiny_shakespeare_val.bin",
+                       "checkpoints/data/tiny_shakespeare_train.bin"]
     assert all((tmp_path / path).is_file() for path in printed)
     assert starter.resolve_data(None, None) == (printed[1], printed[0])

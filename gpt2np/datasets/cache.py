@@ -103,7 +103,8 @@ def cached(entry: CachedFile, directory=None, timeout=10, progress=True, opener=
     size = path.stat().st_size
     if entry.size is not None and size != entry.size:
         path.unlink(missing_ok=True)
-        raise fetch.FetchError(f"could not download {entry.url}: {size} bytes, expected {entry.size}")
+        raise fetch.FetchError(f"could not download {entry.url}: {size} bytes, expected "
+                               f"{entry.size}")
     if entry.sha256 is not None and sha256_of(path) != entry.sha256:
         path.unlink(missing_ok=True)
         raise fetch.FetchError(f"could not download {entry.url}: its SHA-256 is not the expected "

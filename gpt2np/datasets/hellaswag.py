@@ -12,10 +12,10 @@ ending with the lowest summed loss (`pred = sum_loss.argmin()`), acc_norm the lo
 llm.c's own eval file (the starter pack's hellaswag_val.bin, written by its dev/data/hellaswag.py) is read too:
 it holds the same tokens, rendered already (read_llmc_evalfile).
 
-Batched on any backend: the 4 rows of an example (and of several examples, B rows a batch) are padded to the
-longest row of the batch. A row longer than the model's T + 1 tokens keeps its last T + 1: its ending whole
-when the ending has at most T tokens; a longer ending has only its last T tokens scored, which evaluate() says
-in a note with the count (long_endings).
+Batched on any backend: the 4 rows of an example (and of several examples, B rows a batch) are
+padded to the longest row of the batch. A row longer than the model's T + 1 tokens keeps its last
+T + 1: its ending whole when the ending has at most T tokens; a longer ending has only its last T
+tokens scored, which evaluate() says in a note with the count (long_endings).
 """
 import json
 import sys
@@ -189,15 +189,15 @@ def longest_row(examples) -> int:
 
 
 def long_endings(examples, T) -> int:
-    """How many endings have more than T tokens: score() keeps only their last T (a context of T tokens)."""
+    """How many endings have more than T tokens: score() keeps only their last T."""
     return sum(n > T for ex in examples for n in ex.ending_lens)
 
 
 def score(model, examples, on_batch=None) -> Result:
-    """Summed and mean loss of each ending of each rendered example, in batches of model.B rows padded to the
-    longest row of the batch (at most model.T + 1 tokens: longer rows keep their end, and an ending of more
-    than T tokens only its last T). An ending's first token counts only after some context (with an empty ctx
-    nothing predicts it, as in llm.c's hellaswag.py)."""
+    """Summed and mean loss of each ending of each rendered example, in batches of model.B rows
+    padded to the longest row of the batch (at most model.T + 1 tokens: longer rows keep their end,
+    and an ending of more than T tokens only its last T). An ending's first token counts only after
+    some context (with an empty ctx nothing predicts it, as in llm.c's hellaswag.py)."""
     rows = [(i, j, ex.rows[j][-(model.T + 1):], min(ex.ending_lens[j], model.T))
             for i, ex in enumerate(examples) for j in range(4)]
     sums = np.zeros((len(examples), 4))
@@ -224,27 +224,28 @@ def score(model, examples, on_batch=None) -> Result:
 
 
 def evaluate(model, examples, desc="hellaswag", show_progress=True) -> Result:
-    """score() with a progress bar over the examples, after a note when some endings are longer than the
-    model's T tokens (only their last T are scored)."""
+    """score() with a progress bar over the examples, after a note when some endings are longer
+    than the model's T tokens (only their last T are scored)."""
     cut = long_endings(examples, model.T)
     if cut:
-        print(f"note: {cut} of {4 * len(examples)} endings have more than T = {model.T} tokens: only their "
-              f"last {model.T} tokens are scored", file=sys.stderr, flush=True)
+        print(f"note: {cut} of {4 * len(examples)} endings have more than T = {model.T} tokens: "
+              f"only their last {model.T} tokens are scored", file=sys.stderr, flush=True)
     with progress(total=len(examples), desc=desc, unit="example", quiet=not show_progress) as bar:
         return score(model, examples, on_batch=bar.update)
 
 
 def load(path=None, encoding=None, max_examples=-1, cache=None, timeout=10, local_flag=None):
-    """Rendered examples of `path` (default: hellaswag_val.jsonl, downloaded into the cache if missing).
-    local_flag: the flag that gives a local file instead (eval's -j), named when the download fails."""
+    """Rendered examples of `path` (default: hellaswag_val.jsonl, downloaded into the cache if
+    missing). local_flag: the flag that gives a local file instead (eval's -j), named when the
+    download fails."""
     if not path:
         try:
             path = cached(VAL_FILE, cache, timeout=timeout)
         except fetch.FetchError as e:
             if local_flag is None:
                 raise
-            raise fetch.FetchError(f"{e}; a local copy can be given with {local_flag} FILE (hellaswag_val.jsonl, "
-                                   f"or llm.c's hellaswag_val.bin)") from None
+            raise fetch.FetchError(f"{e}; a local copy can be given with {local_flag} FILE "
+                                   f"(hellaswag_val.jsonl, or llm.c's hellaswag_val.bin)") from None
     path = Path(path)
     if path.is_file() and is_llmc_evalfile(path):               # llm.c's hellaswag_val.bin: tokens already
         return path, read_llmc_evalfile(path, max_examples)

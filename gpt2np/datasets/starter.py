@@ -204,7 +204,7 @@ def load_any_model(spec) -> tuple:
     if not path.exists() and path.name == spec and (CHECKPOINTS / spec).is_file():
         path = CHECKPOINTS / spec                   # as train's -e: gpt2_124M.bin in checkpoints/
     elif not path.exists() and path.name == spec and spec.endswith(".bin") and spec in KNOWN_FILES:
-        path = ensure(spec, CHECKPOINTS)            # as train's -e: llm.c's gpt2_124M.bin is fetched (offline: 1 line)
+        path = ensure(spec, CHECKPOINTS)    # as train's -e: gpt2_124M.bin is fetched (offline: 1 line)
     if path.is_file() and path.suffix not in (".safetensors", ".json") and path.name != PYTORCH_BIN:
         cfg, params = load_model(path)
         return cfg, params, str(path)

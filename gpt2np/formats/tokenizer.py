@@ -4,7 +4,8 @@ Where the tokenizer comes from (in each folder the BPE pair is tried before the 
   1. the `bpe_dir` argument (a folder, or a gpt2_tokenizer.bin file), else
   2. env var GPT2NP_BPE_DIR, else the first of these that has the files:
   3. env var GPT2NP_DATA_DIR,
-  4. checkpoints/ and checkpoints/data in the current folder (where `gpt2np fetch` and `prepare` write).
+  4. checkpoints/ and checkpoints/data in the current folder (where `gpt2np fetch` and `prepare`
+     write).
 An explicit place (1 or 2) is the only one looked in: it does not fall through to 3-4.
 A folder may hold OpenAI's BPE pair (gpt2_vocab.bpe + gpt2_encoder.json, or vocab.bpe + encoder.json)
 or llm.c's gpt2_tokenizer.bin: for GPT-2 a token's id is also its BPE merge rank, so the table of
