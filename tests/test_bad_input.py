@@ -16,8 +16,8 @@ from gpt2np import errors as cli
 from gpt2np.backends.cuda import nvrtc_check
 from gpt2np.cli import compare
 from gpt2np.cli import fetch as fetch_cli
+from gpt2np.cli import prepare as prepare_cli
 from gpt2np.config import TrainConfig, value_type
-from gpt2np.datasets import prepare
 from gpt2np.profiling import nsys, profiler
 from gpt2np.profiling.render import report
 
@@ -175,12 +175,12 @@ def with_record_field(path, name, value):
 
 
 def test_prepare_errors(tmp_path, a_file, capsys):
-    assert_bad_input(prepare.main, ["--input", tmp_path], ["--input", str(tmp_path), "is a folder", "text file"],
+    assert_bad_input(prepare_cli.main, ["--input", tmp_path], ["--input", str(tmp_path), "is a folder", "text file"],
                      capsys)
-    assert_bad_input(prepare.main, ["--input", a_file, "--output-dir", a_file],
+    assert_bad_input(prepare_cli.main, ["--input", a_file, "--output-dir", a_file],
                      ["--output-dir", str(a_file), "is a file", "folder"], capsys)
-    assert_bad_input(prepare.main, ["--val-tokens", "-1"], ["--val-tokens -1", ">= 0"], capsys)
-    assert_bad_input(prepare.main, ["tinyshakespeare", "--input", a_file], ["either --input", "not both"], capsys)
+    assert_bad_input(prepare_cli.main, ["--val-tokens", "-1"], ["--val-tokens -1", ">= 0"], capsys)
+    assert_bad_input(prepare_cli.main, ["tinyshakespeare", "--input", a_file], ["either --input", "not both"], capsys)
 
 
 def test_fetch_errors(a_file, capsys):

@@ -4,19 +4,26 @@ shards (eot + tokens per document, cut at exactly --shard-size, val first), toke
 json files in TinyStories_all_data's layout (and a stand-in download of its tarball): llm.c's two files, computed
 here as llm.c's tinystories.py does."""
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from gpt2np.datasets import corpora, prepare
+from gpt2np.cli import prepare as prepare_cli
+from gpt2np.datasets import corpora
 from gpt2np.datasets.data import read_shard
 from gpt2np.formats.tokenizer import get_encoding
 
 DOCS = [f"Story {i}. " + "Once upon a time a small fox found a red ball in the garden. " * (i % 5 + 1)
         for i in range(60)]
 SIZE = 400                     # tokens per shard
+REPO = Path(__file__).resolve().parent.parent
 
 
 def expected_stream(docs):
@@ -39,12 +46,13 @@ def sources(tmp_path_factory):
 
 
 def run(argv, capsys):
-    code = prepare.main([str(a) for a in argv])
+    code = prepare_cli.main([str(a) for a in argv])
     return code, capsys.readouterr()
 
 
 @pytest.mark.parametrize("kind", ["parquet", "jsonl"])
-def test_shards_are_llmc_layout_val_first(sources, tmp_path, capsys, kind):
+def test_shards_are_llmc_layout_val_first(sources, tmp_path, capsys, monkeypatch, kind):
+    monkeypatch.setenv("GPT2NP_PROGRESS", "plain")
     code, out = run(["fineweb", "--source", sources / f"docs.{kind}", "--shard-size", SIZE, "--workers", 2,
                      "--output-dir", tmp_path], capsys)
     assert code == 0, out.err
@@ -55,6 +63,8 @@ def test_shards_are_llmc_layout_val_first(sources, tmp_path, capsys, kind):
     assert all(len(t) == SIZE for t in tokens[:-1]) and 0 < len(tokens[-1]) <= SIZE
     np.testing.assert_array_equal(np.concatenate(tokens), expected_stream(DOCS))
     assert (tmp_path / "gpt2_tokenizer.bin").is_file()
+    # the progress has a total: --source's documents (parquet rows from its metadata, jsonl lines)
+    assert f"fineweb documents: {len(DOCS)}/{len(DOCS)} doc (100%)" in out.err, out.err
 
 
 def test_resume_skips_finished_shards_and_matches_one_go(sources, tmp_path, capsys):
@@ -183,6 +193,41 @@ def test_tinystories_offline_is_one_line_naming_source(tmp_path, capsys, monkeyp
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("empty", ["val", "train"])
+def test_tinystories_without_stories_is_refused(tmp_path, capsys, empty):
+    """A split whose files hold no story is refused in one line, as an empty text or --source is:
+    no 0-token shard is written."""
+    folder = tmp_path / "all"
+    folder.mkdir()
+    (folder / "data00.json").write_text("[]" if empty == "val" else '[{"story": "one"}]')
+    (folder / "data01.json").write_text("[]")
+    (folder / "data02.json").write_text("[]" if empty == "train" else '[{"story": "two"}]')
+    code, res = run(["tinystories", "--source", folder / "*.json", "--workers", 1,
+                     "--output-dir", tmp_path / "o"], capsys)
+    files = "data00.json" if empty == "val" else "data01.json, data02.json"
+    assert code == 2 and res.err.count("\n") == 1, res.err
+    assert f"the {empty} split's file(s) ({files}) hold no stories: nothing to tokenize" in res.err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_parquet_row_or_column_without_text_is_named(tmp_path, capsys):
+    """A null `text` (a row) or a column of another type: one line naming the file and the row,
+    not tiktoken's TypeError."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    texts = DOCS * 30                             # 1,800 rows: the null is in the second batch read
+    texts[1500] = None
+    pq.write_table(pa.table({"text": texts}), tmp_path / "nulls.parquet")
+    pq.write_table(pa.table({"text": list(range(5))}), tmp_path / "ints.parquet")
+    for name, words in (
+            ("nulls.parquet", "nulls.parquet: row 1500 (counting from 0): its `text` is null"),
+            ("ints.parquet", "ints.parquet: its `text` column holds int64, not strings")):
+        code, res = run(["fineweb", "--source", tmp_path / name, "--workers", 1,
+                         "--output-dir", tmp_path / "o"], capsys)
+        assert code == 2 and res.err.count("\n") == 1 and words in res.err, res.err
+        assert "TypeError" not in res.err and not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("flag", ["--shards", "--shard-size"])
 def test_tinystories_takes_no_shard_flags(tmp_path, capsys, flag):
     code, res = run(["tinystories", flag, 2, "--output-dir", tmp_path], capsys)
@@ -207,33 +252,15 @@ def test_fineweb_hub_id_and_config(tmp_path, capsys, monkeypatch, flags, kind, h
     assert f"fineweb ({kind} {config}): 1 shard(s)" in out.out
 
 
-def test_another_sample_into_the_same_folder_is_refused_and_old_progress_files_resume(tmp_path, capsys, monkeypatch):
+def test_another_sample_into_the_same_folder_is_refused(tmp_path, capsys, monkeypatch):
     """Both samples name their shards alike (llm.c keeps them in separate folders): a 100B run into a 10B run's
-    folder is one line. A progress file written before -t/-v (no config in its settings) is the edu 10B one."""
+    folder is one line."""
     monkeypatch.setitem(sys.modules, "datasets", fake_datasets({"train": DOCS}, []))
     monkeypatch.setattr(corpora, "hub_reachable", lambda timeout=5.0: True)
     common = ["fineweb", "--shards", 1, "--shard-size", SIZE, "--output-dir", tmp_path]
     assert run(common, capsys)[0] == 0
     code, out = run(common + ["-v", "100B"], capsys)
     assert code == 2 and "other settings" in out.err and len(out.err.strip().splitlines()) == 1
-    progress = tmp_path / "edu_fineweb_progress.json"
-    state = json.loads(progress.read_text())
-    del state["settings"]["config"]
-    progress.write_text(json.dumps(state))
-    code, out = run(common, capsys)
-    assert code == 0 and "done already" in out.out, out.err
-    # and one written from a --source before -t/-v: its sample is none
-    source = tmp_path / "docs.jsonl"
-    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
-    local = ["fineweb", "--source", source, "--shards", 1, "--shard-size", SIZE, "--workers", 1,
-             "--output-dir", tmp_path / "local"]
-    assert run(local, capsys)[0] == 0
-    progress = tmp_path / "local" / "edu_fineweb_progress.json"
-    state = json.loads(progress.read_text())
-    assert state["settings"].pop("config") is None
-    progress.write_text(json.dumps(state))
-    code, out = run(local, capsys)
-    assert code == 0 and "done already" in out.out, out.err
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -309,3 +336,77 @@ def test_a_source_that_is_not_parquet_is_named(tmp_path, capsys):
                      tmp_path / "out"], capsys)
     assert code == 2 and "fake.parquet: not a readable parquet file" in out.err, out.err
     assert len(out.err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+# ---- Ctrl-C to the process group -------------------------------------------------------------
+def children(pid) -> list:
+    """The process ids of pid's children (Linux's /proc)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return path.read_text().split() if path.exists() else []
+
+
+def interrupt_mid_run(argv, delay, cwd):
+    """`python -m gpt2np ARGV` in its own process group, sent SIGINT as a terminal's Ctrl-C is (to
+    the whole group) `delay` seconds after its 2 tokenizing processes started: (exit code, seconds
+    from the signal to the exit of every process of the group, stderr)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GPT2NP_PROGRESS": "off"}
+    env.pop("GPT2NP_DEBUG", None)
+    child = subprocess.Popen([sys.executable, "-m", "gpt2np", *map(str, argv)], cwd=cwd, env=env,
+                             text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(children(child.pid)) < 2 and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert child.poll() is None, f"ended before its workers were seen: {child.stderr.read()}"
+    time.sleep(delay)
+    sent = time.monotonic()
+    os.killpg(child.pid, signal.SIGINT)
+    try:
+        err = child.communicate(timeout=30)[1]
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        pytest.fail(f"{' '.join(map(str, argv))}: still running 30 s after SIGINT")
+    while time.monotonic() - sent < 60:          # and no tokenizing process is left behind
+        try:
+            os.killpg(child.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    return child.returncode, time.monotonic() - sent, err
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the workers in /proc")
+@pytest.mark.parametrize("dataset", ["fineweb", "tinystories"])
+def test_ctrl_c_to_the_group_ends_every_process_at_once_in_one_line(dataset, tmp_path, capsys,
+                                                                     monkeypatch):
+    """Ctrl-C reaches the parent and its tokenizing processes alike: the workers ignore it (one
+    that died of it could hold the pool's queue lock, and the parent would wait for it forever,
+    after printing the workers' tracebacks); the parent terminates them and exits 130 with one
+    line. A fineweb rerun resumes."""
+    if dataset == "fineweb":
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+        docs = [f"Story {i}. " + "Once upon a time a small fox found a red ball. " * (i % 5 + 1)
+                for i in range(60000)]
+        pq.write_table(pa.table({"text": docs}), tmp_path / "big.parquet")
+        argv = ["prepare", "fineweb", "--workers", 2, "--source", "big.parquet",
+                "--shard-size", 20000]
+    else:
+        (tmp_path / "all").mkdir()
+        for i in range(3):
+            stories = [{"story": f"Story {i}-{k}. " + "A fox found a red ball. " * (k % 5 + 1)}
+                       for k in range(20000)]
+            (tmp_path / "all" / f"data{i:02d}.json").write_text(json.dumps(stories))
+        argv = ["prepare", "tinystories", "--workers", 2, "--source", "all/*.json"]
+    for delay in (0.0, 0.1, 0.3):
+        code, seconds, err = interrupt_mid_run(argv + ["--output-dir", "out"], delay, tmp_path)
+        assert (code, err) == (130, "error: interrupted\n"), (delay, code, err)
+        assert seconds < 5, f"{seconds:.1f} s from SIGINT to the end of the group"
+        assert not list(tmp_path.glob("out/.*.tmp"))            # no half-written shard left behind
+    if dataset == "fineweb":
+        state = json.loads((tmp_path / "out" / "edu_fineweb_progress.json").read_text())
+        done = state["streams"]["all"]["shards"]
+        monkeypatch.chdir(tmp_path)
+        code, out = run(argv[1:] + ["--output-dir", "out", "--shards", done + 1], capsys)
+        assert code == 0 and out.out.count("done already") == done, out
+        assert out.out.count("wrote") == 1, out

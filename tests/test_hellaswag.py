@@ -167,6 +167,23 @@ def test_rows_longer_than_T_keep_their_ending(params, jsonl):
     assert np.isfinite(result.avg_loss).all() and result.n == 5
 
 
+def test_endings_longer_than_T_are_said_in_a_note(tmp_path, jsonl, params, capsys, monkeypatch):
+    """A row keeps its last T + 1 tokens: an ending of more than T tokens loses its start, and
+    eval hellaswag says how many endings that is."""
+    monkeypatch.setenv("GPT2NP_PROGRESS", "off")
+    _, examples = hellaswag.load(jsonl)
+    lens = [n for ex in examples for n in ex.ending_lens]
+    assert hellaswag.long_endings(examples, 6) == sum(n > 6 for n in lens) == 6
+    assert hellaswag.long_endings(examples, max(lens)) == 0
+    save_model(tmp_path / "m.bin", CFG, params)
+    model = ["hellaswag", "-e", str(tmp_path / "m.bin"), "-j", str(jsonl), "--device", "cpu"]
+    assert evaluate.main(model + ["-t", "6"]) == 0
+    assert capsys.readouterr().err == ("note: 6 of 20 endings have more than T = 6 tokens: only "
+                                       "their last 6 tokens are scored\n")
+    assert evaluate.main(model) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_eval_hellaswag_command(tmp_path, jsonl, params, expected, capsys, monkeypatch):
     monkeypatch.setenv("GPT2NP_PROGRESS", "plain")
     save_model(tmp_path / "m.bin", CFG, params)
@@ -363,7 +380,10 @@ def test_a_failed_download_leaves_no_cache_folder_it_made(tmp_path, params, caps
     monkeypatch.setattr(urllib.request, "urlopen", offline)
     save_model(tmp_path / "m.bin", CFG, params)
     assert evaluate.main(["hellaswag", "-e", str(tmp_path / "m.bin"), "--dir", str(tmp_path / "new" / "c")]) == 2
-    assert "could not download" in capsys.readouterr().err
+    err = capsys.readouterr().err             # one line, saying that -j takes a local copy instead
+    assert err.count("\n") == 1 and "could not download" in err, err
+    assert err.endswith("; a local copy can be given with -j FILE (hellaswag_val.jsonl, or llm.c's "
+                        "hellaswag_val.bin)\n"), err
     assert not (tmp_path / "new").exists()
 
 

@@ -10,6 +10,7 @@ import pytest
 import tiktoken
 
 from gpt2np.cli import fetch as fetch_cli
+from gpt2np.cli import prepare as prepare_cli
 from gpt2np.datasets import fetch, prepare
 from gpt2np.datasets.data import DataError, read_shard
 from gpt2np.datasets.fetch import FetchError, download
@@ -196,18 +197,51 @@ def test_prepare_errors(tmp_path, bytes_encoding):
 
 
 def test_an_empty_or_too_short_text_is_refused_before_tokenizing(tmp_path, bytes_encoding, capsys, monkeypatch):
-    monkeypatch.setattr(prepare, "get_encoding", lambda bpe_dir=None: bytes_encoding)
+    monkeypatch.setattr(prepare_cli, "get_encoding", lambda bpe_dir=None: bytes_encoding)
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.txt").write_text("\n\n  \n")
     (tmp_path / "short.txt").write_text("a" * 100 + "\n\n" + "b" * 100)       # at most 204 tokens
     for name, words in (("empty.txt", ["empty.txt: empty"]), ("blank.txt", ["blank.txt: only whitespace"]),
-                        ("short.txt", ["short.txt: 202 bytes", "at most 204 tokens", "32769"])):
-        assert prepare.main(["--input", str(tmp_path / name), "--output-dir", str(tmp_path / "out")]) == 2
+                        ("short.txt", ["short.txt: 202 bytes", "at most 204 tokens", "32769",
+                                       "--val-tokens"])):
+        val = ["--val-tokens", "32768"] if name == "short.txt" else []   # the default adapts
+        assert prepare_cli.main(["--input", str(tmp_path / name), "--output-dir", str(tmp_path / "out")] + val) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "tokenizing" not in err and all(w in err for w in words), err
     assert not (tmp_path / "out").exists()
-    assert prepare.main(["--input", str(tmp_path / "short.txt"), "--output-dir", str(tmp_path / "out"),
+    assert prepare_cli.main(["--input", str(tmp_path / "short.txt"), "--output-dir", str(tmp_path / "out"),
                          "--val-tokens", "200"]) == 0       # 204 tokens: a training split is left
+
+
+def test_a_small_text_gets_a_smaller_val_split_with_a_note(tmp_path, bytes_encoding, capsys,
+                                                           monkeypatch):
+    """A text too short for llm.c's 32,768 val tokens and a training split (100 KB of English is
+    about 25,000 GPT-2 tokens): val is its first 10%, said in a note; a text too short even for
+    that is one line."""
+    monkeypatch.setattr(prepare_cli, "get_encoding", lambda bpe_dir=None: bytes_encoding)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GPT2NP_PROGRESS", "off")
+    (tmp_path / "small.txt").write_text(TEXT * 4)       # 17,600 bytes, 400 documents, 18,001 tokens
+    assert prepare_cli.main(["--input", "small.txt"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ("note: small.txt: 18,001 tokens, too few for the default 32,768-token val "
+                   "split; val is the first 10% (1,800 tokens), train the other 16,201 "
+                   "(--val-tokens N sets val)\n"), err
+    assert out == ("wrote checkpoints/data/small_val.bin (1,800 tokens)\n"
+                   "wrote checkpoints/data/small_train.bin (16,201 tokens)\n"), out
+    val = read_shard("checkpoints/data/small_val.bin")
+    train = read_shard("checkpoints/data/small_train.bin")
+    assert len(val) == 1800 and len(train) == 16201 and val[0] == 256
+    (tmp_path / "tiny.txt").write_text("abcdefg")                      # 8 tokens: 10% is none
+    assert prepare_cli.main(["--input", "tiny.txt", "--output-dir", "tiny"]) == 2
+    assert capsys.readouterr().err == ("error: tiny.txt: only 8 token(s): too few to split into "
+                                       "val (10%) and train; give a longer text\n")
+    assert not (tmp_path / "tiny").exists()
+    (tmp_path / "mid.txt").write_bytes(b"a\r\n\r\n" * 100)  # 500 bytes; 401 tokens once tokenized
+    assert prepare_cli.main(["--input", "mid.txt", "--val-tokens", "450", "--output-dir", "mid"]
+                            ) == 2
+    err = capsys.readouterr().err                      # an explicit --val-tokens is kept, and named
+    assert err.count("\n") == 1 and "mid.txt: only 401 tokens" in err and "--val-tokens" in err, err
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -223,7 +257,7 @@ def test_an_empty_or_too_short_text_is_refused_before_tokenizing(tmp_path, bytes
 ])
 def test_flags_that_mean_nothing_here_are_refused(argv, words, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert prepare.main(argv + ["--output-dir", "out"]) == 2
+    assert prepare_cli.main(argv + ["--output-dir", "out"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and all(w in err for w in words), err
     assert list(tmp_path.iterdir()) == []
@@ -231,17 +265,17 @@ def test_flags_that_mean_nothing_here_are_refused(argv, words, tmp_path, capsys,
 
 def test_a_file_in_the_way_of_output_dir_is_one_line(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("x")
-    assert prepare.main(["--input", str(tmp_path / "a.txt"), "--output-dir", str(tmp_path / "a.txt" / "o")]) == 2
+    assert prepare_cli.main(["--input", str(tmp_path / "a.txt"), "--output-dir", str(tmp_path / "a.txt" / "o")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--output-dir" in err and "a.txt is a file" in err, err
 
 
 def test_a_failed_tinyshakespeare_download_leaves_no_folder_it_made(server, tmp_path, capsys, monkeypatch,
                                                                      bytes_encoding):
-    monkeypatch.setattr(prepare, "get_encoding", lambda bpe_dir=None: bytes_encoding)
+    monkeypatch.setattr(prepare_cli, "get_encoding", lambda bpe_dir=None: bytes_encoding)
     monkeypatch.setattr(prepare, "find_tinyshakespeare", lambda: None)
     monkeypatch.setattr(prepare, "TINYSHAKESPEARE_URL", f"{server}/nothing")
-    assert prepare.main(["tinyshakespeare", "--output-dir", str(tmp_path / "new" / "data")]) == 2
+    assert prepare_cli.main(["tinyshakespeare", "--output-dir", str(tmp_path / "new" / "data")]) == 2
     assert "404" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
@@ -264,12 +298,12 @@ def gpt2(data_dir):
 
 def test_prepare_cli(tmp_path, data_dir, gpt2, capsys):
     (tmp_path / "doc.txt").write_text("Hello world\n\nHello again, world.\n")
-    rc = prepare.main(["--input", str(tmp_path / "doc.txt"), "--output-dir", str(tmp_path / "o"),
+    rc = prepare_cli.main(["--input", str(tmp_path / "doc.txt"), "--output-dir", str(tmp_path / "o"),
                        "--val-tokens", "3", "--bpe-dir", str(data_dir)])
     assert rc == 0
     assert read_shard(tmp_path / "o" / "doc_val.bin").tolist() == [50256, 15496, 995]
     assert "doc_train.bin" in capsys.readouterr().out
-    rc = prepare.main(["--input", str(tmp_path / "missing.txt"), "--output-dir", str(tmp_path / "o"),
+    rc = prepare_cli.main(["--input", str(tmp_path / "missing.txt"), "--output-dir", str(tmp_path / "o"),
                        "--bpe-dir", str(data_dir)])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "missing.txt" in err
@@ -290,3 +324,25 @@ def test_prepare_tinyshakespeare(tmp_path, data_dir, gpt2, monkeypatch):
     assert (tokens == 50256).sum() == len((data_dir / "tinyshakespeare.txt").read_text().split("\n\n"))
     decoded = load_tokenizer_bin(shards.tokenizer).decode(tokens)
     assert decoded.replace(EOT_TEXT, "") == (data_dir / "tinyshakespeare.txt").read_text(encoding="utf-8")
+
+
+def test_fetch_and_prepare_write_into_the_current_folder_where_train_looks(
+        server, tmp_path, capsys, monkeypatch, bytes_encoding):
+    """fetch and prepare write into checkpoints/ of the folder they run in (not the source tree's),
+    the paths they print work as printed from there, and train's defaults
+    (starter.resolve_data) find the shards there."""
+    from gpt2np.datasets import starter
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GPT2NP_DATA_DIR", raising=False)
+    monkeypatch.setenv("GPT2NP_PROGRESS", "off")
+    monkeypatch.setitem(fetch.KNOWN_FILES, "tinyshakespeare.txt", f"{server}/input.txt")
+    monkeypatch.setattr(prepare_cli, "get_encoding", lambda bpe_dir=None: bytes_encoding)
+    assert fetch_cli.main(["tinyshakespeare"]) == 0
+    assert capsys.readouterr().err == "checkpoints/tinyshakespeare.txt: downloaded\n"
+    assert (tmp_path / "checkpoints" / "tinyshakespeare.txt").read_text() == TEXT
+    assert prepare_cli.main(["tinyshakespeare"]) == 0    # the fetched copy: nothing is downloaded
+    printed = [line.split()[1] for line in capsys.readouterr().out.splitlines()]
+    assert printed == ["checkpoints/data/tiny_shakespeare_val.bin",
+                       "checkpoints/data/tiny_shakespeare_train.bin"]
+    assert all((tmp_path / path).is_file() for path in printed)
+    assert starter.resolve_data(None, None) == (printed[1], printed[0])

@@ -181,7 +181,7 @@ def test_no_prompt_with_a_vocabulary_without_endoftext(prompt, tmp_path, data_di
 
 def test_the_default_llmc_model_is_fetched_like_train_does(monkeypatch, tmp_path, capsys):
     """-e gpt2_124M.bin not in checkpoints/: fetched as train's -e is; offline, one line says what failed."""
-    from gpt2np.datasets import fetch
+    from gpt2np.datasets import fetch, starter
     from gpt2np.formats import hf
     asked = []
 
@@ -189,8 +189,8 @@ def test_the_default_llmc_model_is_fetched_like_train_does(monkeypatch, tmp_path
         asked.append(filename)
         raise fetch.FetchError(f"could not download {filename}: Name or service not known (offline?)")
 
-    monkeypatch.setattr(fetch, "ensure", offline)
-    monkeypatch.setattr("gpt2np.paths.CHECKPOINTS_DIR", tmp_path)
+    monkeypatch.setattr(starter, "ensure", offline)
+    monkeypatch.setattr(starter, "CHECKPOINTS", tmp_path)
     monkeypatch.chdir(tmp_path)
     assert sample.main(["-e", "gpt2_124M.bin"]) == 2
     assert asked == ["gpt2_124M.bin"]

@@ -119,14 +119,23 @@ def test_explicit_folder_without_files_does_not_fall_through(tmp_path):
 
 
 def test_search_order_and_not_found_message(tmp_path, monkeypatch):
-    fake_repo = tmp_path / "repo"
-    fake_repo.mkdir()
-    monkeypatch.setattr(paths, "REPO_ROOT", fake_repo)
+    """GPT2NP_DATA_DIR, then checkpoints/ and checkpoints/data in the current folder (where
+    `gpt2np fetch` puts them); never a ../shared folder beside the checkout."""
+    user = tmp_path / "user"
+    (user / "checkpoints").mkdir(parents=True)
+    (tmp_path / "shared" / "data").mkdir(parents=True)
+    write_tiny_bpe(tmp_path / "shared" / "data")
+    monkeypatch.setattr(paths, "REPO_ROOT", tmp_path / "repo")    # with ../shared/data beside it
+    monkeypatch.chdir(user)
     monkeypatch.delenv("GPT2NP_BPE_DIR", raising=False)
     monkeypatch.delenv("GPT2NP_DATA_DIR", raising=False)
     with pytest.raises(TokenizerNotFoundError) as e:
         get_encoding()
-    one_line_error(e, fake_repo / "checkpoints", tmp_path / "shared" / "data", "--bpe-dir", "gpt2np.datasets.fetch")
+    one_line_error(e, "checkpoints (in the current folder)", "checkpoints/data (in the current "
+                   "folder)", "--bpe-dir", "`gpt2np fetch tokenizer`")
+    assert "shared" not in str(e.value)
+    write_tiny_bpe(user / "checkpoints", merges=[("a", "b")])
+    assert tk.find_tokenizer_files()[1][0].resolve() == user / "checkpoints" / "gpt2_vocab.bpe"
 
     data = tmp_path / "data"
     data.mkdir()

@@ -126,7 +126,8 @@ def eval_hellaswag(args):
                        f"50257 tokens")
     try:
         with removing_new_folders(cache):          # a failed download leaves no empty cache folder behind
-            path, examples = hellaswag.load(args.val_data, max_examples=args.val_max_batches, cache=cache)
+            path, examples = hellaswag.load(args.val_data, max_examples=args.val_max_batches,
+                                            cache=cache, local_flag="-j")
     except hellaswag.BadExamples as e:
         raise BadInput(f"-j {e}" if args.val_data else str(e)) from None
     T = args.seq_len or min(hellaswag.longest_row(examples) - 1, cfg.max_seq_len)

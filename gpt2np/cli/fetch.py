@@ -2,6 +2,9 @@
 
     gpt2np fetch [tinyshakespeare|model|model-bf16|tokenizer|debug-state|bpe|all ...] [--dir checkpoints]
     gpt2np fetch hellaswag [--dir DIR]     # hellaswag_val.jsonl into the download cache (gpt2np/datasets/cache.py)
+
+The files go to checkpoints/ in the current folder (--dir), where `gpt2np train` and `prepare` run
+from the same folder look for them; each downloaded file's path is printed as it works from there.
 """
 import sys
 from pathlib import Path
@@ -25,6 +28,7 @@ GROUPS = {
 GROUPS["all"] = [f for files in GROUPS.values() for f in files]
 CACHED = {"hellaswag"}          # groups that go to the download cache (gpt2np/datasets/cache.py), not checkpoints/
 
+
 @tool
 def main(argv=None):
     """Download the named groups; bad flags: one line, exit 2; a failed download: one line each, exit 1."""
@@ -32,8 +36,9 @@ def main(argv=None):
     parser.add_argument("what", nargs="*", metavar="WHAT",
                         help=f"any of {', '.join(sorted(set(GROUPS) | CACHED))} (default: tinyshakespeare "
                              "tokenizer model)")
-    parser.add_argument("--dir", help="destination folder (default: <repo>/checkpoints; hellaswag: the download "
-                        "cache, $GPT2NP_CACHE or the user cache dir)")
+    parser.add_argument("--dir", help=f"destination folder (default: {CHECKPOINTS_DIR} in the "
+                        f"current folder; hellaswag: the download cache, $GPT2NP_CACHE or the user "
+                        f"cache dir)")
     parser.add_argument("--timeout", type=float, default=10.0, help="socket timeout in seconds")
     args = parser.parse_args(argv)
     names = sorted(set(GROUPS) | CACHED)
@@ -60,7 +65,8 @@ def main(argv=None):
                     print(f"{path}: already present", file=sys.stderr)
                     continue
                 try:
-                    ensure(filename, folder, timeout=args.timeout)
+                    path = ensure(filename, folder, timeout=args.timeout)
+                    print(f"{path}: downloaded", file=sys.stderr)
                 except FetchError as e:
                     print(f"error: {e}", file=sys.stderr)
                     failed += 1

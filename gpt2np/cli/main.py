@@ -12,7 +12,7 @@ from gpt2np.errors import ArgumentParser, BadInput, program_name, tool
 # name -> (module whose main runs it, argv prefix, one line for the command list)
 COMMANDS = {
     "train": ("gpt2np.cli.train", [], "train GPT-2 (llm.c's train_gpt2 flags; the same as python train.py)"),
-    "prepare": ("gpt2np.datasets.prepare", [],
+    "prepare": ("gpt2np.cli.prepare", [],
                 "text, tinyshakespeare, FineWeb(-Edu) or TinyStories -> llm.c token shards"),
     "fetch": ("gpt2np.cli.fetch", [],
               "download tinyshakespeare, llm.c's gpt2_124M.bin, tokenizer, BPE files, HellaSwag"),

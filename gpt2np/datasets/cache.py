@@ -17,6 +17,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpt2np.datasets import fetch
+from gpt2np.fileio import atomic_write, check_folder
+
 CACHE_ENV = "GPT2NP_CACHE"
 APP = "gpt2np"
 
@@ -37,7 +40,6 @@ def cache_dir(override=None) -> Path:
 def checked_cache_dir(override=None) -> Path:
     """cache_dir(override), refused in one line (BadInput naming --dir, or $GPT2NP_CACHE) when it or a parent
     of it is a file: checked before anything is downloaded or read."""
-    from gpt2np.fileio import check_folder
     flag = "--dir" if override else f"${CACHE_ENV}" if os.environ.get(CACHE_ENV) else "the cache folder"
     return check_folder(flag, cache_dir(override))
 
@@ -83,7 +85,6 @@ def is_done(path, size=None, sha256=None) -> bool:
 
 def mark_done(path) -> dict:
     """Write the record that makes `path` count as done (after a complete download or a local copy)."""
-    from gpt2np.fileio import atomic_write
     path = Path(path)
     record = {"size": path.stat().st_size, "sha256": sha256_of(path)}
     with atomic_write(record_path(path), "w") as f:
@@ -94,18 +95,19 @@ def mark_done(path) -> dict:
 def cached(entry: CachedFile, directory=None, timeout=10, progress=True, opener=None) -> Path:
     """The path of a verified copy of entry in the cache (cache_dir(directory)), downloading it if it is missing,
     partial or does not match. A download that does not match entry.size/.sha256 is removed: FetchError."""
-    from gpt2np.datasets.fetch import FetchError, download
     path = checked_cache_dir(directory) / entry.name
     if is_done(path, entry.size, entry.sha256):
         return path
     record_path(path).unlink(missing_ok=True)       # from here on the file is not done until it is re-recorded
-    download(entry.url, path, timeout=timeout, progress=progress, opener=opener)
+    fetch.download(entry.url, path, timeout=timeout, progress=progress, opener=opener)
     size = path.stat().st_size
     if entry.size is not None and size != entry.size:
         path.unlink(missing_ok=True)
-        raise FetchError(f"could not download {entry.url}: {size} bytes, expected {entry.size}")
+        raise fetch.FetchError(f"could not download {entry.url}: {size} bytes, expected "
+                               f"{entry.size}")
     if entry.sha256 is not None and sha256_of(path) != entry.sha256:
         path.unlink(missing_ok=True)
-        raise FetchError(f"could not download {entry.url}: its SHA-256 is not the expected {entry.sha256[:12]}...")
+        raise fetch.FetchError(f"could not download {entry.url}: its SHA-256 is not the expected "
+                               f"{entry.sha256[:12]}...")
     mark_done(path)
     return path

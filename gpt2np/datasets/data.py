@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2np.fileio import atomic_write  # noqa: F401  (re-exported)
+from gpt2np.fileio import atomic_write
 from gpt2np.rng import llmc_generator  # noqa: F401  (the loader's shuffle)
 
 SHARD_MAGIC = 20240520

@@ -12,17 +12,23 @@ ending with the lowest summed loss (`pred = sum_loss.argmin()`), acc_norm the lo
 llm.c's own eval file (the starter pack's hellaswag_val.bin, written by its dev/data/hellaswag.py) is read too:
 it holds the same tokens, rendered already (read_llmc_evalfile).
 
-Batched on any backend: the 4 rows of an example (and of several examples, B rows a batch) are padded to the
-longest row of the batch. A row longer than the model's T + 1 tokens keeps its last T + 1 (its ending whole).
+Batched on any backend: the 4 rows of an example (and of several examples, B rows a batch) are
+padded to the longest row of the batch. A row longer than the model's T + 1 tokens keeps its last
+T + 1: its ending whole when the ending has at most T tokens; a longer ending has only its last T
+tokens scored, which evaluate() says in a note with the count (long_endings).
 """
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from gpt2np.datasets import fetch
 from gpt2np.datasets.cache import CachedFile, cached
 from gpt2np.errors import is_int
+from gpt2np.formats import tokenizer
+from gpt2np.progress import progress
 
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 VAL_FILE = CachedFile("hellaswag_val.jsonl", VAL_URL)
@@ -118,7 +124,6 @@ def read_llmc_evalfile(path, max_examples=-1) -> list:
     output), already rendered: a 256-int32 header (magic, version 1, examples, longest example), then per example
     uint16s: 65535, its size in bytes, its index, the label, the number of endings, the context's token count and
     tokens, then each ending's token count and tokens. The same Examples render() makes of the jsonl."""
-    from gpt2np.formats.tokenizer import GPT2_VOCAB_SIZE
     raw = Path(path).read_bytes()
     if len(raw) < 1024:
         raise BadExamples(f"{path}: llm.c eval file cut short inside its 1024-byte header")
@@ -158,9 +163,9 @@ def read_llmc_evalfile(path, max_examples=-1) -> list:
             raise BadExamples(f"{path}: example {number}: its token counts do not fit its {size} bytes: damaged")
         # GPT-2's tokens, as the jsonl renders; checked here, or the model's forward fails naming no file
         top = max(max(row, default=0) for row in rows)
-        if top >= GPT2_VOCAB_SIZE:
+        if top >= tokenizer.GPT2_VOCAB_SIZE:
             raise BadExamples(f"{path}: example {number}: token id {top} outside GPT-2's vocabulary [0, "
-                              f"{GPT2_VOCAB_SIZE}): damaged, or not GPT-2's tokens")
+                              f"{tokenizer.GPT2_VOCAB_SIZE}): damaged, or not GPT-2's tokens")
         examples.append(Example(rows, lens, label))
         pos += size // 2
     if not examples:
@@ -183,10 +188,16 @@ def longest_row(examples) -> int:
     return max(len(r) for ex in examples for r in ex.rows)
 
 
+def long_endings(examples, T) -> int:
+    """How many endings have more than T tokens: score() keeps only their last T."""
+    return sum(n > T for ex in examples for n in ex.ending_lens)
+
+
 def score(model, examples, on_batch=None) -> Result:
-    """Summed and mean loss of each ending of each rendered example, in batches of model.B rows padded to the
-    longest row of the batch (at most model.T + 1 tokens: longer rows keep their end). An ending's first token
-    counts only after some context (with an empty ctx nothing predicts it, as in llm.c's hellaswag.py)."""
+    """Summed and mean loss of each ending of each rendered example, in batches of model.B rows
+    padded to the longest row of the batch (at most model.T + 1 tokens: longer rows keep their end,
+    and an ending of more than T tokens only its last T). An ending's first token counts only after
+    some context (with an empty ctx nothing predicts it, as in llm.c's hellaswag.py)."""
     rows = [(i, j, ex.rows[j][-(model.T + 1):], min(ex.ending_lens[j], model.T))
             for i, ex in enumerate(examples) for j in range(4)]
     sums = np.zeros((len(examples), 4))
@@ -213,17 +224,30 @@ def score(model, examples, on_batch=None) -> Result:
 
 
 def evaluate(model, examples, desc="hellaswag", show_progress=True) -> Result:
-    """score() with a progress bar over the examples, acc_norm as it goes."""
-    from gpt2np.progress import progress
+    """score() with a progress bar over the examples, after a note when some endings are longer
+    than the model's T tokens (only their last T are scored)."""
+    cut = long_endings(examples, model.T)
+    if cut:
+        print(f"note: {cut} of {4 * len(examples)} endings have more than T = {model.T} tokens: "
+              f"only their last {model.T} tokens are scored", file=sys.stderr, flush=True)
     with progress(total=len(examples), desc=desc, unit="example", quiet=not show_progress) as bar:
         return score(model, examples, on_batch=bar.update)
 
 
-def load(path=None, encoding=None, max_examples=-1, cache=None, timeout=10):
-    """Rendered examples of `path` (default: hellaswag_val.jsonl, downloaded into the cache if missing)."""
-    from gpt2np.formats.tokenizer import get_encoding
-    path = Path(path) if path else cached(VAL_FILE, cache, timeout=timeout)
+def load(path=None, encoding=None, max_examples=-1, cache=None, timeout=10, local_flag=None):
+    """Rendered examples of `path` (default: hellaswag_val.jsonl, downloaded into the cache if
+    missing). local_flag: the flag that gives a local file instead (eval's -j), named when the
+    download fails."""
+    if not path:
+        try:
+            path = cached(VAL_FILE, cache, timeout=timeout)
+        except fetch.FetchError as e:
+            if local_flag is None:
+                raise
+            raise fetch.FetchError(f"{e}; a local copy can be given with {local_flag} FILE "
+                                   f"(hellaswag_val.jsonl, or llm.c's hellaswag_val.bin)") from None
+    path = Path(path)
     if path.is_file() and is_llmc_evalfile(path):               # llm.c's hellaswag_val.bin: tokens already
         return path, read_llmc_evalfile(path, max_examples)
-    encoding = encoding or get_encoding()
+    encoding = encoding or tokenizer.get_encoding()
     return path, [render(e, encoding) for e in read_examples(path, max_examples)]

@@ -14,7 +14,7 @@ import numpy as np
 
 from gpt2np.config import DESCRIPTORS, descriptor, preset
 from gpt2np.datasets.data import write_shard
-from gpt2np.datasets.fetch import FetchError, ensure
+from gpt2np.datasets.fetch import KNOWN_FILES, FetchError, ensure
 from gpt2np.datasets.prepare import TINYSHAKESPEARE_NAME, prepare_text, prepare_tinyshakespeare
 from gpt2np.fileio import atomic_write
 from gpt2np.formats.checkpoint import load_model
@@ -26,6 +26,7 @@ from gpt2np.formats.tokenizer import (
     get_encoding,
     load_tokenizer_bin,
 )
+from gpt2np.init import llmc_init
 from gpt2np.paths import CHECKPOINTS_DIR, DATA_DIR
 
 CHECKPOINTS = CHECKPOINTS_DIR
@@ -68,7 +69,6 @@ def resolve_model(spec, timeout=10, keep_bf16=False):
             note(f"note: {e}; training {FALLBACK_PRESET} from random init instead")
             return preset(FALLBACK_PRESET), None, f"{FALLBACK_PRESET} (random init; {spec} unavailable)"
     if not path.is_file():
-        from gpt2np.datasets.starter import load_hf_model
         if path.is_dir() or is_hub_id(spec):     # a transformers GPT-2 folder, or a Hugging Face Hub id (gpt2, ...)
             cfg, params, _ = load_hf_model(spec)
             return cfg, params, f"{spec} (Hugging Face)"
@@ -190,7 +190,6 @@ def load_hf_model(spec) -> tuple:
         return load_hf(spec)
     except HubError as e:
         if re.match(r"d\d", spec):
-            from gpt2np.config import DESCRIPTORS
             raise HubError(f"{e}; as llm.c's model descriptor it is none of {DESCRIPTORS}") from None
         raise
 
@@ -201,14 +200,11 @@ def load_any_model(spec) -> tuple:
     llm.c's model descriptors d6..d84, gpt2:dL, gpt3:cC (llm.c's random init, bit for bit: gpt2np.init), a
     transformers GPT-2 folder, or a
     Hugging Face Hub id (downloaded when online)."""
-    from gpt2np.config import descriptor
-    from gpt2np.datasets.fetch import KNOWN_FILES, ensure
-    from gpt2np.paths import CHECKPOINTS_DIR
     path = Path(spec)
-    if not path.exists() and path.name == spec and (CHECKPOINTS_DIR / spec).is_file():
-        path = CHECKPOINTS_DIR / spec               # as train's -e: gpt2_124M.bin in checkpoints/
+    if not path.exists() and path.name == spec and (CHECKPOINTS / spec).is_file():
+        path = CHECKPOINTS / spec                   # as train's -e: gpt2_124M.bin in checkpoints/
     elif not path.exists() and path.name == spec and spec.endswith(".bin") and spec in KNOWN_FILES:
-        path = ensure(spec, CHECKPOINTS_DIR)        # as train's -e: llm.c's gpt2_124M.bin is fetched (offline: 1 line)
+        path = ensure(spec, CHECKPOINTS)    # as train's -e: gpt2_124M.bin is fetched (offline: 1 line)
     if path.is_file() and path.suffix not in (".safetensors", ".json") and path.name != PYTORCH_BIN:
         cfg, params = load_model(path)
         return cfg, params, str(path)
@@ -217,7 +213,6 @@ def load_any_model(spec) -> tuple:
     except ValueError as e:
         raise ValueError(f"-e {e}") from None
     if cfg is not None:
-        from gpt2np.init import llmc_init
         return cfg, llmc_init(cfg), f"{spec} (random init)"
     if path.is_dir() or path.is_file() or is_hub_id(spec):
         cfg, params, folder = load_hf_model(spec)

@@ -23,8 +23,9 @@ import numpy as np
 
 from gpt2np.config import GPT2Config, pad_vocab
 from gpt2np.errors import BadInput
-from gpt2np.fileio import atomic_write
-from gpt2np.formats.checkpoint import bf16_to_fp32, check_finite_params
+from gpt2np.fileio import atomic_write, check_folder
+from gpt2np.formats.checkpoint import MODEL_MAGIC, bf16_to_fp32, check_finite_params
+from gpt2np.formats.tokenizer import GPT2_VOCAB_SIZE, TokenizerNotFoundError, find_tokenizer_files
 from gpt2np.tensors import PARAM_NAMES, num_parameters, param_shapes, views
 
 INSTALL = "pip install 'gpt2np[hf]'"
@@ -309,7 +310,6 @@ def load_hf(spec, revision=None) -> tuple:
 
 def is_llmc_model(path) -> bool:
     """Whether the file starts with llm.c's model magic (a quick look: the header is not checked)."""
-    from gpt2np.formats.checkpoint import MODEL_MAGIC
     try:
         with open(path, "rb") as f:
             return f.read(4) == np.int32(MODEL_MAGIC).astype("<i4").tobytes()
@@ -320,7 +320,6 @@ def is_llmc_model(path) -> bool:
 def tokenizer_files(cfg: GPT2Config) -> dict:
     """{name in a transformers folder: local file} of GPT-2's tokenizer (vocab.json = encoder.json, merges.txt =
     vocab.bpe) when the model has GPT-2's vocabulary and the BPE files are found (tokenizer.py's search); else {}."""
-    from gpt2np.formats.tokenizer import GPT2_VOCAB_SIZE, TokenizerNotFoundError, find_tokenizer_files
     if cfg.vocab_size != GPT2_VOCAB_SIZE:
         return {}
     try:
@@ -334,7 +333,6 @@ def write_hf_folder(folder, cfg: GPT2Config, params) -> list:
     """config.json + model.safetensors (fp32) for GPT2LMHeadModel.from_pretrained, and GPT-2's tokenizer files
     (vocab.json, merges.txt) for AutoTokenizer when tokenizer_files finds them; returns the paths written."""
     st = _safetensors()
-    from gpt2np.fileio import check_folder
     folder = check_folder("-o", folder)
     folder.mkdir(parents=True, exist_ok=True)
     blob = st.numpy.save(llmc_to_hf(cfg, params), metadata={"format": "pt"})

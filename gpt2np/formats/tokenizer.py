@@ -4,9 +4,9 @@ Where the tokenizer comes from (in each folder the BPE pair is tried before the 
   1. the `bpe_dir` argument (a folder, or a gpt2_tokenizer.bin file), else
   2. env var GPT2NP_BPE_DIR, else the first of these that has the files:
   3. env var GPT2NP_DATA_DIR,
-  4. <repo>/../shared/data,
-  5. <repo>/checkpoints and <repo>/checkpoints/data.
-An explicit place (1 or 2) is the only one looked in: it does not fall through to 3-5.
+  4. checkpoints/ and checkpoints/data in the current folder (where `gpt2np fetch` and `prepare`
+     write).
+An explicit place (1 or 2) is the only one looked in: it does not fall through to 3-4.
 A folder may hold OpenAI's BPE pair (gpt2_vocab.bpe + gpt2_encoder.json, or vocab.bpe + encoder.json)
 or llm.c's gpt2_tokenizer.bin: for GPT-2 a token's id is also its BPE merge rank, so the table of
 token bytes in id order is all tiktoken needs.
@@ -77,7 +77,7 @@ def find_tokenizer_files(bpe_dir=None):
     raise TokenizerNotFoundError(
         f"GPT-2 tokenizer not found: looked for gpt2_vocab.bpe + gpt2_encoder.json or {TOKENIZER_BIN} in "
         f"{', '.join(looked)}; put them in one of these folders, pass --bpe-dir DIR or set GPT2NP_BPE_DIR, "
-        f"or download {TOKENIZER_BIN} with `python -m gpt2np.datasets.fetch tokenizer`")
+        f"or download {TOKENIZER_BIN} with `gpt2np fetch tokenizer`")
 
 
 # ----------------------------------------------------------------------------------------------
