@@ -9,10 +9,10 @@ import math
 import numpy as np
 
 from gpt2np import ranges
+from gpt2np.ops.reference.gelu import gelu_forward
+from gpt2np.ops.reference.layernorm import layernorm_forward
+from gpt2np.ops.reference.matmul import matmul_forward
 from gpt2np.tensors import views
-
-LN_EPS = 1e-5
-GELU_SCALE = math.sqrt(2.0 / math.pi)
 
 
 def sample_next(logits, rng, temperature=1.0, top_k=0):
@@ -31,21 +31,25 @@ def sample_next(logits, rng, temperature=1.0, top_k=0):
 
 
 # ---- decoding with a cache of keys and values ----------------------------------------------------------------
-def _layernorm(x, weight, bias):
-    xc = x - x.mean(axis=-1, keepdims=True)
-    rstd = (1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + np.float32(LN_EPS))).astype(np.float32)
-    return xc * rstd * weight + bias
+def layernorm(x, weight, bias):
+    """LayerNorm of the rows of x (n, C): the reference op, into a new float32 array."""
+    out, mean, rstd = np.empty(x.shape, np.float32), np.empty(len(x), np.float32), np.empty(len(x), np.float32)
+    layernorm_forward(out, mean, rstd, x, weight, bias)
+    return out
 
 
-def _linear(x, weight, bias=None):
-    """x (n, C) @ weight (OC, C)^T (+ bias): for one row as weight @ x, BLAS's matrix-vector product."""
-    y = (weight @ x[0])[None] if x.shape[0] == 1 else x @ weight.T
-    return y if bias is None else y + bias
+def linear(x, weight, bias=None):
+    """x (n, C) @ weight (OC, C)^T (+ bias): the reference op, into a new float32 array (n, OC)."""
+    out = np.empty((len(x), weight.shape[0]), np.float32)
+    matmul_forward(out, x, weight, bias)
+    return out
 
 
-def _gelu(x):
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(np.float32(GELU_SCALE) * (x + np.float32(0.044715)
-                                                                                      * x * x * x)))
+def gelu(x):
+    """GELU of x: the reference op, into a new float32 array."""
+    out = np.empty(x.shape, np.float32)
+    gelu_forward(out, x)
+    return out
 
 
 class KVCache:
@@ -53,8 +57,8 @@ class KVCache:
 
     decode(tokens) appends tokens at positions length, length+1, ... and returns their logits; each runs through
     the layers alone, attending to the cached keys and values, so a new token costs one position, not the whole
-    sequence. The math is the model's forward pass (the numpy backend's ops) in NumPy on the model's own
-    parameters (shared on the numpy backend, a host copy on others), tested against the full forward.
+    sequence. The math is the model's forward pass (the NumPy reference's ops, gpt2np/ops/reference) on the
+    model's own parameters (shared on the numpy backend, a host copy on others), tested against the full forward.
     """
 
     def __init__(self, model, capacity=None):
@@ -92,11 +96,11 @@ class KVCache:
         scale = np.float32(1.0 / math.sqrt(HS))
         # query i (position t0+i) sees keys 0..t0+i: -inf above that diagonal
         future = np.arange(t1)[None, :] > (t0 + np.arange(n))[:, None]
-        x = p["wte"][tokens] + p["wpe"][t0:t1]                                    # (n, C)
+        x = np.asarray(p["wte"][tokens] + p["wpe"][t0:t1], np.float32)          # (n, C)
         with ranges.range("decode"):
             for l in range(cfg.num_layers):
-                h = _layernorm(x, p["ln1w"][l], p["ln1b"][l])
-                qkv = _linear(h, p["qkvw"][l], p["qkvb"][l])                         # (n, 3C)
+                h = layernorm(x, p["ln1w"][l], p["ln1b"][l])
+                qkv = linear(h, p["qkvw"][l], p["qkvb"][l])                         # (n, 3C)
                 q, k, v = qkv.reshape(n, 3, NH, HS).transpose(1, 2, 0, 3)         # each (NH, n, HS)
                 self.k[l, :, t0:t1] = k
                 self.v[l, :, t0:t1] = v
@@ -106,13 +110,13 @@ class KVCache:
                 np.exp(att, out=att)
                 att /= att.sum(axis=-1, keepdims=True)
                 y = (att @ self.v[l, :, :t1]).transpose(1, 0, 2).reshape(n, C)    # heads concatenated
-                x = x + _linear(y, p["attprojw"][l], p["attprojb"][l])
-                h = _layernorm(x, p["ln2w"][l], p["ln2b"][l])
-                f = _gelu(_linear(h, p["fcw"][l], p["fcb"][l]))
-                x = x + _linear(f, p["fcprojw"][l], p["fcprojb"][l])
+                x = x + linear(y, p["attprojw"][l], p["attprojb"][l])
+                h = layernorm(x, p["ln2w"][l], p["ln2b"][l])
+                f = gelu(linear(h, p["fcw"][l], p["fcb"][l]))
+                x = x + linear(f, p["fcprojw"][l], p["fcprojb"][l])
             self.length = t1
             last = x if all_logits else x[-1:]
-            logits = _linear(_layernorm(last, p["lnfw"], p["lnfb"]), p["wte"][:cfg.vocab_size])
+            logits = linear(layernorm(last, p["lnfw"], p["lnfb"]), p["wte"][:cfg.vocab_size])
         return logits if all_logits else logits[0]
 
 

@@ -9,13 +9,15 @@ over each block of 16 (radius sqrt(-2 log(1 - u[t] + 1e-12)), angle 2 pi u[t + 8
 last 16 values redone from 16 more draws when 16 does not divide n; under 16 values, pairs from 53-bit doubles.
 
 The transcendental functions are the C library's logf, cosf and sinf (glibc's here, as llm.c's host code calls
-them), through cpu_kernels.llmc_normal; where the C kernels cannot be built, the same steps in NumPy with log, cos
-and sin taken in float64 and rounded, which can differ from the C library's in the last bit of a few values.
+them), through the C loop llmc_normal (gpt2np/backends/numpy/csrc/llmc_normal.c, built by cpu_kernels); where it
+cannot be built, the same steps in NumPy with log, cos and sin taken in float64 and rounded
+(llmc_normal_numpy), which can differ from the C library's in the last bit of a few values.
 """
 import math
 
 import numpy as np
 
+from gpt2np.backends.numpy import cpu_kernels
 from gpt2np.config import GPT2Config
 from gpt2np.rng import llmc_generator
 from gpt2np.tensors import param_shapes, views
@@ -29,15 +31,14 @@ def llmc_normal(n: int, std: float, generator: np.random.MT19937, mean: float = 
     count = (n + (16 if n % 16 else 0)) if n >= 16 else 4 * ((n + 1) // 2)
     draws = generator.random_raw(count).astype(np.uint32)
     out = np.empty(n, np.float32)
-    from gpt2np.backends.numpy import cpu_kernels
-    kernels = cpu_kernels.load()
-    if kernels is not None:
-        kernels.llmc_normal(out.ctypes.data, draws.ctypes.data, n, mean, std)
+    lib = cpu_kernels.load()
+    if lib is not None:
+        lib.llmc_normal(out.ctypes.data, draws.ctypes.data, n, mean, std)
         return out
-    return _normal_numpy(draws, n, np.float32(mean), np.float32(std))
+    return llmc_normal_numpy(draws, n, np.float32(mean), np.float32(std))
 
 
-def _normal_numpy(draws, n, mean, std):
+def llmc_normal_numpy(draws, n, mean, std):
     """llmc_normal's steps in NumPy (no C compiler): float32 arithmetic, log/cos/sin in float64 rounded once."""
     f32 = np.float32
     if n < 16:
@@ -72,6 +73,7 @@ def _box_muller16(u, mean, std):
 
 
 def _f32(fn, x):
+    """fn (log, cos, sin) of float32 x, taken in float64 and rounded to float32."""
     return fn(x.astype(np.float64)).astype(np.float32)
 
 

@@ -5,7 +5,7 @@ Storage: parameters, gradients, activations and the gradient scratch are bfloat1
 statistics (ln1/ln2/lnf mean and rstd), the per-token losses, the fp32 master weights and AdamW's m and v (the
 model allocates them; see model.py), and the gradient norm.
 
-Math: every op runs the fp32 NumPy op (numpy_backend.py, unchanged) on fp32 copies: each bf16 input is upcast
+Math: every op runs the fp32 NumpyBackend's op (backend.py, unchanged) on fp32 copies: each bf16 input is upcast
 (exact) into an fp32 work buffer, the fp32 op computes with fp32 accumulation in every sum and matmul, and each
 bf16 output is rounded once, to nearest even, at the op's boundary: where a bf16 CUDA kernel stores its
 result. So one op's output differs from the fp32 op's on the same (bf16-representable) inputs by one rounding,
@@ -48,6 +48,7 @@ class Bf16NumpyBackend:
     on_launch = None
 
     def __init__(self, threads=None, fused=None, math="exact"):
+        """threads, fused, math: as NumpyBackend's (its fp32 ops do the work)."""
         self.f = NumpyBackend(np.float32, threads=threads, fused=fused, math=math)
         self.threads, self.fused, self.math = self.f.threads, self.f.fused, self.f.math
         self._scratch = self.f._scratch           # one set of work buffers (memory summary counts them)
@@ -199,23 +200,23 @@ class Bf16NumpyBackend:
         if master is not None and master.size != params.size:
             raise ValueError(f"AdamW: {master.size} fp32 master weights for {params.size} bf16 parameters")
         hyper = (lr, beta1, beta2, eps, weight_decay, t, grad_scale)
+        kernels = self.f.fast_kernels()                # the rounding as one C loop on the fast path
         for lo in range(0, params.size, ADAMW_PIECE):
             hi = min(lo + ADAMW_PIECE, params.size)
             g = self.f.scratch("bf16_adamw_grads", hi - lo, F32)
             np.copyto(g, grads[lo:hi])
             if master is not None:
                 self.f.adamw_update(master[lo:hi], g, m[lo:hi], v[lo:hi], *hyper)
-                self.f._chunked(lambda a, b, lo=lo: round_stochastic(master[lo + a:lo + b], params[lo + a:lo + b],
-                                                                     seed, t, offset + lo + a, self.f._kernels),
-                                hi - lo)
+                self.f.chunked(lambda a, b, lo=lo: round_stochastic(
+                    master[lo + a:lo + b], params[lo + a:lo + b], seed, t, offset + lo + a, kernels), hi - lo)
                 continue
 
             def no_master(a, b, lo=lo, g=g):            # one CHUNK: the same elementwise op, so the same bits
                 p = params[lo + a:lo + b].astype(F32)
                 self.f.adamw_update(p, g[a:b], m[lo + a:lo + b], v[lo + a:lo + b], *hyper)
-                round_stochastic(p, params[lo + a:lo + b], seed, t, offset + lo + a, self.f._kernels)
+                round_stochastic(p, params[lo + a:lo + b], seed, t, offset + lo + a, kernels)
 
-            self.f._chunked(no_master, hi - lo)
+            self.f.chunked(no_master, hi - lo)
 
     # ---- the device step's (contract.Backend; the host step uses the ops above) ---------------
     def upload_(self, dst, array):
@@ -247,7 +248,7 @@ class Bf16NumpyBackend:
             g = grads[lo:hi].astype(F32)
             return float(np.dot(g, g))
 
-        return math.fsum(self.f._chunked(part, grads.size))
+        return math.fsum(self.f.chunked(part, grads.size))
 
 
 def _used_rows(inp):
