@@ -1,8 +1,10 @@
-"""Generating tokens from a GPT2 model: temperature and top-k over the real vocabulary, llm.c's sampling rule.
+"""Generating tokens from a GPT2 model: temperature and top-k over the real vocabulary, llm.c's
+sampling rule.
 
-generate() runs the full forward pass over the last T tokens for every new token (the trainer's samples), or,
-with cache=True, a cache of keys and values (KVCache): the prompt goes through the layers once, then each new
-token costs one position: its q, k, v, attention over the cached keys and values, and the MLP of that one row.
+generate() runs the full forward pass over the last T tokens for every new token (the trainer's
+samples), or, with cache=True, a cache of keys and values (KVCache): the prompt goes through the
+layers once, then each new token costs one position: its q, k, v, attention over the cached keys and
+values, and the MLP of that one row.
 """
 import math
 
@@ -16,9 +18,10 @@ from gpt2np.tensors import views
 
 
 def sample_next(logits, rng, temperature=1.0, top_k=0):
-    """One token id from a (V,) row of logits. temperature 0 = greedy; top_k 0 = the whole vocabulary.
-    rng: anything with random() in [0, 1) (a NumPy Generator, LlmcCoins): one coin a token, and the first id whose
-    cumulative probability exceeds it, llm.c's sample_softmax rule (and NumPy's Generator.choice's)."""
+    """One token id from a (V,) row of logits. temperature 0 = greedy; top_k 0 = the whole
+    vocabulary. rng: anything with random() in [0, 1) (a NumPy Generator, LlmcCoins): one coin a
+    token, and the first id whose cumulative probability exceeds it, llm.c's sample_softmax rule
+    (and NumPy's Generator.choice's)."""
     logits = np.asarray(logits, np.float64)
     if temperature <= 0:
         return int(np.argmax(logits))
@@ -30,10 +33,11 @@ def sample_next(logits, rng, temperature=1.0, top_k=0):
     return min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), cdf.size - 1)
 
 
-# ---- decoding with a cache of keys and values ----------------------------------------------------------------
+# ---- decoding with a cache of keys and values -----------------------------------------------
 def layernorm(x, weight, bias):
     """LayerNorm of the rows of x (n, C): the reference op, into a new float32 array."""
-    out, mean, rstd = np.empty(x.shape, np.float32), np.empty(len(x), np.float32), np.empty(len(x), np.float32)
+    out, mean, rstd = np.empty(x.shape, np.float32), np.empty(len(x), np.float32), \
+        np.empty(len(x), np.float32)
     layernorm_forward(out, mean, rstd, x, weight, bias)
     return out
 
@@ -53,12 +57,14 @@ def gelu(x):
 
 
 class KVCache:
-    """The keys and values of every position decoded so far, per layer and head, on the host: (L, NH, maxT, HS).
+    """The keys and values of every position decoded so far, per layer and head, on the host:
+    (L, NH, maxT, HS).
 
-    decode(tokens) appends tokens at positions length, length+1, ... and returns their logits; each runs through
-    the layers alone, attending to the cached keys and values, so a new token costs one position, not the whole
-    sequence. The math is the model's forward pass (the NumPy reference's ops, gpt2np/ops/reference) on the
-    model's own parameters (shared on the numpy backend, a host copy on others), tested against the full forward.
+    decode(tokens) appends tokens at positions length, length+1, ... and returns their logits; each
+    runs through the layers alone, attending to the cached keys and values, so a new token costs one
+    position, not the whole sequence. The math is the model's forward pass (the NumPy reference's
+    ops, gpt2np/ops/reference) on the model's own parameters (shared on the numpy backend, a host
+    copy on others), tested against the full forward.
     """
 
     def __init__(self, model, capacity=None):
@@ -67,7 +73,8 @@ class KVCache:
         self.capacity = int(capacity or cfg.max_seq_len)
         if not 0 < self.capacity <= cfg.max_seq_len:
             raise ValueError(f"KV cache capacity {self.capacity} must be in 1..{cfg.max_seq_len}")
-        params = model.params if isinstance(model.params, np.ndarray) else model.backend.to_host(model.params)
+        params = model.params if isinstance(model.params, np.ndarray) \
+            else model.backend.to_host(model.params)
         self.p = views(params, model.param_shapes)
         L, NH, HS = cfg.num_layers, cfg.num_heads, cfg.head_size
         self.k = np.zeros((L, NH, self.capacity, HS), np.float32)
@@ -79,8 +86,9 @@ class KVCache:
         self.length = 0
 
     def decode(self, tokens, all_logits=False):
-        """Logits of the real vocabulary for new tokens at the next positions: (n, V) with all_logits, else the
-        last token's (V,). The cache grows by n; more than its capacity is a ValueError."""
+        """Logits of the real vocabulary for new tokens at the next positions: (n, V) with
+        all_logits, else the last token's (V,). The cache grows by n; more than its capacity is a
+        ValueError."""
         tokens = np.asarray(tokens, np.int64).reshape(-1)
         cfg, p = self.cfg, self.p
         n, t0 = tokens.size, self.length
@@ -109,7 +117,7 @@ class KVCache:
                 att -= att.max(axis=-1, keepdims=True)
                 np.exp(att, out=att)
                 att /= att.sum(axis=-1, keepdims=True)
-                y = (att @ self.v[l, :, :t1]).transpose(1, 0, 2).reshape(n, C)    # heads concatenated
+                y = (att @ self.v[l, :, :t1]).transpose(1, 0, 2).reshape(n, C)   # heads joined
                 x = x + linear(y, p["attprojw"][l], p["attprojb"][l])
                 h = layernorm(x, p["ln2w"][l], p["ln2b"][l])
                 f = gelu(linear(h, p["fcw"][l], p["fcb"][l]))
@@ -120,12 +128,15 @@ class KVCache:
         return logits if all_logits else logits[0]
 
 
-def generate(model, prompt, max_new_tokens, rng, temperature=1.0, top_k=0, *, cache=False, on_token=None):
-    """prompt: list of token ids -> prompt + max_new_tokens sampled ids; on_token(id) is called for each new one.
+def generate(model, prompt, max_new_tokens, rng, temperature=1.0, top_k=0, *, cache=False,
+             on_token=None):
+    """prompt: list of token ids -> prompt + max_new_tokens sampled ids; on_token(id) is called for
+    each new one.
 
-    cache=False: each step runs the model's forward pass on batch row 0 over the last T tokens (model.T).
-    cache=True: a KVCache of the model's max_seq_len positions; when it is full, it restarts from the last half
-    of the tokens (the context then holds max_seq_len/2 .. max_seq_len tokens).
+    cache=False: each step runs the model's forward pass on batch row 0 over the last T tokens
+    (model.T).
+    cache=True: a KVCache of the model's max_seq_len positions; when it is full, it restarts from
+    the last half of the tokens (the context then holds max_seq_len/2 .. max_seq_len tokens).
     """
     tokens = list(prompt)
     if max_new_tokens <= 0:

@@ -1,17 +1,20 @@
 """llm.c's random init of a GPT-2 (`-e d12` and the other model descriptors), bit for bit.
 
-llm.c's train_gpt2.cu (gpt2_build_from_random) draws every weight from one mt19937 stream seeded 42 (llmc/rand.h,
-PyTorch's generator), in the order PyTorch's GPT-2 initializes its modules: wte (its V real rows; the padding rows
-stay 0), wpe, then layer by layer qkvw, attprojw, fcw, fcprojw; N(0, 0.02), the two projections back into the
-residual stream N(0, 0.02 / sqrt(2 L)) (that std computed in float32); LayerNorm weights 1, every bias 0. A tensor
-is filled as PyTorch's CPU normal_ fills a float tensor: n uniforms u = (draw & (2^24 - 1)) / 2^24, then Box-Muller
-over each block of 16 (radius sqrt(-2 log(1 - u[t] + 1e-12)), angle 2 pi u[t + 8]: cos to t, sin to t + 8), the
-last 16 values redone from 16 more draws when 16 does not divide n; under 16 values, pairs from 53-bit doubles.
+llm.c's train_gpt2.cu (gpt2_build_from_random) draws every weight from one mt19937 stream seeded 42
+(llmc/rand.h, PyTorch's generator), in the order PyTorch's GPT-2 initializes its modules: wte (its V
+real rows; the padding rows stay 0), wpe, then layer by layer qkvw, attprojw, fcw, fcprojw; N(0,
+0.02), the two projections back into the residual stream N(0, 0.02 / sqrt(2 L)) (that std computed
+in float32); LayerNorm weights 1, every bias 0. A tensor is filled as PyTorch's CPU normal_ fills a
+float tensor: n uniforms u = (draw & (2^24 - 1)) / 2^24, then Box-Muller over each block of 16
+(radius sqrt(-2 log(1 - u[t] + 1e-12)), angle 2 pi u[t + 8]: cos to t, sin to t + 8), the last 16
+values redone from 16 more draws when 16 does not divide n; under 16 values, pairs from 53-bit
+doubles.
 
-The transcendental functions are the C library's logf, cosf and sinf (glibc's here, as llm.c's host code calls
-them), through the C loop llmc_normal (gpt2np/backends/numpy/csrc/llmc_normal.c, built by cpu_kernels); where it
-cannot be built, the same steps in NumPy with log, cos and sin taken in float64 and rounded
-(llmc_normal_numpy), which can differ from the C library's in the last bit of a few values.
+The transcendental functions are the C library's logf, cosf and sinf (glibc's here, as llm.c's host
+code calls them), through the C loop llmc_normal (gpt2np/backends/numpy/csrc/llmc_normal.c, built by
+cpu_kernels); where it cannot be built, the same steps in NumPy with log, cos and sin taken in
+float64 and rounded (llmc_normal_numpy), which can differ from the C library's in the last bit of a
+few values.
 """
 import math
 
@@ -26,8 +29,8 @@ LLMC_INIT_SEED = 42              # llm.c's manual_seed(&init_rng, 42)
 
 
 def llmc_normal(n: int, std: float, generator: np.random.MT19937, mean: float = 0.0) -> np.ndarray:
-    """(n,) float32 from llm.c's normal_(data, n, mean, std, state), taking its draws from `generator` (llm.c's
-    mt19937: rng.llmc_generator)."""
+    """(n,) float32 from llm.c's normal_(data, n, mean, std, state), taking its draws from
+    `generator` (llm.c's mt19937: rng.llmc_generator)."""
     count = (n + (16 if n % 16 else 0)) if n >= 16 else 4 * ((n + 1) // 2)
     draws = generator.random_raw(count).astype(np.uint32)
     out = np.empty(n, np.float32)
@@ -39,11 +42,13 @@ def llmc_normal(n: int, std: float, generator: np.random.MT19937, mean: float = 
 
 
 def llmc_normal_numpy(draws, n, mean, std):
-    """llmc_normal's steps in NumPy (no C compiler): float32 arithmetic, log/cos/sin in float64 rounded once."""
+    """llmc_normal's steps in NumPy (no C compiler): float32 arithmetic, log/cos/sin in float64
+    rounded once."""
     f32 = np.float32
     if n < 16:
         words = draws.astype(np.uint64).reshape(-1, 2)
-        doubles = ((words[:, 0] << np.uint64(32) | words[:, 1]) & np.uint64((1 << 53) - 1)) * (1.0 / (1 << 53))
+        bits53 = (words[:, 0] << np.uint64(32) | words[:, 1]) & np.uint64((1 << 53) - 1)
+        doubles = bits53 * (1.0 / (1 << 53))
         u1, u2 = doubles[0::2].astype(f32), doubles[1::2].astype(f32)
         radius = np.sqrt(f32(-2.0) * _f32(np.log, (f32(1.0) - u2) + f32(1e-12)))
         theta = ((2.0 * math.pi) * u1.astype(np.float64)).astype(f32)
@@ -78,21 +83,22 @@ def _f32(fn, x):
 
 
 def llmc_init(cfg: GPT2Config, seed: int = LLMC_INIT_SEED) -> np.ndarray:
-    """The flat float32 parameters (llm.c's tensor order) of llm.c's random init of cfg, its mt19937 seeded `seed`
-    (llm.c's: 42)."""
+    """The flat float32 parameters (llm.c's tensor order) of llm.c's random init of cfg, its mt19937
+    seeded `seed` (llm.c's: 42)."""
     shapes = param_shapes(cfg)
     flat = np.zeros(sum(math.prod(s) for s in shapes.values()), np.float32)
     p = views(flat, shapes)
     L, C, V = cfg.num_layers, cfg.channels, cfg.vocab_size
     generator = llmc_generator(seed)
     std = np.float32(0.02)
-    residual_std = std * (np.float32(1.0) / np.sqrt(np.float32(2.0 * L)))    # 0.02f * (1.0f / sqrtf(2.0f * L))
+    residual_std = std * (np.float32(1.0) / np.sqrt(np.float32(2.0 * L)))   # 0.02f / sqrtf(2.0f L)
     for name in ("ln1w", "ln2w", "lnfw"):
         p[name][...] = 1.0
     p["wte"][:V] = llmc_normal(V * C, std, generator).reshape(V, C)
     p["wpe"][...] = llmc_normal(p["wpe"].size, std, generator).reshape(p["wpe"].shape)
     for layer in range(L):
-        for name, scale in (("qkvw", std), ("attprojw", residual_std), ("fcw", std), ("fcprojw", residual_std)):
+        for name, scale in (("qkvw", std), ("attprojw", residual_std), ("fcw", std),
+                            ("fcprojw", residual_std)):
             w = p[name][layer]
             w[...] = llmc_normal(w.size, scale, generator).reshape(w.shape)
     return flat

@@ -139,7 +139,7 @@ def test_fast_path_skips_non_contiguous_or_other_dtypes():
 def test_no_compiler_means_the_numpy_code(monkeypatch, tmp_path):
     monkeypatch.setenv("GPT2NP_CPU_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")                  # a "compiler" that always fails
-    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "false")
+    monkeypatch.setattr(cpu_kernels, "compiler", lambda: "false")
     assert cpu_kernels.load() is None
     assert NumpyBackend(threads=1).fused is False
     assert NumpyBackend(threads=1, math="fast").math == "exact"

@@ -1,16 +1,16 @@
-"""The NumPy backend: every op of the contract on the CPU, float32 (float64 for the gradient checks).
+"""The NumPy backend: every op of the contract on the CPU (float32; float64 for gradient checks).
 
 Two ways to run an op. math="exact" (the class's default) runs the plain NumPy reference,
 gpt2np/ops/reference, the readable one that every other backend and CUDA kernel is checked against.
-math="fast" (the trainer's default, --cpu-math) runs the C loops of fast.py where it has them, and the
-reference for the rest (the GEMMs, flash attention, the encoder forward, the residual).
+math="fast" (the trainer's default, --cpu-math) runs the C loops of fast.py where it has them, and
+the reference for the rest (the GEMMs, flash attention, the encoder forward, the residual).
 
 NumPy runs a ufunc on one core, so the backend splits an op's rows (tokens, or batch entries for
-attention) into one contiguous block per thread and calls the reference on each block (ufuncs and BLAS
-release the GIL). Every row is computed the same way whatever the split, and column sums (bias and
-LayerNorm gradients) run over all rows at once, so results do not depend on the thread count. The GEMMs
-are the BLAS's: OpenBLAS's own thread count (OPENBLAS_NUM_THREADS, else the cores) can change their last
-bits (1 against 2 threads, for one).
+attention) into one contiguous block per thread and calls the reference on each block (ufuncs and
+BLAS release the GIL). Every row is computed the same way whatever the split, and column sums (bias
+and LayerNorm gradients) run over all rows at once, so results do not depend on the thread count.
+The GEMMs are the BLAS's: OpenBLAS's own thread count (OPENBLAS_NUM_THREADS, else the cores) can
+change their last bits (1 against 2 threads, for one).
 """
 import math
 import os
@@ -37,15 +37,16 @@ from gpt2np.ops.reference import (
     residual,
 )
 
-# AdamW and the gradient norm stream over hundreds of MB: in chunks, a run of chunks per thread. The
-# gradient norm sums one partial sum per CHUNK: its rounding depends on CHUNK (the golden run pins it).
+# AdamW and the gradient norm stream over hundreds of MB: in chunks, a run of chunks per thread.
+# The gradient norm sums one partial sum per CHUNK: its rounding depends on CHUNK (the golden run
+# pins it).
 CHUNK = global_norm.CHUNK
 # GELU goes to the reference in blocks of this many elements, which stay in a core's L2 cache.
 BLOCK = 1 << 15
 # The classifier's rows (Vp floats each) go CLASSIFIER_ROWS at a time for the same reason.
 CLASSIFIER_ROWS = 2
-# An op that does less work than this (in element operations) runs on the calling thread: a hand-off and
-# moving the rows between the cores' caches cost more than they save on small ops.
+# An op that does less work than this (in element operations) runs on the calling thread: a hand-off
+# and moving the rows between the cores' caches cost more than they save on small ops.
 PARALLEL_MIN = 1 << 20
 MATHS = ("exact", "fast")        # NumpyBackend(math=): the reference, or the fast path's C loops
 
@@ -62,11 +63,11 @@ class NumpyBackend:
     on_launch = None
 
     def __init__(self, dtype=np.float32, threads=None, fused=None, math="exact"):
-        """math: "exact" = the NumPy reference (gpt2np/ops/reference); "fast" = the fast path's C loops
-        (fast.py: not bitwise the reference, within the tolerances tests/test_cpu_fast.py documents), float32
-        only. fused: whether the C loops (cpu_kernels) are loaded: None = for math="fast" where they build,
-        False = never (math="fast" then runs the reference: self.math says "exact"), True = they must build
-        (a RuntimeError where they do not)."""
+        """math: "exact" = the NumPy reference (gpt2np/ops/reference); "fast" = the fast path's C
+        loops (fast.py: not bitwise the reference, within the tolerances tests/test_cpu_fast.py
+        documents), float32 only. fused: whether the C loops (cpu_kernels) are loaded: None = for
+        math="fast" where they build, False = never (math="fast" then runs the reference: self.math
+        says "exact"), True = they must build (a RuntimeError where they do not)."""
         if math not in MATHS:
             raise ValueError(f"math={math!r}: expected {' or '.join(MATHS)}")
         self.dtype = np.dtype(dtype)
@@ -80,7 +81,8 @@ class NumpyBackend:
         if fused is not False and self.dtype == np.float32 and (math == "fast" or fused):
             self._kernels = cpu_kernels.load()
             if fused and self._kernels is None:
-                raise RuntimeError("fused=True: the C kernels did not build (no working C compiler?)")
+                raise RuntimeError("fused=True: the C kernels did not build (no working C "
+                                   "compiler?)")
         self.fused = self._kernels is not None
         self.math = math if self.fused else "exact"
 
@@ -88,15 +90,17 @@ class NumpyBackend:
         return "cpu"
 
     def op_cost_variant(self, op, args):
-        """How this backend runs `op` with these arguments, as keywords of its contract cost formula: the fast
-        attention (math="fast", contiguous float32) computes the causal half of its (T,T) products only."""
+        """How this backend runs `op` with these arguments, as keywords of its contract cost
+        formula: the fast attention (math="fast", contiguous float32) computes the causal half of
+        its (T,T) products only."""
         if op in ("attention_forward", "attention_backward") and self.fast_kernels(*args[:4]):
             return {"causal_half": True}
         return {}
 
     # ---- memory -------------------------------------------------------------------------
     def zeros(self, shape, dtype=None):
-        """Zeros; a large array in transparent huge pages where the kernel offers them (huge_pages.huge_zeros)."""
+        """Zeros; a large array in transparent huge pages where the kernel offers them
+        (huge_pages.huge_zeros)."""
         return huge_zeros(shape, dtype or self.dtype)
 
     def from_host(self, array, dtype=None):
@@ -150,20 +154,22 @@ class NumpyBackend:
             fast.layernorm_forward(self, lib, out, mean, rstd, inp, weight, bias)
             return
         C = inp.shape[-1]
-        out, mean, rstd, inp = out.reshape(-1, C), mean.reshape(-1), rstd.reshape(-1), inp.reshape(-1, C)
-        self.parallel(lambda lo, hi: layernorm.layernorm_forward(out[lo:hi], mean[lo:hi], rstd[lo:hi],
-                                                                 inp[lo:hi], weight, bias), inp.shape[0], 2 * C)
+        out, inp = out.reshape(-1, C), inp.reshape(-1, C)
+        mean, rstd = mean.reshape(-1), rstd.reshape(-1)
+        self.parallel(lambda lo, hi: layernorm.layernorm_forward(
+            out[lo:hi], mean[lo:hi], rstd[lo:hi], inp[lo:hi], weight, bias), inp.shape[0], 2 * C)
 
-    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True,
-                           fused=False):
+    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd,
+                           accumulate=True, fused=False):
         """dinp (B,T,C) +=, dweight (C) +=, dbias (C) +=, from dout and the saved mean, rstd.
 
-        accumulate=False overwrites dweight and dbias instead (dinp always accumulates). `fused` (the CUDA
-        backend's one-pass kernel) changes nothing here.
+        accumulate=False overwrites dweight and dbias instead (dinp always accumulates). `fused`
+        (the CUDA backend's one-pass kernel) changes nothing here.
         """
         lib = self.fast_kernels(dinp, dout, inp, weight, mean, rstd)
         if lib:
-            fast.layernorm_backward(self, lib, dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate)
+            fast.layernorm_backward(self, lib, dinp, dweight, dbias, dout, inp, weight, mean, rstd,
+                                    accumulate)
             return
         C = inp.shape[-1]
         N = inp.size // C
@@ -171,40 +177,45 @@ class NumpyBackend:
             mean.reshape(N), rstd.reshape(N)
         x_hat = self.scratch("ln_x_hat", (N, C))
         self.parallel(lambda lo, hi: layernorm.layernorm_backward_rows(
-            dinp[lo:hi], x_hat[lo:hi], dout[lo:hi], inp[lo:hi], weight, mean[lo:hi], rstd[lo:hi]), N, 3 * C)
-        layernorm.layernorm_backward_params(dweight, dbias, dout, x_hat, accumulate)   # over all rows at once
+            dinp[lo:hi], x_hat[lo:hi], dout[lo:hi], inp[lo:hi], weight, mean[lo:hi], rstd[lo:hi]),
+            N, 3 * C)
+        layernorm.layernorm_backward_params(dweight, dbias, dout, x_hat, accumulate)    # all rows
 
     def fused_residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, weight, bias):
-        """residual = inp1 + inp2; out = layernorm(residual): residual_forward then layernorm_forward (the
-        same results bitwise)."""
+        """residual = inp1 + inp2; out = layernorm(residual): residual_forward then
+        layernorm_forward (the same results bitwise)."""
         self.residual_forward(residual, inp1, inp2)
         self.layernorm_forward(out, mean, rstd, residual, weight, bias)
 
     # ---- matmul -------------------------------------------------------------------------
     def matmul_forward(self, out, inp, weight, bias, fused=False):
-        """out (B,T,OC) = inp (B,T,C) @ weight (OC,C)^T + bias (OC); `fused` changes nothing here."""
+        """out (B,T,OC) = inp (B,T,C) @ weight (OC,C)^T + bias (OC); `fused` changes nothing here.
+        """
         matmul.matmul_forward(out, inp, weight, bias)
 
-    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True, fused=False):
-        """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp;  dbias (OC) += sum dout over (B,T).
+    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, accumulate=True,
+                        fused=False):
+        """dinp (B,T,C) = dout @ weight;  dweight (OC,C) += dout^T @ inp;
+        dbias (OC) += sum dout over (B,T).
 
-        accumulate=False overwrites dweight and dbias instead (their old contents are ignored). `fused` changes
-        nothing here.
+        accumulate=False overwrites dweight and dbias instead (their old contents are ignored).
+        `fused` changes nothing here.
         """
         lib = self.fast_kernels(dout)
-        if lib and dbias is not None and dbias.shape[0] > 1:   # first, while dout is in this core's cache
+        if lib and dbias is not None and dbias.shape[0] > 1:   # first, while dout is in cache
             fast.matmul_backward_bias(self, lib, dbias, dout, accumulate)
             dbias = None
         matmul.matmul_backward(dinp, dweight, dbias, dout, inp, weight, accumulate)
 
     def matmul_gelu_forward(self, out, pre, inp, weight, bias):
-        """pre (B,T,OC) = inp @ weight^T + bias; out = gelu(pre): matmul_forward then gelu_forward (bitwise)."""
+        """pre (B,T,OC) = inp @ weight^T + bias; out = gelu(pre): matmul_forward then gelu_forward
+        (bitwise)."""
         self.matmul_forward(pre, inp, weight, bias)
         self.gelu_forward(out, pre)
 
     def gelu_matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, pre, accumulate=True):
-        """dinp (B,T,C) = (dout @ weight) * gelu'(pre); dweight, dbias as matmul_backward: matmul_backward then
-        gelu_backward in place (bitwise)."""
+        """dinp (B,T,C) = (dout @ weight) * gelu'(pre); dweight, dbias as matmul_backward:
+        matmul_backward then gelu_backward in place (bitwise)."""
         self.matmul_backward(dinp, dweight, dbias, dout, inp, weight, accumulate)
         self.gelu_backward(dinp, pre, dinp)
 
@@ -222,27 +233,29 @@ class NumpyBackend:
             return
         B, T, _ = inp.shape
         _, _, NH, _, HS = qkvr.shape
-        self.parallel(lambda lo, hi: attention.attention_forward(out[lo:hi], qkvr[:, lo:hi], att[lo:hi],
-                                                                 inp[lo:hi]), B, 2 * NH * T * T * HS)
+        self.parallel(lambda lo, hi: attention.attention_forward(
+            out[lo:hi], qkvr[:, lo:hi], att[lo:hi], inp[lo:hi]), B, 2 * NH * T * T * HS)
 
     def attention_backward(self, dinp, dout, qkvr, att):
-        """dinp (B,T,3C) = d[q|k|v] from dout (B,T,C), the saved qkvr (3,B,NH,T,HS) and att (B,NH,T,T)."""
+        """dinp (B,T,3C) = d[q|k|v] from dout (B,T,C), the saved qkvr (3,B,NH,T,HS) and att
+        (B,NH,T,T)."""
         lib = self.fast_kernels(dinp, dout, qkvr, att)
         if lib:
             fast.attention_backward(self, lib, dinp, dout, qkvr, att)
             return
         B, T, _ = dout.shape
         _, _, NH, _, HS = qkvr.shape
-        self.parallel(lambda lo, hi: attention.attention_backward(dinp[lo:hi], dout[lo:hi], qkvr[:, lo:hi],
-                                                                  att[lo:hi]), B, 4 * NH * T * T * HS)
+        self.parallel(lambda lo, hi: attention.attention_backward(
+            dinp[lo:hi], dout[lo:hi], qkvr[:, lo:hi], att[lo:hi]), B, 4 * NH * T * T * HS)
 
     # ---- flash attention ------------------------------------------------------------------
     def flash_attention_forward(self, out, lse, inp):
-        """Causal self-attention. inp (B,T,3C) = [q | k | v];  out (B,T,C) = softmax(q k^T / sqrt(HS), future
-        masked) @ v with heads concatenated;  lse (B,NH,T) = logsumexp of each row of the scaled, masked scores."""
+        """Causal self-attention. inp (B,T,3C) = [q | k | v];  out (B,T,C) = softmax(q k^T /
+        sqrt(HS), future masked) @ v with heads concatenated;  lse (B,NH,T) = logsumexp of each row
+        of the scaled, masked scores."""
         B, T, C3 = inp.shape
-        self.parallel(lambda lo, hi: flash_attention.flash_attention_forward(out[lo:hi], lse[lo:hi], inp[lo:hi]),
-                      B, 2 * T * T * C3 // 3)
+        self.parallel(lambda lo, hi: flash_attention.flash_attention_forward(
+            out[lo:hi], lse[lo:hi], inp[lo:hi]), B, 2 * T * T * C3 // 3)
 
     def flash_attention_backward(self, dinp, dout, inp, out, lse):
         """dinp (B,T,3C) = d[q|k|v] from dout (B,T,C), inp (B,T,3C), out (B,T,C), lse (B,NH,T): the
@@ -305,43 +318,47 @@ class NumpyBackend:
         Vp = logits.shape[-1]
         rows, losses, targets = logits.reshape(-1, Vp), losses.reshape(-1), targets.reshape(-1)
 
-        def part(lo, hi):                                      # a few rows at a time: they stay in cache
+        def part(lo, hi):                                      # a few rows at a time, in cache
             for a, b in _blocks(lo, hi, CLASSIFIER_ROWS):
-                classifier.fused_classifier(rows[a:b], losses[a:b], targets[a:b], V, dloss, write_dlogits)
+                classifier.fused_classifier(rows[a:b], losses[a:b], targets[a:b], V, dloss,
+                                            write_dlogits)
 
         self.parallel(part, rows.shape[0], 2 * Vp)
 
     # ---- optimizer ----------------------------------------------------------------------
-    def adamw_update(self, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, *,
-                     master=None, seed=0, offset=0):
-        """AdamW (decoupled weight decay, bias correction) on flat float32 segments, in place. float32 parameters
-        are their own master weights: master must be None (bf16 storage is Bf16NumpyBackend's); seed, offset are
-        unused."""
+    def adamw_update(self, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t,
+                     grad_scale=1.0, *, master=None, seed=0, offset=0):
+        """AdamW (decoupled weight decay, bias correction) on flat float32 segments, in place.
+        float32 parameters are their own master weights: master must be None (bf16 storage is
+        Bf16NumpyBackend's); seed, offset are unused."""
         if master is not None:
-            raise ValueError("NumpyBackend.adamw_update: float32 parameters take no master weights (master= is for "
-                             "bf16 storage)")
+            raise ValueError("NumpyBackend.adamw_update: float32 parameters take no master weights "
+                             "(master= is for bf16 storage)")
         lib = self.fast_kernels(params, grads, m, v)
         if lib:
-            fast.adamw_update(self, lib, params, grads, m, v, lr, beta1, beta2, eps, weight_decay, t, grad_scale)
+            fast.adamw_update(self, lib, params, grads, m, v, lr, beta1, beta2, eps, weight_decay,
+                              t, grad_scale)
             return
-        self.chunked(lambda lo, hi: adamw.adamw_update(params[lo:hi], grads[lo:hi], m[lo:hi], v[lo:hi], lr, beta1,
-                                                       beta2, eps, weight_decay, t, grad_scale), params.size)
+        self.chunked(lambda lo, hi: adamw.adamw_update(
+            params[lo:hi], grads[lo:hi], m[lo:hi], v[lo:hi], lr, beta1, beta2, eps, weight_decay, t,
+            grad_scale), params.size)
 
-    def adamw_update_device(self, params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed, grad_clip, *,
-                            master=None, seed=0, offset=0):
-        """The CUDA kernel adamw_update_device's arithmetic in float32 (the reference its emulated runs are checked
-        against; the NumPy training step runs adamw_update): scalars = [lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t),
-        1 - lr wd, t (its bits), loss limit, norm limit], stats = [loss, squared grad norm]; nothing changes when
-        either statistic is not finite or above its outlier limit (the float32 loss, the norm in double). bf16
-        params and grads (as the bf16 build of the kernel takes them): the grads are upcast, master gets the update
-        and params = bf16.round_stochastic(master, seed, t, offset); without master (-w 0) the upcast params are
+    def adamw_update_device(self, params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed,
+                            grad_clip, *, master=None, seed=0, offset=0):
+        """The CUDA kernel adamw_update_device's arithmetic in float32 (the reference its emulated
+        runs are checked against; the NumPy training step runs adamw_update): scalars = [lr / (1 -
+        beta1^t), 1 / sqrt(1 - beta2^t), 1 - lr wd, t (its bits), loss limit, norm limit], stats =
+        [loss, squared grad norm]; nothing changes when either statistic is not finite or above its
+        outlier limit (the float32 loss, the norm in double). bf16 params and grads (as the bf16
+        build of the kernel takes them): the grads are upcast, master gets the update and params =
+        bf16.round_stochastic(master, seed, t, offset); without master (-w 0) the upcast params are
         what is updated, then rounded the same way."""
         f32 = np.float32
         loss, norm_squared = f32(stats[0]), f32(stats[1])
         if not (np.isfinite(loss) and np.isfinite(norm_squared)) or loss > f32(scalars[4]):
             return
         norm = math.sqrt(float(norm_squared))
-        if norm > float(f32(scalars[5])):                     # an outlier (gpt2np.outlier): no update
+        if norm > float(f32(scalars[5])):             # an outlier (gpt2np.outlier): no update
             return
         clip = float(f32(grad_clip)) if grad_clip is not None and grad_clip > 0 else 0.0
         scale = f32(clip / norm) if clip > 0 and norm > clip else f32(1.0)
@@ -374,11 +391,13 @@ class NumpyBackend:
         lib = self.fast_kernels(grads)
         if lib:
             return fast.global_norm_squared(self, lib, grads, CHUNK)
-        return math.fsum(self.chunked(lambda lo, hi: global_norm.sum_squares(grads[lo:hi]), grads.size))
+        parts = self.chunked(lambda lo, hi: global_norm.sum_squares(grads[lo:hi]), grads.size)
+        return math.fsum(parts)
 
     # ---- the threads --------------------------------------------------------------------
     def fast_kernels(self, *arrays):
-        """cpu_kernels' library when math="fast" and every array is C-contiguous float32, else None."""
+        """cpu_kernels' library when math="fast" and every array is C-contiguous float32, else None.
+        """
         if self.math != "fast" or self._kernels is None:
             return None
         if all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays):
@@ -396,12 +415,14 @@ class NumpyBackend:
         return buf[:size]
 
     def chunked(self, fn, n):
-        """[fn(lo, hi) for each CHUNK of range(n)]; each thread takes an equal run of chunks in order."""
+        """[fn(lo, hi) for each CHUNK of range(n)]; each thread takes an equal run of chunks in
+        order."""
         chunks = [(lo, min(lo + CHUNK, n)) for lo in range(0, n, CHUNK)]
         if self._pool is None or len(chunks) < 2:
             return [fn(lo, hi) for lo, hi in chunks]
         parts = min(self.threads, len(chunks))
-        runs = [chunks[len(chunks) * i // parts:len(chunks) * (i + 1) // parts] for i in range(parts)]
+        runs = [chunks[len(chunks) * i // parts:len(chunks) * (i + 1) // parts]
+                for i in range(parts)]
         results = self._pool.map(lambda run: [fn(lo, hi) for lo, hi in run], runs)
         return [r for part in results for r in part]
 
@@ -417,7 +438,7 @@ class NumpyBackend:
             return
         bounds = [rows * i // parts for i in range(parts + 1)]
         futures = [self._pool.submit(fn, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
-        fn(bounds[0], bounds[1])                              # the calling thread takes the first block
+        fn(bounds[0], bounds[1])                  # the calling thread takes the first block
         for future in futures:
             future.result()
 

@@ -1,17 +1,20 @@
 """Builds and loads the numpy backend's C loops (csrc/*.c), one library compiled on first use.
 
-csrc/fast.c      the fast path (--cpu-math fast): whole ops in one loop each, not bitwise the reference
-                 (FAST_FLAGS: FMA contraction allowed)
-csrc/bitwise.c   the fast path's loops that are bitwise the NumPy reference: AdamW, the column sums of the
-                 bias gradient, the token embedding gradient, bf16's stochastic rounding (EXACT_FLAGS)
-csrc/llmc_normal.c  llm.c's random init draws in the C library's logf, cosf, sinf (gpt2np.init; EXACT_FLAGS)
+csrc/fast.c         the fast path (--cpu-math fast): whole ops in one loop each, not bitwise the
+                    reference (FAST_FLAGS: FMA contraction allowed)
+csrc/bitwise.c      the fast path's loops that are bitwise the NumPy reference: AdamW, the column
+                    sums of the bias gradient, the token embedding gradient, bf16's stochastic
+                    rounding (EXACT_FLAGS)
+csrc/llmc_normal.c  llm.c's random init draws in the C library's logf, cosf, sinf (gpt2np.init;
+                    EXACT_FLAGS)
 
 The library is built with the system C compiler ($CC, else cc, gcc) into $GPT2NP_CPU_CACHE (default
-~/.cache/gpt2np/cpu), keyed by the sources, the flags, the compiler and the CPU; when no compiler works,
-load() returns None and the backend runs the NumPy reference.
+~/.cache/gpt2np/cpu), keyed by the sources, the flags, the compiler and the CPU; when no compiler
+works, load() returns None and the backend runs the NumPy reference.
 """
 import ctypes
 import hashlib
+import importlib.resources
 import os
 import platform
 import shutil
@@ -20,12 +23,13 @@ import tempfile
 import threading
 from pathlib import Path
 
-CSRC = Path(__file__).with_name("csrc")
+CSRC = Path(str(importlib.resources.files("gpt2np.backends.numpy") / "csrc"))   # package data
 # No -ffast-math, no FMA contraction: every operation rounds to float32 as NumPy's does.
 # -fno-math-errno only lets sqrtf become one instruction (it is correctly rounded either way).
 EXACT_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c99", "-fPIC"]
 # The fast set: a*b+c may become one FMA; -fno-trapping-math lets the selects (x < lo ? lo : x,
-# NaN-preserving, unlike fminf) vectorize. Still no -ffast-math: NaN and infinities keep their meaning.
+# NaN-preserving, unlike fminf) vectorize. Still no -ffast-math: NaN and infinities keep their
+# meaning.
 FAST_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
               "-std=c99", "-fPIC"]
 SOURCES = {"bitwise.c": EXACT_FLAGS, "llmc_normal.c": EXACT_FLAGS, "fast.c": FAST_FLAGS}
@@ -60,7 +64,7 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "gpt2np" / "cpu"
 
 
-def _compiler():
+def compiler():
     """The C compiler's path: $CC, else cc, else gcc; None when there is none."""
     for name in (os.environ.get("CC"), "cc", "gcc"):
         if name and shutil.which(name):
@@ -101,13 +105,15 @@ def _run(command, cc):
 
 def _key(cc: str, version: str) -> str:
     """The cache key: the sources, their flags, the compiler and the CPU."""
-    parts = [f"{name}\0{(CSRC / name).read_text()}\0{' '.join(flags)}" for name, flags in SOURCES.items()]
+    parts = [f"{name}\0{(CSRC / name).read_text()}\0{' '.join(flags)}"
+             for name, flags in SOURCES.items()]
     return hashlib.sha256("\0".join([*parts, cc, version, _cpu_id()]).encode()).hexdigest()[:16]
 
 
 def load():
-    """The built library (a ctypes CDLL with SIGNATURES set), or None when it cannot be built here."""
-    cc = _compiler()
+    """The built library (a ctypes CDLL with SIGNATURES set), or None when it cannot be built here.
+    """
+    cc = compiler()
     if cc is None:
         return None
     try:

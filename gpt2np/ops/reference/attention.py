@@ -1,4 +1,5 @@
-"""Causal self-attention that keeps the (T,T) probabilities for the backward pass (kernels/attention.cu)."""
+"""Causal self-attention that keeps the (T,T) probabilities for its backward pass
+(kernels/attention.cu)."""
 import functools
 import math
 
@@ -33,7 +34,8 @@ def attention_forward(out, qkvr, att, inp):
 
 def attention_backward(dinp, dout, qkvr, att):
     """dinp (B,T,3C) = d[q|k|v] from dout (B,T,C), the saved qkvr (3,B,NH,T,HS) and att (B,NH,T,T):
-    dv = att^T dy;  datt = dy v^T;  dpre = att (datt - sum(datt att)) / sqrt(HS);  dq = dpre k;  dk = dpre^T q."""
+    dv = att^T dy;  datt = dy v^T;  dpre = att (datt - sum(datt att)) / sqrt(HS);
+    dq = dpre k;  dk = dpre^T q."""
     B, T, C = dout.shape
     _, _, NH, _, HS = qkvr.shape
     q, k, v = qkvr

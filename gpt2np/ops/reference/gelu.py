@@ -8,9 +8,9 @@ GELU_CUBE = 0.044715
 
 
 def gelu_forward(out, inp):
-    """out = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), x = inp (any shape), in float32 as
-    out = ((tanh(((x x 0.044715 + 1) x) sqrt(2/pi)) + 1) x) 0.5: this order is the reference's (the
-    emulator's GEMM epilogue and the tests match it bitwise)."""
+    """out = 0.5 x (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3), x = inp (any shape).
+    In float32 as u = ((x x 0.044715 + 1) x) sqrt(2/pi), out = ((tanh u + 1) x) 0.5: the emulator's
+    GELU epilogue takes this order too, bit for bit."""
     x = inp
     np.multiply(x, x, out=out)
     out *= GELU_CUBE

@@ -3,7 +3,8 @@ import math
 
 import numpy as np
 
-# One float32 partial sum per CHUNK elements: its rounding depends on CHUNK, so CHUNK is part of the results.
+# One float32 partial sum per CHUNK elements: its rounding depends on CHUNK, so CHUNK is part of the
+# results.
 CHUNK = 1 << 17
 
 
@@ -13,5 +14,6 @@ def sum_squares(grads):
 
 
 def global_norm_squared(grads):
-    """sum(grads^2) of a flat buffer (n): one float32 sum per CHUNK, the chunks added exactly (math.fsum)."""
+    """sum(grads^2) of a flat buffer (n): one float32 sum per CHUNK, the chunks added exactly
+    (math.fsum)."""
     return math.fsum(sum_squares(grads[lo:lo + CHUNK]) for lo in range(0, grads.size, CHUNK))

@@ -5,7 +5,8 @@ EPS = 1e-5
 
 
 def layernorm_forward(out, mean, rstd, inp, weight, bias):
-    """out (N,C) = (inp - mean) * rstd * weight (C) + bias (C); saves mean, rstd (N). Rows may be (B,T)."""
+    """out (N,C) = (inp - mean) * rstd * weight (C) + bias (C); saves mean, rstd (N).
+    Rows may be (B,T)."""
     C = inp.shape[-1]
     x, out, mean, rstd = inp.reshape(-1, C), out.reshape(-1, C), mean.reshape(-1), rstd.reshape(-1)
     np.mean(x, axis=-1, out=mean)
@@ -18,16 +19,16 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias):
 
 
 def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, accumulate=True):
-    """dinp (N,C) += d inp; dweight, dbias (C) += (= with accumulate=False), from dout (N,C), inp (N,C),
-    weight (C) and the saved mean, rstd (N)."""
+    """dinp (N,C) += d inp;  dweight, dbias (C) += (= with accumulate=False);
+    from dout (N,C), inp (N,C), weight (C) and the saved mean, rstd (N)."""
     x_hat = np.empty(dout.shape, dout.dtype)
     layernorm_backward_rows(dinp, x_hat, dout, inp, weight, mean, rstd)
     layernorm_backward_params(dweight, dbias, dout, x_hat, accumulate)
 
 
 def layernorm_backward_rows(dinp, x_hat, dout, inp, weight, mean, rstd):
-    """dinp (N,C) += (g - mean(g) - x_hat mean(g x_hat)) rstd, with g = dout * weight, each row alone;
-    x_hat (N,C) = (inp - mean) * rstd is written too (the parameter gradients need it)."""
+    """dinp (N,C) += (g - mean(g) - x_hat mean(g x_hat)) rstd, with g = dout * weight, each row
+    alone; x_hat (N,C) = (inp - mean) * rstd is written too (the parameter gradients need it)."""
     C = inp.shape[-1]
     dinp, x_hat, dout, inp = (a.reshape(-1, C) for a in (dinp, x_hat, dout, inp))
     mean, rstd = mean.reshape(-1, 1), rstd.reshape(-1, 1)

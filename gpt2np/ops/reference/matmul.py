@@ -11,8 +11,8 @@ def matmul_forward(out, inp, weight, bias):
 
 
 def matmul_backward(dinp, dweight, dbias, dout, inp, weight, accumulate=True):
-    """dinp (N,C) = dout (N,OC) @ weight (OC,C);  dweight (OC,C) += dout^T @ inp;  dbias (OC) += sum of dout
-    over the rows (dbias may be None). accumulate=False: = instead of +=."""
+    """dinp (N,C) = dout (N,OC) @ weight (OC,C);  dweight (OC,C) += dout^T @ inp;
+    dbias (OC) += sum of dout over the rows (dbias may be None). accumulate=False: = for +=."""
     OC, C = weight.shape
     dout, inp = dout.reshape(-1, OC), inp.reshape(-1, C)
     if dbias is not None:

@@ -1,7 +1,7 @@
 /* The fast path's loops whose results are BITWISE the NumPy reference's (gpt2np/ops/reference):
-   each performs the reference's float32 operations in the same order, each rounded to float32 (built
-   without FMA contraction or fast-math: cpu_kernels.EXACT_FLAGS), in one pass over memory where NumPy
-   makes many. tests/test_cpu_kernels.py checks each against the reference. */
+   each performs the reference's float32 operations in the same order, each rounded to float32
+   (built without FMA contraction or fast-math: cpu_kernels.EXACT_FLAGS), in one pass over memory
+   where NumPy makes many. tests/test_cpu_kernels.py checks each against the reference. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>

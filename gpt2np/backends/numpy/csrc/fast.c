@@ -1,14 +1,15 @@
-/* The numpy backend's fast path (--cpu-math fast): whole ops in one loop each, not bitwise the NumPy
-   reference (gpt2np/ops/reference). Each has its own e^x (exp8, 8 lanes at a time: within 1.02 ulp of
-   the float64 value, where NumPy's float32 exp is within about 2.5 and not vectorized on every CPU; GELU
-   and the softmaxes clamp their arguments first and skip its selects), every row sum in double (the
-   norm's: float blocks of 1024 added in double), and FMA contraction allowed (cpu_kernels.FAST_FLAGS):
-   GELU forward and backward (through sigmoid(2u) = (1 + tanh u) / 2, one e^x and no cancellation near
-   GELU's zero), LayerNorm forward and backward rows, causal attention forward and backward per head (the
-   masked half of its products skipped), the classifier's softmax + cross-entropy, the sum of squares.
-   The documented tolerance is a bound per op on the distance from the float64 value of the same formula
-   (tests/test_cpu_fast.py lists them). Results do not depend on the thread count (every row is computed
-   alone), only on the machine's vector width and FMA (the library is built with -march=native). */
+/* The numpy backend's fast path (--cpu-math fast): whole ops in one loop each, not bitwise the
+   NumPy reference (gpt2np/ops/reference). Each has its own e^x (exp8, 8 lanes at a time: within
+   1.02 ulp of the float64 value, where NumPy's float32 exp is within about 2.5 and not vectorized
+   on every CPU; GELU and the softmaxes clamp their arguments first and skip its selects), every
+   row sum in double (the norm's: float blocks of 1024 added in double), and FMA contraction
+   allowed (cpu_kernels.FAST_FLAGS): GELU forward and backward (through sigmoid(2u) = (1 + tanh u)
+   / 2, one e^x and no cancellation near GELU's zero), LayerNorm forward and backward rows, causal
+   attention forward and backward per head (the masked half of its products skipped), the
+   classifier's softmax + cross-entropy, the sum of squares. The documented tolerance is a bound
+   per op on the distance from the float64 value of the same formula (tests/test_cpu_fast.py lists
+   them). Results do not depend on the thread count (every row is computed alone), only on the
+   machine's vector width and FMA (the library is built with -march=native). */
 #include <math.h>
 #ifdef __AVX__
 #include <immintrin.h>

@@ -1,6 +1,6 @@
 /* llm.c's random init draws (gpt2np/init.py), in the C library's logf, cosf and sinf, as llm.c's
-   host code calls them. Built without FMA contraction or fast-math (cpu_kernels.EXACT_FLAGS): float32
-   arithmetic as written. */
+   host code calls them. Built without FMA contraction or fast-math (cpu_kernels.EXACT_FLAGS):
+   float32 arithmetic as written. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
