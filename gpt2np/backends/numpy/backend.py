@@ -41,7 +41,8 @@ from gpt2np.ops.reference import (
 # The gradient norm sums one partial sum per CHUNK: its rounding depends on CHUNK (the golden run
 # pins it).
 CHUNK = global_norm.CHUNK
-# GELU goes to the reference in blocks of this many elements, which stay in a core's L2 cache.
+# GELU and AdamW go to the reference in blocks of this many elements, which stay in a core's L2
+# cache with their temporaries.
 BLOCK = 1 << 15
 # The classifier's rows (Vp floats each) go CLASSIFIER_ROWS at a time for the same reason.
 CLASSIFIER_ROWS = 2
@@ -339,9 +340,13 @@ class NumpyBackend:
             fast.adamw_update(self, lib, params, grads, m, v, lr, beta1, beta2, eps, weight_decay,
                               t, grad_scale)
             return
-        self.chunked(lambda lo, hi: adamw.adamw_update(
-            params[lo:hi], grads[lo:hi], m[lo:hi], v[lo:hi], lr, beta1, beta2, eps, weight_decay, t,
-            grad_scale), params.size)
+
+        def chunk(lo, hi):                                     # in blocks that stay in cache
+            for a, b in _blocks(lo, hi, BLOCK):
+                adamw.adamw_update(params[a:b], grads[a:b], m[a:b], v[a:b], lr, beta1, beta2, eps,
+                                   weight_decay, t, grad_scale)
+
+        self.chunked(chunk, params.size)
 
     def adamw_update_device(self, params, grads, m, v, scalars, stats, beta1, beta2, eps, decayed,
                             grad_clip, *, master=None, seed=0, offset=0):
