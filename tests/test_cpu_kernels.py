@@ -1,7 +1,8 @@
-"""The fast path's C loops that stand for reference code (backends/numpy/csrc/bitwise.c: AdamW, the bias gradient's
-column sums, the token embedding gradient, bf16's stochastic rounding) give BITWISE the reference's results, op by op
-on awkward sizes and values. Also the exact path (the reference, called on blocks of rows, classifier rows and GELU
-elements) against itself unsplit: op by op and over whole training steps."""
+"""The fast path's C loops that stand for reference code (backends/numpy/csrc/bitwise.c: AdamW, the
+bias gradient's column sums, the token embedding gradient, bf16's stochastic rounding) give BITWISE
+the reference's results, op by op on awkward sizes and values. Also the exact path (the reference,
+called on blocks of rows, classifier rows and GELU elements) against itself unsplit: op by op and
+over whole training steps."""
 import re
 
 import numpy as np
@@ -14,7 +15,8 @@ from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 from gpt2np.train_step import AdamW, train_step
 
-needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the fast path is off")
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
+                                   reason="no C compiler: the fast path is off")
 
 CFG = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=16)
 
@@ -131,9 +133,10 @@ def test_fast_path_skips_non_contiguous_or_other_dtypes():
     fused = NumpyBackend(threads=1, math="fast")
     x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
     assert fused.fast_kernels(x) is not None
-    assert fused.fast_kernels(x[:, :, ::2]) is None and fused.fast_kernels(x.astype(np.float64)) is None
+    assert fused.fast_kernels(x[:, :, ::2]) is None
+    assert fused.fast_kernels(x.astype(np.float64)) is None
     assert NumpyBackend(dtype=np.float64).fused is False
-    assert NumpyBackend(threads=1).fast_kernels(x) is None             # the exact path: the reference only
+    assert NumpyBackend(threads=1).fast_kernels(x) is None        # the exact path: the reference
 
 
 def test_no_compiler_means_the_numpy_code(monkeypatch, tmp_path):

@@ -222,8 +222,8 @@ def test_a_one_ulp_update_change_fails(tmp_path, exact_gemms, monkeypatch):
 
 
 def test_a_swapped_op_order_fails(tmp_path, exact_gemms, monkeypatch):
-    """A planted change: the reference LayerNorm's scale as (x - mean) * (rstd * weight), the same math in another
-    order (the exact path runs the reference). The comparison fails."""
+    """A planted change: the reference LayerNorm's scale as (x - mean) * (rstd * weight), the same
+    math in another order (the exact path runs the reference). The comparison fails."""
     needs_recording_machine_math()
 
     def layernorm_forward(out, mean, rstd, inp, weight, bias):

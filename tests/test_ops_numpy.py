@@ -1,5 +1,6 @@
-"""Each reference op's backward (gpt2np/ops/reference) against float64 central finite differences of its forward,
-on tiny shapes; and the numpy backend, which runs them on its threads, against itself on one thread."""
+"""Each reference op's backward (gpt2np/ops/reference) against float64 central finite differences of
+its forward, on tiny shapes; and the numpy backend, which runs them on its threads, against itself
+on one thread."""
 import math
 
 import numpy as np
