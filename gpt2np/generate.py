@@ -1,24 +1,27 @@
-"""Generating tokens from a GPT2 model: temperature and top-k over the real vocabulary, llm.c's sampling rule.
+"""Generating tokens from a GPT2 model: temperature and top-k over the real vocabulary, llm.c's
+sampling rule.
 
-generate() runs the full forward pass over the last T tokens for every new token (the trainer's samples), or,
-with cache=True, a cache of keys and values (KVCache): the prompt goes through the layers once, then each new
-token costs one position: its q, k, v, attention over the cached keys and values, and the MLP of that one row.
+generate() runs the full forward pass over the last T tokens for every new token (the trainer's
+samples), or, with cache=True, a cache of keys and values (KVCache): the prompt goes through the
+layers once, then each new token costs one position: its q, k, v, attention over the cached keys and
+values, and the MLP of that one row.
 """
 import math
 
 import numpy as np
 
 from gpt2np import ranges
+from gpt2np.ops.reference.gelu import gelu_forward
+from gpt2np.ops.reference.layernorm import layernorm_forward
+from gpt2np.ops.reference.matmul import matmul_forward
 from gpt2np.tensors import views
-
-LN_EPS = 1e-5
-GELU_SCALE = math.sqrt(2.0 / math.pi)
 
 
 def sample_next(logits, rng, temperature=1.0, top_k=0):
-    """One token id from a (V,) row of logits. temperature 0 = greedy; top_k 0 = the whole vocabulary.
-    rng: anything with random() in [0, 1) (a NumPy Generator, LlmcCoins): one coin a token, and the first id whose
-    cumulative probability exceeds it, llm.c's sample_softmax rule (and NumPy's Generator.choice's)."""
+    """One token id from a (V,) row of logits. temperature 0 = greedy; top_k 0 = the whole
+    vocabulary. rng: anything with random() in [0, 1) (a NumPy Generator, LlmcCoins): one coin a
+    token, and the first id whose cumulative probability exceeds it, llm.c's sample_softmax rule
+    (and NumPy's Generator.choice's)."""
     logits = np.asarray(logits, np.float64)
     if temperature <= 0:
         return int(np.argmax(logits))
@@ -30,31 +33,38 @@ def sample_next(logits, rng, temperature=1.0, top_k=0):
     return min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), cdf.size - 1)
 
 
-# ---- decoding with a cache of keys and values ----------------------------------------------------------------
-def _layernorm(x, weight, bias):
-    xc = x - x.mean(axis=-1, keepdims=True)
-    rstd = (1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + np.float32(LN_EPS))).astype(np.float32)
-    return xc * rstd * weight + bias
+# ---- decoding with a cache of keys and values -----------------------------------------------
+def layernorm(x, weight, bias):
+    """LayerNorm of the rows of x (n, C): the reference op, into a new float32 array."""
+    out, mean, rstd = np.empty(x.shape, np.float32), np.empty(len(x), np.float32), \
+        np.empty(len(x), np.float32)
+    layernorm_forward(out, mean, rstd, x, weight, bias)
+    return out
 
 
-def _linear(x, weight, bias=None):
-    """x (n, C) @ weight (OC, C)^T (+ bias): for one row as weight @ x, BLAS's matrix-vector product."""
-    y = (weight @ x[0])[None] if x.shape[0] == 1 else x @ weight.T
-    return y if bias is None else y + bias
+def linear(x, weight, bias=None):
+    """x (n, C) @ weight (OC, C)^T (+ bias): the reference op, into a new float32 array (n, OC)."""
+    out = np.empty((len(x), weight.shape[0]), np.float32)
+    matmul_forward(out, x, weight, bias)
+    return out
 
 
-def _gelu(x):
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(np.float32(GELU_SCALE) * (x + np.float32(0.044715)
-                                                                                      * x * x * x)))
+def gelu(x):
+    """GELU of x: the reference op, into a new float32 array."""
+    out = np.empty(x.shape, np.float32)
+    gelu_forward(out, x)
+    return out
 
 
 class KVCache:
-    """The keys and values of every position decoded so far, per layer and head, on the host: (L, NH, maxT, HS).
+    """The keys and values of every position decoded so far, per layer and head, on the host:
+    (L, NH, maxT, HS).
 
-    decode(tokens) appends tokens at positions length, length+1, ... and returns their logits; each runs through
-    the layers alone, attending to the cached keys and values, so a new token costs one position, not the whole
-    sequence. The math is the model's forward pass (the numpy backend's ops) in NumPy on the model's own
-    parameters (shared on the numpy backend, a host copy on others), tested against the full forward.
+    decode(tokens) appends tokens at positions length, length+1, ... and returns their logits; each
+    runs through the layers alone, attending to the cached keys and values, so a new token costs one
+    position, not the whole sequence. The math is the model's forward pass (the NumPy reference's
+    ops, gpt2np/ops/reference) on the model's own parameters (shared on the numpy backend, a host
+    copy on others), tested against the full forward.
     """
 
     def __init__(self, model, capacity=None):
@@ -63,7 +73,8 @@ class KVCache:
         self.capacity = int(capacity or cfg.max_seq_len)
         if not 0 < self.capacity <= cfg.max_seq_len:
             raise ValueError(f"KV cache capacity {self.capacity} must be in 1..{cfg.max_seq_len}")
-        params = model.params if isinstance(model.params, np.ndarray) else model.backend.to_host(model.params)
+        params = model.params if isinstance(model.params, np.ndarray) \
+            else model.backend.to_host(model.params)
         self.p = views(params, model.param_shapes)
         L, NH, HS = cfg.num_layers, cfg.num_heads, cfg.head_size
         self.k = np.zeros((L, NH, self.capacity, HS), np.float32)
@@ -75,8 +86,9 @@ class KVCache:
         self.length = 0
 
     def decode(self, tokens, all_logits=False):
-        """Logits of the real vocabulary for new tokens at the next positions: (n, V) with all_logits, else the
-        last token's (V,). The cache grows by n; more than its capacity is a ValueError."""
+        """Logits of the real vocabulary for new tokens at the next positions: (n, V) with
+        all_logits, else the last token's (V,). The cache grows by n; more than its capacity is a
+        ValueError."""
         tokens = np.asarray(tokens, np.int64).reshape(-1)
         cfg, p = self.cfg, self.p
         n, t0 = tokens.size, self.length
@@ -92,11 +104,11 @@ class KVCache:
         scale = np.float32(1.0 / math.sqrt(HS))
         # query i (position t0+i) sees keys 0..t0+i: -inf above that diagonal
         future = np.arange(t1)[None, :] > (t0 + np.arange(n))[:, None]
-        x = p["wte"][tokens] + p["wpe"][t0:t1]                                    # (n, C)
+        x = np.asarray(p["wte"][tokens] + p["wpe"][t0:t1], np.float32)          # (n, C)
         with ranges.range("decode"):
             for l in range(cfg.num_layers):
-                h = _layernorm(x, p["ln1w"][l], p["ln1b"][l])
-                qkv = _linear(h, p["qkvw"][l], p["qkvb"][l])                         # (n, 3C)
+                h = layernorm(x, p["ln1w"][l], p["ln1b"][l])
+                qkv = linear(h, p["qkvw"][l], p["qkvb"][l])                         # (n, 3C)
                 q, k, v = qkv.reshape(n, 3, NH, HS).transpose(1, 2, 0, 3)         # each (NH, n, HS)
                 self.k[l, :, t0:t1] = k
                 self.v[l, :, t0:t1] = v
@@ -105,23 +117,26 @@ class KVCache:
                 att -= att.max(axis=-1, keepdims=True)
                 np.exp(att, out=att)
                 att /= att.sum(axis=-1, keepdims=True)
-                y = (att @ self.v[l, :, :t1]).transpose(1, 0, 2).reshape(n, C)    # heads concatenated
-                x = x + _linear(y, p["attprojw"][l], p["attprojb"][l])
-                h = _layernorm(x, p["ln2w"][l], p["ln2b"][l])
-                f = _gelu(_linear(h, p["fcw"][l], p["fcb"][l]))
-                x = x + _linear(f, p["fcprojw"][l], p["fcprojb"][l])
+                y = (att @ self.v[l, :, :t1]).transpose(1, 0, 2).reshape(n, C)   # heads joined
+                x = x + linear(y, p["attprojw"][l], p["attprojb"][l])
+                h = layernorm(x, p["ln2w"][l], p["ln2b"][l])
+                f = gelu(linear(h, p["fcw"][l], p["fcb"][l]))
+                x = x + linear(f, p["fcprojw"][l], p["fcprojb"][l])
             self.length = t1
             last = x if all_logits else x[-1:]
-            logits = _linear(_layernorm(last, p["lnfw"], p["lnfb"]), p["wte"][:cfg.vocab_size])
+            logits = linear(layernorm(last, p["lnfw"], p["lnfb"]), p["wte"][:cfg.vocab_size])
         return logits if all_logits else logits[0]
 
 
-def generate(model, prompt, max_new_tokens, rng, temperature=1.0, top_k=0, *, cache=False, on_token=None):
-    """prompt: list of token ids -> prompt + max_new_tokens sampled ids; on_token(id) is called for each new one.
+def generate(model, prompt, max_new_tokens, rng, temperature=1.0, top_k=0, *, cache=False,
+             on_token=None):
+    """prompt: list of token ids -> prompt + max_new_tokens sampled ids; on_token(id) is called for
+    each new one.
 
-    cache=False: each step runs the model's forward pass on batch row 0 over the last T tokens (model.T).
-    cache=True: a KVCache of the model's max_seq_len positions; when it is full, it restarts from the last half
-    of the tokens (the context then holds max_seq_len/2 .. max_seq_len tokens).
+    cache=False: each step runs the model's forward pass on batch row 0 over the last T tokens
+    (model.T).
+    cache=True: a KVCache of the model's max_seq_len positions; when it is full, it restarts from
+    the last half of the tokens (the context then holds max_seq_len/2 .. max_seq_len tokens).
     """
     tokens = list(prompt)
     if max_new_tokens <= 0:

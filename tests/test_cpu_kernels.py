@@ -1,19 +1,22 @@
-"""The numpy backend's fused path (C loops of backends/numpy/cpu_kernels.py) gives BITWISE the results of its NumPy
-code, the reference: op by op on awkward sizes and values, and over whole training steps. Also the
-cache-blocked NumPy code (classifier rows, GELU blocks, AdamW chunks) against itself at other block sizes."""
+"""The fast path's C loops that stand for reference code (backends/numpy/csrc/bitwise.c: AdamW, the
+bias gradient's column sums, the token embedding gradient, bf16's stochastic rounding) give BITWISE
+the reference's results, op by op on awkward sizes and values. Also the exact path (the reference,
+called on blocks of rows, classifier rows and GELU elements) against itself unsplit: op by op and
+over whole training steps."""
 import re
 
 import numpy as np
 import pytest
 
 import gpt2np.backends.numpy.backend as numpy_backend
-from gpt2np.backends.numpy import cpu_kernels
+from gpt2np.backends.numpy import cpu_kernels, fast
 from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 from gpt2np.train_step import AdamW, train_step
 
-needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the fused path is off")
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
+                                   reason="no C compiler: the fast path is off")
 
 CFG = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=16)
 
@@ -32,7 +35,8 @@ def awkward(rng, n, scale=1.0):
 
 
 def backends():
-    return NumpyBackend(threads=2, fused=True), NumpyBackend(threads=2, fused=False)
+    """(the fast path, the reference)."""
+    return NumpyBackend(threads=2, math="fast"), NumpyBackend(threads=2, math="exact")
 
 
 class Spy:
@@ -64,65 +68,6 @@ def test_fused_adamw_is_bitwise_the_numpy_adamw(n, weight_decay, grad_scale, t):
 
 
 @needs_kernels
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("n", [5, 64, 3 * (1 << 14) + 5])
-def test_fused_gelu_is_bitwise_the_numpy_gelu(n, monkeypatch):
-    rng = np.random.default_rng(n)
-    x = awkward(rng, n, scale=3.0).reshape(1, 1, n)
-    dout = rng.standard_normal((1, 1, n)).astype(np.float32)
-    fused, ref = backends()
-    results = []
-    for be in (fused, ref):
-        with np.errstate(all="ignore"):
-            out, dinp = np.zeros_like(x), np.zeros_like(x)
-            be.gelu_forward(out, x)
-            be.gelu_backward(dinp, x, dout)
-            aliased = dout.copy()
-            be.gelu_backward(aliased, x, aliased)      # dinp may be dout
-        results.append((out, dinp, aliased))
-    for got, want in zip(*results):
-        np.testing.assert_array_equal(bits(got), bits(want))
-
-
-@needs_kernels
-@pytest.mark.parametrize("C", [8, 13, 768])
-def test_fused_layernorm_is_bitwise_the_numpy_layernorm(C):
-    rng = np.random.default_rng(C)
-    B, T = 3, 5
-    x = (rng.standard_normal((B, T, C)) * 4 + 1).astype(np.float32)
-    x[0, 0, :] = 2.5                                          # a constant row: variance 0
-    weight, bias, dout = (rng.standard_normal(s).astype(np.float32) for s in (C, C, (B, T, C)))
-    dinp0 = rng.standard_normal((B, T, C)).astype(np.float32)
-    results = []
-    for be in backends():
-        out, mean, rstd = np.zeros((B, T, C), np.float32), np.zeros((B, T), np.float32), np.zeros((B, T), np.float32)
-        be.layernorm_forward(out, mean, rstd, x, weight, bias)
-        dinp, dweight, dbias = dinp0.copy(), np.zeros(C, np.float32), np.zeros(C, np.float32)
-        be.layernorm_backward(dinp, dweight, dbias, dout, x, weight, mean, rstd, accumulate=False)
-        results.append((out, mean, rstd, dinp, dweight, dbias))
-    for got, want in zip(*results):
-        np.testing.assert_array_equal(bits(got), bits(want))
-
-
-@needs_kernels
-@pytest.mark.parametrize("B, T, NH, HS", [(3, 7, 2, 8), (2, 64, 3, 64), (1, 1, 1, 4)])
-def test_fused_attention_is_bitwise_the_numpy_attention(B, T, NH, HS):
-    rng = np.random.default_rng(T)
-    C = NH * HS
-    inp = (rng.standard_normal((B, T, 3 * C)) * 2).astype(np.float32)
-    dout = rng.standard_normal((B, T, C)).astype(np.float32)
-    results = []
-    for be in backends():
-        out, qkvr, att = (np.zeros(s, np.float32) for s in ((B, T, C), (3, B, NH, T, HS), (B, NH, T, T)))
-        be.attention_forward(out, qkvr, att, inp)
-        dinp = np.full((B, T, 3 * C), np.nan, np.float32)
-        be.attention_backward(dinp, dout, qkvr, att)
-        results.append((out, qkvr, att, dinp))
-    for got, want in zip(*results):
-        np.testing.assert_array_equal(bits(got), bits(want))
-
-
-@needs_kernels
 @pytest.mark.parametrize("n, offset", [(1, 0), (9, 3), (1000, 2 ** 32 - 5), (70_001, 5 * 10 ** 9), (300, 2 ** 40 + 3)])
 def test_fused_stochastic_rounding_is_bitwise_bf16s(n, offset):
     """bf16.round_stochastic through the C loop: the same bits as its NumPy hash for every element, at awkward
@@ -142,13 +87,15 @@ def test_fused_stochastic_rounding_is_bitwise_bf16s(n, offset):
 @needs_kernels
 @pytest.mark.parametrize("N", [1, 3, 9, 1000])
 @pytest.mark.parametrize("C", [2, 3, 17, 768])
-def test_column_sums_add_as_numpy_does(N, C):
+def test_column_sums_add_as_numpy_does(N, C, monkeypatch):
+    monkeypatch.setattr(numpy_backend, "PARALLEL_MIN", 1)      # the columns split over the threads
     rng = np.random.default_rng(N * C)
-    x, y = (rng.standard_normal((N, C)) * 100).astype(np.float32), rng.standard_normal((N, C)).astype(np.float32)
+    x = (rng.standard_normal((N, C)) * 100).astype(np.float32)
     x[rng.random((N, C)) < 0.05] = -0.0
-    sums, dots = NumpyBackend(threads=2, fused=True)._column_sums(x, y)
+    be = NumpyBackend(threads=2, math="fast")
+    sums = np.full(C, np.nan, np.float32)
+    fast.matmul_backward_bias(be, be.fast_kernels(x), sums, x, accumulate=False)
     np.testing.assert_array_equal(bits(sums), bits(x.sum(axis=0)))
-    np.testing.assert_array_equal(bits(dots), bits(np.einsum("nc,nc->c", x, y)))
 
 
 @needs_kernels
@@ -182,20 +129,23 @@ def test_fused_token_embedding_gradient_is_bitwise_np_add_at(accumulate):
 
 
 @needs_kernels
-def test_fused_path_skips_non_contiguous_or_other_dtypes():
-    fused = NumpyBackend(threads=1, fused=True)
+def test_fast_path_skips_non_contiguous_or_other_dtypes():
+    fused = NumpyBackend(threads=1, math="fast")
     x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
-    assert fused._fusable(x) is not None
-    assert fused._fusable(x[:, :, ::2]) is None and fused._fusable(x.astype(np.float64)) is None
+    assert fused.fast_kernels(x) is not None
+    assert fused.fast_kernels(x[:, :, ::2]) is None
+    assert fused.fast_kernels(x.astype(np.float64)) is None
     assert NumpyBackend(dtype=np.float64).fused is False
+    assert NumpyBackend(threads=1).fast_kernels(x) is None        # the exact path: the reference
 
 
 def test_no_compiler_means_the_numpy_code(monkeypatch, tmp_path):
     monkeypatch.setenv("GPT2NP_CPU_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")                  # a "compiler" that always fails
-    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "false")
+    monkeypatch.setattr(cpu_kernels, "compiler", lambda: "false")
     assert cpu_kernels.load() is None
     assert NumpyBackend(threads=1).fused is False
+    assert NumpyBackend(threads=1, math="fast").math == "exact"
     with pytest.raises(RuntimeError, match="did not build"):
         NumpyBackend(threads=1, fused=True)
 
@@ -232,14 +182,13 @@ def run_steps(backend, steps=3, accum=2):
     return norms, model.params, model.m, model.v, model.grads
 
 
-@needs_kernels
-def test_training_steps_fused_are_bitwise_the_numpy_steps(monkeypatch):
+def test_training_steps_split_in_blocks_are_bitwise_the_unsplit_steps(monkeypatch):
+    ref = run_steps(NumpyBackend(threads=1))
     monkeypatch.setattr(numpy_backend, "PARALLEL_MIN", 1)      # split every op over the threads
-    monkeypatch.setattr(numpy_backend, "BLOCK", 24)            # and in many blocks
-    fused = run_steps(NumpyBackend(threads=2, fused=True))
-    ref = run_steps(NumpyBackend(threads=1, fused=False))
-    assert fused[0] == ref[0]
-    for got, want in zip(fused[1:], ref[1:]):
+    monkeypatch.setattr(numpy_backend, "BLOCK", 24)            # and GELU in many blocks
+    split = run_steps(NumpyBackend(threads=2))
+    assert split[0] == ref[0]
+    for got, want in zip(split[1:], ref[1:]):
         np.testing.assert_array_equal(bits(got), bits(want))
 
 

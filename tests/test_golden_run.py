@@ -29,11 +29,11 @@ import numpy as np
 import pytest
 
 import train
-from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.datasets.data import write_shard
 from gpt2np.formats.checkpoint import load_model, load_state, model_path, save_model, state_path
 from gpt2np.model import GPT2
+from gpt2np.ops.reference import layernorm
 from gpt2np.tensors import param_shapes, views
 
 SMALL = GPT2Config(max_seq_len=32, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=4, channels=32)
@@ -222,11 +222,11 @@ def test_a_one_ulp_update_change_fails(tmp_path, exact_gemms, monkeypatch):
 
 
 def test_a_swapped_op_order_fails(tmp_path, exact_gemms, monkeypatch):
-    """A planted change: LayerNorm's scale as (x - mean) * (rstd * weight), the same math in another order. The
-    comparison fails."""
+    """A planted change: the reference LayerNorm's scale as (x - mean) * (rstd * weight), the same
+    math in another order (the exact path runs the reference). The comparison fails."""
     needs_recording_machine_math()
 
-    def layernorm_forward(self, out, mean, rstd, inp, weight, bias):
+    def layernorm_forward(out, mean, rstd, inp, weight, bias):
         C = inp.shape[-1]
         x, o, mu, rs = inp.reshape(-1, C), out.reshape(-1, C), mean.reshape(-1), rstd.reshape(-1)
         np.mean(x, axis=-1, out=mu)
@@ -235,7 +235,7 @@ def test_a_swapped_op_order_fails(tmp_path, exact_gemms, monkeypatch):
         o *= rs[:, None] * weight
         o += bias
 
-    monkeypatch.setattr(NumpyBackend, "layernorm_forward", layernorm_forward)
+    monkeypatch.setattr(layernorm, "layernorm_forward", layernorm_forward)
     off = ulps_off(run_golden(tmp_path)[2], record())
     assert min(off.values()) > 100 * ULPS, off
 

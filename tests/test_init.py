@@ -16,7 +16,7 @@ from gpt2np.backends.numpy import cpu_kernels
 from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.backends.numpy.bf16 import Bf16NumpyBackend
 from gpt2np.config import GPT2Config
-from gpt2np.init import LLMC_INIT_SEED, _normal_numpy, llmc_init, llmc_normal
+from gpt2np.init import LLMC_INIT_SEED, llmc_init, llmc_normal, llmc_normal_numpy
 from gpt2np.model import GPT2
 from gpt2np.rng import llmc_generator
 from gpt2np.tensors import param_shapes, views
@@ -86,7 +86,7 @@ def test_numpy_fallback_is_the_c_kernels_but_for_the_last_bit_of_a_few(n):
         pytest.skip("no C compiler: only the NumPy path runs here")
     c = llmc_normal(n, 0.02, llmc_generator(3))
     draws = llmc_generator(3).random_raw(n + (16 if n % 16 else 0) if n >= 16 else 4 * ((n + 1) // 2))
-    ours = _normal_numpy(draws.astype(np.uint32), n, np.float32(0.0), np.float32(0.02))
+    ours = llmc_normal_numpy(draws.astype(np.uint32), n, np.float32(0.0), np.float32(0.02))
     assert ours.dtype == np.float32 and ours.shape == (n,)
     ulps = np.abs(c.view(np.int32).astype(np.int64) - ours.view(np.int32).astype(np.int64))
     assert ulps.max() <= 2 and np.mean(ulps == 0) > 0.9

@@ -1,12 +1,24 @@
-"""Each NumPy op's backward against float64 central finite differences of its forward, on tiny shapes."""
+"""Each reference op's backward (gpt2np/ops/reference) against float64 central finite differences of
+its forward, on tiny shapes; and the numpy backend, which runs them on its threads, against itself
+on one thread."""
 import math
 
 import numpy as np
 import pytest
 
 from gpt2np.backends.numpy.backend import NumpyBackend
+from gpt2np.ops.reference import (
+    adamw,
+    attention,
+    classifier,
+    encoder,
+    flash_attention,
+    gelu,
+    layernorm,
+    matmul,
+    residual,
+)
 
-be = NumpyBackend(dtype=np.float64, threads=1)
 B, T, C, NH, OC = 2, 5, 8, 2, 6
 
 
@@ -46,13 +58,13 @@ def test_encoder():
     out = np.zeros((B, T, C))
 
     def loss():
-        be.encoder_forward(out, inp, wte, wpe)
+        encoder.encoder_forward(out, inp, wte, wpe)
         return float((out * w).sum())
 
     loss()
     np.testing.assert_allclose(out, wte[inp] + wpe[:T])
     dwte, dwpe = np.zeros_like(wte), np.zeros_like(wpe)
-    be.encoder_backward(dwte, dwpe, w, inp)
+    encoder.encoder_backward(dwte, dwpe, w, inp)
     check(dwte, numeric_grad(loss, wte))
     check(dwpe, numeric_grad(loss, wpe))
 
@@ -62,7 +74,7 @@ def test_layernorm():
     out, mean, rstd = np.zeros((B, T, C)), np.zeros((B, T)), np.zeros((B, T))
 
     def loss():
-        be.layernorm_forward(out, mean, rstd, x, weight, bias)
+        layernorm.layernorm_forward(out, mean, rstd, x, weight, bias)
         return float((out * w).sum())
 
     loss()
@@ -70,7 +82,7 @@ def test_layernorm():
     np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
     prior = rand(B, T, C)                       # dinp accumulates: start from a non-zero buffer
     dx, dweight, dbias = prior.copy(), np.ones(C), np.ones(C)
-    be.layernorm_backward(dx, dweight, dbias, w, x, weight, mean, rstd)
+    layernorm.layernorm_backward(dx, dweight, dbias, w, x, weight, mean, rstd)
     check(dx - prior, numeric_grad(loss, x))
     check(dweight - 1, numeric_grad(loss, weight))
     check(dbias - 1, numeric_grad(loss, bias))
@@ -83,20 +95,20 @@ def test_matmul(with_bias):
     out = np.zeros((B, T, OC))
 
     def loss():
-        be.matmul_forward(out, x, weight, bias)
+        matmul.matmul_forward(out, x, weight, bias)
         return float((out * w).sum())
 
     loss()
     np.testing.assert_allclose(out, x @ weight.T + (bias if with_bias else 0), rtol=1e-12)
     dx, dweight = np.full_like(x, 7.0), np.ones_like(weight)    # dinp is overwritten, dweight accumulates
     dbias = np.ones(OC) if with_bias else None
-    be.matmul_backward(dx, dweight, dbias, w, x, weight)
+    matmul.matmul_backward(dx, dweight, dbias, w, x, weight)
     check(dx, numeric_grad(loss, x))
     check(dweight - 1, numeric_grad(loss, weight))
     if with_bias:
         check(dbias - 1, numeric_grad(loss, bias))
     fresh = np.full_like(weight, np.nan)                     # accumulate=False overwrites dweight
-    be.matmul_backward(dx, fresh, None, w, x, weight, accumulate=False)
+    matmul.matmul_backward(dx, fresh, None, w, x, weight, accumulate=False)
     np.testing.assert_allclose(fresh, dweight - 1, rtol=1e-12)
 
 
@@ -106,7 +118,7 @@ def test_attention():
     out, qkvr, att = np.zeros((B, T, C)), np.zeros((3, B, NH, T, HS)), np.zeros((B, NH, T, T))
 
     def loss():
-        be.attention_forward(out, qkvr, att, x)
+        attention.attention_forward(out, qkvr, att, x)
         return float((out * w).sum())
 
     loss()
@@ -124,7 +136,7 @@ def test_attention():
     np.testing.assert_allclose(out, ref, rtol=1e-10, atol=1e-12)
     assert np.all(att[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] == 0)
     dx = np.zeros_like(x)
-    be.attention_backward(dx, w, qkvr, att)
+    attention.attention_backward(dx, w, qkvr, att)
     check(dx, numeric_grad(loss, x))
 
 
@@ -134,41 +146,40 @@ def test_flash_attention():
     out, lse = np.zeros((B, T, C)), np.zeros((B, NH, T))
 
     def loss():
-        be.flash_attention_forward(out, lse, x)
+        flash_attention.flash_attention_forward(out, lse, x)
         return float((out * w).sum())
 
     loss()
     # the naive op's output, and lse = logsumexp of each row of the scaled, masked scores
     ref, qkvr, att = np.zeros((B, T, C)), np.zeros((3, B, NH, T, HS)), np.zeros((B, NH, T, T))
-    be.attention_forward(ref, qkvr, att, x)
+    attention.attention_forward(ref, qkvr, att, x)
     np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
     q, k, _ = qkvr
     scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(HS)
     scores[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = -np.inf
     np.testing.assert_allclose(lse, np.log(np.exp(scores).sum(-1)), rtol=1e-12)
     dx = np.zeros_like(x)
-    be.flash_attention_backward(dx, w, x, out, lse)
+    flash_attention.flash_attention_backward(dx, w, x, out, lse)
     check(dx, numeric_grad(loss, x))
     dx_naive = np.zeros_like(x)
-    be.attention_backward(dx_naive, w, qkvr, att)
+    attention.attention_backward(dx_naive, w, qkvr, att)
     np.testing.assert_allclose(dx, dx_naive, rtol=1e-10, atol=1e-12)
 
 
 def test_flash_attention_matches_naive_in_float32():
     """The two attentions in float32: the same output and gradient within float32 rounding."""
-    be32 = NumpyBackend(threads=1)
     Bt, Tt, NHt, HSt = 2, 33, 3, 8
     Ct = NHt * HSt
     r = np.random.default_rng(7)
     x, w = r.standard_normal((Bt, Tt, 3 * Ct)).astype(np.float32), r.standard_normal((Bt, Tt, Ct)).astype(np.float32)
     out, lse = np.zeros((Bt, Tt, Ct), np.float32), np.zeros((Bt, NHt, Tt), np.float32)
-    be32.flash_attention_forward(out, lse, x)
+    flash_attention.flash_attention_forward(out, lse, x)
     ref, qkvr, att = (np.zeros(s, np.float32) for s in ((Bt, Tt, Ct), (3, Bt, NHt, Tt, HSt), (Bt, NHt, Tt, Tt)))
-    be32.attention_forward(ref, qkvr, att, x)
+    attention.attention_forward(ref, qkvr, att, x)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
     dx, dref = np.zeros_like(x), np.zeros_like(x)
-    be32.flash_attention_backward(dx, w, x, out, lse)
-    be32.attention_backward(dref, w, qkvr, att)
+    flash_attention.flash_attention_backward(dx, w, x, out, lse)
+    attention.attention_backward(dref, w, qkvr, att)
     np.testing.assert_allclose(dx, dref, rtol=1e-4, atol=1e-5)
 
 
@@ -177,17 +188,17 @@ def test_gelu():
     out = np.zeros_like(x)
 
     def loss():
-        be.gelu_forward(out, x)
+        gelu.gelu_forward(out, x)
         return float((out * w).sum())
 
     loss()
     ref = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
     np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
     dx = np.zeros_like(x)
-    be.gelu_backward(dx, x, w)
+    gelu.gelu_backward(dx, x, w)
     check(dx, numeric_grad(loss, x))
     aliased = w.copy()                          # dinp may alias dout
-    be.gelu_backward(aliased, x, aliased)
+    gelu.gelu_backward(aliased, x, aliased)
     np.testing.assert_allclose(aliased, dx)
 
 
@@ -196,13 +207,13 @@ def test_residual():
     out = np.zeros_like(a)
 
     def loss():
-        be.residual_forward(out, a, b_)
+        residual.residual_forward(out, a, b_)
         return float((out * w).sum())
 
     loss()
     np.testing.assert_allclose(out, a + b_)
     da, db = np.ones_like(a), np.ones_like(b_)
-    be.residual_backward(da, db, w)
+    residual.residual_backward(da, db, w)
     check(da - 1, numeric_grad(loss, a))
     check(db - 1, numeric_grad(loss, b_))
 
@@ -215,7 +226,7 @@ def test_fused_classifier():
     losses = np.zeros((B, T))
 
     def loss():
-        be.fused_classifier(logits.copy(), losses, targets, V, dloss, write_dlogits=False)
+        classifier.fused_classifier(logits.copy(), losses, targets, V, dloss, write_dlogits=False)
         return float(losses.sum() * dloss)
 
     mean = loss()
@@ -225,10 +236,10 @@ def test_fused_classifier():
     np.testing.assert_allclose(losses, ref, rtol=1e-12)
     assert math.isclose(mean, ref.mean(), rel_tol=1e-12)
     untouched = logits.copy()
-    be.fused_classifier(untouched, losses, targets, V, dloss, write_dlogits=False)
+    classifier.fused_classifier(untouched, losses, targets, V, dloss, write_dlogits=False)
     np.testing.assert_array_equal(untouched, logits)          # no dlogits unless asked
     dlogits = logits.copy()
-    be.fused_classifier(dlogits, losses, targets, V, dloss, write_dlogits=True)
+    classifier.fused_classifier(dlogits, losses, targets, V, dloss, write_dlogits=True)
     numeric = numeric_grad(loss, logits)
     check(dlogits, numeric)
     assert np.all(dlogits[..., V:] == 0)
@@ -242,7 +253,7 @@ def test_adamw_matches_formula():
     m_ref = b1 * m + (1 - b1) * gs
     v_ref = b2 * v + (1 - b2) * gs * gs
     p_ref = p - lr * ((m_ref / (1 - b1 ** t)) / (np.sqrt(v_ref / (1 - b2 ** t)) + eps) + wd * p)
-    be.adamw_update(p, g, m, v, lr, b1, b2, eps, wd, t, scale)
+    adamw.adamw_update(p, g, m, v, lr, b1, b2, eps, wd, t, scale)
     np.testing.assert_allclose(m, m_ref, rtol=1e-12)
     np.testing.assert_allclose(v, v_ref, rtol=1e-12)
     np.testing.assert_allclose(p, p_ref, rtol=1e-10)
@@ -261,26 +272,26 @@ def test_accumulate_false_overwrites_parameter_gradients():
     dout = rand(B, T, C)
     dwte0 = rand(Vp, C)
     dwte_ref, dwpe_ref = dwte0.copy(), np.zeros((maxT, C))
-    be.encoder_backward(dwte_ref, dwpe_ref, dout, inp)
+    encoder.encoder_backward(dwte_ref, dwpe_ref, dout, inp)
     dwte, dwpe = dwte0.copy(), np.full((maxT, C), np.nan)
-    be.encoder_backward(dwte, dwpe, dout, inp, accumulate=False)
+    encoder.encoder_backward(dwte, dwpe, dout, inp, accumulate=False)
     np.testing.assert_array_equal(dwte, dwte_ref)              # dwte always accumulates (tied lm_head)
     np.testing.assert_array_equal(dwpe, dwpe_ref)              # rows T.. are zero, not NaN
 
     x, weight, mean, rstd = rand(B, T, C), rand(C), rand(B, T), np.abs(rand(B, T)) + 0.5
     dinp0 = rand(B, T, C)
     ref = [dinp0.copy(), np.zeros(C), np.zeros(C)]
-    be.layernorm_backward(*ref, dout, x, weight, mean, rstd)
+    layernorm.layernorm_backward(*ref, dout, x, weight, mean, rstd)
     got = [dinp0.copy(), np.full(C, np.nan), np.full(C, np.nan)]
-    be.layernorm_backward(*got, dout, x, weight, mean, rstd, accumulate=False)
+    layernorm.layernorm_backward(*got, dout, x, weight, mean, rstd, accumulate=False)
     for a, b in zip(got, ref):
         np.testing.assert_array_equal(a, b)
 
     w, d = rand(OC, C), rand(B, T, OC)
     ref = [np.zeros((B, T, C)), np.zeros((OC, C)), np.zeros(OC)]
-    be.matmul_backward(*ref, d, x, w)
+    matmul.matmul_backward(*ref, d, x, w)
     got = [np.zeros((B, T, C)), np.full((OC, C), np.nan), np.full(OC, np.nan)]
-    be.matmul_backward(*got, d, x, w, accumulate=False)
+    matmul.matmul_backward(*got, d, x, w, accumulate=False)
     for a, b in zip(got, ref):
         np.testing.assert_array_equal(a, b)
 

@@ -1,6 +1,7 @@
-"""A non-editable install is self-contained: the wheel carries kernels/*.cu and the emulator's headers, and
-the CUDA backend finds them inside the installed package (checked by running a kernel from an unpacked wheel
-on the CPU emulator, far from the source tree)."""
+"""A non-editable install is self-contained: the wheel carries kernels/*.cu, the emulator's headers
+and the numpy backend's C sources (backends/numpy/csrc/*.c), and the CUDA backend finds its kernels
+inside the installed package (checked by running a kernel from an unpacked wheel on the CPU
+emulator, far from the source tree); the numpy backend builds its C loops from there."""
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,9 @@ def test_wheel_carries_every_kernel_and_emulator_header(wheel):
     emu = REPO / "gpt2np" / "backends" / "cuda" / "emu"
     headers = [p.relative_to(REPO).as_posix() for p in emu.rglob("*") if p.is_file()]
     assert headers and all(h in names for h in headers)
+    csrc_dir = REPO / "gpt2np" / "backends" / "numpy" / "csrc"
+    csrc = [p.relative_to(REPO).as_posix() for p in csrc_dir.glob("*.c")]
+    assert csrc and all(c in names for c in csrc)
     modules = [p.relative_to(REPO).as_posix() for p in (REPO / "gpt2np").rglob("*.py")]
     assert all(m in names for m in modules)
 
@@ -60,3 +64,22 @@ print(backend.KERNEL_DIR)
                               "HOME": str(tmp_path)})
     assert run.returncode == 0, run.stderr
     assert Path(run.stdout.strip()) == site / "gpt2np" / "kernels"
+
+
+def test_unpacked_wheel_builds_the_numpy_backends_c_loops(wheel, tmp_path):
+    """cpu_kernels compiles csrc/*.c from inside the installed package (where a compiler exists)."""
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = """
+import gpt2np
+from gpt2np.backends.numpy import cpu_kernels
+assert cpu_kernels.CSRC.parent.parent.parent == __import__("pathlib").Path(gpt2np.__file__).parent
+if cpu_kernels.compiler() is not None:
+    assert cpu_kernels.load() is not None
+print(cpu_kernels.CSRC)
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin:/usr/local/bin",
+                              "HOME": str(tmp_path), "GPT2NP_CPU_CACHE": str(tmp_path / "cache")})
+    assert run.returncode == 0, run.stderr
+    assert Path(run.stdout.strip()) == site / "gpt2np" / "backends" / "numpy" / "csrc"

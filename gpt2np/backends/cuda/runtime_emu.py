@@ -305,16 +305,16 @@ def check_epilogue(epilogue, m, n, alpha, batch, bias, aux, ld_aux):
 
 
 def gelu(x):
-    """GPT-2's GELU (tanh form) in float32, numpy_backend.gelu_forward's operations."""
-    from gpt2np.backends.numpy.backend import gelu_into
+    """GPT-2's GELU (tanh form) in float32, the reference gelu_forward's operations."""
+    from gpt2np.ops.reference.gelu import gelu_forward
     y = np.empty_like(x)
-    gelu_into(y, x)
+    gelu_forward(y, x)
     return y
 
 
 def gelu_grad(x):
-    """gelu'(x) in float32, numpy_backend.gelu_backward's operations."""
-    from gpt2np.backends.numpy.backend import GELU_CUBE, GELU_SCALE
+    """gelu'(x) in float32, the reference gelu_backward's operations."""
+    from gpt2np.ops.reference.gelu import GELU_CUBE, GELU_SCALE
     x2 = np.multiply(x, x)
     th = np.tanh(GELU_SCALE * ((x2 * np.float32(GELU_CUBE) + 1.0) * x))
     slope = (x2 * np.float32(3.0 * GELU_CUBE) + 1.0) * np.float32(GELU_SCALE * 0.5) * x * (1.0 - th * th)

@@ -1,10 +1,11 @@
-"""Host arrays in transparent huge pages (2 MiB) where Linux offers them on request (THP "madvise" or "always").
+"""Host arrays in transparent huge pages (2 MiB) where Linux offers them on request (THP "madvise"
+or "always").
 
-The model's flat buffers (params, grads, m, v: 496 MB each at d12) are streamed whole by AdamW and the gradient
-norm; on 4 KiB pages such a stream misses the TLB every 4 KiB, and in a VM each miss is a two-level page walk.
-Measured on this project's 2-core VM: an in-place add over two 496 MB arrays 41-42 ms on huge pages against 47-48
-ms on 4 KiB pages; the step's AdamW 5-10 ms faster. The bandwidth the profiler and bench/cpu_step.py measure
-(cpu_roof.add_bandwidth) uses the same memory, so their ceilings rise with it.
+The model's flat buffers (params, grads, m, v: 496 MB each at d12) are streamed whole by AdamW and
+the gradient norm; on 4 KiB pages such a stream misses the TLB every 4 KiB, and in a VM each miss is
+a two-level page walk; on 2 MiB pages the stream runs faster (docs/cpu_benchmarks.md has the
+figures). The bandwidth the profiler and bench/cpu_step.py measure (cpu_roof.add_bandwidth) uses
+the same memory, so their ceilings rise with it.
 """
 import mmap
 
@@ -15,18 +16,20 @@ HUGE_MIN = 4 * HUGE_PAGE           # smaller arrays: np.zeros (a partly used hug
 
 
 def huge_zeros(shape, dtype):
-    """np.zeros(shape, dtype); when it is HUGE_MIN bytes or more, in a private anonymous mapping the kernel is
-    asked (madvise MADV_HUGEPAGE) to back with huge pages, 2 MiB-aligned so that every whole 2 MiB of it can be
-    one. Where mmap offers no MADV_HUGEPAGE (not Linux) it is np.zeros; where the kernel refuses the advice the
-    pages stay 4 KiB. The mapping is freed with the array (the array's base holds it)."""
+    """np.zeros(shape, dtype); when it is HUGE_MIN bytes or more, in a private anonymous mapping the
+    kernel is asked (madvise MADV_HUGEPAGE) to back with huge pages, 2 MiB-aligned so that every
+    whole 2 MiB of it can be one. Where mmap offers no MADV_HUGEPAGE (not Linux) it is np.zeros;
+    where the kernel refuses the advice the pages stay 4 KiB. The mapping is freed with the array
+    (the array's base holds it)."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < HUGE_MIN or advice is None:
         return np.zeros(shape, dtype)
     try:
-        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # zero-filled
-    except OSError as e:           # ENOMEM: what np.zeros would raise, so that callers see one kind of error
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE,           # zero-filled
+                            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:           # ENOMEM: np.zeros's error, so that callers see one kind
         raise MemoryError(f"cannot allocate {nbytes} bytes: {e.strerror}") from None
     raw = np.frombuffer(mapping, np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE
