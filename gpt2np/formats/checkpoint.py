@@ -23,6 +23,7 @@ import struct
 
 import numpy as np
 
+from gpt2np.bf16 import BF16
 from gpt2np.config import GPT2Config
 from gpt2np.errors import WriteError
 from gpt2np.fileio import atomic_write, sync_folder
@@ -82,7 +83,6 @@ def load_model(path, keep_bf16=False):
         if version == VERSION_FP32:
             params = np.fromfile(f, dtype="<f4", count=n).astype(np.float32, copy=False)
         elif keep_bf16:
-            from gpt2np.bf16 import BF16
             params = np.fromfile(f, dtype="<u2", count=n).view(BF16)
         else:
             params = bf16_to_fp32(np.fromfile(f, dtype="<u2", count=n))
