@@ -360,12 +360,13 @@ class TrainConfig:
             return "tf32"
         return self.precision or (None if self.enable_tf32 else "fp32")
 
-    def with_device_defaults(self, backend_name: str) -> "TrainConfig":
-        """A copy with llm.c's CPU or GPU (backend 'cuda') default in every device-dependent field left None. The
-        emulator ('emu') runs the GPU's kernel path (KERNEL_PATH_FIELDS: its defaults are the GPU's) at CPU speed
-        (every other default is the CPU's: short sequences, few steps)."""
+    def with_device_defaults(self, traits) -> "TrainConfig":
+        """A copy with llm.c's CPU or GPU default in every device-dependent field left None. traits: the device's
+        (gpt2np.backends.device_traits): on_gpu takes the GPU's; launches_kernels without on_gpu (the emulator)
+        runs the GPU's kernel path (KERNEL_PATH_FIELDS: its defaults are the GPU's) at CPU speed (every other
+        default is the CPU's: short sequences, few steps)."""
         def column(name):
-            return 1 if backend_name == "cuda" or (backend_name == "emu" and name in KERNEL_PATH_FIELDS) else 0
+            return 1 if traits.on_gpu or (traits.launches_kernels and name in KERNEL_PATH_FIELDS) else 0
         return replace(self, **{f.name: f.metadata["cpu_gpu"][column(f.name)] for f in fields(self)
                                 if f.metadata["cpu_gpu"] and getattr(self, f.name) is None})
 

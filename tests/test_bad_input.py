@@ -13,6 +13,7 @@ from test_nsys import training_step_export
 
 import train
 from gpt2np import errors as cli
+from gpt2np.backends import device_traits
 from gpt2np.backends.cuda import nvrtc_check
 from gpt2np.cli import compare
 from gpt2np.cli import fetch as fetch_cli
@@ -109,7 +110,8 @@ def test_train_flags_at_the_limits_are_accepted(argv):
 
 
 def test_defaults_are_valid_on_either_device():
-    for cfg in (TrainConfig(), TrainConfig().with_device_defaults("numpy"), TrainConfig().with_device_defaults("cuda")):
+    for cfg in (TrainConfig(), TrainConfig().with_device_defaults(device_traits("numpy")),
+                TrainConfig().with_device_defaults(device_traits("cuda"))):
         cfg.validate()
 
 
@@ -118,10 +120,10 @@ def test_device_defaults_are_checked_once_filled():
     cfg = TrainConfig(profile_steps=50)
     cfg.validate()
     with pytest.raises(cli.BadInput, match=r"--profile 50 with -x 40"):
-        cfg.with_device_defaults("numpy").validate()
+        cfg.with_device_defaults(device_traits("numpy")).validate()
     TrainConfig(total_batch_size=1000).validate()                           # B and T not known yet
     with pytest.raises(cli.BadInput, match=r"-d 1000 with -b 4 -t 64"):
-        TrainConfig(total_batch_size=1000).with_device_defaults("numpy").validate()
+        TrainConfig(total_batch_size=1000).with_device_defaults(device_traits("numpy")).validate()
 
 
 @pytest.mark.parametrize("name, value, expected", [

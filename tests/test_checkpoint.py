@@ -240,18 +240,3 @@ def test_an_llmc_state_cut_before_its_loader_orders_is_one_line(tmp_path):
         path.write_bytes(bytes(llmc[:keep]))
         with pytest.raises(CheckpointError, match="truncated or corrupt"):
             load_state(path, n)
-
-
-def test_earlier_gpt2np_state_files_still_load(tmp_path):
-    import json
-    import struct
-    n = 10
-    m, v = np.arange(n, dtype=np.float32), np.ones(n, np.float32)
-    info = {"step": 3, "train_loader": {"epoch": 0}, "rng": {"s": 1}}
-    blob = json.dumps(info).encode()
-    path = tmp_path / "old.bin"
-    path.write_bytes(b"GPT2NPST" + struct.pack("<iqq", 1, len(blob), n) + blob + m.tobytes() + v.tobytes())
-    got, m2, v2 = load_state(path, n)
-    assert got == info
-    np.testing.assert_array_equal(m2, m)
-    np.testing.assert_array_equal(v2, v)

@@ -22,7 +22,9 @@ import test_reliability_runs as reliability
 from gpt2np.errors import WriteError
 from gpt2np.formats import checkpoint
 from gpt2np.formats.checkpoint import checkpoint_files, checkpoint_to_delete, checkpoints_to_delete
-from gpt2np.train import trainer
+from gpt2np.train import checkpoints as run_checkpoints
+from gpt2np.train import evaluate, loop
+from gpt2np.train import setup as train_setup
 from gpt2np.train.rundir import latest_complete_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,14 +52,14 @@ def deleted(stdout):
 
 def signal_during_step(monkeypatch, at, signum=signal.SIGTERM):
     """SIGTERM (signum) to this process while step `at` (0-based) trains: the run stops after it, at step at + 1."""
-    real = trainer.train_step
+    real = loop.train_step
 
     def step_then_signal(model, next_batch, *, step, **kwargs):
         if step == at:
             os.kill(os.getpid(), signum)
         return real(model, next_batch, step=step, **kwargs)
 
-    monkeypatch.setattr(trainer, "train_step", step_then_signal)
+    monkeypatch.setattr(loop, "train_step", step_then_signal)
 
 
 # ---- -nk beyond the -n grid ----------------------------------------------------------------------------------
@@ -173,7 +175,7 @@ def test_a_rewritten_checkpoint_loses_its_done_marker_first(files, tmp_path, cap
     size = model6.stat().st_size
     model6.write_bytes(model6.read_bytes()[:-4])
     assert latest_complete_checkpoint(out)[0] == 4
-    real = trainer.save_state
+    real = run_checkpoints.save_state
 
     def disk_full_at_state_6(path, *a, **k):
         if os.path.basename(path) == "state_00000006_00000.bin":
@@ -181,7 +183,7 @@ def test_a_rewritten_checkpoint_loses_its_done_marker_first(files, tmp_path, cap
             raise WriteError(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
         return real(path, *a, **k)
 
-    monkeypatch.setattr(trainer, "save_state", disk_full_at_state_6)
+    monkeypatch.setattr(run_checkpoints, "save_state", disk_full_at_state_6)
     code, stdout, err = run(args(files, out, "-x", 6, "-n", 2, "-y", 1), capsys)
     assert code == 1 and "resuming from step 4" in stdout, err
     assert err[-1] == f"error: writing {out / 'state_00000006_00000.bin'}: [Errno {errno.ENOSPC}] " \
@@ -199,13 +201,13 @@ def test_each_done_marker_is_synced_to_disk_with_its_folder(files, tmp_path, cap
     as written); the model and state files before it are synced with their folder by atomic_write."""
     out = tmp_path / "out"
     synced = []
-    real = trainer.sync_folder
+    real = run_checkpoints.sync_folder
 
     def sync_folder(folder):
         synced.append(sorted(p.name for p in Path(folder).glob("DONE_*")))
         real(folder)
 
-    monkeypatch.setattr(trainer, "sync_folder", sync_folder)
+    monkeypatch.setattr(run_checkpoints, "sync_folder", sync_folder)
     code, _, err = run(args(files, out, "-x", 4, "-n", 2), capsys)
     assert code == 0, err
     assert synced == [["DONE_00000002"], ["DONE_00000002", "DONE_00000004"]]
@@ -219,7 +221,7 @@ def test_a_done_marker_that_cannot_be_synced_is_not_left_behind(files, tmp_path,
     def eio(folder):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(trainer, "sync_folder", eio)
+    monkeypatch.setattr(run_checkpoints, "sync_folder", eio)
     code, _, err = run(args(files, out, "-x", 2, "-n", 2), capsys)
     assert code == 1 and err[-1] == f"error: writing {out / 'DONE_00000002'}: [Errno {errno.EIO}] " \
                                     f"{os.strerror(errno.EIO)}", err
@@ -237,7 +239,7 @@ def test_a_done_marker_that_cannot_be_synced_is_not_left_behind(files, tmp_path,
 def test_x0_stops_at_the_first_signal(signum, when, files, tmp_path, capsys, monkeypatch):
     """-x 0 has nothing to checkpoint: the first SIGINT/SIGTERM ends it where it is (during the validation, or
     before it starts), with the stop's one line and exit code."""
-    real, evaluated = trainer.evaluate, []
+    real, evaluated = evaluate.val_loss, []
 
     def signal_then_evaluate(*a, **k):
         if when == "validation":
@@ -249,10 +251,10 @@ def test_x0_stops_at_the_first_signal(signum, when, files, tmp_path, capsys, mon
         os.kill(os.getpid(), signum)
         return real_load(*a, **k)
 
-    real_load = trainer.load_hellaswag
-    monkeypatch.setattr(trainer, "evaluate", signal_then_evaluate)
+    real_load = train_setup.load_hellaswag
+    monkeypatch.setattr(evaluate, "val_loss", signal_then_evaluate)
     if when == "startup":
-        monkeypatch.setattr(trainer, "load_hellaswag", signal_then_load)
+        monkeypatch.setattr(train_setup, "load_hellaswag", signal_then_load)
     code, stdout, err = run(args(files, tmp_path / "out", "-x", 0, "-v", 1, "-m", 4, "-s", 1, "-g", 4), capsys)
     assert code == 128 + signum, (stdout, err)
     name = signal.Signals(signum).name

@@ -283,28 +283,24 @@ def test_state_resume_is_bit_identical(tmp_path, shuffle):
         state = json.loads(json.dumps(run.state()))   # plain ints survive JSON
         assert all(type(v) is int for v in run.state().values())
         resumed = DataLoader(pattern, 2, 5, shuffle=shuffle)
-        resumed.load_state(state)
+        resumed.check_settings(state)
+        resumed.load_llmc_state(run.llmc_state(), epoch=state["epoch"])
         for (x, y), (xe, ye) in zip(collect(resumed, 30 - k), expected[k:]):
             np.testing.assert_array_equal(x, xe)
             np.testing.assert_array_equal(y, ye)
 
 
-def test_load_state_rejects_other_settings(tmp_path):
+def test_loader_state_rejects_other_settings(tmp_path):
     make_shards(tmp_path, [60])
     pattern = str(tmp_path / "*.bin")
     state = DataLoader(pattern, 2, 5).state()
     with pytest.raises(DataError) as e:
-        DataLoader(pattern, 3, 5).load_state(state)
+        DataLoader(pattern, 3, 5).check_settings(state)
     one_line_error(e, "B=2", "B=3")
     with pytest.raises(DataError):
-        DataLoader(pattern, 2, 5, shuffle=True).load_state(state)
-    earlier = DataLoader(pattern, 2, 5, shuffle=True).state()       # a shuffled run saved before llm.c's order
-    del earlier["shuffle_seed"]
-    with pytest.raises(DataError) as e:
-        DataLoader(pattern, 2, 5, shuffle=True).load_state(earlier)
-    one_line_error(e, "before 2026-11-24", "start a new run")
+        DataLoader(pattern, 2, 5, shuffle=True).check_settings(state)
     with pytest.raises(DataError):
-        DataLoader(pattern, 2, 5).load_state(dict(state, sample_position=99))
+        DataLoader(pattern, 2, 5).load_llmc_state(dict(DataLoader(pattern, 2, 5).llmc_state(), sample_idx=99))
 
 
 def test_token_beyond_vocab_is_an_error(tmp_path):

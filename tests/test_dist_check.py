@@ -15,6 +15,7 @@ import pytest
 from test_dist import REPO, TINY, clean_env, find_mpiexec
 
 from gpt2np import dist as dist_mod
+from gpt2np.backends import device_traits
 from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import TrainConfig
 from gpt2np.datasets.data import DataLoader, write_shard
@@ -116,7 +117,8 @@ def test_ranks_started_alike_train(mpiexec, files):
 
 def fingerprint(files, cfg=None, params_from="tiny.bin", train="train.bin"):
     from gpt2np.formats.checkpoint import load_model
-    cfg = (cfg or TrainConfig(batch_size=3, seq_len=T, learning_rate=0.003)).with_device_defaults("numpy")
+    cfg = (cfg or TrainConfig(batch_size=3, seq_len=T, learning_rate=0.003))
+    cfg = cfg.with_device_defaults(device_traits("numpy"))
     model_cfg, params = load_model(files / params_from)
     loader = DataLoader(str(files / train), cfg.batch_size, T)
     return run_fingerprint(cfg, NumpyBackend(), model_cfg, params, loader)
@@ -129,7 +131,7 @@ def test_fingerprint_holds_settings_model_and_data(files):
     from gpt2np.formats.checkpoint import load_model
     model_cfg, params = load_model(files / "tiny.bin")
     fast = NumpyBackend(math="fast")                        # exact where the C loops do not build
-    assert run_fingerprint(TrainConfig().with_device_defaults("numpy"), fast, model_cfg, params,
+    assert run_fingerprint(TrainConfig().with_device_defaults(device_traits("numpy")), fast, model_cfg, params,
                            None)["--device"] == f"numpy (fp32, {fast.math} math)"
     assert fp["-e weights"].startswith("sha256 ") and fp["-i shards"] == "1" and fp["-j shards"] == "none"
     assert fp["-i shard 0"].startswith("train.bin (6000 tokens, sha256 ")

@@ -12,7 +12,7 @@ from gpt2np.config import GPT2Config
 from gpt2np.datasets.data import DataLoader, write_shard
 from gpt2np.formats.checkpoint import load_model, save_model
 from gpt2np.model import GPT2
-from gpt2np.train.trainer import evaluate as trainer_evaluate
+from gpt2np.train.evaluate import val_loss as trainer_evaluate
 
 CFG = GPT2Config(32, 100, 128, 2, 2, 16)
 

@@ -10,7 +10,7 @@ from test_emulator import needs_gpp
 from test_recompute import CFG, B, T, assert_bitwise, batches, train
 from test_train import base_args, run, tiny_model, tiny_shards  # noqa: F401  (fixtures)
 
-from gpt2np.backends import get_backend
+from gpt2np.backends import device_traits, get_backend
 from gpt2np.config import TrainConfig
 from gpt2np.errors import BadInput
 from gpt2np.model import GPT2
@@ -28,8 +28,8 @@ def test_gelu_fusion_defaults_to_2_with_fuse_and_needs_fuse():
         TrainConfig(gelu_fusion=2, fuse=0).validate()
     TrainConfig(gelu_fusion=2).validate()                  # --fuse not known yet: checked on the device's defaults
     with pytest.raises(BadInput, match=r"^-ge 1 with --fuse 0: "):
-        TrainConfig(gelu_fusion=1).with_device_defaults("numpy").validate()
-    assert TrainConfig(gelu_fusion=1).with_device_defaults("emu").validate().fuse == 1
+        TrainConfig(gelu_fusion=1).with_device_defaults(device_traits("numpy")).validate()
+    assert TrainConfig(gelu_fusion=1).with_device_defaults(device_traits("emu")).validate().fuse == 1
 
 
 def test_train_py_ge_without_fuse_is_one_error_line(tiny_model, tiny_shards, capsys):  # noqa: F811

@@ -155,7 +155,7 @@ class Chosen(Exception):
 @pytest.mark.parametrize("device", ["auto", "cuda"])
 def test_trainer_honours_precision_whichever_way_the_gpu_was_chosen(monkeypatch, device, flags, expected):
     """--device auto finding a GPU gets the same precision as --device cuda (sm_90 here: tf32 by default)."""
-    from gpt2np.train import trainer
+    from gpt2np.train import setup, trainer
     monkeypatch.setattr(backends, "_status", (None, True))           # a usable GPU...
     monkeypatch.setattr(backends, "compute_capability", lambda: 90)  # ... with tensor cores
     chosen = []
@@ -164,7 +164,7 @@ def test_trainer_honours_precision_whichever_way_the_gpu_was_chosen(monkeypatch,
         chosen.append((name, precision))
         raise Chosen
 
-    monkeypatch.setattr(trainer, "get_backend", fake_get_backend)
+    monkeypatch.setattr(setup, "get_backend", fake_get_backend)
     with pytest.raises(Chosen):
         trainer.train(replace(TrainConfig(device=device), **flags))
     assert chosen == [("cuda", expected)]
@@ -462,8 +462,8 @@ def test_cupy_runtime_free_memory_counts_the_pool():
 
 
 def test_train_py_says_what_fits_instead_of_a_traceback(monkeypatch, data_dir, capsys):
-    from gpt2np.train import trainer
-    monkeypatch.setattr(trainer, "get_backend",
+    from gpt2np.train import setup
+    monkeypatch.setattr(setup, "get_backend",
                         lambda name, precision="fp32", **_: CudaBackend(CountingRuntime(4 << 30)))
     code = train.main(["--device", "cpu", "-e", "d12", "-b", "16", "-t", "256", "-x", "1", "-v", "0", "-s", "0"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -473,7 +473,7 @@ def test_train_py_says_what_fits_instead_of_a_traceback(monkeypatch, data_dir, c
 
 
 def test_an_out_of_memory_error_during_the_run_is_one_line(monkeypatch, data_dir, capsys):
-    from gpt2np.train import trainer
+    from gpt2np.train import setup
 
     class OutOfMemoryError(MemoryError):           # what cupy.cuda.memory raises
         pass
@@ -481,7 +481,7 @@ def test_an_out_of_memory_error_during_the_run_is_one_line(monkeypatch, data_dir
     def no_memory(*args, **kwargs):
         raise OutOfMemoryError("Out of memory allocating 1,073,741,824 bytes (allocated so far: 0 bytes).")
 
-    monkeypatch.setattr(trainer, "GPT2", no_memory)
+    monkeypatch.setattr(setup, "GPT2", no_memory)
     code = train.main(["--device", "cpu", "-e", "d12", "-b", "1", "-t", "8", "-x", "1", "-v", "0", "-s", "0"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err == ["error: out of memory (Out of memory allocating 1,073,741,824 bytes (allocated so "

@@ -121,7 +121,7 @@ def test_llmcs_eval_file_with_a_token_outside_gpt2s_vocabulary_names_the_file(pa
     model's `inputs contain token id 60000`, naming no file), for eval hellaswag -j and train --hellaswag-data."""
     from gpt2np.config import TrainConfig
     from gpt2np.dist import SingleProcess
-    from gpt2np.train.trainer import load_hellaswag
+    from gpt2np.train.evaluate import load_hellaswag
     path = tmp_path / "ev.bin"
     write_llmc_evalfile(path, EXAMPLES)
     raw = bytearray(path.read_bytes())
@@ -393,7 +393,7 @@ def test_hellaswag_data_error_names_the_flag_only_for_the_file_itself(tmp_path, 
     from gpt2np.config import TrainConfig
     from gpt2np.dist import SingleProcess
     from gpt2np.formats import tokenizer
-    from gpt2np.train.trainer import load_hellaswag
+    from gpt2np.train.evaluate import load_hellaswag
     missing = TrainConfig(hellaswag_every=1, hellaswag_data=str(tmp_path / "nope.jsonl"))
     with pytest.raises(ValueError, match=r"--hellaswag-data .*nope\.jsonl: no such file"):
         load_hellaswag(missing, CFG, SingleProcess())

@@ -4,6 +4,7 @@ skips, -nk/-nm checkpoint rotation, -pn/-pr/-pg/-pi multi-node), and what gpt2np
 import pytest
 
 import train
+from gpt2np.backends import device_traits
 from gpt2np.config import TrainConfig
 
 # llm.c's GPT-2 (124M) reproduction on FineWeb (its README's command), word for word
@@ -17,7 +18,8 @@ def test_llmc_124m_command_parses_with_llmcs_meanings():
                                                                                                  1, 1)
     assert (cfg.weight_decay, cfg.learning_rate, cfg.final_lr_frac, cfg.warmup_steps) == (0.1, 6e-4, 0.0, 700)
     assert (cfg.checkpoint_every, cfg.val_every, cfg.sample_every, cfg.hellaswag_eval) == (5000, 250, 20000, 1)
-    assert cfg.with_device_defaults("cuda").hellaswag_interval == 250        # -h 1: HellaSwag at the -v steps
+    gpu = device_traits("cuda")
+    assert cfg.with_device_defaults(gpu).hellaswag_interval == 250        # -h 1: HellaSwag at the -v steps
 
 
 def test_every_flag_of_llmcs_usage_is_taken():
@@ -59,8 +61,9 @@ def test_hellaswag_due_as_llmc():
 def test_hellaswag_interval():
     assert TrainConfig(hellaswag_every=7).hellaswag_interval == 7
     assert TrainConfig(hellaswag_eval=1, val_every=20).hellaswag_interval == 20
-    assert TrainConfig().with_device_defaults("numpy").hellaswag_interval == 0
-    assert TrainConfig(hellaswag_eval=1).with_device_defaults("numpy").hellaswag_interval == 10   # the CPU's -v
+    assert TrainConfig().with_device_defaults(device_traits("numpy")).hellaswag_interval == 0
+    cpu = device_traits("numpy")
+    assert TrainConfig(hellaswag_eval=1).with_device_defaults(cpu).hellaswag_interval == 10   # the CPU's -v
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -6,6 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from gpt2np.backends import device_traits
 from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
@@ -214,7 +215,7 @@ def test_profile_defaults_to_train_pys_recompute(monkeypatch, tmp_path, capsys):
     for device in devices:
         with pytest.raises(Stop):
             profiler.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--out", str(tmp_path)])
-    train = {name: TrainConfig().with_device_defaults(name).recompute for name in ("cuda", "emu", "cpu")}
+    train = {name: TrainConfig().with_device_defaults(device_traits(name)).recompute for name in ("cuda", "emu", "cpu")}
     assert built == [train[d] for d in devices] and train == {"cuda": 0, "emu": 0, "cpu": 0}
     assert inspect.signature(planner.plan_step).parameters["recompute"].default == train["cuda"]
     assert planner.GPU_RECOMPUTE == train["cuda"]

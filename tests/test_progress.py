@@ -80,10 +80,10 @@ def test_off_and_the_environment_override(clock, monkeypatch):
 def test_long_validation_in_training_shows_progress(capsys):
     """The trainer's validation shows progress lines when it is long (LONG_VALIDATION batches or more), and
     says nothing for the usual few batches."""
-    from gpt2np.train import trainer
+    from gpt2np.train import evaluate
 
     class Loader:
-        num_batches = trainer.LONG_VALIDATION
+        num_batches = evaluate.LONG_VALIDATION
 
         def eval_batches(self, max_batches):
             return max_batches if max_batches > 0 else self.num_batches
@@ -98,8 +98,8 @@ def test_long_validation_in_training_shows_progress(capsys):
         def forward(self, x, y):
             return 1.0
 
-    assert trainer.evaluate(Model(), Loader(), max_batches=-1) == 1.0
-    assert f"val: {trainer.LONG_VALIDATION}/{trainer.LONG_VALIDATION} batch" in capsys.readouterr().err
-    assert trainer.evaluate(Model(), Loader(), max_batches=5) == 1.0
-    assert trainer.evaluate(Model(), Loader(), max_batches=-1, show_progress=False) == 1.0
+    assert evaluate.val_loss(Model(), Loader(), max_batches=-1) == 1.0
+    assert f"val: {evaluate.LONG_VALIDATION}/{evaluate.LONG_VALIDATION} batch" in capsys.readouterr().err
+    assert evaluate.val_loss(Model(), Loader(), max_batches=5) == 1.0
+    assert evaluate.val_loss(Model(), Loader(), max_batches=-1, show_progress=False) == 1.0
     assert capsys.readouterr().err == ""

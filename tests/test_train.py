@@ -283,7 +283,7 @@ def test_training_samples_are_llmcs(tiny_model):
     """A training sample as llm.c's: -g counts the EOT it starts from (genT - 1 new tokens), the coins restart from
     --seed (llm.c: 1337) every sample, each token is the first id whose cumulative probability exceeds its coin."""
     from gpt2np.config import TrainConfig
-    from gpt2np.train.trainer import sample_text
+    from gpt2np.train.evaluate import sample_text
     model = GPT2(TINY, NumpyBackend(), 1, 32)
     model.load_params(load_model(tiny_model)[1])
 
@@ -361,12 +361,12 @@ def test_step_line_mfu_is_one_gpus_share_under_mpiexec():
     from types import SimpleNamespace
 
     from gpt2np.profiling.gpu_specs import mfu
-    from gpt2np.train.trainer import throughput_text
-    gpu = SimpleNamespace(name="cuda", precision="bf16")
+    from gpt2np.train.log import throughput_text
+    gpu = SimpleNamespace(name="cuda", launches_kernels=True, precision="bf16")
     one, two = (throughput_text(gpu, 1e9, 200_000.0, n, "H100 SXM") for n in (1, 2))
     expected = mfu(1e9, 100_000.0, "H100 SXM", "bf16")
     assert two == f"{100 * expected:.1f}% MFU" and one == f"{200 * expected:.1f}% MFU"
-    cpu = SimpleNamespace(name="numpy", precision="fp32")
+    cpu = SimpleNamespace(name="numpy", launches_kernels=False, precision="fp32")
     assert throughput_text(cpu, 1e9, 200.0, 2, "cpu") == "200.0 GFLOP/s"
 
 
@@ -375,7 +375,7 @@ def test_lg_logs_gpu_memory_under_the_step_line(tiny_model, tiny_shards, capsys)
     note that there is no GPU; a fake CUDA runtime's figures come out as they are."""
     from types import SimpleNamespace
 
-    from gpt2np.train.trainer import gpu_memory_line
+    from gpt2np.train.log import gpu_memory_line
     args = base_args(tiny_model, tiny_shards) + ["-x", 2, "-v", 0, "-lg", 1]
     code, out, err = run(args, capsys)
     assert code == 0 and "note: -lg 1: this run is on the CPU, there is no GPU to log" in out, err

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import train
+from gpt2np.backends import device_traits
 from gpt2np.config import TrainConfig, value_type
 
 REPO = Path(__file__).resolve().parent.parent
@@ -157,16 +158,16 @@ def test_bad_flag_values_are_argparse_errors():
 
 
 def test_device_defaults():
-    cpu = TrainConfig().with_device_defaults("numpy")
-    gpu = TrainConfig().with_device_defaults("cuda")
+    cpu = TrainConfig().with_device_defaults(device_traits("numpy"))
+    gpu = TrainConfig().with_device_defaults(device_traits("cuda"))
     names = ("batch_size", "seq_len", "max_steps", "val_every", "val_max_batches", "sample_every", "attention",
              "fuse")
     assert [getattr(cpu, name) for name in names] == [4, 64, 40, 10, 5, 20, "naive", 0]   # --fuse: gpt2np's
     assert [getattr(gpu, name) for name in names] == [4, 1024, -1, 20, 20, 20, "flash", 1]
-    emu = TrainConfig().with_device_defaults("emu")           # the GPU's kernel path at the CPU's sizes
+    emu = TrainConfig().with_device_defaults(device_traits("emu"))           # the GPU's kernel path at the CPU's sizes
     assert [getattr(emu, name) for name in names] == [4, 64, 40, 10, 5, 20, "flash", 1]
     assert all(getattr(TrainConfig(), name) is None for name in names)
     assert {f.name for f in fields(TrainConfig) if f.metadata["cpu_gpu"]} == set(names)
-    given = TrainConfig(seq_len=32, max_steps=0).with_device_defaults("cuda")
+    given = TrainConfig(seq_len=32, max_steps=0).with_device_defaults(device_traits("cuda"))
     assert (given.seq_len, given.max_steps, given.batch_size) == (32, 0, 4)
-    assert gpu.with_device_defaults("numpy") == gpu              # filled once, never overwritten
+    assert gpu.with_device_defaults(device_traits("numpy")) == gpu              # filled once, never overwritten

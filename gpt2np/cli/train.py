@@ -11,15 +11,19 @@
 import argparse
 import contextlib
 import io
+import sys
 from dataclasses import fields
 
 from gpt2np.config import TrainConfig, default_text, value_type
+from gpt2np.dist import abort_job, launcher_rank
 from gpt2np.errors import BAD_INPUT, BAD_INPUT_ERRORS, ArgumentParser, one_line_errors, tool
 
 
 def build_parser():
-    """llm.c's flags, one per TrainConfig field: flag, type, default, help and choices all come from TrainConfig."""
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
+    """llm.c's flags, one per TrainConfig field: flag, type, default, help and choices all come from
+    TrainConfig."""
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       add_help=False)
     p.add_argument("--help", action="help", help="show this help message and exit")
     for f in fields(TrainConfig):
         meta, default = f.metadata, default_text(f)
@@ -29,14 +33,15 @@ def build_parser():
             options["action"] = "store_true"
         else:
             options.update(type=value_type(f), choices=meta["choices"], metavar=meta["metavar"])
-        if meta["flag"] == "-h":                  # llm.c's -h takes 0/1 (HellaSwag); -h alone is still help
+        if meta["flag"] == "-h":          # llm.c's -h takes 0/1 (HellaSwag); -h alone is still help
             options.update(nargs="?", action=HelpOrValue)
         p.add_argument(meta["flag"], **options)
     return p
 
 
 class HelpOrValue(argparse.Action):
-    """-h VALUE stores the value (llm.c's -h 0|1); a bare -h prints the help and exits, as everywhere else."""
+    """-h VALUE stores the value (llm.c's -h 0|1); a bare -h prints the help and exits, as
+    everywhere else."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         if values is None:
@@ -51,19 +56,19 @@ def parse_config(argv=None):
 
 
 def model_flag_given(argv=None) -> bool:
-    """Whether the command line names -e (--model): without it a -y 1 resumes the run's own model (run_model)."""
-    import sys
+    """Whether the command line names -e (--model): without it a -y 1 resumes the run's own model
+    (run_model)."""
     args = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    return any(a in ("-e", "--model") or a.startswith("--model=") or (a.startswith("-e") and len(a) > 2
-                                                                       and not a.startswith("--")) for a in args)
+    return any(a in ("-e", "--model") or a.startswith("--model=")
+               or (a.startswith("-e") and len(a) > 2 and not a.startswith("--")) for a in args)
 
 
 @tool
 def main(argv=None):
-    """Parse and validate the flags, then train: bad flags or files end in one `error:` line and exit 2, a run
-    that fails (a non-finite loss, a device, a write) in one line and exit 1."""
-    from gpt2np.dist import launcher_rank
-    if launcher_rank() > 0:       # under mpiexec every rank parses the same flags: rank 0 alone says what is wrong
+    """Parse and validate the flags, then train: bad flags or files end in one `error:` line and
+    exit 2, a run that fails (a non-finite loss, a device, a write) in one line and exit 1."""
+    # under mpiexec every rank parses the same flags: rank 0 alone says what is wrong
+    if launcher_rank() > 0:
         with contextlib.redirect_stderr(io.StringIO()):
             try:
                 cfg = parse_config(argv).validate()
@@ -71,7 +76,7 @@ def main(argv=None):
                 raise SystemExit(BAD_INPUT) from None
     else:
         cfg = parse_config(argv).validate()
-    from gpt2np.dist import abort_job
+    # the trainer (backends, model, profiling) once the flags are good: a bad flag answers sooner
     from gpt2np.train.trainer import train
     # under mpiexec the other ranks must not wait for us: abort_job ends the job with the same code
     with one_line_errors(then=abort_job):

@@ -160,9 +160,9 @@ class DataLoader:
         order, as llm.c's ranks do.
     vocab_size: if given, token ids >= vocab_size raise DataError naming the file and position.
 
-    The read position is (epoch, shard_position, sample_position); state()/load_state() save and
-    restore it (replaying the shuffle stream up to it) so a resumed run continues with exactly the batches it
-    would have seen.
+    The read position is (epoch, shard_position, sample_position); llmc_state()/load_llmc_state() save and
+    restore it as llm.c's state file keeps it (with the shuffle generator's state), so a resumed run continues
+    with exactly the batches it would have seen; state() holds the settings check_settings compares.
     """
 
     def __init__(self, pattern_or_patterns, B, T, process_rank=0, num_processes=1,
@@ -290,7 +290,7 @@ class DataLoader:
                  "num_processes": self.num_processes, "num_shards": len(self.files),
                  "num_tokens": self.num_tokens, "shuffle": int(self.shuffle)}
         if self.shuffle:
-            state["shuffle_seed"] = SHUFFLE_SEED + self.process_rank      # llm.c's order (saved since 2026-11-24)
+            state["shuffle_seed"] = SHUFFLE_SEED + self.process_rank      # llm.c's order
         return state
 
     def llmc_state(self) -> dict:
@@ -334,7 +334,7 @@ class DataLoader:
             raise DataError(f"{where}sample position {sample_pos}, the shard has {len(self._sample_order)} samples")
         self.epoch, self.shard_position, self.sample_position = int(epoch), shard_pos, sample_pos
 
-    def check_settings(self, state: dict, source="DataLoader.load_state"):
+    def check_settings(self, state: dict, source="DataLoader.check_settings"):
         """state() of a loader with the same settings and data as this one, or a DataError naming the first
         difference."""
         mine = self.state()
@@ -344,31 +344,3 @@ class DataLoader:
             if int(state[key]) != mine[key]:
                 raise DataError(f"{source}: state was saved with {key}={state[key]}, "
                                 f"this loader ({self.files[0]}, ...) has {key}={mine[key]}")
-
-    def load_state(self, state: dict):
-        """Continue from a position saved by state() of a loader with the same settings and data."""
-        self.check_settings(state)
-        mine = self.state()
-        if self.shuffle and "shuffle_seed" not in state:
-            raise DataError("DataLoader.load_state: state was saved with the shuffled order gpt2np used before "
-                            "2026-11-24, not llm.c's, which this version reads: it cannot continue that order "
-                            "(start a new run)")
-        if self.shuffle and int(state["shuffle_seed"]) != mine["shuffle_seed"]:
-            raise DataError(f"DataLoader.load_state: state was saved with shuffle_seed={state['shuffle_seed']}, "
-                            f"this loader ({self.files[0]}, ...) has shuffle_seed={mine['shuffle_seed']}")
-        epoch, shard_pos, sample_pos = (int(state[k]) for k in ("epoch", "shard_position", "sample_position"))
-        if epoch < 0 or not 0 <= shard_pos < len(self.files) or sample_pos < 0:
-            raise DataError(f"DataLoader.load_state: position out of range: epoch={epoch}, "
-                            f"shard_position={shard_pos}, sample_position={sample_pos}")
-        self.reset()
-        if self.shuffle:                      # the stream's permutations up to that shard, as the run drew them
-            while (self.epoch, self.shard_position) != (epoch, shard_pos):
-                self._next_shard()
-        else:
-            self.epoch, self.shard_position = epoch, shard_pos
-            self._start_shard()
-        if sample_pos > len(self._sample_order):
-            shard_index = self._shard_order[shard_pos]
-            raise DataError(f"DataLoader.load_state: sample_position {sample_pos} is past the "
-                            f"{self.shard_num_samples[shard_index]} samples of {self.files[shard_index]}")
-        self.sample_position = sample_pos

@@ -15,7 +15,6 @@ before its files are rewritten (remove_done_marker).
 Reading checks everything that can be checked cheaply: magic, version, sizes against the file size, the
 state's required keys, and that a model's weights are all finite; the message names the file and the problem.
 """
-import glob
 import json
 import math
 import os
@@ -24,6 +23,7 @@ import struct
 
 import numpy as np
 
+from gpt2np.bf16 import BF16
 from gpt2np.config import GPT2Config
 from gpt2np.errors import WriteError
 from gpt2np.fileio import atomic_write, sync_folder
@@ -32,8 +32,6 @@ from gpt2np.tensors import num_parameters, offsets, param_shapes
 MODEL_MAGIC = 20240326
 VERSION_FP32, VERSION_BF16 = 3, 5
 HEADER_INTS = 256
-STATE_MAGIC = b"GPT2NPST"           # gpt2np's own state format before 2026-11-24 (still read)
-STATE_VERSION = 1
 # keys every state file's JSON header holds (the trainer's save_checkpoint writes more)
 STATE_REQUIRED_KEYS = ("step", "train_loader")
 
@@ -85,7 +83,6 @@ def load_model(path, keep_bf16=False):
         if version == VERSION_FP32:
             params = np.fromfile(f, dtype="<f4", count=n).astype(np.float32, copy=False)
         elif keep_bf16:
-            from gpt2np.bf16 import BF16
             params = np.fromfile(f, dtype="<u2", count=n).view(BF16)
         else:
             params = bf16_to_fp32(np.fromfile(f, dtype="<u2", count=n))
@@ -156,8 +153,7 @@ def fp32_to_bf16(x):
 #       shuffle generator as llm.c's mt19937_state struct (u64 seed_, int left_, uint next_, uint state_[624],
 #       uint MATRIX_A[2]; 2520 bytes)
 # then gpt2np's footer, which llm.c does not read: JSON (the sampling RNG, the outlier window, the loader's epoch and
-# settings...), u64 its length, the 8 bytes FOOTER_MAGIC. Files of the earlier gpt2np format (STATE_MAGIC, a JSON
-# header, then the arrays) still load.
+# settings...), u64 its length, the 8 bytes FOOTER_MAGIC.
 LLMC_STATE_MAGIC, LLMC_STATE_VERSION = 20240527, 1
 FOOTER_MAGIC = b"GPT2NPFT"
 MT_STRUCT = struct.Struct("<QiI624I2I")          # llm.c's mt19937_state, as fwrite writes it
@@ -242,9 +238,6 @@ def _parse_state(path, num_params):
         raise CheckpointError(f"{path}: no such state file")
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        if f.read(len(STATE_MAGIC)) == STATE_MAGIC:
-            return _parse_earlier_state(path, f, size, num_params)
-        f.seek(0)
         header = np.frombuffer(f.read(4 * HEADER_INTS), "<i4")
         if header.size < HEADER_INTS or header[0] != LLMC_STATE_MAGIC:
             raise CheckpointError(f"{path}: not a state file (bad magic or truncated header)")
@@ -317,32 +310,6 @@ def _u64(raw):
     return struct.unpack("<Q", raw)[0] if len(raw) == 8 else (1 << 62)
 
 
-def _parse_earlier_state(path, f, size, num_params):
-    """gpt2np's state files before 2026-11-24: STATE_MAGIC, <i q q> version, JSON length, n, the JSON, the arrays."""
-    head = f.read(20)
-    if len(head) < 20:
-        raise CheckpointError(f"{path}: not a state file (bad magic or truncated header)")
-    version, blob_len, n = struct.unpack("<iqq", head)
-    if version != STATE_VERSION:
-        raise CheckpointError(f"{path}: unsupported state version {version} (expected {STATE_VERSION})")
-    start = len(STATE_MAGIC) + 20
-    if blob_len < 0 or n < 0 or size < start + blob_len + 8 * n:
-        raise CheckpointError(f"{path}: {size} bytes, the header says at least {start + blob_len + 8 * n}: "
-                              f"truncated or corrupt")
-    info = _read_json(f, blob_len, path, "header")
-    count = 3 if info.get("master_weights") else 2
-    expected = start + blob_len + 4 * n * count
-    if size != expected:
-        raise CheckpointError(f"{path}: {size} bytes, the header says {expected}: truncated or corrupt")
-    if num_params is not None and n != num_params:
-        raise CheckpointError(f"{path}: optimizer state for {n} parameters, the model has {num_params}")
-    missing = [key for key in STATE_REQUIRED_KEYS if key not in info]
-    if missing:
-        raise CheckpointError(f"{path}: the state lacks the key {missing[0]!r}: not written by gpt2np's trainer, "
-                              f"or damaged")
-    return info, n, {"arrays": start + blob_len}
-
-
 def model_path(out_dir, step):
     return os.path.join(out_dir, f"model_{step:08d}.bin")
 
@@ -353,13 +320,6 @@ def state_path(out_dir, step, rank=0):
 
 def done_path(out_dir, step):
     return os.path.join(out_dir, f"DONE_{step:08d}")
-
-
-def latest_checkpoint_step(out_dir):
-    """The highest step with a DONE_ marker in out_dir (written after model and states), or None."""
-    steps = [int(m.group(1)) for p in glob.glob(os.path.join(out_dir, "DONE_*"))
-             if (m := re.fullmatch(r"DONE_(\d+)", os.path.basename(p)))]
-    return max(steps) if steps else None
 
 
 def checkpoint_to_delete(step, checkpoint_every, keep, major_every=0):
@@ -376,30 +336,37 @@ def checkpoint_to_delete(step, checkpoint_every, keep, major_every=0):
     return old
 
 
-# the names model_path, state_path and done_path give (checkpoint_files checks a name is exactly one of them)
+# the names model_path, state_path and done_path give (checkpoint_name checks a name is exactly one of them)
 CHECKPOINT_NAME = re.compile(r"model_(\d+)\.bin|state_(\d+)_(\d+)\.bin|DONE_(\d+)")
+
+
+def checkpoint_name(name):
+    """(step, is its DONE marker) when `name` is exactly a name model_path, state_path or done_path gives; else
+    None (temporary files, copies, other digit counts)."""
+    m = CHECKPOINT_NAME.fullmatch(name)
+    if not m:
+        return None
+    model, state, rank, done = m.groups()
+    step = int(model or state or done)
+    canonical = (model_path("", step) if model else done_path("", step) if done
+                 else state_path("", step, int(rank)))
+    return (step, done is not None) if canonical == name else None
 
 
 def checkpoint_files(out_dir) -> dict:
     """{step: complete} for every step with a checkpoint file in out_dir (a model, any process's state, or a DONE
     marker, under the exact names model_path/state_path/done_path give): complete is whether its DONE marker is
-    there. Other files (temporary ones, copies, other digit counts) are not checkpoint files. No folder: {}."""
+    there. Other files are not checkpoint files. No folder: {}. The one listing of a run's checkpoints."""
     found = {}
     try:
         entries = list(os.scandir(out_dir))
     except (FileNotFoundError, NotADirectoryError):
         return found
     for entry in entries:
-        m = CHECKPOINT_NAME.fullmatch(entry.name)
-        if not m:
-            continue
-        model, state, rank, done = m.groups()
-        step = int(model or state or done)
-        canonical = (model_path(out_dir, step) if model else done_path(out_dir, step) if done
-                     else state_path(out_dir, step, int(rank)))
-        if os.path.basename(canonical) != entry.name or not entry.is_file():
-            continue
-        found[step] = found.get(step, False) or done is not None
+        named = checkpoint_name(entry.name)
+        if named and entry.is_file():
+            step, done = named
+            found[step] = found.get(step, False) or done
     return found
 
 

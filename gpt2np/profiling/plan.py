@@ -69,8 +69,9 @@ PLAN_NOTE = "a model from peak rates, not a measurement"
 def train_recompute(device: str = "cuda") -> int:
     """train.py's -r default on `device` ("cuda", "emu", or the CPU's "numpy"/"cpu"): gpt2np.config.TrainConfig's
     (0 on both, every activation kept; llm.c's is 1), which profile and plan take when no -r is given."""
+    from gpt2np.backends import device_traits
     from gpt2np.config import TrainConfig
-    return TrainConfig().with_device_defaults(device).recompute
+    return TrainConfig().with_device_defaults(device_traits(device)).recompute
 
 
 GPU_RECOMPUTE = train_recompute("cuda")       # train.py's -r on a GPU: a plan's default

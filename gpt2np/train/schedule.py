@@ -1,11 +1,12 @@
-"""Learning-rate schedules as llm.c defines them (llmc/schedulers.h): the lr of 0-based `step` of `total_steps`.
+"""Learning-rate schedules as llm.c's (llmc/schedulers.h): the lr of 0-based `step` of total_steps.
 
-    cosine    warmup lr*(step+1)/warmup, then a cosine from lr down to lr*final_frac at step total_steps (after
-              the last step trained, as llm.c's)
+    cosine    warmup lr*(step+1)/warmup, then a cosine from lr down to lr*final_frac at step
+              total_steps (after the last step trained, as llm.c's)
     linear    the same warmup, then a straight line down to lr*final_frac (at step total_steps)
     constant  lr at every step: llm.c's constant schedule has no warmup (-u changes nothing)
-    wsd       warmup, stable at lr, then over the last 20% of the steps a 1 - sqrt cooldown to lr*final_frac
-              (Hägele et al. 2024, arXiv:2405.18392; llm.c's decay point (int)(0.8f * total_steps), in float32)
+    wsd       warmup, stable at lr, then over the last 20% of the steps a 1 - sqrt cooldown to
+              lr*final_frac (Hägele et al. 2024, arXiv:2405.18392; llm.c's decay point
+              (int)(0.8f * total_steps), in float32)
 
 A step past the end (a finished run extended with a larger -x) keeps the last decay value.
 """
@@ -27,10 +28,12 @@ def learning_rate(step, max_lr, total_steps, warmup=0, final_frac=1.0, kind="cos
         return max_lr * (step + 1) / warmup
     min_lr = max_lr * final_frac
     if kind == "wsd":
-        decay_start = int(np.float32(WSD_DECAY_START) * np.float32(total_steps))     # llm.c's (int)(0.8f * N)
+        # llm.c's (int)(0.8f * N)
+        decay_start = int(np.float32(WSD_DECAY_START) * np.float32(total_steps))
         if step < decay_start:
             return max_lr
-        return min_lr + (1.0 - math.sqrt(_fraction(step - decay_start, total_steps - decay_start))) * (max_lr - min_lr)
+        cooldown = _fraction(step - decay_start, total_steps - decay_start)
+        return min_lr + (1.0 - math.sqrt(cooldown)) * (max_lr - min_lr)
     ratio = _fraction(step - warmup, total_steps - warmup)
     if kind == "linear":
         return max_lr - ratio * (max_lr - min_lr)
