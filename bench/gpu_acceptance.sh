@@ -23,8 +23,8 @@
 #   gpu_step_bf16 the same in bf16 (--precision bf16; PyTorch under bf16 autocast), and at llm.c's B=64 (--full)
 #   op_bench      bench/op_bench.py: bf16 LayerNorm backward alone at B=64 T=1024, its finish's threads a column and
 #                 its most blocks tried (information: launch settings to tune, not a pass/fail on speed)
-#   kernels       python -m gpt2np.profiling.profiler: the kernel table of one step (profile/ has CSV/JSON/trace)
-#   plan_measure  python -m gpt2np.profiling.profiler --plan --measure: planned floor vs measured time per op
+#   kernels       python -m gpt2np.cli.profile: the kernel table of one step (profile/ has CSV/JSON/trace)
+#   plan_measure  python -m gpt2np.cli.profile --plan --measure: planned floor vs measured time per op
 #   memcheck      compute-sanitizer --tool memcheck over one training step of a tiny model
 #   racecheck     compute-sanitizer --tool racecheck over the same step
 #   ncu           bench/ncu.sh (TIME_ONLY=1, d12 B=4 T=1024): Nsight Compute's time of every kernel of a step,
@@ -223,9 +223,9 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
             --top 10 --precision bf16
         acc_run op_bench 300 "$PY" bench/op_bench.py layernorm_backward --runtime emu -b 2 -t 8 -c 64 --reps 2 \
             --precision bf16 --set layernorm_finish_threads=1,32
-        acc_run kernels 300 "$PY" -m gpt2np.profiling.profiler -e "$data/tiny.bin" -b 2 -t 16 --steps 1 \
+        acc_run kernels 300 "$PY" -m gpt2np.cli.profile -e "$data/tiny.bin" -b 2 -t 16 --steps 1 \
             --device emu --out "$OUT/profile" --views gpu_activities,kernels
-        acc_run plan_measure 300 "$PY" -m gpt2np.profiling.profiler -e "$data/tiny.bin" -b 2 -t 16 --plan --measure \
+        acc_run plan_measure 300 "$PY" -m gpt2np.cli.profile -e "$data/tiny.bin" -b 2 -t 16 --plan --measure \
             --device emu --gpu H100 --out "$OUT/plan"
         acc_skip memcheck "--device emu: compute-sanitizer needs a GPU (the emulator's guard pages stand in: tests/test_emulator.py)"
         acc_skip racecheck "--device emu: compute-sanitizer needs a GPU (the emulator's reverse schedule stands in)"
@@ -277,9 +277,9 @@ acc_stages() {      # every stage after the preflight, by MODE (quick/full) and 
     if [ "$TORCH_OK" != 1 ]; then
         echo "# PyTorch side not run: $TORCH_WHY" >> "$OUT/gpu_step.log"
     fi
-    acc_run kernels 300 "$PY" -m gpt2np.profiling.profiler -e d12 -b 4 -t 1024 --steps 1 --device cuda \
+    acc_run kernels 300 "$PY" -m gpt2np.cli.profile -e d12 -b 4 -t 1024 --steps 1 --device cuda \
         --out "$OUT/profile" --views gpu_activities,kernels
-    acc_run plan_measure 300 "$PY" -m gpt2np.profiling.profiler -e d12 -b 4 -t 1024 --plan --measure \
+    acc_run plan_measure 300 "$PY" -m gpt2np.cli.profile -e d12 -b 4 -t 1024 --plan --measure \
         --device cuda --out "$OUT/plan"
     if [ "$SAN_OK" = 1 ]; then
         local step=("$PY" train.py -e "$data/tiny.bin" -i "$data/train_*.bin" -j "$data/val_*.bin" -b 2 -t 32

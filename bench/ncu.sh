@@ -11,7 +11,7 @@
 #   $OUT/builtin/      the built-in profile of steps 0 (warm-up) and 1 (profile.json: kernel order, FLOPs, modules)
 #   $OUT/step.ncu-rep  ncu's report of step 1 (NVTX range "Train step 1" of train.py)
 #   $OUT/step.csv      the same as CSV (ncu --import ... --csv --page raw)
-#   $OUT/kernels.csv   every kernel with step, direction, layer, op, module, ncu's metrics (python -m gpt2np.profiling.ncu)
+#   $OUT/kernels.csv   every kernel with step, direction, layer, op, module, ncu's metrics (python -m gpt2np.cli.ncu)
 set -euo pipefail
 MODEL=${MODEL:-d12}
 B=${B:-4}
@@ -27,7 +27,7 @@ command -v "$NCU" >/dev/null || { echo "error: $NCU (Nsight Compute CLI) is not 
 mkdir -p "$OUT"
 
 # 1. the built-in profile of the same configuration (its step 1 is the kernel sequence ncu will see)
-"$PY" -m gpt2np.profiling.profiler -e "$MODEL" -b "$B" -t "$T" --steps 1 --device cuda --out "$OUT/builtin" \
+"$PY" -m gpt2np.cli.profile -e "$MODEL" -b "$B" -t "$T" --steps 1 --device cuda --out "$OUT/builtin" \
     --views phases,gpu_activities
 
 # 2. ncu on train.py, kernels inside the push/pop range "Train step 1" only (step 0 is the warm-up); eager launches
@@ -47,5 +47,5 @@ if [ "$SET" = full ]; then EXTRA=(--set full); fi
 
 # 3. CSV, and the attribution (aligned with the built-in profile's step 1)
 "$NCU" --import "$OUT/step.ncu-rep" --csv --page raw --print-units base > "$OUT/step.csv"
-"$PY" -m gpt2np.profiling.ncu "$OUT/step.csv" --records "$OUT/builtin/profile.json" --step 1 \
+"$PY" -m gpt2np.cli.ncu "$OUT/step.csv" --records "$OUT/builtin/profile.json" --step 1 \
     --csv "$OUT/kernels.csv" --json "$OUT/kernels.json"

@@ -13,14 +13,15 @@ from test_train import tiny_model  # noqa: F401  (fixture)
 from gpt2np import ranges
 from gpt2np.backends import get_backend
 from gpt2np.backends.cuda.runtime_plan import PlanArray, PlanRuntime
+from gpt2np.cli.profile import main
 from gpt2np.config import GPT2Config, preset
 from gpt2np.errors import BadInput
 from gpt2np.model import GPT2, STATS
 from gpt2np.ops.contract import op_cost
 from gpt2np.profiling import plan as P
 from gpt2np.profiling.gpu_specs import lookup
-from gpt2np.profiling.profiler import attribution, main
-from gpt2np.profiling.render.report import EMULATED_NOTE, _si
+from gpt2np.profiling.profiler import attribution
+from gpt2np.profiling.render.report import EMULATED_NOTE, si
 from gpt2np.tensors import activation_shapes, layout_size, num_parameters
 
 CFG = GPT2Config(32, 100, 128, 2, 2, 16)          # maxT > T: encoder_backward also clears dwpe[T:]
@@ -113,7 +114,7 @@ def test_host_copies_show_their_bytes_outside_the_floor(small_plan):
     assert htod["host_bytes"] >= 2 * 4 * B * T and dtoh["host_bytes"] > 0
     assert htod["bound"] == dtoh["bound"] == "host link"          # plan_ops.csv's word; its bytes in host_bytes
     shown = {row[1]: row[-1] for row in P.op_table(small_plan).rows}
-    assert shown["[CUDA memcpy HtoD]"] == f"host link: {_si(htod['host_bytes'])}B, not in the floor"
+    assert shown["[CUDA memcpy HtoD]"] == f"host link: {si(htod['host_bytes'])}B, not in the floor"
     assert shown["[CUDA memcpy DtoH]"].startswith("host link: ")
 
 

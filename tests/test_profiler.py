@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from gpt2np.backends.numpy.backend import NumpyBackend
+from gpt2np.cli import profile as profile_cli
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 from gpt2np.profiling.profiler import profile_steps, write_outputs
@@ -213,13 +214,13 @@ def test_profile_defaults_to_train_pys_recompute(monkeypatch, tmp_path, capsys):
     devices = ("emu", "cpu")
     for device in devices:
         with pytest.raises(Stop):
-            profiler.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--out", str(tmp_path)])
+            profile_cli.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--out", str(tmp_path)])
     train = {name: TrainConfig().with_device_defaults(name).recompute for name in ("cuda", "emu", "cpu")}
     assert built == [train[d] for d in devices] and train == {"cuda": 0, "emu": 0, "cpu": 0}
     assert inspect.signature(planner.plan_step).parameters["recompute"].default == train["cuda"]
     assert planner.GPU_RECOMPUTE == train["cuda"]
     capsys.readouterr()
-    assert profiler.main(["--help"]) == 0
+    assert profile_cli.main(["--help"]) == 0
     assert "(default: train.py's, 0)" in " ".join(capsys.readouterr().out.split())
 
 
@@ -258,8 +259,8 @@ def test_a_measured_profile_runs_at_train_pys_precision(monkeypatch, tmp_path, c
         asked.clear()
         built.clear()
         with pytest.raises(Stop):
-            profiler.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--out", str(tmp_path),
-                           *(("--precision", *precision) if precision else ())])
+            profile_cli.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--out", str(tmp_path),
+                              *(("--precision", *precision) if precision else ())])
         assert len(asked) == 1 and asked[0][1] == built[0]
         return built[0]
 
@@ -273,8 +274,8 @@ def test_a_measured_profile_runs_at_train_pys_precision(monkeypatch, tmp_path, c
     assert "note: this GPU (sm_75) has no TF32 tensor cores" in capsys.readouterr().err
     for device, precision, words in (("cpu", "tf32", ["--precision tf32: --device cpu has no tf32, only fp32 or bf16"]),
                                      ("cuda", "bf16", ["--precision bf16", "sm_75", "no bf16 tensor cores"])):
-        assert profiler.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--precision", precision,
-                              "--out", str(tmp_path)]) == 2
+        assert profile_cli.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--precision",
+                                 precision, "--out", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), err
 
@@ -283,11 +284,10 @@ def test_the_views_say_the_precision_the_run_computed_in(tmp_path, capsys):
     """The GPU activities, cuda_gpu_kern_sum and kernel table titles say the precision of the profiled run (the
     cuBLAS kernel names do too, but only on a GPU)."""
     from gpt2np.formats.checkpoint import save_model
-    from gpt2np.profiling import profiler
 
     path = tmp_path / "tiny.bin"
     save_model(path, CFG, GPT2(CFG, NumpyBackend(threads=1), 1, 8, seed=0).params_host())
-    assert profiler.main(["-e", str(path), "-b", "1", "-t", "8", "--device", "emu", "--precision", "tf32",
+    assert profile_cli.main(["-e", str(path), "-b", "1", "-t", "8", "--device", "emu", "--precision", "tf32",
                           "--out", str(tmp_path / "out"), "--views", "gpu_activities,cuda_gpu_kern_sum,kernels"]) == 0
     titles = [line for line in capsys.readouterr().out.splitlines()
               if line.startswith(("GPU activities", "cuda_gpu_kern_sum", "Kernels of"))]
