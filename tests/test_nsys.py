@@ -2,6 +2,7 @@
 import errno
 import json
 import os
+import re
 import sqlite3
 
 import pytest
@@ -926,3 +927,32 @@ def test_png_into_a_missing_folder(step_db, tmp_path, capsys):
     path = tmp_path / "no" / "dir" / "x.png"
     assert nsys_cli.main([step_db, "--png", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(path.parent) == ["x.png"]
+
+
+PERCENT = re.compile(r"(-?[\d,]+\.\d+)%")
+
+
+def test_an_export_without_nvtx_ranges_prints_no_percentage_above_100(tmp_path, capsys):
+    """Kernels and their launch calls but no NVTX range: the user ranges' CPU percentages are of the API
+    calls' host time (they were of the ranges' 0 ns, taken as 1 ns: cudaLaunchKernel at 4000%)."""
+    e = Export()
+    for i, kernel in enumerate(("encoder_forward_kernel", "adamw_kernel")):
+        e.launch(kernel, at=1_000 + 100 * i)
+    path = e.write(tmp_path / "bare.sqlite")
+    assert nsys_cli.main([path]) == 0
+    out = capsys.readouterr().out
+    shown = [float(p.replace(",", "")) for p in PERCENT.findall(out)]
+    assert shown and max(shown) <= 100.0, out
+    users = {row[0]: row for row in V.tables(nsys_views(path), "user_ranges")[0].rows}
+    assert users["cudaLaunchKernel"][1:4:2] == ["100.00%", "100.00%"]          # Self CPU %, CPU total %
+
+
+def test_api_calls_outside_the_ranges_count_in_the_host_time(tmp_path):
+    """A call before the first range (a cudaMalloc, say) is host time the ranges do not hold: the
+    percentages of the user ranges are of both."""
+    e = Export()
+    e.launch("encoder_forward_kernel", at=100)                       # 20 ns, outside any range
+    e.range("Train step 1", 1_000, 1_080)
+    e.launch("adamw_kernel", at=1_010)                               # 20 ns, inside the step
+    users = {row[0]: row for row in V.tables(nsys_views(e.write(tmp_path / "x.sqlite")), "user_ranges")[0].rows}
+    assert users["train_step-1"][3] == "80.00%" and users["cudaLaunchKernel"][3] == "40.00%"

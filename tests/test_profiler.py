@@ -11,7 +11,7 @@ from gpt2np.cli import profile as profile_cli
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 from gpt2np.profiling.profiler import profile_steps, write_outputs
-from gpt2np.profiling.render.report import render
+from gpt2np.profiling.render.report import KernelRecord, render
 
 CFG = GPT2Config(32, 100, 128, 2, 2, 16)
 B, T = 2, 8
@@ -129,6 +129,56 @@ def test_cpu_roofline_is_measured_and_fills_bound_and_percent_of_peak(monkeypatc
     fixed = cpu_roof.Roofline("cpu (test)", 100e9, 10e9, 100e9)
     assert classify(10**6, 10**9, 10**9, fixed) == ("memory", 10.0)
     assert classify(50 * 10**9, 10**6, 10**9, fixed, is_gemm=True) == ("compute", 50.0)
+
+
+PERCENT = re.compile(r"(\d[\d,]*\.\d+)%")
+
+
+def percentages(text):
+    return [float(p.replace(",", "")) for p in PERCENT.findall(text)]
+
+
+@pytest.mark.parametrize("ceilings", ["measured", "too low"])
+def test_no_op_of_a_profiled_cpu_step_is_above_100_percent_of_the_roof(prof, ceilings, tmp_path, capsys,
+                                                                      monkeypatch):
+    """The CPU's roof bounds every op held against it: its bandwidth is the best a += b over array sizes
+    from the caches out to memory (an op on data in a cache was above a roof measured in main memory alone),
+    and a measured roof an op beat anyway (a noisy machine, say; here one measured far too low) is raised to
+    that op's rate and says so. In the views, the files and `report` alike."""
+    from gpt2np.cli import report as report_cli
+    from gpt2np.profiling import cpu_roof
+    from gpt2np.profiling.profiler import device_roofline, report_text
+    monkeypatch.setattr(cpu_roof, "GEMM_SIZE", 64)
+    monkeypatch.setattr(cpu_roof, "STREAM_BYTES", 1 << 20)
+    if ceilings == "measured":
+        roof = device_roofline(prof.backend)
+    else:
+        roof = cpu_roof.Roofline("cpu (1 thread; measured now: GEMM 1 MFLOP/s, a += b 1 MB/s)", 1e6, 1e6, 1e6)
+    text = report_text(prof, roof, ("ops", "kernels", "pyprof"), step=None)
+    assert "%peak" in text and max(percentages(text)) <= 100.0, text
+    if ceilings == "too low":
+        assert "raised to the fastest op's: " in text and " GB/s" in text and " GFLOP/s" in text
+    paths = write_outputs(prof, tmp_path, roof)
+    rows = json.load(open(paths["json"]))["records"]
+    assert all(r["pct_peak"] is None or r["pct_peak"] <= 100.0 for r in rows)
+    capsys.readouterr()
+    assert report_cli.main([paths["json"], "--step", "all"]) == 0
+    assert max(percentages(capsys.readouterr().out)) <= 100.0
+
+
+def test_the_cpu_bandwidth_is_the_best_over_array_sizes_and_a_gpu_roof_is_never_raised(monkeypatch):
+    from gpt2np.backends.cuda.backend import CudaBackend
+    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
+    from gpt2np.profiling import cpu_roof
+    from gpt2np.profiling.profiler import Profiler, bounding_roof
+    assert cpu_roof.stream_sizes() == [1 << 20, 4 << 20, 16 << 20, 64 << 20]
+    sizes = []
+    monkeypatch.setattr(cpu_roof, "add_bandwidth", lambda threads, repeats, nbytes: sizes.append(nbytes) or nbytes)
+    assert cpu_roof.stream_bandwidth(2, 1) == 64 << 20 and sizes == cpu_roof.stream_sizes()
+    h100 = cpu_roof.Roofline("H100 SXM", 67e12, 3.35e12, 494.5e12)
+    assert bounding_roof(Profiler(CudaBackend(EmuRuntime())), h100) is h100
+    slow = KernelRecord(0, 1, "update", None, "adamw", "optimizer", "", "numpy.adamw", 0, 10**6, 10, 10**6)
+    assert cpu_roof.covering(h100, [slow]) is h100                # no record beat it: the same roof
 
 
 @pytest.fixture(scope="module")
