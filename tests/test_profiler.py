@@ -139,12 +139,13 @@ def percentages(text):
 
 
 @pytest.mark.parametrize("ceilings", ["measured", "too low"])
-def test_no_op_of_a_profiled_cpu_step_is_above_100_percent_of_the_roof(prof, ceilings, tmp_path, capsys,
-                                                                      monkeypatch):
-    """The CPU's roof bounds every op held against it: its bandwidth is the best a += b over array sizes
-    from the caches out to memory (an op on data in a cache was above a roof measured in main memory alone),
-    and a measured roof an op beat anyway (a noisy machine, say; here one measured far too low) is raised to
-    that op's rate and says so. In the views, the files and `report` alike."""
+def test_no_op_of_a_cpu_step_is_above_100_percent_of_the_roof(prof, ceilings, tmp_path, capsys,
+                                                              monkeypatch):
+    """The CPU's roof bounds every op held against it: its bandwidth is the best a += b over array
+    sizes from the caches out to memory (an op on data in a cache beats a roof measured in main
+    memory alone), and a measured roof an op beats anyway (a noisy machine, say; here one measured
+    far too low) is raised to that op's rate and says so. In the views, the files and `report`
+    alike."""
     from gpt2np.cli import report as report_cli
     from gpt2np.profiling import cpu_roof
     from gpt2np.profiling.profiler import device_roofline, report_text
@@ -153,7 +154,8 @@ def test_no_op_of_a_profiled_cpu_step_is_above_100_percent_of_the_roof(prof, cei
     if ceilings == "measured":
         roof = device_roofline(prof.backend)
     else:
-        roof = cpu_roof.Roofline("cpu (1 thread; measured now: GEMM 1 MFLOP/s, a += b 1 MB/s)", 1e6, 1e6, 1e6)
+        device = "cpu (1 thread; measured now: GEMM 1 MFLOP/s, a += b 1 MB/s)"
+        roof = cpu_roof.Roofline(device, 1e6, 1e6, 1e6)
     text = report_text(prof, roof, ("ops", "kernels", "pyprof"), step=None)
     assert "%peak" in text and max(percentages(text)) <= 100.0, text
     if ceilings == "too low":
@@ -173,11 +175,13 @@ def test_the_cpu_bandwidth_is_the_best_over_array_sizes_and_a_gpu_roof_is_never_
     from gpt2np.profiling.profiler import Profiler, bounding_roof
     assert cpu_roof.stream_sizes() == [1 << 20, 4 << 20, 16 << 20, 64 << 20]
     sizes = []
-    monkeypatch.setattr(cpu_roof, "add_bandwidth", lambda threads, repeats, nbytes: sizes.append(nbytes) or nbytes)
+    monkeypatch.setattr(cpu_roof, "add_bandwidth",
+                        lambda threads, repeats, nbytes: sizes.append(nbytes) or nbytes)
     assert cpu_roof.stream_bandwidth(2, 1) == 64 << 20 and sizes == cpu_roof.stream_sizes()
     h100 = cpu_roof.Roofline("H100 SXM", 67e12, 3.35e12, 494.5e12)
     assert bounding_roof(Profiler(CudaBackend(EmuRuntime())), h100) is h100
-    slow = KernelRecord(0, 1, "update", None, "adamw", "optimizer", "", "numpy.adamw", 0, 10**6, 10, 10**6)
+    slow = KernelRecord(0, 1, "update", None, "adamw", "optimizer", "", "numpy.adamw", 0, 10**6, 10,
+                        10**6)
     assert cpu_roof.covering(h100, [slow]) is h100                # no record beat it: the same roof
 
 
@@ -338,7 +342,8 @@ def test_the_views_say_the_precision_the_run_computed_in(tmp_path, capsys):
     path = tmp_path / "tiny.bin"
     save_model(path, CFG, GPT2(CFG, NumpyBackend(threads=1), 1, 8, seed=0).params_host())
     assert profile_cli.main(["-e", str(path), "-b", "1", "-t", "8", "--device", "emu", "--precision", "tf32",
-                          "--out", str(tmp_path / "out"), "--views", "gpu_activities,cuda_gpu_kern_sum,kernels"]) == 0
+                             "--out", str(tmp_path / "out"),
+                             "--views", "gpu_activities,cuda_gpu_kern_sum,kernels"]) == 0
     titles = [line for line in capsys.readouterr().out.splitlines()
               if line.startswith(("GPU activities", "cuda_gpu_kern_sum", "Kernels of"))]
     assert len(titles) == 3 and all(", precision tf32" in line for line in titles), titles
