@@ -108,9 +108,8 @@ class CuptiSource:
 
 
 def available(backend) -> bool:
-    """Whether CUPTI can be tried: a real GPU runtime (CuPy) and cupti-python importable."""
-    rt = getattr(backend, "rt", None)
-    if rt is None or getattr(rt, "name", "") != "cupy":
+    """Whether CUPTI can be tried: a real GPU (the CuPy runtime) and cupti-python importable."""
+    if not backend.on_gpu:
         return False
     try:
         import cupti.cupti  # noqa: F401

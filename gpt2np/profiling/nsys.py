@@ -590,7 +590,7 @@ def _place_with_ops_missing(direction: str, before: tuple, op: str, nth: int):
 
 class _NullBackend:
     """A backend that runs nothing: enough for gpt2np.model to walk its passes and open its op ranges."""
-    launches_kernels = True
+    launches_kernels, on_gpu, has_cpu_math = True, False, False
     dtype = np.float32
 
     def zeros(self, shape, dtype=np.float32):
