@@ -16,7 +16,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from gpt2np.tensors import FP32_ACTIVATIONS, PARAM_NAMES, activation_shapes, param_shapes
+from gpt2np.tensors import FP32_ACTIVATIONS, activation_shapes, param_shapes
 
 MiB = 1024 * 1024
 
@@ -42,12 +42,6 @@ def module_parameters(cfg) -> Dict[str, int]:
             out[module] = out.get(module, 0) + int(np.prod(shape))
     out["lm_head"] = 0
     return out
-
-
-def parameter_table(cfg):
-    """[(tensor, shape, count)] in llm.c's order (shapes with the layer dimension)."""
-    shapes = param_shapes(cfg)
-    return [(name, tuple(shapes[name]), int(np.prod(shapes[name]))) for name in PARAM_NAMES]
 
 
 def _nbytes(array) -> int:
