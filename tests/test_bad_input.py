@@ -15,11 +15,11 @@ import train
 from gpt2np import errors as cli
 from gpt2np.backends import device_traits
 from gpt2np.backends.cuda import nvrtc_check
-from gpt2np.cli import compare
+from gpt2np.cli import compare, nsys, profile
 from gpt2np.cli import fetch as fetch_cli
 from gpt2np.cli import prepare as prepare_cli
+from gpt2np.cli import report as report_cli
 from gpt2np.config import TrainConfig, value_type
-from gpt2np.profiling import nsys, profiler
 from gpt2np.profiling.render import report
 
 REPO = Path(__file__).resolve().parent.parent
@@ -205,12 +205,12 @@ def test_compare_errors(tmp_path, capsys):
 
 
 def test_profiler_errors(a_file, capsys):
-    assert_bad_input(profiler.main, ["--steps", "0"], ["--steps 0", "integer >= 1"], capsys)
-    assert_bad_input(profiler.main, ["-b", "0"], ["-b 0", ">= 1"], capsys)
-    assert_bad_input(profiler.main, ["-t", "-3"], ["-t -3", ">= 1"], capsys)
-    assert_bad_input(profiler.main, ["--out", a_file], ["--out", str(a_file), "is a file"], capsys)
-    assert_bad_input(profiler.main, ["-e", a_file.parent / "none.bin"], ["none.bin", "no such model file"], capsys)
-    assert_bad_input(profiler.main, ["-e", "d12", "-t", "2048"], ["-t 2048", "max_seq_len 1024"], capsys)
+    assert_bad_input(profile.main, ["--steps", "0"], ["--steps 0", "integer >= 1"], capsys)
+    assert_bad_input(profile.main, ["-b", "0"], ["-b 0", ">= 1"], capsys)
+    assert_bad_input(profile.main, ["-t", "-3"], ["-t -3", ">= 1"], capsys)
+    assert_bad_input(profile.main, ["--out", a_file], ["--out", str(a_file), "is a file"], capsys)
+    assert_bad_input(profile.main, ["-e", a_file.parent / "none.bin"], ["none.bin", "no such model file"], capsys)
+    assert_bad_input(profile.main, ["-e", "d12", "-t", "2048"], ["-t 2048", "max_seq_len 1024"], capsys)
 
 
 @pytest.mark.parametrize("name, value, expected", [
@@ -223,21 +223,21 @@ def test_profiler_errors(a_file, capsys):
 ])
 def test_report_records_of_the_wrong_type(records_json, name, value, expected, capsys):
     path = with_record_field(records_json, name, value)
-    assert_bad_input(report.main, [path], [str(path), "record 0", expected], capsys)
+    assert_bad_input(report_cli.main, [path], [str(path), "record 0", expected], capsys)
 
 
 def test_report_errors(records_json, tmp_path, capsys):
-    assert_bad_input(report.main, [records_json, "--step", "9"],
+    assert_bad_input(report_cli.main, [records_json, "--step", "9"],
                      ["--step 9", str(records_json), "its steps are 1, 2"], capsys)
-    assert_bad_input(report.main, [records_json, "--step", "first"], ["--step 'first'", "'last' or 'all'"], capsys)
-    assert_bad_input(report.main, [records_json, "--device", "Voodoo5"], ["unknown device 'Voodoo5'"], capsys)
-    assert_bad_input(report.main, [tmp_path / "none.json"], ["none.json", "no such file"], capsys)
+    assert_bad_input(report_cli.main, [records_json, "--step", "first"], ["--step 'first'", "'last' or 'all'"], capsys)
+    assert_bad_input(report_cli.main, [records_json, "--device", "Voodoo5"], ["unknown device 'Voodoo5'"], capsys)
+    assert_bad_input(report_cli.main, [tmp_path / "none.json"], ["none.json", "no such file"], capsys)
     doc = json.loads(records_json.read_text())
     records_json.write_text(json.dumps({**doc, "roofline": {"device": 3}}))
-    assert_bad_input(report.main, [records_json], [str(records_json), "'roofline' must be"], capsys)
+    assert_bad_input(report_cli.main, [records_json], [str(records_json), "'roofline' must be"], capsys)
     records_json.write_text(json.dumps({"records": [[1, 2]]}))
-    assert_bad_input(report.main, [records_json], [str(records_json), "record 0", "object"], capsys)
-    assert report.main([str(tmp_path / "none.json"), "--step", "1"]) == 2         # the file is named, then the step
+    assert_bad_input(report_cli.main, [records_json], [str(records_json), "record 0", "object"], capsys)
+    assert report_cli.main([str(tmp_path / "none.json"), "--step", "1"]) == 2         # the file is named, then the step
     assert "none.json" in one_error_line(capsys.readouterr().err)
 
 
@@ -301,10 +301,10 @@ def run_cli(args, **env):
 def test_shell_sees_exit_2_and_one_line(a_file):
     code, err = run_cli(["train.py", "-l", "nan"])
     assert code == 2 and one_error_line(err) == "error: -l nan: the learning rate must be a finite number > 0"
-    code, err = run_cli(["-m", "gpt2np.profiling.profiler", "--out", str(a_file)])
+    code, err = run_cli(["-m", "gpt2np.cli.profile", "--out", str(a_file)])
     assert code == 2 and "--out" in one_error_line(err)
 
 
 def test_gpt2np_debug_shows_the_traceback(a_file):
-    code, err = run_cli(["-m", "gpt2np.profiling.profiler", "--out", str(a_file)], GPT2NP_DEBUG="1")
+    code, err = run_cli(["-m", "gpt2np.cli.profile", "--out", str(a_file)], GPT2NP_DEBUG="1")
     assert code == 1 and "Traceback (most recent call last)" in err and "BadInput: --out" in err

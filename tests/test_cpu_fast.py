@@ -289,7 +289,7 @@ def test_train_py_says_when_fast_math_cannot_run(tmp_path, capsys, monkeypatch):
 def test_profiler_cpu_math_flag(monkeypatch, capsys):
     """The profiler takes --cpu-math on the CPU (default: training's fast) and refuses it elsewhere in one line."""
     import gpt2np.backends as backends
-    from gpt2np.profiling.profiler import main as profiler_main
+    from gpt2np.cli.profile import main as profiler_main
     asked = []
 
     class Stop(Exception):

@@ -282,7 +282,7 @@ def test_events_fallback_says_so_and_cupti_is_off_the_emulator():
     assert prof.source is None and prof.timing == TIMING_EMU
     assert not C.available(CudaBackend(rt))
     gpu_like = CudaBackend(rt)
-    gpu_like.rt = SimpleNamespace(name="cupy")
+    gpu_like.rt = SimpleNamespace(name="cupy", on_gpu=True)
     prof = Profiler(gpu_like, activity_source=None)
     assert prof.timing.startswith("CUDA events around each launch (fallback")
 

@@ -11,11 +11,11 @@ from test_recompute import CFG, B, T, assert_bitwise, batches, train
 from test_train import base_args, run, tiny_model, tiny_shards  # noqa: F401  (fixtures)
 
 from gpt2np.backends import device_traits, get_backend
+from gpt2np.cli.profile import main as profiler_main
 from gpt2np.config import TrainConfig
 from gpt2np.errors import BadInput
 from gpt2np.model import GPT2
 from gpt2np.profiling import plan as P
-from gpt2np.profiling.profiler import main as profiler_main
 
 
 def test_gelu_fusion_defaults_to_2_with_fuse_and_needs_fuse():

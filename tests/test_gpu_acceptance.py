@@ -116,8 +116,9 @@ LOG_LINE = ("built-in vs ncu kernel times: 365 kernels matched, median ratio {me
 @pytest.mark.parametrize("median, total, passes", [("0.978", "0.981", True), ("0.815", "0.834", False),
                                                    ("0.978", "1.130", False), ("1.080", "0.950", True)])
 def test_ncu_agrees_holds_the_step_total_and_the_median_to_10_percent(tmp_path, median, total, passes):
-    """The ncu_agrees stage reads bench/ncu.sh's agreement line: the step total and the median within 10% pass
-    (0.815 and 0.834 are what a T=64 ncu run with graphs, whose GEMMs differ, gives)."""
+    """The ncu_agrees stage reads bench/ncu.sh's agreement line: it passes when the median ratio and
+    the step total are both within 10% of 1 (an ncu run at T=64 with CUDA graphs, whose GEMMs
+    differ, gives the second case)."""
     log = tmp_path / "ncu.log"
     log.write_text("...\n" + LOG_LINE.format(median=median, total=total))
     r = subprocess.run([sys.executable, str(HELPER), "ncu-agrees", str(log)], capture_output=True, text=True)
@@ -179,8 +180,8 @@ def test_preflight_names_the_wheels_to_bring(no_cupy_no_torch):
 
 def test_preflight_names_the_fast_paths_missing_plumbing(tmp_path):
     """nvmath-python (GEMM epilogues, GEMMs in CUDA graphs), cupti-python (with its pyelftools) and nvtx: the GPU path
-    runs without them, each with a note, but then is not the fast path (a GPU image may have none of them); the
-    preflight names them among the wheels to bring."""
+    runs without them, each with a note, but then is not the fast path; the preflight names them
+    among the wheels to bring."""
     fake = tmp_path / "fake"
     for name in ("nvmath", "cupti", "nvtx", "elftools"):
         (fake / name).mkdir(parents=True)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gpt2np.backends import get_backend
+from gpt2np.cli import ncu as ncu_cli
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 from gpt2np.profiling import ncu
@@ -112,7 +113,7 @@ def test_records_alignment_and_agreement_with_the_built_in_times(builtin, tmp_pa
             rows.append((len(rows), "splitKreduce_kernel", "(1,1,1)", "(32,1,1)", ["1,000"]))  # cuBLAS's extra
     path = tmp_path / "step.csv"
     path.write_text(raw_csv([ncu.TIME], ["nsecond"], rows))
-    assert ncu.main([str(path), "--records", profile_json, "--json", str(tmp_path / "k.json")]) == 0
+    assert ncu_cli.main([str(path), "--records", profile_json, "--json", str(tmp_path / "k.json")]) == 0
     out = capsys.readouterr().out
     assert f"{len(kernels)} kernels matched" in out and "100% within 10%" in out
     doc = json.load(open(tmp_path / "k.json"))["records"]
@@ -211,10 +212,10 @@ def test_ncu_rep_through_ncu_report(tmp_path):
 
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     missing = tmp_path / "none.csv"
-    assert ncu.main([str(missing)]) == 2
+    assert ncu_cli.main([str(missing)]) == 2
     junk = tmp_path / "junk.csv"
     junk.write_text("hello\n")
-    assert ncu.main([str(junk)]) == 2
+    assert ncu_cli.main([str(junk)]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "no such file" in err[0] and "no ncu CSV table" in err[1]
 
@@ -239,7 +240,7 @@ def one_error(capsys) -> str:
 ])
 def test_bad_metric_values_and_units_name_the_file_line_and_metric(tmp_path, capsys, value, unit, words):
     path = good_raw(tmp_path, "bad.csv", value, unit)
-    assert ncu.main([path]) == 2
+    assert ncu_cli.main([path]) == 2
     err = one_error(capsys)
     assert path in err and words in err
     # the details page too
@@ -266,11 +267,11 @@ def test_bytes_in_a_time_unit_and_garbage_in_an_unused_metric(tmp_path):
 def test_an_export_without_times_is_an_error_not_zeros(tmp_path, capsys):
     path = tmp_path / "idname.csv"
     path.write_text('"ID","Kernel Name"\n"0","foo"\n')
-    assert ncu.main([str(path)]) == 2
+    assert ncu_cli.main([str(path)]) == 2
     assert "no 'gpu__time_duration.sum' column" in one_error(capsys)
     details = tmp_path / "details.csv"
     details.write_text(details_csv([(0, "gelu_forward", "(1,1,1)", "(256,1,1)", ncu.DRAM, "byte", "64")]))
-    assert ncu.main([str(details)]) == 2
+    assert ncu_cli.main([str(details)]) == 2
     assert "no gpu__time_duration.sum values" in one_error(capsys)
 
 
@@ -280,7 +281,7 @@ def test_an_ncu_rep_without_kernels_is_an_error(tmp_path, capsys, monkeypatch):
     with pytest.raises(ncu.NcuReportError, match="no profiled kernels"):
         ncu.read_rep(str(path), FakeNcuReport([]))
     monkeypatch.setitem(__import__("sys").modules, "ncu_report", FakeNcuReport([]))
-    assert ncu.main([str(path)]) == 2
+    assert ncu_cli.main([str(path)]) == 2
     err = one_error(capsys)
     assert str(path) in err and "no profiled kernels" in err
     bad = [FakeAction("k", {ncu.TIME: (-1.0, "nsecond")}, ())]
@@ -290,19 +291,19 @@ def test_an_ncu_rep_without_kernels_is_an_error(tmp_path, capsys, monkeypatch):
 
 def test_a_folder_for_the_report_is_called_a_folder(tmp_path, capsys):
     (tmp_path / "adir").mkdir()
-    assert ncu.main([str(tmp_path / "adir")]) == 2
+    assert ncu_cli.main([str(tmp_path / "adir")]) == 2
     assert "is a folder" in one_error(capsys)
 
 
 def test_step_needs_records(tmp_path, capsys):
-    assert ncu.main([good_raw(tmp_path), "--step", "3"]) == 2
+    assert ncu_cli.main([good_raw(tmp_path), "--step", "3"]) == 2
     assert "--step 3: needs --records" in one_error(capsys)
 
 
 def test_empty_records_profile_is_an_error(tmp_path, capsys):
     records = tmp_path / "profile.json"
     records.write_text('{"records": []}')
-    assert ncu.main([good_raw(tmp_path), "--records", str(records)]) == 2
+    assert ncu_cli.main([good_raw(tmp_path), "--records", str(records)]) == 2
     err = one_error(capsys)
     assert str(records) in err and "no records" in err
 
@@ -313,16 +314,16 @@ def test_a_records_profile_that_matches_no_kernel_is_named_in_the_note(builtin, 
     _, profile_json = builtin
     path = tmp_path / "other.csv"
     path.write_text(raw_csv([ncu.TIME], ["nsecond"], [(0, "foo_kernel", "(1,1,1)", "(32,1,1)", ["7"])]))
-    assert ncu.main([str(path), "--records", profile_json]) == 0
+    assert ncu_cli.main([str(path), "--records", profile_json]) == 0
     out = capsys.readouterr().out
     assert f"--records {profile_json}: matched none of the 1 kernels" in out and "by name only" in out
     assert "no --records profile" not in out              # was "no NVTX stacks and no --records profile"
-    assert ncu.main([str(path)]) == 0
+    assert ncu_cli.main([str(path)]) == 0
     assert "no NVTX stacks and no --records profile: kernels attributed by name only" in capsys.readouterr().out
     # with NVTX stacks the unmatched profile is named too (it was not mentioned at all)
     path.write_text(raw_csv([ncu.TIME], ["nsecond"], [(0, "foo_kernel", "(1,1,1)", "(32,1,1)", ["7"],
                                                        "Train step 1 > gpt2_forward > layernorm_forward")], nvtx=True))
-    assert ncu.main([str(path), "--records", profile_json]) == 0
+    assert ncu_cli.main([str(path), "--records", profile_json]) == 0
     out = capsys.readouterr().out
     assert f"--records {profile_json}: matched none of the 1 kernels" in out and "by their NVTX stacks" in out
 
@@ -330,21 +331,21 @@ def test_a_records_profile_that_matches_no_kernel_is_named_in_the_note(builtin, 
 def test_output_paths_name_the_flag_and_missing_folders_are_made(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     good = good_raw(tmp_path)
-    assert ncu.main([good, "--json", "new/deeper/x.json", "--csv", "other/x.csv"]) == 0
+    assert ncu_cli.main([good, "--json", "new/deeper/x.json", "--csv", "other/x.csv"]) == 0
     capsys.readouterr()
     assert json.loads((tmp_path / "new/deeper/x.json").read_text())["records"][0]["duration_ns"] == 1000
     assert os.listdir(tmp_path / "new/deeper") == ["x.json"] and os.listdir(tmp_path / "other") == ["x.csv"]
     (tmp_path / "afile.txt").write_text("x")
-    assert ncu.main([good, "--json", "afile.txt/x.json"]) == 2
+    assert ncu_cli.main([good, "--json", "afile.txt/x.json"]) == 2
     assert "--json afile.txt/x.json: afile.txt is a file, not a folder" in one_error(capsys)
-    assert ncu.main([good, "--csv", "new"]) == 2
+    assert ncu_cli.main([good, "--csv", "new"]) == 2
     assert "--csv new: is a folder" in one_error(capsys)
 
     def full(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "fsync", full)
-    assert ncu.main([good, "--json", "full.json"]) == 1                # a failed write: the run failed
+    assert ncu_cli.main([good, "--json", "full.json"]) == 1                # a failed write: the run failed
     err = one_error(capsys)
     assert "--json full.json: cannot write it ([Errno 28]" in err and ".tmp" not in err
     assert not any(name.startswith(".full.json") for name in os.listdir(tmp_path))

@@ -2,10 +2,13 @@
 import errno
 import json
 import os
+import re
 import sqlite3
 
 import pytest
 
+from gpt2np.cli import nsys as nsys_cli
+from gpt2np.cli import report as report_cli
 from gpt2np.profiling import nsys
 from gpt2np.profiling.render import report
 
@@ -293,7 +296,7 @@ def test_explicit_module_ranges(tmp_path):
 
 def test_cli_prints_tables_and_writes_files(step_db, tmp_path, capsys):
     out_csv, out_json, out_trace = tmp_path / "k.csv", tmp_path / "k.json", tmp_path / "t.json"
-    assert nsys.main([step_db, "--csv", str(out_csv), "--json", str(out_json), "--trace", str(out_trace)]) == 0
+    assert nsys_cli.main([step_db, "--csv", str(out_csv), "--json", str(out_json), "--trace", str(out_trace)]) == 0
     text = capsys.readouterr().out
     for heading in ("Kernels of step 1 on H100 SXM", "GPT-2 modules: parameters and time", "Time per layer",
                     "Time per op", "Phases: forward / backward", "GPU activities (kernels, copies, memsets)",
@@ -309,7 +312,7 @@ def test_cli_prints_tables_and_writes_files(step_db, tmp_path, capsys):
 
 
 def test_cli_step_all_and_device_override(step_db, capsys):
-    assert nsys.main([step_db, "--step", "all", "--device", "A100-SXM4-80GB"]) == 0
+    assert nsys_cli.main([step_db, "--step", "all", "--device", "A100-SXM4-80GB"]) == 0
     text = capsys.readouterr().out
     assert "on A100 80GB SXM" in text and "orphan_kernel" in text and "warmup_kernel" in text
 
@@ -324,14 +327,14 @@ def test_missing_file(tmp_path, capsys):
     path = str(tmp_path / "nope.sqlite")
     with pytest.raises(nsys.NsysReportMissing, match="no such file"):
         nsys.load(path)
-    assert nsys.main([path]) == 2
+    assert nsys_cli.main([path]) == 2
     assert path in one_error_line(capsys)
 
 
 def test_not_sqlite(tmp_path, capsys):
     path = tmp_path / "prof.nsys-rep"
     path.write_bytes(b"this is not a database" * 100)
-    assert nsys.main([str(path)]) == 2
+    assert nsys_cli.main([str(path)]) == 2
     assert "not an SQLite file" in one_error_line(capsys)
 
 
@@ -346,7 +349,7 @@ def test_missing_tables(tmp_path, capsys, dropped, problem):
     con.close()
     with pytest.raises(nsys.NsysReportError, match=problem):
         nsys.load(path)
-    assert nsys.main([path]) == 2
+    assert nsys_cli.main([path]) == 2
     err = one_error_line(capsys)
     assert path in err and problem in err
 
@@ -380,13 +383,13 @@ def test_a_null_or_text_value_is_an_error_naming_the_file_table_and_column(tmp_p
     con.close()
     with pytest.raises(nsys.NsysReportError, match=f"{table} row {first}: "):
         nsys.load(path)
-    assert nsys.main([path]) == 2                   # was a TypeError without the file, or a negative duration
+    assert nsys_cli.main([path]) == 2                   # was a TypeError without the file, or a negative duration
     err = one_error_line(capsys)
     assert f"{path}: {table} row {first}: {problem}" in err
 
 
 def test_unknown_device_is_one_line(step_db, capsys):
-    assert nsys.main([step_db, "--device", "Voodoo5"]) == 2
+    assert nsys_cli.main([step_db, "--device", "Voodoo5"]) == 2
     assert "unknown device 'Voodoo5'" in one_error_line(capsys)
 
 
@@ -826,7 +829,7 @@ def test_module_tree_with_a_preset_parameters(copies_db, capsys):
     params = {name.strip(): count for name, count in zip(*[[row[i] for row in tree.rows] for i in (0, 1)])}
     assert params["gpt2"] == "124,475,904" and params["wpe"] == f"{1024 * 768:,}"
     assert profile.meta["num_layers"] == 12 and len([r for r in tree.rows if r[0].strip().startswith("h.")]) == 12
-    assert nsys.main([copies_db, "--model", "d99"]) == 2
+    assert nsys_cli.main([copies_db, "--model", "d99"]) == 2
     assert "--model d99" in one_error_line(capsys)
 
 
@@ -861,8 +864,8 @@ def test_llmc_export_goes_through_every_view(tmp_path):
 
 def test_cli_views_and_files(copies_db, tmp_path, capsys):
     out, js, trace = tmp_path / "out", tmp_path / "p.json", tmp_path / "t.json"
-    assert nsys.main([copies_db, "--views", "gpu_activities,cuda_api_sum", "--out", str(out), "--json", str(js),
-                      "--trace", str(trace)]) == 0
+    assert nsys_cli.main([copies_db, "--views", "gpu_activities,cuda_api_sum", "--out", str(out),
+                          "--json", str(js), "--trace", str(trace)]) == 0
     text = capsys.readouterr().out
     assert "GPU activities" in text and "cuda_api_sum" in text and "Kernels of step" not in text
     assert "[CUDA memcpy DtoD]" in text
@@ -870,7 +873,7 @@ def test_cli_views_and_files(copies_db, tmp_path, capsys):
     assert set(doc["views"]) >= {"gpu_activities", "nvtx_kern_sum", "user_ranges", "cuda_gpu_mem_size_sum"}
     assert (out / "views" / "cuda_gpu_mem_time_sum.csv").read_text().startswith("Time (%),Total Time (ns),Count")
     # the JSON file re-renders through the report tool, every view the same as the import's own
-    assert report.main([str(js), "--views", "all"]) == 0
+    assert report_cli.main([str(js), "--views", "all"]) == 0
     again = capsys.readouterr().out
     _, roof, _ = report.read_json(str(js))
     assert roof.device == "H100 SXM" and again == V.render_views(nsys_views(copies_db), roof, V.VIEWS, step="last")
@@ -878,10 +881,10 @@ def test_cli_views_and_files(copies_db, tmp_path, capsys):
     tracks = {ev["args"]["name"]: ev["tid"] for ev in events if ev.get("name") == "thread_name"}
     cats = {ev["cat"]: ev["tid"] for ev in events if ev.get("ph") == "X"}
     assert cats["memcpy"] == cats["memset"] == tracks["copies and memsets"] and cats["api"] == tracks["CUDA API"]
-    assert nsys.main([copies_db, "--views", "bogus"]) == 2
+    assert nsys_cli.main([copies_db, "--views", "bogus"]) == 2
     assert "--views 'bogus'" in one_error_line(capsys)
     (tmp_path / "afile").write_text("x")
-    assert nsys.main([copies_db, "--out", str(tmp_path / "afile")]) == 2
+    assert nsys_cli.main([copies_db, "--out", str(tmp_path / "afile")]) == 2
     assert "--out" in one_error_line(capsys)
 
 
@@ -889,15 +892,15 @@ def test_a_folder_for_the_export_is_called_a_folder(tmp_path, capsys):
     (tmp_path / "adir").mkdir()
     with pytest.raises(nsys.NsysReportError, match="is a folder"):
         nsys.load(str(tmp_path / "adir"))
-    assert nsys.main([str(tmp_path / "adir")]) == 2
+    assert nsys_cli.main([str(tmp_path / "adir")]) == 2
     err = one_error_line(capsys)
     assert "is a folder" in err and "no such file" not in err
 
 
 def test_output_paths_name_the_flag_and_missing_folders_are_made(step_db, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert nsys.main([step_db, "--csv", "a/b/k.csv", "--json", "c/k.json", "--trace", "d/t.json",
-                      "--out", "e/f"]) == 0
+    assert nsys_cli.main([step_db, "--csv", "a/b/k.csv", "--json", "c/k.json", "--trace", "d/t.json",
+                          "--out", "e/f"]) == 0
     capsys.readouterr()
     assert (tmp_path / "a/b/k.csv").read_text().count("\n") == 17
     assert len(report.read_json("c/k.json")[0]) == 16 and (tmp_path / "d/t.json").is_file()
@@ -905,16 +908,16 @@ def test_output_paths_name_the_flag_and_missing_folders_are_made(step_db, tmp_pa
     assert not [name for folder in ("a/b", "c", "d") for name in os.listdir(tmp_path / folder) if ".tmp" in name]
     (tmp_path / "text.txt").write_text("x")
     for flag, path in (("--json", "text.txt/x.json"), ("--png", "text.txt/x.png"), ("--out", "text.txt/sub")):
-        assert nsys.main([step_db, flag, path]) == 2
+        assert nsys_cli.main([step_db, flag, path]) == 2
         assert f"{flag} {path}: text.txt is a file, not a folder" in one_error_line(capsys)
-    assert nsys.main([step_db, "--trace", "a"]) == 2
+    assert nsys_cli.main([step_db, "--trace", "a"]) == 2
     assert "--trace a: is a folder" in one_error_line(capsys)
 
     def denied(*args, **kwargs):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/somewhere/.k.csv.tmp")
 
     monkeypatch.setattr(os, "open", denied)
-    assert nsys.main([step_db, "--csv", "g/k.csv"]) == 1              # a failed write: the run failed
+    assert nsys_cli.main([step_db, "--csv", "g/k.csv"]) == 1              # a failed write: the run failed
     err = one_error_line(capsys)
     assert "--csv g/k.csv: cannot write it ([Errno 13]" in err and ".tmp" not in err
 
@@ -922,5 +925,36 @@ def test_output_paths_name_the_flag_and_missing_folders_are_made(step_db, tmp_pa
 def test_png_into_a_missing_folder(step_db, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "no" / "dir" / "x.png"
-    assert nsys.main([step_db, "--png", str(path)]) == 0
+    assert nsys_cli.main([step_db, "--png", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(path.parent) == ["x.png"]
+
+
+PERCENT = re.compile(r"(-?[\d,]+\.\d+)%")
+
+
+def test_an_export_without_nvtx_ranges_prints_no_percentage_above_100(tmp_path, capsys):
+    """Kernels and their launch calls but no NVTX range: the user ranges' CPU percentages are of
+    the API calls' host time, not of the ranges' 0 ns."""
+    e = Export()
+    for i, kernel in enumerate(("encoder_forward_kernel", "adamw_kernel")):
+        e.launch(kernel, at=1_000 + 100 * i)
+    path = e.write(tmp_path / "bare.sqlite")
+    assert nsys_cli.main([path]) == 0
+    out = capsys.readouterr().out
+    shown = [float(p.replace(",", "")) for p in PERCENT.findall(out)]
+    assert shown and max(shown) <= 100.0, out
+    users = {row[0]: row for row in V.tables(nsys_views(path), "user_ranges")[0].rows}
+    self_cpu, cpu_total = users["cudaLaunchKernel"][1:4:2]
+    assert self_cpu == cpu_total == "100.00%"
+
+
+def test_api_calls_outside_the_ranges_count_in_the_host_time(tmp_path):
+    """A call before the first range (a cudaMalloc, say) is host time the ranges do not hold: the
+    percentages of the user ranges are of both."""
+    e = Export()
+    e.launch("encoder_forward_kernel", at=100)                       # 20 ns, outside any range
+    e.range("Train step 1", 1_000, 1_080)
+    e.launch("adamw_kernel", at=1_010)                               # 20 ns, inside the step
+    profile = nsys_views(e.write(tmp_path / "x.sqlite"))
+    users = {row[0]: row for row in V.tables(profile, "user_ranges")[0].rows}
+    assert users["train_step-1"][3] == "80.00%" and users["cudaLaunchKernel"][3] == "40.00%"

@@ -11,16 +11,17 @@ import pytest
 from test_train import tiny_model  # noqa: F401  (fixture)
 
 from gpt2np import ranges
-from gpt2np.backends import get_backend
+from gpt2np.backends import device_traits, get_backend
 from gpt2np.backends.cuda.runtime_plan import PlanArray, PlanRuntime
-from gpt2np.config import GPT2Config, preset
+from gpt2np.cli.profile import main
+from gpt2np.config import GPT2Config, TrainConfig, preset
 from gpt2np.errors import BadInput
 from gpt2np.model import GPT2, STATS
 from gpt2np.ops.contract import op_cost
 from gpt2np.profiling import plan as P
 from gpt2np.profiling.gpu_specs import lookup
-from gpt2np.profiling.profiler import attribution, main
-from gpt2np.profiling.render.report import EMULATED_NOTE, _si
+from gpt2np.profiling.profiler import attribution
+from gpt2np.profiling.render.report import EMULATED_NOTE, si
 from gpt2np.tensors import activation_shapes, layout_size, num_parameters
 
 CFG = GPT2Config(32, 100, 128, 2, 2, 16)          # maxT > T: encoder_backward also clears dwpe[T:]
@@ -113,7 +114,7 @@ def test_host_copies_show_their_bytes_outside_the_floor(small_plan):
     assert htod["host_bytes"] >= 2 * 4 * B * T and dtoh["host_bytes"] > 0
     assert htod["bound"] == dtoh["bound"] == "host link"          # plan_ops.csv's word; its bytes in host_bytes
     shown = {row[1]: row[-1] for row in P.op_table(small_plan).rows}
-    assert shown["[CUDA memcpy HtoD]"] == f"host link: {_si(htod['host_bytes'])}B, not in the floor"
+    assert shown["[CUDA memcpy HtoD]"] == f"host link: {si(htod['host_bytes'])}B, not in the floor"
     assert shown["[CUDA memcpy DtoH]"].startswith("host link: ")
 
 
@@ -392,3 +393,59 @@ def test_measure_on_the_emulator_refuses_a_step_larger_than_host_memory(tmp_path
                  "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--measure --device emu -b 1 -t 64" in err and "host memory" in err, err
+
+
+def test_a_plan_takes_train_pys_gpu_defaults(tmp_path, capsys, monkeypatch):
+    """`gpt2np plan --gpu H100 -e d12` plans train.py's B and T on a GPU (TrainConfig's: 4 and
+    1024), not the CPU's T=64 that profile takes; so does profile --plan."""
+    from gpt2np.cli import main as commands
+    from gpt2np.cli import plan as plan_cli
+    from gpt2np.cli import profile as profile_cli
+    gpu = TrainConfig().with_device_defaults(device_traits("cuda"))
+    assert (gpu.batch_size, gpu.seq_len) == (4, 1024)
+    for argv in (["plan"], ["profile", "--plan"]):
+        assert commands.main(argv + ["--gpu", "H100", "-e", "d12", "--out", str(tmp_path)]) == 0
+        assert "d12 (random init), B=4, T=1024," in capsys.readouterr().out.splitlines()[0]
+    monkeypatch.chdir(tmp_path)
+    for parser, T in ((plan_cli.parser, 1024), (profile_cli.parser, 64)):
+        args = parser().parse_args([])
+        plan_cli.check_flags(args)
+        assert (args.batch_size, args.seq_len) == (4, T)
+
+
+def test_plan_has_its_own_help_and_every_flag_says_what_it_does(capsys):
+    """plan --help is plan's, not profile's word for word; every flag of profile, plan, report,
+    nsys and ncu has a help text."""
+    from gpt2np.cli import main as commands
+    from gpt2np.cli import ncu, nsys, profile, report
+    from gpt2np.cli import plan as plan_cli
+    helps = {}
+    for name in ("profile", "plan"):
+        assert commands.main([name, "--help"]) == 0
+        helps[name] = " ".join(capsys.readouterr().out.split())
+    assert helps["plan"] != helps["profile"]
+    assert "Plan one training step on a GPU, without one" in helps["plan"]
+    assert "--steps" not in helps["plan"] and "--cpu-math" not in helps["plan"]
+    assert "sequence length T (default 1024, train.py's on a GPU)" in helps["plan"]
+    assert "Profile a few training steps" in helps["profile"]
+    assert "--steps STEPS training steps" in helps["profile"]
+    for module in (profile, plan_cli, report, nsys, ncu):
+        for action in module.parser()._actions:
+            assert action.help, (module.__name__, action.option_strings or action.dest)
+
+
+def test_gpu_names_ignore_spaces_hyphens_and_case(tmp_path, capsys):
+    """--gpu RTX4090 is the RTX 4090, as "RTX 4090" is."""
+    for name in ("RTX4090", "rtx 4090", "RTX-4090", "NVIDIA GeForce RTX 4090", "rtx_4090"):
+        assert P.resolve_gpu(name)[0].name == "RTX 4090", name
+    assert main(["--plan", "--gpu", "RTX4090", "-e", "d12", "-b", "1", "-t", "64",
+                 "--out", str(tmp_path)]) == 0
+    assert " on RTX 4090 [" in capsys.readouterr().out
+
+
+def test_gpu_names_still_match_whole_words_only():
+    assert lookup("A10G") is None
+    names = {"NVIDIA A10": "A10", "a100": "A100 40GB", "NVIDIA H100 PCIe": "H100 PCIe",
+             "H100-80GB-HBM3": "H100 SXM", "V100S-PCIE-32GB": "V100S PCIe",
+             "rtx 4070ti": "RTX 4070 Ti", "NVIDIA L40S": "L40S", "Tesla T4": "T4"}
+    assert {name: lookup(name).name for name in names} == names

@@ -28,7 +28,7 @@ def test_train_profile_prints_the_views_and_writes_the_files(tiny_model, tiny_sh
 
 
 def test_profiler_tool_on_the_emulator_prints_every_view_labelled(tiny_model, tmp_path, capsys):  # noqa: F811
-    from gpt2np.profiling.profiler import main
+    from gpt2np.cli.profile import main
     assert main(["-e", str(tiny_model), "-b", "1", "-t", "8", "--device", "emu", "--views", "all",
                  "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from gpt2np.cli import report as report_cli
 from gpt2np.config import preset
 from gpt2np.profiling import gpu_specs
 from gpt2np.profiling.gpu_specs import Roofline
@@ -319,7 +320,7 @@ def test_read_json_errors(tmp_path, content, problem, capsys):
         path.write_text(content)
     with pytest.raises(report.ReportError, match=problem):
         report.read_json(str(path))
-    assert report.main([str(path)]) == 2
+    assert report_cli.main([str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(path) in err and problem in err
 
@@ -342,16 +343,16 @@ def test_a_roofline_ceiling_that_is_not_a_number_above_0_is_an_error_naming_the_
     path = damaged(tmp_path, lambda doc: doc["roofline"].update({name: value}))
     with pytest.raises(report.ReportError, match=f"roofline field '{name}' must be a finite number > 0 or null"):
         report.read_json(str(path))
-    assert report.main([str(path)]) == 2
+    assert report_cli.main([str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(path) in err and f"'{name}'" in err
-    assert report.main([str(damaged(tmp_path, lambda doc: doc["roofline"].update({name: None})))]) == 0  # unknown
+    assert report_cli.main([str(damaged(tmp_path, lambda doc: doc["roofline"].update({name: None})))]) == 0  # unknown
 
 
 @pytest.mark.parametrize("name", ["duration_ns", "flops", "bytes"])
 def test_a_negative_time_or_amount_is_an_error_naming_the_file(tmp_path, capsys, name):
     path = damaged(tmp_path, lambda doc: doc["records"][1].update({name: -5000}))
-    assert report.main([str(path)]) == 2                  # was rendered: negative times, rates and percentages
+    assert report_cli.main([str(path)]) == 2                  # was rendered: negative times, rates and percentages
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(path) in err and f"record 1: field '{name}' must be an integer >= 0" in err
 
@@ -376,7 +377,7 @@ def test_meta_of_the_wrong_type_is_an_error_naming_the_file_and_field(tmp_path, 
     with pytest.raises(report.ReportError, match="'meta': "):
         report.read_json(str(path))
     for views in ([], ["--views", "all"]):
-        assert report.main([str(path)] + views) == 2
+        assert report_cli.main([str(path)] + views) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"error: {path}: ") and expected in err, err
 
@@ -387,17 +388,17 @@ def test_meta_fields_may_be_null_or_absent(tmp_path, capsys):
                                      "backend": "cuda", "precision": "tf32", "source": 3}):
         path = damaged(tmp_path, lambda doc, meta=meta: doc.update(meta=meta))
         for views in ([], ["--views", "all"]):
-            assert report.main([str(path)] + views) == 0, capsys.readouterr().err
+            assert report_cli.main([str(path)] + views) == 0, capsys.readouterr().err
 
 
 def test_report_cli(tmp_path, capsys):
     path = str(tmp_path / "k.json")
     report.write_json(sample_records(), path, ROOF)
-    assert report.main([path]) == 0
+    assert report_cli.main([path]) == 0
     assert "Kernels of step 1 on test GPU" in capsys.readouterr().out
-    assert report.main([path, "--device", "NVIDIA L4", "--step", "all"]) == 0
+    assert report_cli.main([path, "--device", "NVIDIA L4", "--step", "all"]) == 0
     assert "Kernels of step 1 on L4" in capsys.readouterr().out
-    assert report.main([path, "--device", "Voodoo5"]) == 2
+    assert report_cli.main([path, "--device", "Voodoo5"]) == 2
     assert "unknown device" in capsys.readouterr().err
 
 
@@ -450,16 +451,16 @@ def test_a_profile_without_records_is_an_error_naming_the_file(tmp_path, capsys)
     path = tmp_path / "empty.json"
     path.write_text('{"meta": {}, "roofline": null, "records": []}')
     for argv in ([str(path)], [str(path), "--views", "all"]):
-        assert report.main(argv) == 2
+        assert report_cli.main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and str(path) in err and "no records" in err
     # a real (one-record) profile still renders
     report.write_json(sample_records()[:1], str(path), ROOF)
-    assert report.main([str(path)]) == 0
+    assert report_cli.main([str(path)]) == 0
 
 
 def test_a_folder_for_the_records_is_called_a_folder(tmp_path, capsys):
-    assert report.main([str(tmp_path)]) == 2
+    assert report_cli.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is a folder" in err
 

@@ -8,10 +8,11 @@ import pytest
 
 from gpt2np.backends import get_backend
 from gpt2np.backends.numpy.backend import NumpyBackend
+from gpt2np.cli import report as report_cli
+from gpt2np.cli.profile import main as profiler_main
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2, STATS, STEP_SCALARS
 from gpt2np.profiling import memory
-from gpt2np.profiling.profiler import main as profiler_main
 from gpt2np.profiling.profiler import profile_steps, write_outputs
 from gpt2np.profiling.render import report
 from gpt2np.profiling.render import views as V
@@ -315,9 +316,9 @@ def test_report_tool_re_renders_a_saved_profile(emu, tmp_path, capsys, monkeypat
     loads = []
     real_load = json.load
     monkeypatch.setattr(json, "load", lambda f, **kw: loads.append(f.name) or real_load(f, **kw))
-    assert report.main([paths["json"], "--views", "all"]) == 0
+    assert report_cli.main([paths["json"], "--views", "all"]) == 0
     assert capsys.readouterr().out == V.render_views(profile, None, V.VIEWS)
-    assert report.main([paths["json"]]) == 0
+    assert report_cli.main([paths["json"]]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].endswith(f"[{report.EMULATED_NOTE}]") and "params" in out
     assert loads == [paths["json"]] * 2            # the file parsed once a run (a GPU step's profile is megabytes)
@@ -342,11 +343,11 @@ def saved(emu, tmp_path, change):
 
 def test_saved_profile_with_a_collective_renders(emu, tmp_path, capsys):
     path = saved(emu, tmp_path, lambda doc: None)
-    assert report.main([str(path), "--views", "all"]) == 0
+    assert report_cli.main([str(path), "--views", "all"]) == 0
     assert "allreduce_grads" in capsys.readouterr().out
     for mem in (None, {}):                   # not recorded
         path = saved(emu, tmp_path, lambda doc, mem=mem: doc.update(memory=mem))
-        assert report.main([str(path), "--views", "model"]) == 0
+        assert report_cli.main([str(path), "--views", "model"]) == 0
         assert "Model summary: not recorded" in capsys.readouterr().out
 
 
@@ -386,7 +387,7 @@ def test_ranges_api_calls_collectives_and_memory_of_the_wrong_shape_are_errors_n
     path = saved(emu, tmp_path, change)
     with pytest.raises(report.ReportError, match="^" + str(path)):
         V.read_profile(str(path))
-    assert report.main([str(path), "--views", "all"]) == 2
+    assert report_cli.main([str(path), "--views", "all"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {path}: ") and expected in err, err
 
@@ -445,7 +446,7 @@ def test_train_profile_on_the_emulated_cuda_path_labels_every_view(tmp_path, cap
                                                                     "GPU activities", "API calls", "User ranges"))]
     assert len(titles) == 6 and all(t.endswith(f"[{report.EMULATED_NOTE}]") for t in titles), titles
     saved = str(tmp_path / "run" / "profile" / "profile.json")
-    assert report.main([saved, "--views", "all"]) == 0
+    assert report_cli.main([saved, "--views", "all"]) == 0
     every = title_lines(capsys.readouterr().out)
     assert len(every) >= len(V.VIEWS) and all(t.endswith(f"[{report.EMULATED_NOTE}]") for t in every), every
 
@@ -462,14 +463,14 @@ def test_the_kernel_reports_ranges_are_the_recorded_ones(cpu, tmp_path, capsys):
         section = text[text.index(title):]
         return [line.split() for line in section.splitlines() if line.split()[-1:] == [name]][0][2]
 
-    assert report.main([str(path)]) == 0
+    assert report_cli.main([str(path)]) == 0
     text = capsys.readouterr().out
     adamw = sum(1 for r in V.select(profile, "last").ranges if r.name == "adamw")
     assert adamw == 16 and instances(text, "NVTX ranges", "adamw") == "16"
     doc = json.loads(path.read_text())
     del doc["ranges"]
     path.write_text(json.dumps(doc))
-    assert report.main([str(path)]) == 0
+    assert report_cli.main([str(path)]) == 0
     assert "NVTX ranges (rebuilt from the launches' range stacks)" in capsys.readouterr().out
 
 

@@ -28,7 +28,6 @@ KIND_CONCURRENT_KERNEL, KIND_EXTERNAL_CORRELATION = 10, 39
 MEMCPY_KINDS = {1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD", 7: "DtoA", 8: "DtoD",
                 9: "HtoH", 10: "PtoP"}
 EXTERNAL_KIND_CUSTOM0 = 3       # CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0
-DOMAIN_DRIVER_API, DOMAIN_RUNTIME_API = 1, 2
 BUFFER_BYTES = 8 * 1024 * 1024
 
 TIMING = "CUPTI activity records (device start/end timestamps)"
@@ -108,9 +107,8 @@ class CuptiSource:
 
 
 def available(backend) -> bool:
-    """Whether CUPTI can be tried: a real GPU runtime (CuPy) and cupti-python importable."""
-    rt = getattr(backend, "rt", None)
-    if rt is None or getattr(rt, "name", "") != "cupy":
+    """Whether CUPTI can be tried: a real GPU (the CuPy runtime) and cupti-python importable."""
+    if not backend.on_gpu:
         return False
     try:
         import cupti.cupti  # noqa: F401

@@ -77,29 +77,33 @@ class UnknownDeviceError(ValueError):
     """A device name that matches no entry of the peak table."""
 
 
-def _normalise(name: str) -> str:
-    """'NVIDIA A100-SXM4-80GB' -> 'nvidia a100 sxm4 80gb'."""
-    return " ".join(re.sub(r"[-_/,()]", " ", name.lower()).split())
+def words(name: str) -> list:
+    """A device name's words, lower case: 'NVIDIA A100-SXM4-80GB' -> nvidia, a100, sxm4, 80gb."""
+    return re.findall(r"[a-z0-9]+", name.lower())
 
 
-def _matches(fragment: str, text: str) -> bool:
-    """Fragment found in text as whole words ('a10' is not in 'a100' nor in 'a10g')."""
-    return re.search(r"(?<![a-z0-9])" + re.escape(fragment) + r"(?![a-z0-9])", text) is not None
+def matches(fragment: str, name: str) -> bool:
+    """Whether a run of the name's whole words spells the fragment, spaces, hyphens and case aside:
+    'rtx 4090' is in 'NVIDIA GeForce RTX 4090' and in 'RTX4090'; 'a10' is neither in 'a100' nor in
+    'a10g'."""
+    wanted, have = "".join(words(fragment)), words(name)
+    runs = ("".join(have[i:j]) for i in range(len(have)) for j in range(i + 1, len(have) + 1))
+    return wanted in runs
 
 
 def lookup(device_name: str) -> Optional[DeviceSpec]:
-    """The table entry for a device name as CUDA reports it ('NVIDIA GeForce RTX 4090'), or None.
+    """The table entry for a device name as CUDA reports it ('NVIDIA GeForce RTX 4090') or as a
+    user types it ('RTX4090', 'rtx-4090'), or None.
 
     Matching is by name fragment; the entry with the longest matching fragment wins, so
     'NVIDIA H100 PCIe' is the PCIe part and 'NVIDIA H100 80GB HBM3' the SXM part.
     """
     if isinstance(device_name, DeviceSpec):
         return device_name
-    text = _normalise(device_name)
     best, best_len = None, 0
     for spec in _TABLE:
-        for fragment in spec.patterns + (_normalise(spec.name),):
-            if len(fragment) > best_len and _matches(fragment, text):
+        for fragment in spec.patterns + (" ".join(words(spec.name)),):
+            if len(fragment) > best_len and matches(fragment, device_name):
                 best, best_len = spec, len(fragment)
     return best
 

@@ -11,11 +11,12 @@ reused by every layer, the token buffers and the backend's work buffers (scratch
 the process's peak resident set (host RSS, getrusage) on the CPU and the emulator, and the CuPy memory
 pool's bytes on a GPU (the pool keeps what it allocated, so its total is the high-water mark of the pool).
 """
+import sys
 from typing import Dict, Optional
 
 import numpy as np
 
-from gpt2np.tensors import FP32_ACTIVATIONS, PARAM_NAMES, activation_shapes, param_shapes
+from gpt2np.tensors import FP32_ACTIVATIONS, activation_shapes, param_shapes
 
 MiB = 1024 * 1024
 
@@ -41,12 +42,6 @@ def module_parameters(cfg) -> Dict[str, int]:
             out[module] = out.get(module, 0) + int(np.prod(shape))
     out["lm_head"] = 0
     return out
-
-
-def parameter_table(cfg):
-    """[(tensor, shape, count)] in llm.c's order (shapes with the layer dimension)."""
-    shapes = param_shapes(cfg)
-    return [(name, tuple(shapes[name]), int(np.prod(shapes[name]))) for name in PARAM_NAMES]
 
 
 def _nbytes(array) -> int:
@@ -96,10 +91,10 @@ def memory_summary(model, peak: Optional[dict] = None) -> dict:
 
 
 def measured_peak(backend) -> dict:
-    """{"bytes", "what"}: the CuPy pool's bytes on a GPU, else the process's peak RSS (None if unknown)."""
-    rt = getattr(backend, "rt", None)
-    if rt is not None and getattr(rt, "name", "") == "cupy":
-        return cupy_pool_peak(rt.cp)
+    """{"bytes", "what"}: the CuPy pool's bytes on a GPU, else the process's peak RSS (None if
+    unknown)."""
+    if backend.on_gpu:
+        return cupy_pool_peak(backend.rt.cp)
     return host_peak_rss()
 
 
@@ -114,8 +109,7 @@ def cupy_pool_peak(cp) -> dict:
 def host_peak_rss() -> dict:
     """The process's peak resident set size (ru_maxrss: KiB on Linux, bytes on macOS)."""
     try:
-        import resource
-        import sys
+        import resource  # POSIX only
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         scale = 1 if sys.platform == "darwin" else 1024
         return {"bytes": int(rss) * scale, "what": "host peak RSS of this process (getrusage)"}

@@ -1,8 +1,8 @@
 """Attribute every kernel of an Nsight Compute result to layer, op and direction, with what ncu measured.
 
     bench/ncu.sh                                     # one training step under ncu, NVTX-filtered, then this
-    python -m gpt2np.profiling.ncu step.csv [--records builtin/profile.json] [--device NAME] [--csv OUT] [--json OUT]
-    python -m gpt2np.profiling.ncu step.ncu-rep ...  # through the ncu-report package (pip install ncu-report)
+    gpt2np ncu step.csv [--records builtin/profile.json] [--device NAME] [--csv OUT] [--json OUT]
+    gpt2np ncu step.ncu-rep ...  # through the ncu-report package (pip install ncu-report)
 
 Inputs:
   * `ncu --csv` exports, both layouts ncu writes: the details page (one row per kernel and metric: "ID",
@@ -33,16 +33,13 @@ import math
 import os
 import re
 import statistics
-import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from gpt2np.errors import ArgumentParser, BadInput, tool
 from gpt2np.profiling import nsys
-from gpt2np.profiling.gpu_specs import lookup
-from gpt2np.profiling.gpu_specs import roofline as make_roofline
 from gpt2np.profiling.render import report
 from gpt2np.profiling.render.report import KernelRecord, format_table
+from gpt2np.profiling.render.views import floor_ns
 
 TIME = "gpu__time_duration.sum"
 DRAM = "dram__bytes.sum"
@@ -52,7 +49,6 @@ OCCUPANCY = "sm__warps_active.avg.pct_of_peak_sustained_active"
 SM_PCT = "sm__throughput.avg.pct_of_peak_sustained_elapsed"
 MEM_PCT = "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed"
 GRID, BLOCK = "launch__grid_size", "launch__block_size"
-METRICS = (TIME, DRAM, FADD, FMUL, FFMA, OCCUPANCY, SM_PCT, MEM_PCT, GRID, BLOCK)
 
 # unit -> factor to the base unit (ns for time, bytes for sizes, 1 for the rest)
 TIME_UNITS = {"nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9, "s": 1e9}
@@ -359,24 +355,23 @@ def _number_instances(kernels) -> None:
 # the report
 
 def kernel_rows(kernels, records, matched, roof):
+    """One row of the kernel table (COLUMNS) per ncu kernel, with its attributed record and,
+    where --records matched it, the built-in profile's time over ncu's."""
     rows = []
     for i, (k, r) in enumerate(zip(kernels, records)):
         t = r.duration_ns
-        floor = None
-        if roof is not None and (r.flops or r.bytes):
-            ceiling = roof.flops_ceiling(r.matmul_ceiling)
-            if ceiling and roof.peak_bw:
-                floor = max(r.flops / ceiling, r.bytes / roof.peak_bw) * 1e9
+        floor = floor_ns(r, roof)
         built_in = matched.get(i)
 
         def pct(m, k=k):
             v = k.metric(m)
             return "-" if v is None else f"{v:.1f}"
 
-        rows.append([i, r.direction, "-" if r.layer_index is None else r.layer_index, r.op or "-", r.module or "-",
-                     report._clip(k.name, 40), k.grid or "-", k.block or "-", report._us(t),
-                     report._opt(r.gflops_per_s), report._opt(r.gbytes_per_s), pct(OCCUPANCY), pct(SM_PCT),
-                     pct(MEM_PCT), "-" if floor is None or t <= 0 else f"{100.0 * floor / t:.1f}",
+        rows.append([i, r.direction, "-" if r.layer_index is None else r.layer_index, r.op or "-",
+                     r.module or "-", report.clip(k.name, 40), k.grid or "-", k.block or "-",
+                     report.us(t), report.or_dash(r.gflops_per_s), report.or_dash(r.gbytes_per_s),
+                     pct(OCCUPANCY), pct(SM_PCT), pct(MEM_PCT),
+                     "-" if floor is None or t <= 0 else f"{100.0 * floor / t:.1f}",
                      "-" if built_in is None or t <= 0 else f"{built_in.duration_ns / t:.2f}"])
     return rows
 
@@ -419,50 +414,3 @@ def render(path, kernels, records, matched, roof, records_path: Optional[str] = 
         elif how == "name only":
             parts.append("no NVTX stacks and no --records profile: kernels attributed by name only")
     return "\n\n".join(parts) + "\n"
-
-
-@tool
-def main(argv=None) -> int:
-    """The kernel table of an Nsight Compute export/report; a bad file or flag: one line, exit 2."""
-    p = ArgumentParser(prog="python -m gpt2np.profiling.ncu",
-                       description="Attribute Nsight Compute results to layer, op and direction.")
-    p.add_argument("report", help="`ncu --csv` export (details or raw page) or .ncu-rep report")
-    p.add_argument("--records", help="gpt2np profile.json of the same configuration: aligned kernel by kernel")
-    p.add_argument("--step", help="step of --records to align with (default last; needs --records)")
-    p.add_argument("--device", help="device for the roofline (default: the one in the export)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"),
-                   help="precision of the GEMMs for the roofline (default fp32)")
-    p.add_argument("--csv", help="write the attributed kernels to this CSV file")
-    p.add_argument("--json", help="write the attributed kernels to this JSON file")
-    args = p.parse_args(argv)
-    if args.step is not None and not args.records:
-        raise BadInput(f"--step {args.step}: needs --records (the step of that profile the kernels are aligned "
-                       f"with); an ncu export has no step numbers")
-    for flag in ("--csv", "--json"):
-        path = getattr(args, flag[2:])
-        if path:
-            report.check_output(flag, path)
-    kernels = read(args.report)
-    records = None
-    if args.records:
-        step = report.parse_step(args.step or "last")
-        records, _, _ = report.read_json(args.records)
-        report.require_records(records, args.records)
-        report.check_step(records, step, args.records)
-        records = report.select_step(records, step)
-    device = args.device or next((k.device for k in kernels if k.device and lookup(k.device)), None)
-    roof = make_roofline(device, "fp32", args.precision) if device and (args.device or lookup(device)) else None
-    out, matched = attribute(kernels, records)
-    sys.stdout.write(render(args.report, kernels, out, matched, roof, args.records))
-    meta = {"source": os.path.abspath(args.report), "device": device, "tool": "ncu"}
-    if args.csv:
-        with report.writing("--csv", args.csv):
-            report.write_csv(out, args.csv, roof)
-    if args.json:
-        with report.writing("--json", args.json):
-            report.write_json(out, args.json, roof, meta)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,8 +3,7 @@ profiler's views of it (gpt2np.profiling.render.views: the same renderers as the
 
     nsys profile -t cuda,nvtx -o prof python train.py ...
     nsys export -t sqlite prof.nsys-rep            (or: nsys stats prof.nsys-rep, which also writes it)
-    python -m gpt2np.profiling.nsys prof.sqlite [--views all|NAME,...] [--step N|last|all] [--model d12]
-                                    [--csv OUT] [--json OUT] [--trace OUT] [--out DIR] [--device NAME]
+    gpt2np nsys prof.sqlite [--views all|NAME,...] [--step N|last|all]    (gpt2np/cli/nsys.py)
 
 What the views read (the export's schema, nsys 2023-2025):
     CUPTI_ACTIVITY_KIND_KERNEL / _MEMCPY (bytes, copyKind -> ENUM_CUDA_MEMCPY_OPER.name, e.g.
@@ -38,22 +37,23 @@ import itertools
 import os
 import re
 import sqlite3
-import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gpt2np.errors import ArgumentParser, BadInput, integer, is_int, tool
-from gpt2np.profiling.gpu_specs import lookup
-from gpt2np.profiling.gpu_specs import roofline as make_roofline
-from gpt2np.profiling.render import report
+from gpt2np.config import DESCRIPTORS, GPT2Config, descriptor
+from gpt2np.errors import BadInput, is_int
+from gpt2np.model import GPT2
+from gpt2np.profiling.cupti import MEMCPY_KINDS
+from gpt2np.profiling.memory import module_parameters
 from gpt2np.profiling.render import views as V
 from gpt2np.profiling.render.report import KernelRecord
+from gpt2np.ranges import add_listener, current_stack, remove_listener
+from gpt2np.tensors import ATTENTIONS, RECOMPUTE_LEVELS
 
 # NVTX_EVENTS.eventType values (Nsight Systems export schema)
-NVTX_MARK = 34
 NVTX_PUSHPOP = 59
 NVTX_STARTEND = 60
 NVTXT_PUSHPOP = 70
@@ -329,7 +329,6 @@ def _copy_kinds(con, tables) -> Dict[int, str]:
     """copyKind -> HtoD, DtoH, ...: the export's own ENUM_CUDA_MEMCPY_OPER, else CUPTI's numbering."""
     if "ENUM_CUDA_MEMCPY_OPER" in tables:
         return {i: copy_kind_name(name or "") for i, name in con.execute("SELECT id, name FROM ENUM_CUDA_MEMCPY_OPER")}
-    from gpt2np.profiling.cupti import MEMCPY_KINDS
     return dict(MEMCPY_KINDS)
 
 
@@ -591,7 +590,7 @@ def _place_with_ops_missing(direction: str, before: tuple, op: str, nth: int):
 
 class _NullBackend:
     """A backend that runs nothing: enough for gpt2np.model to walk its passes and open its op ranges."""
-    launches_kernels = True
+    launches_kernels, on_gpu, has_cpu_math = True, False, False
     dtype = np.float32
 
     def zeros(self, shape, dtype=np.float32):
@@ -605,8 +604,7 @@ class _OpLog:
     """A ranges listener: (range stack with the op innermost, module) of each op the model opens on this thread."""
 
     def __init__(self):
-        from gpt2np import ranges
-        self.ops, self.thread, self.stack = [], threading.get_ident(), ranges.current_stack
+        self.ops, self.thread, self.stack = [], threading.get_ident(), current_stack
 
     def on_push(self, name, detail):
         if isinstance(detail, tuple) and threading.get_ident() == self.thread:     # an op: (module, args, keywords)
@@ -628,10 +626,6 @@ def model_op_modules():
     fused residual + LayerNorm ending a layer -> (1, "ln_1"), ln_f after the last layer included (it stands where
     the next layer's ln_1 would). outside: {op: module} of the ops outside the layers (loss_mean -> lm_head).
     An order that does not tell one module is a RuntimeError."""
-    from gpt2np import ranges
-    from gpt2np.config import GPT2Config
-    from gpt2np.model import GPT2
-    from gpt2np.tensors import ATTENTIONS, RECOMPUTE_LEVELS
     cfg = GPT2Config(max_seq_len=2, vocab_size=2, padded_vocab_size=2, num_layers=3, num_heads=1, channels=1)
     tokens = np.zeros((1, 2), np.int32)
     layers: Dict[tuple, Tuple[int, str]] = {}
@@ -643,13 +637,13 @@ def model_op_modules():
         model = GPT2(cfg, _NullBackend(), 1, 2, attention=attention, fuse=fuse, gelu_fusion=gelu_fusion,
                      recompute=recompute)
         log = _OpLog()
-        ranges.add_listener(log)
+        add_listener(log)
         try:                                            # train_step's device step: loss_mean too
             staged = model.stage_batch(0, tokens, tokens)
             model.forward(tokens=staged, for_backward=True, device_loss=True)
             model.backward(staged, accumulate=False)
         finally:
-            ranges.remove_listener(log)
+            remove_listener(log)
         before: Dict[tuple, List[str]] = {}
         for stack, module in log.ops:
             _, direction, layer, _, op_at, _ = parse_stack(stack)
@@ -754,8 +748,6 @@ def views_profile(profile: Profile, records: Sequence[KernelRecord], precision: 
 def preset_parameters(name: str) -> Dict[str, int]:
     """Parameters per module of llm.c's model descriptor (d12, gpt2:d24, gpt3:c768, ...) for the module tree;
     BadInput naming --model."""
-    from gpt2np.config import DESCRIPTORS, descriptor
-    from gpt2np.profiling.memory import module_parameters
     try:
         cfg = descriptor(name)
     except ValueError as e:
@@ -765,10 +757,9 @@ def preset_parameters(name: str) -> Dict[str, int]:
     return module_parameters(cfg)
 
 
-# ---------------------------------------------------------------------------------------------
-# command line
-
 def summary_line(profile: Profile) -> str:
+    """One line of what the export holds: kernels inside and outside NVTX ranges, copies, API
+    calls, ranges."""
     n = len(profile.kernels)
     no_launch = sum(1 for k in profile.kernels if k.launch_start is None)
     inside = sum(1 for k in profile.kernels if k.stack)
@@ -776,97 +767,3 @@ def summary_line(profile: Profile) -> str:
             f"inside NVTX ranges, {n - inside - no_launch} outside any range, "
             f"{no_launch} without a launch record; {len(profile.copies)} copies and memsets; "
             f"{len(profile.api)} CUDA API calls; {len(profile.ranges)} NVTX ranges")
-
-
-def _step_title(what: str, records: Sequence[KernelRecord]) -> str:
-    steps = sorted({r.step for r in records if r.step is not None})
-    return f"{what} of step {steps[0]}" if len(steps) == 1 else what
-
-
-NSYS_DEFAULT_VIEWS = ("kernels", "modules", "layers", "ops", "phases", "gpu_activities", "api_calls", "user_ranges")
-
-
-@tool
-def main(argv=None) -> int:
-    """The views (and files) of an nsys export; a bad export or flag: one line, exit 2."""
-    p = ArgumentParser(prog="python -m gpt2np.profiling.nsys",
-                       description="Attribute the kernels, copies and memsets of an nsys SQLite export to NVTX "
-                                   "ranges (step, direction, layer, op, GPT-2 module) and show the profiler's views "
-                                   "of it.")
-    p.add_argument("report", help="SQLite export of an Nsight Systems report (nsys export -t sqlite)")
-    p.add_argument("--step", default="last",
-                   help="step for the views: a number, 'last' (default) or 'all'")
-    p.add_argument("--views", help=f"views to print, comma-separated, or 'all' ({', '.join(V.VIEWS)}); default: "
-                                   f"{','.join(NSYS_DEFAULT_VIEWS)}, the top kernels of the whole profile and the "
-                                   f"NVTX ranges projected onto the GPU")
-    p.add_argument("--csv", help="write every activity's record to this CSV file")
-    p.add_argument("--json", help="write the records, ranges and API calls to this JSON file "
-                                  "(python -m gpt2np.profiling.render.report FILE --views all re-renders it)")
-    p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON: kernels, copies, API calls, ranges")
-    p.add_argument("--png", help="write a bar chart of time by op and direction")
-    p.add_argument("--out", help="folder for views.json, one CSV per view (views/) and the plots")
-    p.add_argument("--device", help="device for the peak numbers (default: the GPU named in the export)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"))
-    p.add_argument("--model", help="llm.c model descriptor (d12, gpt2:d24, gpt3:c768, ...) whose parameters per "
-                                   "module the module tree shows (an export does not know them)")
-    p.add_argument("--short-names", action="store_true", help="use the kernels' short (base) names")
-    p.add_argument("--top", type=int, default=20, help="rows in the top-kernels summary (default 20)")
-    args = p.parse_args(argv)
-    integer(1).check("--top", args.top, "the rows of the top-kernels summary")
-    # before the report is read: an output path that is a folder would fail only after the tables are printed
-    for flag in ("--csv", "--json", "--trace", "--png"):
-        path = getattr(args, flag[2:])
-        if path:
-            report.check_output(flag, path)
-    if args.out:
-        report.check_output("--out", args.out, folder=True)
-    names = V.parse_views(args.views) if args.views else NSYS_DEFAULT_VIEWS
-    module_params = preset_parameters(args.model) if args.model else None
-    step = report.parse_step(args.step)
-    records, ranges, device, profile = read_report(args.report, "shortName" if args.short_names else "demangledName")
-    report.check_step(records, step, args.report)
-    device = args.device or device
-    roof = None
-    if args.device:
-        roof = make_roofline(args.device, args.precision)
-    elif device and lookup(device) is not None:
-        roof = make_roofline(device, args.precision)
-    vprofile = views_profile(profile, records, args.precision, module_params)
-    parts = [summary_line(profile), V.render_views(vprofile, roof, names, step=step).rstrip("\n")]
-    if not args.views:
-        chosen = report.kernels_only(report.select_step(records, step))
-        parts += [report.kernel_summary_table(report.kernels_only(records), top=args.top,
-                                              title="Top kernels (whole profile)"),
-                  report.range_table(gpu_projection([profile.activities[r.idx] for r in chosen]),
-                                     _step_title("NVTX ranges projected onto the GPU "
-                                                 "(first kernel start to last kernel end)", chosen))]
-    sys.stdout.write("\n\n".join(parts) + "\n")
-    meta = vprofile.meta | {"device": device}
-    if args.csv:
-        with report.writing("--csv", args.csv):
-            report.write_csv(records, args.csv, roof)
-    if args.json:
-        with report.writing("--json", args.json):
-            report.write_json(records, args.json, roof, meta, V.profile_doc(vprofile))
-    if args.trace:
-        with report.writing("--trace", args.trace):
-            report.write_chrome_trace(records, args.trace, ranges,
-                                      process_name=f"nsys {os.path.basename(args.report)}",
-                                      extra_events=V.trace_extra_events(vprofile))
-    if args.png:
-        with report.writing("--png", args.png):
-            report.write_png(report.kernels_only(records), args.png,
-                             title=f"{os.path.basename(args.report)}: time by op and direction")
-    if args.out:
-        with report.writing("--out", args.out):
-            os.makedirs(args.out, exist_ok=True)
-            paths = V.write_view_files(vprofile, roof, args.out, step=step)
-            log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
-            paths.update(V.write_plots(vprofile, roof, args.out, title=os.path.basename(args.report), log=log,
-                                       step=step))
-        print("wrote " + ", ".join(paths.values()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

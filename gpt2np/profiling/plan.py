@@ -1,8 +1,8 @@
 """The roofline planner: one training step's launches, their work, their floors on a named GPU and the memory
 the run needs, without a GPU and without running a kernel.
 
-    python -m gpt2np.profiling.profiler --plan --gpu H100 -e d12 -b 4 -t 1024 [--precision tf32|fp32|bf16]
-                                        [--plan-launches] [--measure [--device cuda|emu]] [--out DIR]
+    gpt2np plan --gpu H100 -e d12 -b 4 -t 1024 [--precision tf32|fp32|bf16]   (gpt2np/cli/plan.py)
+                [--plan-launches] [--measure [--device cuda|emu]] [--out DIR]
 
 How: the real GPT2 and train_step run on the real CudaBackend over runtime_plan.PlanRuntime, a runtime that
 does no work (float buffers are never allocated, launches and GEMMs only checked), under the built-in
@@ -45,11 +45,19 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from gpt2np import ranges
+from gpt2np import backends, ranges
+from gpt2np.backends.cuda.backend import CudaBackend
+from gpt2np.backends.cuda.runtime_plan import PlanRuntime
+from gpt2np.bf16 import BF16
+from gpt2np.config import TrainConfig
 from gpt2np.errors import BadInput
-from gpt2np.profiling.gpu_specs import DeviceSpec, Roofline, UnknownDeviceError, lookup, require, roofline
-from gpt2np.profiling.render.report import EMULATED_NOTE, KernelRecord, _atomic_write, _si, label
+from gpt2np.init import LLMC_INIT_SEED
+from gpt2np.model import GPT2
+from gpt2np.profiling.gpu_specs import DeviceSpec, Roofline, UnknownDeviceError, require, roofline
+from gpt2np.profiling.profiler import Profiler
+from gpt2np.profiling.render.report import EMULATED_NOTE, KernelRecord, label, si, write_file
 from gpt2np.profiling.render.views import MiB, Table, floor_ns
+from gpt2np.train_step import train_step
 
 GB = 1e9
 GiB = 1 << 30
@@ -69,12 +77,11 @@ PLAN_NOTE = "a model from peak rates, not a measurement"
 def train_recompute(device: str = "cuda") -> int:
     """train.py's -r default on `device` ("cuda", "emu", or the CPU's "numpy"/"cpu"): gpt2np.config.TrainConfig's
     (0 on both, every activation kept; llm.c's is 1), which profile and plan take when no -r is given."""
-    from gpt2np.backends import device_traits
-    from gpt2np.config import TrainConfig
-    return TrainConfig().with_device_defaults(device_traits(device)).recompute
+    return TrainConfig().with_device_defaults(backends.device_traits(device)).recompute
 
 
 GPU_RECOMPUTE = train_recompute("cuda")       # train.py's -r on a GPU: a plan's default
+GPU_DEFAULTS = TrainConfig().with_device_defaults(backends.TRAITS["cuda"])    # train.py's B, T, ... on a GPU
 RECOMPUTE_WORDS = {0: "every activation kept", 1: "GELU recomputed in backward",
                    2: "GELU and LayerNorms recomputed in backward"}
 
@@ -204,7 +211,7 @@ def check_host_memory(B: int, T: int, memory: Optional[int] = None) -> None:
 
 
 def random_batches(cfg, B, T, seed=0):
-    """Two (inputs, targets) batches of random tokens, as the profiler's main makes them."""
+    """Two (inputs, targets) batches of random tokens, as `gpt2np profile` makes them."""
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, cfg.vocab_size, (2, B, T + 1)).astype(np.int32)
     return [(b[:, :-1], b[:, 1:]) for b in raw]
@@ -213,9 +220,6 @@ def random_batches(cfg, B, T, seed=0):
 def profiled_step(model, batches, measure=True, activity_source="auto", before=None):
     """Step 0 unrecorded (a warm-up, as profile_steps does), then step 1 under the Profiler (measure=False: the
     planning mode). Returns (profiler, terms): terms[i] is the cost term the i-th kernel launch carried."""
-    from gpt2np.profiling.profiler import Profiler
-    from gpt2np.train_step import train_step
-
     def step(i):
         train_step(model, lambda: batches[i % len(batches)], step=i, lr=LR)
 
@@ -257,18 +261,13 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
     `attention` "flash" or "naive" (None: training's default on a GPU, see backends.resolve_attention); fuse: the
     model's fused ops (GPT2's `fuse`, the trainer's --fuse); recompute: GPT2's, the trainer's -r (default: its
     default on a GPU, GPU_RECOMPUTE: 0); gelu_fusion: GPT2's, the trainer's -ge (None: 2 with fuse, else 0)."""
-    from gpt2np.backends import resolve_attention
-    from gpt2np.backends.cuda.backend import CudaBackend
-    from gpt2np.backends.cuda.runtime_plan import PlanRuntime
-    from gpt2np.bf16 import BF16
-    from gpt2np.model import GPT2
-
     spec, precision, notes = resolve_gpu(gpu, precision)
     roof = roofline(spec, "fp32", matmul_precision=precision)
     rt = PlanRuntime(spec.name, tf32=precision == "tf32")
     backend = CudaBackend(rt, dtype=BF16 if precision == "bf16" else np.float32)
     capability = 80 if spec.tf32 is not None else 75      # a GPU without TF32 tensor cores has no flash kernels
-    attention, note = resolve_attention(backend, cfg.channels // cfg.num_heads, attention, capability)
+    head_size = cfg.channels // cfg.num_heads
+    attention, note = backends.resolve_attention(backend, head_size, attention, capability)
     notes = notes + ([note] if note else [])
     if batches is None:
         check_host_memory(B, T)
@@ -295,7 +294,6 @@ def plan_step(cfg, B, T, gpu="H100", precision="tf32", batches=None, model_name=
 def graph_launches_per_step(model, batches) -> int:
     """Graph launches of one step with cuda_graphs on (step 2 runs eagerly, step 3 captures the step and launches
     the graph once: step 3's are counted); raises if step 3 syncs the host."""
-    from gpt2np.train_step import train_step
     rt = model.backend.rt
     train_step(model, lambda: batches[0], step=2, lr=LR, cuda_graphs=True)
     launched, synced = rt.graph_launches, len(rt.syncs)
@@ -309,8 +307,6 @@ def measure(plan: Plan, backend, params=None, batches=None, activity_source="aut
     """Run the planned step for real on `backend` (a GPU, or the emulator) under the Profiler and put the measured
     time of each launch beside its floor (plan.measured, Launch.measured_ns). params: the model's weights (host
     array), else a random init."""
-    from gpt2np.init import LLMC_INIT_SEED
-    from gpt2np.model import GPT2
     model = GPT2(plan.cfg, backend, plan.B, plan.T, seed=LLMC_INIT_SEED if params is None else None,
                  attention=plan.attention,
                  fuse=plan.fuse, gelu_fusion=plan.gelu_fusion, recompute=plan.recompute)
@@ -471,7 +467,7 @@ def op_table(plan: Plan) -> Table:
     for g in rows:
         bound = g["bound"]
         if bound == "host link":           # their bytes cross it, not device memory: said here, not in MB moved
-            bound = f"host link: {_si(g['host_bytes'])}B, not in the floor"
+            bound = f"host link: {si(g['host_bytes'])}B, not in the floor"
         row = [g["direction"], g["op"], g["calls"], g["launches"], f"{g['flops'] / 1e9:,.2f}",
                f"{g['hbm_bytes'] / 1e6:,.1f}", f"{g['flops'] / g['hbm_bytes']:.1f}" if g["hbm_bytes"] else "-",
                _us(g["floor_ns"]) if g["floor_ns"] else "-", f"{100.0 * g['floor_ns'] / floor:.1f}", bound]
@@ -553,7 +549,7 @@ def launch_table(plan: Plan) -> Table:
     for x in plan.launches:
         r = x.record
         row = [r.idx, r.direction, "-" if r.layer_index is None else r.layer_index, r.op or "-", r.module or "-",
-               r.kernel, x.term or "-", r.grid or "-", r.block or "-", _si(r.flops), _si(r.bytes),
+               r.kernel, x.term or "-", r.grid or "-", r.block or "-", si(r.flops), si(r.bytes),
                "-" if x.floor_ns is None else f"{x.floor_ns / 1e3:.2f}", x.bound]
         if measured:
             row += [_us(x.measured_ns)]
@@ -625,9 +621,9 @@ def write_files(plan: Plan, out_dir: str) -> Dict[str, str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = {k: os.path.join(out_dir, name) for k, name in
              (("csv", "plan.csv"), ("ops", "plan_ops.csv"), ("json", "plan.json"))}
-    _atomic_write(paths["csv"], _csv(launch_dicts(plan), LAUNCH_FIELDS))
-    _atomic_write(paths["ops"], _csv(op_rows(plan), OP_FIELDS))
-    _atomic_write(paths["json"], json.dumps(to_json(plan), indent=1, default=_jsonable) + "\n")
+    write_file(paths["csv"], _csv(launch_dicts(plan), LAUNCH_FIELDS))
+    write_file(paths["ops"], _csv(op_rows(plan), OP_FIELDS))
+    write_file(paths["json"], json.dumps(to_json(plan), indent=1, default=_jsonable) + "\n")
     return paths
 
 
@@ -642,49 +638,26 @@ def _jsonable(value):
 
 
 # ---------------------------------------------------------------------------------------------
-# the profiler's --plan
+# --measure
 
-def run(args, cfg, params, desc) -> int:
-    """`python -m gpt2np.profiling.profiler --plan ...` after the profiler's main checked -e, -b, -t and --out."""
-    precision = args.precision or "tf32"
-    if args.gelu_fusion and not args.fuse:
-        raise BadInput(f"-ge {args.gelu_fusion} with --fuse 0: the GELU epilogues are fused GEMMs; give -ge 0 (or "
-                       f"leave it out) with --fuse 0")
-    check_host_memory(args.batch_size, args.seq_len)
-    backend = None
-    if args.measure:
-        backend = measuring_backend(args.device, precision)
-    gpu = args.gpu or "H100"
-    if args.gpu is None and backend is not None and backend.rt.name != "emulator":
-        gpu = backend.device_name()                  # plan for the GPU the step is measured on
-        if lookup(gpu) is None:
-            raise BadInput(f"--measure on {gpu}: gpu_specs has no peak numbers for it; name the GPU to plan "
-                           f"for with --gpu")
-    batches = random_batches(cfg, args.batch_size, args.seq_len)
-    plan = plan_step(cfg, args.batch_size, args.seq_len, gpu, precision, batches, model_name=desc,
-                     attention=args.attention, fuse=bool(args.fuse),
-                     recompute=GPU_RECOMPUTE if args.recompute is None else args.recompute,
-                     gelu_fusion=args.gelu_fusion)
-    if backend is not None:
-        memory = physical_memory()
-        if backend.rt.name == "emulator" and memory and plan.memory_bytes > memory:
-            raise BadInput(f"--measure --device emu -b {args.batch_size} -t {args.seq_len}: the emulator holds the "
-                           f"step's {plan.memory_bytes / GiB:,.1f} GiB of buffers in host memory; this machine has "
-                           f"{memory / GiB:,.1f} GiB; plan without --measure, or use a smaller batch")
-        measure(plan, backend, params, batches)
-    print(render(plan, launches=args.plan_launches), end="")
-    paths = write_files(plan, args.out)
-    print("wrote " + ", ".join(paths.values()))
-    print(plan.total_line())
-    return 0
+def check_measured_memory(plan: Plan, backend) -> None:
+    """BadInput naming --measure, -b and -t when the emulator would hold the step's buffers in more
+    host memory than this machine has (a GPU holds them in its own)."""
+    memory = physical_memory()
+    if not backend.on_gpu and memory and plan.memory_bytes > memory:
+        raise BadInput(f"--measure --device emu -b {plan.B} -t {plan.T}: the emulator holds the "
+                       f"step's {plan.memory_bytes / GiB:,.1f} GiB of buffers in host memory; this "
+                       f"machine has {memory / GiB:,.1f} GiB; plan without --measure, or use a "
+                       f"smaller batch")
 
 
 def measuring_backend(device: str, precision: str):
     """The backend --measure runs the step on: the GPU (--device cuda, or auto with one) or the emulator
     (--device emu); at the plan's precision where that backend has it."""
-    from gpt2np.backends import PRECISIONS, get_backend, gpu_available, resolve_name
-    name = resolve_name(device) if device != "auto" else ("cuda" if gpu_available() else "")
-    if name not in ("cuda", "emu"):
+    name = backends.resolve_name(device)
+    if not backends.device_traits(name).launches_kernels:
         raise BadInput(f"--measure runs the step's kernels: --device cuda (a GPU) or --device emu (the CPU "
                        f"emulator){'; no usable GPU here' if device == 'auto' else ''}")
-    return get_backend(name, precision=precision if precision in PRECISIONS[name] else "fp32")
+    if precision not in backends.PRECISIONS[name]:
+        precision = "fp32"
+    return backends.get_backend(name, precision=precision)

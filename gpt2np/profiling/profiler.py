@@ -14,12 +14,11 @@ Timing, by backend:
              Without CUPTI: CUDA events around each launch (a fallback that perturbs what it measures, and
              the views say so); device start times come from the events' offsets to a reference event.
 
-    python -m gpt2np.profiling.profiler -e d12 -b 4 -t 64 --steps 2 [--device cpu|cuda|emu] [--out DIR]
-                                         [--precision tf32|fp32|bf16] [--views all|NAME,NAME...]
-                                         # at train.py's precision on the device unless --precision says
+    gpt2np profile -e d12 -b 4 -t 64 --steps 2 [--device cpu|cuda|emu] [--out DIR]
+                   [--precision tf32|fp32|bf16] [--views all|NAME,NAME...]
+                   # at train.py's precision on the device unless --precision says
     python train.py ... --profile 2          # the same, inside a training run
-    python -m gpt2np.profiling.profiler --plan --gpu H100 -e d12 -b 4 -t 1024 [--measure]
-                                         # a roofline plan of one step, no GPU needed (gpt2np.profiling.plan)
+    gpt2np plan --gpu H100 -e d12 [--measure]  # a roofline plan of a step, no GPU needed (plan.py)
 """
 import os
 import re
@@ -30,10 +29,13 @@ import time
 import numpy as np
 
 from gpt2np import ranges
-from gpt2np.errors import BAD_INPUT, ArgumentParser, BadInput, integer, tool
 from gpt2np.ops.contract import backend_op_cost
+from gpt2np.profiling import cpu_roof, cupti
+from gpt2np.profiling.gpu_specs import UnknownDeviceError, roofline
+from gpt2np.profiling.memory import memory_summary, module_parameters
 from gpt2np.profiling.render import views as V
-from gpt2np.profiling.render.report import EMULATED_NOTE, KernelRecord, write_chrome_trace, write_csv, write_json
+from gpt2np.profiling.render.report import KernelRecord, write_chrome_trace, write_csv, write_json
+from gpt2np.train_step import train_step
 
 DIRECTIONS = {"gpt2_forward": "fprop", "gpt2_backward": "bprop", "gpt2_calculate_grad_norm": "update",
               "gpt2_update": "update"}
@@ -192,11 +194,9 @@ class Profiler:
             return
         if not be.launches_kernels:
             return
-        runtime = getattr(getattr(be, "rt", None), "name", "")
         why = "CUPTI not requested"
         if activity_source == "auto":
-            from gpt2np.profiling import cupti
-            why = "no GPU" if runtime != "cupy" else "cupti-python is not installed"
+            why = "cupti-python is not installed" if be.on_gpu else "no GPU"
             activity_source = None
             if cupti.available(be):
                 try:
@@ -205,14 +205,16 @@ class Profiler:
                     why = str(e)
         if activity_source is not None:
             self.source, self.timing = activity_source, activity_source.timing
-        elif runtime == "emulator":
+        elif not be.on_gpu:
             self.timing = TIMING_EMU
         else:
             self.timing = TIMING_EVENTS.format(why=why)
 
     @property
     def emulated(self) -> bool:
-        return getattr(getattr(self.backend, "rt", None), "name", "") == "emulator"
+        """Whether the kernels ran on the CPU emulator, timed by the host clock (a plan runs
+        none)."""
+        return self.timing == TIMING_EMU
 
     # ---- attach ---------------------------------------------------------------------------
     def __enter__(self):
@@ -244,7 +246,6 @@ class Profiler:
                 be.rt = self._rt
         self.resolve()
         if self.model is not None:
-            from gpt2np.profiling.memory import memory_summary
             self.memory = memory_summary(self.model, None if self.measure else {"bytes": None, "what": TIMING_NONE})
         return False
 
@@ -395,8 +396,7 @@ class Profiler:
         issued (a library's extra kernels, say) become records of the op that was running. An incomplete activity
         (start 0 or end before start: unfinished at the flush) is counted in self.incomplete and left out, with
         the record it was to fill: no view shows it as a kernel of 0 ns."""
-        from gpt2np.profiling.cupti import complete, parse
-        acts = parse(activities, getattr(self.source, "api_name", None))
+        acts = cupti.parse(activities, getattr(self.source, "api_name", None))
         external = acts["external"]
         filled = set()
         unfinished = set()                         # idx of records whose activity came back incomplete
@@ -405,7 +405,7 @@ class Profiler:
 
         def place(act, kind, name, nbytes=0):
             idx = external.get(act["correlation"])
-            if not complete(act):
+            if not cupti.complete(act):
                 self.incomplete += 1
                 unfinished.add(idx)
                 return
@@ -461,7 +461,6 @@ class Profiler:
         if self.incomplete:
             meta["incomplete_records"] = self.incomplete
         if self.model is not None:
-            from gpt2np.profiling.memory import module_parameters
             meta["num_layers"] = self.model.cfg.num_layers
             meta["module_params"] = module_parameters(self.model.cfg)
         return meta
@@ -482,24 +481,31 @@ def device_label(backend):
 
 
 def device_roofline(backend):
-    """The GPU's roofline (fp32 kernels, GEMMs at the backend's precision); on the CPU (numpy backend) the one
-    measured now (cpu_roof: GEMM rate and bandwidth); None on the emulator and on GPUs gpu_specs does not know."""
-    from gpt2np.profiling.gpu_specs import UnknownDeviceError, roofline
-    if backend.name == "numpy":
-        from gpt2np.profiling.cpu_roof import measure
-        return measure(backend.threads)
-    if backend.name != "cuda":
-        return None
+    """The GPU's roofline (fp32 kernels, GEMMs at the backend's precision; None on GPUs gpu_specs
+    does not know); on the CPU (numpy backend) the one measured now (cpu_roof: GEMM rate and
+    bandwidth). The emulator's device is gpu_specs' "cpu", which knows no peaks."""
+    if not backend.launches_kernels:
+        return cpu_roof.measure(backend.threads)
     try:
         return roofline(device_label(backend), "fp32", matmul_precision=backend.precision)
     except UnknownDeviceError:
         return None
 
 
+def bounding_roof(profiler, roof):
+    """The roof the views hold the profiler's records against: a GPU's datasheet peaks as they
+    are; the CPU's measured roof raised where a record ran faster (cpu_roof.covering), so that no
+    record shows above 100% of it."""
+    if roof is None or profiler.backend.launches_kernels:
+        return roof
+    return cpu_roof.covering(roof, profiler.records)
+
+
 def write_outputs(profiler, out_dir, roof=None, title=""):
     """CSV, JSON, Chrome trace, PNG plots and one CSV per view of the records in out_dir; returns the paths."""
     os.makedirs(out_dir, exist_ok=True)
     profile = profiler.profile()
+    roof = bounding_roof(profiler, roof)
     paths = {k: os.path.join(out_dir, f"profile.{k}") for k in ("csv", "json", "trace.json")}
     write_csv(profile.records, paths["csv"], roof)
     write_json(profile.records, paths["json"], roof, profile.meta, V.profile_doc(profile))
@@ -513,14 +519,13 @@ def write_outputs(profiler, out_dir, roof=None, title=""):
 
 def report_text(profiler, roof=None, views=None, step="last"):
     """The text report of a profiler's records: the views named (default views.DEFAULT_VIEWS)."""
+    roof = bounding_roof(profiler, roof)
     return V.render_views(profiler.profile(), roof, views or V.DEFAULT_VIEWS, step=step)
 
 
 def profile_steps(model, batches, steps, lr=1e-4, activity_source="auto"):
     """Run `steps` training steps (train_step, batches in turn) under the profiler, after one unprofiled
     warm-up step (step 0)."""
-    from gpt2np.train_step import train_step
-
     def step(i):
         train_step(model, lambda: batches[i % len(batches)], step=i, lr=lr)
 
@@ -529,122 +534,3 @@ def profile_steps(model, batches, steps, lr=1e-4, activity_source="auto"):
         for i in range(1, steps + 1):
             step(i)
     return prof
-
-
-@tool
-def main(argv=None):
-    """Profile a few training steps and write the report; bad flags and files: one line, exit 2."""
-    from gpt2np.backends import PRECISIONS, get_backend, resolve_attention, resolve_name, resolve_precision
-    from gpt2np.datasets.starter import resolve_model
-    from gpt2np.init import LLMC_INIT_SEED
-    from gpt2np.model import GPT2
-
-    ap = ArgumentParser(prog="python -m gpt2np.profiling.profiler", description=__doc__.split("\n")[0])
-    ap.add_argument("-e", "--model", dest="model", default="d12", help="llm.c model file or preset (default d12)")
-    ap.add_argument("-b", "--batch-size", dest="batch_size", type=int, default=4, help="batch size B (default 4)")
-    ap.add_argument("-t", "--seq-len", dest="seq_len", type=int, default=64, help="sequence length T (default 64)")
-    ap.add_argument("--steps", type=int, default=1, help="profiled steps after one warm-up step")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "numpy", "cuda", "emu"])
-    ap.add_argument("--out", default="profile", help="folder for CSV, JSON, trace and PNG (default ./profile)")
-    ap.add_argument("--attention", choices=["flash", "naive"],
-                    help="the model's attention (default: flash on a GPU, the emulator and --plan; naive on the CPU)")
-    from gpt2np.profiling.plan import train_recompute
-    gpu_r, cpu_r = train_recompute("cuda"), train_recompute("numpy")
-    ap.add_argument("--recompute", "-r", type=int, choices=[0, 1, 2],
-                    help="the model's recompute, as train.py's -r: 0 = keep every activation, 1 = recompute the GELU "
-                         "in backward, 2 = the GELU and the LayerNorms (default: train.py's, "
-                         + (f"{gpu_r})" if gpu_r == cpu_r else f"{gpu_r} on a GPU and --plan, {cpu_r} on the CPU)"))
-    ap.add_argument("--cpu-math", choices=["fast", "exact"],
-                    help="on the CPU, as train.py's --cpu-math: fast = the fast C loops (default), exact = bitwise the "
-                         "NumPy reference code")
-    ap.add_argument("--precision", choices=["tf32", "fp32", "bf16"],
-                    help="the math, as train.py's --precision: tf32 tensor cores, fp32 CUDA cores, or bf16 (bf16 "
-                         "storage and bf16 tensor cores, fp32 master weights; on the CPU bf16 storage, fp32 math) "
-                         "(default: train.py's on the device, tf32 on a GPU with tensor cores, else fp32; with --plan "
-                         "tf32)")
-    ap.add_argument("--views", default=",".join(V.DEFAULT_VIEWS),
-                    help=f"views to print, comma-separated, or 'all' (default {','.join(V.DEFAULT_VIEWS)}; "
-                         f"all: {','.join(V.VIEWS)})")
-    ap.add_argument("--all-steps", action="store_true", help="views of every profiled step, not the last")
-    plan = ap.add_argument_group("planning (gpt2np.profiling.plan): no GPU needed, no kernel runs")
-    plan.add_argument("--plan", action="store_true",
-                      help="plan one training step on --gpu: every launch with its FLOPs, bytes and roofline floor, "
-                           "sums per op and direction, the memory the run needs, the host syncs")
-    plan.add_argument("--gpu", help="the GPU to plan for, as gpu_specs names it (H100, A100 80GB, L4, ...; default: "
-                                    "the GPU measured with --measure, else H100)")
-    plan.add_argument("--plan-launches", action="store_true", help="print every launch of the plan")
-    plan.add_argument("--fuse", type=int, choices=[0, 1], default=1,
-                      help="1 = the fused ops (GEMM epilogues, residual + LayerNorm, one-pass LayerNorm backward), "
-                           "0 = one kernel per op, as train.py's --fuse (default 1)")
-    plan.add_argument("-ge", "--gelu-fusion", dest="gelu_fusion", type=int, choices=[0, 1, 2],
-                      help="with --fuse 1, as train.py's -ge: GELU in the fc GEMM's epilogue, 0 = none, 1 = forward, "
-                           "2 = forward and backward (default 2 with --fuse 1, else 0)")
-    plan.add_argument("--measure", action="store_true",
-                      help="run the planned step for real (--device cuda, or emu: CPU times) and print the measured "
-                           "time beside each floor")
-    args = ap.parse_args(argv)
-    from gpt2np.dist import launcher_rank, launcher_size
-    if launcher_size() > 1:          # each rank would profile alone and all write the same --out files
-        if launcher_rank() > 0:
-            raise SystemExit(BAD_INPUT)             # rank 0 says why
-        raise BadInput(f"gpt2np profile runs one process, not {launcher_size()} under mpiexec (each would profile "
-                       f"alone into the same --out): profile a data-parallel run with `mpiexec -n N python "
-                       f"train.py ... --profile STEPS`")
-    integer(1).check("-b", args.batch_size, "the batch size B")
-    integer(1).check("-t", args.seq_len, "the sequence length T")
-    integer(1).check("--steps", args.steps, "the number of profiled steps")
-    planning = {"--gpu": args.gpu is not None, "--plan-launches": args.plan_launches, "--measure": args.measure,
-                "--fuse": args.fuse != 1, "-ge": args.gelu_fusion is not None}
-    if not args.plan and any(planning.values()):
-        raise BadInput(f"{next(flag for flag, given in planning.items() if given)} needs --plan")
-    if args.plan and args.cpu_math:
-        raise BadInput(f"--cpu-math {args.cpu_math}: not with --plan (a plan is for a GPU)")
-    views = V.parse_views(args.views)
-    # before the run, not after it: the files go into --out
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise BadInput(f"--out {args.out}: is a file; expected a folder (made if missing)")
-    if args.plan:
-        from gpt2np.profiling import plan as planner
-        cfg, params, desc = resolve_model(args.model)
-        if args.seq_len > cfg.max_seq_len:
-            raise BadInput(f"-t {args.seq_len}: longer than the model's max_seq_len {cfg.max_seq_len}")
-        return planner.run(args, cfg, params, desc)
-    if args.cpu_math and resolve_name(args.device) in ("cuda", "emu"):
-        raise BadInput(f"--cpu-math {args.cpu_math}: only for the CPU (numpy backend), not --device {args.device}"
-                       + (f" (here {resolve_name(args.device)})" if args.device == "auto" else ""))
-    name = resolve_name(args.device)
-    if args.precision and args.precision not in PRECISIONS[name]:        # tf32 on the CPU
-        raise BadInput(f"--precision {args.precision}: --device {args.device}"
-                       + (f" (here {name})" if args.device == "auto" else "")
-                       + f" has no {args.precision}, only {' or '.join(PRECISIONS[name])}")
-    # the precision train.py trains in on this device (tf32 on a GPU with tensor cores), unless --precision says
-    precision, note = resolve_precision(name, args.precision)
-    if note:
-        print(f"note: {note}", file=sys.stderr)        # stdout holds the views
-    backend = get_backend(name, precision=precision, **({"math": args.cpu_math} if args.cpu_math else {}))
-    cfg, params, desc = resolve_model(args.model)
-    if args.seq_len > cfg.max_seq_len:
-        raise BadInput(f"-t {args.seq_len}: longer than the model's max_seq_len {cfg.max_seq_len}")
-    attention, note = resolve_attention(backend, cfg.channels // cfg.num_heads, args.attention)
-    if note:
-        print(f"note: {note}", file=sys.stderr)        # stdout holds the views
-    recompute = args.recompute if args.recompute is not None else train_recompute(resolve_name(args.device))
-    model = GPT2(cfg, backend, args.batch_size, args.seq_len, seed=LLMC_INIT_SEED if params is None else None,
-                 attention=attention, recompute=recompute)
-    if params is not None:
-        model.load_params(params)
-    rng = np.random.default_rng(0)
-    batch = rng.integers(0, cfg.vocab_size, (2, args.batch_size, args.seq_len + 1)).astype(np.int32)
-    batches = [(b[:, :-1], b[:, 1:]) for b in batch]
-    prof = profile_steps(model, batches, args.steps)
-    roof = device_roofline(backend)
-    label = device_label(backend) + (f" ({EMULATED_NOTE})" if prof.emulated else "")
-    print(report_text(prof, roof, views, step=None if args.all_steps else "last"), end="")
-    paths = write_outputs(prof, args.out, roof,
-                          title=f"{desc}, B={args.batch_size}, T={args.seq_len}, {backend.precision}, {label}")
-    print("wrote " + ", ".join(paths.values()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,9 +9,8 @@ list of records and a Roofline (gpt2np.profiling.gpu_specs) this module renders:
     range_table       like `nsys stats --report nvtx_sum`, from (name, start_ns, end_ns) ranges
     kernel_summary_table      like `nsys stats --report cuda_gpu_kern_sum`
 and writes CSV, JSON, a Chrome/Perfetto trace and a PNG bar chart (all written atomically).
-
-    python -m gpt2np.profiling.render.report RECORDS.json [--step N] [--device NAME] [--precision fp32] [--views all]
-re-renders the text report (or the profiler's views) from a JSON file written by write_json.
+`gpt2np report RECORDS.json` (gpt2np/cli/report.py) re-renders the text report from a file
+written by write_json.
 """
 import csv
 import io
@@ -20,14 +19,13 @@ import math
 import os
 import re
 import statistics
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from gpt2np.errors import ArgumentParser, BadInput, tool
+from gpt2np.errors import BadInput
+from gpt2np.fileio import atomic_write, file_in_the_way
 from gpt2np.profiling.gpu_specs import Roofline
-from gpt2np.profiling.gpu_specs import roofline as make_roofline
 
 DIRECTIONS = ("fprop", "bprop", "update", "other")
 GEMM_MARKERS = ("gemm", "cublas", "cutlass", "xmma", "numpy.matmul", "numpy.dot")
@@ -133,7 +131,7 @@ def classify(flops: int, nbytes: int, duration_ns: int, roof: Optional[Roofline]
 # ---------------------------------------------------------------------------------------------
 # text formatting
 
-def _si(value: float) -> str:
+def si(value: float) -> str:
     """12_600_000 -> '12.6M' (three significant digits, k M G T P)."""
     if value == 0:
         return "0"
@@ -143,15 +141,18 @@ def _si(value: float) -> str:
     return f"{value:.3g}"
 
 
-def _us(ns: float) -> str:
+def us(ns: float) -> str:
+    """A time in ns as microseconds with two decimals: 1234.5 -> '1.23'."""
     return f"{ns / 1e3:.2f}"
 
 
-def _opt(value: Optional[float], fmt: str = "{:.1f}") -> str:
+def or_dash(value: Optional[float], fmt: str = "{:.1f}") -> str:
+    """value formatted with fmt, or '-' when it is unknown (None)."""
     return "-" if value is None else fmt.format(value)
 
 
-def _clip(text: str, width: Optional[int]) -> str:
+def clip(text: str, width: Optional[int]) -> str:
+    """text cut to `width` characters, ending in '..' when cut (width None: as it is)."""
     if width is None or len(text) <= width:
         return text
     return text[: width - 2] + ".."
@@ -215,19 +216,19 @@ def kernel_rows(records: Sequence[KernelRecord], roof: Optional[Roofline] = None
                     ("bound", "l"), ("%peak", "r")]
     rows = []
     for r in recs:
-        row = [r.idx, r.direction, _opt(r.layer_index, "{}"), r.op or "-", r.module or "-",
-               _clip(r.params, params_width) or "-", _clip(r.kernel, kernel_width), _us(r.duration_ns)]
+        row = [r.idx, r.direction, or_dash(r.layer_index, "{}"), r.op or "-", r.module or "-",
+               clip(r.params, params_width) or "-", clip(r.kernel, kernel_width), us(r.duration_ns)]
         if with_work:
             bound, pct = classify(r.flops, r.bytes, r.duration_ns, roof, r.matmul_ceiling)
-            row += [_si(r.flops), _si(r.bytes), _opt(r.gflops_per_s), _opt(r.gbytes_per_s),
-                    _opt(r.intensity, "{:.2f}"), bound, _opt(pct, "{:.1f}%")]
+            row += [si(r.flops), si(r.bytes), or_dash(r.gflops_per_s), or_dash(r.gbytes_per_s),
+                    or_dash(r.intensity, "{:.2f}"), bound, or_dash(pct, "{:.1f}%")]
         rows.append(row)
     total_ns = sum(r.duration_ns for r in recs)
     flops, nbytes = sum(r.flops for r in recs), sum(r.bytes for r in recs)
-    total = ["total", "", "", f"{len(recs)} launches", "", "", "", _us(total_ns)]
+    total = ["total", "", "", f"{len(recs)} launches", "", "", "", us(total_ns)]
     if with_work:
-        total += [_si(flops), _si(nbytes), _opt(_rate(flops, nbytes, flops, total_ns)),
-                  _opt(_rate(flops, nbytes, nbytes, total_ns)), "", "", ""]
+        total += [si(flops), si(nbytes), or_dash(_rate(flops, nbytes, flops, total_ns)),
+                  or_dash(_rate(flops, nbytes, nbytes, total_ns)), "", "", ""]
     rows.append(total)
     return _title("Kernels", recs, roof), columns, rows
 
@@ -270,8 +271,9 @@ def layer_rows(records: Sequence[KernelRecord], step=None):
         g = groups[layer]
         by_dir = {d: sum(r.duration_ns for r in g if r.direction == d) for d in DIRECTIONS}
         t = sum(r.duration_ns for r in g)
-        rows.append(["-" if layer < 0 else layer, _us(by_dir["fprop"]), _us(by_dir["bprop"]),
-                     _us(by_dir["update"] + by_dir["other"]), _us(t), f"{100.0 * t / total:.1f}", len(g)])
+        rows.append(["-" if layer < 0 else layer, us(by_dir["fprop"]), us(by_dir["bprop"]),
+                     us(by_dir["update"] + by_dir["other"]), us(t), f"{100.0 * t / total:.1f}",
+                     len(g)])
     columns = [("layer", "r"), ("fwd (us)", "r"), ("bwd (us)", "r"), ("upd+other (us)", "r"),
                ("total (us)", "r"), ("%", "r"), ("launches", "r")]
     return _title("Time per layer", recs, None), columns, rows
@@ -297,12 +299,12 @@ def op_rows(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, st
     rows = []
     for (op, direction), g in sorted(groups.items(), key=lambda kv: -sum(r.duration_ns for r in kv[1])):
         t = sum(r.duration_ns for r in g)
-        row = [op, direction, len(g), _us(t), f"{100.0 * t / total:.1f}", _us(t / len(g))]
+        row = [op, direction, len(g), us(t), f"{100.0 * t / total:.1f}", us(t / len(g))]
         if with_work:
             flops, nbytes = sum(r.flops for r in g), sum(r.bytes for r in g)
             bound, pct = classify(flops, nbytes, t, roof, any(r.matmul_ceiling for r in g))
-            row += [_opt(_rate(flops, nbytes, flops, t)), _opt(_rate(flops, nbytes, nbytes, t)),
-                    bound, _opt(pct, "{:.1f}%")]
+            row += [or_dash(_rate(flops, nbytes, flops, t)),
+                    or_dash(_rate(flops, nbytes, nbytes, t)), bound, or_dash(pct, "{:.1f}%")]
         rows.append(row)
     columns = [("op", "l"), ("dir", "l"), ("launches", "r"), ("total (us)", "r"), ("%", "r"), ("avg (us)", "r")]
     if with_work:
@@ -517,8 +519,8 @@ def module_tree_rows(records: Sequence[KernelRecord], num_layers: Optional[int] 
             count = sum(n for path, n in params.items() if path == node.path or path.startswith(node.path + ".")
                         or node.path == "")
             row.append(f"{count:,}")            # 0 for modules without weights (gelu, core attention)
-        rows.append(row + [_us(node.time("fprop")), _us(node.time("bprop")),
-                           _us(node.time("update") + node.time("other")), _us(t),
+        rows.append(row + [us(node.time("fprop")), us(node.time("bprop")),
+                           us(node.time("update") + node.time("other")), us(t),
                            f"{100.0 * t / total:.1f}", node.calls])
     columns = [("module", "l")] + ([("params", "r")] if params is not None else [])
     columns += [("fwd (us)", "r"), ("bwd (us)", "r"), ("upd+other (us)", "r"), ("total (us)", "r"), ("%", "r"),
@@ -572,7 +574,7 @@ def render(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, ste
     (EMULATED_NOTE for a run on the emulator)."""
     recs = kernels_only(select_step(records, step))
     title = "NVTX ranges"
-    if ranges is None:              # none recorded (an older profile.json): projected from the launches' stacks
+    if ranges is None:      # none recorded (an ncu records file): rebuilt from the launches' stacks
         ranges, title = ranges_from_records(recs), "NVTX ranges (rebuilt from the launches' range stacks)"
     parts = [kernel_table(recs, roof), module_tree_table(recs, num_layers, params=params), layer_table(recs),
              op_table(recs, roof), kernel_summary_table(recs, top=top_kernels)]
@@ -584,10 +586,9 @@ def render(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, ste
 # ---------------------------------------------------------------------------------------------
 # files
 
-def _atomic_write(path: str, data) -> None:
+def write_file(path: str, data) -> None:
     """Write data (str/bytes, or a callable taking the open binary file) atomically: fileio.atomic_write, which
     makes missing parent folders and raises a failed write as WriteError naming `path` (never its temp file)."""
-    from gpt2np.fileio import atomic_write
     with atomic_write(path, "wb") as f:
         if callable(data):
             data(f)
@@ -603,7 +604,6 @@ def check_output(flag: str, path: str, folder: bool = False) -> None:
         raise BadInput(f"{flag} {path}: is a folder; expected a file name")
     if folder and os.path.exists(path) and not os.path.isdir(path):
         raise BadInput(f"{flag} {path}: is a file; expected a folder (made if missing)")
-    from gpt2np.fileio import file_in_the_way
     blocking = file_in_the_way(os.path.normpath(path))
     if blocking is not None:
         raise BadInput(f"{flag} {path}: {blocking} is a file, not a folder")
@@ -646,7 +646,7 @@ def write_csv(records: Sequence[KernelRecord], path: str, roof: Optional[Rooflin
         row["range_stack"] = " > ".join(r.range_stack)
         row["range_ids"] = " ".join(map(str, r.range_ids))
         writer.writerow({k: "" if v is None else v for k, v in row.items()})
-    _atomic_write(path, buf.getvalue())
+    write_file(path, buf.getvalue())
 
 
 def write_json(records: Sequence[KernelRecord], path: str, roof: Optional[Roofline] = None,
@@ -659,7 +659,7 @@ def write_json(records: Sequence[KernelRecord], path: str, roof: Optional[Roofli
                                                   "matmul_peak_flops": roof.matmul_peak_flops},
            "records": [record_row(r, roof) for r in records]}
     doc.update(extra or {})
-    _atomic_write(path, json.dumps(doc, indent=1) + "\n")
+    write_file(path, json.dumps(doc, indent=1) + "\n")
 
 
 def load_json_doc(path: str):
@@ -843,7 +843,7 @@ def write_chrome_trace(records: Sequence[KernelRecord], path: str,
                        ranges: Optional[Sequence[Range]] = None, process_name: str = "gpt2np",
                        extra_events: Sequence[Dict] = ()) -> None:
     """Write chrome_trace(...) as JSON (open in ui.perfetto.dev or chrome://tracing)."""
-    _atomic_write(path, json.dumps(chrome_trace(records, ranges, process_name, extra_events)) + "\n")
+    write_file(path, json.dumps(chrome_trace(records, ranges, process_name, extra_events)) + "\n")
 
 
 def write_png(records: Sequence[KernelRecord], path: str, title: str = "Time by op and direction",
@@ -877,43 +877,8 @@ def write_png(records: Sequence[KernelRecord], path: str, title: str = "Time by 
     if ops:
         ax.legend(loc="lower right")
     fig.tight_layout()
-    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    write_file(path, lambda f: fig.savefig(f, format="png", dpi=100))
     return True
-
-
-# ---------------------------------------------------------------------------------------------
-# command line: re-render a JSON records file
-
-@tool
-def main(argv=None) -> int:
-    """Render the report of a JSON records file; a bad file or flag: one line, exit 2."""
-    p = ArgumentParser(prog="python -m gpt2np.profiling.render.report",
-                                description="Render the profiling report of a JSON records file.")
-    p.add_argument("records", help="JSON file written by gpt2np.profiling.render.report.write_json")
-    p.add_argument("--step", default="last", help="step to show: a number, 'last' (default) or 'all'")
-    p.add_argument("--device", help="device for the roofline (default: the one in the file)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"))
-    p.add_argument("--matmul-precision", choices=("fp32", "tf32", "bf16", "fp16"))
-    p.add_argument("--views", help="the profiler's views instead of the kernel report: comma-separated names "
-                                   "or 'all' (see gpt2np.profiling.render.views)")
-    args = p.parse_args(argv)
-    step = parse_step(args.step)
-    from gpt2np.profiling.render import views
-    profile, roof = views.read_profile(args.records)       # the file parsed once, every part checked
-    records, meta = profile.records, profile.meta
-    require_records(records, args.records)
-    check_step(records, step, args.records)
-    if args.device:
-        roof = make_roofline(args.device, args.precision, args.matmul_precision)
-    if args.views:
-        names = views.parse_views(args.views)
-        sys.stdout.write(views.render_views(profile, roof, names, step=step))
-        return 0
-    note = profile_note(meta)
-    saved = views.select(profile, step).ranges     # the host's range instances
-    sys.stdout.write(render(records, roof, step, ranges=[(r.name, r.start_ns, r.end_ns) for r in saved] or None,
-                            num_layers=meta.get("num_layers"), note=note, params=meta.get("module_params")))
-    return 0
 
 
 def require_records(records: Sequence[KernelRecord], source: str) -> None:
@@ -944,6 +909,3 @@ def parse_step(text: str):
     except ValueError:
         raise ReportError(f"--step {text!r}: expected a step number, 'last' or 'all'") from None
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,6 +21,7 @@ written as CSV and JSON:
 Every title line of an emulated run says that it was emulated on the CPU (report.EMULATED_NOTE), every title
 line of a numpy-backend run that its times are CPU times (report.NUMPY_NOTE).
 """
+import bisect
 import csv
 import io
 import json
@@ -33,8 +34,6 @@ from gpt2np.profiling.render.report import (
     SUMMARY_COLUMNS,
     KernelRecord,
     ReportError,
-    _atomic_write,
-    _us,
     classify,
     duration_stats,
     fields_problem,
@@ -50,6 +49,8 @@ from gpt2np.profiling.render.report import (
     profile_note,
     read_json,
     summary_rows,
+    us,
+    write_file,
     write_png,
 )
 
@@ -362,11 +363,13 @@ def phases(profile: Profile, roof=None) -> List[Table]:
         recs = [r for r in profile.records if r.direction == direction]
         host = sum(r.duration_ns for r in profile.ranges if r.name in rng)
         t = sum(r.duration_ns for r in recs)
-        rows.append([label_, _us(t), f"{100.0 * t / total:.1f}", sum(r.kind == "kernel" for r in recs),
-                     sum(r.kind != "kernel" for r in recs), _us(host) if rng else "-"])
+        rows.append([label_, us(t), f"{100.0 * t / total:.1f}",
+                     sum(r.kind == "kernel" for r in recs), sum(r.kind != "kernel" for r in recs),
+                     us(host) if rng else "-"])
     if profile.comms:
         t = sum(c.duration_ns for c in profile.comms)
-        rows.append(["communication", _us(t), f"{100.0 * t / total:.1f}", len(profile.comms), 0, _us(t)])
+        rows.append(["communication", us(t), f"{100.0 * t / total:.1f}", len(profile.comms), 0,
+                     us(t)])
     columns = [("phase", "l"), (f"{_device_word(profile)} time (us)", "r"), ("%", "r"), ("launches", "r"),
                ("copies+memsets", "r"), ("host range time (us)", "r")]
     return [Table("Phases: forward / backward / optimizer / communication", columns, rows)]
@@ -384,6 +387,29 @@ def torch_name(name: str) -> str:
     if name.startswith("Train step "):
         return "train_step-" + name[len("Train step "):]
     return TORCH_NAMES.get(name, name)
+
+
+def host_time(profile: Profile) -> int:
+    """The host time of a selection: its outermost ranges (a step's "Train step N" may sit inside a
+    user's own range) and the API calls and collectives outside them (an export without NVTX ranges
+    has only those)."""
+    ids = {r.id for r in profile.ranges}
+    spans = []                                  # the union of the outermost ranges, in time order
+    for r in sorted((r for r in profile.ranges if r.parent not in ids), key=lambda r: r.start_ns):
+        if spans and r.start_ns <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], r.end_ns)
+        else:
+            spans.append([r.start_ns, r.end_ns])
+    starts = [start for start, _ in spans]
+
+    def outside(start, duration):
+        i = bisect.bisect_right(starts, start) - 1
+        return i < 0 or start + duration > spans[i][1]
+
+    calls = [(a.start_ns, a.duration_ns) for a in profile.api]
+    calls += [(c.start_ns, c.duration_ns) for c in profile.comms]
+    return (sum(r.duration_ns for r in profile.ranges if r.parent not in ids)
+            + sum(duration for start, duration in calls if outside(start, duration)))
 
 
 def user_ranges(profile: Profile, roof=None, row_limit: int = 30) -> List[Table]:
@@ -416,8 +442,8 @@ def user_ranges(profile: Profile, roof=None, row_limit: int = 30) -> List[Table]
         add(a.name, a.duration_ns, a.duration_ns, 0, 0)
     for c in profile.comms:
         add(f"nccl:{c.collective}" if profile.on_device else f"mpi:{c.collective}", 0, c.duration_ns, 0, 0)
-    # the outermost ranges of the selection (a step's "Train step N" may sit inside a user's own range)
-    cpu_all = sum(r.duration_ns for r in profile.ranges if r.parent not in by_id) or 1
+    # at least the largest row: a range nested in one of its own name counts twice in its row
+    cpu_all = max([host_time(profile)] + [row[1] for row in rows.values()]) or 1
     dev_all = sum(r.duration_ns for r in profile.records) or 1
     dev = "CUDA" if profile.on_device else "op"
     out = []
@@ -468,8 +494,9 @@ def pyprof(profile: Profile, roof=None) -> List[Table]:
         bound, _ = classify(r.flops, r.bytes, r.duration_ns, roof, r.matmul_ceiling)
         rows.append([r.idx, r.direction, "-" if r.layer_index is None else r.layer_index, r.op or "-",
                      r.module or "-", r.params or "-", r.kernel, r.grid or "-", r.block or "-",
-                     "yes" if tensor_cores(r, precision) else "no", _us(r.duration_ns),
-                     "-" if floor is None else _us(floor), "-" if pct is None else f"{pct:.1f}%", bound])
+                     "yes" if tensor_cores(r, precision) else "no", us(r.duration_ns),
+                     "-" if floor is None else us(floor), "-" if pct is None else f"{pct:.1f}%",
+                     bound])
     columns = [("Idx", "r"), ("Direction", "l"), ("Layer", "r"), ("Op", "l"), ("Module", "l"), ("Params", "l"),
                ("Kernel", "l"), ("Grid", "l"), ("Block", "l"), ("TC", "l"), ("Time (us)", "r"), ("Floor (us)", "r"),
                ("% of roofline", "r"), ("Bound", "l")]
@@ -537,7 +564,8 @@ def comm(profile: Profile, roof=None) -> List[Table]:
         t = sum(c.duration_ns for c in cs) / len(cs)
         avg = CommRecord(0, None, name, coll, nbytes, ranks, 0, int(round(t)))
         alg, bus = avg.algbw, avg.busbw
-        rows.append([coll, name, ranks, f"{nbytes:,}", len(cs), _us(t), "-" if alg is None else f"{alg / 1e9:.4g}",
+        rows.append([coll, name, ranks, f"{nbytes:,}", len(cs), us(t),
+                     "-" if alg is None else f"{alg / 1e9:.4g}",
                      "-" if bus is None else f"{bus / 1e9:.4g}"])
     columns = [("collective", "l"), ("range", "l"), ("ranks", "r"), ("bytes", "r"), ("calls", "r"),
                ("avg time (us)", "r"), ("algbw (GB/s)", "r"), ("busbw (GB/s)", "r")]
@@ -618,9 +646,9 @@ def write_view_files(profile: Profile, roof, out_dir: str, step="last") -> Dict[
             writer.writerow([c for c, _ in t.columns])
             writer.writerows(t.rows)
             path = os.path.join(folder, f"{name}{'' if i == 0 else f'_{i}'}.csv")
-            _atomic_write(path, buf.getvalue())
+            write_file(path, buf.getvalue())
     paths["views.json"] = os.path.join(out_dir, "views.json")
-    _atomic_write(paths["views.json"], json.dumps({"note": note, "views": doc}, indent=1) + "\n")
+    write_file(paths["views.json"], json.dumps({"note": note, "views": doc}, indent=1) + "\n")
     paths["views/"] = folder
     return paths
 
@@ -677,8 +705,9 @@ def _memory_problem(mem) -> Optional[str]:
 
 
 def read_profile(path: str) -> Tuple[Profile, object]:
-    """(Profile, roofline) from a profile.json written by the profiler (older files: records only). A row of the
-    wrong shape is a ReportError naming the file, the part, the row and the field."""
+    """(Profile, roofline) from a profile.json written by the profiler (an ncu records file:
+    records only). A row of the wrong shape is a ReportError naming the file, the part, the row
+    and the field."""
     doc = load_json_doc(path)
     records, roof, meta = read_json(path, doc)
     parts = {}
@@ -762,7 +791,7 @@ def write_plots(profile: Profile, roof, out_dir: str, title: str = "", log=print
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     path = os.path.join(out_dir, "profile_layers.png")
-    _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    write_file(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     paths["layers.png"] = path
 
     # roofline scatter
@@ -793,7 +822,7 @@ def write_plots(profile: Profile, roof, out_dir: str, title: str = "", log=print
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(out_dir, "profile_roofline.png")
-    _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    write_file(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     paths["roofline.png"] = path
     return paths
 
