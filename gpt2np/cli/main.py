@@ -6,6 +6,8 @@
 """
 import importlib
 import sys
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as installed
 
 from gpt2np.errors import ArgumentParser, BadInput, program_name, tool
 
@@ -43,8 +45,7 @@ def usage() -> str:
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
+    """The installed gpt2np's version."""
     try:
         return installed("gpt2np")
     except PackageNotFoundError:
