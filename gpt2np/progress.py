@@ -74,7 +74,7 @@ class Progress:
             return
         file = self.file or sys.stderr
         state = (self.n, self.postfix)
-        if last and self.shown_state == state:    # this count and postfix are on screen already: end the line
+        if last and self.shown_state == state:    # on screen already: only end its line
             if self.live:
                 file.write("\n")
                 file.flush()

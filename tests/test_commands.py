@@ -115,10 +115,10 @@ def test_fetch_knows_the_starter_packs_bf16_model():
     assert fetch_cli.GROUPS["model-bf16"] == ["gpt2_124M_bf16.bin"]
 
 
-# ---- a reader that stops early (`gpt2np sample ... | head`) -----------------------------------------------------
+# ---- a reader that stops early (`gpt2np sample ... | head`) ---------------------------------
 def test_a_closed_pipe_ends_a_command_quietly_with_141(tmp_path, data_dir):
-    """`gpt2np sample ... | head`: once head has read enough and exited, sample ends at its next write with no
-    error line and exit 141, as a Unix filter that SIGPIPE ends (the shell's 128 + 13)."""
+    """`gpt2np sample ... | head`: once head has read enough and exited, sample ends at its next
+    write with no error line and exit 141, as a Unix filter that SIGPIPE ends (128 + 13)."""
     from gpt2np.backends import get_backend
     from gpt2np.config import GPT2Config
     from gpt2np.formats.checkpoint import save_model
@@ -128,7 +128,8 @@ def test_a_closed_pipe_ends_a_command_quietly_with_141(tmp_path, data_dir):
     env = {k: v for k, v in os.environ.items() if k != "GPT2NP_DEBUG"}
     command = [sys.executable, "-m", "gpt2np", "sample", "-e", str(tmp_path / "m.bin"), "--bpe-dir",
                str(data_dir), "-g", "5000", "--device", "cpu"]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=env) as sample:
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                          env=env) as sample:
         assert len(sample.stdout.read(20)) == 20          # head -c 20
         sample.stdout.close()
         err = sample.stderr.read().decode()
@@ -138,8 +139,9 @@ def test_a_closed_pipe_ends_a_command_quietly_with_141(tmp_path, data_dir):
 
 
 def test_a_closed_pipe_in_the_interpreters_last_flush(monkeypatch, capsys):
-    """Output still in stdout's buffer when a command returns meets the closed pipe in the tool's own flush:
-    exit 141, nothing on stderr, and stdout then writes to /dev/null (the interpreter's last flush stays quiet)."""
+    """Output still in stdout's buffer when a command returns meets the closed pipe in the tool's
+    own flush: exit 141, nothing on stderr, and stdout then writes to /dev/null (the interpreter's
+    last flush stays quiet). Under GPT2NP_DEBUG=1 the BrokenPipeError itself."""
     monkeypatch.delenv("GPT2NP_DEBUG", raising=False)
     read_end, write_end = os.pipe()
     os.close(read_end)
@@ -152,7 +154,7 @@ def test_a_closed_pipe_in_the_interpreters_last_flush(monkeypatch, capsys):
     finally:
         pipe.close()
     assert capsys.readouterr().err == ""
-    monkeypatch.setenv("GPT2NP_DEBUG", "1")              # tracebacks asked for: the error itself
+    monkeypatch.setenv("GPT2NP_DEBUG", "1")
     read_end, write_end = os.pipe()
     os.close(read_end)
     pipe = open(write_end, "w")
@@ -161,13 +163,14 @@ def test_a_closed_pipe_in_the_interpreters_last_flush(monkeypatch, capsys):
         with pytest.raises(BrokenPipeError):
             commands.main(["--help"])
     finally:
-        with pytest.raises(BrokenPipeError):             # the help still in the buffer; the pipe closes anyway
+        with pytest.raises(BrokenPipeError):             # the help still in its buffer
             pipe.close()
     assert pipe.closed
 
 
 def test_a_broken_pipe_that_is_not_the_output_is_an_error(monkeypatch, capsys):
-    """A BrokenPipeError from elsewhere (a worker process that died) while stdout is fine stays an error line."""
+    """A BrokenPipeError from elsewhere (a worker process that died) while stdout is fine stays an
+    error line."""
     from gpt2np.errors import tool
     monkeypatch.delenv("GPT2NP_DEBUG", raising=False)
 

@@ -141,19 +141,19 @@ def visible_labels(ax, axis):
     ax.figure.canvas.draw()
     low, high = sorted(ax.get_xlim() if axis == "x" else ax.get_ylim())
     getter = ax.xaxis if axis == "x" else ax.yaxis
-    ticks = getter.get_major_ticks()
-    return [t.label1.get_text() for t, v in zip(ticks, getter.get_majorticklocs()) if low <= v <= high]
+    ticks = zip(getter.get_major_ticks(), getter.get_majorticklocs())
+    return [tick.label1.get_text() for tick, v in ticks if low <= v <= high]
 
 
 @pytest.mark.parametrize("losses, expected", [
-    ([10.99, 10.5, 9.8, 8.9], ["9", "9.5", "10", "10.5", "11"]),       # a short run: within one decade
-    ([11.0, 6.0, 3.0, 0.4], ["0.5", "1", "2", "5", "10"]),             # over a decade
+    ([10.99, 10.5, 9.8, 8.9], ["9", "9.5", "10", "10.5", "11"]),   # a short run: within one decade
+    ([11.0, 6.0, 3.0, 0.4], ["0.5", "1", "2", "5", "10"]),         # over a decade
 ])
 def test_a_short_run_gets_plain_loss_ticks_and_whole_steps(losses, expected):
-    """The log loss axis is labelled in plain numbers, several of them (not one 10^1 and a minor 9x10^0), and
-    the steps axis in whole steps (not 0.5, 1.5)."""
-    fig = plot.draw_runs([("a", {"trl": ([0, 1, 2, 3], losses), "tel": ([0, 3], [losses[0], losses[-1]])}),
-                          ("b", {"eval": ([0, 3], [0.25, 0.26])})])
+    """The log loss axis is labelled in plain numbers, several of them (not one 10^1 and a minor
+    9x10^0), and the steps axis in whole steps (not 0.5, 1.5)."""
+    streams = {"trl": ([0, 1, 2, 3], losses), "tel": ([0, 3], [losses[0], losses[-1]])}
+    fig = plot.draw_runs([("a", streams), ("b", {"eval": ([0, 3], [0.25, 0.26])})])
     loss_ax, hella_ax = fig.axes
     assert loss_ax.get_yscale() == "log"
     assert visible_labels(loss_ax, "y") == expected
@@ -163,12 +163,14 @@ def test_a_short_run_gets_plain_loss_ticks_and_whole_steps(losses, expected):
         assert steps and all(label.isdigit() for label in steps), steps
     assert visible_labels(loss_ax, "x") == ["0", "1", "2", "3"]
     fig = plot.draw_runs([("a", {"trl": ([0, 1, 2, 3], losses), "eval": ([3], [0.25])})])
-    assert visible_labels(fig.axes[1], "x") == ["3"]                 # one HellaSwag point: not 2.84 ... 3.16
+    assert visible_labels(fig.axes[1], "x") == ["3"]         # one point: not 2.84 ... 3.16
 
 
-def test_the_per_layer_chart_gives_every_op_its_own_colour_and_a_legend_beside_the_bars(tmp_path, monkeypatch):
-    """The profiler's time-per-layer chart (profiling/render/views.py) stacks more ops than the default colour
-    cycle's 10: each op has a colour of its own, and the legend lists them all outside the bars."""
+def test_the_per_layer_chart_gives_every_op_a_colour_and_a_legend_beside_the_bars(tmp_path,
+                                                                                  monkeypatch):
+    """The profiler's time-per-layer chart (profiling/render/views.py) stacks more ops than the
+    default colour cycle's 10: each op has a colour of its own, and the legend lists them all
+    outside the bars."""
     import numpy as np
     from matplotlib.figure import Figure
 
@@ -190,7 +192,8 @@ def test_the_per_layer_chart_gives_every_op_its_own_colour_and_a_legend_beside_t
 
     monkeypatch.setattr(Figure, "savefig", keep)
     assert "layers.png" in views.write_plots(profile, None, str(tmp_path))
-    ax = next(a for fig in figures for a in fig.axes if a.get_title().startswith("Time per layer and op"))
+    ax = next(a for fig in figures for a in fig.axes
+              if a.get_title().startswith("Time per layer and op"))
     ops = [c.get_label() for c in ax.containers]
     colors = [tuple(c.patches[0].get_facecolor()) for c in ax.containers]
     assert len(ops) > 10 and len(set(colors)) == len(ops), (ops, colors)
@@ -199,6 +202,7 @@ def test_the_per_layer_chart_gives_every_op_its_own_colour_and_a_legend_beside_t
     assert [t.get_text() for t in legend.get_texts()] == ops
     ax.figure.canvas.draw()
     renderer = ax.figure.canvas.get_renderer()
-    assert legend.get_window_extent(renderer).x0 >= ax.get_window_extent(renderer).x1      # beside, not over
-    assert legend.get_window_extent(renderer).x1 <= ax.figure.bbox.x1 + 1                   # and inside the figure
+    box = legend.get_window_extent(renderer)
+    assert box.x0 >= ax.get_window_extent(renderer).x1          # beside the bars, not over them
+    assert box.x1 <= ax.figure.bbox.x1 + 1                       # and inside the figure
     assert min(t.get_fontsize() for t in legend.get_texts()) >= 8

@@ -63,8 +63,8 @@ def test_a_failing_job_leaves_no_last_line(clock, monkeypatch, terminal):
 
 @pytest.mark.parametrize("terminal", [False, True])
 def test_the_last_line_shows_the_last_postfix(clock, monkeypatch, terminal):
-    """A postfix set after the last update (eval's running mean: update, then the mean over the batches so far) is
-    in the last line drawn, although the count was on screen already."""
+    """A postfix set after the last update (eval's running mean: update, then the mean over the
+    batches so far) is in the last line drawn, although the count was on screen already."""
     monkeypatch.delenv("GPT2NP_PROGRESS", raising=False)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
     out = io.StringIO()
@@ -74,8 +74,8 @@ def test_the_last_line_shows_the_last_postfix(clock, monkeypatch, terminal):
             bar.update(1)
             bar.set_postfix_str(f"loss {loss:.4f}")
     last = out.getvalue().replace("\x1b[K", "").replace("\r", "\n").splitlines()[-1]
-    assert last == "val: " + ("[" + "#" * 24 + "] " if terminal else "") + "2/2 batch (100%), 2.0 s, 1 batch/s, " \
-        "loss 8.0000", out.getvalue()
+    drawn = "[" + "#" * 24 + "] " if terminal else ""
+    assert last == f"val: {drawn}2/2 batch (100%), 2.0 s, 1 batch/s, loss 8.0000", out.getvalue()
     assert out.getvalue().endswith("\n") and out.getvalue().count("2/2") == 2
 
 

@@ -30,11 +30,12 @@ from gpt2np.train.evaluate import eval_loss
 
 TASKS = ("loss", "hellaswag")
 # -e of the commands that read a model (eval, sample)
-MODEL_HELP = ("the model: an llm.c model file (.bin, as train writes; gpt2_124M.bin is fetched if missing), llm.c's "
-              "descriptor for a random init (d6..d84, gpt2:dL, gpt3:cC), a Hugging Face GPT-2 folder "
-              "(config.json + model.safetensors, as transformers and `gpt2np hf export` write it) or a "
-              "Hugging Face Hub id (gpt2, openai-community/gpt2-medium; downloaded when online; needs "
-              "pip install 'gpt2np[hf]')")
+MODEL_HELP = ("the model: an llm.c model file (.bin, as train writes; gpt2_124M.bin is fetched "
+              "if missing), llm.c's descriptor for a random init (d6..d84, gpt2:dL, gpt3:cC), a "
+              "Hugging Face GPT-2 folder (config.json + model.safetensors, as transformers and "
+              "`gpt2np hf export` write it) or a Hugging Face Hub id (gpt2, "
+              "openai-community/gpt2-medium; downloaded when online; needs pip install "
+              "'gpt2np[hf]')")
 
 
 def parse_args(argv):
@@ -58,10 +59,11 @@ def parse_args(argv):
                    help="auto = cuda if there is a GPU, else cpu; emu = the CUDA kernels on the CPU emulator (default "
                         "auto); training's precision and attention defaults for the device")
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"),
-                   help="the model's math, as train.py's --precision: fp32, tf32 (TF32 tensor cores; a GPU or the "
-                        "emulator) or bf16 (bf16 storage, fp32 math: as a run trained with --precision bf16 logged "
-                        "its val loss) (default: training's on the device: tf32 on a GPU with tensor cores, "
-                        "fp32 elsewhere)")
+                   help="the model's math, as train.py's --precision: fp32, tf32 (TF32 tensor "
+                        "cores; a GPU or the emulator) or bf16 (bf16 storage, fp32 math: as a "
+                        "run trained with --precision bf16 logged its val loss) (default: "
+                        "training's on the device: tf32 on a GPU with tensor cores, fp32 "
+                        "elsewhere)")
     p.add_argument("--cpu-math", choices=("fast", "exact"),
                    help="the numpy backend's math, as train.py's --cpu-math: fast (the default) or exact (bitwise the "
                         "NumPy reference, as a run trained with --cpu-math exact logged its val loss)")
@@ -105,8 +107,9 @@ def main(argv=None):
 
 
 def device_backend(args, cfg):
-    """(backend, attention) for --device, --precision and --cpu-math, with training's defaults on the device
-    (resolve_precision, resolve_attention); a note on stderr where the precision asked for cannot run there."""
+    """(backend, attention) for --device, --precision and --cpu-math, with training's defaults on
+    the device (resolve_precision, resolve_attention); a note on stderr where the precision asked
+    for cannot run there."""
     name = resolve_name(args.device)
     precision, note = resolve_precision(name, args.precision)
     if note:
@@ -122,8 +125,8 @@ def check_cpu_math(args):
 
 
 def backend_words(backend):
-    """'numpy (fast CPU math)', 'numpy (fast CPU math, bf16)', 'cuda (tf32)', 'cuda': where and in what precision
-    the model ran, as the output line says it."""
+    """'numpy (fast CPU math)', 'numpy (fast CPU math, bf16)', 'cuda (tf32)', 'cuda': where and in
+    what precision the model ran, as the output line says it."""
     details = [f"{backend.math} CPU math"] if getattr(backend, "math", None) else []
     if backend.precision != "fp32":
         details.append(backend.precision)

@@ -91,8 +91,9 @@ def summary(label, streams) -> str:
 
 
 def plain_log_ticks(ax, bins=8):
-    """Plain numbers (9, 9.5, 10) at "nice" values on ax's log y axis, about `bins` of them over its range: a short
-    run's losses span less than a decade, where the log axis' own labels are one 10^1 and a 9x10^0."""
+    """Plain numbers (9, 9.5, 10) at "nice" values on ax's log y axis, about `bins` of them over its
+    range: a short run's losses span less than a decade, where the log axis' own labels are one 10^1
+    and a 9x10^0."""
     from matplotlib import ticker
     low, high = ax.get_ylim()
     if high > 10 * low:         # over a decade: 1, 2, 5 of each (0.5 1 2 5 10)
@@ -106,7 +107,8 @@ def plain_log_ticks(ax, bins=8):
 
 
 def draw_runs(runs, baseline=None, yscale="log", ylim_top=None, title=None):
-    """The figure of the runs [(label, streams)]: loss (and HellaSwag when a run logged it) against steps."""
+    """The figure of the runs [(label, streams)]: loss, and HellaSwag when a run logged it, against
+    steps."""
     try:            # the package itself first: some of its modules may be loaded already
         from matplotlib import ticker
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -158,11 +160,11 @@ def draw_runs(runs, baseline=None, yscale="log", ylim_top=None, title=None):
 
 
 def plot_runs(runs, output, baseline=None, yscale="log", ylim_top=None, title=None):
-    """Draw the runs [(label, streams)] and write output.png and output.svg; returns the two paths."""
+    """Draw the runs [(label, streams)], write output.png and output.svg; returns the two paths."""
     fig = draw_runs(runs, baseline, yscale, ylim_top, title)
     output = Path(output)
     paths = [output.with_name(output.name + ".png"), output.with_name(output.name + ".svg")]
-    for path in paths:                     # whole files or none (a full disk left a cut-off plot.png)
+    for path in paths:          # whole files or none (a full disk left a cut-off plot.png)
         with atomic_write(path) as f:
             fig.savefig(f, format=path.suffix[1:], dpi=110)
     return paths

@@ -44,9 +44,10 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, 0 = greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 = all (default 0)")
     p.add_argument("--seed", type=int, default=1337,
-                   help="state of llm.c's sampling coins (xorshift), as train's --seed sets them for its samples "
-                        "(default 1337): train --seed S -g G prints at a checkpoint what sample -e CHECKPOINT "
-                        "--seed S -g G-1 prints (llm.c's -g counts the <|endoftext|> it starts from)")
+                   help="state of llm.c's sampling coins (xorshift), as train's --seed sets "
+                        "them for its samples (default 1337): train --seed S -g G prints at a "
+                        "checkpoint what sample -e CHECKPOINT --seed S -g G-1 prints (llm.c's -g "
+                        "counts the <|endoftext|> it starts from)")
     p.add_argument("--num-samples", type=int, default=1, help="independent samples of the prompt (default 1)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "numpy", "cuda", "emu"),
                    help="auto = cuda if there is a GPU, else cpu; emu = the CUDA kernels on the CPU emulator (default "
@@ -78,7 +79,8 @@ def main(argv=None):
         raise BadInput(f"--prompt: token {max(prompt)} is outside the model's vocabulary of {cfg.vocab_size} "
                        f"(a model trained with another tokenizer?)")
     backend, attention = inference_backend(args.device, cfg.channels // cfg.num_heads, args.cpu_math)
-    cache = not args.no_cache and not backend.launches_kernels    # with kernels: the full forward on the device
+    # the KV cache decodes in NumPy on the host; a backend with kernels runs the full forward pass
+    cache = not args.no_cache and not backend.launches_kernels
     model = GPT2(cfg, backend, 1, 1 if cache else cfg.max_seq_len, attention="naive" if cache else attention)
     model.load_params(params)
     coins = LlmcCoins(args.seed)                # one stream for all the samples: each continues it
@@ -92,7 +94,8 @@ def main(argv=None):
         if args.prompt:
             sys.stdout.write(args.prompt)
         started = time.perf_counter()
-        generate(model, prompt, args.gen_tokens, coins, args.temperature, args.top_k, cache=cache, on_token=stream)
+        generate(model, prompt, args.gen_tokens, coins, args.temperature, args.top_k, cache=cache,
+                 on_token=stream)
         seconds = time.perf_counter() - started
         stream.end()
         print(f"{len(prompt)} prompt + {args.gen_tokens} new tokens in {seconds:.2f} s "

@@ -756,15 +756,15 @@ def write_plots(profile: Profile, roof, out_dir: str, title: str = "", log=print
     colors = list(colormaps["tab20"].colors) + list(colormaps["tab20b"].colors)
     if len(ops) > len(colors):
         colors = [colormaps["hsv"](i / len(ops)) for i in range(len(ops))]
-    for op, color in zip(ops, colors):        # a colour of its own for every op (the default cycle has 10)
+    for op, color in zip(ops, colors):     # a colour for every op (the default cycle has 10)
         heights = [by_layer[k].get(op, 0.0) for k in layers]
         ax.bar(layers, heights, bottom=bottom, label=op, color=color)
         bottom = [a + b for a, b in zip(bottom, heights)]
     ax.set_xlabel("layer ('-': outside the blocks)")
     ax.set_ylabel("time (ms)")
     ax.set_title(f"Time per layer and op{note}")
-    ax.legend(fontsize=8, ncol=1 + len(ops) // 25, title="op", loc="upper left", bbox_to_anchor=(1.01, 1.0),
-              borderaxespad=0.0)        # beside the bars, not over them
+    ax.legend(fontsize=8, ncol=1 + len(ops) // 25, title="op", loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)        # beside the bars, not over them
     fig.tight_layout()
     path = os.path.join(out_dir, "profile_layers.png")
     _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
