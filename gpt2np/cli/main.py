@@ -29,7 +29,6 @@ COMMANDS = {
     "sample": ("gpt2np.cli.sample", [], "generate text from a model (KV cache)"),
     "plot": ("gpt2np.cli.plot", [], "plot train/val loss and HellaSwag of runs from their main.log"),
 }
-EXTRAS = {"hf": "hf", "plot": "plot"}        # commands whose dependencies are an optional extra
 
 
 def usage() -> str:

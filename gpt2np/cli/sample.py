@@ -1,6 +1,12 @@
 """`gpt2np sample`: text from a GPT-2 model (gpt2np.generate: temperature, top-k, the KV cache).
 
     gpt2np sample -e model.bin --prompt "To be or" -g 64 --temperature 0.8 --top-k 40
+    gpt2np sample -e log/model_00000020.bin --seed 1337 -g 63   # train's sample at step 20 (-g 64)
+
+The coins are llm.c's (gpt2np.rng.LlmcCoins, the xorshift of llmc/sampler.h), as train's samples
+use them: from train's --seed, --temperature and --top-k, train's prompt (<|endoftext|>, no
+--prompt) and one token fewer than train's -g, a checkpoint's sample is the one the run printed at
+that step.
 """
 import codecs
 import sys
