@@ -5,8 +5,10 @@
 
 Bad input (a flag's value, a missing or malformed file) ends in one line, `error: ...`, and exit code 2
 (argparse's own); a run that fails (a device, a kernel compiler, a write: disk full) in one line and exit 1;
-Ctrl-C in one line and exit 130. With GPT2NP_DEBUG=1 in the environment the error is re-raised instead,
-traceback and all.
+Ctrl-C in one line and exit 130. Output piped into a reader that stops early
+(`gpt2np sample ... | head`) ends quietly with exit 141, the status a shell reports for a Unix
+filter that SIGPIPE ended (`yes | head`). With GPT2NP_DEBUG=1 in the environment the error is
+re-raised instead, traceback and all.
 
 Allowed words a flag's rule, so every message reads the same: `error: -l nan: the learning rate must be a
 finite number > 0`.
@@ -16,6 +18,7 @@ import functools
 import math
 import os
 import re
+import select
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -35,6 +38,7 @@ class WriteError(OSError):
 
 
 BAD_INPUT, RUN_FAILED, INTERRUPTED = 2, 1, 130      # 130 = 128 + SIGINT, what shells report for Ctrl-C
+READER_GONE = 141               # 128 + SIGPIPE: a filter whose reader closed the pipe
 # What bad flags and files raise: the loaders' own errors derive from ValueError or OSError; KeyError, TypeError
 # and IndexError come from files with fields missing or of the wrong type; ImportError from an optional
 # dependency that a flag asked for.
@@ -53,6 +57,34 @@ def debugging() -> bool:
     return os.environ.get("GPT2NP_DEBUG", "") not in ("", "0")
 
 
+def gone_streams() -> list:
+    """The file descriptors of stdout and stderr where they are pipes (or sockets) whose reader has
+    closed its end (`| head` exited)."""
+    gone = []
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):      # a stand-in without a file
+            continue
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if any(events & select.POLLERR for _, events in poller.poll(0)):
+            gone.append(fd)
+    return gone
+
+
+def reader_gone() -> bool:
+    """Whether stdout or stderr lost its reader; those that did now write to /dev/null, so that
+    the interpreter's last flush does not fail again. False for a broken pipe elsewhere (a worker
+    process that died)."""
+    gone = gone_streams()
+    for fd in gone:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    return bool(gone)
+
+
 def one_line(error: BaseException) -> str:
     """The error's message on one line; the type leads where the message alone says too little
     (str(KeyError('records')) is just "'records'")."""
@@ -68,7 +100,8 @@ def one_line_errors(code: int | None = None, then: Callable[[int], None] | None 
 
     code None: exit 2 for bad input, 1 for a RuntimeError (the run failed); an int: that code for both.
     then(code) runs before the exit (train.py: end the other MPI ranks). KeyboardInterrupt: exit 130.
-    Under GPT2NP_DEBUG=1 the error propagates unchanged, with its traceback.
+    stdout or stderr closed by its reader (`| head`): no line, exit 141. Under GPT2NP_DEBUG=1 the
+    error propagates unchanged, with its traceback.
     """
     try:
         yield
@@ -80,8 +113,12 @@ def one_line_errors(code: int | None = None, then: Callable[[int], None] | None 
     except BAD_INPUT_ERRORS + RUN_ERRORS as error:
         if debugging():
             raise
-        print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
-        exit_code = code if code is not None else RUN_FAILED if isinstance(error, RUN_ERRORS) else BAD_INPUT
+        if isinstance(error, BrokenPipeError) and reader_gone():    # `| head` has read enough
+            exit_code = READER_GONE
+        else:
+            print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
+            exit_code = (code if code is not None else RUN_FAILED if isinstance(error, RUN_ERRORS)
+                         else BAD_INPUT)
     except MemoryError as error:           # the machine's limit (a model, batch or context too large for it)
         if debugging():
             raise
@@ -103,7 +140,9 @@ def tool(main: Callable) -> Callable:
     def run(argv=None):
         try:
             with one_line_errors():
-                return main(argv)
+                code = main(argv)
+                sys.stdout.flush()      # a closed pipe shows here, not at the interpreter's exit
+                return code
         except SystemExit as done:
             return done.code
     return run

@@ -47,7 +47,7 @@ class Progress:
         if total is None and iterable is not None and hasattr(iterable, "__len__"):
             self.total = len(iterable)
         self.every, self.file, self.quiet, self.live = (0.1 if live else every), file, quiet, live
-        self.n, self.postfix, self.closed, self.shown_n = 0, "", False, None
+        self.n, self.postfix, self.closed, self.shown_state = 0, "", False, None
         self.started = self.shown = time.monotonic()
 
     def line(self) -> str:
@@ -73,12 +73,13 @@ class Progress:
         if self.quiet:
             return
         file = self.file or sys.stderr
-        if last and self.shown_n == self.n:       # this count is on screen already: only end its line
+        state = (self.n, self.postfix)
+        if last and self.shown_state == state:    # on screen already: only end its line
             if self.live:
                 file.write("\n")
                 file.flush()
             return
-        self.shown_n = self.n
+        self.shown_state = state
         if self.live:           # redraw in place; the last drawing stays, with its line end
             file.write("\r" + self.line() + "\x1b[K" + ("\n" if last else ""))
             file.flush()
@@ -93,6 +94,7 @@ class Progress:
             self._print()
 
     def set_postfix_str(self, text, refresh=True):
+        """Text after the counts (`loss 8.8978`): in the next line drawn, and in the last one."""
         del refresh
         self.postfix = text
 
@@ -115,7 +117,7 @@ class Progress:
             self.close()
         elif not self.closed:
             self.closed = True
-            if self.live and self.shown_n is not None and not self.quiet:
+            if self.live and self.shown_state is not None and not self.quiet:
                 (self.file or sys.stderr).write("\n")      # end the bar's line: the error gets its own
         return False
 

@@ -113,3 +113,70 @@ def test_fetch_knows_the_starter_packs_bf16_model():
     from gpt2np.datasets import fetch
     assert fetch.KNOWN_FILES["gpt2_124M_bf16.bin"] == fetch.STARTER_PACK_URL + "gpt2_124M_bf16.bin"
     assert fetch_cli.GROUPS["model-bf16"] == ["gpt2_124M_bf16.bin"]
+
+
+# ---- a reader that stops early (`gpt2np sample ... | head`) ---------------------------------
+def test_a_closed_pipe_ends_a_command_quietly_with_141(tmp_path, data_dir):
+    """`gpt2np sample ... | head`: once head has read enough and exited, sample ends at its next
+    write with no error line and exit 141, as a Unix filter that SIGPIPE ends (128 + 13)."""
+    from gpt2np.backends import get_backend
+    from gpt2np.config import GPT2Config
+    from gpt2np.formats.checkpoint import save_model
+    from gpt2np.model import GPT2
+    cfg = GPT2Config(32, 50257, 50304, 1, 2, 16)
+    save_model(tmp_path / "m.bin", cfg, GPT2(cfg, get_backend("numpy"), 1, 1, seed=1).params_host())
+    env = {k: v for k, v in os.environ.items() if k != "GPT2NP_DEBUG"}
+    command = [sys.executable, "-m", "gpt2np", "sample", "-e", str(tmp_path / "m.bin"), "--bpe-dir",
+               str(data_dir), "-g", "5000", "--device", "cpu"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                          env=env) as sample:
+        assert len(sample.stdout.read(20)) == 20          # head -c 20
+        sample.stdout.close()
+        err = sample.stderr.read().decode()
+        assert sample.wait(timeout=120) == 141, err
+    assert "error" not in err and "Broken pipe" not in err and "Traceback" not in err, err
+    assert err.startswith("model ") and len(err.splitlines()) == 1, err
+
+
+def test_a_closed_pipe_in_the_interpreters_last_flush(monkeypatch, capsys):
+    """Output still in stdout's buffer when a command returns meets the closed pipe in the tool's
+    own flush: exit 141, nothing on stderr, and stdout then writes to /dev/null (the interpreter's
+    last flush stays quiet). Under GPT2NP_DEBUG=1 the BrokenPipeError itself."""
+    monkeypatch.delenv("GPT2NP_DEBUG", raising=False)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    pipe = open(write_end, "w")
+    try:
+        monkeypatch.setattr(sys, "stdout", pipe)
+        assert commands.main(["--help"]) == 141
+        pipe.write("more")
+        pipe.flush()                                     # /dev/null now: no BrokenPipeError
+    finally:
+        pipe.close()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("GPT2NP_DEBUG", "1")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    pipe = open(write_end, "w")
+    try:
+        monkeypatch.setattr(sys, "stdout", pipe)
+        with pytest.raises(BrokenPipeError):
+            commands.main(["--help"])
+    finally:
+        with pytest.raises(BrokenPipeError):             # the help still in its buffer
+            pipe.close()
+    assert pipe.closed
+
+
+def test_a_broken_pipe_that_is_not_the_output_is_an_error(monkeypatch, capsys):
+    """A BrokenPipeError from elsewhere (a worker process that died) while stdout is fine stays an
+    error line."""
+    from gpt2np.errors import tool
+    monkeypatch.delenv("GPT2NP_DEBUG", raising=False)
+
+    @tool
+    def worker_died(argv=None):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    assert worker_died() == 2
+    assert capsys.readouterr().err == "error: [Errno 32] Broken pipe\n"

@@ -291,8 +291,6 @@ def stand_in(monkeypatch):
         opts["cpu_math"].append(cpu_math)
         return ReferenceAsModel(cfg, params, opts["corrupt"])
     monkeypatch.setattr(compare, "build_model", stand_in_model)
-    if not have("gpt2np.formats.checkpoint"):
-        monkeypatch.setattr(compare, "load_model_file", read_model_file)
     return opts
 
 

@@ -65,6 +65,23 @@ def model_loader(pattern):
     return DataLoader(pattern, 2, 16, vocab_size=100)
 
 
+def test_the_last_progress_line_shows_the_final_mean(files, capsys, monkeypatch):
+    """Every batch shows a progress line here (a clock that moves 10 s a call): the last one shows
+    the mean over all the batches, the loss printed below it, not the mean before the last batch."""
+    from itertools import count
+
+    from gpt2np import progress
+    monkeypatch.setenv("GPT2NP_PROGRESS", "plain")
+    ticks = count()
+    monkeypatch.setattr(progress.time, "monotonic", lambda: 10.0 * next(ticks))
+    argv = ["-e", str(files / "m.bin"), "-j", str(files / "val_*.bin"), "-b", "2", "-t", "16"]
+    assert evaluate.main(argv) == 0
+    out, err = capsys.readouterr()
+    loss = float(re.search(r"val loss (\S+)", out).group(1))
+    lines = err.splitlines()
+    assert len(lines) > 2 and lines[-1].endswith(f", loss {loss:.4f}"), err
+
+
 def test_max_batches(files, capsys):
     assert evaluate.main(["loss", "-e", str(files / "m.bin"), "-j", str(files / "val_000.bin"), "-b", "1", "-t", "8",
                           "-m", "3"]) == 0
@@ -110,3 +127,54 @@ def test_eval_on_the_emulated_cuda_path_takes_trainings_defaults(tmp_path, capsy
                               "-t", "32", "-m", "2", "--device", device]) == 0
         losses[device] = float(re.search(r"val loss (\S+)", capsys.readouterr().out).group(1))
     assert losses["emu"] == pytest.approx(losses["cpu"], abs=TF32_LOSS_ABS_TOL)
+
+
+def test_precision_bf16_reproduces_a_bf16_runs_logged_val_loss(files, tmp_path, capsys):
+    """A tiny run trained with --precision bf16 logs its val loss at its last step, where it
+    writes its checkpoint: eval --precision bf16 of that checkpoint gives the same val loss to every
+    printed digit (the trainer's line and main.log's tel); eval's default, fp32 on the CPU as
+    training's, gives another."""
+    import train
+    rng = np.random.default_rng(1)
+    write_shard(tmp_path / "train.bin", rng.integers(0, 100, 3000))
+    run = tmp_path / "run"
+    flags = ["-e", files / "m.bin", "-i", tmp_path / "train.bin", "-j", files / "val_000.bin",
+             "-b", 2, "-t", 16, "-x", 3, "-v", 3, "-m", 4, "-s", 0, "-n", 3, "--precision", "bf16",
+             "--device", "cpu", "-o", run]
+    assert train.main([str(a) for a in flags]) == 0
+    logged = re.findall(r"val loss (\S+)", capsys.readouterr().out)[-1]
+    tel = (run / "main.log").read_text().split("s:3 tel:")[1].split()[0]
+    argv = ["-e", str(run / "model_00000003.bin"), "-j", str(files / "val_000.bin"), "-b", "2",
+            "-t", "16", "-m", "4", "--device", "cpu"]
+    assert evaluate.main(argv + ["--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "on numpy (fast CPU math, bf16)" in out
+    loss = re.search(r"val loss (\S+)", out).group(1)
+    assert loss == logged and f"{float(loss):.4f}" == tel, (loss, logged, tel)
+    assert evaluate.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "on numpy (fast CPU math)\n" in out
+    assert re.search(r"val loss (\S+)", out).group(1) != logged
+
+
+def test_precision_flag(files, capsys):
+    """--precision: train's choices; tf32 on the CPU runs in fp32 with train's note; not a choice:
+    one line."""
+    argv = ["-e", str(files / "m.bin"), "-j", str(files / "val_000.bin"), "-b", "1", "-t", "8",
+            "-m", "1", "--device", "cpu"]
+    assert evaluate.main(argv + ["--precision", "tf32"]) == 0
+    out, err = capsys.readouterr()
+    assert "on numpy (fast CPU math)\n" in out
+    assert err.splitlines()[0] == ("note: --precision tf32 is a GPU precision; the CPU computes "
+                                   "in fp32")
+    assert evaluate.main(argv + ["--precision", "fp16"]) == 2
+    assert "invalid choice: 'fp16'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["eval", "sample"])
+def test_model_help_names_hugging_face_folders_and_ids(command, capsys):
+    from gpt2np.cli import main as commands
+    assert commands.main([command, "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "a Hugging Face GPT-2 folder (config.json + model.safetensors" in text, text
+    assert "a Hugging Face Hub id (gpt2, openai-community/gpt2-medium" in text, text

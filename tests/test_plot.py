@@ -134,3 +134,75 @@ def test_bad_input_is_one_line(argv, expected, runs, capsys, monkeypatch):
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
     assert all(piece in lines[0] for piece in expected), lines[0]
+
+
+def visible_labels(ax, axis):
+    """The tick labels matplotlib draws on ax's x or y axis (those within the view)."""
+    ax.figure.canvas.draw()
+    low, high = sorted(ax.get_xlim() if axis == "x" else ax.get_ylim())
+    getter = ax.xaxis if axis == "x" else ax.yaxis
+    ticks = zip(getter.get_major_ticks(), getter.get_majorticklocs())
+    return [tick.label1.get_text() for tick, v in ticks if low <= v <= high]
+
+
+@pytest.mark.parametrize("losses, expected", [
+    ([10.99, 10.5, 9.8, 8.9], ["9", "9.5", "10", "10.5", "11"]),   # a short run: within one decade
+    ([11.0, 6.0, 3.0, 0.4], ["0.5", "1", "2", "5", "10"]),         # over a decade
+])
+def test_a_short_run_gets_plain_loss_ticks_and_whole_steps(losses, expected):
+    """The log loss axis is labelled in plain numbers, several of them (not one 10^1 and a minor
+    9x10^0), and the steps axis in whole steps (not 0.5, 1.5)."""
+    streams = {"trl": ([0, 1, 2, 3], losses), "tel": ([0, 3], [losses[0], losses[-1]])}
+    fig = plot.draw_runs([("a", streams), ("b", {"eval": ([0, 3], [0.25, 0.26])})])
+    loss_ax, hella_ax = fig.axes
+    assert loss_ax.get_yscale() == "log"
+    assert visible_labels(loss_ax, "y") == expected
+    assert all(not t.get_text() for t in loss_ax.get_yticklabels(minor=True))
+    for ax in (loss_ax, hella_ax):
+        steps = visible_labels(ax, "x")
+        assert steps and all(label.isdigit() for label in steps), steps
+    assert visible_labels(loss_ax, "x") == ["0", "1", "2", "3"]
+    fig = plot.draw_runs([("a", {"trl": ([0, 1, 2, 3], losses), "eval": ([3], [0.25])})])
+    assert visible_labels(fig.axes[1], "x") == ["3"]         # one point: not 2.84 ... 3.16
+
+
+def test_the_per_layer_chart_gives_every_op_a_colour_and_a_legend_beside_the_bars(tmp_path,
+                                                                                  monkeypatch):
+    """The profiler's time-per-layer chart (profiling/render/views.py) stacks more ops than the
+    default colour cycle's 10: each op has a colour of its own, and the legend lists them all
+    outside the bars."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    from gpt2np.backends.numpy.backend import NumpyBackend
+    from gpt2np.config import GPT2Config
+    from gpt2np.model import GPT2
+    from gpt2np.profiling.profiler import profile_steps
+    from gpt2np.profiling.render import views
+
+    cfg = GPT2Config(16, 100, 128, 2, 2, 16)
+    raw = np.random.default_rng(0).integers(0, 100, (2, 2, 9)).astype(np.int32)
+    model = GPT2(cfg, NumpyBackend(threads=1), 2, 8, seed=0)
+    profile = profile_steps(model, [(b[:, :-1], b[:, 1:]) for b in raw], steps=1).profile()
+    figures, savefig = [], Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        figures.append(fig)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    assert "layers.png" in views.write_plots(profile, None, str(tmp_path))
+    ax = next(a for fig in figures for a in fig.axes
+              if a.get_title().startswith("Time per layer and op"))
+    ops = [c.get_label() for c in ax.containers]
+    colors = [tuple(c.patches[0].get_facecolor()) for c in ax.containers]
+    assert len(ops) > 10 and len(set(colors)) == len(ops), (ops, colors)
+    assert all(len({tuple(p.get_facecolor()) for p in c.patches}) == 1 for c in ax.containers)
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ops
+    ax.figure.canvas.draw()
+    renderer = ax.figure.canvas.get_renderer()
+    box = legend.get_window_extent(renderer)
+    assert box.x0 >= ax.get_window_extent(renderer).x1          # beside the bars, not over them
+    assert box.x1 <= ax.figure.bbox.x1 + 1                       # and inside the figure
+    assert min(t.get_fontsize() for t in legend.get_texts()) >= 8

@@ -61,6 +61,24 @@ def test_a_failing_job_leaves_no_last_line(clock, monkeypatch, terminal):
     assert out.getvalue() == ""
 
 
+@pytest.mark.parametrize("terminal", [False, True])
+def test_the_last_line_shows_the_last_postfix(clock, monkeypatch, terminal):
+    """A postfix set after the last update (eval's running mean: update, then the mean over the
+    batches so far) is in the last line drawn, although the count was on screen already."""
+    monkeypatch.delenv("GPT2NP_PROGRESS", raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    out = io.StringIO()
+    with P.progress(total=2, desc="val", unit="batch", every=0, file=out) as bar:
+        for loss in (9.0, 8.0):
+            clock.now += 1
+            bar.update(1)
+            bar.set_postfix_str(f"loss {loss:.4f}")
+    last = out.getvalue().replace("\x1b[K", "").replace("\r", "\n").splitlines()[-1]
+    drawn = "[" + "#" * 24 + "] " if terminal else ""
+    assert last == f"val: {drawn}2/2 batch (100%), 2.0 s, 1 batch/s, loss 8.0000", out.getvalue()
+    assert out.getvalue().endswith("\n") and out.getvalue().count("2/2") == 2
+
+
 def test_off_and_the_environment_override(clock, monkeypatch):
     out = io.StringIO()
     monkeypatch.setenv("GPT2NP_PROGRESS", "off")

@@ -234,3 +234,31 @@ def test_a_zero_state_takes_llmcs_1337():
     """xorshift keeps a state of 0 at 0 (every coin 0.0); --seed 0 samples as llm.c's 1337 instead."""
     zero, llmc = LlmcCoins(0), LlmcCoins(1337)
     assert [zero.random() for _ in range(5)] == [llmc.random() for _ in range(5)]
+
+
+def test_sample_reproduces_the_trainers_sample_at_a_checkpoint(model_file, data_dir, tmp_path,
+                                                               capsys, monkeypatch):
+    """train --seed S -g G prints a sample at step N (llm.c's xorshift coins from state S, G-1 new
+    tokens after <|endoftext|>); `gpt2np sample -e model_N.bin --seed S -g G-1` prints the same
+    text, with the KV cache and with the full forward."""
+    import train
+    from gpt2np.datasets.data import write_shard
+    monkeypatch.setenv("GPT2NP_BPE_DIR", str(data_dir))
+    rng = np.random.default_rng(0)
+    write_shard(tmp_path / "t_train.bin", rng.integers(0, 50257, 2000))
+    write_shard(tmp_path / "t_val.bin", rng.integers(0, 50257, 500))
+    run = tmp_path / "run"
+    flags = ["-e", model_file, "-i", tmp_path / "t_train.bin", "-j", tmp_path / "t_val.bin",
+             "-b", 2, "-t", 16, "-x", 2, "-v", 0, "-s", 2, "-g", 12, "--seed", 7, "-o", run,
+             "-n", 2, "--device", "cpu"]
+    assert train.main([str(a) for a in flags]) == 0
+    out = capsys.readouterr().out
+    printed = out.split("generating:\n---\n", 1)[1].split("\n---\n", 1)[0]
+    assert printed
+    argv = ["-e", str(run / "model_00000002.bin"), "-g", "11", "--device", "cpu", "--bpe-dir",
+            str(data_dir)]
+    for flags in ([], ["--no-cache"]):
+        assert sample.main(argv + ["--seed", "7", *flags]) == 0
+        assert capsys.readouterr().out == printed + "\n", flags
+    assert sample.main(argv + ["--seed", "8"]) == 0
+    assert capsys.readouterr().out != printed + "\n"          # another state, other coins

@@ -4,7 +4,9 @@
     gpt2np eval -e gpt2 -j val.bin -b 8 -t 1024 -m 100    # a Hugging Face model, the first 100 batches
 
 The loss is the one training logs as `tel` (val loss): the mean over batches of each batch's mean next-token
-cross-entropy, batches of -b x -t tokens read in order from the shards (llm.c's DataLoader).
+cross-entropy, batches of -b x -t tokens read in order from the shards (llm.c's DataLoader). The
+precision is training's default on the device; a run trained with --precision bf16 (or tf32)
+logged its val loss in that precision, and `--precision bf16` gives it again.
 
     gpt2np eval hellaswag -e model.bin                  # HellaSwag acc and acc_norm (gpt2np/datasets/hellaswag.py)
     gpt2np eval hellaswag -e model.bin -j my.jsonl -m 100 -b 16
@@ -18,22 +20,34 @@ import sys
 import time
 from pathlib import Path
 
+from gpt2np.backends import device_traits, get_backend, resolve_attention, resolve_name, resolve_precision
+from gpt2np.datasets import hellaswag
+from gpt2np.datasets.cache import checked_cache_dir
+from gpt2np.datasets.data import DataLoader
+from gpt2np.datasets.starter import load_any_model, resolve_data
 from gpt2np.errors import ArgumentParser, BadInput, integer, tool
+from gpt2np.fileio import removing_new_folders
+from gpt2np.model import GPT2
 from gpt2np.train.evaluate import eval_loss
 
 TASKS = ("loss", "hellaswag")
+# -e of the commands that read a model (eval, sample)
+MODEL_HELP = ("the model: an llm.c model file (.bin, as train writes; gpt2_124M.bin is fetched "
+              "if missing), llm.c's descriptor for a random init (d6..d84, gpt2:dL, gpt3:cC), a "
+              "Hugging Face GPT-2 folder (config.json + model.safetensors, as transformers and "
+              "`gpt2np hf export` write it) or a Hugging Face Hub id (gpt2, "
+              "openai-community/gpt2-medium; downloaded when online; needs pip install "
+              "'gpt2np[hf]')")
 
 
-@tool
-def main(argv=None):
-    """The val loss of a model on token shards; bad flags or files: one line, exit 2."""
+def parse_args(argv):
+    """The flags of `gpt2np eval`, each checked (BadInput names the first that is not allowed)."""
     p = ArgumentParser(prog="python -m gpt2np.cli.eval", description=__doc__.split("\n")[0],
                        epilog="eval hellaswag: -j a HellaSwag jsonl (default hellaswag_val.jsonl, fetched into "
                               "the cache), -m max examples, -b rows per forward (4 per example).")
     p.add_argument("task", nargs="?", default="loss", choices=TASKS,
                    help="loss (default): mean loss on -j; hellaswag: acc and acc_norm on HellaSwag")
-    p.add_argument("-e", "--model", required=True,
-                   help="llm.c model file, transformers GPT-2 folder, or a Hugging Face Hub id")
+    p.add_argument("-e", "--model", required=True, help=MODEL_HELP)
     p.add_argument("-j", "--val-data", metavar="PATTERN",
                    help="token shards (glob; default: the tinyshakespeare val split, prepared on first use); "
                         "hellaswag: a jsonl file (default: hellaswag_val.jsonl in the cache)")
@@ -46,6 +60,12 @@ def main(argv=None):
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "numpy", "cuda", "emu"),
                    help="auto = cuda if there is a GPU, else cpu; emu = the CUDA kernels on the CPU emulator (default "
                         "auto); training's precision and attention defaults for the device")
+    p.add_argument("--precision", choices=("fp32", "tf32", "bf16"),
+                   help="the model's math, as train.py's --precision: fp32, tf32 (TF32 tensor "
+                        "cores; a GPU or the emulator) or bf16 (bf16 storage, fp32 math: as a "
+                        "run trained with --precision bf16 logged its val loss) (default: "
+                        "training's on the device: tf32 on a GPU with tensor cores, fp32 "
+                        "elsewhere)")
     p.add_argument("--cpu-math", choices=("fast", "exact"),
                    help="the numpy backend's math, as train.py's --cpu-math: fast (the default) or exact (bitwise the "
                         "NumPy reference, as a run trained with --cpu-math exact logged its val loss)")
@@ -56,17 +76,20 @@ def main(argv=None):
     integer(1, also=(-1,), words="-1 (all) or an integer >= 1").check("-m", args.val_max_batches,
                                                                       "the max val batches")
     check_cpu_math(args)
+    return args
 
-    from gpt2np.datasets.data import DataLoader
-    from gpt2np.datasets.starter import load_any_model, resolve_data
-    from gpt2np.model import GPT2
+
+@tool
+def main(argv=None):
+    """The val loss of a model on token shards; bad flags or files: one line, exit 2."""
+    args = parse_args(argv)
     if args.task == "hellaswag":
         return eval_hellaswag(args)
     if args.dir:
         raise BadInput(f"--dir {args.dir}: only for eval hellaswag (the download cache of hellaswag_val.jsonl)")
     cfg, params, desc = load_any_model(args.model)
     backend, attention = device_backend(args, cfg)
-    T = args.seq_len or min(64 if backend.name == "numpy" else 1024, cfg.max_seq_len)
+    T = args.seq_len or min(1024 if backend.launches_kernels else 64, cfg.max_seq_len)
     if T > cfg.max_seq_len:
         raise BadInput(f"-t {T}: longer than the model's max_seq_len {cfg.max_seq_len}")
     _, val_pattern = resolve_data(None, None) if args.val_data is None else (None, args.val_data)
@@ -86,31 +109,34 @@ def main(argv=None):
 
 
 def device_backend(args, cfg):
-    """(backend, attention) for --device and --cpu-math: inference_backend."""
-    from gpt2np.backends import inference_backend
-    return inference_backend(args.device, cfg.channels // cfg.num_heads, args.cpu_math)
+    """(backend, attention) for --device, --precision and --cpu-math, with training's defaults on
+    the device (resolve_precision, resolve_attention); a note on stderr where the precision asked
+    for cannot run there."""
+    name = resolve_name(args.device)
+    precision, note = resolve_precision(name, args.precision)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    backend = get_backend(name, precision, **({"math": args.cpu_math} if args.cpu_math else {}))
+    return backend, resolve_attention(backend, cfg.channels // cfg.num_heads)[0]
 
 
 def check_cpu_math(args):
     """--cpu-math only where the model runs on the numpy backend: else one line (BadInput), before any loading."""
-    from gpt2np.backends import resolve_name
-    if args.cpu_math and resolve_name(args.device) != "numpy":
+    if args.cpu_math and not device_traits(args.device).has_cpu_math:
         raise BadInput(f"--cpu-math {args.cpu_math}: only for the CPU (numpy backend), not --device {args.device}")
 
 
 def backend_words(backend):
-    """'numpy (fast CPU math)', 'cuda', ...: where the model ran, as the output line says it."""
-    math_ = getattr(backend, "math", None)
-    return f"{backend.name} ({math_} CPU math)" if math_ else backend.name
+    """'numpy (fast CPU math)', 'numpy (fast CPU math, bf16)', 'cuda (tf32)', 'cuda': where and in
+    what precision the model ran, as the output line says it."""
+    details = [f"{backend.math} CPU math"] if getattr(backend, "math", None) else []
+    if backend.precision != "fp32":
+        details.append(backend.precision)
+    return f"{backend.name} ({', '.join(details)})" if details else backend.name
 
 
 def eval_hellaswag(args):
     """gpt2np eval hellaswag: acc and acc_norm of -e on the examples of -j."""
-    from gpt2np.datasets import hellaswag
-    from gpt2np.datasets.cache import checked_cache_dir
-    from gpt2np.datasets.starter import load_any_model
-    from gpt2np.fileio import removing_new_folders
-    from gpt2np.model import GPT2
     # the files and folders first, before a model is loaded or anything downloaded
     if args.val_data and args.dir:
         raise BadInput(f"--dir {args.dir}: the download cache of hellaswag_val.jsonl, not used with -j "

@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 from gpt2np.errors import ArgumentParser, BadInput, tool
+from gpt2np.fileio import check_folder, removing_new_folders
 from gpt2np.formats.checkpoint import load_model, save_model
 from gpt2np.formats.hf import CONFIG_JSON, load_hf, write_hf_folder
 from gpt2np.tensors import num_parameters
@@ -48,7 +49,6 @@ def main(argv=None):
               f"maxT={cfg.max_seq_len} V={cfg.vocab_size} (padded {cfg.padded_vocab_size}), "
               f"{num_parameters(cfg):,} parameters, {args.dtype} ({_size(out)})")
     else:
-        from gpt2np.fileio import check_folder, removing_new_folders
         model = Path(args.model)
         if model.is_dir():
             what = ("a transformers folder: `hf import` converts it to an llm.c model file"

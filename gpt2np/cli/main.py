@@ -6,6 +6,8 @@
 """
 import importlib
 import sys
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as installed
 
 from gpt2np.errors import ArgumentParser, BadInput, program_name, tool
 
@@ -27,7 +29,6 @@ COMMANDS = {
     "sample": ("gpt2np.cli.sample", [], "generate text from a model (KV cache)"),
     "plot": ("gpt2np.cli.plot", [], "plot train/val loss and HellaSwag of runs from their main.log"),
 }
-EXTRAS = {"hf": "hf", "plot": "plot"}        # commands whose dependencies are an optional extra
 
 
 def usage() -> str:
@@ -43,8 +44,7 @@ def usage() -> str:
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
+    """The installed gpt2np's version."""
     try:
         return installed("gpt2np")
     except PackageNotFoundError:

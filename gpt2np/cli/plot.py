@@ -90,17 +90,36 @@ def summary(label, streams) -> str:
     return ": ".join(parts[:2]) + (", " + ", ".join(parts[2:]) if len(parts) > 2 else "")
 
 
-def plot_runs(runs, output, baseline=None, yscale="log", ylim_top=None, title=None):
-    """Draw the runs [(label, streams)] and write output.png and output.svg; returns the two paths."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+def plain_log_ticks(ax, bins=8):
+    """Plain numbers (9, 9.5, 10) at "nice" values on ax's log y axis, about `bins` of them over its
+    range: a short run's losses span less than a decade, where the log axis' own labels are one 10^1
+    and a 9x10^0."""
+    from matplotlib import ticker
+    low, high = ax.get_ylim()
+    if high > 10 * low:         # over a decade: 1, 2, 5 of each (0.5 1 2 5 10)
+        locator = ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0))
+    else:                       # within one: evenly spaced values (9 9.5 10 10.5 11)
+        locator = ticker.MaxNLocator(nbins=bins, steps=[1, 2, 2.5, 5, 10])
+    ticks = [v for v in locator.tick_values(low, high) if v > 0 and low <= v <= high]
+    ax.yaxis.set_major_locator(ticker.FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(ticker.NullLocator())
+
+
+def draw_runs(runs, baseline=None, yscale="log", ylim_top=None, title=None):
+    """The figure of the runs [(label, streams)]: loss, and HellaSwag when a run logged it, against
+    steps."""
+    try:            # the package itself first: some of its modules may be loaded already
+        from matplotlib import ticker
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         raise ImportError("plotting needs matplotlib: pip install 'gpt2np[plot]'") from None
     hella = any("eval" in streams for _, streams in runs)
-    fig, axes = plt.subplots(1, 2 if hella else 1, figsize=(16 if hella else 9, 6), squeeze=False)
-    ax = axes[0][0]
+    fig = Figure(figsize=(16 if hella else 9, 6))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2 if hella else 1, squeeze=False)[0]
+    ax = axes[0]
     for i, (label, streams) in enumerate(runs):
         color = f"C{i}"
         if "trl" in streams:
@@ -111,38 +130,43 @@ def plot_runs(runs, output, baseline=None, yscale="log", ylim_top=None, title=No
     if baseline:
         ax.axhline(y=LOSS_BASELINE[baseline], color="r", linestyle="--",
                    label=f"OpenAI GPT-2 ({baseline}) checkpoint val loss")
-    ax.set_xlabel("steps")
     ax.set_ylabel("loss")
     ax.set_yscale(yscale)
     if ylim_top is not None:
         ax.set_ylim(top=ylim_top)
-    ax.legend()
+    if yscale == "log":
+        plain_log_ticks(ax)
     ax.set_title("Loss")
     if hella:
-        ax = axes[0][1]
+        ax = axes[1]
         for i, (label, streams) in enumerate(runs):
             if "eval" in streams:
-                ax.plot(*streams["eval"], color=f"C{i}", label=label)
+                ax.plot(*streams["eval"], color=f"C{i}", marker="o", markersize=3, label=label)
         if baseline:
             ax.axhline(y=HELLA2_BASELINE[baseline], color="r", linestyle="--",
                        label=f"OpenAI GPT-2 ({baseline}) checkpoint")
             ax.axhline(y=HELLA3_BASELINE[baseline], color="g", linestyle="--",
                        label=f"OpenAI GPT-3 ({baseline}) checkpoint")
-        ax.set_xlabel("steps")
         ax.set_ylabel("accuracy")
-        ax.legend()
         ax.set_title("HellaSwag eval")
+    for ax in axes:
+        ax.set_xlabel("steps")
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True, min_n_ticks=1))   # whole steps
+        ax.legend()
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_runs(runs, output, baseline=None, yscale="log", ylim_top=None, title=None):
+    """Draw the runs [(label, streams)], write output.png and output.svg; returns the two paths."""
+    fig = draw_runs(runs, baseline, yscale, ylim_top, title)
     output = Path(output)
     paths = [output.with_name(output.name + ".png"), output.with_name(output.name + ".svg")]
-    try:
-        for path in paths:                     # whole files or none (a full disk left a cut-off plot.png)
-            with atomic_write(path) as f:
-                fig.savefig(f, format=path.suffix[1:], dpi=110)
-    finally:
-        plt.close(fig)
+    for path in paths:          # whole files or none (a full disk left a cut-off plot.png)
+        with atomic_write(path) as f:
+            fig.savefig(f, format=path.suffix[1:], dpi=110)
     return paths
 
 

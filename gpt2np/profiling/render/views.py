@@ -766,6 +766,7 @@ def write_plots(profile: Profile, roof, out_dir: str, title: str = "", log=print
     if not write_png(kernels, png, title=title + note, log=log):
         return paths
     paths["png"] = png
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -781,14 +782,18 @@ def write_plots(profile: Profile, roof, out_dir: str, title: str = "", log=print
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     bottom = [0.0] * len(layers)
-    for op in ops:
+    colors = list(colormaps["tab20"].colors) + list(colormaps["tab20b"].colors)
+    if len(ops) > len(colors):
+        colors = [colormaps["hsv"](i / len(ops)) for i in range(len(ops))]
+    for op, color in zip(ops, colors):     # a colour for every op (the default cycle has 10)
         heights = [by_layer[k].get(op, 0.0) for k in layers]
-        ax.bar(layers, heights, bottom=bottom, label=op)
+        ax.bar(layers, heights, bottom=bottom, label=op, color=color)
         bottom = [a + b for a, b in zip(bottom, heights)]
     ax.set_xlabel("layer ('-': outside the blocks)")
     ax.set_ylabel("time (ms)")
     ax.set_title(f"Time per layer and op{note}")
-    ax.legend(fontsize=6, ncol=2)
+    ax.legend(fontsize=8, ncol=1 + len(ops) // 25, title="op", loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)        # beside the bars, not over them
     fig.tight_layout()
     path = os.path.join(out_dir, "profile_layers.png")
     write_file(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
