@@ -53,6 +53,7 @@ from typing import NamedTuple
 import numpy as np
 
 from gpt2np import ranges
+from gpt2np.backends import gpu_available
 
 # set by the launchers we know: MPICH/Intel MPI (hydra), Open MPI, PMIx launchers (incl. srun), MVAPICH
 LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
@@ -726,7 +727,6 @@ def _wants_cuda(device):
     if device == "cuda":
         return True
     if device == "auto":
-        from gpt2np.backends import gpu_available
         return gpu_available()
     return False
 

@@ -5,9 +5,9 @@ order) and llm.c's published rand.h outputs.
 PyTorch's CPU normal_ on a float tensor of 16 or more values runs an AVX2 Box-Muller of its own (the angle 2 pi u
 multiplied in float32, its own log/sin/cos), where llm.c's C takes the angle in double and calls the C library: so
 the two agree to a few float32 ulps of the Box-Muller's inputs, 3e-6 x std here, not bit for bit; under 16 values
-both take the double-precision path. Bit for bit against llm.c itself was checked by hand on 2026-11-24 (llm.c's
-rand.h and its init loop compiled with g++ -O3: d6, d12 and two tiny configs equal in every bit) and is not a
-test, as llm.c's code is not part of this repository."""
+both take the double-precision path. Bit for bit against llm.c itself was checked by hand (llm.c's rand.h and
+its init loop compiled with g++ -O3: d6, d12 and two tiny configs equal in every bit) and is not a test, as
+llm.c's code is not part of this repository."""
 import numpy as np
 import pytest
 import torch

@@ -62,3 +62,66 @@ def test_backends_have_the_traits_their_names_promise():
         assert (backend.on_gpu, backend.launches_kernels, backend.has_cpu_math, backend.label) == \
             (traits.on_gpu, traits.launches_kernels, traits.has_cpu_math, traits.label), device
     assert TRAITS["cuda"].on_gpu and TRAITS["cuda"].launches_kernels and not TRAITS["cuda"].has_cpu_math
+
+
+def package_trees():
+    """{path relative to the package: its parsed module} of every module of gpt2np."""
+    import ast
+    return {p.relative_to(PACKAGE).as_posix(): ast.parse(p.read_text()) for p in PACKAGE.rglob("*.py")}
+
+
+# the optional or heavy dependencies a function may import where it needs them (not at the top of a module)
+LATE_IMPORTS = {"cupy", "cupy_backends", "torch", "matplotlib", "datasets", "mpi4py", "safetensors", "nvmath",
+                "huggingface_hub", "pyarrow", "transformers", "platformdirs", "cupti", "nvtx", "ncu_report",
+                "resource", "nvidia", "gpt2np.train.trainer"}
+
+
+def test_imports_are_at_the_top_but_for_optional_dependencies():
+    """A module says what it depends on at its top; a function imports only an optional dependency (or, in
+    gpt2np train's command, the trainer, so that --help answers at once)."""
+    import ast
+    late = []
+    for path, tree in package_trees().items():
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)):
+                        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                            [a.name for a in node.names]
+                        late += [f"{path}:{node.lineno} {n}" for n in names
+                                 if n.split(".")[0] not in LATE_IMPORTS and n not in LATE_IMPORTS]
+    assert not late, late
+
+
+def test_no_private_name_is_imported_from_another_module():
+    import ast
+    private = [f"{path}:{node.lineno} {node.module}.{a.name}" for path, tree in package_trees().items()
+               for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               for a in node.names if a.name.startswith("_")]
+    assert not private, private
+
+
+def test_no_function_is_over_80_lines():
+    import ast
+    long = [f"{path}:{fn.lineno} {fn.name} ({fn.end_lineno - fn.lineno + 1})"
+            for path, tree in package_trees().items() for fn in ast.walk(tree)
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.end_lineno - fn.lineno >= 80]
+    assert not long, long
+
+
+def test_device_names_are_compared_only_inside_the_backends():
+    """Code above the backends asks traits (test_backends_have_the_traits_their_names_promise)."""
+    check = re.compile(r"""(backend|\bbe)\.name\s*(==|!=|in)\s*|name\s*==\s*["'](cuda|emu|numpy)["']""")
+    found = [f"{p.relative_to(PACKAGE)}:{k}" for p in PACKAGE.rglob("*.py") if "backends" not in p.parts
+             for k, line in enumerate(p.read_text().splitlines(), 1) if check.search(line)]
+    assert not found, found
+
+
+def test_no_date_stamps_in_code():
+    """Comments say what and why, not when: dates belong in CHANGELOG.md and the benchmark tables."""
+    date = re.compile(r"\b20[0-9]{2}-[01][0-9]-[0-3][0-9]\b")
+    root = paths.REPO_ROOT
+    found = [f"{p.relative_to(root)}:{k}" for folder in ("gpt2np", "kernels", "bench", "tests")
+             for p in (root / folder).rglob("*") if p.suffix in (".py", ".cu", ".cuh", ".c", ".h", ".sh")
+             for k, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if date.search(line)]
+    assert not found, found

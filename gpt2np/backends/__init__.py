@@ -13,6 +13,15 @@ import importlib
 import os
 from dataclasses import dataclass
 
+from gpt2np.backends.cuda.backend import CudaBackend
+from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
+from gpt2np.backends.cuda.runtime_emu import EmuRuntime
+from gpt2np.backends.numpy.backend import NumpyBackend
+from gpt2np.backends.numpy.bf16 import Bf16NumpyBackend
+from gpt2np.bf16 import BF16
+from gpt2np.errors import BadInput
+from gpt2np.tensors import ATTENTIONS
+
 PRECISIONS = {"numpy": ("fp32", "bf16"), "cuda": ("fp32", "tf32", "bf16"), "emu": ("fp32", "tf32", "bf16")}
 
 CUDA_MAJOR = 13                  # the CUDA that cupy-cuda13x and the nvidia-*-cu13 wheels are built for
@@ -223,8 +232,6 @@ def resolve_attention(backend, head_size: int, requested: str | None = None, cap
     The CUDA flash kernels need head size 64 and TF32 tensor cores (sm_80+): where they cannot run, the default
     falls back to naive with a note, and an explicit --attention flash is BadInput (one line). The NumPy backend
     runs either at any head size. capability: the GPU's compute capability (default: asked from its runtime)."""
-    from gpt2np.errors import BadInput
-    from gpt2np.tensors import ATTENTIONS
     if requested not in (None, *ATTENTIONS):
         raise BadInput(f"--attention {requested}: expected {' or '.join(ATTENTIONS)}")
     attention = requested or ("flash" if backend.name == "cuda" else "naive")
@@ -269,19 +276,13 @@ def get_backend(name: str = "numpy", precision: str = "fp32", **options):
     if precision not in PRECISIONS[name]:
         raise ValueError(f"backend {name} has no precision {precision!r}: expected {', '.join(PRECISIONS[name])}")
     if name == "numpy" and precision == "bf16":
-        from gpt2np.backends.numpy.bf16 import Bf16NumpyBackend
         return Bf16NumpyBackend(**options)
     if name == "numpy":
-        from gpt2np.backends.numpy.backend import NumpyBackend
         return NumpyBackend(**options)
-    from gpt2np.backends.cuda.backend import CudaBackend
-    from gpt2np.bf16 import BF16
     dtype = BF16 if precision == "bf16" else "float32"        # bf16: the bf16 build of every kernel
     if name == "cuda":
         problem = cuda_problem()
         if problem:
             raise BackendUnavailable(f"--device cuda: {problem}")
-        from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
         return CudaBackend(CupyRuntime(tf32=precision == "tf32", **options), dtype=dtype)
-    from gpt2np.backends.cuda.runtime_emu import EmuRuntime
     return CudaBackend(EmuRuntime(tf32=precision == "tf32", **options), dtype=dtype)

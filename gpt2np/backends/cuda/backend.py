@@ -37,7 +37,9 @@ from pathlib import Path
 import numpy as np
 
 from gpt2np.backends.cuda.runtime import Runtime
+from gpt2np.bf16 import BF16
 from gpt2np.paths import KERNEL_DIR
+from gpt2np.tensors import FP32_ACTIVATIONS, activation_shapes, num_parameters
 
 # An entry point: extern "C" __global__ void [__launch_bounds__(...)] name(
 KERNEL_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
@@ -194,7 +196,6 @@ class CudaBackend:
         object.__setattr__(self, name, value)
 
     def __init__(self, runtime: Runtime, dtype=np.float32):
-        from gpt2np.bf16 import BF16
         if np.dtype(dtype) not in (np.dtype(np.float32), BF16):
             raise ValueError(f"CudaBackend: storage is float32 or bfloat16, got {np.dtype(dtype)}")
         self.rt = runtime
@@ -323,7 +324,6 @@ class CudaBackend:
         master_weights False (-w 0): bf16 storage keeps no fp32 masters, 4 bytes a parameter (of the shard) less.
         Sizes in the storage dtype (self.dtype: 4 bytes, bf16 2), except what is fp32 in every build
         (tensors.FP32_ACTIVATIONS, AdamW's state)."""
-        from gpt2np.tensors import FP32_ACTIVATIONS, activation_shapes, num_parameters
         P = num_parameters(cfg)
         opt = P if optimizer_elements is None else int(optimizer_elements)
         C, X = cfg.channels, self.dtype.itemsize

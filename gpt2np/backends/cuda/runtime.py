@@ -12,6 +12,10 @@ training step makes none (gpt2np.train_step); EmuRuntime and PlanRuntime list th
 from pathlib import Path
 from typing import Any, Protocol, Tuple
 
+import numpy as np
+
+from gpt2np.bf16 import BF16
+
 
 class Event(Protocol):
     def record(self) -> None: """Mark this point of the stream."""
@@ -44,6 +48,23 @@ class Module(Protocol):
 #   "dgelu"      C = (op(A) op(B) + beta C) * gelu'(aux)           aux (m,n) read: the saved pre-activation
 #   "bgrad"      C = op(A) op(B) + beta C;  bias[i] = sum_k op(A)[i, k]   bias (m,) written (never added to)
 EPILOGUES = ("none", "bias", "gelu_bias", "dgelu", "bgrad")
+BIAS_DTYPES = (np.dtype(np.float32), BF16)     # GEMM operands and epilogue vectors: fp32, or bf16 (the bf16 build)
+
+
+def check_epilogue(epilogue, m, n, alpha, batch, bias, aux, ld_aux):
+    """The arguments an epilogue needs (runtime.EPILOGUES): a bias vector of the right length, an aux matrix."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"gemm: unknown epilogue {epilogue!r}; known: {', '.join(EPILOGUES)}")
+    if epilogue == "none":
+        return
+    if batch != 1 or alpha != 1.0:
+        raise ValueError(f"gemm epilogue {epilogue}: single GEMMs with alpha 1 only (batch {batch}, alpha {alpha})")
+    want = m if epilogue == "bgrad" else n
+    if epilogue != "dgelu" and (bias is None or bias.size != want or bias.dtype not in BIAS_DTYPES):
+        raise ValueError(f"gemm epilogue {epilogue}: needs a float32 or bfloat16 bias vector of {want} elements")
+    if epilogue in ("gelu_bias", "dgelu"):
+        if aux is None or ld_aux < n:
+            raise ValueError(f"gemm epilogue {epilogue}: needs the aux matrix ({m},{n}) with ld_aux >= {n}")
 
 
 class Runtime(Protocol):

@@ -21,11 +21,15 @@ own, a 32 MiB workspace, TF32 through the compute type. Without nvmath or cuBLAS
 and has no epilogues (`epilogues` False): CudaBackend then runs the same math as plain cuBLAS GEMMs plus its own
 kernels.
 """
+import ctypes
 import hashlib
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from gpt2np.backends.cuda.runtime import check_epilogue
 
 # cublasMath_t in cublas_api.h (CUDA 11 and newer); CuPy 14's cublas module has no name for the TF32 mode
 CUBLAS_DEFAULT_MATH = 0
@@ -106,7 +110,6 @@ def wmma_include_dirs():
     """Where NVRTC finds <mma.h>'s "crt/mma.h" (kernels/flash_attention.cu uses nvcuda::wmma): nothing when the
     nvidia-cuda-runtime wheel's include folder (on CuPy's include path) has it (the nvidia-cuda-crt wheel puts it
     there), else a CUDA toolkit's include folder that has it ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda)."""
-    import os
     try:
         import nvidia
         wheels = [Path(p) / "cu13" / "include" for p in nvidia.__path__]
@@ -129,7 +132,6 @@ def cublas_set_workspace():
     """cublasSetWorkspace_v2(handle, ptr, bytes) from the cuBLAS library CuPy loaded, or None where it cannot be
     found. CuPy's cublas module has no binding for it. A workspace of our own keeps cuBLAS from allocating one
     while a CUDA graph is captured; cublasSetStream resets it to cuBLAS's pool, so it is set after each."""
-    import ctypes
     for name in CUBLAS_LIBRARIES:
         try:
             fn = ctypes.CDLL(name).cublasSetWorkspace_v2
@@ -378,7 +380,6 @@ class CupyRuntime:
                  ld_aux):
         """One GEMM with an epilogue through cublasLtMatmul, row-major as gemm: cuBLASLt computes the column-major
         D (n,m) = op(B)^T op(A)^T in place of C (D and C the same matrix), the epilogue reading bias/aux by pointer."""
-        from gpt2np.backends.cuda.runtime_emu import check_epilogue
         if self.lt is None:
             raise RuntimeError(f"gemm epilogue {epilogue}: cuBLASLt is not available (CupyRuntime.epilogues is False)")
         check_epilogue(epilogue, m, n, alpha, batch, bias, aux, ld_aux)

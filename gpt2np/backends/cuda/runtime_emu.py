@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from gpt2np.bf16 import BF16
-
-BIAS_DTYPES = (np.dtype(np.float32), BF16)     # GEMM operands and epilogue vectors: fp32, or bf16 (the bf16 build)
+from gpt2np.backends.cuda.emulator import EmuModule, device_array, guard_mode, resolve_wmma_layout
+from gpt2np.backends.cuda.runtime import BIAS_DTYPES, check_epilogue
+from gpt2np.ops.reference.gelu import GELU_CUBE, GELU_SCALE, gelu_forward
 
 
 class EmuEvent:
@@ -112,7 +112,6 @@ class EmuRuntime:
         aid that checks a kernel's algorithm to fp32 rounding (emu/include/mma.h)."""
         if schedule not in (None, "forward", "reverse"):
             raise ValueError(f"EmuRuntime: schedule must be 'forward' or 'reverse', got {schedule!r}")
-        from gpt2np.backends.cuda.emulator import guard_mode, resolve_wmma_layout
         self.schedule = schedule
         self.wmma_layout = resolve_wmma_layout(wmma_layout)
         self.wmma_tf32 = bool(wmma_tf32)
@@ -152,7 +151,6 @@ class EmuRuntime:
     # ---- kernels --------------------------------------------------------------------------
     def compile(self, path: Path, options=()):
         """Compile kernels/<file>.cu (its directory is the include path; options: -D/-U/-I as NVRTC's) -> module."""
-        from gpt2np.backends.cuda.emulator import EmuModule
         path = Path(path)
         return EmuModule(path.read_text(), tuple(options), include_dirs=(str(path.parent),), schedule=self.schedule,
                          name=path.name,
@@ -236,7 +234,6 @@ class EmuRuntime:
     def zeros(self, shape, dtype):
         if self.guard == "off":
             return np.zeros(shape, dtype)
-        from gpt2np.backends.cuda.emulator import device_array
         return device_array(shape, dtype, self.guard)      # guarded (fresh mappings are zero-filled)
 
     def empty(self, shape, dtype):
@@ -287,26 +284,8 @@ class EmuRuntime:
         self._sync("synchronize")
 
 
-def check_epilogue(epilogue, m, n, alpha, batch, bias, aux, ld_aux):
-    """The arguments an epilogue needs (runtime.EPILOGUES): a bias vector of the right length, an aux matrix."""
-    from gpt2np.backends.cuda.runtime import EPILOGUES
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"gemm: unknown epilogue {epilogue!r}; known: {', '.join(EPILOGUES)}")
-    if epilogue == "none":
-        return
-    if batch != 1 or alpha != 1.0:
-        raise ValueError(f"gemm epilogue {epilogue}: single GEMMs with alpha 1 only (batch {batch}, alpha {alpha})")
-    want = m if epilogue == "bgrad" else n
-    if epilogue != "dgelu" and (bias is None or bias.size != want or bias.dtype not in BIAS_DTYPES):
-        raise ValueError(f"gemm epilogue {epilogue}: needs a float32 or bfloat16 bias vector of {want} elements")
-    if epilogue in ("gelu_bias", "dgelu"):
-        if aux is None or ld_aux < n:
-            raise ValueError(f"gemm epilogue {epilogue}: needs the aux matrix ({m},{n}) with ld_aux >= {n}")
-
-
 def gelu(x):
     """GPT-2's GELU (tanh form) in float32, the reference gelu_forward's operations."""
-    from gpt2np.ops.reference.gelu import gelu_forward
     y = np.empty_like(x)
     gelu_forward(y, x)
     return y
@@ -314,7 +293,6 @@ def gelu(x):
 
 def gelu_grad(x):
     """gelu'(x) in float32, the reference gelu_backward's operations."""
-    from gpt2np.ops.reference.gelu import GELU_CUBE, GELU_SCALE
     x2 = np.multiply(x, x)
     th = np.tanh(GELU_SCALE * ((x2 * np.float32(GELU_CUBE) + 1.0) * x))
     slope = (x2 * np.float32(3.0 * GELU_CUBE) + 1.0) * np.float32(GELU_SCALE * 0.5) * x * (1.0 - th * th)

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from gpt2np.backends.cuda.backend import KERNELS
+from gpt2np.backends.cuda.runtime import BIAS_DTYPES, check_epilogue
+
 ALLOCATION_ALIGNMENT = 256         # cudaMalloc returns 256-byte aligned addresses
 BASE_ADDRESS = 0x7F0000000000      # where the planned allocations start (any aligned, non-zero value)
 MAX_BLOCK_THREADS = 1024
@@ -222,7 +225,6 @@ class PlanRuntime:
 
     # ---- kernels --------------------------------------------------------------------------
     def compile(self, path: Path, options=()):
-        from gpt2np.backends.cuda.backend import KERNELS
         return PlanModule(Path(path).stem, KERNELS)
 
     def launch(self, function, grid, block, args, shared_mem=0):
@@ -243,7 +245,6 @@ class PlanRuntime:
 
     def gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
              batch=1, epilogue="none", bias=None, aux=None, ld_aux=0):
-        from gpt2np.backends.cuda.runtime_emu import check_epilogue
         if len({a.dtype, b.dtype, c.dtype}) != 1:
             raise ValueError(f"gemm operands of mixed dtypes ({a.dtype}, {b.dtype}, {c.dtype})")
         _check_operand(a, batch, (k, m) if transa else (m, k), lda, stride_a, "A")
@@ -319,7 +320,6 @@ class PlanRuntime:
 
 
 def _check_operand(array, batch, shape, ld, stride, what):
-    from gpt2np.backends.cuda.runtime_emu import BIAS_DTYPES
     """The emulator's GEMM operand check on sizes: `batch` (rows, cols) matrices with row stride ld and
     batch stride `stride` must fit in the array."""
     if array.dtype not in BIAS_DTYPES:

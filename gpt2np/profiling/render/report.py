@@ -123,9 +123,11 @@ def classify(flops: int, nbytes: int, duration_ns: int, roof: Optional[Roofline]
         return "-", None
     intensity = flops / nbytes if nbytes > 0 else math.inf
     seconds = duration_ns * 1e-9
+    # the rate first, then its share of the ceiling: a ceiling set to a record's own rate
+    # (cpu_roof.covering) gives that record exactly 100%
     if intensity > ridge:
-        return "compute", (100.0 * flops / seconds / roof.flops_ceiling(is_gemm) if seconds > 0 else None)
-    return "memory", (100.0 * nbytes / seconds / roof.peak_bw if seconds > 0 else None)
+        return "compute", (100.0 * (flops / seconds / roof.flops_ceiling(is_gemm)) if seconds > 0 else None)
+    return "memory", (100.0 * (nbytes / seconds / roof.peak_bw) if seconds > 0 else None)
 
 
 # ---------------------------------------------------------------------------------------------
