@@ -34,6 +34,7 @@ QUIET_NAN = 0x7FC0
 
 
 def is_bf16(array) -> bool:
+    """Whether an array holds bf16 values."""
     return np.dtype(array.dtype) == BF16
 
 

@@ -54,6 +54,7 @@ import numpy as np
 
 from gpt2np import ranges
 from gpt2np.backends import gpu_available
+from gpt2np.bf16 import is_bf16
 
 # set by the launchers we know: MPICH/Intel MPI (hydra), Open MPI, PMIx launchers (incl. srun), MVAPICH
 LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
@@ -229,7 +230,7 @@ class HostCollectives:
     def all_reduce_mean(self, buf):
         """buf (n,) = the mean of buf over the ranks, in place."""
         from mpi4py import MPI
-        work = self._fp32(buf) if _is_bf16(buf) else buf
+        work = self._fp32(buf) if is_bf16(buf) else buf
         self.comm.Allreduce(MPI.IN_PLACE, work, op=MPI.SUM)
         work /= self.world_size
         if work is not buf:
@@ -238,7 +239,7 @@ class HostCollectives:
     def all_reduce_sum(self, buf):
         """buf (n,) = the sum of buf over the ranks, in place."""
         from mpi4py import MPI
-        work = self._fp32(buf) if _is_bf16(buf) else buf
+        work = self._fp32(buf) if is_bf16(buf) else buf
         self.comm.Allreduce(MPI.IN_PLACE, work, op=MPI.SUM)
         if work is not buf:
             np.copyto(buf, work, casting="unsafe")
@@ -249,24 +250,20 @@ class HostCollectives:
         lo, hi = bounds[self.comm.Get_rank()]
         if self._recv is None or self._recv.size != hi - lo:
             self._recv = np.empty(hi - lo, np.float32)
-        send = self._fp32(buf) if _is_bf16(buf) else buf
+        send = self._fp32(buf) if is_bf16(buf) else buf
         self.comm.Reduce_scatter(send, self._recv, [b - a for a, b in bounds], op=MPI.SUM)
         self._recv /= self.world_size
-        np.copyto(buf[lo:hi], self._recv, casting="unsafe" if _is_bf16(buf) else "same_kind")
+        np.copyto(buf[lo:hi], self._recv, casting="unsafe" if is_bf16(buf) else "same_kind")
 
     def all_gather(self, buf, bounds):
         """Every rank's shard of buf (n,) from its owner, in place."""
         from mpi4py import MPI
         counts = [b - a for a, b in bounds]
         displs = [a for a, _ in bounds]
-        if _is_bf16(buf):
+        if is_bf16(buf):
             self.comm.Allgatherv(MPI.IN_PLACE, [buf.view(np.uint16), counts, displs, MPI.UNSIGNED_SHORT])
         else:
             self.comm.Allgatherv(MPI.IN_PLACE, [buf, counts, displs, MPI.FLOAT])
-
-
-def _is_bf16(buf) -> bool:
-    return np.dtype(buf.dtype).name == "bfloat16"
 
 
 class NcclCollectives:
@@ -302,7 +299,7 @@ class NcclCollectives:
 
     def _dtype(self, buf):
         types = {np.dtype(np.float32): self.nccl.NCCL_FLOAT32, np.dtype(np.float16): self.nccl.NCCL_FLOAT16}
-        if _is_bf16(buf):
+        if is_bf16(buf):
             return self._bf16_type()
         if buf.dtype not in types:
             raise DistError(f"NCCL collectives: unsupported buffer dtype {buf.dtype}")
@@ -320,7 +317,7 @@ class NcclCollectives:
     def _mean_op(self, buf):
         """(op, divide after): bf16 averages in NCCL itself (ncclAvg, as llm.c does), so no elementwise op on a
         bf16 device array is needed; fp32 sums, then divides the result by the ranks."""
-        return (self.nccl.NCCL_AVG, False) if _is_bf16(buf) else (self.nccl.NCCL_SUM, True)
+        return (self.nccl.NCCL_AVG, False) if is_bf16(buf) else (self.nccl.NCCL_SUM, True)
 
     def all_reduce_mean(self, buf):
         op, divide = self._mean_op(buf)

@@ -12,16 +12,6 @@ from gpt2np.config import GPT2Config
 PARAM_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
                "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")
 
-# The GPT-2 (HuggingFace/PyTorch) name of each tensor, for reports; {l} is the layer.
-PARAM_HF_NAMES = ("transformer.wte.weight", "transformer.wpe.weight",
-                  "transformer.h.{l}.ln_1.weight", "transformer.h.{l}.ln_1.bias",
-                  "transformer.h.{l}.attn.c_attn.weight", "transformer.h.{l}.attn.c_attn.bias",
-                  "transformer.h.{l}.attn.c_proj.weight", "transformer.h.{l}.attn.c_proj.bias",
-                  "transformer.h.{l}.ln_2.weight", "transformer.h.{l}.ln_2.bias",
-                  "transformer.h.{l}.mlp.c_fc.weight", "transformer.h.{l}.mlp.c_fc.bias",
-                  "transformer.h.{l}.mlp.c_proj.weight", "transformer.h.{l}.mlp.c_proj.bias",
-                  "transformer.ln_f.weight", "transformer.ln_f.bias")
-
 
 def param_shapes(cfg: GPT2Config):
     """{name: shape} in llm.c's order. Weights are (out_features, in_features)."""
