@@ -4,7 +4,8 @@ import sys
 
 try:
     from gpt2np.cli.train import build_parser, main, parse_config  # noqa: F401  (tests and scripts use these)
-except KeyboardInterrupt:                  # Ctrl-C while importing, before the run's own handling: one line too
+except KeyboardInterrupt:
+    # Ctrl-C while importing, before the run's own handling: one line too
     print("error: interrupted", file=sys.stderr)
     sys.exit(130)
 

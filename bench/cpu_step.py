@@ -41,9 +41,10 @@ import subprocess
 import sys
 import time
 
-# before NumPy, in this process and (through the environment) in every part's: gpt2np sets OpenBLAS's thread timeout,
-# which OpenBLAS reads once, when NumPy loads it (with its default, its threads spin after every GEMM and slow
-# gpt2np's step by a few percent; an import sorter must not move NumPy above this line)
+# before NumPy, in this process and (through the environment) in every part's: gpt2np sets
+# OpenBLAS's thread timeout, which OpenBLAS reads once, when NumPy loads it (with its default, its
+# threads spin after every GEMM and slow gpt2np's step by a few percent; an import sorter must not
+# move NumPy above this line)
 import gpt2np  # noqa: F401
 
 GEMM_TERMS = {"matmul_forward": ("gemm",), "matmul_backward": ("dinp", "dweight"),
@@ -60,7 +61,8 @@ def peak_rss_bytes():
 
 
 def cpu_usage():
-    """(wall s, CPU s busy on the whole machine, CPU s of hypervisor steal, CPU s of our finished children)."""
+    """(wall s, CPU s busy on the whole machine, CPU s of hypervisor steal, CPU s of our
+    finished children)."""
     with open("/proc/stat") as f:
         fields = [int(v) for v in f.readline().split()[1:]]
     hz = os.sysconf("SC_CLK_TCK")
@@ -71,14 +73,16 @@ def cpu_usage():
 
 
 def other_cores(before, after):
-    """(cores other processes kept busy, cores the hypervisor took) on average between two cpu_usage()."""
+    """(cores other processes kept busy, cores the hypervisor took) on average
+    between two cpu_usage()."""
     wall = after[0] - before[0]
     others = (after[1] - before[1]) - (after[3] - before[3])
     return max(0.0, others / wall), (after[2] - before[2]) / wall
 
 
 def step_gemms(op, args):
-    """The GEMMs one op call runs, as (m, n, k, batch, a_transposed, b_transposed): C (m,n) = A (m,k) B (k,n)."""
+    """The GEMMs one op call runs, as (m, n, k, batch, a_transposed, b_transposed): C (m,n)
+    = A (m,k) B (k,n)."""
     if op == "matmul_forward":
         out, inp, weight, bias = args[:4]               # (and `fused`, when the model passes it)
         OC, C = weight.shape
@@ -100,8 +104,8 @@ def step_gemms(op, args):
 
 
 class Recorder:
-    """A ranges listener: the GEMM shapes, GEMM FLOPs (the contract's terms), AdamW bytes and time per op of
-    the ops it sees."""
+    """A ranges listener: the GEMM shapes, GEMM FLOPs (the contract's terms), AdamW bytes and time
+    per op of the ops it sees."""
 
     def __init__(self):
         self.gemms, self.gemm_flops, self.matmul_flops, self.adamw_bytes = {}, 0, 0, 0
@@ -122,7 +126,8 @@ class Recorder:
                 self.gemms[shape] = self.gemms.get(shape, 0) + 1
         elif name == "adamw":
             self.adamw_bytes += op_cost(name, args_, detail[2]).bytes
-        self._start = time.perf_counter()                   # after the bookkeeping: the op's own time only
+        # after the bookkeeping: the op's own time only
+        self._start = time.perf_counter()
 
     def on_pop(self, name):
         if self._start is not None:
@@ -131,13 +136,14 @@ class Recorder:
 
     def timed_flops(self):
         """FLOPs of the GEMM shapes recorded (what the floor times): must equal gemm_flops."""
-        return sum(2 * m * n * k * batch * count for (m, n, k, batch, _, _), count in self.gemms.items())
+        return sum(2 * m * n * k * batch * count
+                   for (m, n, k, batch, _, _), count in self.gemms.items())
 
 
 def round_ratios(gpt2np_runs, floors_by_library, gemms, adamw_bytes, warmup):
-    """[(ratio, step ms, floor ms)] per round: gpt2np's median step of the round over the floor measured in that same
-    round (best of the libraries in that round, not of the whole run): how much of the ratio is the machine's drift
-    between moments."""
+    """[(ratio, step ms, floor ms)] per round: gpt2np's median step of the round over the floor
+    measured in that same round (best of the libraries in that round, not of the whole run): how
+    much of the ratio is the machine's drift between moments."""
     ratios = []
     for i, run in enumerate(gpt2np_runs):
         measured = [runs[i] for runs in floors_by_library if len(runs) > i]
@@ -161,7 +167,8 @@ def bench_gpt2np(args):
     from gpt2np.train_step import AdamW, train_step
 
     cfg = preset(args.model)
-    model = GPT2(cfg, NumpyBackend(threads=args.threads, math=args.cpu_math), args.b, args.t, seed=0)
+    model = GPT2(cfg, NumpyBackend(threads=args.threads, math=args.cpu_math), args.b,
+                 args.t, seed=0)
     rng = np.random.default_rng(0)
     x = rng.integers(0, cfg.vocab_size, (args.b, args.t)).astype(np.int32)
     y = rng.integers(0, cfg.vocab_size, (args.b, args.t)).astype(np.int32)
@@ -177,43 +184,51 @@ def bench_gpt2np(args):
         train_step(model, lambda: (x, y), step=step, lr=1e-4, adamw=adamw)
         return time.perf_counter() - t0
 
-    for step in range(args.warmup + args.steps):         # the timed steps, back to back as in training
+    # the timed steps, back to back as in training
+    for step in range(args.warmup + args.steps):
         if step == 1:                                    # the second step: m and v exist already
             ranges.add_listener(recorder)
         times.append(timed_step(step))
         if step == 1:
             ranges.remove_listener(recorder)
-    peak = peak_rss_bytes()                              # the step's, before the floor's operands are allocated
-    # Paired: --steps more times, a step, a step timed, then the floor measured in this process (seconds apart, so
-    # the machine runs at the same speed). The floor's operands and its 2 x 256 MiB bandwidth arrays evict the
-    # step's memory from caches and TLBs, which slows the step right after them, so the step paired is the second
-    # after a floor, and none of these is among the timed steps.
+    # the step's, before the floor's operands are allocated
+    peak = peak_rss_bytes()
+    # Paired: --steps more times, a step, a step timed, then the floor measured in this process
+    # (seconds apart, so the machine runs at the same speed). The floor's operands and its 2 x 256
+    # MiB bandwidth arrays evict the step's memory from caches and TLBs, which slows the step right
+    # after them, so the step paired is the second after a floor, and none of these is
+    # among the timed steps.
     step = args.warmup + args.steps
     for _ in range(args.steps if args.paired else 0):
         timed_step(step)
         step_s = timed_step(step + 1)
         step += 2
         paired.append([step_s * 1e3, floor_ms(floor_numpy(list(recorder.gemms), args, reps=1),
-                                               [[*k, c] for k, c in recorder.gemms.items()], recorder.adamw_bytes)])
-    assert recorder.timed_flops() == recorder.gemm_flops, (recorder.timed_flops(), recorder.gemm_flops)
+                                               [[*k, c] for k, c in recorder.gemms.items()],
+                                               recorder.adamw_bytes)])
+    assert recorder.timed_flops() == recorder.gemm_flops, (recorder.timed_flops(),
+                                                           recorder.gemm_flops)
     n = model.num_parameters
     budget = 4 * (4 * n + layout_size(activation_shapes(cfg, args.b, args.t)))
-    return {"ms": statistics.median(times[args.warmup:]) * 1e3, "times_ms": [t * 1e3 for t in times],
+    return {"ms": statistics.median(times[args.warmup:]) * 1e3,
+            "times_ms": [t * 1e3 for t in times],
             "peak": peak, "budget": budget, "gemm_flops": recorder.gemm_flops,
-            "adamw_bytes": recorder.adamw_bytes, "gemms": [[*k, c] for k, c in recorder.gemms.items()],
-            "op_ms": recorder.op_ms, "matmul_flops": recorder.matmul_flops, "profiled_step_ms": times[1] * 1e3,
+            "adamw_bytes": recorder.adamw_bytes,
+            "gemms": [[*k, c] for k, c in recorder.gemms.items()], "op_ms": recorder.op_ms,
+            "matmul_flops": recorder.matmul_flops, "profiled_step_ms": times[1] * 1e3,
             "paired_floor_ms": paired}
 
 
 def floor_ms(measured, gemms, adamw_bytes):
-    """The floor in ms from one floor measurement ({"gemm_s": per shape, "bandwidth"}) and the recorded GEMMs
-    ([m, n, k, batch, ta, tb, count] each, in the measurement's order)."""
+    """The floor in ms from one floor measurement ({"gemm_s": per shape, "bandwidth"}) and the
+    recorded GEMMs ([m, n, k, batch, ta, tb, count] each, in the measurement's order)."""
     gemm_s = sum(g[6] * measured["gemm_s"][i] for i, g in enumerate(gemms))
     return (gemm_s + adamw_bytes / measured["bandwidth"]) * 1e3
 
 
 def torch_model(args):
-    """(params dict, loss function) of the same GPT-2 in PyTorch: tanh GELU, causal attention, tied lm_head."""
+    """(params dict, loss function) of the same GPT-2 in PyTorch: tanh GELU, causal
+    attention, tied lm_head."""
     import torch
     import torch.nn.functional as F
 
@@ -227,12 +242,16 @@ def torch_model(args):
 
     params = {"wte": p(cfg.padded_vocab_size, C), "wpe": p(cfg.max_seq_len, C)}
     for l in range(L):
-        params.update({f"{l}.ln1w": torch.nn.Parameter(torch.ones(C)), f"{l}.ln1b": torch.nn.Parameter(torch.zeros(C)),
-                       f"{l}.qkvw": p(3 * C, C), f"{l}.qkvb": torch.nn.Parameter(torch.zeros(3 * C)),
-                       f"{l}.attprojw": p(C, C), f"{l}.attprojb": torch.nn.Parameter(torch.zeros(C)),
-                       f"{l}.ln2w": torch.nn.Parameter(torch.ones(C)), f"{l}.ln2b": torch.nn.Parameter(torch.zeros(C)),
+        params.update({f"{l}.ln1w": torch.nn.Parameter(torch.ones(C)),
+                       f"{l}.ln1b": torch.nn.Parameter(torch.zeros(C)), f"{l}.qkvw": p(3 * C, C),
+                       f"{l}.qkvb": torch.nn.Parameter(torch.zeros(3 * C)),
+                       f"{l}.attprojw": p(C, C),
+                       f"{l}.attprojb": torch.nn.Parameter(torch.zeros(C)),
+                       f"{l}.ln2w": torch.nn.Parameter(torch.ones(C)),
+                       f"{l}.ln2b": torch.nn.Parameter(torch.zeros(C)),
                        f"{l}.fcw": p(4 * C, C), f"{l}.fcb": torch.nn.Parameter(torch.zeros(4 * C)),
-                       f"{l}.fcprojw": p(C, 4 * C), f"{l}.fcprojb": torch.nn.Parameter(torch.zeros(C))})
+                       f"{l}.fcprojw": p(C, 4 * C),
+                       f"{l}.fcprojb": torch.nn.Parameter(torch.zeros(C))})
     params["lnfw"] = torch.nn.Parameter(torch.ones(C))
     params["lnfb"] = torch.nn.Parameter(torch.zeros(C))
     B, T = args.b, args.t
@@ -243,7 +262,8 @@ def torch_model(args):
             a = F.layer_norm(h, (C,), params[f"{l}.ln1w"], params[f"{l}.ln1b"])
             q, k, v = F.linear(a, params[f"{l}.qkvw"], params[f"{l}.qkvb"]).split(C, dim=-1)
             q, k, v = (t.view(B, T, NH, C // NH).transpose(1, 2) for t in (q, k, v))
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+            att = F.scaled_dot_product_attention(q, k, v,
+                                                 is_causal=True).transpose(1, 2).reshape(B, T, C)
             h = h + F.linear(att, params[f"{l}.attprojw"], params[f"{l}.attprojb"])
             a = F.layer_norm(h, (C,), params[f"{l}.ln2w"], params[f"{l}.ln2b"])
             f = F.gelu(F.linear(a, params[f"{l}.fcw"], params[f"{l}.fcb"]), approximate="tanh")
@@ -265,7 +285,8 @@ def bench_torch(args, compiled):
         loss_fn = torch.compile(loss_fn, dynamic=False)
     decay = [v for v in params.values() if v.dim() == 2]
     no_decay = [v for v in params.values() if v.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
                             lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
     times = []
     for _ in range(args.warmup + args.steps):
@@ -276,18 +297,20 @@ def bench_torch(args, compiled):
         torch.nn.utils.clip_grad_norm_(params.values(), 1.0, foreach=True)
         opt.step()
         times.append(time.perf_counter() - t0)
-    return {"ms": statistics.median(times[args.warmup:]) * 1e3, "times_ms": [t * 1e3 for t in times]}
+    return {"ms": statistics.median(times[args.warmup:]) * 1e3,
+            "times_ms": [t * 1e3 for t in times]}
 
 
 def best_time(fn, reps):
-    """The fastest of `reps` timed calls after one untimed (the profiler's CPU roofline times its ceilings so too)."""
+    """The fastest of `reps` timed calls after one untimed (the profiler's CPU roofline times its
+    ceilings so too)."""
     from gpt2np.profiling.cpu_roof import best_seconds
     return best_seconds(fn, reps)
 
 
 def gemm_call(rng, m, n, k, batch, ta, tb):
-    """np.matmul on new random operands of one recorded GEMM shape (stored transposed where the step's are), as a
-    call with no arguments."""
+    """np.matmul on new random operands of one recorded GEMM shape (stored transposed where the
+    step's are), as a call with no arguments."""
     import numpy as np
     a = rng.standard_normal((batch, k, m) if ta else (batch, m, k), np.float32)
     b = rng.standard_normal((batch, n, k) if tb else (batch, k, n), np.float32)
@@ -299,8 +322,8 @@ def gemm_call(rng, m, n, k, batch, ta, tb):
 
 
 def floor_numpy(gemms, args, reps=None):
-    """Best seconds per GEMM shape with NumPy's BLAS, and the bandwidth (bytes/s) of a threaded in-place add, each
-    the best of `reps` runs (default args.reps) after one untimed."""
+    """Best seconds per GEMM shape with NumPy's BLAS, and the bandwidth (bytes/s) of a threaded
+    in-place add, each the best of `reps` runs (default args.reps) after one untimed."""
     import numpy as np
 
     from gpt2np.profiling.cpu_roof import add_bandwidth
@@ -309,21 +332,24 @@ def floor_numpy(gemms, args, reps=None):
     reps = reps or args.reps
     for shape in gemms:
         seconds.append(best_time(gemm_call(rng, *shape), reps))
-    bandwidth = add_bandwidth(args.threads, reps, args.bandwidth_mb << 20)   # x += y over the threads
+    # x += y over the threads
+    bandwidth = add_bandwidth(args.threads, reps, args.bandwidth_mb << 20)
     return {"gemm_s": seconds, "bandwidth": bandwidth}
 
 
 def cold_gemm_seconds(recorded, args):
-    """Seconds for all the step's GEMMs ([m, n, k, batch, ta, tb, count] each) on cold operands: `count` distinct
-    operand pairs per shape, as the step's layers have, every GEMM run once in turn; the best of args.reps passes
-    over the whole set (the set is hundreds of MB, so no GEMM finds its operands in cache)."""
+    """Seconds for all the step's GEMMs ([m, n, k, batch, ta, tb, count] each) on cold operands:
+    `count` distinct operand pairs per shape, as the step's layers have, every GEMM run once in
+    turn; the best of args.reps passes over the whole set (the set is hundreds of MB, so no GEMM
+    finds its operands in cache)."""
     import numpy as np
 
     rng = np.random.default_rng(1)
     calls = []
     for *shape, count in recorded:
         calls += [gemm_call(rng, *shape) for _ in range(count)]
-    order = [calls[i] for i in np.random.default_rng(2).permutation(len(calls))]     # no shape runs twice in a row
+    # no shape runs twice in a row
+    order = [calls[i] for i in np.random.default_rng(2).permutation(len(calls))]
 
     def everything():
         for call in order:
@@ -351,7 +377,8 @@ def floor_torch(gemms, args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="d12")
     ap.add_argument("-b", type=int, default=4)
     ap.add_argument("-t", type=int, default=64)
@@ -359,18 +386,24 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--cpu-math", choices=["fast", "exact"], default="fast",
-                    help="gpt2np's CPU math, as train.py's --cpu-math (default fast, the trainer's default)")
-    ap.add_argument("--no-torch", action="store_true", help="gpt2np only (quick A/B of gpt2np changes)")
+                    help="gpt2np's CPU math, as train.py's --cpu-math (default fast, the "
+                         "trainer's default)")
+    ap.add_argument("--no-torch", action="store_true",
+                    help="gpt2np only (quick A/B of gpt2np changes)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     ap.add_argument("--no-floor", action="store_true", help="skip measuring the floor")
     ap.add_argument("--no-paired", dest="paired", action="store_false",
-                    help="skip the paired floor (measured again, with NumPy's BLAS, right after each gpt2np step)")
-    ap.add_argument("--rounds", type=int, default=1, help="run every variant this many times, interleaved")
-    ap.add_argument("--reps", type=int, default=5, help="repetitions per floor measurement (best is kept)")
-    ap.add_argument("--bandwidth-mb", type=int, default=256, help="MiB per array in the bandwidth measurement")
+                    help="skip the paired floor (measured again, with NumPy's BLAS, right after "
+                         "each gpt2np step)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every variant this many times, interleaved")
+    ap.add_argument("--reps", type=int, default=5,
+                    help="repetitions per floor measurement (best is kept)")
+    ap.add_argument("--bandwidth-mb", type=int, default=256,
+                    help="MiB per array in the bandwidth measurement")
     ap.add_argument("--json", help="also write every measurement to this file")
-    ap.add_argument("--only", choices=["gpt2np", "torch-eager", "torch-compile", "floor-numpy", "floor-torch"],
-                    help=argparse.SUPPRESS)
+    ap.add_argument("--only", choices=["gpt2np", "torch-eager", "torch-compile", "floor-numpy",
+                                       "floor-torch"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.only:
         if args.only == "gpt2np":
@@ -388,19 +421,21 @@ def main():
 
     # each part in its own process, so peak memory, thread pools and BLAS libraries do not mix
     base = [sys.executable, __file__, "--model", args.model, "-b", str(args.b), "-t", str(args.t),
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-            "--cpu-math", args.cpu_math, "--reps", str(args.reps), "--bandwidth-mb", str(args.bandwidth_mb)]
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads",
+            str(args.threads), "--cpu-math", args.cpu_math, "--reps", str(args.reps),
+            "--bandwidth-mb", str(args.bandwidth_mb)]
     if not args.paired or args.no_floor:
         base.append("--no-paired")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if args.threads != len(os.sched_getaffinity(0)):
-        # only when asked for fewer threads than cores: pinning OpenBLAS to all cores explicitly made
-        # its GEMMs ~7% slower here than its default (which uses all cores already)
+        # only when asked for fewer threads than cores: pinning OpenBLAS to all cores explicitly
+        # made its GEMMs ~7% slower here than its default (which uses all cores already)
         env["OPENBLAS_NUM_THREADS"] = str(args.threads)
 
     def run(only, stdin=None):
         before = cpu_usage()
-        proc = subprocess.run(base + ["--only", only], env=env, input=stdin, capture_output=True, text=True)
+        proc = subprocess.run(base + ["--only", only], env=env, input=stdin, capture_output=True,
+                              text=True)
         others = other_cores(before, cpu_usage())
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -414,13 +449,14 @@ def main():
 
     busy = []
 
-    report = {"model": args.model, "B": args.b, "T": args.t, "threads": args.threads, "cpu_math": args.cpu_math,
-              "steps": args.steps,
-              "warmup": args.warmup, "rounds": args.rounds, "loadavg_before": open("/proc/loadavg").read().split()[:3]}
-    print(f"model {args.model}, B={args.b}, T={args.t}, {args.threads} threads, --cpu-math {args.cpu_math}, clip 1.0, "
-          f"AdamW wd 0.1; median "
-          f"of {args.steps} steps after {args.warmup} warm-up x {args.rounds} round(s), each in its own process; "
-          f"load average {' '.join(report['loadavg_before'])}")
+    report = {"model": args.model, "B": args.b, "T": args.t, "threads": args.threads,
+              "cpu_math": args.cpu_math, "steps": args.steps,
+              "warmup": args.warmup, "rounds": args.rounds,
+              "loadavg_before": open("/proc/loadavg").read().split()[:3]}
+    print(f"model {args.model}, B={args.b}, T={args.t}, {args.threads} threads, --cpu-math "
+          f"{args.cpu_math}, clip 1.0, AdamW wd 0.1; median "
+          f"of {args.steps} steps after {args.warmup} warm-up x {args.rounds} round(s), each in "
+          f"its own process; load average {' '.join(report['loadavg_before'])}")
     torch_ok = False
     if not args.no_torch:
         try:
@@ -439,7 +475,8 @@ def main():
             variants.append(("floor-torch", "floor, PyTorch's BLAS"))
     runs = {only: [] for only, _ in variants}
     failed = {}
-    for _ in range(args.rounds):                          # rounds interleave the variants, so drift hits all
+    # rounds interleave the variants, so drift hits all
+    for _ in range(args.rounds):
         for only, label in variants:
             if only in failed:
                 continue
@@ -460,19 +497,22 @@ def main():
     for only, _ in variants:
         if runs[only]:
             steps = [t for r in runs[only] for t in r["times_ms"][args.warmup:]]
-            medians[only], spread[only] = statistics.median(steps), f"steps {min(steps):.0f}-{max(steps):.0f}"
+            medians[only], spread[only] = (statistics.median(steps),
+                                           f"steps {min(steps):.0f}-{max(steps):.0f}")
             report[only] = {"ms": medians[only], "runs": runs[only]}
     ours = runs["gpt2np"][0]
     ms = medians["gpt2np"]
-    print(f"{'gpt2np':32s}: {ms:8.1f} ms/step   ({spread['gpt2np']})   peak RSS {ours['peak'] / 2**30:.2f} GiB = "
-          f"{ours['peak'] / ours['budget']:.2f}x params+grads+m+v+acts ({ours['budget'] / 2**30:.2f} GiB)")
+    print(f"{'gpt2np':32s}: {ms:8.1f} ms/step   ({spread['gpt2np']})   peak RSS "
+          f"{ours['peak'] / 2**30:.2f} GiB = {ours['peak'] / ours['budget']:.2f}x "
+          f"params+grads+m+v+acts ({ours['budget'] / 2**30:.2f} GiB)")
     op_ms = ours["op_ms"]
     mm = op_ms.get("matmul_forward", 0) + op_ms.get("matmul_backward", 0)
     adam, norm = op_ms.get("adamw", 0), op_ms.get("global_norm", 0)
     rest = sum(op_ms.values()) - mm - adam - norm
-    print(f"{'  its 2nd step, op by op':32s}: matmul ops {mm:.0f} ms ({ours['matmul_flops'] / mm / 1e6:.0f} GFLOP/s), "
-          f"AdamW {adam:.0f} ms ({ours['adamw_bytes'] / adam / 1e6:.1f} GB/s), grad norm {norm:.0f} ms, "
-          f"other ops {rest:.0f} ms, between ops {ours['profiled_step_ms'] - sum(op_ms.values()):.0f} ms")
+    print(f"{'  its 2nd step, op by op':32s}: matmul ops {mm:.0f} ms "
+          f"({ours['matmul_flops'] / mm / 1e6:.0f} GFLOP/s), AdamW {adam:.0f} ms "
+          f"({ours['adamw_bytes'] / adam / 1e6:.1f} GB/s), grad norm {norm:.0f} ms, other ops "
+          f"{rest:.0f} ms, between ops {ours['profiled_step_ms'] - sum(op_ms.values()):.0f} ms")
     fastest = None
     for only, label in variants[1:]:
         if only in medians:
@@ -481,52 +521,57 @@ def main():
                 fastest = (label, medians[only])
     if fastest:
         report["ratio_to_fastest_torch"] = ms / fastest[1]
-        print(f"{'gpt2np / fastest PyTorch':32s}: {ms / fastest[1]:8.2f}x   ({fastest[0]}; target <= 0.90)")
+        print(f"{'gpt2np / fastest PyTorch':32s}: {ms / fastest[1]:8.2f}x   "
+              f"({fastest[0]}; target <= 0.90)")
 
     if floors:
-        # the floor's parts at their best in this run: each GEMM shape's fastest time over the libraries and
-        # rounds, the highest bandwidth
+        # the floor's parts at their best in this run: each GEMM shape's fastest time over the
+        # libraries and rounds, the highest bandwidth
         gemms = ours["gemms"]
         gemm_s = sum(g[6] * min(r["gemm_s"][i] for r in floors) for i, g in enumerate(gemms))
         bandwidth = max(r["bandwidth"] for r in floors)
         adamw_s = ours["adamw_bytes"] / bandwidth
         floor_ms = (gemm_s + adamw_s) * 1e3
-        report["floor"] = {"gemm_flops": ours["gemm_flops"], "gemm_s": gemm_s, "bandwidth": bandwidth,
-                           "adamw_bytes": ours["adamw_bytes"], "adamw_s": adamw_s, "ms": floor_ms,
-                           "measurements": floors}
+        report["floor"] = {"gemm_flops": ours["gemm_flops"], "gemm_s": gemm_s,
+                           "bandwidth": bandwidth, "adamw_bytes": ours["adamw_bytes"],
+                           "adamw_s": adamw_s, "ms": floor_ms, "measurements": floors}
         report["ratio_to_floor"] = ms / floor_ms
-        print(f"{'floor':32s}: {floor_ms:8.1f} ms/step = matmuls {ours['gemm_flops'] / 1e9:.1f} GFLOP at "
+        print(f"{'floor':32s}: {floor_ms:8.1f} ms/step = matmuls "
+              f"{ours['gemm_flops'] / 1e9:.1f} GFLOP at "
               f"{ours['gemm_flops'] / gemm_s / 1e9:.0f} GFLOP/s ({gemm_s * 1e3:.0f} ms) + AdamW "
-              f"{ours['adamw_bytes'] / 1e9:.2f} GB at {bandwidth / 1e9:.1f} GB/s ({adamw_s * 1e3:.0f} ms)")
+              f"{ours['adamw_bytes'] / 1e9:.2f} GB at {bandwidth / 1e9:.1f} GB/s "
+              f"({adamw_s * 1e3:.0f} ms)")
         print(f"{'gpt2np / floor':32s}: {ms / floor_ms:8.2f}x   (target <= 1.15)")
-        by_round = round_ratios(runs["gpt2np"], floors_by_library, gemms, ours["adamw_bytes"], args.warmup)
+        by_round = round_ratios(runs["gpt2np"], floors_by_library, gemms, ours["adamw_bytes"],
+                                args.warmup)
         if by_round:
             report["ratio_to_floor_by_round"] = by_round
             print(f"{'  round by round':32s}: "
-                  f"{', '.join(f'{r:.2f}x ({s:.0f}/{f:.0f})' for r, s, f in by_round)}   (each round's gpt2np "
-                  f"median / the floor measured in that round, ms)")
+                  f"{', '.join(f'{r:.2f}x ({s:.0f}/{f:.0f})' for r, s, f in by_round)}   (each "
+                  "round's gpt2np median / the floor measured in that round, ms)")
         pairs = [(t, f) for r in runs["gpt2np"] for t, f in r["paired_floor_ms"]]
         if pairs:
             ratios = sorted(t / f for t, f in pairs)
             report["ratio_to_floor_paired"] = {"median": statistics.median(ratios), "pairs": pairs}
-            print(f"{'  paired, step by step':32s}: {statistics.median(ratios):8.2f}x   (median of {len(ratios)} "
-                  f"steps, each over the floor measured right after it with NumPy's BLAS; {ratios[0]:.2f}x-"
-                  f"{ratios[-1]:.2f}x)")
+            print(f"{'  paired, step by step':32s}: {statistics.median(ratios):8.2f}x   (median of "
+                  f"{len(ratios)} steps, each over the floor measured right after it with NumPy's "
+                  f"BLAS; {ratios[0]:.2f}x-{ratios[-1]:.2f}x)")
         cold = [r["gemm_cold_s"] for r in floors if "gemm_cold_s" in r]
         if cold:
             cold_ms = (min(cold) + adamw_s) * 1e3
             report["floor_cold"] = {"gemm_s": min(cold), "ms": cold_ms}
             report["ratio_to_floor_cold"] = ms / cold_ms
             print(f"{'floor, cold operands':32s}: {cold_ms:8.1f} ms/step = matmuls at "
-                  f"{ours['gemm_flops'] / min(cold) / 1e9:.0f} GFLOP/s ({min(cold) * 1e3:.0f} ms), each GEMM on its "
-                  f"own operands as in the step + AdamW")
+                  f"{ours['gemm_flops'] / min(cold) / 1e9:.0f} GFLOP/s ({min(cold) * 1e3:.0f} ms), "
+                  "each GEMM on its own operands as in the step + AdamW")
             print(f"{'gpt2np / cold-operand floor':32s}: {ms / cold_ms:8.2f}x")
     report["loadavg_after"] = open("/proc/loadavg").read().split()[:3]
     other, steal = max(b[0] for b in busy), max(b[1] for b in busy)
     report["max_other_cores"], report["max_steal_cores"] = other, steal
-    print(f"other processes kept {other:.2f} cores busy on average during the busiest part, the hypervisor took "
-          f"{steal:.2f}; load average now {' '.join(report['loadavg_after'])}"
-          + ("  (NOISY: compare runs taken on a quiet machine only)" if other > 0.1 or steal > 0.1 else ""))
+    print(f"other processes kept {other:.2f} cores busy on average during the busiest part, the "
+          f"hypervisor took {steal:.2f}; load average now {' '.join(report['loadavg_after'])}"
+          + ("  (NOISY: compare runs taken on a quiet machine only)" if other > 0.1 or steal > 0.1
+             else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -6,10 +6,11 @@
     python bench/gpu_acceptance.py ncu-agrees DIR/ncu.log [--tolerance 0.10]
     python bench/gpu_acceptance.py summary DIR                # DIR/stages.tsv -> DIR/summary.txt, summary.json
 
-Everything the stages read is written here, so that the acceptance needs no data file and no network: train and
-val shards of a repeating random sequence over 100 token ids (any GPT-2 learns it: the loss falls within a few
-steps), `tiny.bin` (2 layers, C=32: the compute-sanitizer step and the emulator smoke), `small.bin` (4 layers,
-C=128: the PyTorch parity checks; --full: 12 layers, C=768, GPT-2's vocabulary, d12's shape).
+Everything the stages read is written here, so that the acceptance needs no data file and no
+network: train and val shards of a repeating random sequence over 100 token ids (any GPT-2 learns
+it: the loss falls within a few steps), `tiny.bin` (2 layers, C=32: the compute-sanitizer step and
+the emulator smoke), `small.bin` (4 layers, C=128: the PyTorch parity checks; --full: 12 layers,
+C=768, GPT-2's vocabulary, d12's shape).
 """
 import argparse
 import importlib
@@ -22,13 +23,15 @@ import sys
 import numpy as np
 
 SYNTH_VOCAB = 100            # token ids of the synthetic shards: < every model's vocab_size here
-SYNTH_PERIOD = 256           # the shards repeat a random sequence of this length (learnable in a few steps)
+# the shards repeat a random sequence of this length (learnable in a few steps)
+SYNTH_PERIOD = 256
 TRAIN_TOKENS = 1 << 20       # 256 batches of B=4, T=1024: --full's 200 steps in one epoch
 VAL_TOKENS = 1 << 15
 
 
 def setup(out, full=False):
-    """Write DIR/train_000.bin, DIR/val_000.bin, DIR/tiny.bin, DIR/small.bin; print what was written."""
+    """Write DIR/train_000.bin, DIR/val_000.bin, DIR/tiny.bin, DIR/small.bin; print
+    what was written."""
     from gpt2np.config import GPT2Config, preset
     from gpt2np.datasets.data import write_shard
     from gpt2np.formats.checkpoint import save_model
@@ -49,18 +52,21 @@ def setup(out, full=False):
             if name in ("ln1w", "ln2w", "lnfw"):
                 hv[name][...] = 1.0
             elif name in ("wte", "wpe", "qkvw", "fcw", "attprojw", "fcprojw"):
-                std = 0.02 if name in ("wte", "wpe", "qkvw", "fcw") else 0.02 / np.sqrt(2 * cfg.num_layers)
+                std = (0.02 if name in ("wte", "wpe", "qkvw", "fcw")
+                       else 0.02 / np.sqrt(2 * cfg.num_layers))
                 hv[name][...] = r.standard_normal(hv[name].shape, np.float32) * np.float32(std)
         hv["wte"][cfg.vocab_size:] = 0.0
         save_model(path, cfg, flat)
-        return f"{path}: L={cfg.num_layers} C={cfg.channels} V={cfg.vocab_size}, {flat.size / 1e6:.2f}M parameters"
+        return (f"{path}: L={cfg.num_layers} C={cfg.channels} V={cfg.vocab_size}, "
+                f"{flat.size / 1e6:.2f}M parameters")
 
-    tiny = GPT2Config(max_seq_len=64, vocab_size=SYNTH_VOCAB, padded_vocab_size=128, num_layers=2, num_heads=2,
-                      channels=32)
-    small = preset("d12") if full else GPT2Config(max_seq_len=256, vocab_size=512, padded_vocab_size=512,
+    tiny = GPT2Config(max_seq_len=64, vocab_size=SYNTH_VOCAB, padded_vocab_size=128, num_layers=2,
+                      num_heads=2, channels=32)
+    small = preset("d12") if full else GPT2Config(max_seq_len=256, vocab_size=512,
+                                                  padded_vocab_size=512,
                                                   num_layers=4, num_heads=4, channels=128)
-    print(f"{out}/train_000.bin ({TRAIN_TOKENS} tokens), {out}/val_000.bin ({VAL_TOKENS} tokens): a random sequence "
-          f"of {SYNTH_PERIOD} ids < {SYNTH_VOCAB}, repeated")
+    print(f"{out}/train_000.bin ({TRAIN_TOKENS} tokens), {out}/val_000.bin ({VAL_TOKENS} tokens): "
+          f"a random sequence of {SYNTH_PERIOD} ids < {SYNTH_VOCAB}, repeated")
     print(random_model(os.path.join(out, "tiny.bin"), tiny, 1))
     print(random_model(os.path.join(out, "small.bin"), small, 2))
     return 0
@@ -74,9 +80,10 @@ def _try(fn):
 
 
 def preflight(device):
-    """Shell assignments: CUDA_OK/CUDA_WHY (gpt2np's cuda_problem line), TORCH_OK/TORCH_WHY (torch with a GPU;
-    TORCH_CPU_OK: torch at all, enough for the parity reference), PYTEST_OK/PYTEST_WHY, NCCL_OK/NCCL_WHY, and
-    WHEELS: the pip packages to bring for what is missing (pip install --no-index --find-links WHEELS ...)."""
+    """Shell assignments: CUDA_OK/CUDA_WHY (gpt2np's cuda_problem line), TORCH_OK/TORCH_WHY (torch
+    with a GPU; TORCH_CPU_OK: torch at all, enough for the parity reference), PYTEST_OK/PYTEST_WHY,
+    NCCL_OK/NCCL_WHY, and WHEELS: the pip packages to bring for what is missing (pip install
+    --no-index --find-links WHEELS ...)."""
     out, wheels = {}, []
 
     def put(key, ok, why=""):
@@ -96,20 +103,22 @@ def preflight(device):
         put("NCCL", why is None, why and f"NCCL not usable by CuPy ({why})")
         if why and problem is None:
             wheels.append("nvidia-nccl-cu13")
-        # The fast path's plumbing, which the GPU path runs without (each with a note) but then is not the fast path:
-        # cuBLASLt through nvmath-python (GEMM epilogues, and the GEMMs inside CUDA graphs), CUPTI (the profiler's
-        # device times), NVTX ranges (ncu's and nsys's filters)
+        # The fast path's plumbing, which the GPU path runs without (each with a note) but then is
+        # not the fast path: cuBLASLt through nvmath-python (GEMM epilogues, and the GEMMs inside
+        # CUDA graphs), CUPTI (the profiler's device times), NVTX ranges (ncu's and nsys's filters)
         extras = []
-        for module, wheel, what in (("nvmath.bindings.cublasLt", "nvmath-python", "no GEMM epilogues, no CUDA graphs"),
-                                    ("cupti.cupti", "cupti-python", "the profiler falls back to CUDA events"),
-                                    ("nvtx", "nvtx", "no NVTX ranges, so ncu/nsys cannot filter by step")):
+        for module, wheel, what in (
+                ("nvmath.bindings.cublasLt", "nvmath-python", "no GEMM epilogues, no CUDA graphs"),
+                ("cupti.cupti", "cupti-python", "the profiler falls back to CUDA events"),
+                ("nvtx", "nvtx", "no NVTX ranges, so ncu/nsys cannot filter by step")):
             mod, why = _try(lambda m=module: importlib.import_module(m))
             if mod is not None and wheel == "nvtx" and not hasattr(mod, "get_domain"):
                 mod, why = None, "nvtx older than 0.2.12 (no nvtx.get_domain)"
             if mod is None:
                 extras.append(f"{wheel} ({what}: {why})")
                 wheels.append(wheel)
-                if wheel == "cupti-python" and _try(lambda: importlib.import_module("elftools"))[0] is None:
+                if (wheel == "cupti-python"
+                    and _try(lambda: importlib.import_module("elftools"))[0] is None):
                     wheels.append("pyelftools")                 # cupti-python's own dependency
         put("EXTRAS", not extras, extras and "not installed: " + "; ".join(extras))
     else:
@@ -122,8 +131,8 @@ def preflight(device):
         wheels.append("torch")
         put("TORCH", False, f"torch is not installed ({why})")
     elif device == "cuda" and not torch.cuda.is_available():
-        put("TORCH", False, f"torch {torch.__version__} sees no GPU (torch.cuda.is_available() is False): a CPU build; "
-                            "bring a CUDA build of torch as a wheel")
+        put("TORCH", False, f"torch {torch.__version__} sees no GPU (torch.cuda.is_available() is "
+                            "False): a CPU build; bring a CUDA build of torch as a wheel")
     else:
         put("TORCH", True)
     pytest, why = _try(lambda: importlib.import_module("pytest"))
@@ -137,7 +146,8 @@ def preflight(device):
 
 
 def loss_falls(log, min_drop):
-    """0 when main.log's train losses are finite and the last is at least min_drop below the first."""
+    """0 when main.log's train losses are finite and the last is at least
+    min_drop below the first."""
     losses = []
     with open(log) as f:
         for line in f:
@@ -162,16 +172,16 @@ def loss_falls(log, min_drop):
 
 
 def summary(out):
-    """DIR/stages.tsv (stage, status, seconds, reason, log, command per line) -> summary.txt and summary.json;
-    prints summary.txt."""
+    """DIR/stages.tsv (stage, status, seconds, reason, log, command per line) -> summary.txt and
+    summary.json; prints summary.txt."""
     stages = []
     with open(os.path.join(out, "stages.tsv")) as f:
         for line in f:
             parts = line.rstrip("\n").split("\t")
             if len(parts) >= 6:
                 name, status, secs, reason, log, command = parts[:6]
-                stages.append({"stage": name, "status": status, "seconds": float(secs or 0), "reason": reason,
-                               "log": log, "command": command})
+                stages.append({"stage": name, "status": status, "seconds": float(secs or 0),
+                               "reason": reason, "log": log, "command": command})
     counts = {s: sum(st["status"] == s for st in stages) for s in ("PASS", "FAIL", "SKIP")}
     meta = {}
     meta_path = os.path.join(out, "meta.json")
@@ -199,14 +209,14 @@ def summary(out):
     return 0
 
 
-AGREEMENT = re.compile(r"built-in vs ncu kernel times: (\d+) kernels matched, median ratio ([0-9.]+), (\d+)% within "
-                       r"10%, step total ratio ([0-9.]+)")
+AGREEMENT = re.compile(r"built-in vs ncu kernel times: (\d+) kernels matched, median ratio "
+                       r"([0-9.]+), (\d+)% within 10%, step total ratio ([0-9.]+)")
 
 
 def ncu_agrees(log, tolerance):
-    """0 when bench/ncu.sh's log says the built-in kernel times agree with ncu's: the step total and the median
-    ratio (built-in / ncu) within `tolerance` of 1 (short kernels differ by ncu's own per-kernel overhead, so not
-    each kernel is held to it)."""
+    """0 when bench/ncu.sh's log says the built-in kernel times agree with ncu's: the step total and
+    the median ratio (built-in / ncu) within `tolerance` of 1 (short kernels differ by ncu's own
+    per-kernel overhead, so not each kernel is held to it)."""
     try:
         text = open(log).read()
     except OSError as e:
@@ -214,13 +224,15 @@ def ncu_agrees(log, tolerance):
         return 1
     m = AGREEMENT.search(text)
     if not m:
-        print(f"FAIL: {log} has no 'built-in vs ncu kernel times' line (the kernels did not match the built-in "
-              f"profile, or ncu did not finish)")
+        print(f"FAIL: {log} has no 'built-in vs ncu kernel times' line (the kernels did not match "
+              "the built-in profile, or ncu did not finish)")
         return 1
-    kernels, median, within, total = int(m.group(1)), float(m.group(2)), int(m.group(3)), float(m.group(4))
+    kernels, median, within, total = (int(m.group(1)), float(m.group(2)), int(m.group(3)),
+                                      float(m.group(4)))
     ok = abs(total - 1) <= tolerance and abs(median - 1) <= tolerance
-    print(f"{'PASS' if ok else 'FAIL'}: built-in / ncu kernel times over {kernels} kernels: step total {total:.3f}, "
-          f"median {median:.3f} (each within {tolerance:g} of 1 to pass); {within}% of the kernels within 10%")
+    print(f"{'PASS' if ok else 'FAIL'}: built-in / ncu kernel times over {kernels} kernels: step "
+          f"total {total:.3f}, median {median:.3f} (each within {tolerance:g} of 1 to pass); "
+          f"{within}% of the kernels within 10%")
     return 0 if ok else 1
 
 

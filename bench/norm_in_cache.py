@@ -1,14 +1,16 @@
 """Is the gradient norm cheaper taken while each weight gradient is still in cache?
 
-The backward pass of d12's 12 blocks at B*T rows, as the step runs it: for each layer's four linear layers (c_proj,
-c_fc, attn c_proj, c_attn: the model's backward order) the dinp GEMM and the dweight GEMM, the dweights written
-into one flat gradient buffer. Two ways to get the sum of squares of those 85M gradients:
+The backward pass of d12's 12 blocks at B*T rows, as the step runs it: for each layer's four linear
+layers (c_proj, c_fc, attn c_proj, c_attn: the model's backward order) the dinp GEMM and the dweight
+GEMM, the dweights written into one flat gradient buffer. Two ways to get the sum of squares of
+those 85M gradients:
 
   after     the step's way: the GEMMs, then one pass over the flat buffer (NumpyBackend.global_norm_squared)
   in cache  each dweight's sum of squares right after the GEMM that wrote it (the same C loop), summed at the end
 
-Each round runs both, in turn; the medians over the rounds are printed with the norm's share of each (time of the
-whole minus the GEMMs alone, measured in the same round). The two sums are the same numbers up to rounding.
+Each round runs both, in turn; the medians over the rounds are printed with the norm's share of each
+(time of the whole minus the GEMMs alone, measured in the same round). The two sums are the same
+numbers up to rounding.
 
     python bench/norm_in_cache.py [--rounds 7] [--rows 256] [--threads 2] [--layers 12]
 """
@@ -25,7 +27,8 @@ import numpy as np
 from gpt2np.backends.numpy.backend import NumpyBackend
 
 C = 768
-SHAPES = [(C, 4 * C), (4 * C, C), (C, C), (3 * C, C)]       # (OC, IC) of c_proj, c_fc, attn c_proj, c_attn
+# (OC, IC) of c_proj, c_fc, attn c_proj, c_attn
+SHAPES = [(C, 4 * C), (4 * C, C), (C, C), (3 * C, C)]
 
 
 def main(argv=None):
@@ -57,7 +60,8 @@ def main(argv=None):
             np.matmul(douts[oc].T, inps[ic], out=dw)
             if in_cache:
                 parts.append(be.global_norm_squared(dw.reshape(-1)))
-        return math.fsum(parts) if in_cache else (be.global_norm_squared(grads) if in_cache is False else None)
+        return math.fsum(parts) if in_cache else (be.global_norm_squared(grads) if in_cache is False
+                                                  else None)
 
     def timed(in_cache):
         t0 = time.perf_counter()
@@ -79,7 +83,8 @@ def main(argv=None):
     for mode, name in ((False, "norm after"), (True, "norm in cache")):
         ms = statistics.median(runs[mode]) * 1e3
         norm = [(r - g) * 1e3 for r, g in zip(runs[mode], runs[None])]
-        print(f"  GEMMs + {name:<15}  : {ms:8.1f} ms   the norm's share {statistics.median(norm):6.1f} ms "
+        print(f"  GEMMs + {name:<15}  : {ms:8.1f} ms   the norm's share "
+              f"{statistics.median(norm):6.1f} ms "
               f"(round by round {min(norm):.1f} to {max(norm):.1f})")
     print(f"  the sums of squares      : {sums[False]!r} after, {sums[True]!r} in cache")
 

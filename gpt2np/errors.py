@@ -1,17 +1,18 @@
-"""How train.py and every `python -m gpt2np...` tool fail: one line on stderr, a meaningful exit code.
+"""How train.py and every `python -m gpt2np...` tool fail: one line on stderr, a
+meaningful exit code.
 
     @tool
     def main(argv=None): ...          # bad input: `error: ...` and exit 2, never a traceback
 
-Bad input (a flag's value, a missing or malformed file) ends in one line, `error: ...`, and exit code 2
-(argparse's own); a run that fails (a device, a kernel compiler, a write: disk full) in one line and exit 1;
-Ctrl-C in one line and exit 130. Output piped into a reader that stops early
+Bad input (a flag's value, a missing or malformed file) ends in one line, `error: ...`, and exit
+code 2 (argparse's own); a run that fails (a device, a kernel compiler, a write: disk full) in one
+line and exit 1; Ctrl-C in one line and exit 130. Output piped into a reader that stops early
 (`gpt2np sample ... | head`) ends quietly with exit 141, the status a shell reports for a Unix
 filter that SIGPIPE ended (`yes | head`). With GPT2NP_DEBUG=1 in the environment the error is
 re-raised instead, traceback and all.
 
-Allowed words a flag's rule, so every message reads the same: `error: -l nan: the learning rate must be a
-finite number > 0`.
+Allowed words a flag's rule, so every message reads the same: `error: -l nan: the learning rate must
+be a finite number > 0`.
 """
 import argparse
 import functools
@@ -26,25 +27,28 @@ from dataclasses import dataclass
 
 
 class WriteError(OSError):
-    """Writing `path` failed. errno and strerror are those of the underlying OSError (None if it had none)."""
+    """Writing `path` failed. errno and strerror are those of the underlying OSError
+    (None if it had none)."""
 
     def __init__(self, path, cause: OSError):
         super().__init__(cause.errno, cause.strerror or str(cause))
         self.path = self.filename = os.fspath(path)
 
     def __str__(self):
-        reason = f"[Errno {self.errno}] {self.strerror}" if self.errno is not None else self.strerror
+        reason = (f"[Errno {self.errno}] {self.strerror}" if self.errno is not None
+                  else self.strerror)
         return f"writing {self.path}: {reason}"
 
 
-BAD_INPUT, RUN_FAILED, INTERRUPTED = 2, 1, 130      # 130 = 128 + SIGINT, what shells report for Ctrl-C
+# 130 = 128 + SIGINT, what shells report for Ctrl-C
+BAD_INPUT, RUN_FAILED, INTERRUPTED = 2, 1, 130
 READER_GONE = 141               # 128 + SIGPIPE: a filter whose reader closed the pipe
-# What bad flags and files raise: the loaders' own errors derive from ValueError or OSError; KeyError, TypeError
-# and IndexError come from files with fields missing or of the wrong type; ImportError from an optional
-# dependency that a flag asked for.
+# What bad flags and files raise: the loaders' own errors derive from ValueError or OSError;
+# KeyError, TypeError and IndexError come from files with fields missing or of the wrong type;
+# ImportError from an optional dependency that a flag asked for.
 BAD_INPUT_ERRORS = (ValueError, OSError, KeyError, TypeError, IndexError, ImportError)
-# a device, a kernel compiler or a collective failed; or writing an output did (disk full, no permission: the
-# machine, not the flags)
+# a device, a kernel compiler or a collective failed; or writing an output did (disk full, no
+# permission: the machine, not the flags)
 RUN_ERRORS = (RuntimeError, WriteError)
 
 
@@ -98,8 +102,10 @@ def one_line(error: BaseException) -> str:
 def one_line_errors(code: int | None = None, then: Callable[[int], None] | None = None):
     """Inside: an expected error prints `error: ...` (one line) and raises SystemExit.
 
-    code None: exit 2 for bad input, 1 for a RuntimeError (the run failed); an int: that code for both.
-    then(code) runs before the exit (train.py: end the other MPI ranks). KeyboardInterrupt: exit 130.
+    code None: exit 2 for bad input, 1 for a RuntimeError (the run failed); an
+    int: that code for both.
+    then(code) runs before the exit (train.py: end the other MPI ranks).
+    KeyboardInterrupt: exit 130.
     stdout or stderr closed by its reader (`| head`): no line, exit 141. Under GPT2NP_DEBUG=1 the
     error propagates unchanged, with its traceback.
     """
@@ -119,11 +125,13 @@ def one_line_errors(code: int | None = None, then: Callable[[int], None] | None 
             print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
             exit_code = (code if code is not None else RUN_FAILED if isinstance(error, RUN_ERRORS)
                          else BAD_INPUT)
-    except MemoryError as error:           # the machine's limit (a model, batch or context too large for it)
+    except MemoryError as error:
+        # the machine's limit (a model, batch or context too large for it)
         if debugging():
             raise
         detail = " ".join(str(error).split())
-        print(f"error: out of memory{f' ({detail})' if detail else ''}: give a smaller model, batch or context",
+        print(f"error: out of memory{f' ({detail})' if detail else ''}: give a smaller "
+              "model, batch or context",
               file=sys.stderr, flush=True)
         exit_code = code if code is not None else RUN_FAILED
     else:
@@ -134,8 +142,9 @@ def one_line_errors(code: int | None = None, then: Callable[[int], None] | None 
 
 
 def tool(main: Callable) -> Callable:
-    """Decorate a tool's main(argv) -> exit code: it runs inside one_line_errors, and the code of any exit
-    (a failure, an argparse error, --help) is returned, so in-process callers get codes like a shell does."""
+    """Decorate a tool's main(argv) -> exit code: it runs inside one_line_errors, and the code of
+    any exit (a failure, an argparse error, --help) is returned, so in-process callers get codes
+    like a shell does."""
     @functools.wraps(main)
     def run(argv=None):
         try:
@@ -148,13 +157,15 @@ def tool(main: Callable) -> Callable:
     return run
 
 
-_program_names = []          # [[name, the tool's own prog]]: set by program_name() while a command runs a tool
+# [[name, the tool's own prog]]: set by program_name() while a command runs a tool
+_program_names = []
 
 
 @contextmanager
 def program_name(name: str):
-    """Inside: the first parser a tool makes is called `name` in its usage and errors (`gpt2np prepare` runs
-    prepare's main, whose parser says `python -m gpt2np.datasets.prepare`); its subcommands' parsers follow."""
+    """Inside: the first parser a tool makes is called `name` in its usage and errors (`gpt2np
+    prepare` runs prepare's main, whose parser says `python -m gpt2np.datasets.prepare`); its
+    subcommands' parsers follow."""
     _program_names.append([name, None])
     try:
         yield
@@ -166,7 +177,8 @@ NEGATIVE_NUMBER = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$")
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, `error: argument -b: invalid int value: 'x'`, exit 2 (no usage)."""
+    """argparse whose errors are one line, `error: argument -b: invalid int value: 'x'`,
+    exit 2 (no usage)."""
 
     def __init__(self, *args, **kwargs):
         if _program_names and not args:
@@ -175,22 +187,26 @@ class ArgumentParser(argparse.ArgumentParser):
             if alias[1] is None:                    # the tool's own parser
                 alias[1] = prog or ""
                 kwargs["prog"] = alias[0]
-            elif alias[1] and prog and prog.startswith(alias[1] + " "):     # one of its subcommands' parsers
+            elif alias[1] and prog and prog.startswith(alias[1] + " "):
+                # one of its subcommands' parsers
                 kwargs["prog"] = alias[0] + prog[len(alias[1]):]
         super().__init__(*args, **kwargs)
-        # a flag's value may be any negative number (-1e-8), so that validate names what is wrong with it;
-        # argparse's own pattern takes only -1 and -1.5 and reads -1e-8 as an unknown flag ("expected one argument")
+        # a flag's value may be any negative number (-1e-8), so that validate names what is wrong
+        # with it; argparse's own pattern takes only -1 and -1.5 and reads -1e-8 as an unknown flag
+        # ("expected one argument")
         self._negative_number_matcher = NEGATIVE_NUMBER
 
     def error(self, message):
         self.exit(BAD_INPUT, f"error: {message} (see --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):
-        """argparse's, then an empty text given for a flag or argument (-o '': a path no tool can use; some took it
-        for the current folder or for the flag's default) is BadInput naming it."""
+        """argparse's, then an empty text given for a flag or argument (-o '': a path no tool can
+        use; some took it for the current folder or for the flag's default) is
+        BadInput naming it."""
         namespace, extras = super().parse_known_args(args, namespace)
         for action in self._actions:
-            value = getattr(namespace, action.dest, None) if action.dest != argparse.SUPPRESS else None
+            value = (getattr(namespace, action.dest, None) if action.dest != argparse.SUPPRESS
+                     else None)
             values = value if isinstance(value, list) else [value]
             if action.default != "" and any(v == "" for v in values):
                 name = "/".join(action.option_strings) or action.metavar or action.dest
@@ -217,14 +233,16 @@ def shown(value) -> str:
 
 @dataclass(frozen=True)
 class Allowed:
-    """The values a flag accepts: a test, and its words in the error message ('a finite number > 0')."""
+    """The values a flag accepts: a test, and its words in the error message ('a
+    finite number > 0')."""
     test: Callable[[object], bool]
     words: str
 
     def check(self, flag: str, value, what: str = "") -> None:
         """Raise BadInput('FLAG VALUE: WHAT must be WORDS') unless the value passes."""
         if not self.test(value):
-            raise BadInput(f"{flag} {shown(value)}: {what + ' ' if what else ''}must be {self.words}")
+            raise BadInput(f"{flag} {shown(value)}: "
+                           f"{what + ' ' if what else ''}must be {self.words}")
 
 
 def integer(low: int, *, also: tuple = (), words: str = "") -> Allowed:
@@ -232,8 +250,10 @@ def integer(low: int, *, also: tuple = (), words: str = "") -> Allowed:
     return Allowed(lambda v: is_int(v) and (v >= low or v in also), words or f"an integer >= {low}")
 
 
-def number(low: float, high: float | None = None, *, low_open=False, high_open=False, words: str = "") -> Allowed:
-    """Finite numbers from low (excluded if low_open) up to high (excluded if high_open; None: no limit)."""
+def number(low: float, high: float | None = None, *, low_open=False, high_open=False,
+           words: str = "") -> Allowed:
+    """Finite numbers from low (excluded if low_open) up to high (excluded if
+    high_open; None: no limit)."""
     def test(v):
         return (is_finite(v) and (v > low if low_open else v >= low)
                 and (high is None or (v < high if high_open else v <= high)))
@@ -250,5 +270,6 @@ def one_of(choices) -> Allowed:
                    "one of " + ", ".join(map(str, choices)))
 
 
-TEXT = Allowed(lambda v: isinstance(v, str) and v != "", "a non-empty text (a path, a pattern, a name)")
+TEXT = Allowed(lambda v: isinstance(v, str) and v != "",
+               "a non-empty text (a path, a pattern, a name)")
 SWITCH = Allowed(lambda v: isinstance(v, bool), "True or False")

@@ -1,6 +1,7 @@
 """Writing files so that a failure is one clear line and never a half-written file.
 
-atomic_write: every file gpt2np writes (checkpoints, shards, tokenizer files) appears whole or not at all.
+atomic_write: every file gpt2np writes (checkpoints, shards, tokenizer files) appears
+whole or not at all.
 append_line: main.log grows by whole lines only.
 A failed write raises WriteError, an OSError whose message names the file and the errno:
 `writing log/model_00000010.bin: [Errno 28] No space left on device`.
@@ -14,15 +15,18 @@ from pathlib import Path
 
 from gpt2np.errors import BadInput, WriteError
 
-PROBE_BYTES = 1 << 20        # at most this much is written to a doomed temp file to learn why a write failed
+# at most this much is written to a doomed temp file to learn why a write failed
+PROBE_BYTES = 1 << 20
 
 
 def _is_write_failure(e: BaseException, tmp: Path) -> bool:
-    """Whether an exception raised inside the `with atomic_write(...)` body is the write to our file failing.
+    """Whether an exception raised inside the `with atomic_write(...)` body is the write
+    to our file failing.
 
-    Disk full, quota, I/O error, file too large... are plain OSError (no subclass) without a filename, or
-    with the temp file's name. Subclasses (TimeoutError and ConnectionError while a download feeds the file,
-    FileNotFoundError of an input, WriteError of a nested write) are about something else and pass unchanged.
+    Disk full, quota, I/O error, file too large... are plain OSError (no subclass) without a
+    filename, or with the temp file's name. Subclasses (TimeoutError and ConnectionError while a
+    download feeds the file, FileNotFoundError of an input, WriteError of a nested write) are about
+    something else and pass unchanged.
     """
     return type(e) is OSError and e.filename in (None, os.fspath(tmp))
 
@@ -30,8 +34,8 @@ def _is_write_failure(e: BaseException, tmp: Path) -> bool:
 def _probe_errno(fd) -> OSError | None:
     """The OSError a further write to fd gives, if any.
 
-    numpy's tofile() reports a failed write as `N requested and M written`, without the errno; the temp file
-    is deleted anyway, so writing more to it tells why (ENOSPC, EDQUOT, EIO...)."""
+    numpy's tofile() reports a failed write as `N requested and M written`, without the errno; the
+    temp file is deleted anyway, so writing more to it tells why (ENOSPC, EDQUOT, EIO...)."""
     chunk = bytes(64 << 10)
     try:
         for _ in range(PROBE_BYTES // len(chunk)):
@@ -44,21 +48,22 @@ def _probe_errno(fd) -> OSError | None:
 
 @contextlib.contextmanager
 def atomic_write(path, mode="wb"):
-    """Open a temporary file next to `path`; on success flush, fsync and os.replace() it onto `path`, then fsync
-    the folder (the new name is as durable as the bytes).
+    """Open a temporary file next to `path`; on success flush, fsync and os.replace() it onto
+    `path`, then fsync the folder (the new name is as durable as the bytes).
 
-    On any exception before the rename the temporary file is removed and `path` is left as it was. Missing parent
-    folders are created. A failure of the write itself (see _is_write_failure) or of creating, flushing, syncing,
-    closing or renaming the file is raised as WriteError naming `path`; other exceptions pass through unchanged. (A
-    failed sync of the folder, after the rename, is raised too: the new file is then in place but may not outlive a
-    crash.)
+    On any exception before the rename the temporary file is removed and `path` is left as it was.
+    Missing parent folders are created. A failure of the write itself (see _is_write_failure) or of
+    creating, flushing, syncing, closing or renaming the file is raised as WriteError naming `path`;
+    other exceptions pass through unchanged. (A failed sync of the folder, after the rename, is
+    raised too: the new file is then in place but may not outlive a crash.)
     """
     path = Path(path)
     _check_target(path)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, unlike mkstemp's 0600
+        # the umask applies, unlike mkstemp's 0600
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as e:
         raise WriteError(path, e) from e
     try:
@@ -82,7 +87,8 @@ def atomic_write(path, mode="wb"):
         if ours and e.errno is None and not f.closed:
             cause = _probe_errno(fd) or e
         with contextlib.suppress(OSError):
-            f.close()            # flushes what is still buffered, which may fail again: the file is discarded
+            # flushes what is still buffered, which may fail again: the file is discarded
+            f.close()
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if ours:
@@ -90,15 +96,17 @@ def atomic_write(path, mode="wb"):
         raise
 
 
-# A folder that cannot be opened or synced (Windows, some network and FUSE file systems): its rename stands unsynced.
-FOLDER_SYNC_UNSUPPORTED = {errnos.EINVAL, errnos.ENOTSUP, errnos.EOPNOTSUPP, errnos.EBADF, errnos.EACCES,
-                           errnos.EPERM, errnos.EISDIR}
+# A folder that cannot be opened or synced (Windows, some network and FUSE file systems): its
+# rename stands unsynced.
+FOLDER_SYNC_UNSUPPORTED = {errnos.EINVAL, errnos.ENOTSUP, errnos.EOPNOTSUPP, errnos.EBADF,
+                           errnos.EACCES, errnos.EPERM, errnos.EISDIR}
 
 
 def sync_folder(folder):
-    """fsync a folder after a file was renamed into it, made or removed there, so that the change of name survives a
-    power loss as the file's bytes do (without it a crash can bring back the old file, or none, under a DONE marker
-    written after). Where folders cannot be synced (FOLDER_SYNC_UNSUPPORTED) nothing happens; other errors raise."""
+    """fsync a folder after a file was renamed into it, made or removed there, so that the change of
+    name survives a power loss as the file's bytes do (without it a crash can bring back the old
+    file, or none, under a DONE marker written after). Where folders cannot be synced
+    (FOLDER_SYNC_UNSUPPORTED) nothing happens; other errors raise."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError as e:
@@ -115,22 +123,23 @@ def sync_folder(folder):
 
 
 def _check_target(path: Path):
-    """WriteError unless `path` can be replaced by a file: a folder, a device or a pipe there would be replaced (as
-    root, /dev/null by a regular file) or refuse only after the work; a file in the way of its folders would fail
-    with a bare 'File exists'."""
+    """WriteError unless `path` can be replaced by a file: a folder, a device or a pipe there would
+    be replaced (as root, /dev/null by a regular file) or refuse only after the work; a file in the
+    way of its folders would fail with a bare 'File exists'."""
     if path.is_dir():
         raise WriteError(path, OSError(None, "it is a folder: give a file's path"))
     if path.exists() and not path.is_file():
-        raise WriteError(path, OSError(None, "it is not a regular file (a device, pipe or socket): give a file's "
-                                             "path"))
+        raise WriteError(path, OSError(None, "it is not a regular file (a device, pipe or socket): "
+                                             "give a file's path"))
     blocking = file_in_the_way(path)
     if blocking is not None:
         raise WriteError(path, OSError(None, f"{blocking} is a file, so the folder cannot be made"))
 
 
 def file_in_the_way(path) -> Path | None:
-    """What stops `path`'s missing folders from being made: its nearest existing ancestor when that is not a folder
-    (a file, a broken link), as written in `path` (`x.txt` for `x.txt/sub/out.json`); None when they can be made."""
+    """What stops `path`'s missing folders from being made: its nearest existing ancestor when that
+    is not a folder (a file, a broken link), as written in `path` (`x.txt` for
+    `x.txt/sub/out.json`); None when they can be made."""
     for parent in Path(path).parents:
         if parent.is_dir():
             return None
@@ -142,8 +151,8 @@ def file_in_the_way(path) -> Path | None:
 def append_line(path, line: str):
     """Append `line` and a newline to the text file `path` (created if missing).
 
-    A write that fails part-way (disk full) is undone by truncating the file back to its old length, so the
-    file only ever holds whole lines, and raised as WriteError naming `path`.
+    A write that fails part-way (disk full) is undone by truncating the file back to its old length,
+    so the file only ever holds whole lines, and raised as WriteError naming `path`.
     """
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
@@ -154,7 +163,8 @@ def append_line(path, line: str):
         rest = memoryview((line + "\n").encode())
         try:
             while rest:
-                written = os.write(fd, rest)     # a short write is followed by one that says why it stopped
+                # a short write is followed by one that says why it stopped
+                written = os.write(fd, rest)
                 if written == 0:
                     raise OSError(errnos.ENOSPC, os.strerror(errnos.ENOSPC))
                 rest = rest[written:]
@@ -166,10 +176,11 @@ def append_line(path, line: str):
         os.close(fd)
 
 
-# ---- local folders --------------------------------------------------------------------------------------------
+# ---- local folders -------------------------------------------------------------------------------
 def check_folder(flag, folder) -> Path:
-    """`folder` as a Path when it is a folder or can be made one; BadInput naming `flag` when it or one of its
-    parents is a file (`--dir x.txt/sub`), so the command stops before any download or tokenizing."""
+    """`folder` as a Path when it is a folder or can be made one; BadInput naming `flag` when it or
+    one of its parents is a file (`--dir x.txt/sub`), so the command stops before any
+    download or tokenizing."""
     folder = Path(folder)
     blocking = folder if folder.exists() and not folder.is_dir() else file_in_the_way(folder)
     if blocking is not None:
@@ -189,18 +200,21 @@ def missing_folders(folder) -> list:
 
 
 def remove_empty(folders):
-    """Remove those of the folders that are empty, deepest first: a failed command leaves none it made behind."""
-    for path in sorted(set(map(Path, folders)), key=lambda p: len(p.absolute().parts), reverse=True):
+    """Remove those of the folders that are empty, deepest first: a failed command leaves
+    none it made behind."""
+    for path in sorted(set(map(Path, folders)), key=lambda p: len(p.absolute().parts),
+                       reverse=True):
         try:
             path.rmdir()
-        except OSError:            # not empty (something was written into it), or gone already: it stays
+        except OSError:
+            # not empty (something was written into it), or gone already: it stays
             pass
 
 
 @contextmanager
 def removing_new_folders(*folders):
-    """Inside: any of `folders` (and their parents) that did not exist and are still empty when the body fails
-    are removed again."""
+    """Inside: any of `folders` (and their parents) that did not exist and are still empty when the
+    body fails are removed again."""
     made = [missing_folders(folder) for folder in folders if folder is not None]
     try:
         yield

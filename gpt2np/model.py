@@ -138,8 +138,9 @@ class GPT2:
         self.dbt3c = backend.zeros((B, T, 3 * C))
         self.dbt4c = backend.zeros((B, T, 4 * C))
         self.mean_loss = None        # the last forward's mean loss, read back (or None)
-        # what the last forward left in act["logits"], for the checks of backward and logits_host only:
-        # "logits", "logits+targets" (the classifier can still run) or "dlogits" (for_backward)
+        # what the last forward left in act["logits"], for the checks of backward and logits_host
+        # only: "logits", "logits+targets" (the classifier can still run) or
+        # "dlogits" (for_backward)
         self.logits_hold = None
         self.stats = self.step_scalars = None        # the device step's buffers, made on first use
         self.batch_shape = self.act = None
@@ -326,7 +327,8 @@ class GPT2:
             self._op("matmul_forward", "lm_head", be.matmul_forward, a["logits"], a["lnf"],
                      p["wte"], None, self.fuse)
             self.mean_loss = None
-            self.logits_hold = "logits" if y is None else "dlogits" if for_backward else "logits+targets"
+            self.logits_hold = ("logits" if y is None else "dlogits" if for_backward
+                                else "logits+targets")
             if y is not None:
                 self._classifier(y, for_backward, grad_accum_steps)
                 if device_loss:              # the device step: the mean stays in stats[0]
@@ -421,7 +423,8 @@ class GPT2:
         """
         want = "logits+targets" if from_logits else "dlogits"
         if self.logits_hold != want:
-            raise RuntimeError("backward() needs a forward() with targets first: with for_backward=True, or "
+            raise RuntimeError("backward() needs a forward() with targets first: with "
+                               "for_backward=True, or "
                                "backward(from_logits=True) after a forward that kept the logits")
         b, t = self.batch_shape
         if tokens is None:

@@ -1,13 +1,14 @@
-"""Progress of long jobs (prepare, fetch, eval): a bar redrawn in place on a terminal, plain lines in logs.
+"""Progress of long jobs (prepare, fetch, eval): a bar redrawn in place on a terminal,
+plain lines in logs.
 
     with progress(total=n, desc="val", unit="batch") as bar:
         for ...:
             bar.update(1)
 
-On a terminal (stderr is a TTY) one line is redrawn in place (at most 10 times a second) and kept when the job
-ends. Elsewhere (CI, `2> log`, pipes) it writes plain lines to stderr: one every `every` seconds while the job
-runs and a last one when it ends, so logs stay readable. GPT2NP_PROGRESS=bar|plain|off overrides the choice
-(auto by default).
+On a terminal (stderr is a TTY) one line is redrawn in place (at most 10 times a second) and kept
+when the job ends. Elsewhere (CI, `2> log`, pipes) it writes plain lines to stderr: one every
+`every` seconds while the job runs and a last one when it ends, so logs stay readable.
+GPT2NP_PROGRESS=bar|plain|off overrides the choice (auto by default).
 """
 import os
 import sys
@@ -36,14 +37,15 @@ def _number(n, scale):
 
 
 class Progress:
-    """tqdm's calls (update, set_postfix_str, close, iteration, with): occasional plain lines on stderr, or
-    (live) a line with a bar redrawn in place."""
+    """tqdm's calls (update, set_postfix_str, close, iteration, with): occasional plain lines on
+    stderr, or (live) a line with a bar redrawn in place."""
 
     BAR = 24
 
-    def __init__(self, iterable=None, total=None, desc="", unit="it", unit_scale=False, every=10.0, file=None,
-                 quiet=False, live=False):
-        self.iterable, self.total, self.desc, self.unit, self.unit_scale = iterable, total, desc, unit, unit_scale
+    def __init__(self, iterable=None, total=None, desc="", unit="it", unit_scale=False, every=10.0,
+                 file=None, quiet=False, live=False):
+        self.iterable, self.total, self.desc, self.unit, self.unit_scale = (iterable, total, desc,
+                                                                            unit, unit_scale)
         if total is None and iterable is not None and hasattr(iterable, "__len__"):
             self.total = len(iterable)
         self.every, self.file, self.quiet, self.live = (0.1 if live else every), file, quiet, live
@@ -57,7 +59,8 @@ class Progress:
         if self.total:
             if self.unit_scale:
                 text += self.unit
-            text += f"/{_number(self.total, self.unit_scale)}{sep}{self.unit} ({100 * self.n / self.total:.0f}%)"
+            text += (f"/{_number(self.total, self.unit_scale)}{sep}{self.unit} "
+                     f"({100 * self.n / self.total:.0f}%)")
             if self.live:
                 filled = min(self.BAR, int(self.BAR * self.n / self.total))
                 text = f"[{'#' * filled}{'.' * (self.BAR - filled)}] " + text
@@ -118,14 +121,17 @@ class Progress:
         elif not self.closed:
             self.closed = True
             if self.live and self.shown_state is not None and not self.quiet:
-                (self.file or sys.stderr).write("\n")      # end the bar's line: the error gets its own
+                # end the bar's line: the error gets its own
+                (self.file or sys.stderr).write("\n")
         return False
 
 
-def progress(iterable=None, *, total=None, desc="", unit="it", unit_scale=False, every=10.0, file=None, quiet=False):
-    """Progress over `iterable`, or of `total` units counted with update(n): a bar redrawn in place on a terminal,
-    else plain lines on stderr (one every `every` seconds and the last when it closes); nothing under
-    GPT2NP_PROGRESS=off or quiet. A job that fails inside `with` leaves no last line (its error is the news)."""
+def progress(iterable=None, *, total=None, desc="", unit="it", unit_scale=False, every=10.0,
+             file=None, quiet=False):
+    """Progress over `iterable`, or of `total` units counted with update(n): a bar redrawn in place
+    on a terminal, else plain lines on stderr (one every `every` seconds and the last when it
+    closes); nothing under GPT2NP_PROGRESS=off or quiet. A job that fails inside `with` leaves no
+    last line (its error is the news)."""
     chosen = mode()
-    return Progress(iterable, total, desc, unit, unit_scale, every, file, quiet=quiet or chosen == "off",
-                    live=chosen == "bar")
+    return Progress(iterable, total, desc, unit, unit_scale, every, file,
+                    quiet=quiet or chosen == "off", live=chosen == "bar")

@@ -11,9 +11,9 @@ Each range goes to two places:
     env var GPT2NP_NVTX=0.
   * Listeners registered with add_listener(): objects with on_push(name, detail) and on_pop(name)
     methods, called on the thread that opens/closes the range. `detail` is what the code that opened
-    the range passed along (None for most; the model passes (module, op arguments, op keywords) for each
-    op, which is how the built-in profiler attributes work without the model knowing it). current_stack() gives
-    the names open on the calling thread.
+    the range passed along (None for most; the model passes (module, op arguments, op keywords) for
+    each op, which is how the built-in profiler attributes work without the model knowing it).
+    current_stack() gives the names open on the calling thread.
 
 Listeners do not depend on the NVTX switch: they are called whenever any are registered. With NVTX
 off and no listeners, range() costs one boolean check and returns a shared do-nothing context.
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Collective:
-    """The `detail` of a communication range (dist.py opens one around each collective): the collective
-    ("all_reduce", "reduce_scatter", "all_gather", "broadcast"), the bytes of the buffer it works on (the
-    whole buffer, as nccl-tests' size) and the number of ranks. The profiler turns it into a communication
-    row with algorithm and bus bandwidth."""
+    """The `detail` of a communication range (dist.py opens one around each collective): the
+    collective ("all_reduce", "reduce_scatter", "all_gather", "broadcast"), the bytes of the buffer
+    it works on (the whole buffer, as nccl-tests' size) and the number of ranks. The profiler turns
+    it into a communication row with algorithm and bus bandwidth."""
     op: str
     nbytes: int
     ranks: int
@@ -62,7 +62,8 @@ def enabled() -> bool:
 
 
 def add_listener(listener) -> None:
-    """Register an object with on_push(name, detail) and on_pop(name) methods; called for every range.
+    """Register an object with on_push(name, detail) and on_pop(name) methods;
+    called for every range.
 
     on_push runs after the name is on current_stack(); on_pop runs before it is removed."""
     global _listeners
@@ -159,8 +160,8 @@ class _Range:
 
 
 def range(name: str, detail=None):  # noqa: A001 - read as ranges.range(...), like torch.cuda.nvtx.range
-    """Context manager: a range called `name` around the body (one boolean check when off). `detail` goes
-    to the listeners only (NVTX gets the name)."""
+    """Context manager: a range called `name` around the body (one boolean check when off). `detail`
+    goes to the listeners only (NVTX gets the name)."""
     if not _active:
         return _NULL_RANGE
     return _Range(name, detail)

@@ -1,8 +1,8 @@
 """Flat-buffer layouts: the 16 parameter tensors in llm.c's order, and the activations for (B, T).
 
-Parameters and gradients are each ONE flat buffer of `num_parameters(cfg)` elements; `views(flat, layout)`
-cuts named, shaped views out of it. The AdamW moments m, v are flat buffers too, without views, sized to the
-update shard (gpt2np.model).
+Parameters and gradients are each ONE flat buffer of `num_parameters(cfg)` elements; `views(flat,
+layout)` cuts named, shaped views out of it. The AdamW moments m, v are flat buffers too, without
+views, sized to the update shard (gpt2np.model).
 """
 import numpy as np
 
@@ -32,34 +32,40 @@ def param_shapes(cfg: GPT2Config):
 DECAYED_BY_DEFAULT = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw")
 
 
-# the attention implementations: naive (the (T,T) probabilities saved) and flash (recomputed in backward)
+# the attention implementations: naive (the (T,T) probabilities saved) and flash
+# (recomputed in backward)
 ATTENTIONS = ("flash", "naive")
 
-# llm.c's -r: 0 keep every activation, 1 recompute the GELU in backward, 2 the GELU and the LayerNorms
+# llm.c's -r: 0 keep every activation, 1 recompute the GELU in backward, 2 the
+# GELU and the LayerNorms
 RECOMPUTE_LEVELS = (0, 1, 2)
 
 
-def activation_shapes(cfg: GPT2Config, B: int, T: int, attention: str = "naive", recompute: int = 0):
+def activation_shapes(cfg: GPT2Config, B: int, T: int, attention: str = "naive",
+                      recompute: int = 0):
     """{name: shape} of every activation kept for the backward pass, for a (B, T) batch.
 
     encoded (B,T,C) = wte[x] + wpe;  per layer l: ln1, ln1_mean, ln1_rstd, qkvr (3,B,NH,T,HS)
     q, k, v split per head, att (B,NH,T,T) softmax probabilities, atty (B,T,C) attention output,
     attproj, residual2, ln2..., fch (B,T,4C) pre-GELU, fch_gelu, fcproj, residual3;
     lnf, lnf_mean, lnf_rstd; logits (B,T,Vp); losses (B,T).
-    attention "flash" keeps qkv (B,T,3C) (the c_attn output) and lse (B,NH,T) instead of qkvr and att: the
-    flash attention backward recomputes the probabilities from them.
-    recompute (llm.c's -r): 0 keeps every layer's activations; >= 1 keeps one fch_gelu (B,T,4C) that every layer
-    writes in turn (the backward recomputes each layer's GELU from its kept fch); 2 also keeps no ln1/ln2 (shape
-    (0,B,T,C)): every LayerNorm writes into lnf, and the backward recomputes ln1/ln2 there from the kept residual
-    (their mean and rstd stay per layer). llm.c's layout: same names and order, the dropped tensors of size 0.
+    attention "flash" keeps qkv (B,T,3C) (the c_attn output) and lse (B,NH,T) instead of qkvr and
+    att: the flash attention backward recomputes the probabilities from them.
+    recompute (llm.c's -r): 0 keeps every layer's activations; >= 1 keeps one fch_gelu (B,T,4C) that
+    every layer writes in turn (the backward recomputes each layer's GELU from its kept fch); 2 also
+    keeps no ln1/ln2 (shape (0,B,T,C)): every LayerNorm writes into lnf, and the backward recomputes
+    ln1/ln2 there from the kept residual (their mean and rstd stay per layer). llm.c's layout: same
+    names and order, the dropped tensors of size 0.
     """
     L, NH, C, Vp = cfg.num_layers, cfg.num_heads, cfg.channels, cfg.padded_vocab_size
     HS = C // NH
     if attention not in ATTENTIONS:
-        raise ValueError(f"unknown attention {attention!r}: expected one of {', '.join(ATTENTIONS)}")
+        raise ValueError(f"unknown attention {attention!r}: expected one of "
+                         f"{', '.join(ATTENTIONS)}")
     if recompute not in RECOMPUTE_LEVELS:
         raise ValueError(f"recompute {recompute!r}: expected 0, 1 or 2")
-    ln_layers = L if recompute < 2 else 0           # -r 2: the LayerNorm outputs live in lnf, one at a time
+    # -r 2: the LayerNorm outputs live in lnf, one at a time
+    ln_layers = L if recompute < 2 else 0
     fch_gelu = (L, B, T, 4 * C) if recompute < 1 else (B, T, 4 * C)
     saved = ({"qkv": (L, B, T, 3 * C), "lse": (L, B, NH, T)} if attention == "flash"
              else {"qkvr": (L, 3, B, NH, T, HS), "att": (L, B, NH, T, T)})
@@ -76,9 +82,10 @@ def activation_shapes(cfg: GPT2Config, B: int, T: int, attention: str = "naive",
     }
 
 
-# Activations that stay float32 when the others are stored in bf16 (llm.c's train_gpt2.cu keeps them `float`):
-# the LayerNorm statistics and the per-token losses.
-FP32_ACTIVATIONS = ("ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "lnf_mean", "lnf_rstd", "losses", "lse")
+# Activations that stay float32 when the others are stored in bf16 (llm.c's train_gpt2.cu keeps them
+# `float`): the LayerNorm statistics and the per-token losses.
+FP32_ACTIVATIONS = ("ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "lnf_mean", "lnf_rstd",
+                    "losses", "lse")
 
 
 def layout_size(shapes) -> int:

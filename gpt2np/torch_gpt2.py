@@ -11,9 +11,10 @@ Forward and backward use autograd; AdamW is written out by hand with llm.c's upd
     losses = ref.take_steps(x, y, 10, lr=1e-4)  # the loss before each update, like llm.c's loop
     ac = TorchGPT2(cfg, params_flat, autocast=True)   # PyTorch's bf16 mixed precision, for compare --precision bf16
 
-autocast=True runs the forward pass under torch.autocast("cpu", dtype=torch.bfloat16), as a PyTorch user trains in
-bf16: fp32 parameters, gradients and AdamW; matmuls on bf16 inputs; LayerNorm and GELU as PyTorch's own ops
-(F.layer_norm, F.gelu: fp32 math inside, bf16 out under autocast); the loss in fp32 from the bf16 logits.
+autocast=True runs the forward pass under torch.autocast("cpu", dtype=torch.bfloat16), as a PyTorch
+user trains in bf16: fp32 parameters, gradients and AdamW; matmuls on bf16 inputs; LayerNorm and
+GELU as PyTorch's own ops (F.layer_norm, F.gelu: fp32 math inside, bf16 out under autocast); the
+loss in fp32 from the bf16 logits.
 
 PyTorch is optional: importing this module works without it; building a TorchGPT2 without it raises
 ReferenceUnavailableError with a one-line install hint.
@@ -24,7 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpt2np.config import GPT2Config
-from gpt2np.tensors import DECAYED_BY_DEFAULT, PARAM_NAMES, num_parameters, offsets, param_shapes, views
+from gpt2np.tensors import (
+    DECAYED_BY_DEFAULT,
+    PARAM_NAMES,
+    num_parameters,
+    offsets,
+    param_shapes,
+    views,
+)
 
 LN_EPS = 1e-5
 
@@ -94,9 +102,11 @@ def causal_self_attention(qkv, num_heads):
 
 def gpt2_logits(p, cfg: GPT2Config, x, torch_ops=False, bf16_residual=False):
     """x (B,T) int64 token ids -> logits (B,T,V) over the real vocabulary (lm_head tied to wte[:V]).
-    torch_ops: LayerNorm and GELU by F.layer_norm and F.gelu (what autocast gives its bf16 policy to).
-    bf16_residual: the residual stream rounded to bf16 after the embedding and after every add, its gradient too
-    on the way back (the casts' backward), as llm.c's bf16 scheme stores both; autocast keeps them fp32."""
+    torch_ops: LayerNorm and GELU by F.layer_norm and F.gelu (what autocast gives
+    its bf16 policy to).
+    bf16_residual: the residual stream rounded to bf16 after the embedding and after every add, its
+    gradient too on the way back (the casts' backward), as llm.c's bf16 scheme stores both;
+    autocast keeps them fp32."""
     ln, gelu = (torch_layernorm, torch_gelu_tanh) if torch_ops else (layernorm, gelu_tanh)
     T = x.shape[1]
     torch = require_torch()
@@ -110,7 +120,8 @@ def gpt2_logits(p, cfg: GPT2Config, x, torch_ops=False, bf16_residual=False):
     for l in range(cfg.num_layers):
         w = {name: tensors[l] for name, tensors in layer.items()}
         qkv = linear(ln(h, w["ln1w"], w["ln1b"]), w["qkvw"], w["qkvb"])
-        h = residual(h + linear(causal_self_attention(qkv, cfg.num_heads), w["attprojw"], w["attprojb"]))
+        h = residual(h + linear(causal_self_attention(qkv, cfg.num_heads), w["attprojw"],
+                                w["attprojb"]))
         fch = linear(ln(h, w["ln2w"], w["ln2b"]), w["fcw"], w["fcb"])
         h = residual(h + linear(gelu(fch), w["fcprojw"], w["fcprojb"]))
     h = ln(h, p["lnfw"], p["lnfb"])
@@ -138,7 +149,8 @@ class TorchGPT2:
 
     def __init__(self, cfg: GPT2Config, params_flat, dtype: str = "float32", autocast: bool = False,
                  bf16_residual: bool = False):
-        """bf16_residual (with autocast): the residual stream and its gradient rounded to bf16 (gpt2_logits)."""
+        """bf16_residual (with autocast): the residual stream and its gradient rounded to
+        bf16 (gpt2_logits)."""
         torch = require_torch()
         self.torch = torch
         self.autocast = autocast
@@ -162,28 +174,34 @@ class TorchGPT2:
     def _tokens(self, a, what):
         a = np.asarray(a)
         if a.ndim != 2 or not np.issubdtype(a.dtype, np.integer):
-            raise ValueError(f"reference: {what} must be a (B,T) integer array, got {a.dtype} {a.shape}")
+            raise ValueError(f"reference: {what} must be a (B,T) integer array, got "
+                             f"{a.dtype} {a.shape}")
         if a.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"reference: T={a.shape[1]} exceeds max_seq_len={self.cfg.max_seq_len}")
+            raise ValueError(f"reference: T={a.shape[1]} exceeds "
+                             f"max_seq_len={self.cfg.max_seq_len}")
         if a.size and (a.min() < 0 or a.max() >= self.cfg.vocab_size):
             raise ValueError(f"reference: {what} has token ids outside [0, {self.cfg.vocab_size})")
         return self.torch.from_numpy(a.astype(np.int64))
 
     # -- forward / backward -----------------------------------------------------------------
     def forward(self, x, y=None):
-        """-> (logits (B,T,V) tensor, mean loss tensor or None); differentiable w.r.t. self.params."""
+        """-> (logits (B,T,V) tensor, mean loss tensor or None); differentiable
+        w.r.t. self.params."""
         x_t = self._tokens(x, "x")
         if self.autocast:
             with self.torch.autocast("cpu", dtype=self.torch.bfloat16):
-                logits = gpt2_logits(self.params, self.cfg, x_t, torch_ops=True, bf16_residual=self.bf16_residual)
-            logits = logits.float()                          # the loss in fp32, as F.cross_entropy under autocast
+                logits = gpt2_logits(self.params, self.cfg, x_t, torch_ops=True,
+                                     bf16_residual=self.bf16_residual)
+            # the loss in fp32, as F.cross_entropy under autocast
+            logits = logits.float()
         else:
             logits = gpt2_logits(self.params, self.cfg, x_t)
         if y is None:
             return logits, None
         y_t = self._tokens(y, "y")
         if y_t.shape != x_t.shape:
-            raise ValueError(f"reference: x {tuple(x_t.shape)} and y {tuple(y_t.shape)} differ in shape")
+            raise ValueError(f"reference: x {tuple(x_t.shape)} and y "
+                             f"{tuple(y_t.shape)} differ in shape")
         return logits, cross_entropy(logits, y_t)
 
     def _backward(self, x, y):
@@ -194,7 +212,8 @@ class TorchGPT2:
         return logits.detach(), loss.detach()
 
     def flat_grad(self):
-        """The gradient as one flat tensor in llm.c's order (zeros for tensors it does not reach)."""
+        """The gradient as one flat tensor in llm.c's order (zeros for tensors
+        it does not reach)."""
         torch = self.torch
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in self.params.values()])

@@ -1,6 +1,7 @@
-"""Bad input to every tool ends in ONE line on stderr, `error: ...`, naming the flag or file, the value and what
-is allowed, and exit code 2, never a traceback; GPT2NP_DEBUG=1 shows the traceback instead. Mostly in-process
-(main(argv) returns the exit code), a few through a real subprocess for the codes a shell sees."""
+"""Bad input to every tool ends in ONE line on stderr, `error: ...`, naming the flag or file, the
+value and what is allowed, and exit code 2, never a traceback; GPT2NP_DEBUG=1 shows the traceback
+instead. Mostly in-process (main(argv) returns the exit code), a few through a real subprocess for
+the codes a shell sees."""
 import json
 import os
 import subprocess
@@ -26,22 +27,25 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def one_error_line(err):
-    """The single line on stderr (asserting it is one non-empty `error:` line without a traceback)."""
+    """The single line on stderr (asserting it is one non-empty `error:` line
+    without a traceback)."""
     assert "Traceback" not in err, err
     lines = err.splitlines()
-    assert len(lines) == 1 and err.endswith("\n") and lines[0].startswith("error: ") and lines[0][7:].strip(), err
+    assert (len(lines) == 1 and err.endswith("\n") and lines[0].startswith("error: ")
+            and lines[0][7:].strip()), err
     return lines[0]
 
 
 def assert_bad_input(main, argv, expected, capsys, code=2):
-    """main(argv) exits with `code` and one error line holding every expected piece (flag, value, allowed)."""
+    """main(argv) exits with `code` and one error line holding every expected piece
+    (flag, value, allowed)."""
     assert main([str(a) for a in argv]) == code
     line = one_error_line(capsys.readouterr().err)
     missing = [piece for piece in expected if piece not in line]
     assert not missing, f"{line!r} lacks {missing}"
 
 
-# ---- train.py: every flag's range, and flags that contradict each other ---------------------------------------
+# ---- train.py: every flag's range, and flags that contradict each other --------------------------
 TRAIN_CASES = {  # id: (argv, pieces the line must hold: the flag, the value, what is allowed)
     "lr nan": (["-l", "nan"], ["-l nan", "the learning rate must be a finite number > 0"]),
     "lr negative": (["-l", "-1"], ["-l -1", "> 0"]),
@@ -49,7 +53,8 @@ TRAIN_CASES = {  # id: (argv, pieces the line must hold: the flag, the value, wh
     "final lr fraction": (["-q", "-2"], ["-q -2", "final lr fraction", "[0, 1]"]),
     "final lr fraction > 1": (["-q", "1.5"], ["-q 1.5", "[0, 1]"]),
     "eps 0": (["--eps", "0"], ["--eps 0", "> 0"]),
-    # a negative value in exponent notation is a value, not an unknown flag (argparse's own pattern misses it)
+    # a negative value in exponent notation is a value, not an unknown flag (argparse's
+    # own pattern misses it)
     "eps negative exponent": (["--eps", "-1e-8"], ["--eps -1e-08", "AdamW's epsilon", "> 0"]),
     "lr negative exponent": (["-l", "-6E-4"], ["-l -0.0006", "> 0"]),
     "beta2 1.5": (["--beta2", "1.5"], ["--beta2 1.5", "[0, 1)"]),
@@ -84,7 +89,8 @@ TRAIN_CASES = {  # id: (argv, pieces the line must hold: the flag, the value, wh
     "checkpoints without -o": (["-n", "5"], ["-n 5", "without -o"]),
     "overwrite without -o": (["--overwrite"], ["--overwrite without -o"]),
     "hellaswag data without hellaswag": (["--hellaswag-data", "hs.jsonl"],
-                                         ["--hellaswag-data hs.jsonl", "without -h 1 or --hellaswag N"]),
+                                         ["--hellaswag-data hs.jsonl",
+                                          "without -h 1 or --hellaswag N"]),
     "total batch not a multiple": (["-d", "100", "-b", "4", "-t", "64"],
                                    ["-d 100", "-b 4", "-t 64", "multiple of B*T = 256"]),
     # argparse's own errors: one line too
@@ -100,10 +106,11 @@ def test_train_flag_errors(argv, expected, capsys):
     assert_bad_input(train.main, argv, expected, capsys)
 
 
-@pytest.mark.parametrize("argv", [["-x", "0"], ["-x", "-1"], ["-m", "-1"], ["--profile", "1", "-x", "2"],
-                                  ["--profile", "5"], ["-d", "512", "-b", "4", "-t", "64"], ["-n", "5", "-o", "out"],
-                                  ["-y", "1", "-o", "out"], ["-q", "0"], ["--beta2", "0"], ["--temperature", "0"],
-                                  ["-v", "0", "-s", "0", "-g", "0", "--grad-clip", "0", "--dist-timeout", "0"]])
+@pytest.mark.parametrize(
+    "argv", [["-x", "0"], ["-x", "-1"], ["-m", "-1"], ["--profile", "1", "-x", "2"],
+             ["--profile", "5"], ["-d", "512", "-b", "4", "-t", "64"], ["-n", "5", "-o", "out"],
+             ["-y", "1", "-o", "out"], ["-q", "0"], ["--beta2", "0"], ["--temperature", "0"],
+             ["-v", "0", "-s", "0", "-g", "0", "--grad-clip", "0", "--dist-timeout", "0"]])
 def test_train_flags_at_the_limits_are_accepted(argv):
     cfg = train.parse_config(argv)
     assert cfg.validate() is cfg
@@ -116,7 +123,8 @@ def test_defaults_are_valid_on_either_device():
 
 
 def test_device_defaults_are_checked_once_filled():
-    """A device-dependent default still None is not judged; once filled (CPU: -x 40) the same rules apply."""
+    """A device-dependent default still None is not judged; once filled (CPU: -x 40) the
+    same rules apply."""
     cfg = TrainConfig(profile_steps=50)
     cfg.validate()
     with pytest.raises(cli.BadInput, match=r"--profile 50 with -x 40"):
@@ -143,13 +151,15 @@ def test_validate_checks_types_for_callers_without_argparse(name, value, expecte
 
 
 def test_every_number_setting_has_a_rule():
-    """A rule says what a number may be (a range, its special values); a new setting must bring one."""
+    """A rule says what a number may be (a range, its special values); a new
+    setting must bring one."""
     loose = [f.metadata["flag"] for f in fields(TrainConfig) if value_type(f) in (int, float)
              and not f.metadata["choices"] and not (f.metadata["allowed"] and f.metadata["what"])]
-    assert not loose, f"give these TrainConfig fields allowed=... and what=... in gpt2np/config.py: {loose}"
+    assert not loose, ("give these TrainConfig fields allowed=... and what=... in "
+                       f"gpt2np/config.py: {loose}")
 
 
-# ---- the tools -------------------------------------------------------------------------------------------------
+# ---- the tools -----------------------------------------------------------------------------------
 @pytest.fixture
 def a_file(tmp_path):
     path = tmp_path / "a_file"
@@ -160,8 +170,9 @@ def a_file(tmp_path):
 @pytest.fixture
 def records_json(tmp_path):
     """A valid records file with steps 1 and 2."""
-    rows = [report.KernelRecord(idx=i, step=1 + i // 2, direction="fprop", layer=0, op="matmul_forward",
-                                module="h.0.mlp.c_fc", params="B=1", kernel="k", start_ns=100 * i, duration_ns=50,
+    rows = [report.KernelRecord(idx=i, step=1 + i // 2, direction="fprop", layer=0,
+                                op="matmul_forward", module="h.0.mlp.c_fc", params="B=1",
+                                kernel="k", start_ns=100 * i, duration_ns=50,
                                 flops=10, bytes=10) for i in range(4)]
     path = tmp_path / "records.json"
     report.write_json(rows, str(path))
@@ -177,12 +188,13 @@ def with_record_field(path, name, value):
 
 
 def test_prepare_errors(tmp_path, a_file, capsys):
-    assert_bad_input(prepare_cli.main, ["--input", tmp_path], ["--input", str(tmp_path), "is a folder", "text file"],
-                     capsys)
+    assert_bad_input(prepare_cli.main, ["--input", tmp_path],
+                     ["--input", str(tmp_path), "is a folder", "text file"], capsys)
     assert_bad_input(prepare_cli.main, ["--input", a_file, "--output-dir", a_file],
                      ["--output-dir", str(a_file), "is a file", "folder"], capsys)
     assert_bad_input(prepare_cli.main, ["--val-tokens", "-1"], ["--val-tokens -1", ">= 0"], capsys)
-    assert_bad_input(prepare_cli.main, ["tinyshakespeare", "--input", a_file], ["either --input", "not both"], capsys)
+    assert_bad_input(prepare_cli.main, ["tinyshakespeare", "--input", a_file],
+                     ["either --input", "not both"], capsys)
 
 
 def test_fetch_errors(a_file, capsys):
@@ -199,9 +211,10 @@ def test_compare_errors(tmp_path, capsys):
     assert_bad_input(compare.main, ["-e", model, "-b", "0"], ["-b 0", ">= 1"], capsys)
     assert_bad_input(compare.main, ["-e", model, "-l", "nan"], ["-l nan", "finite"], capsys)
     assert_bad_input(compare.main, ["-e", model, "--rel-tol", "0"], ["--rel-tol 0", "> 0"], capsys)
-    assert_bad_input(compare.main, ["-e", model, "--tol", "fcw=inf"], ["--tol", "fcw=inf", "finite number > 0"],
-                     capsys)
-    assert_bad_input(compare.main, ["--steps", "1"], ["-e"], capsys)                 # the required model
+    assert_bad_input(compare.main, ["-e", model, "--tol", "fcw=inf"],
+                     ["--tol", "fcw=inf", "finite number > 0"], capsys)
+    # the required model
+    assert_bad_input(compare.main, ["--steps", "1"], ["-e"], capsys)
 
 
 def test_profiler_errors(a_file, capsys):
@@ -209,8 +222,10 @@ def test_profiler_errors(a_file, capsys):
     assert_bad_input(profile.main, ["-b", "0"], ["-b 0", ">= 1"], capsys)
     assert_bad_input(profile.main, ["-t", "-3"], ["-t -3", ">= 1"], capsys)
     assert_bad_input(profile.main, ["--out", a_file], ["--out", str(a_file), "is a file"], capsys)
-    assert_bad_input(profile.main, ["-e", a_file.parent / "none.bin"], ["none.bin", "no such model file"], capsys)
-    assert_bad_input(profile.main, ["-e", "d12", "-t", "2048"], ["-t 2048", "max_seq_len 1024"], capsys)
+    assert_bad_input(profile.main, ["-e", a_file.parent / "none.bin"],
+                     ["none.bin", "no such model file"], capsys)
+    assert_bad_input(profile.main, ["-e", "d12", "-t", "2048"],
+                     ["-t 2048", "max_seq_len 1024"], capsys)
 
 
 @pytest.mark.parametrize("name, value, expected", [
@@ -229,15 +244,21 @@ def test_report_records_of_the_wrong_type(records_json, name, value, expected, c
 def test_report_errors(records_json, tmp_path, capsys):
     assert_bad_input(report_cli.main, [records_json, "--step", "9"],
                      ["--step 9", str(records_json), "its steps are 1, 2"], capsys)
-    assert_bad_input(report_cli.main, [records_json, "--step", "first"], ["--step 'first'", "'last' or 'all'"], capsys)
-    assert_bad_input(report_cli.main, [records_json, "--device", "Voodoo5"], ["unknown device 'Voodoo5'"], capsys)
-    assert_bad_input(report_cli.main, [tmp_path / "none.json"], ["none.json", "no such file"], capsys)
+    assert_bad_input(report_cli.main, [records_json, "--step", "first"],
+                     ["--step 'first'", "'last' or 'all'"], capsys)
+    assert_bad_input(report_cli.main, [records_json, "--device", "Voodoo5"],
+                     ["unknown device 'Voodoo5'"], capsys)
+    assert_bad_input(report_cli.main, [tmp_path / "none.json"],
+                     ["none.json", "no such file"], capsys)
     doc = json.loads(records_json.read_text())
     records_json.write_text(json.dumps({**doc, "roofline": {"device": 3}}))
-    assert_bad_input(report_cli.main, [records_json], [str(records_json), "'roofline' must be"], capsys)
+    assert_bad_input(report_cli.main, [records_json],
+                     [str(records_json), "'roofline' must be"], capsys)
     records_json.write_text(json.dumps({"records": [[1, 2]]}))
-    assert_bad_input(report_cli.main, [records_json], [str(records_json), "record 0", "object"], capsys)
-    assert report_cli.main([str(tmp_path / "none.json"), "--step", "1"]) == 2         # the file is named, then the step
+    assert_bad_input(report_cli.main, [records_json],
+                     [str(records_json), "record 0", "object"], capsys)
+    # the file is named, then the step
+    assert report_cli.main([str(tmp_path / "none.json"), "--step", "1"]) == 2
     assert "none.json" in one_error_line(capsys.readouterr().err)
 
 
@@ -245,7 +266,8 @@ def test_nsys_errors(tmp_path, capsys):
     export = training_step_export().write(tmp_path / "prof.sqlite")
     assert_bad_input(nsys.main, [export, "--step", "7"], ["--step 7", "its steps are 1"], capsys)
     assert_bad_input(nsys.main, [export, "--top", "0"], ["--top 0", ">= 1"], capsys)
-    assert_bad_input(nsys.main, [export, "--csv", tmp_path], ["--csv", str(tmp_path), "is a folder"], capsys)
+    assert_bad_input(nsys.main, [export, "--csv", tmp_path],
+                     ["--csv", str(tmp_path), "is a folder"], capsys)
     assert_bad_input(nsys.main, [tmp_path / "none.sqlite"], ["none.sqlite", "no such file"], capsys)
 
 
@@ -255,7 +277,7 @@ def test_nvrtc_check_errors(capsys):
     assert_bad_input(nvrtc_check.main, ["--arch", "sm_90"], ["--arch sm_90", "90a"], capsys)
 
 
-# ---- the helper: exit codes, Ctrl-C, GPT2NP_DEBUG -------------------------------------------------------------
+# ---- the helper: exit codes, Ctrl-C, GPT2NP_DEBUG ------------------------------------------------
 def failing_tool(error):
     """A tool whose main raises `error`."""
     def main(argv=None):
@@ -272,7 +294,8 @@ def failing_tool(error):
     (RuntimeError("the GPU fell off the bus"), 1, "error: the GPU fell off the bus"),
     (KeyboardInterrupt(), 130, "error: interrupted"),
     (MemoryError("cannot allocate 33930608640 bytes"), 1,
-     "error: out of memory (cannot allocate 33930608640 bytes): give a smaller model, batch or context"),
+     "error: out of memory (cannot allocate 33930608640 bytes): give a smaller model, "
+     "batch or context"),
     (MemoryError(), 1, "error: out of memory: give a smaller model, batch or context"),
 ])
 def test_helper_maps_errors_to_one_line_and_a_code(error, code, expected, capsys, monkeypatch):
@@ -293,14 +316,15 @@ def test_debug_reraises_in_process(monkeypatch, capsys):
 def run_cli(args, **env):
     """A real process: (exit code, stderr)."""
     environment = {k: v for k, v in os.environ.items() if k != "GPT2NP_DEBUG"} | env
-    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=environment)
+    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=environment)
     return done.returncode, done.stderr
 
 
 def test_shell_sees_exit_2_and_one_line(a_file):
     code, err = run_cli(["train.py", "-l", "nan"])
-    assert code == 2 and one_error_line(err) == "error: -l nan: the learning rate must be a finite number > 0"
+    assert (code == 2 and one_error_line(err) == "error: -l nan: the learning rate must be a "
+                                                 "finite number > 0")
     code, err = run_cli(["-m", "gpt2np.cli.profile", "--out", str(a_file)])
     assert code == 2 and "--out" in one_error_line(err)
 

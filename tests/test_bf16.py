@@ -1,8 +1,9 @@
-"""The bf16 reference (issue 15): bf16 storage, fp32 math, RNE at each op's outputs, fp32 master weights with seeded
-stochastic rounding, bf16 model files, bitwise resume, memory.
+"""The bf16 reference (issue 15): bf16 storage, fp32 math, RNE at each op's outputs, fp32 master
+weights with seeded stochastic rounding, bf16 model files, bitwise resume, memory.
 
-Tolerance of one op: its bf16 output is the fp32 op's output on the same (upcast) inputs rounded once to nearest
-even, so |bf16 - fp32| <= 2^-8 |fp32| element by element (half a bf16 ulp; bf16 keeps 8 significant bits).
+Tolerance of one op: its bf16 output is the fp32 op's output on the same (upcast) inputs rounded
+once to nearest even, so |bf16 - fp32| <= 2^-8 |fp32| element by element (half a bf16 ulp; bf16
+keeps 8 significant bits).
 """
 import numpy as np
 import pytest
@@ -13,14 +14,22 @@ from gpt2np.backends.numpy.bf16 import Bf16NumpyBackend
 from gpt2np.bf16 import BF16, random_bits16, round_nearest, round_stochastic, stream_key
 from gpt2np.config import GPT2Config
 from gpt2np.datasets.data import write_shard
-from gpt2np.formats.checkpoint import fp32_to_bf16, load_model, load_state, model_path, save_model, state_path
+from gpt2np.formats.checkpoint import (
+    fp32_to_bf16,
+    load_model,
+    load_state,
+    model_path,
+    save_model,
+    state_path,
+)
 from gpt2np.model import GPT2
 from gpt2np.profiling.memory import memory_summary
 from gpt2np.tensors import PARAM_NAMES
 from gpt2np.train_step import train_step
 
 ONE_ROUNDING = 2.0 ** -8
-TINY = GPT2Config(max_seq_len=32, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=4, channels=32)
+TINY = GPT2Config(max_seq_len=32, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=4,
+                  channels=32)
 
 
 def bf16_random(rng, shape, scale=1.0):
@@ -41,7 +50,8 @@ def assert_one_rounding(out, ref):
 
 @pytest.fixture(params=[None, False], ids=["fused", "numpy"])
 def backends(request):
-    return get_backend("numpy", "bf16", fused=request.param), get_backend("numpy", fused=request.param)
+    return (get_backend("numpy", "bf16", fused=request.param),
+            get_backend("numpy", fused=request.param))
 
 
 def test_forward_ops_round_once(backends):
@@ -55,8 +65,10 @@ def test_forward_ops_round_once(backends):
     assert_one_rounding(out, ref)
 
     lw, lb = bf16_random(rng, C), bf16_random(rng, C)
-    out, mean, rstd = np.zeros((B, T, C), BF16), np.zeros((B, T), np.float32), np.zeros((B, T), np.float32)
-    ref, rmean, rrstd = np.zeros((B, T, C), np.float32), np.zeros((B, T), np.float32), np.zeros((B, T), np.float32)
+    out, mean, rstd = (np.zeros((B, T, C), BF16), np.zeros((B, T), np.float32),
+                       np.zeros((B, T), np.float32))
+    ref, rmean, rrstd = (np.zeros((B, T, C), np.float32), np.zeros((B, T), np.float32),
+                         np.zeros((B, T), np.float32))
     b16.layernorm_forward(out, mean, rstd, x, lw, lb)
     f32.layernorm_forward(ref, rmean, rrstd, up(x), up(lw), up(lb))
     assert_one_rounding(out, ref)
@@ -73,7 +85,8 @@ def test_forward_ops_round_once(backends):
     assert_one_rounding(out, ref)
 
     qkv = bf16_random(rng, (B, T, 3 * C))
-    out, qkvr, att = np.zeros((B, T, C), BF16), np.zeros((3, B, NH, T, C // NH), BF16), np.zeros((B, NH, T, T), BF16)
+    out, qkvr, att = (np.zeros((B, T, C), BF16), np.zeros((3, B, NH, T, C // NH), BF16),
+                      np.zeros((B, NH, T, T), BF16))
     r_out, r_qkvr, r_att = (np.zeros(a.shape, np.float32) for a in (out, qkvr, att))
     b16.attention_forward(out, qkvr, att, qkv)
     f32.attention_forward(r_out, r_qkvr, r_att, up(qkv))
@@ -104,7 +117,8 @@ def test_backward_ops_round_once_and_accumulate_in_fp32(backends, accumulate):
     b16, f32 = backends
     rng = np.random.default_rng(1)
     B, T, C, OC, NH = 2, 5, 8, 12, 2
-    dout, x, w = bf16_random(rng, (B, T, OC)), bf16_random(rng, (B, T, C)), bf16_random(rng, (OC, C), 0.3)
+    dout, x, w = (bf16_random(rng, (B, T, OC)), bf16_random(rng, (B, T, C)),
+                  bf16_random(rng, (OC, C), 0.3))
     dw0, db0 = bf16_random(rng, (OC, C)), bf16_random(rng, OC)
     dinp, dw, db = np.zeros((B, T, C), BF16), dw0.copy(), db0.copy()
     r_dinp, r_dw, r_db = np.zeros((B, T, C), np.float32), up(dw0).copy(), up(db0).copy()
@@ -153,12 +167,14 @@ def test_grad_norm_and_adamw_with_master_weights():
     rng = np.random.default_rng(2)
     n = 3000
     grads = bf16_random(rng, n)
-    assert b16.global_norm_squared(grads) == pytest.approx(f32.global_norm_squared(up(grads)), rel=1e-6)
+    assert b16.global_norm_squared(grads) == pytest.approx(f32.global_norm_squared(up(grads)),
+                                                           rel=1e-6)
     master = rng.standard_normal(n).astype(np.float32)
     params = round_nearest(master)
     m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
     r_master, r_m, r_v = master.copy(), m.copy(), v.copy()
-    b16.adamw_update(params, grads, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, 0.5, master=master, seed=7, offset=100)
+    b16.adamw_update(params, grads, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, 0.5, master=master, seed=7,
+                     offset=100)
     f32.adamw_update(r_master, up(grads), r_m, r_v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, 0.5)
     np.testing.assert_array_equal(master, r_master)              # the fp32 update, bit for bit
     np.testing.assert_array_equal(m, r_m)
@@ -185,13 +201,15 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     for t in range(1, draws + 1):
         round_stochastic(x, out, 1337, t, 0)
         lo = up(round_nearest(x))
-        assert np.all(np.abs(up(out) - x) < 2.0 ** -7 * np.abs(x))          # one of the two neighbours
+        # one of the two neighbours
+        assert np.all(np.abs(up(out) - x) < 2.0 ** -7 * np.abs(x))
         assert np.all((up(out) == lo) | (np.abs(up(out) - lo) <= 2.0 ** -7 * np.abs(x)))
         total += up(out)
     ulp = 2.0 ** (np.floor(np.log2(np.abs(x))) - 7)
     # the mean of `draws` draws: standard error <= ulp / (2 sqrt(draws)); 5 of them
     assert np.all(np.abs(total / draws - x) <= 5 * ulp / (2 * np.sqrt(draws)))
-    # reproducible: a function of (seed, t, index) only; another seed, step or offset draws other bits
+    # reproducible: a function of (seed, t, index) only; another seed, step or
+    # offset draws other bits
     a, b = np.zeros(64, BF16), np.zeros(64, BF16)
     round_stochastic(x, a, 1, 5, 10)
     round_stochastic(x, b, 1, 5, 10)
@@ -200,10 +218,12 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     round_stochastic(x[32:], part, 1, 5, 42)                  # the same elements, cut elsewhere
     np.testing.assert_array_equal(part.view(np.uint16), a[32:].view(np.uint16))
     bits = random_bits16(stream_key(1, 5), 10, 64)
-    assert bits.max() < 1 << 16 and not np.array_equal(bits, random_bits16(stream_key(1, 6), 10, 64))
+    assert bits.max() < 1 << 16 and not np.array_equal(bits,
+                                                       random_bits16(stream_key(1, 6), 10, 64))
     assert not np.array_equal(bits, random_bits16(stream_key(2, 5), 10, 64))
     exact = round_nearest(x)
-    np.testing.assert_array_equal(round_stochastic(up(exact), out, 9, 9, 0).view(np.uint16), exact.view(np.uint16))
+    np.testing.assert_array_equal(round_stochastic(up(exact), out, 9, 9, 0).view(np.uint16),
+                                  exact.view(np.uint16))
     special = np.array([np.inf, -np.inf, np.nan, 0.0], np.float32)
     got = up(round_stochastic(special, np.zeros(4, BF16), 3, 3, 0))
     assert got[0] == np.inf and got[1] == -np.inf and np.isnan(got[2]) and got[3] == 0
@@ -241,7 +261,8 @@ def test_model_buffers_and_memory_halve():
     x = np.random.default_rng(0).integers(0, 200, (4, 32))
     train_step(h, lambda: (x, x), step=0, lr=1e-3)
     mh = memory_summary(h, peak={})
-    assert row(mh, "AdamW m") == row(mf, "parameters") and row(mh, "master weights") == row(mf, "parameters")
+    assert (row(mh, "AdamW m") == row(mf, "parameters")
+            and row(mh, "master weights") == row(mf, "parameters"))
 
 
 def test_bf16_training_tracks_fp32():
@@ -259,7 +280,7 @@ def test_bf16_training_tracks_fp32():
     np.testing.assert_allclose(up(h.params_host()), h.master, rtol=2.0 ** -7, atol=0)
 
 
-# ---- files and the trainer -------------------------------------------------------------------------
+# ---- files and the trainer -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
@@ -285,40 +306,47 @@ def test_bf16_files_load_without_conversion(files):
     m = GPT2(TINY, get_backend("numpy", "bf16"), 1, 8)
     m.load_params(params)
     np.testing.assert_array_equal(m.params.view(np.uint16), params.view(np.uint16))
-    _, fp32 = load_model(files / "tiny.bin")                    # a v3 file rounds once, to nearest even
+    # a v3 file rounds once, to nearest even
+    _, fp32 = load_model(files / "tiny.bin")
     m.load_params(fp32)
     np.testing.assert_array_equal(m.params.view(np.uint16), fp32_to_bf16(fp32))
 
 
 def train_args(files, *more, precision="bf16", device="cpu"):
-    return [str(a) for a in ["-i", files / "train.bin", "-j", files / "val.bin", "-b", 2, "-t", 16, "--device",
-                             device, "-s", 0, "-v", 2, "-m", 1, "-l", 1e-3, "-c", 0.1, "--precision", precision,
-                             *more]]
+    return [str(a) for a in ["-i", files / "train.bin", "-j", files / "val.bin", "-b", 2, "-t", 16,
+                             "--device", device, "-s", 0, "-v", 2, "-m", 1, "-l", 1e-3, "-c", 0.1,
+                             "--precision", precision, *more]]
 
 
 @pytest.mark.parametrize("device", ["cpu", "emu"])
 def test_train_bf16_resume_is_bitwise(files, tmp_path, capsys, device):
-    """A bf16 run (the numpy reference, or the CUDA backend's bf16 build on the emulator: device AdamW, stochastic
-    rounding, CUDA graphs) stopped at step 3 and resumed gives the straight run's losses and files bit for bit."""
+    """A bf16 run (the numpy reference, or the CUDA backend's bf16 build on the emulator: device
+    AdamW, stochastic rounding, CUDA graphs) stopped at step 3 and resumed gives the straight run's
+    losses and files bit for bit."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     base = train_args(files, "-e", files / "tiny_bf16.bin", "-x", 6, "-n", 3, device=device)
     assert train.main(base + ["-o", str(full)]) == 0
     out_full = capsys.readouterr().out
     assert "bf16 (bf16 storage" in out_full
     resumed.mkdir()
-    for name in ("model_00000003.bin", "state_00000003_00000.bin", "DONE_00000003", "run.json", "main.log"):
+    for name in ("model_00000003.bin", "state_00000003_00000.bin", "DONE_00000003", "run.json",
+                 "main.log"):
         (resumed / name).write_bytes((full / name).read_bytes())
     assert train.main(base + ["-o", str(resumed), "-y", "1"]) == 0
     out_resumed = capsys.readouterr().out
     assert "resuming from step 3" in out_resumed
     def step_losses(out):
-        return [line.split("|")[1] for line in out.splitlines() if line.startswith("step") and "/6" in line]
+        return [line.split("|")[1] for line in out.splitlines()
+                if line.startswith("step") and "/6" in line]
 
     assert len(step_losses(out_full)) == 6 and step_losses(out_full)[3:] == step_losses(out_resumed)
-    assert (full / "model_00000006.bin").read_bytes() == (resumed / "model_00000006.bin").read_bytes()
-    assert (full / "state_00000006_00000.bin").read_bytes() == (resumed / "state_00000006_00000.bin").read_bytes()
+    assert ((full / "model_00000006.bin").read_bytes()
+            == (resumed / "model_00000006.bin").read_bytes())
+    assert ((full / "state_00000006_00000.bin").read_bytes()
+            == (resumed / "state_00000006_00000.bin").read_bytes())
     cfg, params = load_model(model_path(full, 6), keep_bf16=True)
-    assert params.dtype == BF16 and (full / "model_00000006.bin").stat().st_size == 1024 + 2 * params.size
+    assert (params.dtype == BF16
+            and (full / "model_00000006.bin").stat().st_size == 1024 + 2 * params.size)
     info, m, v, master = load_state(state_path(full, 6), with_master=True)
     assert info["master_weights"] and master.dtype == np.float32 and master.size == params.size
     assert np.all(np.abs(up(params) - master) <= 2.0 ** -7 * np.abs(master))
@@ -329,7 +357,8 @@ def test_train_bf16_resume_is_bitwise(files, tmp_path, capsys, device):
 
 
 def test_train_v3_file_into_bf16(files, tmp_path, capsys):
-    assert train.main(train_args(files, "-e", files / "tiny.bin", "-x", 2, "-n", 2, "-o", tmp_path)) == 0
+    assert train.main(train_args(files, "-e", files / "tiny.bin", "-x", 2, "-n", 2, "-o",
+                                 tmp_path)) == 0
     out, err = capsys.readouterr()
     assert "step    2/2" in out and err == ""
     _, params = load_model(model_path(tmp_path, 2), keep_bf16=True)
@@ -341,7 +370,7 @@ def test_bf16_flags_that_contradict_are_one_line(files, capsys):
     assert "--tf32 with --precision bf16" in capsys.readouterr().err
 
 
-# ---- compare --precision bf16 -----------------------------------------------------------------------
+# ---- compare --precision bf16 --------------------------------------------------------------------
 
 def bf16_rows(out):
     """{tensor: [name, gpt2np, ac+bf16 res, ratio, ok, autocast, ratio]}: compare's bf16 table."""
@@ -400,13 +429,16 @@ def test_compare_bf16_fails_beyond_the_criterion(files, capsys, monkeypatch):
 
 
 def test_compare_bf16_on_a_few_tokens_says_the_ratios_are_noise(files, capsys):
-    """At B*T < 64 the per-token losses are a handful of numbers: the output says the ratios mean little there."""
+    """At B*T < 64 the per-token losses are a handful of numbers: the output says the ratios
+    mean little there."""
     pytest.importorskip("torch")
     from gpt2np.cli import compare
-    compare.main(["-e", str(files / "tiny.bin"), "--precision", "bf16", "-b", "1", "-t", "1", "--steps", "0"])
+    compare.main(["-e", str(files / "tiny.bin"), "--precision", "bf16", "-b", "1", "-t", "1",
+                  "--steps", "0"])
     out = capsys.readouterr().out
     assert "note: only B*T = 1 of 64 tokens:" in out and "use B*T >= 64" in out
-    compare.main(["-e", str(files / "tiny.bin"), "--precision", "bf16", "-b", "2", "-t", "32", "--steps", "0"])
+    compare.main(["-e", str(files / "tiny.bin"), "--precision", "bf16", "-b", "2", "-t", "32",
+                  "--steps", "0"])
     assert "note: only B*T" not in capsys.readouterr().out
 
 
@@ -431,7 +463,8 @@ def test_compare_bf16_on_the_emulated_cuda_path(files, capsys):
 
 
 def test_stochastic_rounding_noise_is_the_documented_splitmix64():
-    """The noise, written out with Python integers from bf16.py's docstring: what a CUDA kernel must reproduce."""
+    """The noise, written out with Python integers from bf16.py's docstring: what a CUDA
+    kernel must reproduce."""
     M = (1 << 64) - 1
 
     def mix(z):
@@ -442,7 +475,8 @@ def test_stochastic_rounding_noise_is_the_documented_splitmix64():
     seed, t, offset = 1337, 12, 5_000_000_000 % (1 << 32)
     stream = mix(((seed & 0xFFFFFFFF) << 32) | t)
     assert int(stream_key(seed, t)) == stream
-    expect = [mix((stream + (i + 1) * 0x9E3779B97F4A7C15) & M) >> 48 for i in range(offset, offset + 50)]
+    expect = [mix((stream + (i + 1) * 0x9E3779B97F4A7C15) & M) >> 48
+              for i in range(offset, offset + 50)]
     assert random_bits16(stream, offset, 50).tolist() == expect
     x = np.random.default_rng(5).standard_normal(50).astype(np.float32)
     u = x.view(np.uint32).astype(np.int64)
@@ -452,7 +486,8 @@ def test_stochastic_rounding_noise_is_the_documented_splitmix64():
 
 
 def test_bf16_residual_backward_may_alias_its_outputs():
-    """dinp1 is dinp2: the reference adds dout twice, rounding after each add (as the kernel's two stores do)."""
+    """dinp1 is dinp2: the reference adds dout twice, rounding after each add (as the
+    kernel's two stores do)."""
     be = Bf16NumpyBackend(threads=1)
     rng = np.random.default_rng(0)
     d = rng.standard_normal(64).astype(BF16)
@@ -463,10 +498,11 @@ def test_bf16_residual_backward_may_alias_its_outputs():
     assert np.array_equal(d.view(np.uint16), want.view(np.uint16))
 
 
-# ---- -w 0: no fp32 master weights (llm.c's use_master_weights 0) ----------------------------------------------
+# ---- -w 0: no fp32 master weights (llm.c's use_master_weights 0) ---------------------------------
 
 def test_without_master_weights_memory_drops_4_bytes_a_parameter():
-    """The model's memory summary (after a step: m, v allocated) and memory_needed lose exactly the masters."""
+    """The model's memory summary (after a step: m, v allocated) and memory_needed lose
+    exactly the masters."""
     x = np.random.default_rng(0).integers(0, 200, (4, 32))
     summaries = []
     for masters in (True, False):
@@ -480,14 +516,16 @@ def test_without_master_weights_memory_drops_4_bytes_a_parameter():
     assert row["bytes"] == 0 and "-w 0" in row["what"]
     for precision, drop in (("bf16", 4 * P), ("fp32", 0)):
         be = get_backend("emu", precision)
-        with_, without = (sum(be.memory_needed(TINY, 4, 32, master_weights=w).values()) for w in (True, False))
+        with_, without = (sum(be.memory_needed(TINY, 4, 32, master_weights=w).values())
+                          for w in (True, False))
         assert with_ - without == drop, precision
 
 
 @pytest.mark.parametrize("device", ["numpy", "emu"])
 def test_without_master_weights_training_steps(device):
-    """-w 0 and -w 1 from the same bf16 weights: the first step is bitwise the same (the masters start as the
-    params), the next ones differ (the masters keep what the bf16 params round away); the loss stays finite."""
+    """-w 0 and -w 1 from the same bf16 weights: the first step is bitwise the same (the masters
+    start as the params), the next ones differ (the masters keep what the bf16 params round away);
+    the loss stays finite."""
     x = np.random.default_rng(1).integers(0, 200, (2, 17))
     runs = []
     for masters in (True, False):
@@ -506,20 +544,24 @@ def test_without_master_weights_training_steps(device):
 
 @pytest.mark.parametrize("device", ["cpu", "emu"])
 def test_train_without_master_weights_resumes_bitwise(files, tmp_path, capsys, device):
-    """train.py --precision bf16 -w 0: the header says so, the loss is finite, the state file holds m and v only,
-    and a resume from step 3 gives the straight run's losses and files bit for bit."""
+    """train.py --precision bf16 -w 0: the header says so, the loss is finite, the state file holds
+    m and v only, and a resume from step 3 gives the straight run's losses and files bit for bit."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    base = train_args(files, "-e", files / "tiny_bf16.bin", "-x", 6, "-n", 3, "-w", 0, device=device)
+    base = train_args(files, "-e", files / "tiny_bf16.bin", "-x", 6, "-n", 3, "-w", 0,
+                      device=device)
     assert train.main(base + ["-o", str(full)]) == 0
     out_full = capsys.readouterr().out
     assert "| master weights" in out_full and "disabled (-w 0" in out_full
     steps = [line for line in out_full.splitlines() if line.startswith("step") and "/6" in line]
-    assert len(steps) == 6 and all(np.isfinite(float(line.split("|")[1].split()[1])) for line in steps)
+    assert len(steps) == 6 and all(np.isfinite(float(line.split("|")[1].split()[1]))
+                                   for line in steps)
     info, m, v, master = load_state(state_path(full, 6), with_master=True)
     assert master is None and not info.get("master_weights")
-    assert (full / "state_00000006_00000.bin").stat().st_size < 3 * 4 * m.size   # two fp32 arrays, a small header
+    # two fp32 arrays, a small header
+    assert (full / "state_00000006_00000.bin").stat().st_size < 3 * 4 * m.size
     resumed.mkdir()
-    for name in ("model_00000003.bin", "state_00000003_00000.bin", "DONE_00000003", "run.json", "main.log"):
+    for name in ("model_00000003.bin", "state_00000003_00000.bin", "DONE_00000003", "run.json",
+                 "main.log"):
         (resumed / name).write_bytes((full / name).read_bytes())
     assert train.main(base + ["-o", str(resumed), "-y", "1"]) == 0
     out_resumed = capsys.readouterr().out
@@ -530,8 +572,9 @@ def test_train_without_master_weights_resumes_bitwise(files, tmp_path, capsys, d
 
 
 def test_switching_master_weights_on_resume_is_a_note(files, tmp_path, capsys):
-    """A -w 0 checkpoint resumed with -w 1 starts the masters from the bf16 weights; a -w 1 one resumed with -w 0
-    drops them: each says so in one line (llm.c refuses the first and warns for the second)."""
+    """A -w 0 checkpoint resumed with -w 1 starts the masters from the bf16 weights; a -w 1 one
+    resumed with -w 0 drops them: each says so in one line (llm.c refuses the first and
+    warns for the second)."""
     for before, after, note in ((0, 1, "has no fp32 master weights (a -w 0 run's)"),
                                 (1, 0, "holds fp32 master weights; -w 0 continues")):
         out = tmp_path / f"w{before}"
@@ -545,7 +588,8 @@ def test_switching_master_weights_on_resume_is_a_note(files, tmp_path, capsys):
 
 
 def test_w0_has_no_effect_in_fp32(files, tmp_path, capsys):
-    assert train.main(train_args(files, "-e", files / "tiny.bin", "-x", 1, "-w", 0, precision="fp32")) == 0
+    assert train.main(train_args(files, "-e", files / "tiny.bin", "-x", 1, "-w", 0,
+                                 precision="fp32")) == 0
     out = capsys.readouterr().out
     assert "| master weights" in out and "-w 0 has no effect: the parameters are fp32" in out
     assert train.main(train_args(files, "-e", files / "tiny.bin", "-x", 1, precision="fp32")) == 0

@@ -1,17 +1,21 @@
-"""The bf16 build of the kernels (CudaBackend(dtype=BF16) on the CPU emulator) against the bf16 NumPy reference.
+"""The bf16 build of the kernels (CudaBackend(dtype=BF16) on the CPU emulator) against the
+bf16 NumPy reference.
 
-Both sides get the same bf16 inputs (random fp32 rounded to bf16). The reference upcasts them, runs the fp32 op
-and rounds each bf16 output once (numpy_bf16.py); a bf16 kernel reads with to_float, computes in float and
-rounds once at the store (kernels/common.cuh). So an output can differ only where the two fp32 values before
-the rounding differ: by fp32 reordering (sums taken in another order, tanh/exp from another libm), a few 2^-24
-of the terms' magnitude, which moves the result across a bf16 rounding boundary at most by one bf16 ulp (2^-7
-of the value at most). The bound used is |got - ref| <= 2^-7 |ref| + atol, atol a small multiple of 2^-24...2^-12
-of the op's magnitude (where a sum cancels, the reordering error is relative to the terms, not to the result).
-Where the fp32 computation is the same sequence of operations (residual, add_bias, the encoder, the permutes)
-the outputs are bitwise equal; where only the order of a sum differs most of them are.
+Both sides get the same bf16 inputs (random fp32 rounded to bf16). The reference upcasts them, runs
+the fp32 op and rounds each bf16 output once (numpy_bf16.py); a bf16 kernel reads with to_float,
+computes in float and rounds once at the store (kernels/common.cuh). So an output can differ only
+where the two fp32 values before the rounding differ: by fp32 reordering (sums taken in another
+order, tanh/exp from another libm), a few 2^-24 of the terms' magnitude, which moves the result
+across a bf16 rounding boundary at most by one bf16 ulp (2^-7 of the value at most). The bound used
+is |got - ref| <= 2^-7 |ref| + atol, atol a small multiple of 2^-24...2^-12 of the op's magnitude
+(where a sum cancels, the reordering error is relative to the terms, not to the result).
+Where the fp32 computation is the same sequence of operations (residual, add_bias, the encoder, the
+permutes) the outputs are bitwise equal; where only the order of a sum differs most of them are.
 
-Statistics stay fp32 (LayerNorm mean/rstd, losses, loss_mean's stats) and are checked as fp32 values.
-Launch tuning is shrunk as in test_kernels.py; both emulator schedules run, with the two guard-page modes.
+Statistics stay fp32 (LayerNorm mean/rstd, losses, loss_mean's stats) and are
+checked as fp32 values.
+Launch tuning is shrunk as in test_kernels.py; both emulator schedules run, with the
+two guard-page modes.
 """
 import zlib
 
@@ -21,18 +25,25 @@ import pytest
 # the shapes and the launch tuning of the fp32 kernel tests
 from test_kernels import SHAPES, small_launches  # noqa: F401
 
-from gpt2np.backends.cuda.backend import KERNEL_SIGNATURES, STORAGE, CudaBackend, KernelArgumentError
+from gpt2np.backends.cuda.backend import (
+    KERNEL_SIGNATURES,
+    STORAGE,
+    CudaBackend,
+    KernelArgumentError,
+)
 from gpt2np.backends.numpy.bf16 import Bf16NumpyBackend
 from gpt2np.bf16 import BF16
 
 F32 = np.dtype(np.float32)
-ULP = 2.0 ** -7                  # one bf16 ulp, relative (the most a single rounding can move across)
+# one bf16 ulp, relative (the most a single rounding can move across)
+ULP = 2.0 ** -7
 
 REF = Bf16NumpyBackend(threads=1)
 
 
 
-@pytest.fixture(scope="module", params=[("forward", "after"), ("reverse", "before")], ids=lambda p: "-".join(p))
+@pytest.fixture(scope="module", params=[("forward", "after"), ("reverse", "before")],
+                ids=lambda p: "-".join(p))
 def cuda(request):
     from gpt2np.backends.cuda.runtime_emu import EmuRuntime
     schedule, guard = request.param
@@ -75,7 +86,8 @@ def same(got, ref):
 
 
 def mostly_same(got, ref, fraction):
-    """At least `fraction` of the elements bitwise equal (the rest within close()'s bound, checked apart)."""
+    """At least `fraction` of the elements bitwise equal (the rest within close()'s
+    bound, checked apart)."""
     assert got.dtype == ref.dtype == BF16
     equal = np.mean(got.view(np.uint16) == ref.view(np.uint16))
     assert equal >= fraction, equal
@@ -94,7 +106,8 @@ def host(be, a):
 
 
 # ---- signatures ------------------------------------------------------------------------------
-# These kernels' pointer types in the fp32 build before the bf16 build existed (all float*): unchanged.
+# These kernels' pointer types in the fp32 build before the bf16 build existed
+# (all float*): unchanged.
 F, I = F32, np.dtype(np.int32)
 FP32_SIGNATURES = {
     "encoder_forward": (F, I, F, F, np.int32, np.int32, np.int32),
@@ -122,13 +135,14 @@ FP32_SIGNATURES = {
     "causal_softmax_forward": (F, np.int32, np.int32, np.float32),
     "causal_softmax_backward": (F, F, F, np.int32, np.int32, np.float32),
 }
-# The pointers that stay float in the bf16 build: statistics and partial sums (by parameter position).
+# The pointers that stay float in the bf16 build: statistics and partial sums (by
+# parameter position).
 FLOAT_IN_BF16 = {
-    "layernorm_forward": (1, 2), "fused_residual_layernorm_forward": (2, 3), "layernorm_backward_dinp": (4, 5),
-    "layernorm_backward_params_partial": (0, 3, 4), "layernorm_backward_params_finish": (2,),
-    "layernorm_backward_fused": (0, 5, 6), "bias_grad_partial": (0,), "bias_grad_finish": (1,),
-    "fused_classifier": (1,), "loss_mean": (0, 1),
-}
+    "layernorm_forward": (1, 2), "fused_residual_layernorm_forward": (2, 3),
+    "layernorm_backward_dinp": (4, 5), "layernorm_backward_params_partial": (0, 3, 4),
+    "layernorm_backward_params_finish": (2,), "layernorm_backward_fused": (0, 5, 6),
+    "bias_grad_partial": (0,), "bias_grad_finish": (1,), "fused_classifier": (1,),
+    "loss_mean": (0, 1),}
 
 
 def resolved(name, dtype):
@@ -140,7 +154,8 @@ def test_fp32_signatures_are_unchanged_and_bf16_keeps_statistics_float():
         assert resolved(name, F32) == expected, name
         bf16 = resolved(name, BF16)
         for i, (kind, old) in enumerate(zip(bf16, expected)):
-            if isinstance(old, np.dtype) and old == F32:          # a float* pointer (not a float scalar)
+            # a float* pointer (not a float scalar)
+            if isinstance(old, np.dtype) and old == F32:
                 assert kind == (F32 if i in FLOAT_IN_BF16.get(name, ()) else BF16), (name, i, kind)
             else:
                 assert kind == old, (name, i)
@@ -148,23 +163,24 @@ def test_fp32_signatures_are_unchanged_and_bf16_keeps_statistics_float():
 
 def test_float32_array_for_a_floatx_pointer_is_refused(cuda):
     n = 8
-    with pytest.raises(KernelArgumentError, match=r"residual_forward: argument 1 is a float32 array, the kernel "
-                                                  r"takes a pointer to bfloat16"):
+    with pytest.raises(KernelArgumentError, match=r"residual_forward: argument 1 is a float32 "
+                                                  r"array, the kernel takes a pointer to bfloat16"):
         cuda.residual_forward(cuda.zeros(n), cuda.zeros(n, np.float32), cuda.zeros(n))
     # and a bf16 array for a float* (mean) is refused too
     B, T, C = 1, 2, 8
-    with pytest.raises(KernelArgumentError, match=r"layernorm_forward: argument 1 is a bfloat16 array, the kernel "
-                                                  r"takes a pointer to float32"):
-        cuda.layernorm_forward(cuda.zeros((B, T, C)), cuda.zeros((B, T)), cuda.zeros((B, T), np.float32),
+    with pytest.raises(KernelArgumentError, match=r"layernorm_forward: argument 1 is a bfloat16 "
+                                                  r"array, the kernel takes a pointer to float32"):
+        cuda.layernorm_forward(cuda.zeros((B, T, C)), cuda.zeros((B, T)),
+                               cuda.zeros((B, T), np.float32),
                                cuda.zeros((B, T, C)), cuda.zeros(C), cuda.zeros(C))
 
 
 # ---- encoder ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("accumulate", [True, False])
 def test_encoder(cuda, shape, accumulate):
-    """Forward: one add, one rounding: bitwise. dwte: each token's rows added in (b, t) order in fp32 onto the
-    upcast row, rounded once (as np.add.at on the upcast rows): bitwise. dwpe: a sum over b (numpy may pair
-    differently), then the add: within one ulp."""
+    """Forward: one add, one rounding: bitwise. dwte: each token's rows added in (b, t) order in
+    fp32 onto the upcast row, rounded once (as np.add.at on the upcast rows): bitwise. dwpe: a sum
+    over b (numpy may pair differently), then the add: within one ulp."""
     B, T, C, NH, V, Vp, maxT = shape
     rng = rng_for("encoder", shape, accumulate)
     wte, wpe = randb(rng, Vp, C), randb(rng, maxT, C)
@@ -189,19 +205,23 @@ def test_encoder(cuda, shape, accumulate):
 
 
 def test_encoder_alignment_is_four_bf16_values(cuda):
-    """bf16 loads 4 channels = 8 bytes at once: an 8-byte aligned view works, a 2-byte offset is refused."""
+    """bf16 loads 4 channels = 8 bytes at once: an 8-byte aligned view works, a 2-byte
+    offset is refused."""
     B, T, C, Vp = 1, 3, 8, 6
     rng = rng_for("encoder_alignment")
     wte, wpe = randb(rng, Vp * C + 4), randb(rng, T, C)
     inp = np.array([[0, 5, 2]], np.int32)
     flat = cuda.from_host(wte)
     out = cuda.zeros((B, T, C))
-    cuda.encoder_forward(out, cuda.from_host(inp), flat[4:].reshape(Vp, C), cuda.from_host(wpe))   # 8 bytes in
+    # 8 bytes in
+    cuda.encoder_forward(out, cuda.from_host(inp), flat[4:].reshape(Vp, C), cuda.from_host(wpe))
     out_ref = np.zeros((B, T, C), BF16)
     REF.encoder_forward(out_ref, inp, wte[4:].reshape(Vp, C), wpe)
     same(host(cuda, out), out_ref)
-    with pytest.raises(KernelArgumentError, match=r"wte is not 8-byte aligned .*4 channels at once \(8 bytes\)"):
-        cuda.encoder_forward(out, cuda.from_host(inp), flat[1:1 + Vp * C].reshape(Vp, C), cuda.from_host(wpe))
+    with pytest.raises(KernelArgumentError,
+                       match=r"wte is not 8-byte aligned .*4 channels at once \(8 bytes\)"):
+        cuda.encoder_forward(out, cuda.from_host(inp), flat[1:1 + Vp * C].reshape(Vp, C),
+                             cuda.from_host(wpe))
 
 
 # ---- layernorm -------------------------------------------------------------------------------
@@ -210,10 +230,12 @@ def _layernorm_inputs(rng, B, T, C):
 
 
 def test_layernorm_forward(cuda, shape):
-    """out within one ulp (mean and variance summed in another order); mean, rstd fp32 to fp32 reordering."""
+    """out within one ulp (mean and variance summed in another order); mean, rstd fp32
+    to fp32 reordering."""
     B, T, C, *_ = shape
     x, w, b = _layernorm_inputs(rng_for("layernorm", shape), B, T, C)
-    out_ref, mean_ref, rstd_ref = np.zeros((B, T, C), BF16), np.zeros((B, T), F32), np.zeros((B, T), F32)
+    out_ref, mean_ref, rstd_ref = (np.zeros((B, T, C), BF16), np.zeros((B, T), F32),
+                                   np.zeros((B, T), F32))
     REF.layernorm_forward(out_ref, mean_ref, rstd_ref, x, w, b)
     out, mean, rstd = cuda.zeros((B, T, C)), cuda.zeros((B, T), F32), cuda.zeros((B, T), F32)
     cuda.layernorm_forward(out, mean, rstd, *on(cuda, x, w, b))
@@ -224,8 +246,8 @@ def test_layernorm_forward(cuda, shape):
 
 
 def test_fused_residual_layernorm_forward(cuda, shape):
-    """residual rounded once: bitwise the reference's; out normalizes the rounded residual (as the reference and
-    as CUDA's residual_forward + layernorm_forward, which it matches bitwise)."""
+    """residual rounded once: bitwise the reference's; out normalizes the rounded residual (as the
+    reference and as CUDA's residual_forward + layernorm_forward, which it matches bitwise)."""
     B, T, C, *_ = shape
     rng = rng_for("fused_residual_layernorm", shape)
     a, w, bias = _layernorm_inputs(rng, B, T, C)
@@ -234,7 +256,8 @@ def test_fused_residual_layernorm_forward(cuda, shape):
     mean_ref, rstd_ref = np.zeros((B, T), F32), np.zeros((B, T), F32)
     REF.fused_residual_layernorm_forward(res_ref, out_ref, mean_ref, rstd_ref, a, b, w, bias)
     args = on(cuda, a, b, w, bias)
-    outs = [(cuda.zeros((B, T, C)), cuda.zeros((B, T, C)), cuda.zeros((B, T), F32), cuda.zeros((B, T), F32))
+    outs = [(cuda.zeros((B, T, C)), cuda.zeros((B, T, C)), cuda.zeros((B, T), F32),
+             cuda.zeros((B, T), F32))
             for _ in range(2)]
     cuda.fused_residual_layernorm_forward(*outs[0], *args)
     res, out, mean, rstd = (host(cuda, x) for x in outs[0])
@@ -246,14 +269,16 @@ def test_fused_residual_layernorm_forward(cuda, shape):
     cuda.residual_forward(res2, args[0], args[1])
     cuda.layernorm_forward(out2, mean2, rstd2, res2, args[2], args[3])
     for fused, unfused in zip(outs[0], outs[1]):
-        np.testing.assert_array_equal(host(cuda, fused).view(np.uint8), host(cuda, unfused).view(np.uint8))
+        np.testing.assert_array_equal(host(cuda, fused).view(np.uint8),
+                                      host(cuda, unfused).view(np.uint8))
 
 
 @pytest.mark.parametrize("accumulate", [True, False])
 @pytest.mark.parametrize("fused", [False, True])
 def test_layernorm_backward(cuda, shape, accumulate, fused):
-    """dinp (+=, rounded once), dweight and dbias (column sums, fp32 partials, rounded once): within one ulp plus
-    an atol for the cancelling sums (2^-12 of the largest value); without accumulate dweight/dbias start NaN."""
+    """dinp (+=, rounded once), dweight and dbias (column sums, fp32 partials, rounded once): within
+    one ulp plus an atol for the cancelling sums (2^-12 of the largest value); without accumulate
+    dweight/dbias start NaN."""
     B, T, C, *_ = shape
     rng = rng_for("layernorm_backward", shape, accumulate, fused)
     x, w, b = _layernorm_inputs(rng, B, T, C)
@@ -264,7 +289,8 @@ def test_layernorm_backward(cuda, shape, accumulate, fused):
     dinp_ref, dw_ref, db_ref = dinp0.copy(), dw0.copy(), db0.copy()
     REF.layernorm_backward(dinp_ref, dw_ref, db_ref, dout, x, w, mean, rstd, accumulate)
     dinp, dw, db = on(cuda, dinp0, dw0, db0)
-    cuda.layernorm_backward(dinp, dw, db, *on(cuda, dout, x, w, mean, rstd), accumulate, fused=fused)
+    cuda.layernorm_backward(dinp, dw, db, *on(cuda, dout, x, w, mean, rstd), accumulate,
+                            fused=fused)
     for got, ref in ((dinp, dinp_ref), (dw, dw_ref), (db, db_ref)):
         close(host(cuda, got), ref, atol=2.0 ** -12 * scale_of(ref))
     mostly_same(host(cuda, dinp), dinp_ref, 0.9)
@@ -284,9 +310,9 @@ def test_add_bias_is_one_rounding(cuda):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_matmul_forward(cuda, shape, fused):
-    """fused: the emulator's bias epilogue, one rounding: within one ulp. Unfused: the GEMM's output is rounded
-    (stored bf16) before add_bias rounds again, the reference rounds once: half an ulp of the GEMM's value more,
-    so the atol is 2^-8 of the largest output."""
+    """fused: the emulator's bias epilogue, one rounding: within one ulp. Unfused: the GEMM's output
+    is rounded (stored bf16) before add_bias rounds again, the reference rounds once: half an ulp of
+    the GEMM's value more, so the atol is 2^-8 of the largest output."""
     B, T, C, *_ = shape
     OC = 3 * C + 5
     rng = rng_for("matmul_forward", shape, fused)
@@ -301,9 +327,10 @@ def test_matmul_forward(cuda, shape, fused):
 @pytest.mark.parametrize("accumulate", [True, False])
 @pytest.mark.parametrize("fused", [False, True])
 def test_matmul_backward(cuda, shape, accumulate, fused):
-    """dbias: fp32 column sums (bias_grad_partial in chunks, or the bgrad epilogue), added and rounded once by
-    bias_grad_finish; dinp, dweight: the emulator's GEMMs, rounded once. Each within one ulp plus 2^-12 of the
-    largest value (the sums cancel); without accumulate dweight and dbias start NaN."""
+    """dbias: fp32 column sums (bias_grad_partial in chunks, or the bgrad epilogue), added and
+    rounded once by bias_grad_finish; dinp, dweight: the emulator's GEMMs, rounded once. Each within
+    one ulp plus 2^-12 of the largest value (the sums cancel); without accumulate dweight
+    and dbias start NaN."""
     B, T, C, *_ = shape
     OC = 3 * C + 5
     rng = rng_for("matmul_backward", shape, accumulate, fused)
@@ -322,10 +349,11 @@ def test_matmul_backward(cuda, shape, accumulate, fused):
 # ---- gelu, residual --------------------------------------------------------------------------
 def test_gelu(cuda, shape):
     """Forward and backward (in place, as the model calls it): the kernel groups the polynomial as
-    s (x + c x^3), the reference as x (1 + c x^2) s, and tanh comes from another libm: fp32 values a few ulps
-    apart, so almost all outputs are bitwise the same and all within one bf16 ulp, plus an atol for the
-    cancellations: 0.5 x (1 + tanh) at x << 0 (forward); 1 - th^2 at |x| >> 1, which multiplies tanh's fp32 ulp
-    by about 0.2 |x|^3 (backward: 2^-14 of the largest gradient; measured up to ~2^-17)."""
+    s (x + c x^3), the reference as x (1 + c x^2) s, and tanh comes from another libm: fp32 values a
+    few ulps apart, so almost all outputs are bitwise the same and all within one bf16 ulp, plus an
+    atol for the cancellations: 0.5 x (1 + tanh) at x << 0 (forward); 1 - th^2 at |x| >> 1, which
+    multiplies tanh's fp32 ulp by about 0.2 |x|^3 (backward: 2^-14 of the largest gradient;
+    measured up to ~2^-17)."""
     B, T, C, *_ = shape
     rng = rng_for("gelu", shape)
     x = randb(rng, B, T, 4 * C, scale=3.0)
@@ -346,8 +374,8 @@ def test_gelu(cuda, shape):
 
 
 def test_residual(cuda, shape):
-    """One fp32 add, one rounding: bitwise the reference, forward and backward; aliased dinp1 is dinp2 gains
-    dout twice, each add rounded (the second reads the first's store)."""
+    """One fp32 add, one rounding: bitwise the reference, forward and backward; aliased dinp1 is
+    dinp2 gains dout twice, each add rounded (the second reads the first's store)."""
     B, T, C, *_ = shape
     rng = rng_for("residual", shape)
     a, b, g = randb(rng, B, T, C), randb(rng, B, T, C), randb(rng, B, T, C)
@@ -372,9 +400,10 @@ def test_residual(cuda, shape):
 # ---- classifier ------------------------------------------------------------------------------
 @pytest.mark.parametrize("write_dlogits", [False, True])
 def test_fused_classifier(cuda, shape, write_dlogits):
-    """losses: fp32 from the same upcast logits (online max/sum in another order): fp32 reordering. dlogits: one
-    rounding of fp32 values that differ by reordering: within one ulp (+ 2^-24 of dloss, for the target's
-    p - 1 cancellation); padding exactly 0; without write_dlogits the logits are untouched."""
+    """losses: fp32 from the same upcast logits (online max/sum in another order): fp32 reordering.
+    dlogits: one rounding of fp32 values that differ by reordering: within one ulp (+ 2^-24 of
+    dloss, for the target's p - 1 cancellation); padding exactly 0; without write_dlogits the
+    logits are untouched."""
     B, T, C, NH, V, Vp, _ = shape
     rng = rng_for("classifier", shape, write_dlogits)
     logits = randb(rng, B, T, Vp, scale=4.0)
@@ -408,20 +437,22 @@ def test_loss_mean_stays_fp32(cuda):
 
 
 # ---- attention (naive) -----------------------------------------------------------------------
-# Looser than one ulp: the bf16 kernels store the scores q k^T rounded to bf16 before the softmax (the GEMM's
-# output) and the probabilities rounded again before att @ v, where the reference keeps both in fp32 inside the op.
-# A score s rounded moves exp(scale s) by up to scale |s| 2^-8 relative (|scale s| <= ~3 here), the probability
-# by about twice that, plus its own rounding. out and dinp are sums of such terms (cancelling: their bound is
-# relative to the largest value). The backward is given the same bf16 att on both sides and differs by the
-# roundings of dv, datt and dpreatt. Measured on SHAPES: att 0.011 relative, out 2^-7.6 and dinp 2^-9 of the
-# largest value; the bounds below leave a 3-4x margin.
+# Looser than one ulp: the bf16 kernels store the scores q k^T rounded to bf16 before the softmax
+# (the GEMM's output) and the probabilities rounded again before att @ v, where the reference keeps
+# both in fp32 inside the op.
+# A score s rounded moves exp(scale s) by up to scale |s| 2^-8 relative (|scale s| <= ~3 here), the
+# probability by about twice that, plus its own rounding. out and dinp are sums of such terms
+# (cancelling: their bound is relative to the largest value). The backward is given the same bf16
+# att on both sides and differs by the roundings of dv, datt and dpreatt. Measured on SHAPES: att
+# 0.011 relative, out 2^-7.6 and dinp 2^-9 of the largest value; the bounds below
+# leave a 3-4x margin.
 ATT_REL = 2.0 ** -5
 
 
 def test_attention(cuda, shape):
-    """qkvr: a permutation, bitwise. att: rows of T with exact zeros above the diagonal, each within ATT_REL
-    (+ 2^-10 absolute) of the reference; out within 2^-6 of its largest value; dinp (from the same att) within
-    2^-7 of its largest value, and mostly much closer."""
+    """qkvr: a permutation, bitwise. att: rows of T with exact zeros above the diagonal, each within
+    ATT_REL (+ 2^-10 absolute) of the reference; out within 2^-6 of its largest value; dinp (from
+    the same att) within 2^-7 of its largest value, and mostly much closer."""
     B, T, C, NH, *_ = shape
     HS = C // NH
     rng = rng_for("attention", shape)
@@ -450,15 +481,16 @@ def test_attention(cuda, shape):
 
 
 def test_attention_softmax_kernels_round_once(cuda):
-    """causal_softmax_forward/backward on their own: from the same bf16 scores, the fp32 softmax (and its
-    backward) of the upcast values rounded once: within one ulp, exact zeros above the diagonal."""
+    """causal_softmax_forward/backward on their own: from the same bf16 scores, the fp32 softmax
+    (and its backward) of the upcast values rounded once: within one ulp, exact zeros
+    above the diagonal."""
     BH, T, scale = 3, 37, 0.25
     rng = rng_for("softmax")
     scores = randb(rng, BH, T, T, scale=4.0)
     att = cuda.from_host(scores)
     rows = BH * T
-    cuda._launch("causal_softmax_forward", *cuda._row_launch(rows), (att, np.int32(rows), np.int32(T),
-                                                                      np.float32(scale)))
+    cuda._launch("causal_softmax_forward", *cuda._row_launch(rows),
+                 (att, np.int32(rows), np.int32(T), np.float32(scale)))
     s = f32(scores) * np.float32(scale)
     mask = np.triu(np.ones((T, T), bool), k=1)
     s[:, mask] = -np.inf
@@ -470,8 +502,9 @@ def test_attention_softmax_kernels_round_once(cuda):
 
     datt = randb(rng, BH, T, T)
     a = f32(got)
-    expected = ((f32(datt) - (f32(datt) * a).sum(-1, keepdims=True)) * a * np.float32(scale)).astype(BF16)
+    expected = ((f32(datt) - (f32(datt) * a).sum(-1, keepdims=True)) * a
+                * np.float32(scale)).astype(BF16)
     d = cuda.from_host(datt)
-    cuda._launch("causal_softmax_backward", *cuda._row_launch(rows), (d, d, att, np.int32(rows), np.int32(T),
-                                                                       np.float32(scale)))
+    cuda._launch("causal_softmax_backward", *cuda._row_launch(rows),
+                 (d, d, att, np.int32(rows), np.int32(T), np.float32(scale)))
     close(host(cuda, d), expected, atol=2.0 ** -16 * scale_of(expected))

@@ -1,5 +1,6 @@
-"""The download cache: --dir, then GPT2NP_CACHE, then the user cache dir; a file counts as done only with a matching
-size and SHA-256 record; an interrupted download (a fake opener) never lands as done."""
+"""The download cache: --dir, then GPT2NP_CACHE, then the user cache dir; a file counts as done only
+with a matching size and SHA-256 record; an interrupted download (a fake opener)
+never lands as done."""
 import hashlib
 import io
 import urllib.request
@@ -55,7 +56,8 @@ def test_download_is_recorded_and_reused(tmp_path, monkeypatch):
     entry = CachedFile("f.jsonl", URL, size=len(BODY), sha256=hashlib.sha256(BODY).hexdigest())
     path = cached(entry, progress=False, opener=good)
     assert path == tmp_path / "f.jsonl" and path.read_bytes() == BODY and is_done(path, len(BODY))
-    assert cached(entry, progress=False, opener=good) == path and len(good.calls) == 1     # not downloaded again
+    # not downloaded again
+    assert cached(entry, progress=False, opener=good) == path and len(good.calls) == 1
 
 
 @pytest.mark.parametrize("broken", [dict(length=len(BODY) * 2), dict(reset_after=len(BODY) // 2)],
@@ -64,20 +66,25 @@ def test_interrupted_download_never_counts_as_done(tmp_path, broken):
     entry = CachedFile("f.jsonl", URL)
     with pytest.raises(FetchError, match="could not download"):
         cached(entry, tmp_path, progress=False, opener=opener(**broken))
-    assert sorted(p.name for p in tmp_path.iterdir()) == []           # no partial file, no record, no temp file
+    # no partial file, no record, no temp file
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert cached(entry, tmp_path, progress=False, opener=opener()).read_bytes() == BODY
 
 
 def test_a_partial_or_changed_file_is_downloaded_again(tmp_path):
     entry = CachedFile("f.jsonl", URL)
     path = tmp_path / "f.jsonl"
-    path.write_bytes(BODY[:1000])                            # a partial copy without a record: not done
+    # a partial copy without a record: not done
+    path.write_bytes(BODY[:1000])
     assert not is_done(path)
     good = opener()
-    assert cached(entry, tmp_path, progress=False, opener=good).read_bytes() == BODY and len(good.calls) == 1
-    path.write_bytes(BODY[:-1] + b"X")                       # same size, other bytes: the hash says not done
+    assert (cached(entry, tmp_path, progress=False, opener=good).read_bytes() == BODY
+            and len(good.calls) == 1)
+    # same size, other bytes: the hash says not done
+    path.write_bytes(BODY[:-1] + b"X")
     assert not is_done(path)
-    assert cached(entry, tmp_path, progress=False, opener=good).read_bytes() == BODY and len(good.calls) == 2
+    assert (cached(entry, tmp_path, progress=False, opener=good).read_bytes() == BODY
+            and len(good.calls) == 2)
     record_path(path).write_text("{")                        # a torn record: not done
     assert not is_done(path)
 
@@ -107,7 +114,8 @@ def test_fetch_hellaswag_goes_to_the_cache(tmp_path, monkeypatch, capsys):
 def test_mark_done_makes_a_local_copy_count(tmp_path):
     (tmp_path / "x").write_bytes(BODY)
     record = mark_done(tmp_path / "x")
-    assert record == {"size": len(BODY), "sha256": hashlib.sha256(BODY).hexdigest()} and is_done(tmp_path / "x")
+    assert (record == {"size": len(BODY), "sha256": hashlib.sha256(BODY).hexdigest()}
+            and is_done(tmp_path / "x"))
 
 
 def test_a_file_in_the_way_of_the_cache_is_one_line_naming_the_flag(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""llm.c model files (fp32 v3, bf16 v5), training state files, atomic writes, and every bad-file case."""
+"""llm.c model files (fp32 v3, bf16 v5), training state files, atomic writes, and
+every bad-file case."""
 import os
 
 import numpy as np
@@ -77,10 +78,10 @@ def corrupt(path, how):
 
 
 @pytest.mark.parametrize("how, message", [
-    ("magic", "bad magic 20240327"), ("version", "unsupported version 4"), ("truncated", "truncated"),
-    ("too_long", "more than the header"), ("short_header", "shorter than the 1024-byte header"),
-    ("impossible", "impossible model"), ("no_heads", "num_heads must be positive"),
-    ("missing", "no such model file")])
+    ("magic", "bad magic 20240327"), ("version", "unsupported version 4"),
+    ("truncated", "truncated"), ("too_long", "more than the header"),
+    ("short_header", "shorter than the 1024-byte header"), ("impossible", "impossible model"),
+    ("no_heads", "num_heads must be positive"), ("missing", "no such model file")])
 def test_bad_model_file_is_one_clear_line(tmp_path, how, message):
     path = tmp_path / "m.bin"
     save_model(path, CFG, params())
@@ -129,9 +130,11 @@ def test_state_round_trip_and_bad_state(tmp_path):
         load_state(path, n)
 
 
-# ---- llm.c's state layout, read and written as train_gpt2.cu's save_state / load_state do -----------------------
+# ---- llm.c's state layout, read and written as train_gpt2.cu's save_state / load_state do
+# -----------------------
 def llmc_randint32(state, left, next_, count):
-    """llm.c's randint32 (llmc/rand.h) `count` times from a saved mt19937_state's state_, left_, next_."""
+    """llm.c's randint32 (llmc/rand.h) `count` times from a saved mt19937_state's
+    state_, left_, next_."""
     state, out = list(state), []
     for _ in range(count):
         left -= 1
@@ -181,30 +184,36 @@ def test_state_file_is_llmc_layout(tmp_path):
     for i, size in enumerate((300, 170, 420)):
         write_shard(tmp_path / f"s_{i}.bin", np.arange(size) + 1000 * i)
     loader = DataLoader(str(tmp_path / "s_*.bin"), 2, 4, 1, 2, shuffle=True)      # rank 1 of 2
-    for _ in range(30):                                         # past its first shard (at most 26 samples)
+    # past its first shard (at most 26 samples)
+    for _ in range(30):
         loader.next_batch()
     n = 500
-    m, v, master = (np.random.default_rng(k).standard_normal(n).astype(np.float32) for k in range(3))
+    m, v, master = (np.random.default_rng(k).standard_normal(n).astype(np.float32)
+                    for k in range(3))
     path = tmp_path / "state_00000009_00001.bin"
-    save_state(path, {"step": 9, "world_size": 2, "rank": 1, "train_loader": loader.state(), "rng": {}},
-               m, v, master, loader=loader.llmc_state())
+    save_state(path, {"step": 9, "world_size": 2, "rank": 1, "train_loader": loader.state(),
+                      "rng": {}}, m, v, master, loader=loader.llmc_state())
     fields, arrays = read_llmc_state(path, n, master=True)
-    assert (fields["magic"], fields["version"], fields["processes"], fields["rank"], fields["master"],
-            fields["shuffle"], fields["step"]) == (20240527, 1, 2, 1, 1, 1, 9)
-    assert (fields["shard_idx"], fields["sample_idx"]) == (loader.shard_position, loader.sample_position)
+    assert (fields["magic"], fields["version"], fields["processes"], fields["rank"],
+            fields["master"], fields["shuffle"], fields["step"]) == (20240527, 1, 2, 1, 1, 1, 9)
+    assert (fields["shard_idx"], fields["sample_idx"]) == (loader.shard_position,
+                                                           loader.sample_position)
     assert loader.shard_position >= 1
     for got, want in zip(arrays, (m, v, master)):
         np.testing.assert_array_equal(got, want)
-    assert fields["shard_indices"] == loader._shard_order and fields["sample_indices"] == list(loader._sample_order)
+    assert (fields["shard_indices"] == loader._shard_order
+            and fields["sample_indices"] == list(loader._sample_order))
     assert fields["mt"]["matrix_a"] == (0, 0x9908B0DF)
-    assert fields["rng"] == (13371337 + 1, 13371337 + 1)          # llm.c's xorshift must not start at 0
+    # llm.c's xorshift must not start at 0
+    assert fields["rng"] == (13371337 + 1, 13371337 + 1)
     # llm.c continuing from the saved generator draws what the loader draws next
     after = llmc_randint32(fields["mt"]["state"], fields["mt"]["left"], fields["mt"]["next"], 700)
     assert after == loader._generator.random_raw(700).tolist()
 
 
 def test_llmc_state_without_footer_loads(tmp_path):
-    """An llm.c state file (no gpt2np footer, header ints past llm.c's 0): its header and loader fields."""
+    """An llm.c state file (no gpt2np footer, header ints past llm.c's 0): its header
+    and loader fields."""
     n = 64
     m, v = np.full(n, 2.0, np.float32), np.full(n, 3.0, np.float32)
     path = tmp_path / "state.bin"
@@ -225,14 +234,15 @@ def test_llmc_state_without_footer_loads(tmp_path):
 
 
 def test_an_llmc_state_cut_before_its_loader_orders_is_one_line(tmp_path):
-    """llm.c writes its state file in place: one killed after m and v has no loader section. That is a
-    CheckpointError naming the file (not a struct error), however much of the section is there."""
+    """llm.c writes its state file in place: one killed after m and v has no loader section. That is
+    a CheckpointError naming the file (not a struct error), however much of the section is there."""
     from gpt2np.datasets.data import DataLoader, write_shard
     write_shard(tmp_path / "s.bin", np.arange(400))
     loader = DataLoader(str(tmp_path / "s.bin"), 2, 4, shuffle=True)
     n = 32
     path = tmp_path / "state.bin"
-    save_state(path, {"step": 2, "train_loader": loader.state()}, np.ones(n), np.ones(n), loader=loader.llmc_state())
+    save_state(path, {"step": 2, "train_loader": loader.state()}, np.ones(n), np.ones(n),
+               loader=loader.llmc_state())
     raw = bytearray(path.read_bytes())
     llmc = raw[:len(raw) - 16 - int(np.frombuffer(bytes(raw[-16:-8]), "<u8")[0])]
     llmc[4 * 40:4 * 46] = bytes(24)

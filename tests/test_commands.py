@@ -1,5 +1,6 @@
-"""The `gpt2np` console script: every subcommand answers --help under its own name (`usage: gpt2np NAME`),
-dispatches to its tool (train is train.py), and bad input to any of them ends in one `error:` line, exit 2."""
+"""The `gpt2np` console script: every subcommand answers --help under its own name (`usage: gpt2np
+NAME`), dispatches to its tool (train is train.py), and bad input to any of them ends in one
+`error:` line, exit 2."""
 import os
 import subprocess
 import sys
@@ -11,8 +12,8 @@ import train
 from gpt2np.cli import main as commands
 
 REPO = Path(__file__).resolve().parent.parent
-NAMES = ["train", "prepare", "fetch", "compare", "profile", "plan", "nsys", "ncu", "report", "hf", "eval", "sample",
-         "plot"]
+NAMES = ["train", "prepare", "fetch", "compare", "profile", "plan", "nsys", "ncu", "report", "hf",
+         "eval", "sample", "plot"]
 
 
 def one_error_line(err):
@@ -64,8 +65,10 @@ def test_eval_help_names_hellaswag(capsys):
     (["eval", "hellaswag", "-e", "m.bin", "-j", "no.jsonl"], "-j no.jsonl: no such file"),
     (["sample", "-e", "m.bin", "-g", "-1"], "-g -1"),
     (["plot", "no_run"], "no_run: no such run folder"),
-    (["prepare", "--input", ""], "--input '': must be a non-empty text"),        # '' was tinyshakespeare
-    (["hf", "export", "m.bin", "-o", ""], "-o/--output '': must be a non-empty text"),   # '' was the folder here
+    # '' was tinyshakespeare
+    (["prepare", "--input", ""], "--input '': must be a non-empty text"),
+    # '' was the folder here
+    (["hf", "export", "m.bin", "-o", ""], "-o/--output '': must be a non-empty text"),
     (["eval", "hellaswag", "-e", "m.bin", "-j", ""], "-j/--val-data '': must be a non-empty text"),
     (["plot", "run", "-o", ""], "-o/--output '': must be a non-empty text"),
     (["profile", "--out", ""], "--out '': must be a non-empty text"),
@@ -97,18 +100,21 @@ def test_console_script_entry_point():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"gpt2np": "gpt2np.cli.main:main"}
     env = {k: v for k, v in os.environ.items() if k != "GPT2NP_DEBUG"}
-    done = subprocess.run([sys.executable, "-m", "gpt2np", "sample", "-g", "x", "-e", "m.bin"], capture_output=True,
-                          text=True, timeout=120, cwd=REPO, env=env)
-    assert done.returncode == 2 and one_error_line(done.stderr).startswith("error: argument -g/--gen-tokens")
-    installed = Path(sys.executable).parent / "gpt2np"          # pip install -e . puts the script beside python
+    done = subprocess.run([sys.executable, "-m", "gpt2np", "sample", "-g", "x", "-e", "m.bin"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert (done.returncode == 2
+            and one_error_line(done.stderr).startswith("error: argument -g/--gen-tokens"))
+    # pip install -e . puts the script beside python
+    installed = Path(sys.executable).parent / "gpt2np"
     if installed.is_file():
-        done = subprocess.run([str(installed), "eval", "gsm8k"], capture_output=True, text=True, timeout=60, env=env)
+        done = subprocess.run([str(installed), "eval", "gsm8k"], capture_output=True, text=True,
+                              timeout=60, env=env)
         assert done.returncode == 2 and "invalid choice: 'gsm8k'" in one_error_line(done.stderr)
 
 
 def test_fetch_knows_the_starter_packs_bf16_model():
-    """llm.c's starter pack (dev/download_starter_pack.sh) has gpt2_124M_bf16.bin beside gpt2_124M.bin: -e and
-    `gpt2np fetch model-bf16` can fetch it."""
+    """llm.c's starter pack (dev/download_starter_pack.sh) has gpt2_124M_bf16.bin beside
+    gpt2_124M.bin: -e and `gpt2np fetch model-bf16` can fetch it."""
     from gpt2np.cli import fetch as fetch_cli
     from gpt2np.datasets import fetch
     assert fetch.KNOWN_FILES["gpt2_124M_bf16.bin"] == fetch.STARTER_PACK_URL + "gpt2_124M_bf16.bin"

@@ -1,4 +1,5 @@
-"""llm.c debug state files (gpt2np/formats/debug_state.py) and the compare CLI (gpt2np/cli/compare.py).
+"""llm.c debug state files (gpt2np/formats/debug_state.py) and the compare CLI
+(gpt2np/cli/compare.py).
 
 The CLI tests run twice over: against a stand-in model (the float64 PyTorch reference behind
 gpt2np's model API; tests the tool itself) and, once gpt2np.model exists, against the real
@@ -15,7 +16,13 @@ import pytest
 from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.cli import compare
 from gpt2np.config import GPT2Config, preset
-from gpt2np.formats.debug_state import DebugState, DebugStateError, expected_size, read_debug_state, write_debug_state
+from gpt2np.formats.debug_state import (
+    DebugState,
+    DebugStateError,
+    expected_size,
+    read_debug_state,
+    write_debug_state,
+)
 from gpt2np.tensors import DECAYED_BY_DEFAULT, PARAM_NAMES, num_parameters, param_shapes, views
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +42,8 @@ HAVE_MODEL = all(have(m) for m in ("gpt2np.model", "gpt2np.backends", "gpt2np.fo
 needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="the PyTorch reference needs torch")
 needs_model = pytest.mark.skipif(
     not (HAVE_MODEL and HAVE_TORCH),
-    reason="needs torch and gpt2np.model / gpt2np.backends / gpt2np.formats.checkpoint (not written yet)")
+    reason="needs torch and gpt2np.model / gpt2np.backends / gpt2np.formats.checkpoint "
+           "(not written yet)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,7 +275,8 @@ class ReferenceAsModel:
     def grad_norm(self):
         return self.ref.grad_norm()
 
-    def update(self, lr, beta1, beta2, eps, weight_decay, step, grad_clip=1.0, grad_norm=None, shard=None):
+    def update(self, lr, beta1, beta2, eps, weight_decay, step, grad_clip=1.0, grad_norm=None,
+               shard=None):
         norm = self.grad_norm() if grad_norm is None else grad_norm
         scale = grad_clip / norm if norm > grad_clip else 1.0
         assert step == self.ref.t + 1
@@ -286,8 +295,8 @@ def stand_in(monkeypatch):
     """Route the CLI to ReferenceAsModel; `stand_in["corrupt"] = (name, scale)` corrupts a grad."""
     opts = {"corrupt": None, "cpu_math": []}
 
-    def stand_in_model(cfg, backend, B, T, params, precision="fp32", attention="naive", recompute=None,
-                       cpu_math=None):
+    def stand_in_model(cfg, backend, B, T, params, precision="fp32", attention="naive",
+                       recompute=None, cpu_math=None):
         opts["cpu_math"].append(cpu_math)
         return ReferenceAsModel(cfg, params, opts["corrupt"])
     monkeypatch.setattr(compare, "build_model", stand_in_model)
@@ -305,7 +314,8 @@ def test_cli_passes_and_prints_every_tensor(small_model, stand_in, capsys):
     assert "max|gpt2np - ref| / max|ref|" in out
     assert out.count("  ok\n") == 2 + 18 + 10 and "FAIL" not in out    # 2 table headers
     assert "OK: all 28 checks" in out
-    assert compare.main(["-e", str(small_model), "-b", "2", "-t", "8", "--steps", "0", "--cpu-math", "exact"]) == 0
+    assert compare.main(["-e", str(small_model), "-b", "2", "-t", "8", "--steps", "0", "--cpu-math",
+                         "exact"]) == 0
     assert stand_in["cpu_math"] == [None, "exact"]             # None: get_backend's default (fast)
 
 
@@ -317,7 +327,8 @@ def test_cli_fails_on_a_corrupted_gradient(small_model, stand_in, capsys):
     assert rc == 1
     assert [line.split()[0] for line in out.splitlines() if "FAIL" in line] == ["fcw", "FAIL:"]
     # a looser tolerance for that one tensor lets it pass
-    rc = compare.main(["-e", str(small_model), "-b", "2", "-t", "8", "--steps", "0", "--tol", "fcw=2e-3"])
+    rc = compare.main(["-e", str(small_model), "-b", "2", "-t", "8", "--steps", "0", "--tol",
+                       "fcw=2e-3"])
     assert rc == 0
 
 
@@ -326,14 +337,16 @@ def test_cli_checks_a_written_and_a_corrupted_debug_state(small_model, stand_in,
     state_path = tmp_path / "state.bin"
     assert compare.main(["-e", str(small_model), "-b", "2", "-t", "8", "--steps", "0",
                          "--write-debug-state", str(state_path)]) == 0
-    assert compare.main(["-e", str(small_model), "--debug-state", str(state_path), "--steps", "2"]) == 0
+    assert compare.main(["-e", str(small_model), "--debug-state", str(state_path), "--steps",
+                         "2"]) == 0
     state = read_debug_state(state_path, SMALL)
     assert (state.B, state.T) == (2, 8)
     state.grads["attprojb"][1, 3] *= 1.01
     state.loss += 1e-3
     write_debug_state(state_path, state, SMALL)
     capsys.readouterr()
-    assert compare.main(["-e", str(small_model), "--debug-state", str(state_path), "--steps", "0"]) == 1
+    assert compare.main(["-e", str(small_model), "--debug-state", str(state_path), "--steps",
+                         "0"]) == 1
     out = capsys.readouterr().out
     assert "out of tolerance: loss, attprojb" in out
 
@@ -350,7 +363,8 @@ def test_cli_bad_input_is_one_line_and_exit_2(small_model, stand_in, tmp_path, c
 
 
 def test_cli_missing_model_file_subprocess(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "gpt2np.cli.compare", "-e", str(tmp_path / "none.bin")],
+    r = subprocess.run([sys.executable, "-m", "gpt2np.cli.compare", "-e",
+                        str(tmp_path / "none.bin")],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
 
@@ -368,7 +382,8 @@ def test_gpt2np_numpy_matches_reference_small(small_model, tmp_path, capsys, mon
     assert compare.main(["-e", str(small_model), "--steps", "2", "--ref-dtype", "float64"]) == 0
     with monkeypatch.context() as m:     # checking a debug state needs no torch
         m.setitem(sys.modules, "torch", None)
-        assert compare.main(["-e", str(small_model), "--debug-state", str(state_path), "--steps", "0"]) == 0
+        assert compare.main(["-e", str(small_model), "--debug-state", str(state_path), "--steps",
+                             "0"]) == 0
         assert compare.main(["-e", str(small_model), "--debug-state", str(state_path)]) == 2
         assert "pip install torch" in capsys.readouterr().err
     state = read_debug_state(state_path, SMALL)
@@ -391,29 +406,33 @@ def test_gpt2np_numpy_matches_reference_d12(tmp_path, capsys):
 
 @needs_model
 def test_gpt2np_cuda_kernels_on_the_emulator_match_reference(small_model, capsys):
-    """The CUDA backend (every kernel, emulated on the CPU) against the PyTorch reference: all tensors, 3 steps."""
-    rc = compare.main(["-e", str(small_model), "--backend", "emu", "-b", "2", "-t", "16", "--steps", "3",
-                       "--weight-decay", "0.1"])
+    """The CUDA backend (every kernel, emulated on the CPU) against the PyTorch reference: all
+    tensors, 3 steps."""
+    rc = compare.main(["-e", str(small_model), "--backend", "emu", "-b", "2", "-t", "16", "--steps",
+                       "3", "--weight-decay", "0.1"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "backend emu" in out or "emu" in out
     for name in ("logits", "loss", "wte", "qkvw", "fcprojb", "lnfb"):
-        assert any(line.split()[:1] == [name] and line.rstrip().endswith("ok") for line in out.splitlines()), name
+        assert any(line.split()[:1] == [name] and line.rstrip().endswith("ok")
+                   for line in out.splitlines()), name
 
 
 @needs_model
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 def test_flash_attention_on_the_emulator_matches_reference(tmp_path, capsys, precision):
-    """The flash attention kernels (head size 64, WMMA TF32 on the emulator) in the whole model against the
-    PyTorch reference, with the tf32 tolerances (the kernels multiply in TF32 at either precision): all tensors,
-    2 steps, T=40 (two key tiles, the second partial)."""
-    cfg = GPT2Config(max_seq_len=48, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=128)
+    """The flash attention kernels (head size 64, WMMA TF32 on the emulator) in the whole model
+    against the PyTorch reference, with the tf32 tolerances (the kernels multiply in TF32 at either
+    precision): all tensors, 2 steps, T=40 (two key tiles, the second partial)."""
+    cfg = GPT2Config(max_seq_len=48, vocab_size=100, padded_vocab_size=128, num_layers=2,
+                     num_heads=2, channels=128)
     path = tmp_path / "flash.bin"
     write_model_file(path, cfg, init_params(cfg))
-    rc = compare.main(["-e", str(path), "--backend", "emu", "--attention", "flash", "--precision", precision,
-                       "-b", "2", "-t", "40", "--steps", "2"])
+    rc = compare.main(["-e", str(path), "--backend", "emu", "--attention", "flash", "--precision",
+                       precision, "-b", "2", "-t", "40", "--steps", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "flash attention" in out
     for name in ("logits", "loss", "qkvw", "qkvb", "attprojw", "wpe"):
-        assert any(line.split()[:1] == [name] and line.rstrip().endswith("ok") for line in out.splitlines()), name
+        assert any(line.split()[:1] == [name] and line.rstrip().endswith("ok")
+                   for line in out.splitlines()), name

@@ -1,8 +1,9 @@
-"""gpt2np prepare fineweb from local parquet and jsonl fixtures (and a stand-in `datasets` for the Hub path): llm.c's
-shards (eot + tokens per document, cut at exactly --shard-size, val first), tokenized by 2 processes, resumable
-(finished shards skipped, the rest identical to a run in one go); offline: one line. gpt2np prepare tinystories from
-json files in TinyStories_all_data's layout (and a stand-in download of its tarball): llm.c's two files, computed
-here as llm.c's tinystories.py does."""
+"""gpt2np prepare fineweb from local parquet and jsonl fixtures (and a stand-in `datasets` for the
+Hub path): llm.c's shards (eot + tokens per document, cut at exactly --shard-size, val first),
+tokenized by 2 processes, resumable (finished shards skipped, the rest identical to a run in one
+go); offline: one line. gpt2np prepare tinystories from json files in TinyStories_all_data's layout
+(and a stand-in download of its tarball): llm.c's two files, computed here as llm.c's
+tinystories.py does."""
 import json
 import os
 import signal
@@ -20,7 +21,8 @@ from gpt2np.datasets import corpora
 from gpt2np.datasets.data import read_shard
 from gpt2np.formats.tokenizer import get_encoding
 
-DOCS = [f"Story {i}. " + "Once upon a time a small fox found a red ball in the garden. " * (i % 5 + 1)
+DOCS = [f"Story {i}. "
+        + "Once upon a time a small fox found a red ball in the garden. " * (i % 5 + 1)
         for i in range(60)]
 SIZE = 400                     # tokens per shard
 REPO = Path(__file__).resolve().parent.parent
@@ -28,7 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def expected_stream(docs):
     enc = get_encoding()
-    return np.concatenate([[enc.eot_token] + enc.encode_ordinary(d) for d in docs]).astype(np.uint16)
+    return np.concatenate([[enc.eot_token] + enc.encode_ordinary(d)
+                           for d in docs]).astype(np.uint16)
 
 
 def shards_of(folder, name="edu_fineweb"):
@@ -41,7 +44,8 @@ def sources(tmp_path_factory):
     import pyarrow.parquet as pq
     folder = tmp_path_factory.mktemp("src")
     pq.write_table(pa.table({"id": list(range(len(DOCS))), "text": DOCS}), folder / "docs.parquet")
-    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d, "n": i}) + "\n" for i, d in enumerate(DOCS)))
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d, "n": i}) + "\n"
+                                               for i, d in enumerate(DOCS)))
     return folder
 
 
@@ -53,12 +57,13 @@ def run(argv, capsys):
 @pytest.mark.parametrize("kind", ["parquet", "jsonl"])
 def test_shards_are_llmc_layout_val_first(sources, tmp_path, capsys, monkeypatch, kind):
     monkeypatch.setenv("GPT2NP_PROGRESS", "plain")
-    code, out = run(["fineweb", "--source", sources / f"docs.{kind}", "--shard-size", SIZE, "--workers", 2,
-                     "--output-dir", tmp_path], capsys)
+    code, out = run(["fineweb", "--source", sources / f"docs.{kind}", "--shard-size", SIZE,
+                     "--workers", 2, "--output-dir", tmp_path], capsys)
     assert code == 0, out.err
     files = shards_of(tmp_path)
     assert files[0].name == "edu_fineweb_val_000000.bin"
-    assert [f.name for f in files[1:3]] == ["edu_fineweb_train_000001.bin", "edu_fineweb_train_000002.bin"]
+    assert [f.name for f in files[1:3]] == ["edu_fineweb_train_000001.bin",
+                                            "edu_fineweb_train_000002.bin"]
     tokens = [read_shard(f) for f in files]
     assert all(len(t) == SIZE for t in tokens[:-1]) and 0 < len(tokens[-1]) <= SIZE
     np.testing.assert_array_equal(np.concatenate(tokens), expected_stream(DOCS))
@@ -81,7 +86,8 @@ def test_resume_skips_finished_shards_and_matches_one_go(sources, tmp_path, caps
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(once, parts))
     code, out = run(common + ["--output-dir", tmp_path / "parts"], capsys)
     assert out.out.count("done already") == len(once) and "wrote" not in out.out
-    code, out = run(["fineweb", "--source", src, "--shard-size", 300, "--output-dir", tmp_path / "parts"], capsys)
+    code, out = run(["fineweb", "--source", src, "--shard-size", 300, "--output-dir",
+                     tmp_path / "parts"], capsys)
     assert code == 2 and "other settings" in out.err and len(out.err.strip().splitlines()) == 1
 
 
@@ -93,11 +99,13 @@ def fake_datasets(splits, calls):
 
 
 def write_story_files(folder, stories_per_file=(7, 5, 6)):
-    """TinyStories_all_data's layout: dataNN.json files, each a json list of objects with a "story"."""
+    """TinyStories_all_data's layout: dataNN.json files, each a json list of
+    objects with a "story"."""
     folder.mkdir(parents=True, exist_ok=True)
     files, k = [], 0
     for i, n in enumerate(stories_per_file):
-        stories = [{"story": f"  {DOCS[k + j]}\n ", "instruction": {"words": ["fox"]}} for j in range(n)]
+        stories = [{"story": f"  {DOCS[k + j]}\n ", "instruction": {"words": ["fox"]}}
+                   for j in range(n)]
         k += n
         path = folder / f"data{i:02d}.json"
         path.write_text(json.dumps(stories))
@@ -106,8 +114,9 @@ def write_story_files(folder, stories_per_file=(7, 5, 6)):
 
 
 def llmc_tinystories(files):
-    """What llm.c's tinystories.py writes for these files: val = the first, train = the rest in order; each file's
-    stories shuffled by random.Random(1337 + its index in the split), stripped, EOT + tokens."""
+    """What llm.c's tinystories.py writes for these files: val = the first, train = the rest in
+    order; each file's stories shuffled by random.Random(1337 + its index in the split),
+    stripped, EOT + tokens."""
     import random
     enc = get_encoding()
 
@@ -125,13 +134,14 @@ def llmc_tinystories(files):
 
 def test_tinystories_is_llmcs(tmp_path, capsys):
     files = write_story_files(tmp_path / "all")
-    code, out = run(["tinystories", "--source", tmp_path / "all" / "*.json", "--workers", 2, "--output-dir",
-                     tmp_path / "ts"], capsys)
+    code, out = run(["tinystories", "--source", tmp_path / "all" / "*.json", "--workers", 2,
+                     "--output-dir", tmp_path / "ts"], capsys)
     assert code == 0, out.err
     val, train = llmc_tinystories(files)
     np.testing.assert_array_equal(read_shard(tmp_path / "ts" / "TinyStories_val.bin"), val)
     np.testing.assert_array_equal(read_shard(tmp_path / "ts" / "TinyStories_train.bin"), train)
-    assert sorted(p.name for p in (tmp_path / "ts").iterdir()) == ["TinyStories_train.bin", "TinyStories_val.bin",
+    assert sorted(p.name for p in (tmp_path / "ts").iterdir()) == ["TinyStories_train.bin",
+                                                                   "TinyStories_val.bin",
                                                                    "gpt2_tokenizer.bin"]
 
 
@@ -155,9 +165,11 @@ def test_tinystories_downloads_and_unpacks_llmcs_tarball_once(tmp_path, capsys, 
     monkeypatch.setattr(fetch, "download", fake_download)
     cache = tmp_path / "cache"
     for _ in range(2):
-        code, out = run(["tinystories", "--dir", cache, "--workers", 1, "--output-dir", tmp_path / "ts"], capsys)
+        code, out = run(["tinystories", "--dir", cache, "--workers", 1, "--output-dir",
+                         tmp_path / "ts"], capsys)
         assert code == 0, out.err
-    assert urls == [tinystories.TARBALL_URL]                    # unpacked once, read from the cache the second time
+    # unpacked once, read from the cache the second time
+    assert urls == [tinystories.TARBALL_URL]
     val, train = llmc_tinystories(files)
     np.testing.assert_array_equal(read_shard(tmp_path / "ts" / "TinyStories_val.bin"), val)
     np.testing.assert_array_equal(read_shard(tmp_path / "ts" / "TinyStories_train.bin"), train)
@@ -175,19 +187,23 @@ def test_a_bad_tinystories_source_is_one_line(tmp_path, capsys, content, words):
     (folder / "data00.json").write_text('[{"story": "fine"}]' if content == "alone" else content)
     if content != "alone":
         (folder / "data01.json").write_text('[{"story": "fine"}]')
-    code, res = run(["tinystories", "--source", folder / "*.json", "--workers", 1, "--output-dir", tmp_path / "o"],
+    code, res = run(["tinystories", "--source", folder / "*.json", "--workers", 1,
+                     "--output-dir", tmp_path / "o"],
                     capsys)
-    assert code == 2 and len(res.err.strip().splitlines()) == 1 and all(w in res.err for w in words), res.err
+    assert (code == 2 and len(res.err.strip().splitlines()) == 1
+            and all(w in res.err for w in words)), res.err
 
 
 def test_tinystories_offline_is_one_line_naming_source(tmp_path, capsys, monkeypatch):
     from gpt2np.datasets import fetch
 
     def offline(url, dest, timeout=10, **_):
-        raise fetch.FetchError(f"could not download {url}: [Errno -2] Name or service not known (offline?)")
+        raise fetch.FetchError(f"could not download {url}: [Errno -2] Name or service not "
+                               "known (offline?)")
 
     monkeypatch.setattr(fetch, "download", offline)
-    code, res = run(["tinystories", "--dir", tmp_path / "cache", "--output-dir", tmp_path / "out"], capsys)
+    code, res = (run(["tinystories", "--dir", tmp_path / "cache", "--output-dir", tmp_path / "out"],
+                     capsys))
     assert code == 2 and len(res.err.strip().splitlines()) == 1, res.err
     assert "TinyStories_all_data.tar.gz" in res.err and "--source 'DIR/*.json'" in res.err
     assert not (tmp_path / "out").exists()
@@ -231,21 +247,27 @@ def test_a_parquet_row_or_column_without_text_is_named(tmp_path, capsys):
 @pytest.mark.parametrize("flag", ["--shards", "--shard-size"])
 def test_tinystories_takes_no_shard_flags(tmp_path, capsys, flag):
     code, res = run(["tinystories", flag, 2, "--output-dir", tmp_path], capsys)
-    assert code == 2 and f"{flag} 2: only for fineweb" in res.err and "TinyStories_train.bin" in res.err
+    assert (code == 2 and f"{flag} 2: only for fineweb" in res.err
+            and "TinyStories_train.bin" in res.err)
 
 
 @pytest.mark.parametrize("flags, kind, hub_id, config, name", [
     ([], "edu", "HuggingFaceFW/fineweb-edu", "sample-10BT", "edu_fineweb"),
-    (["-t", "edu", "-v", "100B"], "edu", "HuggingFaceFW/fineweb-edu", "sample-100BT", "edu_fineweb"),
+    (["-t", "edu", "-v", "100B"], "edu", "HuggingFaceFW/fineweb-edu",
+     "sample-100BT", "edu_fineweb"),
     (["-t", "classic"], "classic", "HuggingFaceFW/fineweb", "sample-10BT", "fineweb"),
-    (["--type", "classic", "--version", "100B"], "classic", "HuggingFaceFW/fineweb", "sample-100BT", "fineweb"),
+    (["--type", "classic", "--version", "100B"], "classic", "HuggingFaceFW/fineweb",
+     "sample-100BT", "fineweb"),
 ])
-def test_fineweb_hub_id_and_config(tmp_path, capsys, monkeypatch, flags, kind, hub_id, config, name):
-    """llm.c's fineweb.py -t edu|classic and -v 10B|100B: the Hub dataset, its sample and the shards' names."""
+def test_fineweb_hub_id_and_config(tmp_path, capsys, monkeypatch, flags, kind, hub_id,
+                                   config, name):
+    """llm.c's fineweb.py -t edu|classic and -v 10B|100B: the Hub dataset, its sample and
+    the shards' names."""
     calls = []
     monkeypatch.setitem(sys.modules, "datasets", fake_datasets({"train": DOCS}, calls))
     monkeypatch.setattr(corpora, "hub_reachable", lambda timeout=5.0: True)
-    code, out = run(["fineweb", *flags, "--shards", 1, "--shard-size", SIZE, "--output-dir", tmp_path], capsys)
+    code, out = run(["fineweb", *flags, "--shards", 1, "--shard-size", SIZE, "--output-dir",
+                     tmp_path], capsys)
     assert code == 0, out.err
     assert calls == [(hub_id, config, "train", True)]
     assert [f.name for f in tmp_path.glob("*_val_*.bin")] == [f"{name}_val_000000.bin"]
@@ -253,8 +275,8 @@ def test_fineweb_hub_id_and_config(tmp_path, capsys, monkeypatch, flags, kind, h
 
 
 def test_another_sample_into_the_same_folder_is_refused(tmp_path, capsys, monkeypatch):
-    """Both samples name their shards alike (llm.c keeps them in separate folders): a 100B run into a 10B run's
-    folder is one line."""
+    """Both samples name their shards alike (llm.c keeps them in separate folders): a 100B run into
+    a 10B run's folder is one line."""
     monkeypatch.setitem(sys.modules, "datasets", fake_datasets({"train": DOCS}, []))
     monkeypatch.setattr(corpora, "hub_reachable", lambda timeout=5.0: True)
     common = ["fineweb", "--shards", 1, "--shard-size", SIZE, "--output-dir", tmp_path]
@@ -270,11 +292,13 @@ def test_another_sample_into_the_same_folder_is_refused(tmp_path, capsys, monkey
 ])
 def test_fineweb_type_and_version_elsewhere_are_one_line(tmp_path, capsys, argv, words):
     code, out = run(argv + ["--output-dir", tmp_path / "out"], capsys)
-    assert code == 2 and all(w in out.err for w in words) and len(out.err.strip().splitlines()) == 1, out.err
+    assert (code == 2 and all(w in out.err for w in words)
+            and len(out.err.strip().splitlines()) == 1), out.err
 
 
 def test_offline_is_one_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "datasets", types.ModuleType("datasets"))     # installed (the data extra)
+    # installed (the data extra)
+    monkeypatch.setitem(sys.modules, "datasets", types.ModuleType("datasets"))
     monkeypatch.setattr(corpora, "hub_reachable", lambda timeout=5.0: False)
     code, out = run(["fineweb", "--shards", 1, "--output-dir", tmp_path], capsys)
     assert code == 2 and out.err.startswith("error: cannot reach the Hugging Face Hub")
@@ -282,7 +306,8 @@ def test_offline_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)          # not installed
     monkeypatch.setattr(corpora, "hub_reachable", lambda timeout=5.0: True)
     code, out = run(["fineweb", "--output-dir", tmp_path], capsys)
-    assert code == 2 and "pip install 'gpt2np[data]'" in out.err and len(out.err.strip().splitlines()) == 1
+    assert (code == 2 and "pip install 'gpt2np[data]'" in out.err
+            and len(out.err.strip().splitlines()) == 1)
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -314,9 +339,11 @@ def test_a_bad_source_is_one_line_and_leaves_no_folder_behind(tmp_path, capsys, 
         source.write_text(content)
     pattern = source if content is not None else tmp_path / "nomatch*.jsonl"
     out = tmp_path / "new" / "out"
-    code, res = run(["fineweb", "--source", pattern, "--shard-size", 1000, "--workers", 1, "--output-dir", out],
+    code, res = run(["fineweb", "--source", pattern, "--shard-size", 1000, "--workers", 1,
+                     "--output-dir", out],
                     capsys)
-    assert code == 2 and len(res.err.strip().splitlines()) == 1 and all(w in res.err for w in words), res.err
+    assert (code == 2 and len(res.err.strip().splitlines()) == 1
+            and all(w in res.err for w in words)), res.err
     assert "tokens:" not in res.err and not (tmp_path / "new").exists()
 
 
@@ -324,16 +351,18 @@ def test_a_file_as_dir_is_said_before_the_hub_is_asked(tmp_path, capsys, monkeyp
     asked = []
     monkeypatch.setattr(corpora, "hub_reachable", lambda timeout=5.0: asked.append(1) or False)
     (tmp_path / "a.txt").write_text("x")
-    code, out = run(["fineweb", "--dir", tmp_path / "a.txt", "--output-dir", tmp_path / "out"], capsys)
-    assert code == 2 and not asked and out.err.startswith("error: --dir ") and "a.txt: is a file" in out.err, out.err
+    code, out = (run(["fineweb", "--dir", tmp_path / "a.txt", "--output-dir", tmp_path / "out"],
+                     capsys))
+    assert (code == 2 and not asked and out.err.startswith("error: --dir ")
+            and "a.txt: is a file" in out.err), out.err
     assert len(out.err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
 def test_a_source_that_is_not_parquet_is_named(tmp_path, capsys):
     pytest.importorskip("pyarrow")
     (tmp_path / "fake.parquet").write_text("not parquet at all")
-    code, out = run(["fineweb", "--source", tmp_path / "fake.parquet", "--workers", 1, "--output-dir",
-                     tmp_path / "out"], capsys)
+    code, out = run(["fineweb", "--source", tmp_path / "fake.parquet", "--workers", 1,
+                     "--output-dir", tmp_path / "out"], capsys)
     assert code == 2 and "fake.parquet: not a readable parquet file" in out.err, out.err
     assert len(out.err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 

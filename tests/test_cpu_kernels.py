@@ -18,7 +18,8 @@ from gpt2np.train_step import AdamW, train_step
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
                                    reason="no C compiler: the fast path is off")
 
-CFG = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=16)
+CFG = GPT2Config(max_seq_len=32, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2,
+                 channels=16)
 
 
 def bits(array):
@@ -26,10 +27,11 @@ def bits(array):
 
 
 def awkward(rng, n, scale=1.0):
-    """float32 normals with zeros, signed zeros, subnormals, huge values, infinities and NaN up front."""
+    """float32 normals with zeros, signed zeros, subnormals, huge values, infinities
+    and NaN up front."""
     x = (rng.standard_normal(n) * scale).astype(np.float32)
-    special = np.array([0.0, -0.0, 1e-40, -1e-42, 1e-45, 3e38, -3e38, np.inf, -np.inf, np.nan, 12.0, -12.0,
-                        1e-20, -4.5], np.float32)
+    special = np.array([0.0, -0.0, 1e-40, -1e-42, 1e-45, 3e38, -3e38, np.inf, -np.inf, np.nan, 12.0,
+                        -12.0, 1e-20, -4.5], np.float32)
     x[:min(n, special.size)] = special[:n]
     return x
 
@@ -40,7 +42,8 @@ def backends():
 
 
 class Spy:
-    """The C library, recording which of its functions are called (so a test knows the C loops ran)."""
+    """The C library, recording which of its functions are called (so a test knows
+    the C loops ran)."""
 
     def __init__(self, lib):
         self.lib, self.called = lib, set()
@@ -51,13 +54,16 @@ class Spy:
 
 
 @needs_kernels
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")          # inf and NaN on purpose, also in worker threads
+# inf and NaN on purpose, also in worker threads
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, (1 << 17) + 13])
-@pytest.mark.parametrize("weight_decay, grad_scale, t", [(0.1, 0.37, 3), (0.0, 1.0, 1), (0.1, 1.0, 1000)])
+@pytest.mark.parametrize("weight_decay, grad_scale, t",
+                         [(0.1, 0.37, 3), (0.0, 1.0, 1), (0.1, 1.0, 1000)])
 def test_fused_adamw_is_bitwise_the_numpy_adamw(n, weight_decay, grad_scale, t):
     rng = np.random.default_rng(n)
     p, g = awkward(rng, n), awkward(rng, n)[::-1].copy()
-    m, v = rng.standard_normal(n).astype(np.float32) * 0.1, np.abs(rng.standard_normal(n)).astype(np.float32)
+    m, v = (rng.standard_normal(n).astype(np.float32) * 0.1,
+            np.abs(rng.standard_normal(n)).astype(np.float32))
     fused, ref = backends()
     states = [[a.copy() for a in (p, g, m, v)] for _ in range(2)]
     with np.errstate(all="ignore"):
@@ -68,11 +74,12 @@ def test_fused_adamw_is_bitwise_the_numpy_adamw(n, weight_decay, grad_scale, t):
 
 
 @needs_kernels
-@pytest.mark.parametrize("n, offset", [(1, 0), (9, 3), (1000, 2 ** 32 - 5), (70_001, 5 * 10 ** 9), (300, 2 ** 40 + 3)])
+@pytest.mark.parametrize("n, offset", [(1, 0), (9, 3), (1000, 2 ** 32 - 5), (70_001, 5 * 10 ** 9),
+                                       (300, 2 ** 40 + 3)])
 def test_fused_stochastic_rounding_is_bitwise_bf16s(n, offset):
-    """bf16.round_stochastic through the C loop: the same bits as its NumPy hash for every element, at awkward
-    offsets (past 2^32) and awkward values (NaN, infinities, signed zeros, carries into the
-    exponent: low halves 0xFFFF)."""
+    """bf16.round_stochastic through the C loop: the same bits as its NumPy hash for every element,
+    at awkward offsets (past 2^32) and awkward values (NaN, infinities, signed zeros, carries into
+    the exponent: low halves 0xFFFF)."""
     from gpt2np.bf16 import BF16, round_stochastic
     rng = np.random.default_rng(n)
     x = awkward(rng, n)
@@ -101,7 +108,8 @@ def test_column_sums_add_as_numpy_does(N, C, monkeypatch):
 @needs_kernels
 @pytest.mark.parametrize("accumulate", [True, False])
 def test_fused_token_embedding_gradient_is_bitwise_np_add_at(accumulate):
-    # repeated ids add in turn (the order of the adds is part of the bits), ids at both ends of the table
+    # repeated ids add in turn (the order of the adds is part of the bits), ids at
+    # both ends of the table
     rng = np.random.default_rng(4)
     B, T, C, V = 3, 11, 17, 40
     ids = rng.integers(0, 5, (B, T)).astype(np.int32)
@@ -120,10 +128,12 @@ def test_fused_token_embedding_gradient_is_bitwise_np_add_at(accumulate):
     np.testing.assert_array_equal(bits(got_wte), bits(want_wte))
     np.testing.assert_array_equal(bits(got_wpe), bits(want_wpe))
     dwte = dwte0.copy()
-    with pytest.raises(IndexError):                            # an id past the table: NumPy's error, no stray write
+    # an id past the table: NumPy's error, no stray write
+    with pytest.raises(IndexError):
         fused.encoder_backward(dwte, dwpe0.copy(), dout, np.full((B, T), V, np.int32))
     np.testing.assert_array_equal(dwte, dwte0)
-    with pytest.raises(ValueError):                            # ids that do not match dout: NumPy's error too
+    # ids that do not match dout: NumPy's error too
+    with pytest.raises(ValueError):
         fused.encoder_backward(dwte, dwpe0.copy(), dout, ids[:, :-1].copy())
     np.testing.assert_array_equal(dwte, dwte0)
 
@@ -178,7 +188,8 @@ def run_steps(backend, steps=3, accum=2):
     data = rng.integers(0, CFG.vocab_size, (steps * accum, 2, 9)).astype(np.int32)
     batches = iter((d[:, :-1], d[:, 1:]) for d in data)
     norms = [train_step(model, lambda: next(batches), step=s, lr=1e-3, accum_steps=accum,
-                        adamw=AdamW(weight_decay=0.1, grad_clip=0.5)).grad_norm for s in range(steps)]
+                        adamw=AdamW(weight_decay=0.1, grad_clip=0.5)).grad_norm
+             for s in range(steps)]
     return norms, model.params, model.m, model.v, model.grads
 
 
@@ -203,8 +214,8 @@ def load_cpu_step_bench():
 
 
 def test_cpu_step_bench_floor_counts_the_steps_gemms_and_adamw_bytes():
-    """The floor's parts: the GEMM shapes it times add up to the op contract's GEMM FLOPs of a step (matmuls and
-    attention's batched products), and AdamW's bytes are 28 per parameter."""
+    """The floor's parts: the GEMM shapes it times add up to the op contract's GEMM FLOPs of a step
+    (matmuls and attention's batched products), and AdamW's bytes are 28 per parameter."""
     from gpt2np import ranges
     bench = load_cpu_step_bench()
     model = GPT2(CFG, NumpyBackend(threads=2), 2, 8, seed=1)
@@ -215,9 +226,12 @@ def test_cpu_step_bench_floor_counts_the_steps_gemms_and_adamw_bytes():
         train_step(model, lambda: (x[:, :-1], x[:, 1:]), step=0, lr=1e-3)
     finally:
         ranges.remove_listener(recorder)
-    L, C, Vp, N, T, NH = CFG.num_layers, CFG.channels, CFG.padded_vocab_size, 2 * 8, 8, CFG.num_heads
-    matmul = 3 * 2 * N * (L * (3 * C * C + C * C + 4 * C * C + 4 * C * C) + Vp * C)   # forward + 2 backward GEMMs
-    attention = 6 * 2 * 2 * NH * T * T * (C // NH) * L                                 # 2 forward + 4 backward
+    L, C, Vp, N, T, NH = (CFG.num_layers, CFG.channels, CFG.padded_vocab_size, 2 * 8, 8,
+                          CFG.num_heads)
+    # forward + 2 backward GEMMs
+    matmul = 3 * 2 * N * (L * (3 * C * C + C * C + 4 * C * C + 4 * C * C) + Vp * C)
+    # 2 forward + 4 backward
+    attention = 6 * 2 * 2 * NH * T * T * (C // NH) * L
     assert recorder.matmul_flops == matmul and recorder.gemm_flops == matmul + attention
     assert recorder.timed_flops() == recorder.gemm_flops
     assert recorder.adamw_bytes == 28 * model.num_parameters
@@ -226,13 +240,15 @@ def test_cpu_step_bench_floor_counts_the_steps_gemms_and_adamw_bytes():
 
 def test_cpu_step_bench_round_ratios_use_each_rounds_own_floor():
     bench = load_cpu_step_bench()
-    gemms = [(2, 2, 2, 1, False, False, 3), (4, 4, 4, 1, False, True, 1)]    # the last field: calls per step
+    # the last field: calls per step
+    gemms = [(2, 2, 2, 1, False, False, 3), (4, 4, 4, 1, False, True, 1)]
     gpt2np_runs = [{"times_ms": [99.0, 20.0, 22.0, 24.0]}, {"times_ms": [99.0, 40.0, 30.0, 50.0]}]
-    numpy_floors = [{"gemm_s": [0.002, 0.004], "bandwidth": 1e9}, {"gemm_s": [0.004, 0.008], "bandwidth": 1e9}]
+    numpy_floors = [{"gemm_s": [0.002, 0.004], "bandwidth": 1e9},
+                    {"gemm_s": [0.004, 0.008], "bandwidth": 1e9}]
     torch_floors = [{"gemm_s": [0.001, 0.005], "bandwidth": 2e9}]          # one round only
     ratios = bench.round_ratios(gpt2np_runs, [numpy_floors, torch_floors], gemms, 4e6, warmup=1)
-    # round 1: GEMMs 3 * 0.001 + 0.004 s, AdamW 4e6 B at 2e9 B/s -> 9 ms, step median 22 ms; round 2: numpy's only,
-    # 3 * 0.004 + 0.008 + 0.004 = 24 ms, median 40 ms
+    # round 1: GEMMs 3 * 0.001 + 0.004 s, AdamW 4e6 B at 2e9 B/s -> 9 ms, step median 22 ms; round
+    # 2: numpy's only, 3 * 0.004 + 0.008 + 0.004 = 24 ms, median 40 ms
     assert ratios == [pytest.approx((22 / 9, 22, 9)), pytest.approx((40 / 24, 40, 24))]
 
 
@@ -240,18 +256,21 @@ def test_cpu_step_bench_paired_floor_weights_each_shape_by_its_calls():
     bench = load_cpu_step_bench()
     gemms = [(2, 2, 2, 1, False, False, 3), (4, 4, 4, 1, False, True, 1)]
     # 3 calls * 2 ms + 1 call * 4 ms + AdamW's 4e6 B at 1e9 B/s (4 ms) = 14 ms
-    assert bench.floor_ms({"gemm_s": [0.002, 0.004], "bandwidth": 1e9}, gemms, 4e6) == pytest.approx(14.0)
+    assert (bench.floor_ms({"gemm_s": [0.002, 0.004], "bandwidth": 1e9}, gemms, 4e6)
+            == pytest.approx(14.0))
 
 
 def test_cpu_step_bench_times_its_steps_back_to_back_and_pairs_further_steps(monkeypatch):
-    """The timed steps (the median and the strict ratio) run back to back, as in training; then --steps times two
-    steps and a floor, the floor paired with the second step's time (the first follows the last floor)."""
+    """The timed steps (the median and the strict ratio) run back to back, as in training; then
+    --steps times two steps and a floor, the floor paired with the second step's time (the first
+    follows the last floor)."""
     import argparse
 
     import gpt2np.train_step
     bench = load_cpu_step_bench()
     events = []
-    real_step = gpt2np.train_step.train_step        # (bench_gpt2np imports it from the module when it runs)
+    # (bench_gpt2np imports it from the module when it runs)
+    real_step = gpt2np.train_step.train_step
 
     def step_spy(*a, **k):
         events.append("step")
@@ -263,7 +282,8 @@ def test_cpu_step_bench_times_its_steps_back_to_back_and_pairs_further_steps(mon
 
     monkeypatch.setattr(gpt2np.train_step, "train_step", step_spy)
     monkeypatch.setattr(bench, "floor_numpy", floor_spy)
-    args = argparse.Namespace(model="d6", b=1, t=8, steps=3, warmup=1, threads=1, cpu_math="exact", paired=True)
+    args = argparse.Namespace(model="d6", b=1, t=8, steps=3, warmup=1, threads=1, cpu_math="exact",
+                              paired=True)
     result = bench.bench_gpt2np(args)
     assert events == ["step"] * 4 + ["step", "step", "floor"] * 3
     assert len(result["times_ms"]) == 4 and len(result["paired_floor_ms"]) == 3

@@ -15,7 +15,8 @@ from gpt2np.model import GPT2
 from gpt2np.tensors import PARAM_NAMES
 from gpt2np.train_step import AdamW, train_step
 
-CFG = GPT2Config(max_seq_len=8, vocab_size=37, padded_vocab_size=64, num_layers=2, num_heads=2, channels=16)
+CFG = GPT2Config(max_seq_len=8, vocab_size=37, padded_vocab_size=64, num_layers=2, num_heads=2,
+                 channels=16)
 B, T = 2, 5
 
 
@@ -53,7 +54,8 @@ def test_backward_gradients(cuda_backend):
     ref, gpu = models(cuda_backend)
     x, y = batch(1)
     for model in (ref, gpu):
-        model.forward(x, y, for_backward=model is gpu)  # both paths: dlogits in forward, or in backward
+        # both paths: dlogits in forward, or in backward
+        model.forward(x, y, for_backward=model is gpu)
         model.zero_grad()
         model.backward(from_logits=model is not gpu)
     g_ref, g = ref.grads_host(), gpu.grads_host()
@@ -72,23 +74,28 @@ def test_three_adamw_steps(cuda_backend):
         x, y = batch(10 + step)
         for model in (ref, gpu):
             loss, _ = train_step(model, lambda x=x, y=y: (x, y), step=step - 1, lr=3e-3,
-                                 adamw=AdamW(weight_decay=0.1, grad_clip=0.5))   # clipping active on tiny models too
+                                 # clipping active on tiny models too
+                                 adamw=AdamW(weight_decay=0.1, grad_clip=0.5))
             losses[id(model)].append(loss)
     np.testing.assert_allclose(losses[id(gpu)], losses[id(ref)], rtol=1e-5)
     noise = key_bias_mask(CFG)
-    np.testing.assert_allclose(gpu.params_host()[~noise], ref.params_host()[~noise], rtol=1e-4, atol=2e-6)
-    assert np.all(np.abs(gpu.params_host()[noise] - ref.params_host()[noise]) <= 2 * 3 * 3e-3)   # 2 lr a step
+    np.testing.assert_allclose(gpu.params_host()[~noise], ref.params_host()[~noise], rtol=1e-4,
+                               atol=2e-6)
+    # 2 lr a step
+    assert np.all(np.abs(gpu.params_host()[noise] - ref.params_host()[noise]) <= 2 * 3 * 3e-3)
 
 
 def test_gradients_do_not_depend_on_the_thread_schedule():
-    """Every reduction is fixed-order (encoder_backward's dwte too: grouped by token, no atomics), so
-    every gradient is bitwise identical whichever order the emulator runs threads and blocks in."""
+    """Every reduction is fixed-order (encoder_backward's dwte too: grouped by token, no atomics),
+    so every gradient is bitwise identical whichever order the emulator runs
+    threads and blocks in."""
     from gpt2np.backends.cuda.runtime_emu import EmuRuntime
     grads = []
     for schedule in ("forward", "reverse"):
         model = GPT2(CFG, CudaBackend(EmuRuntime(schedule=schedule)), B, T, seed=0)
         x, y = batch(2)
-        x[0, :3] = x[1, 1] = 4                              # repeated token ids: several rows into one dwte row
+        # repeated token ids: several rows into one dwte row
+        x[0, :3] = x[1, 1] = 4
         model.forward(x, y, for_backward=True)
         model.zero_grad()
         model.backward()
@@ -97,18 +104,20 @@ def test_gradients_do_not_depend_on_the_thread_schedule():
         assert np.array_equal(grads[0][name], grads[1][name]), name
 
 
-# ---- fusion (GPT2(fuse=...), --fuse): the same model, fewer passes -------------------------------------------
+# ---- fusion (GPT2(fuse=...), --fuse): the same model, fewer passes -------------------------------
 
 def fused_pair(tf32):
     from gpt2np.backends.cuda.runtime_emu import EmuRuntime
-    return [GPT2(CFG, CudaBackend(EmuRuntime(tf32=tf32)), B, T, seed=0, fuse=fuse) for fuse in (False, True)]
+    return [GPT2(CFG, CudaBackend(EmuRuntime(tf32=tf32)), B, T, seed=0, fuse=fuse)
+            for fuse in (False, True)]
 
 
 @pytest.mark.parametrize("tf32", [False, True])
 def test_fused_and_unfused_loss_and_gradients_agree(tf32):
-    """The emulated CUDA path with and without the fused ops (GEMM epilogues, residual + LayerNorm, one-pass
-    LayerNorm backward): the loss and every gradient, accumulated over two micro-batches (the bias gradients'
-    epilogue writes a scratch sum that is then added), within fp32 / TF32 rounding."""
+    """The emulated CUDA path with and without the fused ops (GEMM epilogues, residual + LayerNorm,
+    one-pass LayerNorm backward): the loss and every gradient, accumulated over two micro-batches
+    (the bias gradients' epilogue writes a scratch sum that is then added), within
+    fp32 / TF32 rounding."""
     unfused, fused = fused_pair(tf32)
     losses = []
     for model in (unfused, fused):
@@ -119,7 +128,8 @@ def test_fused_and_unfused_loss_and_gradients_agree(tf32):
             model.backward()
     assert losses[2:] == pytest.approx(losses[:2], rel=1e-6 if not tf32 else 1e-5)
     g_unfused, g_fused = unfused.grads_host(), fused.grads_host()
-    tolerance = 2e-5       # both paths round the same GEMM inputs to TF32; the rest is fp32 order (seen: 2e-7)
+    # both paths round the same GEMM inputs to TF32; the rest is fp32 order (seen: 2e-7)
+    tolerance = 2e-5
     for name in PARAM_NAMES:
         scale = max(1e-3, float(np.abs(g_unfused[name]).max()))
         err = float(np.abs(g_fused[name] - g_unfused[name]).max()) / scale
@@ -132,20 +142,25 @@ def test_fused_and_unfused_stay_close_over_ten_steps():
     for step in range(10):
         x, y = batch(30 + step)
         for model in (unfused, fused):
-            loss, _ = train_step(model, lambda x=x, y=y: (x, y), step=step, lr=3e-3, adamw=AdamW(weight_decay=0.1))
+            loss, _ = train_step(model, lambda x=x, y=y: (x, y), step=step, lr=3e-3,
+                                 adamw=AdamW(weight_decay=0.1))
             losses[model.fuse].append(loss)
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)
     noise = key_bias_mask(CFG)
-    np.testing.assert_allclose(fused.params_host()[~noise], unfused.params_host()[~noise], rtol=1e-3, atol=1e-5)
-    assert np.all(np.abs(fused.params_host()[noise] - unfused.params_host()[noise]) <= 2 * 10 * 3e-3)
+    np.testing.assert_allclose(fused.params_host()[~noise], unfused.params_host()[~noise],
+                               rtol=1e-3, atol=1e-5)
+    assert np.all(np.abs(fused.params_host()[noise] - unfused.params_host()[noise])
+                  <= 2 * 10 * 3e-3)
 
 
 def test_fused_ops_on_numpy_are_the_unfused_sequence_bitwise():
-    """On the NumPy backend the fused ops compose the ops they replace: --fuse 1 gives the same bits."""
+    """On the NumPy backend the fused ops compose the ops they replace: --fuse 1
+    gives the same bits."""
     runs = []
     for fuse in (False, True):
         model = GPT2(CFG, NumpyBackend(threads=1), B, T, seed=0, fuse=fuse)
-        losses = [train_step(model, lambda s=s: batch(40 + s), step=s, lr=3e-3, adamw=AdamW(weight_decay=0.1))[0]
+        losses = [train_step(model, lambda s=s: batch(40 + s), step=s, lr=3e-3,
+                             adamw=AdamW(weight_decay=0.1))[0]
                   for s in range(2)]
         runs.append((losses, model.grads_host(), model.params_host()))
     (l0, g0, p0), (l1, g1, p1) = runs

@@ -1,7 +1,7 @@
-"""CUPTI activity records in the profiler, with a fake activity source that behaves like CUPTI: it sees every
-runtime call, stamps device times, ties each call to the external correlation id pushed around it, and
-reports kernels, copies, memsets and API calls with cupti-python's attribute names. Also the calls
-CuptiSource makes into cupti-python, against a stand-in module with its names."""
+"""CUPTI activity records in the profiler, with a fake activity source that behaves like CUPTI: it
+sees every runtime call, stamps device times, ties each call to the external correlation id pushed
+around it, and reports kernels, copies, memsets and API calls with cupti-python's attribute names.
+Also the calls CuptiSource makes into cupti-python, against a stand-in module with its names."""
 import itertools
 import sys
 import types
@@ -21,14 +21,15 @@ from gpt2np.profiling.render import views as V
 
 CFG = GPT2Config(32, 100, 128, 2, 2, 16)
 B, T = 2, 8
-API = {1: "cudaLaunchKernel", 2: "cublasSgemm_v2", 3: "cudaMemcpyAsync", 4: "cudaMemsetAsync", 5: "cudaMalloc",
-       6: "cudaStreamSynchronize"}
+API = {1: "cudaLaunchKernel", 2: "cublasSgemm_v2", 3: "cudaMemcpyAsync", 4: "cudaMemsetAsync",
+       5: "cudaMalloc", 6: "cudaStreamSynchronize"}
 
 
 class FakeCupti:
-    """The activity source: push/pop external ids; `emit` is called by FakeGpu for every runtime call. Its device
-    runs `lag` activities behind the host (a kernel is done once `lag` more were issued after it, or at a host sync:
-    finish()), and stop() is CUPTI's forced flush: the records of unfinished work come back with start = end = 0."""
+    """The activity source: push/pop external ids; `emit` is called by FakeGpu for every runtime
+    call. Its device runs `lag` activities behind the host (a kernel is done once `lag` more were
+    issued after it, or at a host sync: finish()), and stop() is CUPTI's forced flush: the records
+    of unfinished work come back with start = end = 0."""
 
     timing = C.TIMING
 
@@ -41,8 +42,9 @@ class FakeCupti:
     def start(self):
         self.started = True
         # a kernel of someone else's (no external id): CUPTI reports it, nothing of ours issued it
-        self.activities.append(SimpleNamespace(kind=C.KIND_CONCURRENT_KERNEL, name="foreign_kernel", start=1, end=11,
-                                               correlation_id=1, grid_x=1, grid_y=1, grid_z=1, block_x=32,
+        self.activities.append(SimpleNamespace(kind=C.KIND_CONCURRENT_KERNEL, name="foreign_kernel",
+                                               start=1, end=11, correlation_id=1, grid_x=1,
+                                               grid_y=1, grid_z=1, block_x=32,
                                                block_y=1, block_z=1))
 
     def now(self):
@@ -69,14 +71,16 @@ class FakeCupti:
         self.running = []
 
     def emit(self, cbid, *activities):
-        if not self.started:                         # CUPTI records only while its activity kinds are enabled
+        # CUPTI records only while its activity kinds are enabled
+        if not self.started:
             return
         corr = next(self.corr)
         start = next(self.clock)
-        self.activities.append(SimpleNamespace(kind=C.KIND_RUNTIME, cbid=cbid, start=start, end=start + 200,
-                                               correlation_id=corr, thread_id=7))
+        self.activities.append(SimpleNamespace(kind=C.KIND_RUNTIME, cbid=cbid, start=start,
+                                               end=start + 200, correlation_id=corr, thread_id=7))
         if self.external:
-            self.activities.append(SimpleNamespace(kind=C.KIND_EXTERNAL_CORRELATION, correlation_id=corr,
+            self.activities.append(SimpleNamespace(kind=C.KIND_EXTERNAL_CORRELATION,
+                                                   correlation_id=corr,
                                                    external_id=self.external[-1], external_kind=3))
         for a in activities:
             t = next(self.clock)
@@ -87,13 +91,13 @@ class FakeCupti:
 
 
 def kernel(name, grid=(4, 1, 1), block=(128, 1, 1)):
-    return SimpleNamespace(kind=C.KIND_CONCURRENT_KERNEL, name=name, grid_x=grid[0], grid_y=grid[1], grid_z=grid[2],
-                           block_x=block[0], block_y=block[1], block_z=block[2])
+    return SimpleNamespace(kind=C.KIND_CONCURRENT_KERNEL, name=name, grid_x=grid[0], grid_y=grid[1],
+                           grid_z=grid[2], block_x=block[0], block_y=block[1], block_z=block[2])
 
 
 class FakeGpu(EmuRuntime):
-    """The emulator, with CUPTI watching: every call is reported to the fake source. Batched GEMMs report a
-    second kernel (as cuBLAS's split-K reduction would)."""
+    """The emulator, with CUPTI watching: every call is reported to the fake source. Batched GEMMs
+    report a second kernel (as cuBLAS's split-K reduction would)."""
 
     name = "fake-gpu"
 
@@ -127,7 +131,8 @@ class FakeGpu(EmuRuntime):
         self.source.emit(3, SimpleNamespace(kind=C.KIND_MEMCPY, copy_kind=1, bytes=out.nbytes))
         return out
 
-    def to_host(self, array):                   # cudaMemcpy: returns when the device has done all before it
+    # cudaMemcpy: returns when the device has done all before it
+    def to_host(self, array):
         self.source.emit(3, SimpleNamespace(kind=C.KIND_MEMCPY, copy_kind=2, bytes=array.nbytes))
         self.source.finish()
         return super().to_host(array)
@@ -158,7 +163,8 @@ class FakeGpu(EmuRuntime):
 
 
 def profiled_step(source):
-    """(profiler, runtime, events made before it): step 0 unprofiled, step 1 under the Profiler, on FakeGpu."""
+    """(profiler, runtime, events made before it): step 0 unprofiled, step 1 under the
+    Profiler, on FakeGpu."""
     rt = FakeGpu(source)
     model = GPT2(CFG, CudaBackend(rt), B, T, seed=0)
     rng = np.random.default_rng(0)
@@ -178,32 +184,38 @@ def run():
 
 def test_device_times_and_names_come_from_cupti_and_no_events_are_used(run):
     prof, rt, events_before = run
-    assert prof.timing == C.TIMING and rt.events == events_before      # no event bracketed any launch
+    # no event bracketed any launch
+    assert prof.timing == C.TIMING and rt.events == events_before
     step = [r for r in prof.records if r.step == 1]
     assert step and all(r.duration_ns == 500 and r.start_ns >= 1_000_000 for r in step)
     gemms = [r for r in step if r.kernel == "ampere_sgemm_128x64_tn"]
-    assert gemms and all(r.grid == "(8,2,1)" and r.block == "(256,1,1)" and r.flops > 0 for r in gemms)
-    assert not any(r.kernel.startswith("cublasSgemm (") for r in step)  # our labels gave way to the real names
+    assert gemms and all(r.grid == "(8,2,1)" and r.block == "(256,1,1)" and r.flops > 0
+                         for r in gemms)
+    # our labels gave way to the real names
+    assert not any(r.kernel.startswith("cublasSgemm (") for r in step)
     assert next(r for r in step if r.kernel == "layernorm_forward").grid.startswith("(")
     assert [r.idx for r in prof.records] == list(range(len(prof.records)))
 
 
 def test_the_device_is_synchronized_before_the_final_flush(run):
-    """The step returns with work still queued (the device step does not wait), and CUPTI's forced flush hands over
-    unfinished work without times: the profiler waits for the device first, so every activity of the step, the
-    last optimizer kernel and the stats readback included, has its device times (the H100's run showed 0 ns for
-    everything after the first forward kernels)."""
+    """The step returns with work still queued (the device step does not wait), and CUPTI's forced
+    flush hands over unfinished work without times: the profiler waits for the device first, so
+    every activity of the step, the last optimizer kernel and the stats readback included, has its
+    device times (the H100's run showed 0 ns for everything after the first forward kernels)."""
     prof = run[0]
     step = [r for r in prof.records if r.step == 1]
-    assert len(step) > FakeCupti().lag and all(r.start_ns >= 1_000_000 and r.duration_ns == 500 for r in step)
+    assert len(step) > FakeCupti().lag and all(r.start_ns >= 1_000_000 and r.duration_ns == 500
+                                               for r in step)
     assert prof.incomplete == 0
-    assert step[-1].kind == "memcpy" and step[-1].kernel == "[CUDA memcpy DtoH]"       # the step's stats readback
+    # the step's stats readback
+    assert step[-1].kind == "memcpy" and step[-1].kernel == "[CUDA memcpy DtoH]"
     assert any(r.op.startswith("adamw") for r in step[-6:])
     assert "incomplete" not in V.render_views(prof.profile(), None, V.VIEWS)
 
 
 class StuckCupti(FakeCupti):
-    """A device whose last `lag` activities never finish, a sync or not: CUPTI's flush has them incomplete."""
+    """A device whose last `lag` activities never finish, a sync or not: CUPTI's flush
+    has them incomplete."""
 
     def finish(self):
         pass
@@ -212,28 +224,32 @@ class StuckCupti(FakeCupti):
 def test_incomplete_records_are_left_out_with_a_note_not_shown_as_0_ns(capsys, tmp_path):
     prof, _, _ = profiled_step(StuckCupti(lag=7))
     step = [r for r in prof.records if r.step == 1]
-    assert step and all(r.start_ns >= 1_000_000 and r.duration_ns == 500 for r in step)    # no 0 ns row
+    # no 0 ns row
+    assert step and all(r.start_ns >= 1_000_000 and r.duration_ns == 500 for r in step)
     err = capsys.readouterr().err
     assert prof.incomplete == 7
     assert err.count("\n") == 1 and "note: 7 CUPTI activity records came back incomplete" in err
     assert [r.idx for r in prof.records] == list(range(len(prof.records)))
     assert all(a.record is None or 0 <= a.record < len(prof.records) for a in prof.api)
     complete, _, _ = profiled_step(FakeCupti(lag=7))
-    assert len(complete.records) - len(prof.records) == 7        # the 7 launches and copies they were to time
+    # the 7 launches and copies they were to time
+    assert len(complete.records) - len(prof.records) == 7
     profile = prof.profile()
     assert profile.meta["incomplete_records"] == 7
     for name in ("gpu_activities", "cuda_gpu_kern_sum", "kernels"):
         t = V.tables(V.select(profile, "last"), name)[0]
-        assert t.footer == "note: 7 CUPTI activity records came back incomplete (unfinished at the flush, no device " \
-                           "times) and are left out", name
+        assert (t.footer == "note: 7 CUPTI activity records came back incomplete (unfinished at "
+                            "the flush, no device times) and are left out"), name
     mins = [row[5] for row in V.tables(V.select(profile, "last"), "gpu_activities")[0].rows]
     assert mins and "0ns" not in mins
     # the note survives the files: re-rendered from profile.json, the views still say it
     from gpt2np.profiling.profiler import write_outputs
     paths = write_outputs(prof, tmp_path)
     again, roof = V.read_profile(paths["json"])
-    assert V.render_views(again, roof, ("gpu_activities",)) == V.render_views(profile, None, ("gpu_activities",))
-    assert "7 CUPTI activity records came back incomplete" in V.render_views(again, roof, ("gpu_activities",))
+    assert (V.render_views(again, roof, ("gpu_activities",))
+            == V.render_views(profile, None, ("gpu_activities",)))
+    assert ("7 CUPTI activity records came back incomplete"
+            in V.render_views(again, roof, ("gpu_activities",)))
 
 
 def test_extra_kernels_belong_to_the_op_that_launched_them_and_foreign_ones_to_none(run):
@@ -243,9 +259,11 @@ def test_extra_kernels_belong_to_the_op_that_launched_them_and_foreign_ones_to_n
     assert splits
     for i in splits:
         gemm = recs[i - 1]
-        assert gemm.kernel == "ampere_sgemm_128x64_tn" and recs[i].op == gemm.op       # batched: attention's
+        # batched: attention's
+        assert gemm.kernel == "ampere_sgemm_128x64_tn" and recs[i].op == gemm.op
         assert gemm.op in ("attention_forward", "attention_backward")
-        assert recs[i].module == gemm.module and recs[i].flops == 0 and recs[i].range_stack == gemm.range_stack
+        assert (recs[i].module == gemm.module and recs[i].flops == 0
+                and recs[i].range_stack == gemm.range_stack)
     foreign = [r for r in recs if r.kernel == "foreign_kernel"]
     assert len(foreign) == 1 and foreign[0].direction == "other" and foreign[0].op == ""
 
@@ -261,18 +279,21 @@ def test_copies_memsets_and_api_calls_are_correlated(run):
     assert owned and all(a.duration_ns == 200 for a in prof.api)
     for a in owned:
         r = by_idx[a.record]
-        expected = {"cudaLaunchKernel": "kernel", "cublasSgemm_v2": "kernel", "cudaMemsetAsync": "memset",
-                    "cudaMemcpyAsync": "memcpy"}[a.name]
+        expected = {"cudaLaunchKernel": "kernel", "cublasSgemm_v2": "kernel",
+                    "cudaMemsetAsync": "memset", "cudaMemcpyAsync": "memcpy"}[a.name]
         assert r.kind == expected
     launches = sum(a.name == "cudaLaunchKernel" for a in owned)
-    assert launches == sum(r.kind == "kernel" and r.kernel not in ("ampere_sgemm_128x64_tn", "splitKreduce_kernel",
-                                                                     "foreign_kernel") for r in prof.records)
+    assert launches == sum(r.kind == "kernel"
+                           and r.kernel not in ("ampere_sgemm_128x64_tn", "splitKreduce_kernel",
+                                                "foreign_kernel") for r in prof.records)
 
 
 def test_views_of_a_cupti_profile(run):
     prof = run[0]
-    text = V.render_views(prof.profile(), None, ("gpu_activities", "api_calls", "cuda_gpu_kern_sum"))
-    assert "ampere_sgemm_128x64_tn" in text and "[CUDA memcpy HtoD]" in text and "cudaLaunchKernel" in text
+    text = V.render_views(prof.profile(), None,
+                          ("gpu_activities", "api_calls", "cuda_gpu_kern_sum"))
+    assert ("ampere_sgemm_128x64_tn" in text and "[CUDA memcpy HtoD]" in text
+            and "cudaLaunchKernel" in text)
     assert C.TIMING in text and "emulated" not in text
 
 
@@ -298,11 +319,13 @@ def test_cupti_source_calls_cupti_python_by_its_names(monkeypatch):
 
     enum = SimpleNamespace
     fake = types.ModuleType("cupti.cupti")
-    fake.ActivityKind = enum(CONCURRENT_KERNEL=10, MEMCPY=1, MEMSET=2, RUNTIME=5, DRIVER=4, EXTERNAL_CORRELATION=39)
+    fake.ActivityKind = enum(CONCURRENT_KERNEL=10, MEMCPY=1, MEMSET=2, RUNTIME=5, DRIVER=4,
+                             EXTERNAL_CORRELATION=39)
     fake.ExternalCorrelationKind = enum(CUSTOM0=3)
     fake.CallbackDomain = enum(DRIVER_API=1, RUNTIME_API=2)
-    for name in ("activity_register_callbacks", "activity_enable", "activity_disable", "get_timestamp",
-                 "activity_push_external_correlation_id", "activity_pop_external_correlation_id", "activity_flush_all"):
+    for name in ("activity_register_callbacks", "activity_enable", "activity_disable",
+                 "get_timestamp", "activity_push_external_correlation_id",
+                 "activity_pop_external_correlation_id", "activity_flush_all"):
         setattr(fake, name, record(name))
     fake.get_callback_name = lambda domain, cbid: f"api{domain}.{cbid}"
     package = types.ModuleType("cupti")
@@ -312,7 +335,8 @@ def test_cupti_source_calls_cupti_python_by_its_names(monkeypatch):
     src = C.CuptiSource()
     src.start()
     assert [args[0] for name, args in calls if name == "activity_enable"] == [10, 1, 2, 5, 4, 39]
-    requested, completed = next(args for name, args in calls if name == "activity_register_callbacks")
+    requested, completed = next(args for name, args in calls
+                                if name == "activity_register_callbacks")
     assert requested() == (C.BUFFER_BYTES, 0)
     completed([SimpleNamespace(kind=5, cbid=3, start=1, end=2, correlation_id=9, thread_id=1)])
     src.push(41)
@@ -320,20 +344,22 @@ def test_cupti_source_calls_cupti_python_by_its_names(monkeypatch):
     assert src.now() == 123
     got = src.stop()
     assert ("activity_push_external_correlation_id", (3, 41)) in calls
-    assert ("activity_flush_all", (1,)) in calls and [n for n, _ in calls].count("activity_disable") == 6
+    assert (("activity_flush_all", (1,)) in calls
+            and [n for n, _ in calls].count("activity_disable") == 6)
     assert C.parse(got, src.api_name)["api"][0]["name"] == "api2.3"
 
 
 def test_the_installed_cupti_python_has_the_calls_we_make():
     cupti = pytest.importorskip("cupti.cupti")
-    for name in ("activity_register_callbacks", "activity_enable", "activity_disable", "get_timestamp",
-                 "activity_push_external_correlation_id", "activity_pop_external_correlation_id",
-                 "activity_flush_all", "get_callback_name"):
+    for name in ("activity_register_callbacks", "activity_enable", "activity_disable",
+                 "get_timestamp", "activity_push_external_correlation_id",
+                 "activity_pop_external_correlation_id", "activity_flush_all", "get_callback_name"):
         assert hasattr(cupti, name), name
     assert int(cupti.ActivityKind.CONCURRENT_KERNEL) == C.KIND_CONCURRENT_KERNEL
     assert int(cupti.ActivityKind.EXTERNAL_CORRELATION) == C.KIND_EXTERNAL_CORRELATION
     assert int(cupti.ExternalCorrelationKind.CUSTOM0) == C.EXTERNAL_KIND_CUSTOM0
-    for cls, attrs in (("ActivityKernel9", ("name", "start", "end", "correlation_id", "grid_x", "block_z")),
+    for cls, attrs in (("ActivityKernel9",
+                        ("name", "start", "end", "correlation_id", "grid_x", "block_z")),
                        ("ActivityMemcpy5", ("copy_kind", "bytes", "correlation_id")),
                        ("ActivityMemset4", ("bytes", "correlation_id")),
                        ("ActivityAPI", ("cbid", "thread_id", "correlation_id")),

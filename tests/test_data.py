@@ -1,5 +1,5 @@
-"""Token shards (llm.c format) and the DataLoader: round trips, every bad input, batching semantics, shards that
-change under a running loader."""
+"""Token shards (llm.c format) and the DataLoader: round trips, every bad input, batching semantics,
+shards that change under a running loader."""
 import json
 import os
 import subprocess
@@ -178,7 +178,8 @@ def test_two_ranks_cover_what_one_rank_with_2B_covers(tmp_path):
     pattern = str(tmp_path / "*.bin")
     ranks = [DataLoader(pattern, B, T, r, 2) for r in range(2)]
     whole = DataLoader(pattern, 2 * B, T)
-    assert ranks[0].num_batches == ranks[1].num_batches == whole.num_batches == 4 + 3 + 5   # (n-1)//16
+    # (n-1)//16
+    assert ranks[0].num_batches == ranks[1].num_batches == whole.num_batches == 4 + 3 + 5
     for _ in range(2 * whole.num_batches + 3):   # over two epochs
         x0, y0 = ranks[0].next_batch()
         x1, y1 = ranks[1].next_batch()
@@ -188,7 +189,8 @@ def test_two_ranks_cover_what_one_rank_with_2B_covers(tmp_path):
         assert not set(x0.ravel()) & set(x1.ravel())   # disjoint
 
 
-# ---- llm.c's shuffled order, computed independently: its mt19937 (llmc/rand.h) and dataloader.h, as C does it ----
+# ---- llm.c's shuffled order, computed independently: its mt19937 (llmc/rand.h) and
+# dataloader.h, as C does it ----
 class ReferenceMT19937:
     """The reference Mersenne Twister (Matsumoto & Nishimura), one 32-bit word at a time."""
 
@@ -214,11 +216,13 @@ class ReferenceMT19937:
 
 def test_reference_mt19937_is_llmc_rand_h():
     rng = ReferenceMT19937(137)                 # llmc/rand.h's example output for manual_seed(137)
-    assert [rng.randint32() for _ in range(5)] == [4053805790, 2173880614, 380293709, 1237255315, 2986595568]
+    assert [rng.randint32() for _ in range(5)] == [4053805790, 2173880614, 380293709, 1237255315,
+                                                   2986595568]
 
 
 def llmc_reads(shard_samples, rank, count):
-    """(shard, sample) of the first `count` batches rank `rank` reads: dataloader.h's reset / advance / next_batch."""
+    """(shard, sample) of the first `count` batches rank `rank` reads: dataloader.h's reset /
+    advance / next_batch."""
     rng = ReferenceMT19937(42 + rank)
 
     def permute(xs):
@@ -230,7 +234,8 @@ def llmc_reads(shard_samples, rank, count):
     state = {}
 
     def load(position):
-        state.update(position=position, sample=0, order=list(range(shard_samples[shard_indices[position]])))
+        state.update(position=position, sample=0,
+                     order=list(range(shard_samples[shard_indices[position]])))
         permute(state["order"])
 
     def reset():
@@ -264,9 +269,11 @@ def test_shuffle_is_llmc_order(tmp_path, ranks):
         expected = [10000 * shard + sample * stride + rank * B * T for shard, sample in reads]
         got = [int(loader.next_batch()[0][0, 0]) for _ in range(count)]
         assert got == expected
-    in_order = [int(x[0, 0]) for x, _ in collect(DataLoader(pattern, B, T, rank, ranks), loader.num_batches)]
+    in_order = [int(x[0, 0])
+                for x, _ in collect(DataLoader(pattern, B, T, rank, ranks), loader.num_batches)]
     first_epoch = got[:loader.num_batches]
-    assert sorted(first_epoch) == sorted(in_order) and first_epoch != in_order    # an epoch reads every sample once
+    # an epoch reads every sample once
+    assert sorted(first_epoch) == sorted(in_order) and first_epoch != in_order
     x, y = DataLoader(pattern, 2, 4, shuffle=True).next_batch()
     np.testing.assert_array_equal(x.ravel() + 1, y.ravel())
 
@@ -300,7 +307,8 @@ def test_loader_state_rejects_other_settings(tmp_path):
     with pytest.raises(DataError):
         DataLoader(pattern, 2, 5, shuffle=True).check_settings(state)
     with pytest.raises(DataError):
-        DataLoader(pattern, 2, 5).load_llmc_state(dict(DataLoader(pattern, 2, 5).llmc_state(), sample_idx=99))
+        DataLoader(pattern, 2, 5).load_llmc_state(dict(DataLoader(pattern, 2, 5).llmc_state(),
+                                                       sample_idx=99))
 
 
 def test_token_beyond_vocab_is_an_error(tmp_path):
@@ -336,21 +344,26 @@ except DataError as e:
 
 
 def test_shard_truncated_under_a_loader_is_an_error_not_sigbus(tmp_path):
-    # a separate process: with the shard memory-mapped (before), reading past the new end killed it with SIGBUS
+    # a separate process: with the shard memory-mapped (before), reading past the new end
+    # killed it with SIGBUS
     path = tmp_path / "t.bin"
-    proc = subprocess.run([sys.executable, "-c", TRUNCATE_UNDER_LOADER, str(path)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", TRUNCATE_UNDER_LOADER, str(path)],
+                          capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, f"killed by signal {-proc.returncode}" if proc.returncode < 0 else proc.stderr
-    assert proc.stdout.strip() == (f"{path}: token shard shrank while training: now {HEADER_BYTES + 200} bytes, "
-                                   f"it had 4000 tokens ({HEADER_BYTES + 8000} bytes) when the run started")
+    assert proc.returncode == 0, (f"killed by signal {-proc.returncode}" if proc.returncode < 0
+                                  else proc.stderr)
+    assert proc.stdout.strip() == (f"{path}: token shard shrank while training: now "
+                                   f"{HEADER_BYTES + 200} bytes, it had 4000 tokens "
+                                   f"({HEADER_BYTES + 8000} bytes) when the run started")
 
 
 @pytest.mark.parametrize("change, needle", [
     (lambda p: os.truncate(p, HEADER_BYTES + 20), "shrank while training: now 1044 bytes"),
     (lambda p: p.open("ab").write(b"\0\0"), "grew while training: now 1226 bytes"),
-    (lambda p: corrupt(p, lambda raw: set_int(raw, 2, 50)), "header changed while training: now magic 20240520, "
-                                                             "version 1, 50 tokens"),
-    (lambda p: corrupt(p, lambda raw: set_int(raw, 0, 7)), "header changed while training: now magic 7"),
+    (lambda p: corrupt(p, lambda raw: set_int(raw, 2, 50)),
+     "header changed while training: now magic 20240520, version 1, 50 tokens"),
+    (lambda p: corrupt(p, lambda raw: set_int(raw, 0, 7)),
+     "header changed while training: now magic 7"),
     (lambda p: p.unlink(), "disappeared while training"),
 ])
 def test_shard_changed_under_a_loader(tmp_path, change, needle):
@@ -364,7 +377,8 @@ def test_shard_changed_under_a_loader(tmp_path, change, needle):
     one_line_error(e, path, needle)
     if "disappeared" not in needle:
         assert "100 tokens (1224 bytes) when the run started" in str(e.value)
-    write_shard(path, np.arange(100))                     # put back as it was: the loader carries on
+    # put back as it was: the loader carries on
+    write_shard(path, np.arange(100))
     loader.reset()
     np.testing.assert_array_equal(loader.next_batch()[0], first[0])
 
@@ -375,13 +389,15 @@ def test_signature_names_sizes_and_content(tmp_path):
     sig = DataLoader(pattern, 2, 4).signature()
     assert [(name, n) for name, n, _ in sig] == [("shard_000.bin", 60), ("shard_001.bin", 45)]
     assert sig == DataLoader(pattern, 1, 8).signature()            # data only, not the batch shape
-    write_shard(tmp_path / "shard_001.bin", np.arange(45) + 1)       # same name and size, other tokens
+    # same name and size, other tokens
+    write_shard(tmp_path / "shard_001.bin", np.arange(45) + 1)
     assert DataLoader(pattern, 2, 4).signature()[1][2] != sig[1][2]
 
 
 def test_eval_batches_is_llmc_val_num_batches(tmp_path):
-    """-m -1 counts as llm.c's val_num_batches: all the tokens // (processes*B*T), one more than the samples a shard
-    of exactly 4*B*T tokens holds (its last token ends no sample); the loader then wraps to the first batch."""
+    """-m -1 counts as llm.c's val_num_batches: all the tokens // (processes*B*T), one more than the
+    samples a shard of exactly 4*B*T tokens holds (its last token ends no sample); the loader then
+    wraps to the first batch."""
     write_shard(tmp_path / "val.bin", np.arange(4 * 2 * 8))
     loader = DataLoader(str(tmp_path / "val.bin"), 2, 8)
     assert loader.num_batches == 3 and loader.eval_batches(-1) == 4 and loader.eval_batches(7) == 7

@@ -1,6 +1,6 @@
-"""The device step (issues 13 and 14): a CUDA training step makes no host sync, and replaying it as a captured
-CUDA graph gives bitwise the eager step. On the emulator: EmuRuntime lists every host sync (to_host,
-synchronize, an event wait) and records/replays graphs."""
+"""The device step (issues 13 and 14): a CUDA training step makes no host sync, and replaying it as
+a captured CUDA graph gives bitwise the eager step. On the emulator: EmuRuntime lists every host
+sync (to_host, synchronize, an event wait) and records/replays graphs."""
 import math
 
 import numpy as np
@@ -14,7 +14,8 @@ from gpt2np.model import GPT2, STATS, STEP_SCALARS
 from gpt2np.tensors import param_shapes, views
 from gpt2np.train_step import AdamW, NonFiniteError, PendingStep, StepResult, train_step
 
-CFG = GPT2Config(max_seq_len=8, vocab_size=37, padded_vocab_size=64, num_layers=2, num_heads=2, channels=16)
+CFG = GPT2Config(max_seq_len=8, vocab_size=37, padded_vocab_size=64, num_layers=2, num_heads=2,
+                 channels=16)
 B, T = 2, 5
 ADAMW = AdamW(weight_decay=0.1, grad_clip=1.0)
 REF = NumpyBackend(threads=1)
@@ -56,8 +57,8 @@ def test_a_device_step_makes_no_host_sync():
     train_step(model, feeder(data[:2]), step=0, lr=1e-3, accum_steps=2, adamw=ADAMW)   # warm-up
     for step, graphs in ((1, False), (2, True), (3, True), (4, True)):
         rt.syncs.clear()
-        result = train_step(model, feeder(data[2 * (step - 1):][:2]), step=step, lr=1e-3, accum_steps=2,
-                            adamw=ADAMW, cuda_graphs=graphs)
+        result = train_step(model, feeder(data[2 * (step - 1):][:2]), step=step, lr=1e-3,
+                            accum_steps=2, adamw=ADAMW, cuda_graphs=graphs)
         assert rt.syncs == [], (step, rt.syncs)
         assert isinstance(result, PendingStep)
         loss, norm = result                         # reading it is the one wait, after the step
@@ -76,12 +77,13 @@ def test_graph_replay_is_bitwise_the_eager_step(accum):
         part = data[step * accum:(step + 1) * accum]
         a = train_step(eager, feeder(part), step=step, lr=lrs[step], accum_steps=accum, adamw=ADAMW)
         before = graphed.backend.rt.graph_launches
-        b = train_step(graphed, feeder(part), step=step, lr=lrs[step], accum_steps=accum, adamw=ADAMW,
-                       cuda_graphs=True)
+        b = train_step(graphed, feeder(part), step=step, lr=lrs[step], accum_steps=accum,
+                       adamw=ADAMW, cuda_graphs=True)
         launches.append(graphed.backend.rt.graph_launches - before)
         assert tuple(a) == tuple(b), step
         assert state(eager) == state(graphed), step
-    assert launches == [0, 1, 1, 1, 1]           # eager warm-up, then capture + launch, then replays
+    # eager warm-up, then capture + launch, then replays
+    assert launches == [0, 1, 1, 1, 1]
     assert eager.backend.rt.graph_launches == 0
 
 
@@ -94,48 +96,57 @@ def test_a_replayed_step_leaves_the_model_as_the_eager_step():
     for step in range(4):
         for model, graphs in ((eager, False), (graphed, True)):
             model.zero_grad()
-            train_step(model, feeder(data[step:step + 1]), step=step, lr=1e-3, adamw=ADAMW, cuda_graphs=graphs)
+            train_step(model, feeder(data[step:step + 1]), step=step, lr=1e-3, adamw=ADAMW,
+                       cuda_graphs=graphs)
         assert graphed.backend.rt.graph_launches == max(0, step)
         assert host_values(graphed) == host_values(eager)
-        np.testing.assert_array_equal(graphed.backend.to_host(graphed.grads), eager.backend.to_host(eager.grads))
+        np.testing.assert_array_equal(graphed.backend.to_host(graphed.grads),
+                                      eager.backend.to_host(eager.grads))
         assert np.any(eager.backend.to_host(eager.grads))
     x, y = data[4]
-    for model in (eager, graphed):                       # one more backward accumulates into the step's gradients
+    # one more backward accumulates into the step's gradients
+    for model in (eager, graphed):
         model.forward(x, y, for_backward=True)
         model.backward()
-    np.testing.assert_array_equal(graphed.backend.to_host(graphed.grads), eager.backend.to_host(eager.grads))
+    np.testing.assert_array_equal(graphed.backend.to_host(graphed.grads),
+                                  eager.backend.to_host(eager.grads))
 
 
 def test_a_step_that_refuses_capture_runs_eagerly_with_one_note(capsys):
-    """A library call that refuses stream capture (CuPy's cuBLAS raises NotImplementedError) does not stop the run:
-    the capture is ended, the step and every later one of that shape run eagerly, bitwise the eager step's."""
+    """A library call that refuses stream capture (CuPy's cuBLAS raises NotImplementedError) does
+    not stop the run: the capture is ended, the step and every later one of that shape run eagerly,
+    bitwise the eager step's."""
     eager, graphed = GPT2(CFG, emu(), B, T, seed=2), GPT2(CFG, emu(), B, T, seed=2)
     rt = graphed.backend.rt
     real_gemm = rt.gemm
 
     def refusing_gemm(*args, **kwargs):
         if rt._capture is not None:
-            raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
+            raise NotImplementedError("calling cuBLAS API during stream capture is "
+                                      "currently unsupported")
         return real_gemm(*args, **kwargs)
 
     rt.gemm = refusing_gemm
     data = batches(4, seed=5)
     for step in range(4):
         a = train_step(eager, feeder(data[step:step + 1]), step=step, lr=1e-3, adamw=ADAMW)
-        b = train_step(graphed, feeder(data[step:step + 1]), step=step, lr=1e-3, adamw=ADAMW, cuda_graphs=True)
+        b = train_step(graphed, feeder(data[step:step + 1]), step=step, lr=1e-3, adamw=ADAMW,
+                       cuda_graphs=True)
         assert tuple(a) == tuple(b), step
         assert state(eager) == state(graphed), step
     assert rt.graph_launches == 0 and rt._capture is None
-    notes = [line for line in capsys.readouterr().err.splitlines() if "could not be captured" in line]
+    notes = [line for line in capsys.readouterr().err.splitlines()
+             if "could not be captured" in line]
     assert len(notes) == 1 and "runs eagerly" in notes[0]
 
 
 def test_nvmath_cublas_takes_cupys_arguments_in_cupys_order():
-    """CupyRuntime calls NvmathCublas with CuPy's names and argument lists: nvmath's bindings must take the same
-    arguments in the same order (their signatures, types position by position)."""
+    """CupyRuntime calls NvmathCublas with CuPy's names and argument lists: nvmath's bindings must
+    take the same arguments in the same order (their signatures, types position by position)."""
     import re
     nvmath_cublas = pytest.importorskip("nvmath.bindings.cublas")
-    cupy_cublas = pytest.importorskip("cupy_backends.cuda.libs").cublas       # the package preloads libcublas
+    # the package preloads libcublas
+    cupy_cublas = pytest.importorskip("cupy_backends.cuda.libs").cublas
 
     from gpt2np.backends.cuda.runtime_cupy import NvmathCublas
 
@@ -145,10 +156,11 @@ def test_nvmath_cublas_takes_cupys_arguments_in_cupys_order():
         return ["ptr" if k in ("size_t", "intptr_t") else k for k in kinds]
 
     adapter = NvmathCublas(nvmath_cublas)
-    for name in ("setStream", "setPointerMode", "setMathMode", "sgemm", "sgemmStridedBatched", "gemmEx",
-                 "gemmStridedBatchedEx", "destroy"):
+    for name in ("setStream", "setPointerMode", "setMathMode", "sgemm", "sgemmStridedBatched",
+                 "gemmEx", "gemmStridedBatchedEx", "destroy"):
         assert types(getattr(adapter, name)) == types(getattr(cupy_cublas, name)), name
-    assert (adapter.CUBLAS_OP_N, adapter.CUBLAS_OP_T) == (cupy_cublas.CUBLAS_OP_N, cupy_cublas.CUBLAS_OP_T)
+    assert (adapter.CUBLAS_OP_N, adapter.CUBLAS_OP_T) == (cupy_cublas.CUBLAS_OP_N,
+                                                          cupy_cublas.CUBLAS_OP_T)
     assert adapter.CUBLAS_POINTER_MODE_HOST == cupy_cublas.CUBLAS_POINTER_MODE_HOST
 
 
@@ -180,29 +192,35 @@ def test_the_device_step_trains_like_the_host_step():
     for step in range(3):
         part = data[2 * step:2 * step + 2]
         a = train_step(host, feeder(part), step=step, lr=2e-3, accum_steps=2, adamw=ADAMW)
-        b = train_step(device, feeder(part), step=step, lr=2e-3, accum_steps=2, adamw=ADAMW, cuda_graphs=True)
+        b = train_step(device, feeder(part), step=step, lr=2e-3, accum_steps=2, adamw=ADAMW,
+                       cuda_graphs=True)
         assert isinstance(a, StepResult)
-        assert b.loss == pytest.approx(a.loss, rel=1e-6) and b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
+        assert (b.loss == pytest.approx(a.loss, rel=1e-6)
+                and b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5))
     np.testing.assert_allclose(device.params_host(), host.params_host(), rtol=0, atol=2e-6)
 
 
 def adamw_case(n=1000, seed=0):
     rng = np.random.default_rng(seed)
     p, g = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
-    m, v = (rng.standard_normal(n).astype(np.float32) * 0.1, rng.random(n).astype(np.float32) * 0.01)
+    m, v = (rng.standard_normal(n).astype(np.float32) * 0.1,
+            rng.random(n).astype(np.float32) * 0.01)
     return p, g, m, v
 
 
 def scalars(lr, t, wd, beta1=0.9, beta2=0.95):
-    """model.set_step_scalars' layout (t's slot 0 here: the fp32 build does not read it; no outlier limits)."""
-    return np.array([lr / (1.0 - beta1 ** t), 1.0 / math.sqrt(1.0 - beta2 ** t), 1.0 - lr * wd, 0.0, math.inf,
-                     math.inf], np.float32)
+    """model.set_step_scalars' layout (t's slot 0 here: the fp32 build does not read it;
+    no outlier limits)."""
+    return np.array([lr / (1.0 - beta1 ** t), 1.0 / math.sqrt(1.0 - beta2 ** t), 1.0 - lr * wd, 0.0,
+                     math.inf, math.inf], np.float32)
 
 
-@pytest.mark.parametrize("norm, clip, decayed", [(3.7, 1.0, True), (0.4, 1.0, False), (3.7, 0.0, True)])
+@pytest.mark.parametrize("norm, clip, decayed",
+                         [(3.7, 1.0, True), (0.4, 1.0, False), (3.7, 0.0, True)])
 def test_adamw_update_device_is_adamw_update_with_the_host_clip(norm, clip, decayed):
-    """Same kernel math: the device kernel with the norm in stats gives bitwise what adamw_update gives with the
-    host's clip scale (the formula train_step used before); the NumPy reference of the device op is close."""
+    """Same kernel math: the device kernel with the norm in stats gives bitwise what adamw_update
+    gives with the host's clip scale (the formula train_step used before); the NumPy reference of
+    the device op is close."""
     be = emu()
     lr, t, wd = 3e-3, 4, 0.1
     p, g, m, v = adamw_case()
@@ -211,7 +229,8 @@ def test_adamw_update_device_is_adamw_update_with_the_host_clip(norm, clip, deca
     scale = clip / norm if clip > 0 and norm > clip else 1.0
     be.adamw_update(*host, lr, 0.9, 0.95, 1e-8, wd if decayed else 0.0, t, scale)
     stats = be.from_host(np.array([2.5, norm * norm], np.float32))
-    be.adamw_update_device(*device, be.from_host(scalars(lr, t, wd)), stats, 0.9, 0.95, 1e-8, decayed, clip)
+    be.adamw_update_device(*device, be.from_host(scalars(lr, t, wd)), stats, 0.9, 0.95, 1e-8,
+                           decayed, clip)
     # the host took the norm from the float32 sum of squares, as the device does
     norm32 = math.sqrt(float(np.float32(norm * norm)))
     if clip > 0 and norm > clip:
@@ -220,8 +239,8 @@ def test_adamw_update_device_is_adamw_update_with_the_host_clip(norm, clip, deca
     for a, b in zip(host, device):
         assert be.to_host(a).tobytes() == be.to_host(b).tobytes()
     ref = [a.copy() for a in (p, g, m, v)]
-    REF.adamw_update_device(*ref, scalars(lr, t, wd), np.array([2.5, norm * norm], np.float32), 0.9, 0.95, 1e-8,
-                            decayed, clip)
+    REF.adamw_update_device(*ref, scalars(lr, t, wd), np.array([2.5, norm * norm], np.float32), 0.9,
+                            0.95, 1e-8, decayed, clip)
     for a, b in zip(ref, device):
         np.testing.assert_allclose(be.to_host(b), a, rtol=1e-6, atol=1e-7)
 
@@ -232,8 +251,8 @@ def test_adamw_update_device_skips_a_non_finite_step(bad, backend):
     be = REF if backend == "numpy" else emu()
     arrays = [be.from_host(a) for a in adamw_case()]
     before = [be.to_host(a).tobytes() for a in arrays]
-    be.adamw_update_device(*arrays, be.from_host(scalars(1e-3, 1, 0.1)), be.from_host(np.array(bad, np.float32)),
-                           0.9, 0.95, 1e-8, True, 1.0)
+    be.adamw_update_device(*arrays, be.from_host(scalars(1e-3, 1, 0.1)),
+                           be.from_host(np.array(bad, np.float32)), 0.9, 0.95, 1e-8, True, 1.0)
     assert [be.to_host(a).tobytes() for a in arrays] == before
 
 
@@ -246,7 +265,8 @@ def test_loss_mean_on_the_device(n):
         backend.loss_mean(stats, backend.from_host(losses), 2, False)
         backend.loss_mean(stats, backend.from_host(losses[::-1].copy()), 2, True)
         got = backend.to_host(stats)
-        assert got[0] == pytest.approx(float(losses.astype(np.float64).mean()), rel=1e-6) and got[1] == 1.0
+        assert (got[0] == pytest.approx(float(losses.astype(np.float64).mean()), rel=1e-6)
+                and got[1] == 1.0)
 
 
 def test_encoder_backward_with_uploaded_groups_is_bitwise_the_read_back_one():
@@ -291,7 +311,7 @@ def test_a_non_finite_device_step_changes_nothing_and_raises_when_read():
     assert model.stats.shape == (STATS,) and model.step_scalars.shape == (STEP_SCALARS,)
 
 
-# ---- CupyRuntime's asynchronous copies and graph capture, on fakes -------------------------------------------
+# ---- CupyRuntime's asynchronous copies and graph capture, on fakes -------------------------------
 
 class _Pinned(bytearray):
     """alloc_pinned_memory's block: a buffer with its address in .ptr."""
@@ -321,11 +341,13 @@ class _Mem:
 class _Array:
     def __init__(self, fake, array):
         self.host, self.data = array, _Mem(fake, array)
-        self.dtype, self.shape, self.size, self.nbytes = array.dtype, array.shape, array.size, array.nbytes
+        self.dtype, self.shape, self.size, self.nbytes = (array.dtype, array.shape, array.size,
+                                                          array.nbytes)
 
 
 def _async_cupy():
-    """FakeCupy plus pinned memory, events, streams with capture, graphs; `log` lists what was queued where."""
+    """FakeCupy plus pinned memory, events, streams with capture, graphs; `log` lists what
+    was queued where."""
     from fake_gpu import FakeCupy, FakeStream
     fake = FakeCupy(stream=7)
     fake.log = []
@@ -388,7 +410,8 @@ def test_cupy_runtime_uploads_and_reads_back_asynchronously_and_captures_on_its_
     dst = _Array(cupy, np.zeros(5, np.float32))
     values = np.arange(5, dtype=np.float32)
     rt.upload(dst, values)
-    values[:] = -1                                   # reusable at once: it was staged in pinned memory
+    # reusable at once: it was staged in pinned memory
+    values[:] = -1
     assert dst.host.tolist() == [0, 1, 2, 3, 4] and cupy.log[:2] == [("HtoD", 20, 7), ("record", 7)]
     readback = rt.read_async(dst)
     assert not readback.done()
@@ -396,8 +419,10 @@ def test_cupy_runtime_uploads_and_reads_back_asynchronously_and_captures_on_its_
     rt.begin_capture()
     with pytest.raises(RuntimeError, match="while capturing"):
         rt.upload(dst, values)
-    rt._set_stream()                                 # a GEMM inside the capture: the handle goes to stream 99 ...
-    assert cublas.of("setStream")[-1][2] == 99 and workspaces[-1][2] > 0         # ... with our workspace
+    # a GEMM inside the capture: the handle goes to stream 99 ...
+    rt._set_stream()
+    # ... with our workspace
+    assert cublas.of("setStream")[-1][2] == 99 and workspaces[-1][2] > 0
     graph = rt.end_capture()
     assert cupy.stream.ptr == 7                      # the current stream again
     graph.launch()

@@ -1,9 +1,10 @@
-"""Ranks started differently (another -b, -l, model file, model size or data) stop together with one line naming
-the rank and the difference, instead of training on silently or failing vaguely in a collective.
+"""Ranks started differently (another -b, -l, model file, model size or data) stop together with one
+line naming the rank and the difference, instead of training on silently or failing
+vaguely in a collective.
 
-The launches use mpiexec's MPMD form, `mpiexec -n 1 ARGV0 : -n 1 ARGV1`, to give rank 1 other flags. The
-comparison itself (dist.run_fingerprint, fingerprint_differences, mismatch_line, check_same_run) is also tested
-without MPI.
+The launches use mpiexec's MPMD form, `mpiexec -n 1 ARGV0 : -n 1 ARGV1`, to give rank 1 other flags.
+The comparison itself (dist.run_fingerprint, fingerprint_differences, mismatch_line, check_same_run)
+is also tested without MPI.
 """
 import subprocess
 import sys
@@ -42,7 +43,8 @@ def mpiexec():
         pytest.skip("no mpiexec found (pip install mpich)")
     probe = [sys.executable, "-c", "from mpi4py import MPI; "
              "print(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())"]
-    for _ in range(3):              # a launcher that failed once under a loaded CI machine may start the next
+    # a launcher that failed once under a loaded CI machine may start the next
+    for _ in range(3):
         code, out, err, _ = launch_ranks(exe, probe)
         if code == 0 and sorted(out.splitlines()) == ["0 2", "1 2"]:
             return exe
@@ -52,7 +54,8 @@ def mpiexec():
 
 
 def launch_ranks(mpiexec, argv0, argv1=None):
-    """Rank 0 runs argv0, rank 1 argv1 (default: the same); (returncode, stdout, stderr, seconds)."""
+    """Rank 0 runs argv0, rank 1 argv1 (default: the same); (returncode, stdout,
+    stderr, seconds)."""
     argv1 = argv0 if argv1 is None else argv1
     cmd = [mpiexec, "-n", "1", *map(str, argv0), ":", "-n", "1", *map(str, argv1)]
     t0 = time.monotonic()
@@ -71,14 +74,16 @@ def files(tmp_path_factory):
     write_shard(folder / "train.bin", tokens)
     write_shard(folder / "val.bin", rng.integers(0, TINY.vocab_size, 1000))
     (folder / "other").mkdir()
-    write_shard(folder / "other" / "train.bin", tokens[::-1])          # same name and size, other tokens
+    # same name and size, other tokens
+    write_shard(folder / "other" / "train.bin", tokens[::-1])
     return folder
 
 
 def train_argv(files, *changes):
-    """train.py's argv for a 2-step run with `changes` (flag, value) pairs replacing the defaults."""
-    flags = {"-e": files / "tiny.bin", "-i": files / "train.bin", "-j": files / "val.bin", "-b": 3, "-t": T,
-             "-x": 2, "-v": 2, "-m": 1, "-s": 0, "-l": 0.003, "--device": "cpu"}
+    """train.py's argv for a 2-step run with `changes` (flag, value) pairs
+    replacing the defaults."""
+    flags = {"-e": files / "tiny.bin", "-i": files / "train.bin", "-j": files / "val.bin", "-b": 3,
+             "-t": T, "-x": 2, "-v": 2, "-m": 1, "-s": 0, "-l": 0.003, "--device": "cpu"}
     flags.update(dict(changes))
     return [sys.executable, REPO / "train.py", *[str(x) for kv in flags.items() for x in kv]]
 
@@ -87,10 +92,13 @@ SUM = "maxT=17 V=200 Vp=256 L=2 NH=2"
 MISMATCHES = {  # name: (rank 1's change, the line every run must print)
     "-b": (("-b", 2), "error: rank 1 of 2: -b 2 differs from rank 0's -b 3"),
     "-l": (("-l", 0.001), "error: rank 1 of 2: -l 0.001 differs from rank 0's -l 0.003"),
-    "model file": (("-e", "{files}/tiny_other_weights.bin"), "error: rank 1 of 2: -e weights sha256 "),
-    "model size": (("-e", "{files}/wider.bin"), f"error: rank 1 of 2: -e model {SUM} C=64 differs from rank 0's "
-                                                f"-e model {SUM} C=32; its -e weights differs too"),
-    "data": (("-i", "{files}/other/train.bin"), "error: rank 1 of 2: -i shard 0 train.bin (6000 tokens, sha256 "),
+    "model file": (("-e", "{files}/tiny_other_weights.bin"),
+                   "error: rank 1 of 2: -e weights sha256 "),
+    "model size": (("-e", "{files}/wider.bin"),
+                   f"error: rank 1 of 2: -e model {SUM} C=64 differs from rank 0's -e model {SUM} "
+                   "C=32; its -e weights differs too"),
+    "data": (("-i", "{files}/other/train.bin"),
+             "error: rank 1 of 2: -i shard 0 train.bin (6000 tokens, sha256 "),
 }
 
 
@@ -98,22 +106,27 @@ MISMATCHES = {  # name: (rank 1's change, the line every run must print)
 def test_ranks_started_differently_stop_with_one_line(mpiexec, files, name):
     (flag, value), expected = MISMATCHES[name]
     value = value.format(files=files) if isinstance(value, str) else value
-    code, out, err, seconds = launch_ranks(mpiexec, train_argv(files), train_argv(files, (flag, value)))
+    code, out, err, seconds = launch_ranks(mpiexec, train_argv(files),
+                                           train_argv(files, (flag, value)))
     assert code != 0, out + err
     assert seconds < 30
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(expected), err          # one line, from rank 0 alone
-    assert "Traceback" not in err and "step" not in out                      # stopped before the first step
+    # one line, from rank 0 alone
+    assert len(errors) == 1 and errors[0].startswith(expected), err
+    # stopped before the first step
+    assert "Traceback" not in err and "step" not in out
 
 
 def test_ranks_started_alike_train(mpiexec, files):
-    """The MPMD form itself is fine: equal flags (and a per-rank setting such as --dist-timeout) train."""
-    code, out, err, _ = launch_ranks(mpiexec, train_argv(files), train_argv(files, ("--dist-timeout", 300)))
+    """The MPMD form itself is fine: equal flags (and a per-rank setting such as
+    --dist-timeout) train."""
+    code, out, err, _ = launch_ranks(mpiexec, train_argv(files),
+                                     train_argv(files, ("--dist-timeout", 300)))
     assert code == 0, err
     assert "step    2/2" in out
 
 
-# ---- the comparison without MPI ---------------------------------------------------------------------------------
+# ---- the comparison without MPI ------------------------------------------------------------------
 
 def fingerprint(files, cfg=None, params_from="tiny.bin", train="train.bin"):
     from gpt2np.formats.checkpoint import load_model
@@ -131,11 +144,13 @@ def test_fingerprint_holds_settings_model_and_data(files):
     from gpt2np.formats.checkpoint import load_model
     model_cfg, params = load_model(files / "tiny.bin")
     fast = NumpyBackend(math="fast")                        # exact where the C loops do not build
-    assert run_fingerprint(TrainConfig().with_device_defaults(device_traits("numpy")), fast, model_cfg, params,
-                           None)["--device"] == f"numpy (fp32, {fast.math} math)"
-    assert fp["-e weights"].startswith("sha256 ") and fp["-i shards"] == "1" and fp["-j shards"] == "none"
+    assert run_fingerprint(TrainConfig().with_device_defaults(device_traits("numpy")), fast,
+                           model_cfg, params, None)["--device"] == f"numpy (fp32, {fast.math} math)"
+    assert (fp["-e weights"].startswith("sha256 ") and fp["-i shards"] == "1"
+            and fp["-j shards"] == "none")
     assert fp["-i shard 0"].startswith("train.bin (6000 tokens, sha256 ")
-    for per_rank in ("--dist-timeout", "--nvtx", "--profile", "-s", "-g", "--temperature", "--top-k"):
+    for per_rank in ("--dist-timeout", "--nvtx", "--profile", "-s", "-g", "--temperature",
+                     "--top-k"):
         assert per_rank not in fp
     for by_content in ("-i", "-j"):             # compared by the shards they name
         assert by_content not in fp
@@ -144,13 +159,16 @@ def test_fingerprint_holds_settings_model_and_data(files):
 def test_differences_and_the_line(files):
     ref = fingerprint(files)
     assert fingerprint_differences(fingerprint(files), ref) == []
-    other = fingerprint(files, TrainConfig(batch_size=3, seq_len=T, learning_rate=0.003, dist_timeout=5))
-    assert fingerprint_differences(other, ref) == []                     # the timeout is each rank's own
+    other = fingerprint(files,
+                        TrainConfig(batch_size=3, seq_len=T, learning_rate=0.003, dist_timeout=5))
+    # the timeout is each rank's own
+    assert fingerprint_differences(other, ref) == []
     wider = fingerprint(files, params_from="wider.bin")
     diffs = fingerprint_differences(wider, ref)
     assert [d[0] for d in diffs] == ["-e model", "-e weights"]
     one_shard_more = dict(ref, **{"-i shards": "2", "-i shard 1": "x.bin (9 tokens, sha256 0)"})
-    assert fingerprint_differences(one_shard_more, ref)[1] == ("-i shard 1", "x.bin (9 tokens, sha256 0)", "(none)")
+    assert (fingerprint_differences(one_shard_more, ref)[1]
+            == ("-i shard 1", "x.bin (9 tokens, sha256 0)", "(none)"))
     assert mismatch_line([[], [], []]) is None
     b = [("-b", "2", "3")]
     assert mismatch_line([[], b]) == "rank 1 of 2: -b 2 differs from rank 0's -b 3"
@@ -161,7 +179,8 @@ def test_differences_and_the_line(files):
 
 
 class FakeGroup:
-    """Rank `rank` of 2, with rank 0's fingerprint `reference` and the other rank's differences given."""
+    """Rank `rank` of 2, with rank 0's fingerprint `reference` and the other rank's
+    differences given."""
 
     def __init__(self, rank, reference, others_differences):
         self.rank, self.world_size = rank, 2
@@ -177,11 +196,14 @@ class FakeGroup:
 def test_check_same_run_stops_every_rank_together(monkeypatch):
     monkeypatch.setattr(dist_mod, "_ranks_stopping", False)
     ref, mine = {"-b": "3"}, {"-b": "2"}
-    check_same_run(FakeGroup(0, ref, []), ref)                                  # all agree: nothing happens
+    # all agree: nothing happens
+    check_same_run(FakeGroup(0, ref, []), ref)
     check_same_run(SingleProcess(), lambda: pytest.fail("one process: no fingerprint needed"))
     with pytest.raises(RunMismatch, match="^rank 1 of 2: -b 2 differs from rank 0's -b 3$"):
         check_same_run(FakeGroup(0, ref, [("-b", "2", "3")]), ref)             # rank 0 says it
     with pytest.raises(SystemExit) as e:
-        check_same_run(FakeGroup(1, ref, []), mine)                             # the others end without a word
+        # the others end without a word
+        check_same_run(FakeGroup(1, ref, []), mine)
     assert e.value.code == 1
-    assert dist_mod._ranks_stopping                                             # abort_job will not MPI_Abort
+    # abort_job will not MPI_Abort
+    assert dist_mod._ranks_stopping

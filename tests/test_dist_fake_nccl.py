@@ -1,10 +1,11 @@
-"""Multi-GPU code paths without GPUs: gpt2np.dist's NCCL collectives driven through a fake NCCL communicator
-(tests/fake_gpu.py: cupy.cuda.nccl's interface, reductions over in-process thread ranks) on the CUDA backend's
-CPU emulator; the host-staged collectives used when ranks share a GPU; select_gpu's choice of device for one
-GPU per rank, ranks that each see only their own GPU (Slurm --gpus-per-task=1), and more ranks than GPUs.
+"""Multi-GPU code paths without GPUs: gpt2np.dist's NCCL collectives driven through a fake NCCL
+communicator (tests/fake_gpu.py: cupy.cuda.nccl's interface, reductions over in-process thread
+ranks) on the CUDA backend's CPU emulator; the host-staged collectives used when ranks share a GPU;
+select_gpu's choice of device for one GPU per rank, ranks that each see only their own GPU (Slurm
+--gpus-per-task=1), and more ranks than GPUs.
 
-N thread ranks with micro-batch b must train like one process with N*b: same losses and parameters after a few
-AdamW steps (ZeRO-0 and ZeRO-1, including 3 ranks whose shards leave a tail)."""
+N thread ranks with micro-batch b must train like one process with N*b: same losses and parameters
+after a few AdamW steps (ZeRO-0 and ZeRO-1, including 3 ranks whose shards leave a tail)."""
 import inspect
 import re
 
@@ -15,13 +16,22 @@ from fake_gpu import FakeCupy, FakeNccl, Group, ThreadComm, host_view
 from gpt2np.backends.cuda.backend import CudaBackend
 from gpt2np.backends.cuda.runtime_emu import EmuRuntime
 from gpt2np.config import GPT2Config
-from gpt2np.dist import DistError, MpiProcessGroup, NcclCollectives, StagedCollectives, select_gpu, shard_bounds
+from gpt2np.dist import (
+    DistError,
+    MpiProcessGroup,
+    NcclCollectives,
+    StagedCollectives,
+    select_gpu,
+    shard_bounds,
+)
 from gpt2np.model import GPT2, STATS
 from gpt2np.tensors import num_parameters
 from gpt2np.train_step import AdamW, train_step
 
-# maxT=17: num_parameters = 34208, a multiple of 2 but not of 3 (the 3-rank ZeRO-1 shards leave a tail of 2)
-TINY = GPT2Config(max_seq_len=17, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=2, channels=32)
+# maxT=17: num_parameters = 34208, a multiple of 2 but not of 3 (the 3-rank ZeRO-1
+# shards leave a tail of 2)
+TINY = GPT2Config(max_seq_len=17, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=2,
+                  channels=32)
 T, STEPS, B_PER_RANK = 8, 3, 2
 ADAMW = AdamW(eps=1e-4, weight_decay=0.1, grad_clip=1.0)   # eps: no sign flips of ~0 gradients
 
@@ -40,8 +50,8 @@ def batches(ranks, steps=STEPS):
 
 
 def train(model, x, y, dist=None, rows=slice(None), adamw=ADAMW, cuda_graphs=False, launches=None):
-    """One step per batch of x, y on this rank's rows of it (lr 1e-3); returns the losses and the final
-    parameters. launches: a list to append each step's count of CUDA graph launches to."""
+    """One step per batch of x, y on this rank's rows of it (lr 1e-3); returns the losses and the
+    final parameters. launches: a list to append each step's count of CUDA graph launches to."""
     losses = []
     for step in range(len(x)):
         batch = (np.ascontiguousarray(x[step, rows]), np.ascontiguousarray(y[step, rows]))
@@ -60,12 +70,14 @@ def single_process(ranks):
 
 
 def nccl_factory(nccl):
-    return lambda comm: (lambda backend, buf: NcclCollectives(comm, backend.rt, nccl=nccl, stream_ptr=lambda: 0))
+    return lambda comm: (lambda backend, buf: NcclCollectives(comm, backend.rt, nccl=nccl,
+                                                              stream_ptr=lambda: 0))
 
 
 def thread_ranks(ranks, zero, make_collectives, steps=STEPS, cuda_graphs=False, launches=None):
-    """Train on `ranks` thread ranks with MpiProcessGroup over a ThreadComm; make_collectives(comm) gives the
-    group's collectives factory. launches: a dict to put each rank's graph launches per step in."""
+    """Train on `ranks` thread ranks with MpiProcessGroup over a ThreadComm; make_collectives(comm)
+    gives the group's collectives factory. launches: a dict to put each rank's graph
+    launches per step in."""
     group, (x, y) = Group(ranks), batches(ranks, steps)
 
     def rank_main(rank):
@@ -100,17 +112,20 @@ def test_nccl_path_on_the_emulator_trains_like_one_process(reference, ranks, zer
         assert calls == {"allReduce"}
     else:
         assert {"reduceScatter", "allGather"} <= calls
-        assert ("broadcast" in calls) == bool(tail)        # the last rank's tail goes through its own calls
+        # the last rank's tail goes through its own calls
+        assert ("broadcast" in calls) == bool(tail)
         # (the device step's all-reduce of its STATS statistics stands alone)
         assert all(grouped for _, name, count, grouped in nccl.log
                    if name != "allReduce" or tail and count != STATS)
 
 
-@pytest.mark.parametrize("ranks, zero, staged", [(1, 0, False), (2, 0, False), (3, 1, False), (2, 1, True)])
+@pytest.mark.parametrize("ranks, zero, staged",
+                         [(1, 0, False), (2, 0, False), (3, 1, False), (2, 1, True)])
 def test_data_parallel_steps_replay_as_cuda_graphs_bitwise_the_eager_steps(ranks, zero, staged):
-    """Under MPI the step is three graphs (forward and backward, the norm, AdamW) with the collectives between
-    them, on the host: NCCL's (each waits for the stream) or the host-staged ones of ranks sharing a GPU. One rank
-    (mpiexec -n 1) too: before, its collectives were captured inside the one graph, and their wait failed there."""
+    """Under MPI the step is three graphs (forward and backward, the norm, AdamW) with the
+    collectives between them, on the host: NCCL's (each waits for the stream) or the host-staged
+    ones of ranks sharing a GPU. One rank (mpiexec -n 1) too: before, its collectives were captured
+    inside the one graph, and their wait failed there."""
     if staged:
         collectives = lambda comm: (lambda backend, buf: StagedCollectives(comm, backend.rt))   # noqa: E731
     else:
@@ -126,8 +141,9 @@ def test_data_parallel_steps_replay_as_cuda_graphs_bitwise_the_eager_steps(ranks
 
 
 def test_one_model_graphed_alone_then_under_mpi_keeps_the_graphs_apart():
-    """A single process's step is one graph (the whole step), a rank's first graph only forward and backward: the
-    same model stepped both ways (a script reusing it) must not replay the one for the other."""
+    """A single process's step is one graph (the whole step), a rank's first graph only forward and
+    backward: the same model stepped both ways (a script reusing it) must not replay the
+    one for the other."""
     x, y = batches(1, steps=6)
     results, launches = [], []
     for graphs in (False, True):
@@ -141,8 +157,8 @@ def test_one_model_graphed_alone_then_under_mpi_keeps_the_graphs_apart():
             out = []
             for s in range(3, 6):
                 before = model.backend.rt.graph_launches
-                out.append(float(train_step(model, lambda b=(x[s], y[s]): b, step=s, lr=1e-3, adamw=ADAMW,
-                                            dist=dist, cuda_graphs=graphs)[0]))
+                out.append(float(train_step(model, lambda b=(x[s], y[s]): b, step=s, lr=1e-3,
+                                            adamw=ADAMW, dist=dist, cuda_graphs=graphs)[0]))
                 launches.append(model.backend.rt.graph_launches - before)
             return out
 
@@ -150,15 +166,17 @@ def test_one_model_graphed_alone_then_under_mpi_keeps_the_graphs_apart():
         results.append((first + later, model.params_host()))
     assert results[1][0] == results[0][0]
     np.testing.assert_array_equal(results[1][1], results[0][1])
-    # eager: none; graphed: alone warm-up, capture, replay; under MPI its own warm-up, capture, replay of three
+    # eager: none; graphed: alone warm-up, capture, replay; under MPI its own warm-up,
+    # capture, replay of three
     assert launches == [0] * 6 + [0, 1, 1] + [0, 3, 3]
 
 
 @pytest.mark.parametrize("zero", [0, 1])
 def test_a_collectives_range_holds_the_collective_not_the_backward_before_it(zero):
-    """On a GPU the host reaches a collective while the device still runs the backward (queued, or a graph): the
-    device's work is waited for before the collective's range opens, so its NVTX range and the profiler's
-    communication time hold the collective alone (the collective waited for that work inside its range before)."""
+    """On a GPU the host reaches a collective while the device still runs the backward (queued, or a
+    graph): the device's work is waited for before the collective's range opens, so its NVTX range
+    and the profiler's communication time hold the collective alone (the collective waited for that
+    work inside its range before)."""
     from gpt2np import ranges
     events = []
 
@@ -174,7 +192,8 @@ def test_a_collectives_range_holds_the_collective_not_the_backward_before_it(zer
 
     def rank_main(rank):
         comm = ThreadComm(group, rank)
-        dist = MpiProcessGroup(comm, zero_stage=zero, timeout=0, collectives=nccl_factory(FakeNccl())(comm))
+        dist = MpiProcessGroup(comm, zero_stage=zero, timeout=0,
+                               collectives=nccl_factory(FakeNccl())(comm))
         model = GPT2(TINY, emu_backend(), B_PER_RANK, T, seed=3)
         real = model.backend.synchronize
         model.backend.synchronize = lambda: (events.append("wait for the device"), real())
@@ -194,7 +213,8 @@ def test_a_collectives_range_holds_the_collective_not_the_backward_before_it(zer
 
 @pytest.mark.parametrize("zero", [0, 1])
 def test_ranks_sharing_a_gpu_average_through_mpi_on_host_copies(reference, zero):
-    results = thread_ranks(3, zero, lambda comm: (lambda backend, buf: StagedCollectives(comm, backend.rt)))
+    results = thread_ranks(3, zero,
+                           lambda comm: (lambda backend, buf: StagedCollectives(comm, backend.rt)))
     ref_losses, ref_params = reference[3]
     for losses, params in results:
         np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
@@ -205,11 +225,14 @@ def test_the_default_choice_of_collectives(monkeypatch):
     """Device buffers: NCCL, or host-staged MPI when ranks share a GPU; host buffers: MPI."""
     import gpt2np.dist as dist_module
     made = []
-    monkeypatch.setattr(dist_module, "NcclCollectives", lambda comm, rt: made.append("nccl") or "nccl")
-    monkeypatch.setattr(dist_module, "StagedCollectives", lambda comm, rt: made.append("staged") or "staged")
+    monkeypatch.setattr(dist_module, "NcclCollectives",
+                        lambda comm, rt: made.append("nccl") or "nccl")
+    monkeypatch.setattr(dist_module, "StagedCollectives",
+                        lambda comm, rt: made.append("staged") or "staged")
     comm = ThreadComm(Group(1), 0)
     backend = emu_backend()
-    device_buf = memoryview(b"")                          # not a NumPy array: stands for a device array
+    # not a NumPy array: stands for a device array
+    device_buf = memoryview(b"")
     for shared, expected in ((False, "nccl"), (True, "staged")):
         group = MpiProcessGroup(comm, timeout=0)
         group.shared_gpu = shared
@@ -230,7 +253,8 @@ def test_fake_collectives_act_on_the_memory_behind_the_pointers():
         comm.allReduce(ptr, ptr, 6, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, 0)
         sums = buf.copy()
         out = np.zeros(3, np.float32)
-        comm.reduceScatter(ptr, out.__array_interface__["data"][0], 3, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, 0)
+        comm.reduceScatter(ptr, out.__array_interface__["data"][0], 3, nccl.NCCL_FLOAT32,
+                           nccl.NCCL_SUM, 0)
         with pytest.raises(TypeError, match="sendbuf must be an int"):
             comm.allReduce(buf, ptr, 6, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, 0)
         return sums, out
@@ -250,10 +274,11 @@ def test_nccl_collectives_without_nccl_say_what_to_install():
         NcclCollectives(ThreadComm(Group(1), 0), EmuRuntime(), nccl=NoNccl())
 
 
-# ---- the fake's interface is CuPy's ------------------------------------------------------------------------
+# ---- the fake's interface is CuPy's --------------------------------------------------------------
 
 def cython_parameters(function):
-    """Parameter names from a Cython function's embedded signature: 'allReduce(self, intptr_t sendbuf, ...)'."""
+    """Parameter names from a Cython function's embedded signature: 'allReduce(self,
+    intptr_t sendbuf, ...)'."""
     match = re.match(r"[\w.]+\(([^)]*)\)", (function.__doc__ or "").strip())
     if not match:
         pytest.skip(f"{function.__qualname__} has no embedded signature")
@@ -269,14 +294,14 @@ def test_fake_nccl_has_cupys_interface():
         assert getattr(fake, name) == getattr(nccl, name), name
     for name in ("get_unique_id", "groupStart", "groupEnd", "NcclCommunicator"):
         assert callable(getattr(nccl, name)), name
-    for name in ("allReduce", "reduceScatter", "allGather", "broadcast", "bcast", "reduce", "destroy", "abort",
-                 "device_id", "rank_id", "size"):
+    for name in ("allReduce", "reduceScatter", "allGather", "broadcast", "bcast", "reduce",
+                 "destroy", "abort", "device_id", "rank_id", "size"):
         real = getattr(nccl.NcclCommunicator, name)
         mine = list(inspect.signature(getattr(fake.NcclCommunicator, name)).parameters)
         assert cython_parameters(real) == mine, name
 
 
-# ---- select_gpu --------------------------------------------------------------------------------------------
+# ---- select_gpu ----------------------------------------------------------------------------------
 
 def select_on(ranks, cupy_of_rank, nodes=None):
     """select_gpu on thread ranks; nodes: rank -> node index (default: all on one node)."""
@@ -315,15 +340,17 @@ def test_two_ranks_on_one_gpu_share_it():
 
 
 def test_sharing_on_one_node_is_known_on_every_node():
-    # node 0: 2 ranks on 2 GPUs; node 1: 2 ranks on 1 GPU -> all 4 ranks must use the staged collectives
-    cupys = [FakeCupy(devices=gpus(2)), FakeCupy(devices=gpus(2)), FakeCupy(devices=gpus(1, "0001:")),
-             FakeCupy(devices=gpus(1, "0001:"))]
-    assert select_on(4, lambda r: cupys[r], nodes=[0, 0, 1, 1]) == [(0, True, 1), (1, True, 1), (0, True, 2),
-                                                                    (0, True, 2)]
+    # node 0: 2 ranks on 2 GPUs; node 1: 2 ranks on 1 GPU -> all 4 ranks must use
+    # the staged collectives
+    cupys = [FakeCupy(devices=gpus(2)), FakeCupy(devices=gpus(2)),
+             FakeCupy(devices=gpus(1, "0001:")), FakeCupy(devices=gpus(1, "0001:"))]
+    assert select_on(4, lambda r: cupys[r], nodes=[0, 0, 1, 1]) == [(0, True, 1), (1, True, 1),
+                                                                    (0, True, 2), (0, True, 2)]
 
 
 def test_more_ranks_than_gpus_go_round_robin():
-    assert [(c.device, c.sharers) for c in select_on(4, lambda r: FakeCupy(devices=gpus(2)))] == [(0, 2), (1, 2)] * 2
+    assert ([(c.device, c.sharers) for c in select_on(4, lambda r: FakeCupy(devices=gpus(2)))]
+            == [(0, 2), (1, 2)] * 2)
 
 
 def test_no_gpu_is_a_clear_error():
@@ -332,4 +359,5 @@ def test_no_gpu_is_a_clear_error():
 
 
 def test_shards_used_here_leave_a_tail():
-    assert num_parameters(TINY) % 3 == 2 and shard_bounds(num_parameters(TINY), 3)[-1][1] == num_parameters(TINY)
+    assert (num_parameters(TINY) % 3 == 2
+            and shard_bounds(num_parameters(TINY), 3)[-1][1] == num_parameters(TINY))

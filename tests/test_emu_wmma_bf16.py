@@ -1,9 +1,10 @@
-"""WMMA with bf16 inputs on the CUDA emulator (emu/include/mma.h): nvcuda::wmma m16n16k16 fragments of
-__nv_bfloat16 with float accumulators, as warp collectives.
+"""WMMA with bf16 inputs on the CUDA emulator (emu/include/mma.h): nvcuda::wmma m16n16k16 fragments
+of __nv_bfloat16 with float accumulators, as warp collectives.
 
-A GEMM of tiles against NumPy (bf16 inputs, products exact in fp32, fp32 sums in k order from c) for every
-row/column-major combination of A and B, under two fragment element layouts, bitwise; fill_fragment with a bf16
-value; CUDA's element counts per lane; a layout-dependent kernel caught; the alignment and ldm errors.
+A GEMM of tiles against NumPy (bf16 inputs, products exact in fp32, fp32 sums in k order from c) for
+every row/column-major combination of A and B, under two fragment element layouts, bitwise;
+fill_fragment with a bf16 value; CUDA's element counts per lane; a layout-dependent kernel caught;
+the alignment and ldm errors.
 Kernels: tests/emu_kernels/wmma_bf16_checks.cu."""
 from pathlib import Path
 
@@ -27,7 +28,8 @@ def mod():
 
 
 def aligned(array, dtype, alignment=32):
-    """A copy of array as `dtype` whose data starts on an `alignment`-byte boundary (WMMA pointers: 32 bytes)."""
+    """A copy of array as `dtype` whose data starts on an `alignment`-byte boundary (WMMA
+    pointers: 32 bytes)."""
     array = np.ascontiguousarray(array).astype(dtype)
     item = array.dtype.itemsize
     raw = np.empty(array.size + alignment // item, array.dtype)
@@ -38,11 +40,13 @@ def aligned(array, dtype, alignment=32):
 
 
 def bf16_matmul(a, b, c):
-    """c + a @ b as the emulated tensor core computes it: bf16 inputs, exact fp32 products, fp32 sums in k order."""
+    """c + a @ b as the emulated tensor core computes it: bf16 inputs, exact fp32 products,
+    fp32 sums in k order."""
     a, b = a.astype(np.float32), b.astype(np.float32)
     out = c.astype(np.float32).copy()
     for k in range(a.shape[1]):
-        out += np.outer(a[:, k], b[k, :]).astype(np.float32)   # 8-bit significands: each product exact in fp32
+        # 8-bit significands: each product exact in fp32
+        out += np.outer(a[:, k], b[k, :]).astype(np.float32)
     return out
 
 
@@ -57,9 +61,11 @@ def test_gemm_matches_numpy_under_two_layouts(mod, a_col, b_col):
         expected = bf16_matmul(a, b, c0 if accumulate else np.zeros_like(c0))
         for layout in LAYOUTS:
             c = aligned(c0 if accumulate else np.full((m, n), np.nan), np.float32)
-            args = (c, aligned(a.T if a_col else a, BF16), aligned(b.T if b_col else b, BF16), np.int32(m),
-                    np.int32(n), np.int32(k), np.int32(a_col), np.int32(b_col), np.int32(accumulate))
-            mod.get_function("wmma_bf16_gemm")((m // 16,), (32 * (n // 16),), args, wmma_layout=layout)
+            args = (c, aligned(a.T if a_col else a, BF16), aligned(b.T if b_col else b, BF16),
+                    np.int32(m), np.int32(n), np.int32(k), np.int32(a_col), np.int32(b_col),
+                    np.int32(accumulate))
+            mod.get_function("wmma_bf16_gemm")((m // 16,), (32 * (n // 16),), args,
+                                               wmma_layout=layout)
             np.testing.assert_array_equal(c, expected)
     # the products are exact: against float64 only the fp32 additions round
     exact = c0.astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64)
@@ -75,7 +81,8 @@ def test_fill_counts_and_layouts(mod):
     np.testing.assert_array_equal(c.T, expected)               # stored column-major
     counts = np.zeros(4, np.int32)
     mod.get_function("wmma_bf16_counts")((1,), (32,), (counts,))
-    assert counts.tolist() == [8, 8, 8, 2]                    # CUDA's num_elements; x[] holds __nv_bfloat16
+    # CUDA's num_elements; x[] holds __nv_bfloat16
+    assert counts.tolist() == [8, 8, 8, 2]
     a = aligned(np.arange(256).reshape(16, 16), BF16)
     eye = aligned(np.eye(16), BF16)
     got = {}

@@ -1,5 +1,6 @@
-"""gpt2np eval: the val loss of a model on token shards is the trainer's (the mean of each batch's mean loss),
-with progress in plain lines when stderr is not a terminal; bad flags end in one line."""
+"""gpt2np eval: the val loss of a model on token shards is the trainer's (the mean of each batch's
+mean loss), with progress in plain lines when stderr is not a terminal; bad
+flags end in one line."""
 import re
 
 import numpy as np
@@ -38,18 +39,21 @@ def test_eval_loss_is_the_trainers_val_loss(files, capsys, monkeypatch):
     loader = DataLoader(pattern, 2, 16, vocab_size=100)
     assert loss == pytest.approx(trainer_evaluate(model, loader, -1), abs=1e-6)
     assert f"over {loader.num_batches} batches" in out and "2 shard(s), 3,000 tokens" in out
-    assert err.splitlines()[-1].startswith(f"val: {loader.num_batches}/{loader.num_batches} batch (100%)")
+    assert err.splitlines()[-1].startswith(f"val: {loader.num_batches}/{loader.num_batches} "
+                                           "batch (100%)")
     assert "\r" not in err
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the fast path is off")
 def test_cpu_math_exact_is_the_exact_trainers_val_loss(files, capsys):
-    """--cpu-math exact: the val loss of the exact NumPy path, as a run trained with --cpu-math exact logs it, to the
-    last printed digit; the default is training's fast math, and the output line says which ran."""
+    """--cpu-math exact: the val loss of the exact NumPy path, as a run trained with --cpu-math
+    exact logs it, to the last printed digit; the default is training's fast math, and the output
+    line says which ran."""
     pattern = str(files / "val_*.bin")
     losses = {}
     for flags in ([], ["--cpu-math", "exact"]):
-        assert evaluate.main(["-e", str(files / "m.bin"), "-j", pattern, "-b", "2", "-t", "16", *flags]) == 0
+        assert evaluate.main(["-e", str(files / "m.bin"), "-j", pattern, "-b", "2", "-t", "16",
+                              *flags]) == 0
         out = capsys.readouterr().out
         math_ = flags[1] if flags else "fast"
         assert f"on numpy ({math_} CPU math)" in out
@@ -83,8 +87,8 @@ def test_the_last_progress_line_shows_the_final_mean(files, capsys, monkeypatch)
 
 
 def test_max_batches(files, capsys):
-    assert evaluate.main(["loss", "-e", str(files / "m.bin"), "-j", str(files / "val_000.bin"), "-b", "1", "-t", "8",
-                          "-m", "3"]) == 0
+    assert evaluate.main(["loss", "-e", str(files / "m.bin"), "-j", str(files / "val_000.bin"),
+                          "-b", "1", "-t", "8", "-m", "3"]) == 0
     assert "over 3 batches of B=1 x T=8 = 24 tokens" in capsys.readouterr().out
 
 
@@ -95,7 +99,8 @@ def test_max_batches(files, capsys):
     (["-j", "nothing_*.bin"], ["nothing_*.bin"]),
     (["-t", "0"], ["-t 0"]),
     (["gsm8k"], ["invalid choice", "'gsm8k'"]),
-    (["--cpu-math", "exact", "--device", "emu"], ["--cpu-math exact", "only for the CPU", "--device emu"]),
+    (["--cpu-math", "exact", "--device", "emu"],
+     ["--cpu-math exact", "only for the CPU", "--device emu"]),
     (["--cpu-math", "slow"], ["--cpu-math", "invalid choice", "'slow'"]),
     (["--dir", "cache"], ["--dir cache", "only for eval hellaswag"]),
 ])
@@ -113,18 +118,20 @@ def test_bad_input_is_one_line(argv, expected, files, capsys):
 
 
 def test_eval_on_the_emulated_cuda_path_takes_trainings_defaults(tmp_path, capsys):
-    """--device emu: the CUDA backend with training's defaults (flash attention where the head size is 64): the
-    val loss of a head-size-64 model is the NumPy one within the flash kernels' TF32 tolerance."""
+    """--device emu: the CUDA backend with training's defaults (flash attention where the head size
+    is 64): the val loss of a head-size-64 model is the NumPy one within the flash
+    kernels' TF32 tolerance."""
     from gpt2np.backends import inference_backend
     from gpt2np.cli.compare import TF32_LOSS_ABS_TOL
     cfg = GPT2Config(32, 100, 128, 1, 2, 128)                       # head size 64
-    save_model(tmp_path / "m64.bin", cfg, GPT2(cfg, get_backend("numpy"), 1, 1, seed=5).params_host())
+    save_model(tmp_path / "m64.bin", cfg,
+               GPT2(cfg, get_backend("numpy"), 1, 1, seed=5).params_host())
     write_shard(tmp_path / "val_000.bin", np.random.default_rng(0).integers(0, 100, 400))
     assert inference_backend("emu", 64)[1] == "flash" and inference_backend("cpu", 64)[1] == "naive"
     losses = {}
     for device in ("cpu", "emu"):
-        assert evaluate.main(["-e", str(tmp_path / "m64.bin"), "-j", str(tmp_path / "val_000.bin"), "-b", "2",
-                              "-t", "32", "-m", "2", "--device", device]) == 0
+        assert evaluate.main(["-e", str(tmp_path / "m64.bin"), "-j", str(tmp_path / "val_000.bin"),
+                              "-b", "2", "-t", "32", "-m", "2", "--device", device]) == 0
         losses[device] = float(re.search(r"val loss (\S+)", capsys.readouterr().out).group(1))
     assert losses["emu"] == pytest.approx(losses["cpu"], abs=TF32_LOSS_ABS_TOL)
 

@@ -1,11 +1,14 @@
-"""The whole model with flash attention (GPT2(attention="flash")) against the naive attention, on the emulated CUDA
-path and on NumPy: the loss and every gradient after one forward/backward, and bitwise reproducibility.
+"""The whole model with flash attention (GPT2(attention="flash")) against the naive attention, on
+the emulated CUDA path and on NumPy: the loss and every gradient after one forward/backward, and
+bitwise reproducibility.
 
-The flash kernels (kernels/flash_attention.cu) multiply on TF32 tensor cores. With TF32 on (the GEMMs too) the two
-attentions agree within the TF32 tolerance that gpt2np.cli.compare uses against PyTorch; with TF32 off (GEMMs exact and
-the emulator's WMMA in fp32, a test aid: EmuRuntime(wmma_tf32=False)) they agree to fp32 rounding, which checks the
-kernels' algorithm (tiles, online softmax, masks, recomputation) apart from TF32. Two runs give bitwise the same
-gradients, also under the other thread schedule and another WMMA fragment layout: no atomics, fixed orders."""
+The flash kernels (kernels/flash_attention.cu) multiply on TF32 tensor cores. With TF32 on (the
+GEMMs too) the two attentions agree within the TF32 tolerance that gpt2np.cli.compare uses against
+PyTorch; with TF32 off (GEMMs exact and the emulator's WMMA in fp32, a test aid:
+EmuRuntime(wmma_tf32=False)) they agree to fp32 rounding, which checks the kernels' algorithm
+(tiles, online softmax, masks, recomputation) apart from TF32. Two runs give bitwise the same
+gradients, also under the other thread schedule and another WMMA fragment layout: no
+atomics, fixed orders."""
 import numpy as np
 import pytest
 
@@ -15,8 +18,10 @@ from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 from gpt2np.tensors import PARAM_NAMES
 
-CFG = GPT2Config(max_seq_len=48, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2, channels=128)
-B, T = 2, 40                      # one partial block of 64 rows, two key steps of 32 (the second partial)
+CFG = GPT2Config(max_seq_len=48, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=2,
+                 channels=128)
+# one partial block of 64 rows, two key steps of 32 (the second partial)
+B, T = 2, 40
 
 
 def batch():
@@ -44,16 +49,17 @@ def assert_close(got, ref, rel, loss_abs):
 
 
 def test_flash_matches_naive_with_tf32():
-    """Emulated CUDA, TF32 on everywhere: within compare's TF32 tolerances (measured: 7e-4 of a gradient's scale,
-    6e-7 on the loss)."""
+    """Emulated CUDA, TF32 on everywhere: within compare's TF32 tolerances (measured: 7e-4 of a
+    gradient's scale, 6e-7 on the loss)."""
     flash = loss_and_grads(get_backend("emu", precision="tf32"), "flash")
     naive = loss_and_grads(get_backend("emu", precision="tf32"), "naive")
     assert_close(flash, naive, TF32_REL_TOL, TF32_LOSS_ABS_TOL)
 
 
 def test_flash_matches_naive_to_fp32_rounding_without_tf32():
-    """Emulated CUDA with exact GEMMs and fp32 WMMA: the flash kernels' algorithm agrees with the naive attention to
-    fp32 rounding (compare's fp32 tolerance; measured: 6e-7 of a gradient's scale)."""
+    """Emulated CUDA with exact GEMMs and fp32 WMMA: the flash kernels' algorithm agrees with the
+    naive attention to fp32 rounding (compare's fp32 tolerance; measured: 6e-7 of a
+    gradient's scale)."""
     flash = loss_and_grads(get_backend("emu", precision="fp32", wmma_tf32=False), "flash")
     naive = loss_and_grads(get_backend("emu", precision="fp32"), "naive")
     assert_close(flash, naive, REL_TOL, 1e-5)
@@ -66,7 +72,8 @@ def test_numpy_flash_matches_naive():
 
 
 def test_flash_gradients_are_bitwise_reproducible():
-    """Two runs, the reverse thread schedule and another WMMA fragment layout: bitwise the same loss and gradients."""
+    """Two runs, the reverse thread schedule and another WMMA fragment layout: bitwise the same
+    loss and gradients."""
     runs = [loss_and_grads(get_backend("emu", precision="tf32", **options), "flash")
             for options in ({}, {}, {"schedule": "reverse"}, {"wmma_layout": 0xF1A5})]
     loss, grads = runs[0]
@@ -89,7 +96,8 @@ def test_resolve_attention_defaults_and_fallbacks():
     from gpt2np.errors import BadInput
     numpy_be, emu = get_backend("numpy"), get_backend("emu")
     assert resolve_attention(numpy_be, 64) == ("naive", None)
-    assert resolve_attention(numpy_be, 48, "flash") == ("flash", None)          # NumPy runs any head size
+    # NumPy runs any head size
+    assert resolve_attention(numpy_be, 48, "flash") == ("flash", None)
     assert resolve_attention(emu, 64) == ("flash", None)
     assert resolve_attention(emu, 64, "naive") == ("naive", None)
     attention, note = resolve_attention(emu, 48)
@@ -102,19 +110,23 @@ def test_resolve_attention_defaults_and_fallbacks():
 
 @pytest.mark.parametrize("L, NH, B_, T_", [(1, 1, 1, 3), (2, 1, 1, 7), (1, 2, 1, 5)])
 def test_flash_with_activations_off_16_bytes(L, NH, B_, T_):
-    """The model's activations are views of one buffer: with L*B*T odd, the fp32 build's qkv and atty start 4 or 8
-    bytes past a 16-byte boundary, where the kernels' 16-byte vector loads and stores would fault (seen on an
-    H100: CUDA_ERROR_MISALIGNED_ADDRESS); they fall back to single elements there. Flash against naive attention
-    with exact GEMMs and fp32 WMMA (fp32 rounding apart)."""
-    cfg = GPT2Config(max_seq_len=16, vocab_size=100, padded_vocab_size=128, num_layers=L, num_heads=NH,
-                     channels=64 * NH)
-    tokens = np.random.default_rng(L * 100 + T_).integers(0, cfg.vocab_size, (B_, T_ + 1)).astype(np.int32)
+    """The model's activations are views of one buffer: with L*B*T odd, the fp32 build's qkv and
+    atty start 4 or 8 bytes past a 16-byte boundary, where the kernels' 16-byte vector loads and
+    stores would fault (seen on an H100: CUDA_ERROR_MISALIGNED_ADDRESS); they fall back to single
+    elements there. Flash against naive attention with exact GEMMs and fp32 WMMA
+    (fp32 rounding apart)."""
+    cfg = GPT2Config(max_seq_len=16, vocab_size=100, padded_vocab_size=128, num_layers=L,
+                     num_heads=NH, channels=64 * NH)
+    tokens = np.random.default_rng(L * 100 + T_).integers(0, cfg.vocab_size,
+                                                          (B_, T_ + 1)).astype(np.int32)
     results = []
     for attention, options in (("flash", {"wmma_tf32": False}), ("naive", {})):
-        model = GPT2(cfg, get_backend("emu", precision="fp32", **options), B_, T_, seed=0, attention=attention)
+        model = GPT2(cfg, get_backend("emu", precision="fp32", **options), B_, T_, seed=0,
+                     attention=attention)
         if attention == "flash":
             qkv = model.act["qkv"]
-            assert qkv.ctypes.data % 16 != 0 or model.act["atty"].ctypes.data % 16 != 0   # the case this tests
+            # the case this tests
+            assert qkv.ctypes.data % 16 != 0 or model.act["atty"].ctypes.data % 16 != 0
         model.zero_grad()
         loss = model.forward(tokens[:, :-1], tokens[:, 1:], for_backward=True)
         model.backward()

@@ -1,8 +1,9 @@
 """-ge 0|1|2 (llm.c's gelu_fusion, with --fuse 1): where the GELU is computed.
 
-0: the fc GEMM (bias epilogue) then gelu_forward, and in backward c_proj's GEMMs then gelu_backward; 1: the fc GEMM's
-epilogue adds the bias and applies the GELU (matmul_gelu_forward), the backward as 0; 2: also c_proj's dinp GEMM
-applies gelu' in its epilogue (gelu_matmul_backward). --fuse 0 has no epilogues: -ge must be 0 there.
+0: the fc GEMM (bias epilogue) then gelu_forward, and in backward c_proj's GEMMs then gelu_backward;
+1: the fc GEMM's epilogue adds the bias and applies the GELU (matmul_gelu_forward), the backward as
+0; 2: also c_proj's dinp GEMM applies gelu' in its epilogue (gelu_matmul_backward). --fuse 0 has no
+epilogues: -ge must be 0 there.
 """
 import numpy as np
 import pytest
@@ -26,17 +27,23 @@ def test_gelu_fusion_defaults_to_2_with_fuse_and_needs_fuse():
             GPT2(CFG, be, B, T, fuse=False, gelu_fusion=ge)
     with pytest.raises(BadInput, match=r"^-ge 2 with --fuse 0: "):
         TrainConfig(gelu_fusion=2, fuse=0).validate()
-    TrainConfig(gelu_fusion=2).validate()                  # --fuse not known yet: checked on the device's defaults
+    # --fuse not known yet: checked on the device's defaults
+    TrainConfig(gelu_fusion=2).validate()
     with pytest.raises(BadInput, match=r"^-ge 1 with --fuse 0: "):
         TrainConfig(gelu_fusion=1).with_device_defaults(device_traits("numpy")).validate()
-    assert TrainConfig(gelu_fusion=1).with_device_defaults(device_traits("emu")).validate().fuse == 1
+    assert (TrainConfig(gelu_fusion=1).with_device_defaults(device_traits("emu")).validate().fuse
+            == 1)
 
 
 def test_train_py_ge_without_fuse_is_one_error_line(tiny_model, tiny_shards, capsys):  # noqa: F811
-    code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", 1, "-ge", 2, "--fuse", 0], capsys)
-    assert code == 2 and err.count("\n") == 1 and err.startswith("error: -ge 2 with --fuse 0: "), err
-    code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", 1, "-ge", 1], capsys)   # the CPU: --fuse 0
-    assert code != 0 and err.count("\n") == 1 and err.startswith("error: -ge 1 with --fuse 0: "), err
+    code, out, err = (run(base_args(tiny_model, tiny_shards) + ["-x", 1, "-ge", 2, "--fuse", 0],
+                          capsys))
+    assert (code == 2 and err.count("\n") == 1
+            and err.startswith("error: -ge 2 with --fuse 0: ")), err
+    # the CPU: --fuse 0
+    code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", 1, "-ge", 1], capsys)
+    assert (code != 0 and err.count("\n") == 1
+            and err.startswith("error: -ge 1 with --fuse 0: ")), err
     assert profiler_main(["--plan", "-e", "d12", "-ge", "2", "--fuse", "0", "-t", "64"]) == 2
     assert "error: -ge 2 with --fuse 0" in capsys.readouterr().err
 
@@ -57,18 +64,21 @@ def kernels(plan, direction):
 def test_the_launch_list_follows_gelu_fusion():
     """The planned step (the launches the CUDA backend makes) at -ge 0, 1, 2, with -r 0."""
     L = CFG.num_layers
-    plans = {ge: P.plan_step(CFG, B, T, "H100", "tf32", recompute=0, gelu_fusion=ge) for ge in (0, 1, 2)}
+    plans = {ge: P.plan_step(CFG, B, T, "H100", "tf32", recompute=0, gelu_fusion=ge)
+             for ge in (0, 1, 2)}
     assert [p.gelu_fusion for p in plans.values()] == [0, 1, 2]
     fwd = {ge: kernels(p, "fprop") for ge, p in plans.items()}
     bwd = {ge: kernels(p, "bprop") for ge, p in plans.items()}
-    assert fwd[0].count(("gelu_forward", "gelu_forward")) == L and ("matmul_gelu_forward", "gemm_matmul_gelu_forward") \
-        not in fwd[0]
-    assert fwd[1] == fwd[2] and fwd[1].count(("matmul_gelu_forward", "gemm_matmul_gelu_forward")) == L
+    assert (fwd[0].count(("gelu_forward", "gelu_forward")) == L
+            and ("matmul_gelu_forward", "gemm_matmul_gelu_forward") not in fwd[0])
+    assert (fwd[1] == fwd[2]
+            and fwd[1].count(("matmul_gelu_forward", "gemm_matmul_gelu_forward")) == L)
     assert not any(op == "gelu_forward" for op, _ in fwd[1])
     assert bwd[0] == bwd[1] and bwd[0].count(("gelu_backward", "gelu_backward")) == L
     assert not any(op == "gelu_matmul_backward" for op, _ in bwd[0])
     assert not any(op == "gelu_backward" for op, _ in bwd[2])
-    assert sum(op == "gelu_matmul_backward" for op, _ in bwd[2]) == 2 * L       # its dinp and dweight GEMMs
+    # its dinp and dweight GEMMs
+    assert sum(op == "gelu_matmul_backward" for op, _ in bwd[2]) == 2 * L
     launches = [len(p.kernels) for p in plans.values()]
     assert launches[0] == launches[1] + L == launches[2] + 2 * L
     assert plans[0].flops == plans[1].flops == plans[2].flops
@@ -77,9 +87,10 @@ def test_the_launch_list_follows_gelu_fusion():
 
 @needs_gpp
 def test_emulated_gelu_fusion_trains_alike():
-    """The emulated CUDA path at -ge 0, 1, 2 (flash attention, --fuse 1, -r 0): the epilogues' GELU and gelu' round
-    otherwise than the kernels', so the losses agree within fp32 rounding (test_cuda_model's fused-ops tolerance),
-    and the launch list of a real emulated step is the planned one."""
+    """The emulated CUDA path at -ge 0, 1, 2 (flash attention, --fuse 1, -r 0): the epilogues' GELU
+    and gelu' round otherwise than the kernels', so the losses agree within fp32 rounding
+    (test_cuda_model's fused-ops tolerance), and the launch list of a real emulated step
+    is the planned one."""
     be = get_backend("emu")
     runs = {ge: train(be, 0, attention="flash", fuse=True, gelu_fusion=ge) for ge in (0, 1, 2)}
     for ge in (1, 2):
@@ -88,4 +99,5 @@ def test_emulated_gelu_fusion_trains_alike():
     model = GPT2(CFG, be, B, T, seed=0, attention="flash", fuse=True, gelu_fusion=1)
     prof, _ = P.profiled_step(model, batches())
     plan = P.plan_step(CFG, B, T, "H100", "tf32", attention="flash", recompute=0, gelu_fusion=1)
-    assert [(r.op, r.kernel) for r in prof.records] == [(x.record.op, x.record.kernel) for x in plan.launches]
+    assert [(r.op, r.kernel) for r in prof.records] == [(x.record.op, x.record.kernel)
+                                                        for x in plan.launches]

@@ -1,23 +1,27 @@
-"""No behaviour change across refactors: a 10-step training run of a small model through train.py, compared with a
-stored record of the same run (tests/golden_run.npz; `PYTHONPATH=. python tests/test_golden_run.py --record`
-rewrites it).
+"""No behaviour change across refactors: a 10-step training run of a small model through train.py,
+compared with a stored record of the same run (tests/golden_run.npz; `PYTHONPATH=. python
+tests/test_golden_run.py --record` rewrites it).
 
-The run touches every part of a step: gradient accumulation (-d), warmup then cosine decay, weight decay,
-global-norm clipping (it triggers), validation, and a checkpoint at the end. The model file and the shards are
-made here from a fixed NumPy seed, so gpt2np's own init is not part of what is pinned.
+The run touches every part of a step: gradient accumulation (-d), warmup then cosine decay, weight
+decay, global-norm clipping (it triggers), validation, and a checkpoint at the end. The model file
+and the shards are made here from a fixed NumPy seed, so gpt2np's own init is not
+part of what is pinned.
 
-Why the GEMMs are exact here. The BLAS picks its GEMM kernels per CPU, so the last bits of every GEMM differ from
-one machine to another. AdamW then turns a last-bit difference in a near-zero gradient into a difference of up to
-a few percent of the learning rate, so after 10 steps a run on another CPU differs from the record by ~1e-5 in its
-weights: as much as a real change of the code does. So this test runs every np.matmul and np.dot exactly rounded
-(products and sums in long double, one rounding to float32), which gives the same bits on every machine. The rest
-of a step is NumPy's float32 tanh, exp, log and reductions, and IEEE arithmetic. Those agree on x86-64 machines
-(checked with every OpenBLAS core type and NumPy's SIMD levels down to SSE), but need not elsewhere: a probe of
-them against the recording decides whether the final weights can be compared here.
+Why the GEMMs are exact here. The BLAS picks its GEMM kernels per CPU, so the last bits of every
+GEMM differ from one machine to another. AdamW then turns a last-bit difference in a near-zero
+gradient into a difference of up to a few percent of the learning rate, so after 10 steps a run on
+another CPU differs from the record by ~1e-5 in its weights: as much as a real change of the code
+does. So this test runs every np.matmul and np.dot exactly rounded (products and sums in long
+double, one rounding to float32), which gives the same bits on every machine. The rest of a step is
+NumPy's float32 tanh, exp, log and reductions, and IEEE arithmetic. Those agree on x86-64 machines
+(checked with every OpenBLAS core type and NumPy's SIMD levels down to SSE), but need not elsewhere:
+a probe of them against the recording decides whether the final weights can be compared here.
 
-The tolerance: every parameter and AdamW moment within 2 ulps of the record. A real change lands far outside it:
-test_a_one_ulp_update_change_fails and test_a_swapped_op_order_fails plant one and watch the comparison fail.
-The printed losses and main.log are compared on any machine, within the rounding of their printed digits.
+The tolerance: every parameter and AdamW moment within 2 ulps of the record. A real change lands far
+outside it: test_a_one_ulp_update_change_fails and test_a_swapped_op_order_fails plant one and watch
+the comparison fail.
+The printed losses and main.log are compared on any machine, within the rounding of
+their printed digits.
 """
 import contextlib
 import io
@@ -36,9 +40,11 @@ from gpt2np.model import GPT2
 from gpt2np.ops.reference import layernorm
 from gpt2np.tensors import param_shapes, views
 
-SMALL = GPT2Config(max_seq_len=32, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=4, channels=32)
+SMALL = GPT2Config(max_seq_len=32, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=4,
+                   channels=32)
 RECORD = Path(__file__).with_name("golden_run.npz")
-ULPS = 2                                  # the tolerance of the final parameters and moments, in float32 ulps
+# the tolerance of the final parameters and moments, in float32 ulps
+ULPS = 2
 
 EXPECTED_STEP_LINES = [
     'step    1/10 | loss 5.342460 (+nanz)| norm 1.6188 (+nanz)| lr 1.50e-03',
@@ -71,9 +77,9 @@ NUMBER = re.compile(r"(trl|tel|loss|norm|lr)[: ]([0-9.e+-]+)")
 
 
 def exactly_rounded(blas_function):
-    """blas_function (np.matmul or np.dot), exactly rounded: float32 products and their sums in long double, then one
-    rounding to float32. The sums run in NumPy's own loop (not the BLAS), in a fixed order, so the result is the same
-    on every machine."""
+    """blas_function (np.matmul or np.dot), exactly rounded: float32 products and their sums in long
+    double, then one rounding to float32. The sums run in NumPy's own loop (not the BLAS), in a
+    fixed order, so the result is the same on every machine."""
     def exact(a, b, out=None):
         result = blas_function(np.asarray(a, np.longdouble), np.asarray(b, np.longdouble))
         if out is None:
@@ -83,12 +89,13 @@ def exactly_rounded(blas_function):
     return exact
 
 
-EXACT_GEMMS = {"matmul": exactly_rounded(np.matmul), "dot": exactly_rounded(np.dot)}   # the BLAS calls of a step
+# the BLAS calls of a step
+EXACT_GEMMS = {"matmul": exactly_rounded(np.matmul), "dot": exactly_rounded(np.dot)}
 
 
 def probe():
-    """The float32 functions a step uses besides GEMMs, on fixed inputs: {name: result}. Equal bits here and on the
-    recording machine mean the exact-GEMM run must reproduce the record."""
+    """The float32 functions a step uses besides GEMMs, on fixed inputs: {name: result}. Equal bits
+    here and on the recording machine mean the exact-GEMM run must reproduce the record."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 96), dtype=np.float32) * np.float32(3)
     y = rng.standard_normal((64, 96), dtype=np.float32)
@@ -114,20 +121,22 @@ def make_inputs(folder):
 
 
 def run_golden(folder, cpu_math="exact"):
-    """Train the golden run in `folder` with train.py: (step lines without their timings, main.log, {"params",
-    "m", "v"} at the end). Raises on a failed run."""
+    """Train the golden run in `folder` with train.py: (step lines without their timings, main.log,
+    {"params", "m", "v"} at the end). Raises on a failed run."""
     make_inputs(folder)
     out_dir = folder / "out"
     argv = ["-e", folder / "small.bin", "-i", folder / "train.bin", "-j", folder / "val.bin",
-            "-b", 2, "-t", 16, "-d", 64, "-x", 10, "-l", 3e-3, "-u", 2, "-q", 0.1, "-k", "cosine", "-c", 0.1,
-            "--grad-clip", 0.5, "-v", 5, "-m", 2, "-s", 0, "-n", 10, "-o", out_dir, "--device", "cpu",
-            "--shuffle", 0,          # the recorded run read its shard in file order (llm.c's shuffle: test_data)
+            "-b", 2, "-t", 16, "-d", 64, "-x", 10, "-l", 3e-3, "-u", 2, "-q", 0.1, "-k", "cosine",
+            "-c", 0.1, "--grad-clip", 0.5, "-v", 5, "-m", 2, "-s", 0, "-n", 10, "-o", out_dir,
+            # the recorded run read its shard in file order (llm.c's shuffle: test_data)
+            "--device", "cpu", "--shuffle", 0,
             "--seed", 7, "--cpu-math", cpu_math]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         code = train.main([str(a) for a in argv])
     assert code == 0, printed.getvalue()
-    step_lines = [re.sub(r" \| [0-9.]+ ms \|.*$", "", line) for line in printed.getvalue().splitlines()
+    step_lines = [re.sub(r" \| [0-9.]+ ms \|.*$", "", line)
+                  for line in printed.getvalue().splitlines()
                   if line.startswith("step ")]
     _, params = load_model(model_path(out_dir, 10))
     _, m, v = load_state(state_path(out_dir, 10))
@@ -135,22 +144,27 @@ def run_golden(folder, cpu_math="exact"):
 
 
 def ulps_off(got, want):
-    """{name: the largest distance of got[name] from want[name], in float32 ulps of the recorded value}."""
+    """{name: the largest distance of got[name] from want[name], in float32 ulps of
+    the recorded value}."""
     return {name: float(np.max(np.abs(got[name].astype(np.float64) - want[name].astype(np.float64))
-                               / np.spacing(np.abs(want[name].astype(np.float32))).astype(np.float64)))
+                               / np.spacing(np.abs(want[name].astype(np.float32))).astype(
+                                   np.float64)))
             for name in ("params", "m", "v")}
 
 
 def record():
-    """The stored record: the final parameters and moments of the exact-GEMM run, and the probe, of this machine."""
+    """The stored record: the final parameters and moments of the exact-GEMM run, and the
+    probe, of this machine."""
     with np.load(RECORD) as saved:
         return {name: saved[name] for name in saved.files}
 
 
 def probe_differs():
-    """None where this machine's probe is the record's bit for bit, else the names of the functions that differ."""
+    """None where this machine's probe is the record's bit for bit, else the names of the
+    functions that differ."""
     want = record()
-    differ = [name for name, got in probe().items() if not np.array_equal(got, want["probe_" + name])]
+    differ = [name for name, got in probe().items()
+              if not np.array_equal(got, want["probe_" + name])]
     return ", ".join(differ) or None
 
 
@@ -161,7 +175,8 @@ def assert_numbers_close(got_lines, want_lines, rel, slacks):
         got, want = NUMBER.findall(got_line), NUMBER.findall(want_line)
         assert [k for k, _ in got] == [k for k, _ in want], (got_line, want_line)
         for (key, g), (_, w) in zip(got, want):
-            assert abs(float(g) - float(w)) <= rel * abs(float(w)) + slacks.get(key, 0.0), (got_line, want_line)
+            assert (abs(float(g) - float(w))
+                    <= rel * abs(float(w)) + slacks.get(key, 0.0)), (got_line, want_line)
 
 
 def use_exact_gemms(patch):
@@ -185,29 +200,32 @@ def golden(tmp_path_factory):
 def needs_recording_machine_math():
     differ = probe_differs()
     if differ:
-        pytest.skip(f"NumPy's float32 {differ} differ here from the recording machine's in the last bit, so the "
-                    f"exact-GEMM run cannot reproduce the record's final weights; the losses are still compared")
+        pytest.skip(f"NumPy's float32 {differ} differ here from the recording machine's in the "
+                    "last bit, so the exact-GEMM run cannot reproduce the record's final weights; "
+                    "the losses are still compared")
 
 
 def test_ten_step_run_prints_the_recorded_losses(golden):
     """The step lines and main.log as recorded (any machine: within the last printed digit)."""
     step_lines, log, _ = golden
     assert len(step_lines) == 10
-    assert_numbers_close(step_lines, EXPECTED_STEP_LINES, 1e-6, {"loss": 1e-6, "norm": 1e-4, "lr": 0})
+    assert_numbers_close(step_lines, EXPECTED_STEP_LINES, 1e-6,
+                         {"loss": 1e-6, "norm": 1e-4, "lr": 0})
     assert_numbers_close(log.splitlines(), EXPECTED_LOG.splitlines(), 1e-6,
                          {"trl": 1e-4, "tel": 1e-4, "norm": 1e-2, "lr": 1e-6})
 
 
 def test_ten_step_run_ends_at_the_recorded_weights(golden):
-    """The final parameters and AdamW moments within ULPS of the record (where this machine's NumPy math is the
-    recording machine's: see the module docstring)."""
+    """The final parameters and AdamW moments within ULPS of the record (where this machine's NumPy
+    math is the recording machine's: see the module docstring)."""
     needs_recording_machine_math()
     off = ulps_off(golden[2], record())
     assert all(v <= ULPS for v in off.values()), f"ulps from the record: {off}"
 
 
 def test_a_one_ulp_update_change_fails(tmp_path, exact_gemms, monkeypatch):
-    """A planted change: every parameter one ulp up after each AdamW update. The comparison fails."""
+    """A planted change: every parameter one ulp up after each AdamW update. The
+    comparison fails."""
     needs_recording_machine_math()
     update = GPT2.update
 
@@ -241,8 +259,9 @@ def test_a_swapped_op_order_fails(tmp_path, exact_gemms, monkeypatch):
 
 
 def test_ten_step_run_with_fast_cpu_math_tracks_the_recorded_run(tmp_path):
-    """--cpu-math fast (the default; not bitwise), with the machine's own BLAS, follows the recorded exact run: every
-    train and val loss within 2e-6 relative, every grad norm within the printed 4 decimals' rounding plus 2e-6."""
+    """--cpu-math fast (the default; not bitwise), with the machine's own BLAS, follows the recorded
+    exact run: every train and val loss within 2e-6 relative, every grad norm within the printed 4
+    decimals' rounding plus 2e-6."""
     step_lines, log, final = run_golden(tmp_path, cpu_math="fast")
     assert not np.array_equal(final["params"], record()["params"])     # the fast path did run
     assert_numbers_close(step_lines, EXPECTED_STEP_LINES, 2e-6, {"norm": 1e-4, "lr": 0})
@@ -251,7 +270,8 @@ def test_ten_step_run_with_fast_cpu_math_tracks_the_recorded_run(tmp_path):
 
 
 def write_record(folder):
-    """Run the golden run with exact GEMMs in `folder` and store its final state and the probe as the record."""
+    """Run the golden run with exact GEMMs in `folder` and store its final state and the
+    probe as the record."""
     with pytest.MonkeyPatch.context() as patch:
         use_exact_gemms(patch)
         step_lines, log, final = run_golden(folder)

@@ -2,16 +2,22 @@
 d12 (GPT-2 124M) training smoke test. Skipped without CuPy and a CUDA device."""
 import numpy as np
 import pytest
-from test_cuda_model import test_backward_gradients, test_forward_logits_and_loss, test_three_adamw_steps  # noqa: E402,F401
+from test_cuda_model import (  # noqa: E402,F401
+    test_backward_gradients,
+    test_forward_logits_and_loss,
+    test_three_adamw_steps,
+)
 
 # The emulator tests, rerun with CuPy backends (the fixtures below replace the emulator ones).
 from test_kernels import *  # noqa: E402,F401,F403
 
 from gpt2np.backends import cuda_problem, gpu_available
 
-# without a usable GPU (or with an incomplete CUDA install) the tests skip with the startup check's one line
+# without a usable GPU (or with an incomplete CUDA install) the tests skip with the
+# startup check's one line
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not gpu_available(), reason=f"needs a usable CUDA GPU: {cuda_problem()}")]
+              pytest.mark.skipif(not gpu_available(),
+                                 reason=f"needs a usable CUDA GPU: {cuda_problem()}")]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +45,8 @@ def test_default_launch_shapes_match_numpy():
     from gpt2np.backends.numpy.backend import NumpyBackend
     from gpt2np.config import GPT2Config
     from gpt2np.model import GPT2
-    cfg = GPT2Config(max_seq_len=256, vocab_size=1000, padded_vocab_size=1024, num_layers=2, num_heads=4,
-                     channels=128)
+    cfg = GPT2Config(max_seq_len=256, vocab_size=1000, padded_vocab_size=1024, num_layers=2,
+                     num_heads=4, channels=128)
     B, T = 4, 200
     ref = GPT2(cfg, NumpyBackend(), B, T, seed=1)
     gpu = GPT2(cfg, CudaBackend(CupyRuntime()), B, T, seed=1)
@@ -58,7 +64,8 @@ def test_default_launch_shapes_match_numpy():
 
 
 def test_d12_training_smoke():
-    """GPT-2 124M at B=4, T=128: the first loss matches NumPy and 20 steps on one batch overfit it."""
+    """GPT-2 124M at B=4, T=128: the first loss matches NumPy and 20 steps on one
+    batch overfit it."""
     from gpt2np.backends.cuda.backend import CudaBackend
     from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
     from gpt2np.backends.numpy.backend import NumpyBackend

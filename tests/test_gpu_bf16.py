@@ -1,10 +1,12 @@
-"""bf16 GPU tests (pytest -m gpu): the bf16 kernel tests (tests/test_bf16_kernels.py) rerun on a real GPU through
-CuPy, and the whole bf16 model on the GPU against fp32 with the emulator's criteria (tests/test_bf16_cuda_model.py).
-Skipped without CuPy and a CUDA device with bf16 tensor cores (sm_80+)."""
+"""bf16 GPU tests (pytest -m gpu): the bf16 kernel tests (tests/test_bf16_kernels.py) rerun on a
+real GPU through CuPy, and the whole bf16 model on the GPU against fp32 with the emulator's criteria
+(tests/test_bf16_cuda_model.py). Skipped without CuPy and a CUDA device with bf16
+tensor cores (sm_80+)."""
 import pytest
 from test_bf16_cuda_model import fp32, loss_and_grads, rel  # noqa: F401  (fp32: a fixture)
 
-# The emulator's bf16 kernel tests, rerun with a CuPy backend (the fixture below replaces the emulator one).
+# The emulator's bf16 kernel tests, rerun with a CuPy backend (the fixture below
+# replaces the emulator one).
 from test_bf16_kernels import *  # noqa: E402,F401,F403
 
 from gpt2np.backends import cuda_problem, gpu_available
@@ -19,8 +21,10 @@ def _sm80():
 
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not gpu_available(), reason=f"needs a usable CUDA GPU: {cuda_problem()}"),
-              pytest.mark.skipif(gpu_available() and not _sm80(), reason="bf16 needs sm_80 or newer")]
+              pytest.mark.skipif(not gpu_available(),
+                                 reason=f"needs a usable CUDA GPU: {cuda_problem()}"),
+              pytest.mark.skipif(gpu_available() and not _sm80(),
+                                 reason="bf16 needs sm_80 or newer")]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +44,8 @@ def test_bf16_model_on_the_gpu_errs_like_the_reference(fp32, attention):  # noqa
     ref_loss, ref = fp32
     gpu_loss, gpu = loss_and_grads(get_backend("cuda", "bf16"), attention)
     np_loss, npb = loss_and_grads(get_backend("numpy", "bf16"), attention)
-    assert abs(gpu_loss - ref_loss) <= max(2 * abs(np_loss - ref_loss), 2e-3), (gpu_loss, np_loss, ref_loss)
+    assert abs(gpu_loss - ref_loss) <= max(2 * abs(np_loss - ref_loss), 2e-3), (gpu_loss, np_loss,
+                                                                                ref_loss)
     for name in PARAM_NAMES:
         ours, reference = rel(gpu[name], ref[name]), rel(npb[name], ref[name])
         assert ours <= 2 * reference + 1e-3 and ours < 0.05, (name, ours, reference)

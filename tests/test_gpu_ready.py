@@ -1,14 +1,17 @@
-"""The GPU path ready for first contact (issue 13), tested without a GPU: CuPy and cuBLAS are stand-ins
-(tests/fake_gpu.py) where a GPU would be needed, the CUDA backend runs on the CPU emulator.
+"""The GPU path ready for first contact (issue 13), tested without a GPU: CuPy and cuBLAS are
+stand-ins (tests/fake_gpu.py) where a GPU would be needed, the CUDA backend runs
+on the CPU emulator.
 
-* the startup check: one line saying what is missing or wrong (CuPy, driver, GPU, cuBLAS, NVRTC) and the fix;
-* --precision / --tf32: the cuBLAS math mode passed (cuBLAS's CUBLAS_TF32_TENSOR_OP_MATH = 3, which CuPy 14
-  does not name), the default (tf32 on sm_80+, fp32 elsewhere), honoured for --device auto;
+* the startup check: one line saying what is missing or wrong (CuPy, driver, GPU,
+  cuBLAS, NVRTC) and the fix;
+* --precision / --tf32: the cuBLAS math mode passed (cuBLAS's CUBLAS_TF32_TENSOR_OP_MATH = 3, which
+  CuPy 14 does not name), the default (tf32 on sm_80+, fp32 elsewhere), honoured for --device auto;
 * a private cuBLAS handle that follows CuPy's current stream;
 * launch settings and kernel scalar types checked on every runtime;
-* the up-front memory check: what a run needs vs free device memory, one line naming the largest B that fits;
-* the packaging: nvtx pinned where its API exists, cuda and test extras that give a working GPU install, the
-  README's GPU commands as written.
+* the up-front memory check: what a run needs vs free device memory, one line naming the
+  largest B that fits;
+* the packaging: nvtx pinned where its API exists, cuda and test extras that give a working GPU
+  install, the README's GPU commands as written.
 """
 import re
 import subprocess
@@ -24,7 +27,12 @@ import gpt2np.backends as backends
 import train
 from gpt2np.backends import BackendUnavailable, cuda_status, get_backend, resolve_precision
 from gpt2np.backends.cuda import runtime_cupy
-from gpt2np.backends.cuda.backend import LAUNCH_SETTINGS, CudaBackend, DeviceMemoryError, KernelArgumentError
+from gpt2np.backends.cuda.backend import (
+    LAUNCH_SETTINGS,
+    CudaBackend,
+    DeviceMemoryError,
+    KernelArgumentError,
+)
 from gpt2np.backends.cuda.runtime_cupy import CupyRuntime
 from gpt2np.backends.cuda.runtime_emu import EmuRuntime
 from gpt2np.config import GPT2Config, TrainConfig, preset
@@ -33,16 +41,19 @@ from gpt2np.model import GPT2
 from gpt2np.train_step import train_step
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL = GPT2Config(max_seq_len=32, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=4, channels=32)
+SMALL = GPT2Config(max_seq_len=32, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=4,
+                   channels=32)
 
 
-# ---- the startup check ---------------------------------------------------------------------------------------
+# ---- the startup check ---------------------------------------------------------------------------
 
 def importer(missing=()):
-    """import_module that fails for the modules named in `missing`, as a missing shared library does; a package's
-    submodule fails when got as its attribute too (cupy_backends.cuda.libs loads its libraries on attribute access)."""
+    """import_module that fails for the modules named in `missing`, as a missing shared library
+    does; a package's submodule fails when got as its attribute too (cupy_backends.cuda.libs loads
+    its libraries on attribute access)."""
     def fail(name):
-        raise ImportError(f"{missing[name]}: cannot open shared object file: No such file or directory")
+        raise ImportError(f"{missing[name]}: cannot open shared object file: No such "
+                          "file or directory")
 
     class Package:
         def __init__(self, name):
@@ -65,14 +76,17 @@ def no_cupy(name):
 
 @pytest.mark.parametrize("cupy, import_module, expected, gpu_seen", [
     (None, no_cupy, r"CuPy is not installed .*pip install -e \"\.\[cuda\]\"", False),
-    (FakeCupy(driver=0), importer(), r"no NVIDIA driver found: .*no NVIDIA GPU, or its driver is not installed", False),
-    (FakeCupy(driver=12080), importer(), r"the NVIDIA driver supports CUDA 12\.8, CuPy for CUDA 13 needs a driver for "
+    (FakeCupy(driver=0), importer(),
+     r"no NVIDIA driver found: .*no NVIDIA GPU, or its driver is not installed", False),
+    (FakeCupy(driver=12080), importer(),
+     r"the NVIDIA driver supports CUDA 12\.8, CuPy for CUDA 13 needs a driver for "
      r"CUDA 13\.0 or newer: update the driver to R580", False),
     (FakeCupy(devices=[]), importer(), r"the NVIDIA driver sees no GPU: .*nvidia-smi", False),
     (FakeCupy(devices=[("Tesla V100-SXM2-16GB", 70, "0000:01:00.0")]), importer(),
      r"Tesla V100-SXM2-16GB is sm_70; CUDA 13 runs on sm_75 \(Turing\) and newer", True),
     (FakeCupy(), importer({"cupy_backends.cuda.libs.cublas": "libcublas.so.13"}),
-     r"cuBLAS for CUDA 13 not found \(libcublas\.so\.13: cannot open.*\): pip install 'nvidia-cublas>=13,<14'", True),
+     r"cuBLAS for CUDA 13 not found \(libcublas\.so\.13: cannot open.*\): pip install "
+     r"'nvidia-cublas>=13,<14'", True),
     (FakeCupy(nvrtc=RuntimeError("libnvrtc.so.13: cannot open shared object file")), importer(),
      r"NVRTC for CUDA 13 not found .*pip install 'nvidia-cuda-nvrtc>=13,<14'", True),
     (FakeCupy(nvrtc=(12, 8)), importer(), r"NVRTC 12\.8 found, .* needs NVRTC 13", True),
@@ -89,7 +103,8 @@ def test_startup_check_passes_on_a_working_install():
 
 def test_device_cuda_without_a_usable_gpu_is_that_line(monkeypatch):
     monkeypatch.setattr(backends, "_status", ("no NVIDIA driver found: (the line)", False))
-    with pytest.raises(BackendUnavailable, match=r"^--device cuda: no NVIDIA driver found: \(the line\)$"):
+    with pytest.raises(BackendUnavailable,
+                       match=r"^--device cuda: no NVIDIA driver found: \(the line\)$"):
         get_backend("cuda")
     with pytest.raises(BackendUnavailable, match="^--device cuda: no NVIDIA driver"):
         resolve_precision("cuda", None)
@@ -98,14 +113,16 @@ def test_device_cuda_without_a_usable_gpu_is_that_line(monkeypatch):
 
 @pytest.mark.skipif(backends.gpu_available(), reason="this machine has a usable GPU")
 def test_train_py_device_cuda_here_prints_the_line_and_exits_1():
-    run = subprocess.run([sys.executable, str(REPO / "train.py"), "--device", "cuda", "-e", "d12", "-x", "1"],
+    run = subprocess.run([sys.executable, str(REPO / "train.py"), "--device", "cuda",
+                          "-e", "d12", "-x", "1"],
                          capture_output=True, text=True, cwd=REPO, timeout=120)
     assert run.returncode == 1
     lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0] == f"error: --device cuda: {backends.cuda_problem()}", run.stderr
+    assert (len(lines) == 1
+            and lines[0] == f"error: --device cuda: {backends.cuda_problem()}"), run.stderr
 
 
-# ---- precision -----------------------------------------------------------------------------------------------
+# ---- precision -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, requested, capability, expected, note", [
     ("cuda", None, 80, "tf32", None),              # the default on tensor cores (A100, H100...)
@@ -134,15 +151,19 @@ def test_tf32_override_0_turns_tf32_off(monkeypatch):
 def test_precision_flags():
     assert train.parse_config(["--precision", "fp32"]).requested_precision == "fp32"
     assert train.parse_config(["--tf32"]).requested_precision == "tf32"            # the alias
-    assert train.parse_config(["--tf32", "--precision", "tf32"]).validate().requested_precision == "tf32"
-    assert train.parse_config([]).requested_precision is None                       # the device's default
+    assert (train.parse_config(["--tf32", "--precision", "tf32"]).validate().requested_precision
+            == "tf32")
+    # the device's default
+    assert train.parse_config([]).requested_precision is None
     with pytest.raises(BadInput, match="--tf32 with --precision fp32"):
         train.parse_config(["--tf32", "--precision", "fp32"]).validate()
     with pytest.raises(SystemExit):
         train.parse_config(["--precision", "fp16"])
-    assert train.parse_config(["--precision", "bf16", "--device", "cpu"]).validate().requested_precision == "bf16"
+    assert train.parse_config(["--precision", "bf16", "--device",
+                               "cpu"]).validate().requested_precision == "bf16"
     for device in ("cuda", "emu"):                                         # the kernels' bf16 build
-        assert train.parse_config(["--precision", "bf16", "--device", device]).validate().precision == "bf16"
+        assert (train.parse_config(["--precision", "bf16", "--device", device]).validate().precision
+                == "bf16")
 
 
 class Chosen(Exception):
@@ -150,11 +171,13 @@ class Chosen(Exception):
 
 
 @pytest.mark.parametrize("flags, expected", [
-    ({}, "tf32"), ({"tf32": True}, "tf32"), ({"precision": "tf32"}, "tf32"), ({"precision": "fp32"}, "fp32"),
-])
+    ({}, "tf32"), ({"tf32": True}, "tf32"), ({"precision": "tf32"}, "tf32"),
+    ({"precision": "fp32"}, "fp32"),])
 @pytest.mark.parametrize("device", ["auto", "cuda"])
-def test_trainer_honours_precision_whichever_way_the_gpu_was_chosen(monkeypatch, device, flags, expected):
-    """--device auto finding a GPU gets the same precision as --device cuda (sm_90 here: tf32 by default)."""
+def test_trainer_honours_precision_whichever_way_the_gpu_was_chosen(monkeypatch, device, flags,
+                                                                    expected):
+    """--device auto finding a GPU gets the same precision as --device cuda (sm_90 here:
+    tf32 by default)."""
     from gpt2np.train import setup, trainer
     monkeypatch.setattr(backends, "_status", (None, True))           # a usable GPU...
     monkeypatch.setattr(backends, "compute_capability", lambda: 90)  # ... with tensor cores
@@ -172,33 +195,37 @@ def test_trainer_honours_precision_whichever_way_the_gpu_was_chosen(monkeypatch,
 
 def test_header_says_the_precision(tmp_path, data_dir, capsys):
     from gpt2np.train import trainer
-    trainer.train(TrainConfig(model="d12", device="cpu", max_steps=0, batch_size=1, seq_len=8, val_every=0,
-                              sample_every=0, precision="tf32"))
+    trainer.train(TrainConfig(model="d12", device="cpu", max_steps=0, batch_size=1, seq_len=8,
+                              val_every=0, sample_every=0, precision="tf32"))
     out = capsys.readouterr().out
     assert "note: --precision tf32 is a GPU precision; the CPU computes in fp32" in out
     assert re.search(r"\| precision +\| fp32 \(exact fp32 matmuls\) +\|", out)
 
 
-def test_auto_on_a_gpu_machine_with_a_broken_install_says_why_it_uses_the_cpu(monkeypatch, data_dir, capsys):
+def test_auto_on_a_gpu_machine_with_a_broken_install_says_why_it_uses_the_cpu(monkeypatch, data_dir,
+                                                                              capsys):
     from gpt2np.train import trainer
-    line = "cuBLAS for CUDA 13 not found (libcublas.so.13: ...): pip install 'nvidia-cublas>=13,<14'"
+    line = ("cuBLAS for CUDA 13 not found (libcublas.so.13: ...): pip install "
+            "'nvidia-cublas>=13,<14'")
     monkeypatch.setattr(backends, "_status", (line, True))
-    trainer.train(TrainConfig(model="d12", device="auto", max_steps=0, batch_size=1, seq_len=8, val_every=0,
-                              sample_every=0))
+    trainer.train(TrainConfig(model="d12", device="auto", max_steps=0, batch_size=1, seq_len=8,
+                              val_every=0, sample_every=0))
     out = capsys.readouterr().out
     assert f"note: --device auto: the GPU is not usable, training on the CPU: {line}\n" in out
     assert re.search(r"\| device +\| numpy ", out)
 
 
-# ---- cuBLAS: the math mode and a private handle ------------------------------------------------------------
+# ---- cuBLAS: the math mode and a private handle --------------------------------------------------
 
 def test_tf32_passes_cublas_own_value_where_cupy_has_no_name_for_it():
     cublas = FakeCublas()
     assert not hasattr(cublas, "CUBLAS_TF32_TENSOR_OP_MATH")              # as in CuPy 14
     tf32 = CupyRuntime(tf32=True, cupy=FakeCupy(), cublas=cublas)
     fp32 = CupyRuntime(tf32=False, cupy=FakeCupy(), cublas=cublas)
-    assert cublas.of("setMathMode") == [("setMathMode", tf32.handle, 3), ("setMathMode", fp32.handle, 0)]
-    assert cublas.of("setPointerMode") == [("setPointerMode", tf32.handle, 0), ("setPointerMode", fp32.handle, 0)]
+    assert cublas.of("setMathMode") == [("setMathMode", tf32.handle, 3),
+                                        ("setMathMode", fp32.handle, 0)]
+    assert cublas.of("setPointerMode") == [("setPointerMode", tf32.handle, 0),
+                                           ("setPointerMode", fp32.handle, 0)]
 
 
 def test_the_real_cupy_cublas_module_gets_mode_3():
@@ -207,11 +234,13 @@ def test_the_real_cupy_cublas_module_gets_mode_3():
         from cupy_backends.cuda.libs import cublas
     except ImportError as e:
         pytest.skip(f"CuPy's cuBLAS bindings need libcublas: {e}")
-    assert cupy and runtime_cupy.math_mode(cublas, True) == 3 and runtime_cupy.math_mode(cublas, False) == 0
+    assert (cupy and runtime_cupy.math_mode(cublas, True) == 3
+            and runtime_cupy.math_mode(cublas, False) == 0)
 
 
 def test_each_runtime_has_its_own_handle_following_the_current_stream():
-    """CuPy's shared handle is never touched (FakeCupy raises if it is); two runtimes keep their own modes."""
+    """CuPy's shared handle is never touched (FakeCupy raises if it is); two runtimes
+    keep their own modes."""
     cublas, cupy = FakeCublas(), FakeCupy(stream=0)
     a, b = CupyRuntime(tf32=True, cupy=cupy, cublas=cublas), CupyRuntime(cupy=cupy, cublas=cublas)
     assert a.handle != b.handle and {a.handle, b.handle} <= cublas.live
@@ -223,16 +252,20 @@ def test_each_runtime_has_its_own_handle_following_the_current_stream():
             self.data = type("Mem", (), {"ptr": ptr})()
 
     def gemm(rt, batch=1):
-        rt.gemm(False, True, 2, 3, 4, 1.0, Buf(0x100), 4, 8, Buf(0x200), 4, 12, 0.0, Buf(0x300), 3, 6, batch)
+        rt.gemm(False, True, 2, 3, 4, 1.0, Buf(0x100), 4, 8, Buf(0x200), 4, 12, 0.0, Buf(0x300), 3,
+                6, batch)
 
     gemm(a)
     cupy.stream.ptr = 0xbeef                             # another stream made current
     gemm(a, batch=2)
     gemm(b)
-    assert [c[1:] for c in cublas.of("setStream")] == [(a.handle, 0), (a.handle, 0xbeef), (b.handle, 0xbeef)]
+    assert [c[1:] for c in cublas.of("setStream")] == [(a.handle, 0), (a.handle, 0xbeef),
+                                                       (b.handle, 0xbeef)]
     (first,) = cublas.of("sgemm")[:1]
-    assert first[1] == a.handle and first[2:7] == (1, 0, 3, 2, 4)       # C^T = op(B)^T op(A)^T: B, A swapped
-    assert cublas.of("sgemmStridedBatched")[0][1] == a.handle and cublas.of("sgemm")[1][1] == b.handle
+    # C^T = op(B)^T op(A)^T: B, A swapped
+    assert first[1] == a.handle and first[2:7] == (1, 0, 3, 2, 4)
+    assert (cublas.of("sgemmStridedBatched")[0][1] == a.handle
+            and cublas.of("sgemm")[1][1] == b.handle)
     handle = a.handle
     a.close()
     assert handle not in cublas.live and ("destroy", handle) in cublas.calls
@@ -248,14 +281,14 @@ def test_fake_cublas_has_cupys_interface():
     fake = FakeCublas()
     for name in ("CUBLAS_OP_N", "CUBLAS_OP_T", "CUBLAS_POINTER_MODE_HOST", "CUBLAS_DEFAULT_MATH"):
         assert getattr(fake, name) == getattr(cublas, name), name
-    for name in ("create", "destroy", "setStream", "setPointerMode", "setMathMode", "sgemm", "sgemmStridedBatched",
-                 "gemmEx", "gemmStridedBatchedEx"):
+    for name in ("create", "destroy", "setStream", "setPointerMode", "setMathMode", "sgemm",
+                 "sgemmStridedBatched", "gemmEx", "gemmStridedBatchedEx"):
         doc = getattr(cublas, name).__doc__.strip()
         real = [p.split()[-1] for p in re.match(r"\w+\(([^)]*)\)", doc)[1].split(",") if p.strip()]
         assert real == list(inspect.signature(getattr(fake, name)).parameters), name
 
 
-# ---- kernel arguments and launch settings ------------------------------------------------------------------
+# ---- kernel arguments and launch settings --------------------------------------------------------
 
 class RecordingRuntime(EmuRuntime):
     """The emulator, remembering what reached the runtime's launch."""
@@ -287,7 +320,8 @@ def test_kernel_scalars_are_checked_against_the_signature(bad, says):
 def test_kernel_arrays_are_checked_too():
     be = CudaBackend(EmuRuntime())
     x, out = be.from_host(np.ones(8, np.float32)), be.zeros(8)
-    with pytest.raises(KernelArgumentError, match="argument 1 is a int32 array, the kernel takes a pointer to float32"):
+    with pytest.raises(KernelArgumentError,
+                       match="argument 1 is a int32 array, the kernel takes a pointer to float32"):
         be._launch("gelu_forward", (1,), (32,), (out, be.zeros(8, np.int32), np.int32(8)))
     with pytest.raises(KernelArgumentError, match="argument 0 must be a float32 device array"):
         be._launch("gelu_forward", (1,), (32,), (1.0, x, np.int32(8)))
@@ -302,22 +336,24 @@ def test_cupy_runtime_launch_refuses_python_scalars():
     calls = []
     rt.launch(lambda *a, **k: calls.append(a), (1,), (32,), (np.int32(1), np.float32(2)))
     from gpt2np.backends.cuda.backend import NULL
-    rt.launch(lambda *a, **k: calls.append(a), (1,), (32,), (NULL,))       # -w 0's null master pointer passes
-    with pytest.raises(TypeError, match="argument 1 is float 2.0: kernel scalars must be np.int32 or np.float32"):
+    # -w 0's null master pointer passes
+    rt.launch(lambda *a, **k: calls.append(a), (1,), (32,), (NULL,))
+    with pytest.raises(TypeError, match="argument 1 is float 2.0: kernel scalars must be "
+                                        "np.int32 or np.float32"):
         rt.launch(lambda *a, **k: calls.append(a), (1,), (32,), (np.int32(1), 2.0))
     assert len(calls) == 2
 
 
 @pytest.mark.parametrize("setting, bad", [
     ("row_warps", 0), ("row_warps", 33), ("row_warps", 2.0), ("classifier_threads", 1056),
-    ("classifier_threads", 48), ("norm_threads", 2048), ("norm_threads", 100), ("elementwise_threads", 16),
-    ("reduce_warps", 64), ("reduce_rows_per_chunk", 0), ("norm_max_blocks", -1), ("encoder_token_blocks", 65536),
-    ("classifier_threads", True),
-])
+    ("classifier_threads", 48), ("norm_threads", 2048), ("norm_threads", 100),
+    ("elementwise_threads", 16), ("reduce_warps", 64), ("reduce_rows_per_chunk", 0),
+    ("norm_max_blocks", -1), ("encoder_token_blocks", 65536), ("classifier_threads", True),])
 def test_launch_settings_are_validated(setting, bad):
     be = CudaBackend(EmuRuntime())
     before = getattr(be, setting)
-    with pytest.raises(KernelArgumentError, match=rf"CudaBackend\.{setting} = {re.escape(repr(bad))}: the .* must be"):
+    with pytest.raises(KernelArgumentError,
+                       match=rf"CudaBackend\.{setting} = {re.escape(repr(bad))}: the .* must be"):
         setattr(be, setting, bad)
     assert getattr(be, setting) == before
 
@@ -331,7 +367,7 @@ def test_good_launch_settings_are_taken():
     be.row_warps, be.classifier_threads, be.norm_threads = 32, 1024, 1024      # the largest blocks
 
 
-# ---- memory --------------------------------------------------------------------------------------------------
+# ---- memory --------------------------------------------------------------------------------------
 
 class CountingRuntime(EmuRuntime):
     """The emulator, adding up every device allocation's bytes (zeros, empty, from_host)."""
@@ -361,27 +397,34 @@ class CountingRuntime(EmuRuntime):
 
 @pytest.mark.parametrize("attention", ["naive", "flash"])
 def test_memory_needed_covers_every_allocation_of_a_training_step(attention):
-    """GPT2 + one train_step (forward, backward, AdamW, grad norm) allocate what memory_needed says, to within
-    the per-step uploads (which the allocator reuses) and cuBLAS's (and cuBLASLt's) workspace allowance."""
+    """GPT2 + one train_step (forward, backward, AdamW, grad norm) allocate what memory_needed says,
+    to within the per-step uploads (which the allocator reuses) and cuBLAS's (and cuBLASLt's)
+    workspace allowance."""
     B, T = 3, 16
-    cfg = SMALL if attention == "naive" else GPT2Config(32, 100, 128, 2, 2, 128)   # flash: head size 64
+    # flash: head size 64
+    cfg = SMALL if attention == "naive" else GPT2Config(32, 100, 128, 2, 2, 128)
     be = CudaBackend(CountingRuntime())
     be.elementwise_threads = 64
     need = be.memory_needed(cfg, B, T, attention=attention)
     model = GPT2(cfg, be, B, T, seed=0, attention=attention)
     upload = 4 * model.num_parameters                      # init_random's weights, copied up once
-    assert be.rt.allocated == need["parameters and gradients"] + need["activations"] + need["backward scratch"] + upload
+    assert (be.rt.allocated == need["parameters and gradients"] + need["activations"]
+            + need["backward scratch"] + upload)
     adamw = need[next(k for k in need if k.startswith("AdamW"))]
-    assert upload <= adamw                                 # ... which the estimate's optimizer part covers
+    # ... which the estimate's optimizer part covers
+    assert upload <= adamw
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
     train_step(model, lambda: (tokens[:, :-1], tokens[:, 1:]), step=0, lr=1e-3)
-    assert model.m.nbytes + model.v.nbytes + (model.master.nbytes if model.master is not None else 0) <= adamw
+    assert model.m.nbytes + model.v.nbytes + (model.master.nbytes if model.master is not None
+                                              else 0) <= adamw
     scratch = sum(buf.nbytes for buf in be._scratch.values())
     from gpt2np.backends.cuda.backend import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE
-    allowance = CUBLAS_WORKSPACE + (CUBLASLT_WORKSPACE if be.rt.epilogues else 0)   # the libraries' workspaces
+    # the libraries' workspaces
+    allowance = CUBLAS_WORKSPACE + (CUBLASLT_WORKSPACE if be.rt.epilogues else 0)
     assert scratch <= need["kernel scratch"] - allowance
-    # no gross overestimate either (the estimate covers the scratch of the fused and of the unfused kernels: the
-    # column sums' partials that the fused step leaves to the GEMM epilogues make it 2x at this toy size)
+    # no gross overestimate either (the estimate covers the scratch of the fused and of the unfused
+    # kernels: the column sums' partials that the fused step leaves to the GEMM epilogues make it
+    # 2x at this toy size)
     assert scratch >= 0.4 * (need["kernel scratch"] - allowance)
 
 
@@ -403,56 +446,65 @@ def test_a_batch_that_does_not_fit_is_one_line_naming_the_largest_b():
     line = str(e.value)
     assert "\n" not in line
     assert line.startswith("-b 64 -t 1024: -e d12 needs 10") and "GB on cpu (activations" in line
-    assert line.endswith(f"84.8 GB is free: the largest B that fits at T=1024 is {fits} (-b {fits}; keep the tokens "
-                         f"per step with -d, gradient accumulation)"), line                   # and nothing after it
+    assert line.endswith(f"84.8 GB is free: the largest B that fits at T=1024 is {fits} (-b "
+                         # and nothing after it
+                         f"{fits}; keep the tokens per step with -d, gradient accumulation)"), line
 
 
 def test_the_line_names_the_recompute_that_keeps_the_batch():
-    """A B just past what fits keeping every activation fits with -r 1 (or -r 2): the line says so too."""
+    """A B just past what fits keeping every activation fits with -r 1 (or -r 2): the
+    line says so too."""
     free = 79 * 2 ** 30
     be, d12 = CudaBackend(CountingRuntime(free=free)), preset("d12")
     from gpt2np.backends.cuda.backend import MEMORY_HEADROOM
     budget = free - MEMORY_HEADROOM
     fits = largest_b(be, d12, 1024, budget)
-    with_r = {r: sum(be.memory_needed(d12, fits + 1, 1024, recompute=r).values()) for r in (0, 1, 2)}
+    with_r = {r: sum(be.memory_needed(d12, fits + 1, 1024, recompute=r).values())
+              for r in (0, 1, 2)}
     assert with_r[0] > budget and with_r[0] > with_r[1] > with_r[2]
     with pytest.raises(DeviceMemoryError) as e:
         be.check_memory_fits(d12, fits + 1, 1024)
     r = 1 if with_r[1] <= budget else 2
-    assert str(e.value).endswith(f", or -b {fits + 1} with -r {r} (the GELU{'' if r == 1 else ' and LayerNorm'} "
+    assert str(e.value).endswith(f", or -b {fits + 1} with -r {r} (the "
+                                 f"GELU{'' if r == 1 else ' and LayerNorm'} "
                                  f"outputs recomputed in backward instead of keeping them)")
-    with pytest.raises(DeviceMemoryError) as e:                 # far past: no -r keeps it, nothing said of -r
+    # far past: no -r keeps it, nothing said of -r
+    with pytest.raises(DeviceMemoryError) as e:
         be.check_memory_fits(d12, 4 * fits, 1024)
     assert "-r " not in str(e.value) and "not even" not in str(e.value)
     need = {r: sum(be.memory_needed(d12, 1, 1024, recompute=r).values()) for r in (0, 2)}
-    be1 = CudaBackend(CountingRuntime(free=need[2] + MEMORY_HEADROOM + 2 ** 20))   # B=1 fits only with -r 2
+    # B=1 fits only with -r 2
+    be1 = CudaBackend(CountingRuntime(free=need[2] + MEMORY_HEADROOM + 2 ** 20))
     assert need[2] + 2 ** 20 < need[0]
     with pytest.raises(DeviceMemoryError) as e:
         be1.check_memory_fits(d12, 1, 1024)
-    assert re.search(r"GB is free: -b 1 with -r [12] \(the GELU.* outputs recomputed in backward instead of "
-                     r"keeping them\) fits$", str(e.value)), str(e.value)
+    assert re.search(r"GB is free: -b 1 with -r [12] \(the GELU.* outputs recomputed in backward "
+                     r"instead of keeping them\) fits$", str(e.value)), str(e.value)
 
 
 def test_ranks_sharing_a_gpu_split_its_memory():
     be, d12 = CudaBackend(CountingRuntime(free=79 * 2 ** 30)), preset("d12")
     alone = sum(be.memory_needed(d12, 24, 1024).values())
     assert be.check_memory_fits(d12, 24, 1024) == alone
-    with pytest.raises(DeviceMemoryError, match=r"GB is free for 2 ranks sharing the GPU: the largest B that fits"):
+    with pytest.raises(DeviceMemoryError,
+                       match=r"GB is free for 2 ranks sharing the GPU: the largest B that fits"):
         be.check_memory_fits(d12, 40, 1024, sharers=2)
 
 
 def test_when_not_even_b1_fits_the_line_names_the_longest_t():
     be = CudaBackend(CountingRuntime(free=3 * 2 ** 30))
-    with pytest.raises(DeviceMemoryError, match=r"not even -b 1 fits at T=1024; the longest T that fits at B=1 is "
-                                                r"\d+ \(-b 1 -t \d+\)"):
+    with pytest.raises(DeviceMemoryError, match=r"not even -b 1 fits at T=1024; the longest T that "
+                                                r"fits at B=1 is \d+ \(-b 1 -t \d+\)"):
         be.check_memory_fits(preset("d12"), 1, 1024)
 
 
 def test_zero1_shards_count_and_the_emulator_has_no_limit():
     be = CudaBackend(CountingRuntime())
-    full, sharded = (sum(be.memory_needed(preset("d12"), 4, 1024, o).values()) for o in (None, 10 ** 7))
+    full, sharded = (sum(be.memory_needed(preset("d12"), 4, 1024, o).values())
+                     for o in (None, 10 ** 7))
     assert full > sharded
-    assert be.check_memory_fits(preset("d12"), 4096, 1024) is None        # no free_memory: nothing to check
+    # no free_memory: nothing to check
+    assert be.check_memory_fits(preset("d12"), 4096, 1024) is None
     assert CudaBackend(EmuRuntime()).free_memory() is None
 
 
@@ -465,10 +517,12 @@ def test_train_py_says_what_fits_instead_of_a_traceback(monkeypatch, data_dir, c
     from gpt2np.train import setup
     monkeypatch.setattr(setup, "get_backend",
                         lambda name, precision="fp32", **_: CudaBackend(CountingRuntime(4 << 30)))
-    code = train.main(["--device", "cpu", "-e", "d12", "-b", "16", "-t", "256", "-x", "1", "-v", "0", "-s", "0"])
+    code = train.main(["--device", "cpu", "-e", "d12", "-b", "16", "-t", "256", "-x", "1", "-v",
+                       "0", "-s", "0"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1
-    assert re.fullmatch(r"error: -b 16 -t 256: -e d12 needs .* GB is free: the largest B that fits at T=256 is \d+ .*",
+    assert re.fullmatch(r"error: -b 16 -t 256: -e d12 needs .* GB is free: the largest B that fits "
+                        r"at T=256 is \d+ .*",
                         err[0]), err
 
 
@@ -479,18 +533,21 @@ def test_an_out_of_memory_error_during_the_run_is_one_line(monkeypatch, data_dir
         pass
 
     def no_memory(*args, **kwargs):
-        raise OutOfMemoryError("Out of memory allocating 1,073,741,824 bytes (allocated so far: 0 bytes).")
+        raise OutOfMemoryError("Out of memory allocating 1,073,741,824 bytes (allocated "
+                               "so far: 0 bytes).")
 
     monkeypatch.setattr(setup, "GPT2", no_memory)
-    code = train.main(["--device", "cpu", "-e", "d12", "-b", "1", "-t", "8", "-x", "1", "-v", "0", "-s", "0"])
+    code = train.main(["--device", "cpu", "-e", "d12", "-b", "1", "-t", "8", "-x", "1", "-v", "0",
+                       "-s", "0"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and err == ["error: out of memory (Out of memory allocating 1,073,741,824 bytes (allocated so "
-                                 "far: 0 bytes).): the model's parameters, gradients and AdamW moments (16 bytes a "
-                                 "parameter in fp32) and the activations of -b x -t must fit; use a smaller -e, or a "
+    assert code == 1 and err == ["error: out of memory (Out of memory allocating 1,073,741,824 "
+                                 "bytes (allocated so far: 0 bytes).): the model's parameters, "
+                                 "gradients and AdamW moments (16 bytes a parameter in fp32) and "
+                                 "the activations of -b x -t must fit; use a smaller -e, or a "
                                  "smaller -b (or -t) and -d to keep the tokens per step"]
 
 
-# ---- packaging and the README's GPU commands ----------------------------------------------------------------
+# ---- packaging and the README's GPU commands -----------------------------------------------------
 
 def pyproject():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
@@ -504,8 +561,8 @@ def requirements(extra=None):
 
 
 def test_nvtx_is_pinned_where_its_domain_api_exists():
-    """gpt2np/ranges.py uses nvtx.get_domain and nvtx.Domain, added in nvtx 0.2.12; with an older nvtx
-    it would swallow the AttributeError and NVTX would be silently off."""
+    """gpt2np/ranges.py uses nvtx.get_domain and nvtx.Domain, added in nvtx 0.2.12; with an older
+    nvtx it would swallow the AttributeError and NVTX would be silently off."""
     pin = requirements()["nvtx"]
     low = tuple(int(p) for p in re.search(r">=\s*([\d.]+)", pin)[1].split("."))
     assert low >= (0, 2, 12), pin
@@ -515,7 +572,8 @@ def test_nvtx_is_pinned_where_its_domain_api_exists():
 
 def test_cuda_extra_is_a_whole_gpu_install():
     cuda = requirements("cuda")
-    for package in ("cupy-cuda13x", "nvidia-cublas", "nvidia-cuda-runtime", "nvidia-cuda-nvrtc", "nvidia-nccl-cu13"):
+    for package in ("cupy-cuda13x", "nvidia-cublas", "nvidia-cuda-runtime", "nvidia-cuda-nvrtc",
+                    "nvidia-nccl-cu13"):
         assert package in cuda, package
     for package in ("nvidia-cublas", "nvidia-cuda-runtime", "nvidia-cuda-nvrtc"):
         assert ">=13" in cuda[package] and "<14" in cuda[package], cuda[package]
@@ -547,5 +605,6 @@ def test_readme_gpu_commands_work_as_written():
             assert "-m gpu" in command
         if command.startswith("python train.py"):
             argv = [a for a in command.split()[2:] if a != "..."]
-            train.parse_config(argv).validate()          # every flag as written parses and is allowed
+            # every flag as written parses and is allowed
+            train.parse_config(argv).validate()
     assert any("--precision fp32" in c for c in commands)

@@ -1,6 +1,7 @@
-"""gpt2np hf import/export against transformers itself: a small random GPT2LMHeadModel saved with save_pretrained
-is imported into an llm.c model file whose logits (numpy backend) match transformers', exported back, loaded by
-GPT2LMHeadModel.from_pretrained and gives the same logits again. Bad folders and offline Hub ids: one line."""
+"""gpt2np hf import/export against transformers itself: a small random GPT2LMHeadModel saved with
+save_pretrained is imported into an llm.c model file whose logits (numpy backend) match
+transformers', exported back, loaded by GPT2LMHeadModel.from_pretrained and gives the same logits
+again. Bad folders and offline Hub ids: one line."""
 import copy
 import json
 import os
@@ -37,8 +38,9 @@ def one_error_line(err):
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    """(folder, GPT2LMHeadModel): random init, every weight perturbed so that a swapped, untransposed or
-    dropped tensor shows in the logits; saved with save_pretrained (model.safetensors, lm_head tied)."""
+    """(folder, GPT2LMHeadModel): random init, every weight perturbed so that a swapped,
+    untransposed or dropped tensor shows in the logits; saved with save_pretrained
+    (model.safetensors, lm_head tied)."""
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=V, n_positions=MAXT, n_embd=C, n_layer=L, n_head=NH,
                                      bos_token_id=0, eos_token_id=0)
@@ -77,12 +79,15 @@ def test_import_gives_transformers_logits_and_export_loads_back(hf_model, tokens
     assert hf_cli.main(["import", str(folder), "-o", str(out)]) == 0
     assert "V=300 (padded 384)" in capsys.readouterr().out
     cfg, version = read_model_header(out)
-    assert version == 3 and (cfg.vocab_size, cfg.padded_vocab_size, cfg.max_seq_len) == (V, 384, MAXT)
+    assert (version == 3
+            and (cfg.vocab_size, cfg.padded_vocab_size, cfg.max_seq_len) == (V, 384, MAXT))
     assert (cfg.num_layers, cfg.num_heads, cfg.channels) == (L, NH, C)
     _, params = load_model(out)
     p = views(params, GPT2(cfg, get_backend("numpy"), 1, 1).param_shapes)
-    assert not p["wte"][V:].any()                                         # llm.c's zero padding rows
-    np.testing.assert_array_equal(p["qkvw"][1], model.transformer.h[1].attn.c_attn.weight.detach().numpy().T)
+    # llm.c's zero padding rows
+    assert not p["wte"][V:].any()
+    np.testing.assert_array_equal(p["qkvw"][1],
+                                  model.transformer.h[1].attn.c_attn.weight.detach().numpy().T)
     ours = our_logits(out, tokens)
     assert np.abs(ours - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
 
@@ -99,8 +104,8 @@ def test_import_gives_transformers_logits_and_export_loads_back(hf_model, tokens
 
 
 def test_pytorch_model_bin_and_old_names(hf_model, tmp_path):
-    """pytorch_model.bin (read with torch), keys without the transformer. prefix, the old attn.bias buffers and a
-    stored lm_head.weight: the same parameters as the safetensors file."""
+    """pytorch_model.bin (read with torch), keys without the transformer. prefix, the old attn.bias
+    buffers and a stored lm_head.weight: the same parameters as the safetensors file."""
     folder, model = hf_model
     old = tmp_path / "old"
     old.mkdir()
@@ -119,11 +124,13 @@ def test_pytorch_model_bin_and_old_names(hf_model, tmp_path):
 def test_bf16_import_and_dtype_flag(hf_model, tmp_path):
     folder, model = hf_model
     half = tmp_path / "bf16"
-    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(half)      # the module's model stays fp32
+    # the module's model stays fp32
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(half)
     _, params, _ = hf.load_hf(str(half))
     _, exact, _ = hf.load_hf(str(folder))
     assert np.abs(params - exact).max() <= 2 ** -8 * np.abs(exact).max()
-    assert hf_cli.main(["import", str(folder), "-o", str(tmp_path / "m5.bin"), "--dtype", "bf16"]) == 0
+    assert hf_cli.main(["import", str(folder), "-o", str(tmp_path / "m5.bin"), "--dtype",
+                        "bf16"]) == 0
     assert read_model_header(tmp_path / "m5.bin")[1] == 5
 
 
@@ -165,14 +172,17 @@ def test_bad_folders_are_one_line(hf_model, tmp_path, capsys, changes, drop, exp
 
 
 @pytest.mark.parametrize("value, tensor, where, llmc_name", [
-    (np.nan, "transformer.h.1.mlp.c_fc.weight", (3, 5), "fcw[1, 5, 3]"),     # Conv1D (in, out); fcw[1] (out, in)
+    # Conv1D (in, out); fcw[1] (out, in)
+    (np.nan, "transformer.h.1.mlp.c_fc.weight", (3, 5), "fcw[1, 5, 3]"),
     (-np.inf, "transformer.h.1.mlp.c_fc.weight", (3, 5), "fcw[1, 5, 3]"),
-    (np.nan, "transformer.wte.weight", (7, 2), "wte[7, 2]"),                 # with a stored lm_head.weight too
+    # with a stored lm_head.weight too
+    (np.nan, "transformer.wte.weight", (7, 2), "wte[7, 2]"),
 ])
-def test_nan_or_inf_weights_are_one_line_as_for_an_llmc_file(hf_model, tmp_path, capsys, value, tensor, where,
-                                                             llmc_name):
-    """A folder with a NaN or infinite weight is refused as an llm.c model file with one is (checkpoint's
-    check_finite_params: the file and the tensor), by hf import and by eval's -e (it used to give `val loss nan`)."""
+def test_nan_or_inf_weights_are_one_line_as_for_an_llmc_file(hf_model, tmp_path, capsys, value,
+                                                             tensor, where, llmc_name):
+    """A folder with a NaN or infinite weight is refused as an llm.c model file with one is
+    (checkpoint's check_finite_params: the file and the tensor), by hf import and by eval's -e (it
+    used to give `val loss nan`)."""
     from safetensors.numpy import load_file, save_file
 
     from gpt2np.cli import eval as evaluate
@@ -181,7 +191,8 @@ def test_nan_or_inf_weights_are_one_line_as_for_an_llmc_file(hf_model, tmp_path,
     tensors = load_file(bad / "model.safetensors")
     tensors[tensor][where] = value
     if tensor == "transformer.wte.weight":
-        tensors["lm_head.weight"] = tensors[tensor].copy()      # tied, NaN and all: not "differs from wte"
+        # tied, NaN and all: not "differs from wte"
+        tensors["lm_head.weight"] = tensors[tensor].copy()
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     expected = f"{bad / 'model.safetensors'}: weight {llmc_name} is {np.float32(value)}"
     assert hf_cli.main(["import", str(bad), "-o", str(tmp_path / "x.bin")]) == 2
@@ -189,7 +200,8 @@ def test_nan_or_inf_weights_are_one_line_as_for_an_llmc_file(hf_model, tmp_path,
     assert expected in line and line.endswith("not a usable model"), line
     assert not (tmp_path / "x.bin").exists()
     write_shard(tmp_path / "val.bin", np.arange(200) % V)
-    assert evaluate.main(["-e", str(bad), "-j", str(tmp_path / "val.bin"), "-m", "1", "-t", "16"]) == 2
+    assert evaluate.main(["-e", str(bad), "-j", str(tmp_path / "val.bin"), "-m", "1", "-t",
+                          "16"]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert expected in line, line
 
@@ -215,26 +227,32 @@ def test_a_file_or_folder_of_the_wrong_kind_is_one_line(hf_model, tmp_path, caps
     (tmp_path / "notes.txt").write_text("x")
     (tmp_path / "empty").mkdir()
     for argv, expected in (
-            (["import", "m.bin", "-o", "x.bin"], ["m.bin: is a file (an llm.c model file)", "transformers GPT-2 folder",
-                                                 "Hub id"]),
-            (["import", "notes.txt", "-o", "x.bin"], ["notes.txt: is a file;", "transformers GPT-2 folder"]),
+            (["import", "m.bin", "-o", "x.bin"],
+             ["m.bin: is a file (an llm.c model file)", "transformers GPT-2 folder", "Hub id"]),
+            (["import", "notes.txt", "-o", "x.bin"],
+             ["notes.txt: is a file;", "transformers GPT-2 folder"]),
             (["export", "empty", "-o", "out"], ["empty: is a folder", "llm.c model file"]),
             (["export", str(folder), "-o", "out"], ["is a transformers folder", "hf import"]),
-            (["export", "m.bin", "-o", "notes.txt/out"], ["-o notes.txt/out", "notes.txt is a file"])):
+            (["export", "m.bin", "-o", "notes.txt/out"],
+             ["-o notes.txt/out", "notes.txt is a file"])):
         assert hf_cli.main(argv) == 2
         line = one_error_line(capsys.readouterr().err)
         assert all(piece in line for piece in expected), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "m.bin", "notes.txt"]
     (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
-    with pytest.raises(ValueError, match="model.safetensors: is a file;"):   # -e of the other commands: the same
-        starter.load_any_model(str(tmp_path / "model.safetensors"))              # (no config.json beside it)
+    # -e of the other commands: the same
+    with pytest.raises(ValueError, match="model.safetensors: is a file;"):
+        # (no config.json beside it)
+        starter.load_any_model(str(tmp_path / "model.safetensors"))
 
 
 def test_a_hub_id_offline_says_so_in_one_line(tmp_path):
-    """Through the real huggingface_hub, offline (HF_HUB_OFFLINE=1, an empty cache): one line, exit 2."""
+    """Through the real huggingface_hub, offline (HF_HUB_OFFLINE=1, an empty cache):
+    one line, exit 2."""
     env = {k: v for k, v in os.environ.items() if k != "GPT2NP_DEBUG"} | {
         "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"), "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "gpt2np", "hf", "import", "gpt2", "-o", str(tmp_path / "g.bin")],
+    done = subprocess.run([sys.executable, "-m", "gpt2np", "hf", "import", "gpt2", "-o",
+                           str(tmp_path / "g.bin")],
                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert done.returncode == 2
     line = one_error_line(done.stderr)
@@ -242,15 +260,16 @@ def test_a_hub_id_offline_says_so_in_one_line(tmp_path):
 
 
 def test_a_mistyped_descriptor_offline_also_lists_the_descriptors(monkeypatch):
-    """-e d6x reads as a Hub id; offline its one line also says it is none of llm.c's descriptors (a Hub id that
-    does not look like one does not)."""
+    """-e d6x reads as a Hub id; offline its one line also says it is none of llm.c's descriptors (a
+    Hub id that does not look like one does not)."""
     def offline(repo_id, revision=None):
-        raise hf.HubError(f"{repo_id}: not a local folder, and the Hugging Face Hub cannot be reached (offline?)")
+        raise hf.HubError(f"{repo_id}: not a local folder, and the Hugging Face Hub cannot be "
+                          "reached (offline?)")
 
     monkeypatch.setattr(hf, "download_from_hub", offline)
     for spec in ("d6x", "d12b"):
-        with pytest.raises(hf.HubError, match=rf"^{spec}: not a local folder.*; as llm.c's model descriptor it is "
-                                              r"none of dL or gpt2:dL \(L = 6, 12"):
+        with pytest.raises(hf.HubError, match=rf"^{spec}: not a local folder.*; as llm.c's model "
+                           r"descriptor it is none of dL or gpt2:dL \(L = 6, 12"):
             starter.load_any_model(spec)
     with pytest.raises(hf.HubError) as caught:
         starter.load_any_model("gpt2-foo")
@@ -258,8 +277,9 @@ def test_a_mistyped_descriptor_offline_also_lists_the_descriptors(monkeypatch):
 
 
 def test_export_with_gpt2s_vocabulary_carries_the_tokenizer(tmp_path, data_dir, monkeypatch):
-    """A model with GPT-2's 50257 tokens: the export holds vocab.json + merges.txt, AutoTokenizer reads them as
-    tiktoken does, and transformers' greedy generate continues a prompt as gpt2np's sampler does."""
+    """A model with GPT-2's 50257 tokens: the export holds vocab.json + merges.txt, AutoTokenizer
+    reads them as tiktoken does, and transformers' greedy generate continues a prompt as
+    gpt2np's sampler does."""
     from gpt2np.config import GPT2Config
     from gpt2np.formats.checkpoint import save_model
     from gpt2np.formats.tokenizer import get_encoding
@@ -285,14 +305,15 @@ def test_export_with_gpt2s_vocabulary_carries_the_tokenizer(tmp_path, data_dir, 
 
 
 def test_train_takes_a_transformers_folder_as_e(hf_model, tmp_path, capsys):
-    """train -e DIR: the imported weights, validated once (-x 0) with the loss transformers gives."""
+    """train -e DIR: the imported weights, validated once (-x 0) with the loss
+    transformers gives."""
     import train
     from gpt2np.datasets.data import write_shard
     folder, model = hf_model
     tokens = np.random.default_rng(3).integers(0, V, 2 * 16 + 1)
     write_shard(tmp_path / "val.bin", tokens)
-    argv = ["-e", str(folder), "-i", str(tmp_path / "val.bin"), "-j", str(tmp_path / "val.bin"), "-x", "0",
-            "-b", "2", "-t", "16", "-s", "0", "-v", "1", "-m", "1", "--device", "cpu"]
+    argv = ["-e", str(folder), "-i", str(tmp_path / "val.bin"), "-j", str(tmp_path / "val.bin"),
+            "-x", "0", "-b", "2", "-t", "16", "-s", "0", "-v", "1", "-m", "1", "--device", "cpu"]
     assert train.main(argv) == 0
     out = capsys.readouterr().out
     assert f"{folder} (Hugging Face)" in out

@@ -1,7 +1,8 @@
-"""huge_pages.huge_zeros: the numpy backends' large buffers (params, grads, m, v, activations) are zero-filled arrays
-like np.zeros, 2 MiB-aligned, in a mapping the kernel was advised (MADV_HUGEPAGE) to back with huge pages; small
-ones are plain np.zeros. Whether the kernel then hands out huge pages depends on its memory, so the tests check the
-advice (the mapping's "hg" flag in /proc/self/smaps), not the pages."""
+"""huge_pages.huge_zeros: the numpy backends' large buffers (params, grads, m, v, activations) are
+zero-filled arrays like np.zeros, 2 MiB-aligned, in a mapping the kernel was advised (MADV_HUGEPAGE)
+to back with huge pages; small ones are plain np.zeros. Whether the kernel then hands out huge pages
+depends on its memory, so the tests check the advice (the mapping's "hg" flag in
+/proc/self/smaps), not the pages."""
 import mmap
 import sys
 
@@ -28,18 +29,21 @@ def vm_flags(address):
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-advice_offered = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
+advice_offered = pytest.mark.skipif(not sys.platform.startswith("linux")
+                                    or not hasattr(mmap, "MADV_HUGEPAGE"),
                                     reason="MADV_HUGEPAGE is Linux's")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int32, np.float64])
 def test_large_array_is_zeros_aligned_and_writable(dtype):
-    shape = (HUGE_MIN // np.dtype(dtype).itemsize // 1000 + 3, 1000)          # just over HUGE_MIN, not whole pages
+    # just over HUGE_MIN, not whole pages
+    shape = (HUGE_MIN // np.dtype(dtype).itemsize // 1000 + 3, 1000)
     a = huge_zeros(shape, dtype)
     assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
     assert not a.any()
     assert a.ctypes.data % HUGE_PAGE == 0
-    a[-1, -1] = 7                                                             # the last element is ours
+    # the last element is ours
+    a[-1, -1] = 7
     assert a.sum() == 7
 
 
@@ -56,8 +60,8 @@ def test_large_array_is_advised():
 
 
 @advice_offered
-@pytest.mark.parametrize("backend", [NumpyBackend(threads=1, fused=False), Bf16NumpyBackend(threads=1)],
-                         ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", [NumpyBackend(threads=1, fused=False),
+                                     Bf16NumpyBackend(threads=1)], ids=["fp32", "bf16"])
 def test_backends_allocate_large_buffers_advised(backend):
     a = backend.zeros((HUGE_MIN // 2,))                  # >= HUGE_MIN bytes in either dtype
     assert a.dtype == backend.dtype and not a.any() and a.ctypes.data % HUGE_PAGE == 0

@@ -20,7 +20,8 @@ def _nvrtc_usable():
         return False
 
 
-needs_nvrtc = pytest.mark.skipif(not _nvrtc_usable(), reason="needs cupy + nvidia-cuda-nvrtc (libnvrtc)")
+needs_nvrtc = pytest.mark.skipif(not _nvrtc_usable(),
+                                 reason="needs cupy + nvidia-cuda-nvrtc (libnvrtc)")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,8 @@ def test_every_kernel_is_launched_by_the_backend_or_tested():
 
 def test_a_new_unused_kernel_is_caught(tmp_path):
     """The registry sees a kernel as soon as it is in a file, so the test above would name it."""
-    (tmp_path / "extra.cu").write_text('extern "C" __global__ void __launch_bounds__(256)\nnew_kernel(float* x) {}\n')
+    (tmp_path / "extra.cu").write_text('extern "C" __global__ void __launch_bounds__(256)\n'
+                                       'new_kernel(float* x) {}\n')
     assert kernel_registry(tmp_path) == {"new_kernel": "extra"}
     (tmp_path / "again.cu").write_text('extern "C" __global__ void new_kernel(float* x) {}\n')
     with pytest.raises(ValueError, match="also defined"):
@@ -64,7 +66,8 @@ def test_a_new_unused_kernel_is_caught(tmp_path):
 @needs_nvrtc
 def test_nvrtc_builds_every_kernel_for_every_arch_in_both_builds(reports):
     built = {(r.file, r.arch, r.kernel, r.build) for r in reports if r.tool == "nvrtc"}
-    expected = {(f, f"sm_{a}", k, b) for k, f in KERNELS.items() for a in nvrtc_check.ARCHS for b in nvrtc_check.BUILDS}
+    expected = {(f, f"sm_{a}", k, b) for k, f in KERNELS.items() for a in nvrtc_check.ARCHS
+                for b in nvrtc_check.BUILDS}
     assert built == expected
 
 
@@ -72,7 +75,8 @@ def test_nvrtc_builds_every_kernel_for_every_arch_in_both_builds(reports):
 @pytest.mark.skipif(nvrtc_check.find_nvcc() is None, reason="nvcc not found")
 def test_nvcc_builds_every_kernel_for_every_arch_in_both_builds(reports):
     built = {(r.file, r.arch, r.kernel, r.build) for r in reports if r.tool == "nvcc"}
-    expected = {(f, f"sm_{a}", k, b) for k, f in KERNELS.items() for a in nvrtc_check.ARCHS for b in nvrtc_check.BUILDS}
+    expected = {(f, f"sm_{a}", k, b) for k, f in KERNELS.items() for a in nvrtc_check.ARCHS
+                for b in nvrtc_check.BUILDS}
     assert built == expected
 
 
@@ -88,7 +92,8 @@ def test_no_register_spills(reports):
 def test_options_match_cupy_rawmodule():
     options = nvrtc_check.cupy_nvrtc_options("90")
     assert "--std=c++17" in options and "-ftz=true" in options and "-arch=sm_90" in options
-    assert "--fmad=false" in options           # no FMA contraction: the emulator's (and NumPy's) roundings
+    # no FMA contraction: the emulator's (and NumPy's) roundings
+    assert "--fmad=false" in options
     assert f"-I{KERNEL_DIR.resolve()}" in options
     assert options.index("-ftz=true") < options.index("-arch=sm_90")
 
@@ -96,7 +101,8 @@ def test_options_match_cupy_rawmodule():
 @needs_nvrtc
 def test_compile_error_names_the_file(tmp_path, monkeypatch):
     (tmp_path / "common.cuh").write_text((KERNEL_DIR / "common.cuh").read_text())
-    (tmp_path / "broken.cu").write_text('extern "C" __global__ void broken() { undefined_thing(); }\n')
+    (tmp_path / "broken.cu").write_text('extern "C" __global__ void broken() { '
+                                        'undefined_thing(); }\n')
     monkeypatch.setattr(nvrtc_check, "KERNEL_DIR", tmp_path)
     with pytest.raises(nvrtc_check.KernelCompileError, match="broken.cu.*sm_90"):
         nvrtc_check.compile_nvrtc("broken", "90")
@@ -125,12 +131,15 @@ class _FakeCublas(FakeCublas):
         import numpy as np
         extent = (cols - 1) * ld + rows
         flat = np.ctypeslib.as_array((ctypes.c_float * extent).from_address(ptr))
-        return np.lib.stride_tricks.as_strided(flat, (rows, cols), (4, 4 * ld))   # column-major view
+        # column-major view
+        return np.lib.stride_tricks.as_strided(flat, (rows, cols), (4, 4 * ld))
 
     def sgemm(self, handle, opa, opb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc):
-        self.sgemmStridedBatched(handle, opa, opb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1)
+        self.sgemmStridedBatched(handle, opa, opb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C,
+                                 ldc, 0, 1)
 
-    def sgemmStridedBatched(self, handle, opa, opb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch):
+    def sgemmStridedBatched(self, handle, opa, opb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C,
+                            ldc, sc, batch):
         import ctypes
         alpha = ctypes.c_float.from_address(alpha).value
         beta = ctypes.c_float.from_address(beta).value
@@ -150,8 +159,9 @@ class _DeviceArray:
         self.data = types.SimpleNamespace(ptr=array.__array_interface__["data"][0])
 
 
-@pytest.mark.parametrize("transa, transb, batch", [(False, False, 1), (False, True, 1), (True, False, 1),
-                                                    (True, True, 3), (False, True, 4)])
+@pytest.mark.parametrize("transa, transb, batch",
+                         [(False, False, 1), (False, True, 1), (True, False, 1), (True, True, 3),
+                          (False, True, 4)])
 def test_cupy_gemm_maps_row_major_onto_column_major_cublas(transa, transb, batch):
     import numpy as np
 
@@ -162,9 +172,10 @@ def test_cupy_gemm_maps_row_major_onto_column_major_cublas(transa, transb, batch
     a = rng.standard_normal((batch, *((k, m) if transa else (m, k)))).astype(np.float32)
     b = rng.standard_normal((batch, *((n, k) if transb else (k, n)))).astype(np.float32)
     c = rng.standard_normal((batch, m, n)).astype(np.float32)
-    expected = 0.5 * ((a.transpose(0, 2, 1) if transa else a) @ (b.transpose(0, 2, 1) if transb else b)) + 2.0 * c
-    rt.gemm(transa, transb, m, n, k, 0.5, _DeviceArray(a), a.shape[2], a[0].size, _DeviceArray(b), b.shape[2],
-            b[0].size, 2.0, _DeviceArray(c), n, m * n, batch)
+    expected = 0.5 * ((a.transpose(0, 2, 1) if transa else a)
+                      @ (b.transpose(0, 2, 1) if transb else b)) + 2.0 * c
+    rt.gemm(transa, transb, m, n, k, 0.5, _DeviceArray(a), a.shape[2], a[0].size, _DeviceArray(b),
+            b.shape[2], b[0].size, 2.0, _DeviceArray(c), n, m * n, batch)
     np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -13,7 +13,8 @@ from gpt2np.backends.numpy.backend import NumpyBackend
 from gpt2np.config import GPT2Config
 from gpt2np.model import GPT2
 
-CFG = GPT2Config(max_seq_len=8, vocab_size=37, padded_vocab_size=40, num_layers=2, num_heads=2, channels=16)
+CFG = GPT2Config(max_seq_len=8, vocab_size=37, padded_vocab_size=40, num_layers=2, num_heads=2,
+                 channels=16)
 B, T = 2, 6
 STARTS = ["overwrite", "zero_grad"]     # a step's start: backward(accumulate=False), or zero_grad()
 
@@ -59,7 +60,8 @@ def start_step(model, start):
 
 @pytest.mark.parametrize("start", STARTS)
 def test_first_backward_overwrites_everything(backend, start):
-    x, y = batch(B - 1, T - 2, seed=1)                          # smaller than (B, T): wpe rows t.. unwritten
+    # smaller than (B, T): wpe rows t.. unwritten
+    x, y = batch(B - 1, T - 2, seed=1)
     model = poisoned_model(backend)
     accumulate = start_step(model, start)
     model.forward(x, y, for_backward=True)
@@ -80,7 +82,8 @@ def test_accumulation_after_the_first_backward(backend, start):
         model.forward(x, y, for_backward=True, grad_accum_steps=2)
         model.backward(accumulate=accumulate)
         accumulate = True
-    np.testing.assert_array_equal(model.backend.to_host(model.grads), grads_from_zero(backend, *batches))
+    np.testing.assert_array_equal(model.backend.to_host(model.grads),
+                                  grads_from_zero(backend, *batches))
 
 
 def test_reading_grads_after_zero_grad_sees_zeros(backend):
@@ -94,10 +97,12 @@ def test_reading_grads_after_zero_grad_sees_zeros(backend):
 
 
 def test_backward_refuses_a_forward_that_left_no_dlogits():
-    """backward() starts from the dlogits of forward(for_backward=True); after a forward that kept the logits it
-    needs from_logits=True, and after one without targets it cannot run: one RuntimeError each, never gradients of
-    the wrong thing. logits_host() refuses once dlogits were written over the logits."""
-    cfg = GPT2Config(max_seq_len=8, vocab_size=32, padded_vocab_size=32, num_layers=1, num_heads=2, channels=8)
+    """backward() starts from the dlogits of forward(for_backward=True); after a forward that kept
+    the logits it needs from_logits=True, and after one without targets it cannot run: one
+    RuntimeError each, never gradients of the wrong thing. logits_host() refuses once dlogits were
+    written over the logits."""
+    cfg = GPT2Config(max_seq_len=8, vocab_size=32, padded_vocab_size=32, num_layers=1, num_heads=2,
+                     channels=8)
     model = GPT2(cfg, NumpyBackend(threads=1), 2, 8, seed=1)
     x = np.arange(16, dtype=np.int32).reshape(2, 8) % 32
     model.forward(x)

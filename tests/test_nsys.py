@@ -1,4 +1,5 @@
-"""gpt2np.profiling.nsys: kernels of a (hand-built) Nsight Systems SQLite export attributed to NVTX ranges."""
+"""gpt2np.profiling.nsys: kernels of a (hand-built) Nsight Systems SQLite export
+attributed to NVTX ranges."""
 import errno
 import json
 import os
@@ -77,15 +78,16 @@ class Export:
     def sid(self, text):
         return self.strings.setdefault(text, len(self.strings) + 1)
 
-    def range(self, name, start, end, tid=MAIN, registered=True, event_type=59, domain=0, end_tid=None):
+    def range(self, name, start, end, tid=MAIN, registered=True, event_type=59, domain=0,
+              end_tid=None):
         text, text_id = (None, self.sid(name)) if registered else (name, None)
         self.nvtx.append((start, end, event_type, text, tid, end_tid, text_id, domain))
 
     def domain(self, domain_id, name, tid=MAIN):
         self.nvtx.append((0, None, 75, name, tid, None, None, domain_id))
 
-    def launch(self, kernel, at, duration=300, tid=MAIN, short=None, grid=(4, 1, 1), block=(256, 1, 1),
-               with_launch=True, gpu_start=None):
+    def launch(self, kernel, at, duration=300, tid=MAIN, short=None, grid=(4, 1, 1),
+               block=(256, 1, 1), with_launch=True, gpu_start=None):
         """A launch call at `at` (lasting 20 ns) of a kernel that runs `duration` ns."""
         self.corr += 1
         if with_launch:
@@ -95,17 +97,21 @@ class Export:
                              self.sid(kernel), self.sid(short or kernel), 32, *grid, *block))
         return self.corr
 
-    def copy(self, kind, nbytes, at, duration=1_000, tid=MAIN, api="cudaMemcpyAsync_v3020", memset=False):
-        """A cudaMemcpyAsync (copyKind `kind`) or cudaMemsetAsync call at `at` and the copy/memset it issues,
-        which starts 50 us later and lasts `duration` ns (real exports name API calls with a version suffix)."""
+    def copy(self, kind, nbytes, at, duration=1_000, tid=MAIN, api="cudaMemcpyAsync_v3020",
+             memset=False):
+        """A cudaMemcpyAsync (copyKind `kind`) or cudaMemsetAsync call at `at` and the copy/memset
+        it issues, which starts 50 us later and lasts `duration` ns (real exports name API calls
+        with a version suffix)."""
         self.corr += 1
         self.copy_tables = True
         self.runtime.append((at, at + 20, 1, tid, self.corr, self.sid(api), 0))
         start = at + 50_000
         if memset:
-            self.memset.append((start, start + duration, 0, 1, 7, self.corr, (tid >> 24) << 24, 0, nbytes))
+            self.memset.append((start, start + duration, 0, 1, 7, self.corr, (tid >> 24) << 24, 0,
+                                nbytes))
         else:
-            self.memcpy.append((start, start + duration, 0, 1, 7, self.corr, (tid >> 24) << 24, nbytes, kind))
+            self.memcpy.append((start, start + duration, 0, 1, 7, self.corr, (tid >> 24) << 24,
+                                nbytes, kind))
         return self.corr
 
     def write(self, path):
@@ -113,22 +119,30 @@ class Export:
         con.executescript(SCHEMA)
         if self.copy_tables:
             con.executescript(COPY_SCHEMA + (ENUM_SCHEMA if self.copy_enum else ""))
-            con.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY (start, end, deviceId, contextId, streamId, "
-                            "correlationId, globalPid, bytes, copyKind) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            con.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY (start, end, deviceId, "
+                            "contextId, streamId, correlationId, globalPid, bytes, copyKind) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                             self.memcpy)
-            con.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_MEMSET (start, end, deviceId, contextId, streamId, "
-                            "correlationId, globalPid, value, bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", self.memset)
-        con.executemany("INSERT INTO StringIds VALUES (?, ?)", [(i, s) for s, i in self.strings.items()])
-        con.execute("INSERT INTO TARGET_INFO_GPU VALUES (0, 0, 'NVIDIA H100 80GB HBM3', '0000:01:00.0', 0, 132, 9, 0)")
-        con.executemany("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid, endGlobalTid, textId, "
+            con.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_MEMSET (start, end, deviceId, "
+                            "contextId, streamId, correlationId, globalPid, value, bytes) VALUES "
+                            "(?, ?, ?, ?, ?, ?, ?, ?, ?)", self.memset)
+        con.executemany("INSERT INTO StringIds VALUES (?, ?)",
+                        [(i, s) for s, i in self.strings.items()])
+        con.execute("INSERT INTO TARGET_INFO_GPU VALUES (0, 0, 'NVIDIA H100 80GB HBM3', "
+                    "'0000:01:00.0', 0, 132, 9, 0)")
+        con.executemany("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid, "
+                        "endGlobalTid, textId, "
                         "domainId) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", self.nvtx)
-        con.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME (start, end, eventClass, globalTid, correlationId, "
+        con.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME (start, end, eventClass, "
+                        "globalTid, correlationId, "
                         "nameId, returnValue) VALUES (?, ?, ?, ?, ?, ?, ?)", self.runtime)
-        con.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL (start, end, deviceId, contextId, streamId, "
-                        "correlationId, globalPid, demangledName, shortName, registersPerThread, gridX, gridY, "
+        con.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL (start, end, deviceId, contextId, "
+                        "streamId, correlationId, globalPid, demangledName, shortName, "
+                        "registersPerThread, gridX, gridY, "
                         "gridZ, blockX, blockY, blockZ, staticSharedMemory, dynamicSharedMemory, "
                         "localMemoryPerThread, localMemoryTotal, gridId) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 0, 0, 0, 0)", self.kernels)
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 0, 0, 0, 0)",
+                        self.kernels)
         con.commit()
         con.close()
         return str(path)
@@ -255,7 +269,8 @@ def test_short_names(step_db):
 
 def test_unclosed_range_and_cross_thread_startend(tmp_path):
     e = Export()
-    e.range("Train step 3", 100, None)                      # never popped: runs to the last timestamp
+    # never popped: runs to the last timestamp
+    e.range("Train step 3", 100, None)
     e.range("gpt2_forward", 150, 900)
     e.range("async_io", 120, 950, event_type=60, end_tid=LOADER)   # ended on another thread
     e.range("late", 2_000, 2_100)
@@ -270,15 +285,19 @@ def test_unclosed_range_and_cross_thread_startend(tmp_path):
 def test_an_unclosed_range_ends_at_the_last_integer_timestamp(tmp_path):
     e = Export()
     e.domain(1, "gpt2np")
-    e.range("Train step 3", 100, None)                      # never popped: runs to the last timestamp
+    # never popped: runs to the last timestamp
+    e.range("Train step 3", 100, None)
     e.range("late", 2_000, 2_100)
     e.launch("k", 200)
     path = e.write(tmp_path / "p.sqlite")
     con = loosened(path, "NVTX_EVENTS")
-    con.execute("UPDATE NVTX_EVENTS SET start = 'x' WHERE eventType = ?", (nsys.NVTX_DOMAIN_CREATE,))  # not a range
+    # not a range
+    con.execute("UPDATE NVTX_EVENTS SET start = 'x' WHERE eventType = ?",
+                (nsys.NVTX_DOMAIN_CREATE,))
     con.commit()
     con.close()
-    _, ranges, _, _ = nsys.read_report(path)                 # was a TypeError: text sorts after every number in SQL
+    # was a TypeError: text sorts after every number in SQL
+    _, ranges, _, _ = nsys.read_report(path)
     assert ("Train step 3", 100, 2_100, 4242) in ranges
 
 
@@ -296,11 +315,13 @@ def test_explicit_module_ranges(tmp_path):
 
 def test_cli_prints_tables_and_writes_files(step_db, tmp_path, capsys):
     out_csv, out_json, out_trace = tmp_path / "k.csv", tmp_path / "k.json", tmp_path / "t.json"
-    assert nsys_cli.main([step_db, "--csv", str(out_csv), "--json", str(out_json), "--trace", str(out_trace)]) == 0
+    assert nsys_cli.main([step_db, "--csv", str(out_csv), "--json", str(out_json), "--trace",
+                          str(out_trace)]) == 0
     text = capsys.readouterr().out
-    for heading in ("Kernels of step 1 on H100 SXM", "GPT-2 modules: parameters and time", "Time per layer",
-                    "Time per op", "Phases: forward / backward", "GPU activities (kernels, copies, memsets)",
-                    "API calls (host time)", "User ranges, PyTorch profiler layout", "Top kernels (whole profile)",
+    for heading in ("Kernels of step 1 on H100 SXM", "GPT-2 modules: parameters and time",
+                    "Time per layer", "Time per op", "Phases: forward / backward",
+                    "GPU activities (kernels, copies, memsets)", "API calls (host time)",
+                    "User ranges, PyTorch profiler layout", "Top kernels (whole profile)",
                     "NVTX ranges projected onto the GPU"):
         assert heading in text
     assert "c_attn" in text and "matmul_backward" in text
@@ -355,8 +376,9 @@ def test_missing_tables(tmp_path, capsys, dropped, problem):
 
 
 def loosened(path, table):
-    """A connection to the export with `table` remade without its NOT NULL constraints (nsys declares its times
-    INTEGER NOT NULL; a damaged export, or another tool's, may hold NULL or text there)."""
+    """A connection to the export with `table` remade without its NOT NULL constraints (nsys
+    declares its times INTEGER NOT NULL; a damaged export, or another tool's, may hold
+    NULL or text there)."""
     con = sqlite3.connect(path)
     con.executescript(f"CREATE TABLE loose AS SELECT * FROM {table}; DROP TABLE {table}; "
                       f"ALTER TABLE loose RENAME TO {table};")
@@ -364,26 +386,33 @@ def loosened(path, table):
 
 
 @pytest.mark.parametrize("table, column, sql, problem", [
-    ("CUPTI_ACTIVITY_KIND_KERNEL", "start", "NULL", "column 'start' must be an integer timestamp (ns), got NULL"),
-    ("CUPTI_ACTIVITY_KIND_KERNEL", "end", "'soon'", "column 'end' must be an integer timestamp (ns), got 'soon'"),
+    ("CUPTI_ACTIVITY_KIND_KERNEL", "start", "NULL",
+     "column 'start' must be an integer timestamp (ns), got NULL"),
+    ("CUPTI_ACTIVITY_KIND_KERNEL", "end", "'soon'",
+     "column 'end' must be an integer timestamp (ns), got 'soon'"),
     ("CUPTI_ACTIVITY_KIND_KERNEL", "end", "start - 1000", "end 50500 is before start 51500"),
-    ("CUPTI_ACTIVITY_KIND_RUNTIME", "end", "NULL", "column 'end' must be an integer timestamp (ns), got NULL"),
-    ("CUPTI_ACTIVITY_KIND_MEMCPY", "start", "1.5", "column 'start' must be an integer timestamp (ns), got 1.5"),
-    ("CUPTI_ACTIVITY_KIND_MEMSET", "bytes", "'lots'", "column 'bytes' must be an integer, got 'lots'"),
+    ("CUPTI_ACTIVITY_KIND_RUNTIME", "end", "NULL",
+     "column 'end' must be an integer timestamp (ns), got NULL"),
+    ("CUPTI_ACTIVITY_KIND_MEMCPY", "start", "1.5",
+     "column 'start' must be an integer timestamp (ns), got 1.5"),
+    ("CUPTI_ACTIVITY_KIND_MEMSET", "bytes", "'lots'",
+     "column 'bytes' must be an integer, got 'lots'"),
     ("NVTX_EVENTS", "start", "'x'", "column 'start' must be an integer timestamp (ns), got 'x'"),
 ])
-def test_a_null_or_text_value_is_an_error_naming_the_file_table_and_column(tmp_path, capsys, table, column, sql,
-                                                                          problem):
+def test_a_null_or_text_value_is_an_error_naming_the_file_table_and_column(tmp_path, capsys, table,
+                                                                           column, sql, problem):
     path = copies_export().write(tmp_path / "p.sqlite")
     con = loosened(path, table)
-    first = con.execute(f"SELECT min(rowid) FROM {table} WHERE eventType = 59" if table == "NVTX_EVENTS"
+    first = con.execute(f"SELECT min(rowid) FROM {table} WHERE eventType = 59"
+                        if table == "NVTX_EVENTS"
                         else f"SELECT min(rowid) FROM {table}").fetchone()[0]
     con.execute(f"UPDATE {table} SET {column} = {sql} WHERE rowid = ?", (first,))
     con.commit()
     con.close()
     with pytest.raises(nsys.NsysReportError, match=f"{table} row {first}: "):
         nsys.load(path)
-    assert nsys_cli.main([path]) == 2                   # was a TypeError without the file, or a negative duration
+    # was a TypeError without the file, or a negative duration
+    assert nsys_cli.main([path]) == 2
     err = one_error_line(capsys)
     assert f"{path}: {table} row {first}: {problem}" in err
 
@@ -393,16 +422,18 @@ def test_unknown_device_is_one_line(step_db, capsys):
     assert "unknown device 'Voodoo5'" in one_error_line(capsys)
 
 
-# llm.c's (and gpt2np.model's without fused ops or recompute) op order inside one layer, with the module each call
-# computes
-FORWARD_LAYER = [("layernorm_forward", "ln_1"), ("matmul_forward", "attn.c_attn"), ("attention_forward", "attn"),
+# llm.c's (and gpt2np.model's without fused ops or recompute) op order inside one layer, with the
+# module each call computes
+FORWARD_LAYER = [("layernorm_forward", "ln_1"), ("matmul_forward", "attn.c_attn"),
+                 ("attention_forward", "attn"),
                  ("matmul_forward", "attn.c_proj"), ("residual_forward", "residual"),
-                 ("layernorm_forward", "ln_2"), ("matmul_forward", "mlp.c_fc"), ("gelu_forward", "mlp.gelu"),
+                 ("layernorm_forward", "ln_2"), ("matmul_forward", "mlp.c_fc"),
+                 ("gelu_forward", "mlp.gelu"),
                  ("matmul_forward", "mlp.c_proj"), ("residual_forward", "residual")]
-BACKWARD_LAYER = [("matmul_backward", "mlp.c_proj"), ("gelu_backward", "mlp.gelu"), ("matmul_backward", "mlp.c_fc"),
-                  ("layernorm_backward", "ln_2"), ("matmul_backward", "attn.c_proj"),
-                  ("attention_backward", "attn"), ("matmul_backward", "attn.c_attn"),
-                  ("layernorm_backward", "ln_1")]
+BACKWARD_LAYER = [("matmul_backward", "mlp.c_proj"), ("gelu_backward", "mlp.gelu"),
+                  ("matmul_backward", "mlp.c_fc"), ("layernorm_backward", "ln_2"),
+                  ("matmul_backward", "attn.c_proj"), ("attention_backward", "attn"),
+                  ("matmul_backward", "attn.c_attn"), ("layernorm_backward", "ln_1")]
 
 
 def test_modules_of_a_full_step_with_gradient_accumulation(tmp_path):
@@ -439,7 +470,8 @@ def test_modules_of_a_full_step_with_gradient_accumulation(tmp_path):
         op("matmul_backward", "lm_head", kernels=2)
         op("layernorm_backward", "ln_f")
         for l in (1, 0):
-            scope(f"Layer {l}", lambda l=l: [op(n, f"h.{l}.{m}", kernels=3 if n == "matmul_backward" else 1)
+            scope(f"Layer {l}", lambda l=l: [op(n, f"h.{l}.{m}",
+                                                kernels=3 if n == "matmul_backward" else 1)
                                              for n, m in BACKWARD_LAYER])
         op("encoder_backward", "wte")
 
@@ -457,22 +489,25 @@ def test_modules_of_a_full_step_with_gradient_accumulation(tmp_path):
     assert [r.direction for r in records if r.op == "global_norm"] == ["update"]
     tree = report.module_tree(records)
     c_attn = next(n for _, n in tree.walk() if n.path == "h.1.attn.c_attn")
-    assert c_attn.calls == 2 * (1 + 3) and c_attn.time("fprop") == 2 * 300 and c_attn.time("bprop") == 2 * 3 * 300
+    assert (c_attn.calls == 2 * (1 + 3) and c_attn.time("fprop") == 2 * 300
+            and c_attn.time("bprop") == 2 * 3 * 300)
 
 
 def profiled_step_export(path, keep=None, **settings):
-    """(the built-in profiler's kernel records of one training step, the export of that step) for a 3-layer model (a
-    first, a middle and a last layer) on the emulated CUDA backend with `settings` (GPT2's fuse, gelu_fusion,
-    attention, recompute): every range the model opened becomes an NVTX push/pop range (host times x 1000, room for
-    the launch calls), every kernel a launch inside the op range the profiler saw it launched in; only the kernels
-    keep(record) accepts, where given (a capture filtered by kernel name: the ranges stay)."""
+    """(the built-in profiler's kernel records of one training step, the export of that step) for a
+    3-layer model (a first, a middle and a last layer) on the emulated CUDA backend with `settings`
+    (GPT2's fuse, gelu_fusion, attention, recompute): every range the model opened becomes an NVTX
+    push/pop range (host times x 1000, room for the launch calls), every kernel a launch inside the
+    op range the profiler saw it launched in; only the kernels keep(record) accepts, where given (a
+    capture filtered by kernel name: the ranges stay)."""
     import numpy as np
 
     from gpt2np.backends import get_backend
     from gpt2np.config import GPT2Config
     from gpt2np.model import GPT2
     from gpt2np.profiling.profiler import profile_steps
-    cfg, B, T = GPT2Config(32, 100, 128, 3, 1, 64), 2, 8                 # flash attention: head size 64
+    # flash attention: head size 64
+    cfg, B, T = GPT2Config(32, 100, 128, 3, 1, 64), 2, 8
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
     model = GPT2(cfg, get_backend("emu"), B, T, seed=0, **settings)
     prof = profile_steps(model, [(tokens[:, :-1], tokens[:, 1:])], steps=1)
@@ -492,7 +527,8 @@ def profiled_step_export(path, keep=None, **settings):
 
 
 @pytest.mark.parametrize("settings", [
-    {"attention": "flash"},                                   # a GPU run's defaults: fuse 1, -ge 2, flash, -r 0
+    # a GPU run's defaults: fuse 1, -ge 2, flash, -r 0
+    {"attention": "flash"},
     {"fuse": False},                                          # no fused op, naive attention
     {"fuse": False, "attention": "flash", "recompute": 1},
     {"gelu_fusion": 1, "recompute": 1},
@@ -500,32 +536,37 @@ def profiled_step_export(path, keep=None, **settings):
     {"attention": "flash", "recompute": 2},
 ], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_an_export_of_gpt2nps_own_step_gets_the_modules_the_model_names(tmp_path, settings):
-    """NVTX carries only the op names: the module of each op comes from gpt2np.model's order of them (fused,
-    flash, recomputing or not), the same as the model names to the built-in profiler, and so the layer (the fused
-    residual + LayerNorm ending "Layer l" computes h.{l+1}.ln_1, or ln_f)."""
+    """NVTX carries only the op names: the module of each op comes from gpt2np.model's order of them
+    (fused, flash, recomputing or not), the same as the model names to the built-in profiler, and so
+    the layer (the fused residual + LayerNorm ending "Layer l" computes h.{l+1}.ln_1, or ln_f)."""
     truth, path = profiled_step_export(tmp_path / "p.sqlite", **settings)
     records, _, _, _ = nsys.read_report(path)
-    assert [r.range_stack for r in records] == [r.range_stack for r in truth]         # the export is the step
+    # the export is the step
+    assert [r.range_stack for r in records] == [r.range_stack for r in truth]
     got = [(r.op, r.module, r.direction, -1 if r.layer is None else r.layer) for r in records]
     assert got == [(r.op, r.module, r.direction, r.layer) for r in truth]
     assert {r.step for r in records} == {1}
 
 
 @pytest.mark.parametrize("settings, dropped", [
-    ({"attention": "flash"}, "layernorm"),                   # the fused residual + LayerNorm and LayerNorm kernels
+    # the fused residual + LayerNorm and LayerNorm kernels
+    ({"attention": "flash"}, "layernorm"),
     ({"attention": "flash"}, "flash"),
     ({"attention": "flash", "recompute": 2}, "layernorm"),
     ({"gelu_fusion": 1, "recompute": 1}, "layernorm"),
     ({"fuse": False}, "layernorm"),
-    ({"fuse": False}, "attention"),                          # attention's own kernels (its GEMMs stay)
+    # attention's own kernels (its GEMMs stay)
+    ({"fuse": False}, "attention"),
 ], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()))
-def test_an_export_missing_some_ops_kernels_still_gets_the_models_modules(tmp_path, settings, dropped):
-    """A capture filtered by kernel name leaves some op ranges of a layer without kernels: the other ops' modules come
-    from the one place of gpt2np's op orders that fits what is left (before: llm.c's order by position, which failed
-    the first four cases here; the unfused ones are llm.c's order). Not covered: what is left fitting two orders
-    (the GELU-fused c_fc GEMM filtered out: the next GEMM is c_proj after it, or c_fc of an unfused order)."""
-    truth, path = profiled_step_export(tmp_path / "p.sqlite", keep=lambda r: dropped not in r.kernel.lower(),
-                                       **settings)
+def test_an_export_missing_some_ops_kernels_still_gets_the_models_modules(tmp_path, settings,
+                                                                          dropped):
+    """A capture filtered by kernel name leaves some op ranges of a layer without kernels: the other
+    ops' modules come from the one place of gpt2np's op orders that fits what is left (before:
+    llm.c's order by position, which failed the first four cases here; the unfused ones are llm.c's
+    order). Not covered: what is left fitting two orders (the GELU-fused c_fc GEMM filtered out: the
+    next GEMM is c_proj after it, or c_fc of an unfused order)."""
+    truth, path = profiled_step_export(tmp_path / "p.sqlite",
+                                       keep=lambda r: dropped not in r.kernel.lower(), **settings)
     records, _, _, _ = nsys.read_report(path)
     assert records and len(records) == len(truth)
     assert [(r.op, r.module, r.layer if r.layer is not None else -1) for r in records] == \
@@ -533,22 +574,25 @@ def test_an_export_missing_some_ops_kernels_still_gets_the_models_modules(tmp_pa
 
 
 def test_gpt2nps_op_orders_are_read_off_the_model():
-    """Every fuse / GELU fusion / attention / recompute order of gpt2np.model tells one module per op (else
-    model_op_modules raises), fused ops included."""
+    """Every fuse / GELU fusion / attention / recompute order of gpt2np.model tells one module per
+    op (else model_op_modules raises), fused ops included."""
     layers, outside = nsys.model_op_modules()
     modules = {(direction, op, place) for (direction, _, op), place in layers.items()}
-    assert {("fprop", "matmul_gelu_forward", (0, "mlp.c_fc")), ("bprop", "gelu_matmul_backward", (0, "mlp.c_proj")),
+    assert {("fprop", "matmul_gelu_forward", (0, "mlp.c_fc")),
+            ("bprop", "gelu_matmul_backward", (0, "mlp.c_proj")),
             ("fprop", "fused_residual_layernorm_forward", (0, "ln_2")),
             ("fprop", "fused_residual_layernorm_forward", (1, "ln_1")),
-            ("fprop", "flash_attention_forward", (0, "attn")), ("bprop", "flash_attention_backward", (0, "attn")),
-            ("bprop", "gelu_forward", (0, "mlp.gelu")), ("bprop", "layernorm_forward", (0, "ln_1"))} <= modules
-    fused = ("matmul_forward", "flash_attention_forward", "matmul_forward", "fused_residual_layernorm_forward",
-             "matmul_gelu_forward")
+            ("fprop", "flash_attention_forward", (0, "attn")),
+            ("bprop", "flash_attention_backward", (0, "attn")),
+            ("bprop", "gelu_forward", (0, "mlp.gelu")),
+            ("bprop", "layernorm_forward", (0, "ln_1"))} <= modules
+    fused = ("matmul_forward", "flash_attention_forward", "matmul_forward",
+             "fused_residual_layernorm_forward", "matmul_gelu_forward")
     assert layers[("fprop", fused, "matmul_forward")] == (0, "mlp.c_proj")
-    assert nsys.infer_module("fused_residual_layernorm_forward", "fprop", 1, 1, fused + ("matmul_forward",), 3) == \
-        ("h.2.ln_1", 2)
-    assert nsys.infer_module("fused_residual_layernorm_forward", "fprop", 2, 1, fused + ("matmul_forward",), 3) == \
-        ("ln_f", None)
+    assert (nsys.infer_module("fused_residual_layernorm_forward", "fprop", 1, 1,
+                              fused + ("matmul_forward",), 3) == ("h.2.ln_1", 2))
+    assert (nsys.infer_module("fused_residual_layernorm_forward", "fprop", 2, 1,
+                              fused + ("matmul_forward",), 3) == ("ln_f", None))
     assert outside["loss_mean"] == "lm_head"
 
 
@@ -568,9 +612,10 @@ SGEMM = "volta_sgemm_128x64_tn"
 
 
 def llmc_export():
-    """One training step of llm.c's train_gpt2cu (fp32, one layer) with its own NVTX and kernel names:
-    gpt2_backward_and_reduce, classifier_and_loss around the rest of the backward pass, the generic
-    matmul_cublaslt range (nested inside attention_* and matmul_backward), kernels with no op range."""
+    """One training step of llm.c's train_gpt2cu (fp32, one layer) with its own NVTX and kernel
+    names: gpt2_backward_and_reduce, classifier_and_loss around the rest of the backward pass, the
+    generic matmul_cublaslt range (nested inside attention_* and matmul_backward), kernels
+    with no op range."""
     e = Export()
     t = [1_000]
 
@@ -581,7 +626,8 @@ def llmc_export():
     def rng(name, body):
         start = at(10)
         body()
-        e.range(name, start, at(30))                  # after the last launch call (20 ns) has returned
+        # after the last launch call (20 ns) has returned
+        e.range(name, start, at(30))
 
     def k(name):
         return lambda: e.launch(name, at())
@@ -596,7 +642,8 @@ def llmc_export():
                         lambda: rng("attention_forward", seq(k("permute_kernel"), gemm(),
                                                              k("softmax_forward_kernel5"), gemm(),
                                                              k("unpermute_kernel"))),
-                        gemm(),                                                           # attention proj
+                        # attention proj
+                        gemm(),
                         k("fused_residual_forward_kernel5"),
                         gemm(),                                                           # fc
                         lambda: rng("gelu_forward", k("gelu_forward_kernel2")),
@@ -613,15 +660,19 @@ def llmc_export():
     backward_layer = seq(matmul_backward(with_gelu=True),                                 # mlp proj
                          matmul_backward(),                                               # fc
                          lambda: rng("layernorm_backward", k("layernorm_backward_kernel10")),
-                         matmul_backward(),                                               # attention proj
-                         lambda: rng("attention_backward", seq(k("unpermute_kernel_backward"), gemm(), gemm(),
-                                                              k("softmax_autoregressive_backward_inplace_kernel"),
-                                                              gemm(), gemm(), k("permute_kernel_backward"))),
+                         # attention proj
+                         matmul_backward(),
+                         lambda: rng("attention_backward",
+                                     seq(k("unpermute_kernel_backward"), gemm(), gemm(),
+                                         k("softmax_autoregressive_backward_inplace_kernel"),
+                                         gemm(), gemm(), k("permute_kernel_backward"))),
                          matmul_backward(),                                               # qkv
                          lambda: rng("layernorm_backward", k("layernorm_backward_kernel10")))
     step = seq(
-        lambda: rng("gpt2_forward", seq(lambda: rng("encoder_forward", k("encoder_forward_kernel3")),
-                                        lambda: rng("layernorm_forward", k("layernorm_forward_kernel6")),
+        lambda: rng("gpt2_forward", seq(lambda: rng("encoder_forward",
+                                                    k("encoder_forward_kernel3")),
+                                        lambda: rng("layernorm_forward",
+                                                    k("layernorm_forward_kernel6")),
                                         lambda: rng("Layer 0", forward_layer),
                                         gemm())),                                         # lm_head
         lambda: rng("gpt2_backward_and_reduce", lambda: rng("classifier_and_loss", seq(
@@ -629,10 +680,12 @@ def llmc_export():
             lambda: rng("matmul_backward", seq(gemm(), gemm())),                          # lm_head
             lambda: rng("layernorm_backward", k("layernorm_backward_kernel10")),
             lambda: rng("Layer 0", backward_layer),
-            lambda: rng("encoder_backward", seq(k("void wte_backward_kernel<int=256>"), k("wpe_backward_kernel"))),
+            lambda: rng("encoder_backward",
+                        seq(k("void wte_backward_kernel<int=256>"), k("wpe_backward_kernel"))),
         ))),
         lambda: rng("gpt2_calculate_grad_norm", k("void global_norm_squared_kernel<float>")),
-        lambda: rng("gpt2_update", seq(k("void adamw_kernel3<float, float>"), k("void adamw_kernel3<float, float>"))))
+        lambda: rng("gpt2_update", seq(k("void adamw_kernel3<float, float>"),
+                                       k("void adamw_kernel3<float, float>"))))
     rng("Train step 3", step)
     return e
 
@@ -648,12 +701,12 @@ def test_llmc_names_map_to_layer_op_direction_and_module(tmp_path):
                    ("matmul_cublaslt", "lm_head")]
     residual = [module for d, _, op, module, _ in got if op == "fused_residual_forward"]
     assert residual == ["h.0.ln_2", "h.0.ln_1"]
-    bwd = [module for d, layer, op, module, kernel in got if d == "bprop" and op == "matmul_backward"
-           and kernel == SGEMM]
-    assert bwd == ["lm_head"] * 2 + ["h.0.mlp.c_proj"] * 2 + ["h.0.mlp.c_fc"] * 2 + ["h.0.attn.c_proj"] * 2 + \
-        ["h.0.attn.c_attn"] * 2
-    assert [module for *_, op, module, kernel in got if kernel == SGEMM and op == "attention_backward"] == \
-        ["h.0.attn"] * 4
+    bwd = [module for d, layer, op, module, kernel in got
+           if d == "bprop" and op == "matmul_backward" and kernel == SGEMM]
+    assert (bwd == ["lm_head"] * 2 + ["h.0.mlp.c_proj"] * 2 + ["h.0.mlp.c_fc"] * 2
+            + ["h.0.attn.c_proj"] * 2 + ["h.0.attn.c_attn"] * 2)
+    assert ([module for *_, op, module, kernel in got
+             if kernel == SGEMM and op == "attention_backward"] == ["h.0.attn"] * 4)
     gelu = next(x for x in got if x[4] == "gelu_backward_inplace_kernel")
     assert gelu[:4] == ("bprop", 0, "gelu_backward_inplace", "h.0.mlp.gelu")
     by_kernel = {kernel: (d, layer, module) for d, layer, op, module, kernel in got}
@@ -666,7 +719,8 @@ def test_llmc_names_map_to_layer_op_direction_and_module(tmp_path):
     # the module tree of the import: llm.c's step splits into the same modules as ours
     tree = report.module_tree(records, num_layers=1)
     names = {node.path: node for _, node in tree.walk()}
-    assert names["h.0.attn.c_attn"].calls == 1 + 3 and names["wpe"].calls == 1 and names["lm_head"].calls == 4
+    assert (names["h.0.attn.c_attn"].calls == 1 + 3 and names["wpe"].calls == 1
+            and names["lm_head"].calls == 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -676,8 +730,9 @@ from gpt2np.profiling.render import views as V  # noqa: E402
 
 
 def copies_export():
-    """Two training steps of our own range names with copies and memsets: inputs up, the loss down, a memset of the
-    gradients, a device-to-device copy in the update, and an upload before any range."""
+    """Two training steps of our own range names with copies and memsets: inputs up, the loss down,
+    a memset of the gradients, a device-to-device copy in the update, and an upload
+    before any range."""
     e = Export()
     e.copy(HTOD, 4096, 100)                                            # weights, before the steps
     for step, t in ((1, 1_000), (2, 100_000)):
@@ -733,21 +788,26 @@ def test_copies_and_memsets_are_records_attributed_to_their_ranges(copies_db):
     assert [(r.kernel, r.bytes, r.direction, r.op) for r in step1] == [
         ("[CUDA memcpy HtoD]", 256, "fprop", "encoder_forward"),
         ("[CUDA memcpy HtoD]", 256, "fprop", "encoder_forward"),
-        ("[CUDA memcpy DtoH]", 128, "fprop", "fused_classifier"), ("[CUDA memset]", 8192, "bprop", ""),
-        ("[CUDA memcpy DtoD]", 1024, "update", "adamw")]
-    assert step1[0].duration_ns == 2_000 and step1[0].range_stack == ("Train step 1", "gpt2_forward", "encoder_forward")
+        ("[CUDA memcpy DtoH]", 128, "fprop", "fused_classifier"),
+        ("[CUDA memset]", 8192, "bprop", ""), ("[CUDA memcpy DtoD]", 1024, "update", "adamw")]
+    assert (step1[0].duration_ns == 2_000
+            and step1[0].range_stack == ("Train step 1", "gpt2_forward", "encoder_forward"))
     assert all(len(r.range_ids) == len(r.range_stack) for r in records)
 
 
 def test_copy_kinds_from_the_enum_table_or_cuptis_numbering(tmp_path):
-    assert [nsys.copy_kind_name(n) for n in ("CUDA_MEMCPY_KIND_HTOD", "CUDA_MEMCPY_KIND_PTOP",
-                                             "CUDA_MEMCPY_KIND_UVM_HTOD", "CUDA_MEMCPY_KIND_UNKNOWN")] == \
-        ["HtoD", "PtoP", "Unified HtoD", "Unknown"]
+    assert ([nsys.copy_kind_name(n)
+             for n in ("CUDA_MEMCPY_KIND_HTOD", "CUDA_MEMCPY_KIND_PTOP",
+                       "CUDA_MEMCPY_KIND_UVM_HTOD", "CUDA_MEMCPY_KIND_UNKNOWN")]
+            == ["HtoD", "PtoP", "Unified HtoD", "Unknown"])
     e = copies_export()
     e.copy(11, 64, 500_000)
-    with_enum = [r.kernel for r in nsys.read_report(e.write(tmp_path / "a.sqlite"))[0] if r.kind == "memcpy"]
-    e.copy_enum = False                                                 # an export without ENUM_CUDA_MEMCPY_OPER
-    without = [r.kernel for r in nsys.read_report(e.write(tmp_path / "b.sqlite"))[0] if r.kind == "memcpy"]
+    with_enum = [r.kernel for r in nsys.read_report(e.write(tmp_path / "a.sqlite"))[0]
+                 if r.kind == "memcpy"]
+    # an export without ENUM_CUDA_MEMCPY_OPER
+    e.copy_enum = False
+    without = [r.kernel for r in nsys.read_report(e.write(tmp_path / "b.sqlite"))[0]
+               if r.kind == "memcpy"]
     assert with_enum[-1] == "[CUDA memcpy Unified HtoD]" and with_enum[:-1] == without[:-1]
     assert V.nsys_mem_name("[CUDA memcpy Unified HtoD]") == "[CUDA memcpy Unified Host-to-Device]"
 
@@ -756,35 +816,41 @@ def test_gpu_activities_and_nsys_memory_reports_of_an_export(copies_db):
     profile = V.select(nsys_views(copies_db), "last")
     acts = V.tables(profile, "gpu_activities")[0]
     calls = rows_by(acts, "Name", "Calls")
-    assert calls == {"[CUDA memcpy HtoD]": 2, "[CUDA memcpy DtoH]": 1, "[CUDA memcpy DtoD]": 1, "[CUDA memset]": 1,
-                     GEMM: 3, "encoder_forward_kernel": 1, "fused_classifier_kernel": 1, "adamw_kernel": 1}
+    assert calls == {"[CUDA memcpy HtoD]": 2, "[CUDA memcpy DtoH]": 1, "[CUDA memcpy DtoD]": 1,
+                     "[CUDA memset]": 1, GEMM: 3, "encoder_forward_kernel": 1,
+                     "fused_classifier_kernel": 1, "adamw_kernel": 1}
     assert rows_by(acts, "Name", "Time")["[CUDA memcpy HtoD]"] == "4us"
     assert acts.rows[0][-1] == "[CUDA memcpy HtoD]"                     # most time first
     time_sum = V.tables(profile, "cuda_gpu_mem_time_sum")[0]
     assert rows_by(time_sum, "Operation", "Count") == {"[CUDA memcpy Host-to-Device]": "2",
                                                         "[CUDA memcpy Device-to-Host]": "1",
-                                                        "[CUDA memcpy Device-to-Device]": "1", "[CUDA memset]": "1"}
-    assert rows_by(time_sum, "Operation", "Total Time (ns)")["[CUDA memcpy Host-to-Device]"] == "4,000"
+                                                        "[CUDA memcpy Device-to-Device]": "1",
+                                                        "[CUDA memset]": "1"}
+    assert (rows_by(time_sum, "Operation", "Total Time (ns)")["[CUDA memcpy Host-to-Device]"]
+            == "4,000")
     size_sum = V.tables(profile, "cuda_gpu_mem_size_sum")[0]
-    assert rows_by(size_sum, "Operation", "Total (MB)") == {"[CUDA memset]": "0.008", "[CUDA memcpy Device-to-Device]":
-                                                            "0.001", "[CUDA memcpy Host-to-Device]": "0.001",
-                                                            "[CUDA memcpy Device-to-Host]": "0.000"}
+    assert rows_by(size_sum, "Operation", "Total (MB)") == {
+        "[CUDA memset]": "0.008", "[CUDA memcpy Device-to-Device]": "0.001",
+        "[CUDA memcpy Host-to-Device]": "0.001", "[CUDA memcpy Device-to-Host]": "0.000"}
     kern_sum = V.tables(profile, "cuda_gpu_kern_sum")[0]
     assert rows_by(kern_sum, "Name", "Instances") == {GEMM: "3", "encoder_forward_kernel": "1",
-                                                       "fused_classifier_kernel": "1", "adamw_kernel": "1"}
+                                                       "fused_classifier_kernel": "1",
+                                                       "adamw_kernel": "1"}
 
 
 def test_api_calls_of_an_export(copies_db):
     whole = nsys_views(copies_db)
     by_idx = {r.idx: r for r in whole.records}
-    for call in whole.api:                                              # every call tied to what it issued
+    # every call tied to what it issued
+    for call in whole.api:
         issued = by_idx[call.record]
         assert call.name in ("cudaLaunchKernel", "cudaMemcpyAsync", "cudaMemcpy", "cudaMemsetAsync")
-        assert issued.kind == {"cudaLaunchKernel": "kernel", "cudaMemsetAsync": "memset"}.get(call.name, "memcpy")
+        assert issued.kind == {"cudaLaunchKernel": "kernel",
+                               "cudaMemsetAsync": "memset"}.get(call.name, "memcpy")
     profile = V.select(whole, "last")
     api = V.tables(profile, "api_calls")[0]
-    assert rows_by(api, "Name", "Calls") == {"cudaLaunchKernel": 6, "cudaMemcpyAsync": 3, "cudaMemcpy": 1,
-                                             "cudaMemsetAsync": 1}
+    assert rows_by(api, "Name", "Calls") == {"cudaLaunchKernel": 6, "cudaMemcpyAsync": 3,
+                                             "cudaMemcpy": 1, "cudaMemsetAsync": 1}
     nsys_api = V.tables(profile, "cuda_api_sum")[0]
     assert rows_by(nsys_api, "Name", "Num Calls")["cudaMemcpyAsync"] == "3"
     assert rows_by(nsys_api, "Name", "Total Time (ns)")["cudaLaunchKernel"] == "120"
@@ -797,8 +863,8 @@ def test_ranges_nest_per_thread_and_carry_their_step(copies_db):
     assert [r.step for r in enc] == [1, 2] and all(r.depth == 2 for r in enc)
     assert [by_id[by_id[r.parent].parent].name for r in enc] == ["Train step 1", "Train step 2"]
     assert all(r.parent is None for r in profile.ranges if r.name.startswith("Train step"))
-    # the training step export: a second thread's ranges nest on their own thread; a start/end range around
-    # the step is its parent
+    # the training step export: a second thread's ranges nest on their own thread; a start/end range
+    # around the step is its parent
     steps = nsys_views(training_step_export().write(str(copies_db) + ".2"))
     names = {r.id: r.name for r in steps.ranges}
     parent_of = {r.name: names.get(r.parent) for r in steps.ranges}
@@ -811,14 +877,16 @@ def test_nvtx_views_and_user_ranges_of_an_export(copies_db):
     profile = V.select(nsys_views(copies_db), "last")
     kern = V.tables(profile, "nvtx_kern_sum")[0]
     rows = {(row[0], row[-1]): row for row in kern.rows}
-    assert rows[("encoder_forward", "[CUDA memcpy HtoD]")][2:4] == [1, 2]       # NVTX Inst, Kern Inst
+    # NVTX Inst, Kern Inst
+    assert rows[("encoder_forward", "[CUDA memcpy HtoD]")][2:4] == [1, 2]
     assert rows[("gpt2_backward", GEMM)][3] == 2 and rows[("Train step 2", GEMM)][3] == 3
     nvtx = V.tables(profile, "nvtx_sum")[0]
     assert rows_by(nvtx, "Range", "Instances")["Train step 2"] == "1"
     assert rows_by(nvtx, "Range", "Total Time (ns)")["gpt2_update"] == "6,900"
     users = {row[0]: row for row in V.tables(profile, "user_ranges")[0].rows}
     assert {"train_step-2", "forward", "backward", "optimizer", "cudaLaunchKernel"} <= set(users)
-    assert users["train_step-2"][3] == "100.00%"                           # CPU total %: the step is all of it
+    # CPU total %: the step is all of it
+    assert users["train_step-2"][3] == "100.00%"
     fwd = sum(r.duration_ns for r in profile.records if r.direction == "fprop")
     assert users["forward"][8] == V.nvprof_time(fwd) and fwd == 2 * 2_000 + 1_000 + 3 * 300
 
@@ -826,23 +894,30 @@ def test_nvtx_views_and_user_ranges_of_an_export(copies_db):
 def test_module_tree_with_a_preset_parameters(copies_db, capsys):
     profile = V.select(nsys_views(copies_db, module_params=nsys.preset_parameters("d12")), "last")
     tree = V.tables(profile, "modules")[0]
-    params = {name.strip(): count for name, count in zip(*[[row[i] for row in tree.rows] for i in (0, 1)])}
+    params = {name.strip(): count
+              for name, count in zip(*[[row[i] for row in tree.rows] for i in (0, 1)])}
     assert params["gpt2"] == "124,475,904" and params["wpe"] == f"{1024 * 768:,}"
-    assert profile.meta["num_layers"] == 12 and len([r for r in tree.rows if r[0].strip().startswith("h.")]) == 12
+    assert (profile.meta["num_layers"] == 12
+            and len([r for r in tree.rows if r[0].strip().startswith("h.")]) == 12)
     assert nsys_cli.main([copies_db, "--model", "d99"]) == 2
     assert "--model d99" in one_error_line(capsys)
 
 
 def test_llmc_export_goes_through_every_view(tmp_path):
-    """llm.c's names (gpt2_backward_and_reduce, matmul_cublaslt, classifier_and_loss ...) through all the views."""
+    """llm.c's names (gpt2_backward_and_reduce, matmul_cublaslt, classifier_and_loss ...)
+    through all the views."""
     e = llmc_export()
-    e.copy(HTOD, 8 * 65 * 4, 1_010)                                     # llm.c uploads inputs and targets first
-    e.copy(DTOH, 8 * 64 * 4, 2_500)                                     # ... and reads the losses back
-    profile = nsys_views(e.write(tmp_path / "llmc.sqlite"), module_params=nsys.preset_parameters("d12"))
+    # llm.c uploads inputs and targets first
+    e.copy(HTOD, 8 * 65 * 4, 1_010)
+    # ... and reads the losses back
+    e.copy(DTOH, 8 * 64 * 4, 2_500)
+    profile = nsys_views(e.write(tmp_path / "llmc.sqlite"),
+                         module_params=nsys.preset_parameters("d12"))
     step = V.select(profile, "last")
     for name in V.VIEWS:
         result = V.tables(step, name)
-        if name in ("model", "comm"):                                   # an export knows no buffers or collectives
+        # an export knows no buffers or collectives
+        if name in ("model", "comm"):
             assert result[0].rows == [], name
             continue
         assert all(t.rows for t in result), name
@@ -851,14 +926,16 @@ def test_llmc_export_goes_through_every_view(tmp_path):
     assert float(host["backward"]) > 0 and float(host["optimizer"]) > 0
     assert sum(rows_by(phases, "phase", "copies+memsets").values()) == 2
     users = {row[0] for row in V.tables(step, "user_ranges")[0].rows}
-    assert {"train_step-3", "forward", "backward", "optimizer", "clip-grads", "matmul_cublaslt"} <= users
+    assert ({"train_step-3", "forward", "backward", "optimizer", "clip-grads", "matmul_cublaslt"}
+            <= users)
     kern = {(row[0], row[-1]) for row in V.tables(step, "nvtx_kern_sum")[0].rows}
     assert ("gpt2_backward_and_reduce", "void wte_backward_kernel<int=256>") in kern
     assert ("gpt2_update", "void adamw_kernel3<float, float>") in kern
     pyprof = V.tables(step, "pyprof")[0]
     assert {row[1] for row in pyprof.rows} == {"fprop", "bprop", "update", "other"}
     text = V.render_views(profile, None, V.VIEWS)
-    assert "emulated" not in text and report.NUMPY_NOTE not in text                  # GPU times: no note
+    # GPU times: no note
+    assert "emulated" not in text and report.NUMPY_NOTE not in text
     assert "[CUDA memcpy HtoD]" in text and "Kernels of step 3" in text
 
 
@@ -870,17 +947,21 @@ def test_cli_views_and_files(copies_db, tmp_path, capsys):
     assert "GPU activities" in text and "cuda_api_sum" in text and "Kernels of step" not in text
     assert "[CUDA memcpy DtoD]" in text
     doc = json.loads((out / "views.json").read_text())
-    assert set(doc["views"]) >= {"gpu_activities", "nvtx_kern_sum", "user_ranges", "cuda_gpu_mem_size_sum"}
-    assert (out / "views" / "cuda_gpu_mem_time_sum.csv").read_text().startswith("Time (%),Total Time (ns),Count")
+    assert set(doc["views"]) >= {"gpu_activities", "nvtx_kern_sum", "user_ranges",
+                                 "cuda_gpu_mem_size_sum"}
+    assert (out / "views" / "cuda_gpu_mem_time_sum.csv").read_text().startswith("Time (%),Total "
+                                                                                "Time (ns),Count")
     # the JSON file re-renders through the report tool, every view the same as the import's own
     assert report_cli.main([str(js), "--views", "all"]) == 0
     again = capsys.readouterr().out
     _, roof, _ = report.read_json(str(js))
-    assert roof.device == "H100 SXM" and again == V.render_views(nsys_views(copies_db), roof, V.VIEWS, step="last")
+    assert roof.device == "H100 SXM" and again == V.render_views(nsys_views(copies_db), roof,
+                                                                 V.VIEWS, step="last")
     events = json.loads(trace.read_text())["traceEvents"]
     tracks = {ev["args"]["name"]: ev["tid"] for ev in events if ev.get("name") == "thread_name"}
     cats = {ev["cat"]: ev["tid"] for ev in events if ev.get("ph") == "X"}
-    assert cats["memcpy"] == cats["memset"] == tracks["copies and memsets"] and cats["api"] == tracks["CUDA API"]
+    assert (cats["memcpy"] == cats["memset"] == tracks["copies and memsets"]
+            and cats["api"] == tracks["CUDA API"])
     assert nsys_cli.main([copies_db, "--views", "bogus"]) == 2
     assert "--views 'bogus'" in one_error_line(capsys)
     (tmp_path / "afile").write_text("x")
@@ -897,17 +978,20 @@ def test_a_folder_for_the_export_is_called_a_folder(tmp_path, capsys):
     assert "is a folder" in err and "no such file" not in err
 
 
-def test_output_paths_name_the_flag_and_missing_folders_are_made(step_db, tmp_path, capsys, monkeypatch):
+def test_output_paths_name_the_flag_and_missing_folders_are_made(step_db, tmp_path, capsys,
+                                                                 monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert nsys_cli.main([step_db, "--csv", "a/b/k.csv", "--json", "c/k.json", "--trace", "d/t.json",
-                          "--out", "e/f"]) == 0
+    assert nsys_cli.main([step_db, "--csv", "a/b/k.csv", "--json", "c/k.json", "--trace",
+                          "d/t.json", "--out", "e/f"]) == 0
     capsys.readouterr()
     assert (tmp_path / "a/b/k.csv").read_text().count("\n") == 17
     assert len(report.read_json("c/k.json")[0]) == 16 and (tmp_path / "d/t.json").is_file()
     assert (tmp_path / "e/f/views.json").is_file()
-    assert not [name for folder in ("a/b", "c", "d") for name in os.listdir(tmp_path / folder) if ".tmp" in name]
+    assert not [name for folder in ("a/b", "c", "d") for name in os.listdir(tmp_path / folder)
+                if ".tmp" in name]
     (tmp_path / "text.txt").write_text("x")
-    for flag, path in (("--json", "text.txt/x.json"), ("--png", "text.txt/x.png"), ("--out", "text.txt/sub")):
+    for flag, path in (("--json", "text.txt/x.json"), ("--png", "text.txt/x.png"),
+                       ("--out", "text.txt/sub")):
         assert nsys_cli.main([step_db, flag, path]) == 2
         assert f"{flag} {path}: text.txt is a file, not a folder" in one_error_line(capsys)
     assert nsys_cli.main([step_db, "--trace", "a"]) == 2
@@ -917,7 +1001,8 @@ def test_output_paths_name_the_flag_and_missing_folders_are_made(step_db, tmp_pa
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/somewhere/.k.csv.tmp")
 
     monkeypatch.setattr(os, "open", denied)
-    assert nsys_cli.main([step_db, "--csv", "g/k.csv"]) == 1              # a failed write: the run failed
+    # a failed write: the run failed
+    assert nsys_cli.main([step_db, "--csv", "g/k.csv"]) == 1
     err = one_error_line(capsys)
     assert "--csv g/k.csv: cannot write it ([Errno 13]" in err and ".tmp" not in err
 

@@ -80,7 +80,8 @@ def range_trees(events):
     for kind, tid, depth, domain, message in events:
         assert domain == "", f"range outside the default domain: {domain!r}"
         stack = open_ranges.setdefault(tid, [])
-        assert depth == (len(stack) if kind == "push" else len(stack) - 1), f"bad depth in {kind} {message}"
+        assert depth == (len(stack) if kind == "push"
+                         else len(stack) - 1), f"bad depth in {kind} {message}"
         if kind == "push":
             stack.append((message, []))
         else:
@@ -184,8 +185,9 @@ def test_env_var_off_by_default_and_enable_overrides(inject_lib, tmp_path):
 
 # ---- (iii) one full training step of a tiny model ----------------------------------------------
 
-# What one training step (gpt2np.train_step, as the trainer runs it) emits: forward, backward, grad norm and
-# update under "Train step N". Op names follow llm.c's; the fused classifier writes dlogits in forward.
+# What one training step (gpt2np.train_step, as the trainer runs it) emits: forward, backward, grad
+# norm and update under "Train step N". Op names follow llm.c's; the fused classifier
+# writes dlogits in forward.
 LAYER_FORWARD = ("layernorm_forward", "matmul_forward", "attention_forward", "matmul_forward",
                  "residual_forward", "layernorm_forward", "matmul_forward", "gelu_forward",
                  "matmul_forward", "residual_forward")
@@ -201,7 +203,8 @@ def expected_step(step, num_layers):
                    node("layernorm_forward"), node("matmul_forward"), node("fused_classifier"))
     backward = node("gpt2_backward",
                     node("matmul_backward"), node("layernorm_backward"),
-                    *(node(f"Layer {l}", *map(node, LAYER_BACKWARD)) for l in reversed(range(num_layers))),
+                    *(node(f"Layer {l}", *map(node, LAYER_BACKWARD))
+                      for l in reversed(range(num_layers))),
                     node("encoder_backward"))
     grad_norm = node("gpt2_calculate_grad_norm", node("global_norm"))
     update = node("gpt2_update", *[node("adamw")] * NUM_PARAM_TENSORS)
@@ -246,7 +249,8 @@ def test_inject_abi_matches_nvtx_headers(tmp_path):
     if gcc is None:
         pytest.skip("gcc not found")
     roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
-    include = next((Path(r) / "include" for r in roots if r and (Path(r) / "include/nvtx3").is_dir()), None)
+    include = next((Path(r) / "include" for r in roots
+                    if r and (Path(r) / "include/nvtx3").is_dir()), None)
     if include is None:
         pytest.skip("no nvtx3 headers found (CUDA_HOME/include or /usr/local/cuda/include)")
     done = subprocess.run([gcc, "-fsyntax-only", "-Wall", "-Werror", "-DINJECT_CHECK_HEADERS",
@@ -275,7 +279,8 @@ def test_listeners_and_current_stack_without_nvtx():
         with ranges.range("outer"):
             with ranges.range("inner"):
                 assert ranges.current_stack() == ("outer", "inner")
-                thread = threading.Thread(target=lambda: seen_in_thread.append(ranges.current_stack()))
+                thread = threading.Thread(
+                    target=lambda: seen_in_thread.append(ranges.current_stack()))
                 thread.start()
                 thread.join()
         assert seen_in_thread == [()]           # the stack is per thread

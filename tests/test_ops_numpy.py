@@ -100,7 +100,8 @@ def test_matmul(with_bias):
 
     loss()
     np.testing.assert_allclose(out, x @ weight.T + (bias if with_bias else 0), rtol=1e-12)
-    dx, dweight = np.full_like(x, 7.0), np.ones_like(weight)    # dinp is overwritten, dweight accumulates
+    # dinp is overwritten, dweight accumulates
+    dx, dweight = np.full_like(x, 7.0), np.ones_like(weight)
     dbias = np.ones(OC) if with_bias else None
     matmul.matmul_backward(dx, dweight, dbias, w, x, weight)
     check(dx, numeric_grad(loss, x))
@@ -171,10 +172,12 @@ def test_flash_attention_matches_naive_in_float32():
     Bt, Tt, NHt, HSt = 2, 33, 3, 8
     Ct = NHt * HSt
     r = np.random.default_rng(7)
-    x, w = r.standard_normal((Bt, Tt, 3 * Ct)).astype(np.float32), r.standard_normal((Bt, Tt, Ct)).astype(np.float32)
+    x, w = (r.standard_normal((Bt, Tt, 3 * Ct)).astype(np.float32),
+            r.standard_normal((Bt, Tt, Ct)).astype(np.float32))
     out, lse = np.zeros((Bt, Tt, Ct), np.float32), np.zeros((Bt, NHt, Tt), np.float32)
     flash_attention.flash_attention_forward(out, lse, x)
-    ref, qkvr, att = (np.zeros(s, np.float32) for s in ((Bt, Tt, Ct), (3, Bt, NHt, Tt, HSt), (Bt, NHt, Tt, Tt)))
+    ref, qkvr, att = (np.zeros(s, np.float32)
+                      for s in ((Bt, Tt, Ct), (3, Bt, NHt, Tt, HSt), (Bt, NHt, Tt, Tt)))
     attention.attention_forward(ref, qkvr, att, x)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
     dx, dref = np.zeros_like(x), np.zeros_like(x)
@@ -262,11 +265,13 @@ def test_adamw_matches_formula():
 def test_global_norm_squared_large_and_threaded():
     g = np.random.default_rng(0).standard_normal(3_000_001).astype(np.float32)
     threaded = NumpyBackend(threads=2)
-    assert math.isclose(threaded.global_norm_squared(g), float(np.dot(g.astype(np.float64), g)), rel_tol=1e-6)
+    assert math.isclose(threaded.global_norm_squared(g), float(np.dot(g.astype(np.float64), g)),
+                        rel_tol=1e-6)
 
 
 def test_accumulate_false_overwrites_parameter_gradients():
-    """accumulate=False ignores the old gradient (garbage here) and writes what "+=" onto zeros writes."""
+    """accumulate=False ignores the old gradient (garbage here) and writes what "+="
+    onto zeros writes."""
     Vp, maxT = 7, 6
     inp = np.array([[1, 3, 3, 0, 6], [2, 1, 5, 5, 5]], np.int32)
     dout = rand(B, T, C)
@@ -275,7 +280,8 @@ def test_accumulate_false_overwrites_parameter_gradients():
     encoder.encoder_backward(dwte_ref, dwpe_ref, dout, inp)
     dwte, dwpe = dwte0.copy(), np.full((maxT, C), np.nan)
     encoder.encoder_backward(dwte, dwpe, dout, inp, accumulate=False)
-    np.testing.assert_array_equal(dwte, dwte_ref)              # dwte always accumulates (tied lm_head)
+    # dwte always accumulates (tied lm_head)
+    np.testing.assert_array_equal(dwte, dwte_ref)
     np.testing.assert_array_equal(dwpe, dwpe_ref)              # rows T.. are zero, not NaN
 
     x, weight, mean, rstd = rand(B, T, C), rand(C), rand(B, T), np.abs(rand(B, T)) + 0.5
@@ -322,13 +328,14 @@ def test_threaded_ops_bitwise_equal_single_thread(monkeypatch):
     def run(be):
         out, mean, rstd = (np.zeros(s, np.float32) for s in ((Bt, Tt, Ct), (Bt, Tt), (Bt, Tt)))
         be.layernorm_forward(out, mean, rstd, x, w, b)
-        dinp, dw, db = np.ones((Bt, Tt, Ct), np.float32), np.ones(Ct, np.float32), np.ones(Ct, np.float32)
+        dinp, dw, db = (np.ones((Bt, Tt, Ct), np.float32), np.ones(Ct, np.float32),
+                        np.ones(Ct, np.float32))
         be.layernorm_backward(dinp, dw, db, dout, x, w, mean, rstd)
         gelu, dgelu = np.zeros_like(h), np.zeros_like(h)
         be.gelu_forward(gelu, h)
         be.gelu_backward(dgelu, h, dh)
-        qkvr, att, y = (np.zeros(s, np.float32) for s in ((3, Bt, NHt, Tt, Ct // NHt), (Bt, NHt, Tt, Tt),
-                                                           (Bt, Tt, Ct)))
+        qkvr, att, y = (np.zeros(s, np.float32)
+                        for s in ((3, Bt, NHt, Tt, Ct // NHt), (Bt, NHt, Tt, Tt), (Bt, Tt, Ct)))
         be.attention_forward(y, qkvr, att, qkv)
         dqkv = np.zeros_like(qkv)
         be.attention_backward(dqkv, datt_out, qkvr, att)
@@ -339,8 +346,8 @@ def test_threaded_ops_bitwise_equal_single_thread(monkeypatch):
         state = [p.copy(), g.copy(), m.copy(), v.copy()]
         be.adamw_update(*state, 1e-3, 0.9, 0.95, 1e-8, 0.1, 2, 0.7)
         norm = be.global_norm_squared(g)
-        return [out, mean, rstd, dinp, dw, db, gelu, dgelu, qkvr, att, y, dqkv, losses, losses2, dlogits,
-                *state, np.float64(norm)]
+        return [out, mean, rstd, dinp, dw, db, gelu, dgelu, qkvr, att, y, dqkv, losses, losses2,
+                dlogits, *state, np.float64(norm)]
 
     ref = run(single)
     got = run(threaded)
@@ -358,5 +365,6 @@ def test_import_sets_openblas_thread_timeout_unless_the_user_did(preset_value):
     if preset_value:
         env["OPENBLAS_THREAD_TIMEOUT"] = preset_value
     code = "import gpt2np, os; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
     assert out.stdout.strip() == (preset_value or "4")

@@ -16,11 +16,13 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     out, src = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):                 # a copy: no build/ left in the checkout
+    # a copy: no build/ left in the checkout
+    for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     for name in ("gpt2np", "kernels"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "-w", str(out), "--no-deps",
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "-w",
+                            str(out), "--no-deps",
                             "--no-build-isolation", "-q"], capture_output=True, text=True)
     if build.returncode != 0:
         pytest.skip(f"cannot build a wheel here: {build.stderr.strip().splitlines()[-1:]}")

@@ -1,5 +1,6 @@
-"""gpt2np plot: main.log lines parsed as vislog does (a step logged again keeps its last value), several runs on
-one figure written as PNG and SVG, HellaSwag's panel when a run logged `eval:`; bad input: one line, exit 2."""
+"""gpt2np plot: main.log lines parsed as vislog does (a step logged again keeps its last value),
+several runs on one figure written as PNG and SVG, HellaSwag's panel when a run logged `eval:`; bad
+input: one line, exit 2."""
 import pytest
 
 from gpt2np.cli import plot
@@ -43,8 +44,8 @@ def test_parse_keeps_the_last_value_of_a_step_and_skips_broken_lines(runs):
 
 def test_two_runs_on_one_figure_png_and_svg(runs, capsys):
     out = runs / "figs" / "cmp"
-    assert plot.main([str(runs / "run_a"), str(runs / "run_b" / "main.log"), "-o", str(out), "--baseline", "124M",
-                      "--title", "two runs"]) == 0
+    assert plot.main([str(runs / "run_a"), str(runs / "run_b" / "main.log"), "-o", str(out),
+                      "--baseline", "124M", "--title", "two runs"]) == 0
     png, svg = runs / "figs" / "cmp.png", runs / "figs" / "cmp.svg"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     text = svg.read_text()
@@ -53,7 +54,8 @@ def test_two_runs_on_one_figure_png_and_svg(runs, capsys):
                   "OpenAI GPT-2 (124M) checkpoint val loss"):
         assert label in text, label
     out_text = capsys.readouterr().out
-    assert "run_a: last step 3, min train loss 8.1000, min val loss 8.9000, max HellaSwag 0.2500" in out_text
+    assert ("run_a: last step 3, min train loss 8.1000, min val loss 8.9000, max HellaSwag 0.2500"
+            in out_text)
     assert "run_b: last step 1, min train loss 10.0000, min val loss 10.5000" in out_text
 
 
@@ -61,9 +63,9 @@ def test_two_runs_on_one_figure_png_and_svg(runs, capsys):
     ("log", "3 value(s) not drawn (step 0, 2, 3: NaN or infinite; a loss <= 0 on the log axis)"),
     ("linear", "2 value(s) not drawn (step 0, 2: NaN or infinite)")])
 def test_skipped_lines_and_undrawn_values_are_said(runs, capsys, yscale, drawn_out):
-    """A line that cannot be read and values the figure cannot show (NaN, inf; a loss <= 0 on a log axis) are each
-    one note on stderr, naming the log, instead of silently missing points; the summary's best values are the finite
-    ones (a NaN first is not the minimum)."""
+    """A line that cannot be read and values the figure cannot show (NaN, inf; a loss <= 0 on a log
+    axis) are each one note on stderr, naming the log, instead of silently missing points; the
+    summary's best values are the finite ones (a NaN first is not the minimum)."""
     log = runs / "run_c" / "main.log"
     log.parent.mkdir()
     log.write_text("s:0 trl:nan\ns:1 trl:10.5\ns:2 trl:inf\ns:3 trl:0.0\ns:4 tel:x\ns:5 trl:9.0\n")
@@ -71,8 +73,8 @@ def test_skipped_lines_and_undrawn_values_are_said(runs, capsys, yscale, drawn_o
     res = capsys.readouterr()
     assert "run_c: last step 5, min train loss 0.0000" in res.out
     err = res.err.splitlines()
-    assert err[0] == (f"note: {log}: 1 unreadable `s:` line(s) skipped (line 5; a run killed while writing, or "
-                      f"another format)")
+    assert err[0] == (f"note: {log}: 1 unreadable `s:` line(s) skipped (line 5; a run killed while "
+                      "writing, or another format)")
     assert err[1] == f"note: {log}: {drawn_out}" and len(err) == 2
     capsys.readouterr()
     assert plot.main([str(runs / "run_b"), "-o", str(runs / "b")]) == 0    # a clean log: no notes
@@ -80,8 +82,8 @@ def test_skipped_lines_and_undrawn_values_are_said(runs, capsys, yscale, drawn_o
 
 
 def test_a_failed_write_leaves_no_cut_off_plot(runs, capsys, monkeypatch):
-    """Each figure file is written whole or not at all: a full disk mid-write is one line naming the file, exit 1,
-    and no plot.png is left behind."""
+    """Each figure file is written whole or not at all: a full disk mid-write is one line naming the
+    file, exit 1, and no plot.png is left behind."""
     import errno
 
     from matplotlib.figure import Figure
@@ -100,12 +102,14 @@ def test_a_failed_write_leaves_no_cut_off_plot(runs, capsys, monkeypatch):
 def test_without_matplotlib_one_line_names_the_extra(runs, capsys, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
     assert plot.main([str(runs / "run_a"), "-o", str(runs / "x")]) == 2
-    assert capsys.readouterr().err == "error: plotting needs matplotlib: pip install 'gpt2np[plot]'\n"
+    assert (capsys.readouterr().err == "error: plotting needs matplotlib: pip install "
+                                       "'gpt2np[plot]'\n")
 
 
 def test_no_hellaswag_one_panel_and_labels(runs, capsys):
     out = runs / "one"
-    assert plot.main([str(runs / "run_b"), "-o", str(out), "--labels", "baseline", "--yscale", "linear"]) == 0
+    assert plot.main([str(runs / "run_b"), "-o", str(out), "--labels", "baseline", "--yscale",
+                      "linear"]) == 0
     text = (runs / "one.svg").read_text()
     assert "baseline train loss" in text and "HellaSwag eval" not in text
 

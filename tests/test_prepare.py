@@ -1,4 +1,5 @@
-"""Downloads (against a local HTTP server, never the network) and text -> token shard preparation."""
+"""Downloads (against a local HTTP server, never the network) and text -> token
+shard preparation."""
 import http.server
 import socket
 import sys
@@ -125,24 +126,30 @@ def test_ensure_uses_existing_file_and_knows_urls(tmp_path):
     assert fetch.STARTER_PACK_URL == "https://huggingface.co/datasets/karpathy/llmc-starter-pack/resolve/main/"
 
 
-def test_fetch_a_file_in_the_way_of_dir_is_one_line_before_any_download(tmp_path, capsys, monkeypatch):
+def test_fetch_a_file_in_the_way_of_dir_is_one_line_before_any_download(tmp_path, capsys,
+                                                                        monkeypatch):
     (tmp_path / "a.txt").write_text("x")
     monkeypatch.setattr(fetch, "download", lambda *a, **k: pytest.fail("downloaded"))
-    for argv, words in ((["--dir", str(tmp_path / "a.txt" / "sub")], ["--dir", "a.txt/sub", "a.txt is a file"]),
-                        (["tokenizer", "--dir", str(tmp_path / "a.txt")], ["--dir", "a.txt: is a file"]),
-                        (["hellaswag", "--dir", str(tmp_path / "a.txt")], ["--dir", "a.txt: is a file"])):
+    for argv, words in (
+            (["--dir", str(tmp_path / "a.txt" / "sub")], ["--dir", "a.txt/sub", "a.txt is a file"]),
+            (["tokenizer", "--dir", str(tmp_path / "a.txt")], ["--dir", "a.txt: is a file"]),
+            (["hellaswag", "--dir", str(tmp_path / "a.txt")], ["--dir", "a.txt: is a file"])):
         assert fetch_cli.main(argv) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("error: ") and all(w in err for w in words), err
+        assert (err.count("\n") == 1 and err.startswith("error: ")
+                and all(w in err for w in words)), err
 
 
 def test_a_failed_fetch_leaves_no_folder_it_made(server, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(fetch.KNOWN_FILES, "gpt2_tokenizer.bin", f"{server}/nothing")
-    assert fetch_cli.main(["tokenizer", "--dir", str(tmp_path / "new" / "sub"), "--timeout", "5"]) == 1
+    assert fetch_cli.main(["tokenizer", "--dir", str(tmp_path / "new" / "sub"), "--timeout",
+                           "5"]) == 1
     assert "404" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
-    monkeypatch.setitem(fetch.KNOWN_FILES, "gpt2_tokenizer.bin", f"{server}/file.bin")   # a success keeps it
-    assert fetch_cli.main(["tokenizer", "--dir", str(tmp_path / "new" / "sub"), "--timeout", "5"]) == 0
+    # a success keeps it
+    monkeypatch.setitem(fetch.KNOWN_FILES, "gpt2_tokenizer.bin", f"{server}/file.bin")
+    assert fetch_cli.main(["tokenizer", "--dir", str(tmp_path / "new" / "sub"), "--timeout",
+                           "5"]) == 0
     assert (tmp_path / "new" / "sub" / "gpt2_tokenizer.bin").read_bytes() == PAYLOAD
 
 
@@ -151,19 +158,22 @@ def test_a_failed_fetch_leaves_no_folder_it_made(server, tmp_path, capsys, monke
 
 @pytest.fixture(scope="module")
 def bytes_encoding():
-    """A toy byte-level encoding (token = byte, eot = 256): prepare tests without the GPT-2 files."""
-    return tiktoken.Encoding("bytes", pat_str=GPT2_PAT_STR, mergeable_ranks={bytes([b]): b for b in range(256)},
+    """A toy byte-level encoding (token = byte, eot = 256): prepare tests
+    without the GPT-2 files."""
+    return tiktoken.Encoding("bytes", pat_str=GPT2_PAT_STR,
+                             mergeable_ranks={bytes([b]): b for b in range(256)},
                              special_tokens={EOT_TEXT: 256})
 
 
 def test_crlf_text_gives_the_lf_texts_shards(tmp_path, bytes_encoding):
-    """Windows (CRLF) and old Mac (CR) line ends are read as text mode reads them: the same documents and tokens
-    as the LF file (llm.c's prepare scripts read text mode too)."""
+    """Windows (CRLF) and old Mac (CR) line ends are read as text mode reads them: the same
+    documents and tokens as the LF file (llm.c's prepare scripts read text mode too)."""
     text = "ab\n\nc d\n\n\nlast"
     shards = {}
     for name, newline in (("lf", "\n"), ("crlf", "\r\n"), ("cr", "\r")):
         (tmp_path / f"{name}.txt").write_bytes(text.replace("\n", newline).encode())
-        out = prepare.prepare_text(tmp_path / f"{name}.txt", tmp_path / name, name, 4, bytes_encoding)
+        out = prepare.prepare_text(tmp_path / f"{name}.txt", tmp_path / name, name, 4,
+                                   bytes_encoding)
         shards[name] = (read_shard(out.val).tolist(), read_shard(out.train).tolist())
     assert shards["crlf"] == shards["cr"] == shards["lf"]
 
@@ -171,8 +181,10 @@ def test_crlf_text_gives_the_lf_texts_shards(tmp_path, bytes_encoding):
 def test_prepare_small_text(tmp_path, bytes_encoding):
     text = "ab\n\nc d\n\n\nlast"
     (tmp_path / "small.txt").write_text(text)
-    shards = prepare.prepare_text(tmp_path / "small.txt", tmp_path / "out", "small", 4, bytes_encoding)
-    assert shards.val == tmp_path / "out" / "small_val.bin" and shards.train == tmp_path / "out" / "small_train.bin"
+    shards = prepare.prepare_text(tmp_path / "small.txt", tmp_path / "out", "small", 4,
+                                  bytes_encoding)
+    assert (shards.val == tmp_path / "out" / "small_val.bin"
+            and shards.train == tmp_path / "out" / "small_train.bin")
     # documents "ab\n\n", "c d\n\n", "\nlast", each after an eot (llm.c's tinyshakespeare layout)
     expected = [256, *b"ab\n\n", 256, *b"c d\n\n", 256, *b"\nlast"]
     assert read_shard(shards.val).tolist() == expected[:4]
@@ -196,18 +208,22 @@ def test_prepare_errors(tmp_path, bytes_encoding):
     one_line(e, "latin1.txt", "utf-8")
 
 
-def test_an_empty_or_too_short_text_is_refused_before_tokenizing(tmp_path, bytes_encoding, capsys, monkeypatch):
+def test_an_empty_or_too_short_text_is_refused_before_tokenizing(tmp_path, bytes_encoding, capsys,
+                                                                 monkeypatch):
     monkeypatch.setattr(prepare_cli, "get_encoding", lambda bpe_dir=None: bytes_encoding)
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.txt").write_text("\n\n  \n")
     (tmp_path / "short.txt").write_text("a" * 100 + "\n\n" + "b" * 100)       # at most 204 tokens
-    for name, words in (("empty.txt", ["empty.txt: empty"]), ("blank.txt", ["blank.txt: only whitespace"]),
+    for name, words in (("empty.txt", ["empty.txt: empty"]),
+                        ("blank.txt", ["blank.txt: only whitespace"]),
                         ("short.txt", ["short.txt: 202 bytes", "at most 204 tokens", "32769",
                                        "--val-tokens"])):
         val = ["--val-tokens", "32768"] if name == "short.txt" else []   # the default adapts
-        assert prepare_cli.main(["--input", str(tmp_path / name), "--output-dir", str(tmp_path / "out")] + val) == 2
+        assert prepare_cli.main(["--input", str(tmp_path / name), "--output-dir",
+                                 str(tmp_path / "out")] + val) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "tokenizing" not in err and all(w in err for w in words), err
+        assert (err.count("\n") == 1 and "tokenizing" not in err
+                and all(w in err for w in words)), err
     assert not (tmp_path / "out").exists()
     assert prepare_cli.main(["--input", str(tmp_path / "short.txt"), "--output-dir", str(tmp_path / "out"),
                          "--val-tokens", "200"]) == 0       # 204 tokens: a training split is left
@@ -253,7 +269,8 @@ def test_a_small_text_gets_a_smaller_val_split_with_a_note(tmp_path, bytes_encod
     (["--workers", "2"], ["--workers 2", "not tinyshakespeare"]),
     (["--dir", "cache"], ["--dir cache", "not tinyshakespeare"]),
     (["fineweb", "--val-tokens", "5"], ["--val-tokens 5", "fineweb's val split is its shard 0"]),
-    (["tinystories", "--source", "x.jsonl", "--dir", "cache"], ["--dir cache", "not used with --source x.jsonl"]),
+    (["tinystories", "--source", "x.jsonl", "--dir", "cache"],
+     ["--dir cache", "not used with --source x.jsonl"]),
 ])
 def test_flags_that_mean_nothing_here_are_refused(argv, words, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -265,22 +282,25 @@ def test_flags_that_mean_nothing_here_are_refused(argv, words, tmp_path, capsys,
 
 def test_a_file_in_the_way_of_output_dir_is_one_line(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("x")
-    assert prepare_cli.main(["--input", str(tmp_path / "a.txt"), "--output-dir", str(tmp_path / "a.txt" / "o")]) == 2
+    assert prepare_cli.main(["--input", str(tmp_path / "a.txt"), "--output-dir",
+                             str(tmp_path / "a.txt" / "o")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--output-dir" in err and "a.txt is a file" in err, err
 
 
-def test_a_failed_tinyshakespeare_download_leaves_no_folder_it_made(server, tmp_path, capsys, monkeypatch,
-                                                                     bytes_encoding):
+def test_a_failed_tinyshakespeare_download_leaves_no_folder_it_made(server, tmp_path, capsys,
+                                                                    monkeypatch, bytes_encoding):
     monkeypatch.setattr(prepare_cli, "get_encoding", lambda bpe_dir=None: bytes_encoding)
     monkeypatch.setattr(prepare, "find_tinyshakespeare", lambda: None)
     monkeypatch.setattr(prepare, "TINYSHAKESPEARE_URL", f"{server}/nothing")
-    assert prepare_cli.main(["tinyshakespeare", "--output-dir", str(tmp_path / "new" / "data")]) == 2
+    assert prepare_cli.main(["tinyshakespeare", "--output-dir",
+                             str(tmp_path / "new" / "data")]) == 2
     assert "404" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
-def test_prepare_tinyshakespeare_downloads_when_no_local_copy(server, tmp_path, monkeypatch, bytes_encoding):
+def test_prepare_tinyshakespeare_downloads_when_no_local_copy(server, tmp_path, monkeypatch,
+                                                              bytes_encoding):
     monkeypatch.setattr(prepare, "find_tinyshakespeare", lambda: None)
     monkeypatch.setattr(prepare, "TINYSHAKESPEARE_URL", f"{server}/input.txt")
     shards = prepare.prepare_tinyshakespeare(tmp_path, val_tokens=1000, encoding=bytes_encoding)
@@ -298,13 +318,13 @@ def gpt2(data_dir):
 
 def test_prepare_cli(tmp_path, data_dir, gpt2, capsys):
     (tmp_path / "doc.txt").write_text("Hello world\n\nHello again, world.\n")
-    rc = prepare_cli.main(["--input", str(tmp_path / "doc.txt"), "--output-dir", str(tmp_path / "o"),
-                       "--val-tokens", "3", "--bpe-dir", str(data_dir)])
+    rc = prepare_cli.main(["--input", str(tmp_path / "doc.txt"), "--output-dir",
+                           str(tmp_path / "o"), "--val-tokens", "3", "--bpe-dir", str(data_dir)])
     assert rc == 0
     assert read_shard(tmp_path / "o" / "doc_val.bin").tolist() == [50256, 15496, 995]
     assert "doc_train.bin" in capsys.readouterr().out
-    rc = prepare_cli.main(["--input", str(tmp_path / "missing.txt"), "--output-dir", str(tmp_path / "o"),
-                       "--bpe-dir", str(data_dir)])
+    rc = prepare_cli.main(["--input", str(tmp_path / "missing.txt"), "--output-dir",
+                           str(tmp_path / "o"), "--bpe-dir", str(data_dir)])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "missing.txt" in err
 
@@ -321,9 +341,11 @@ def test_prepare_tinyshakespeare(tmp_path, data_dir, gpt2, monkeypatch):
     assert len(val) == 32768 and len(train) == 305260   # llm.c's counts for tinyshakespeare
     assert val[:4].tolist() == [50256, 5962, 22307, 25]   # <|endoftext|>First Citizen:
     tokens = np.concatenate([val, train])
-    assert (tokens == 50256).sum() == len((data_dir / "tinyshakespeare.txt").read_text().split("\n\n"))
+    assert ((tokens == 50256).sum()
+            == len((data_dir / "tinyshakespeare.txt").read_text().split("\n\n")))
     decoded = load_tokenizer_bin(shards.tokenizer).decode(tokens)
-    assert decoded.replace(EOT_TEXT, "") == (data_dir / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    assert (decoded.replace(EOT_TEXT, "")
+            == (data_dir / "tinyshakespeare.txt").read_text(encoding="utf-8"))
 
 
 def test_fetch_and_prepare_write_into_the_current_folder_where_train_looks(

@@ -1,4 +1,5 @@
-"""The built-in profiler attributes every launch of a step to its layer, direction, op and module."""
+"""The built-in profiler attributes every launch of a step to its layer,
+direction, op and module."""
 import json
 import re
 from collections import Counter
@@ -33,8 +34,8 @@ def prof():
 def test_one_record_per_op_launch_with_attribution(prof):
     step = [r for r in prof.records if r.step == 2]
     L = CFG.num_layers
-    # forward: encoder + 10 per layer + ln_f + lm_head + classifier; backward: 2 + 8 per layer + encoder;
-    # update: the norm + one AdamW per tensor
+    # forward: encoder + 10 per layer + ln_f + lm_head + classifier; backward: 2 + 8 per layer +
+    # encoder; update: the norm + one AdamW per tensor
     assert len(step) == (1 + 10 * L + 3) + (2 + 8 * L + 1) + (1 + 16)
     assert [r.idx for r in prof.records] == list(range(len(prof.records)))
     dirs = Counter(r.direction for r in step)
@@ -42,8 +43,8 @@ def test_one_record_per_op_launch_with_attribution(prof):
     for l in range(L):
         fwd = [r.op for r in step if r.layer == l and r.direction == "fprop"]
         assert fwd == ["layernorm_forward", "matmul_forward", "attention_forward", "matmul_forward",
-                       "residual_forward", "layernorm_forward", "matmul_forward", "gelu_forward", "matmul_forward",
-                       "residual_forward"]
+                       "residual_forward", "layernorm_forward", "matmul_forward", "gelu_forward",
+                       "matmul_forward", "residual_forward"]
         mods = [r.module for r in step if r.layer == l and r.direction == "bprop"]
         assert mods == [f"h.{l}.mlp.c_proj", f"h.{l}.mlp.gelu", f"h.{l}.mlp.c_fc", f"h.{l}.ln_2",
                         f"h.{l}.attn.c_proj", f"h.{l}.attn", f"h.{l}.attn.c_attn", f"h.{l}.ln_1"]
@@ -57,16 +58,17 @@ def test_one_record_per_op_launch_with_attribution(prof):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("math", ["exact", "fast"])
 def test_attention_flops_are_what_the_backend_computes(math, precision):
-    """The exact path's batched GEMMs compute the whole (T,T) square of q k^T, att v and their gradients; the fast
-    path's kernels the causal half only (the bf16 reference runs the same fp32 ops): the records' FLOPs say which
-    (a FLOP rate read off them is then true)."""
+    """The exact path's batched GEMMs compute the whole (T,T) square of q k^T, att v and their
+    gradients; the fast path's kernels the causal half only (the bf16 reference runs the same fp32
+    ops): the records' FLOPs say which (a FLOP rate read off them is then true)."""
     from gpt2np.backends import get_backend
     backend = get_backend("numpy", precision, threads=1, math=math)
     if backend.math != math:
         pytest.skip("no C compiler: the fast path is off")
     result = profile_steps(GPT2(CFG, backend, B, T, seed=0), batches()[:1], steps=1)
     NH, HS = CFG.num_heads, CFG.channels // CFG.num_heads
-    products = B * NH * (T * T if math == "exact" else T * (T + 1) // 2) * 2 * HS    # one (T,T)-sized product
+    # one (T,T)-sized product
+    products = B * NH * (T * T if math == "exact" else T * (T + 1) // 2) * 2 * HS
     rows = B * NH * T
     for op, count, softmax in (("attention_forward", 2, 5), ("attention_backward", 4, 4)):
         rec = next(r for r in result.records if r.op == op)
@@ -105,22 +107,27 @@ def test_cuda_backend_records_every_kernel_and_gemm_on_the_emulator():
     assert ("fprop", 1, "attention_forward") in ops and ("bprop", 0, "layernorm_backward") in ops
     attn = [r for r in step if r.module == "h.1.attn" and r.direction == "fprop"]
     kernels = [r.kernel for r in attn]
-    # permute -> cuBLAS QK^T -> causal softmax -> cuBLAS att.V -> unpermute, all attributed to layer 1's attention
+    # permute -> cuBLAS QK^T -> causal softmax -> cuBLAS att.V -> unpermute, all attributed
+    # to layer 1's attention
     assert kernels[0] == "permute_qkv" and kernels[-1] == "unpermute"
     assert sum("cublasSgemm" in k for k in kernels) == 2 and "causal_softmax_forward" in kernels
-    gemm = next(r for r in step if r.module == "h.0.mlp.c_fc" and r.direction == "fprop" and "cublas" in r.kernel)
-    assert gemm.flops == 2 * B * T * 16 * 64 + 11 * B * T * 64       # + its epilogue's bias and GELU per output
+    gemm = next(r for r in step
+                if r.module == "h.0.mlp.c_fc" and r.direction == "fprop" and "cublas" in r.kernel)
+    # + its epilogue's bias and GELU per output
+    assert gemm.flops == 2 * B * T * 16 * 64 + 11 * B * T * 64
     assert all(r.duration_ns > 0 for r in step)
     assert all(r.range_stack[0] == "Train step 1" for r in step)
 
 
 def test_cpu_roofline_is_measured_and_fills_bound_and_percent_of_peak(monkeypatch):
-    """On the numpy backend the profiler's roofline is measured where it runs (a GEMM's FLOP/s, an in-place add's
-    GB/s), named as measured, so the tables get a bound and a % of peak as on a GPU."""
+    """On the numpy backend the profiler's roofline is measured where it runs (a GEMM's FLOP/s, an
+    in-place add's GB/s), named as measured, so the tables get a bound and a % of
+    peak as on a GPU."""
     from gpt2np.profiling import cpu_roof
     from gpt2np.profiling.profiler import device_roofline
     from gpt2np.profiling.render.report import classify
-    monkeypatch.setattr(cpu_roof, "GEMM_SIZE", 64)              # small: the test checks the plumbing, not speed
+    # small: the test checks the plumbing, not speed
+    monkeypatch.setattr(cpu_roof, "GEMM_SIZE", 64)
     monkeypatch.setattr(cpu_roof, "STREAM_BYTES", 1 << 20)
     roof = device_roofline(NumpyBackend(threads=2))
     assert roof.device.startswith("cpu (2 threads; measured now: GEMM ") and " GB/s)" in roof.device
@@ -188,8 +195,9 @@ def test_the_cpu_bandwidth_is_the_best_over_array_sizes_and_a_gpu_roof_is_never_
 
 @pytest.fixture(scope="module")
 def emu_fused():
-    """One step on the emulated CUDA path with the GPU's fused ops (residual + LayerNorm in one kernel), 3 layers
-    (a first, a middle and a last one) and maxT > T (encoder_backward zeroes dwpe[T:])."""
+    """One step on the emulated CUDA path with the GPU's fused ops (residual + LayerNorm in one
+    kernel), 3 layers (a first, a middle and a last one) and maxT > T (encoder_backward
+    zeroes dwpe[T:])."""
     from gpt2np.backends import get_backend
     cfg = GPT2Config(32, 100, 128, 3, 2, 16)
     model = GPT2(cfg, get_backend("emu"), B, T, seed=0)
@@ -199,9 +207,10 @@ def emu_fused():
 
 
 def test_a_fused_op_belongs_to_the_layer_of_the_module_it_computes(emu_fused):
-    """The fused residual + LayerNorm that ends "Layer l" (llm.c's range tree) computes h.{l+1}.ln_1, or ln_f after
-    the last layer: its launches count in that module's layer (ln_f's outside the layers, as the numpy backend's
-    unfused ln_f), so every layer has the same launches and the per-layer view and the module tree agree."""
+    """The fused residual + LayerNorm that ends "Layer l" (llm.c's range tree) computes
+    h.{l+1}.ln_1, or ln_f after the last layer: its launches count in that module's layer (ln_f's
+    outside the layers, as the numpy backend's unfused ln_f), so every layer has the same launches
+    and the per-layer view and the module tree agree."""
     from gpt2np.profiling.render.report import layer_rows, module_tree
     cfg, step = emu_fused
     L = cfg.num_layers
@@ -210,7 +219,8 @@ def test_a_fused_op_belongs_to_the_layer_of_the_module_it_computes(emu_fused):
         inside = re.match(r"h\.(\d+)\.", r.module)
         assert r.layer == (int(inside.group(1)) if inside else -1), (r.module, r.layer, r.op)
     fused = [r for r in kernels if r.op == "fused_residual_layernorm_forward"]
-    assert [r.module for r in fused] == [m for l in range(L) for m in (f"h.{l}.ln_2", f"h.{l + 1}.ln_1")][:-1] + [
+    assert [r.module for r in fused] == [m for l in range(L)
+                                         for m in (f"h.{l}.ln_2", f"h.{l + 1}.ln_1")][:-1] + [
         "ln_f"]
     assert fused[-1].range_stack[-2] == f"Layer {L - 1}" and fused[-1].layer == -1
     per_layer = Counter(r.layer for r in kernels if r.layer >= 0)
@@ -226,13 +236,15 @@ def test_a_fused_op_belongs_to_the_layer_of_the_module_it_computes(emu_fused):
         else:
             launches, ns = nodes[f"h.{layer}"].calls, nodes[f"h.{layer}"].time()
         assert row[names.index("launches")] == launches, (layer, row)
-        assert ns == sum(r.duration_ns for r in kernels if r.layer == (-1 if layer == "-" else layer))
+        assert ns == sum(r.duration_ns for r in kernels
+                         if r.layer == (-1 if layer == "-" else layer))
     assert sum(row[names.index("launches")] for row in rows) == nodes[""].calls == len(kernels)
 
 
 def test_encoder_backward_counts_the_zeroed_rows_of_dwpe_as_wpe(emu_fused):
-    """Without accumulate (the first micro-batch after zero_grad) encoder_backward zeroes dwpe[T:]: a launch that
-    carries its writes as a term of the op's cost, in module wpe (not a memset outside the op's kernels, in wte)."""
+    """Without accumulate (the first micro-batch after zero_grad) encoder_backward zeroes dwpe[T:]:
+    a launch that carries its writes as a term of the op's cost, in module wpe (not a memset outside
+    the op's kernels, in wte)."""
     cfg, step = emu_fused
     C, maxT = cfg.channels, cfg.max_seq_len
     enc = [r for r in step if r.op == "encoder_backward"]
@@ -245,8 +257,9 @@ def test_encoder_backward_counts_the_zeroed_rows_of_dwpe_as_wpe(emu_fused):
 
 
 def test_profile_defaults_to_train_pys_recompute(monkeypatch, tmp_path, capsys):
-    """profile without -r builds the model with train.py's -r default on that device (config.TrainConfig: 0 on the
-    CPU and on a GPU), as its help says and as --plan does (plan_step's default)."""
+    """profile without -r builds the model with train.py's -r default on that device
+    (config.TrainConfig: 0 on the CPU and on a GPU), as its help says and as --plan does
+    (plan_step's default)."""
     import inspect
 
     from gpt2np.config import TrainConfig
@@ -269,8 +282,10 @@ def test_profile_defaults_to_train_pys_recompute(monkeypatch, tmp_path, capsys):
     devices = ("emu", "cpu")
     for device in devices:
         with pytest.raises(Stop):
-            profile_cli.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--out", str(tmp_path)])
-    train = {name: TrainConfig().with_device_defaults(device_traits(name)).recompute for name in ("cuda", "emu", "cpu")}
+            profile_cli.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--out",
+                              str(tmp_path)])
+    train = {name: TrainConfig().with_device_defaults(device_traits(name)).recompute
+             for name in ("cuda", "emu", "cpu")}
     assert built == [train[d] for d in devices] and train == {"cuda": 0, "emu": 0, "cpu": 0}
     assert inspect.signature(planner.plan_step).parameters["recompute"].default == train["cuda"]
     assert planner.GPU_RECOMPUTE == train["cuda"]
@@ -280,10 +295,11 @@ def test_profile_defaults_to_train_pys_recompute(monkeypatch, tmp_path, capsys):
 
 
 def test_a_measured_profile_runs_at_train_pys_precision(monkeypatch, tmp_path, capsys):
-    """Without --plan the profiler builds its backend at the precision train.py trains in on that device
-    (backends.resolve_precision: tf32 on a GPU with tensor cores), or at --precision; a precision the device has no
-    implementation of is one line. The GPU is a stand-in: resolve_precision asks it for its compute capability, and
-    get_backend builds the emulator at the precision asked."""
+    """Without --plan the profiler builds its backend at the precision train.py trains in on that
+    device (backends.resolve_precision: tf32 on a GPU with tensor cores), or at --precision; a
+    precision the device has no implementation of is one line. The GPU is a stand-in:
+    resolve_precision asks it for its compute capability, and get_backend builds the emulator at
+    the precision asked."""
     import gpt2np.backends as backends
     from gpt2np.formats.checkpoint import save_model
     from gpt2np.profiling import profiler
@@ -314,36 +330,40 @@ def test_a_measured_profile_runs_at_train_pys_precision(monkeypatch, tmp_path, c
         asked.clear()
         built.clear()
         with pytest.raises(Stop):
-            profile_cli.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--out", str(tmp_path),
-                              *(("--precision", *precision) if precision else ())])
+            profile_cli.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--out",
+                              str(tmp_path), *(("--precision", *precision) if precision else ())])
         assert len(asked) == 1 and asked[0][1] == built[0]
         return built[0]
 
-    assert profile("cuda") == "tf32" == backends.resolve_precision("cuda")[0]      # what train.py trains in
+    # what train.py trains in
+    assert profile("cuda") == "tf32" == backends.resolve_precision("cuda")[0]
     assert [profile("cuda", p) for p in ("fp32", "bf16", "tf32")] == ["fp32", "bf16", "tf32"]
     assert profile("emu") == "fp32" and profile("emu", "tf32") == "tf32"
     assert profile("cpu") == "fp32" and profile("cpu", "bf16") == "bf16"
-    capability[0] = 75                                 # no TF32 tensor cores: fp32, as train.py, with its note
+    # no TF32 tensor cores: fp32, as train.py, with its note
+    capability[0] = 75
     capsys.readouterr()
     assert profile("cuda") == "fp32" and profile("cuda", "tf32") == "fp32"
     assert "note: this GPU (sm_75) has no TF32 tensor cores" in capsys.readouterr().err
-    for device, precision, words in (("cpu", "tf32", ["--precision tf32: --device cpu has no tf32, only fp32 or bf16"]),
-                                     ("cuda", "bf16", ["--precision bf16", "sm_75", "no bf16 tensor cores"])):
-        assert profile_cli.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device, "--precision",
-                                 precision, "--out", str(tmp_path)]) == 2
+    for device, precision, words in (
+            ("cpu", "tf32", ["--precision tf32: --device cpu has no tf32, only fp32 or bf16"]),
+            ("cuda", "bf16", ["--precision bf16", "sm_75", "no bf16 tensor cores"])):
+        assert profile_cli.main(["-e", str(path), "-b", "1", "-t", "8", "--device", device,
+                                 "--precision", precision, "--out", str(tmp_path)]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), err
+        assert (err.startswith("error: ") and err.count("\n") == 1
+                and all(w in err for w in words)), err
 
 
 def test_the_views_say_the_precision_the_run_computed_in(tmp_path, capsys):
-    """The GPU activities, cuda_gpu_kern_sum and kernel table titles say the precision of the profiled run (the
-    cuBLAS kernel names do too, but only on a GPU)."""
+    """The GPU activities, cuda_gpu_kern_sum and kernel table titles say the precision of the
+    profiled run (the cuBLAS kernel names do too, but only on a GPU)."""
     from gpt2np.formats.checkpoint import save_model
 
     path = tmp_path / "tiny.bin"
     save_model(path, CFG, GPT2(CFG, NumpyBackend(threads=1), 1, 8, seed=0).params_host())
-    assert profile_cli.main(["-e", str(path), "-b", "1", "-t", "8", "--device", "emu", "--precision", "tf32",
-                             "--out", str(tmp_path / "out"),
+    assert profile_cli.main(["-e", str(path), "-b", "1", "-t", "8", "--device", "emu",
+                             "--precision", "tf32", "--out", str(tmp_path / "out"),
                              "--views", "gpu_activities,cuda_gpu_kern_sum,kernels"]) == 0
     titles = [line for line in capsys.readouterr().out.splitlines()
               if line.startswith(("GPU activities", "cuda_gpu_kern_sum", "Kernels of"))]

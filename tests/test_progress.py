@@ -1,5 +1,6 @@
-"""Progress of long jobs: a bar redrawn in place on a terminal, plain lines elsewhere (a line every `every`
-seconds and the last), nothing under GPT2NP_PROGRESS=off, and no line at all for a job that fails."""
+"""Progress of long jobs: a bar redrawn in place on a terminal, plain lines elsewhere (a line every
+`every` seconds and the last), nothing under GPT2NP_PROGRESS=off, and no line at all for
+a job that fails."""
 import io
 import sys
 
@@ -96,8 +97,8 @@ def test_off_and_the_environment_override(clock, monkeypatch):
 
 
 def test_long_validation_in_training_shows_progress(capsys):
-    """The trainer's validation shows progress lines when it is long (LONG_VALIDATION batches or more), and
-    says nothing for the usual few batches."""
+    """The trainer's validation shows progress lines when it is long (LONG_VALIDATION batches or
+    more), and says nothing for the usual few batches."""
     from gpt2np.train import evaluate
 
     class Loader:
@@ -117,7 +118,8 @@ def test_long_validation_in_training_shows_progress(capsys):
             return 1.0
 
     assert evaluate.val_loss(Model(), Loader(), max_batches=-1) == 1.0
-    assert f"val: {evaluate.LONG_VALIDATION}/{evaluate.LONG_VALIDATION} batch" in capsys.readouterr().err
+    assert (f"val: {evaluate.LONG_VALIDATION}/{evaluate.LONG_VALIDATION} batch"
+            in capsys.readouterr().err)
     assert evaluate.val_loss(Model(), Loader(), max_batches=5) == 1.0
     assert evaluate.val_loss(Model(), Loader(), max_batches=-1, show_progress=False) == 1.0
     assert capsys.readouterr().err == ""

@@ -39,7 +39,8 @@ def random_batch(cfg, seed=1, b=B, t=T):
 
 
 def naive_forward(flat, cfg, x, y):
-    """GPT-2 one position, one head, one key at a time, in float64 NumPy -> (logits (B,T,V), loss)."""
+    """GPT-2 one position, one head, one key at a time, in float64 NumPy ->
+    (logits (B,T,V), loss)."""
     p = views(flat, param_shapes(cfg))
     C, NH, V = cfg.channels, cfg.num_heads, cfg.vocab_size
     HS = C // NH
@@ -57,7 +58,8 @@ def naive_forward(flat, cfg, x, y):
     for b in range(nb):
         h = [p["wte"][x[b, t]] + p["wpe"][t] for t in range(nt)]
         for l in range(cfg.num_layers):
-            qkv = [p["qkvw"][l] @ ln(h[t], p["ln1w"][l], p["ln1b"][l]) + p["qkvb"][l] for t in range(nt)]
+            qkv = [p["qkvw"][l] @ ln(h[t], p["ln1w"][l], p["ln1b"][l]) + p["qkvb"][l]
+                   for t in range(nt)]
             for t in range(nt):
                 atty = np.zeros(C)
                 for hd in range(NH):
@@ -154,11 +156,13 @@ def test_float32_agrees_with_float64():
     assert o32.logits.dtype == np.float32 and o32.grads["qkvw"].dtype == np.float32
     assert np.abs(o32.logits - o64.logits).max() <= 1e-5 * np.abs(o64.logits).max()
     for name in PARAM_NAMES:
-        assert np.abs(o32.grads[name] - o64.grads[name]).max() <= 1e-5 * np.abs(o64.grads[name]).max()
+        assert (np.abs(o32.grads[name] - o64.grads[name]).max()
+                <= 1e-5 * np.abs(o64.grads[name]).max())
 
 
 def llmc_adamw_numpy(flat, grads_flat, m, v, t, lr, b1, b2, eps, wd, grad_scale):
-    """llm.c's AdamW over the flat buffer, in NumPy (the per-tensor weight decay set by the caller)."""
+    """llm.c's AdamW over the flat buffer, in NumPy (the per-tensor weight decay
+    set by the caller)."""
     g = grads_flat * grad_scale
     m[:] = b1 * m + (1 - b1) * g
     v[:] = b2 * v + (1 - b2) * g * g

@@ -1,4 +1,5 @@
-"""gpt2np.profiling.render.report and .gpu_specs: roofline numbers, tables, module tree, range summaries, files."""
+"""gpt2np.profiling.render.report and .gpu_specs: roofline numbers, tables, module tree, range
+summaries, files."""
 import builtins
 import csv
 import json
@@ -20,13 +21,13 @@ from gpt2np.tensors import num_parameters
 
 
 @pytest.mark.parametrize("name, entry", [
-    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
-    ("NVIDIA H200", "H200 SXM"), ("NVIDIA A100-SXM4-40GB", "A100 40GB"), ("NVIDIA A100-SXM4-80GB", "A100 80GB SXM"),
+    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"),
+    ("NVIDIA H100 NVL", "H100 NVL"), ("NVIDIA H200", "H200 SXM"),
+    ("NVIDIA A100-SXM4-40GB", "A100 40GB"), ("NVIDIA A100-SXM4-80GB", "A100 80GB SXM"),
     ("NVIDIA A100 80GB PCIe", "A100 80GB PCIe"), ("Tesla V100-SXM2-16GB", "V100 SXM2"),
     ("Tesla V100-PCIE-32GB", "V100 PCIe"), ("NVIDIA L4", "L4"), ("NVIDIA A10", "A10"),
     ("NVIDIA GeForce RTX 3090", "RTX 3090"), ("NVIDIA GeForce RTX 4090", "RTX 4090"),
-    ("NVIDIA GeForce RTX 4070 Ti", "RTX 4070 Ti"), ("cpu", "cpu"),
-])
+    ("NVIDIA GeForce RTX 4070 Ti", "RTX 4070 Ti"), ("cpu", "cpu"),])
 def test_lookup_by_name_fragment(name, entry):
     assert gpu_specs.lookup(name).name == entry
 
@@ -80,13 +81,15 @@ def test_flops_per_token_and_mfu():
 # ---------------------------------------------------------------------------------------------
 # records and the roofline classification
 
-ROOF = Roofline("test GPU", peak_flops=10e12, peak_bw=1e12, matmul_peak_flops=100e12)   # ridges 10 and 100
+# ridges 10 and 100
+ROOF = Roofline("test GPU", peak_flops=10e12, peak_bw=1e12, matmul_peak_flops=100e12)
 
 
-def rec(idx, op="layernorm_forward", module="h.0.ln_1", direction="fprop", layer=0, step=1, kernel="k",
-        start=None, dur=1000, flops=0, nbytes=0, stack=()):
+def rec(idx, op="layernorm_forward", module="h.0.ln_1", direction="fprop", layer=0, step=1,
+        kernel="k", start=None, dur=1000, flops=0, nbytes=0, stack=()):
     return KernelRecord(idx=idx, step=step, direction=direction, layer=layer, op=op, module=module,
-                        params="B=4,T=64,C=768", kernel=kernel, start_ns=idx * 10_000 if start is None else start,
+                        params="B=4,T=64,C=768", kernel=kernel,
+                        start_ns=idx * 10_000 if start is None else start,
                         duration_ns=dur, flops=flops, bytes=nbytes, range_stack=tuple(stack))
 
 
@@ -95,7 +98,8 @@ def test_derived_rates():
     assert r.gflops_per_s == pytest.approx(2000.0) and r.gbytes_per_s == pytest.approx(50.0)
     assert r.intensity == pytest.approx(40.0) and r.end_ns == r.start_ns + 1_000_000
     unknown = rec(1)
-    assert unknown.gflops_per_s is None and unknown.gbytes_per_s is None and unknown.intensity is None
+    assert (unknown.gflops_per_s is None and unknown.gbytes_per_s is None
+            and unknown.intensity is None)
     assert rec(2, layer=-1).layer_index is None and rec(3, layer=None).layer_index is None
 
 
@@ -105,8 +109,10 @@ def test_classify_compute_and_memory_bound():
     # intensity 0.01: memory bound, 1e11 B/s of 1e12 = 10%
     assert report.classify(10**6, 10**8, 10**6, ROOF) == ("memory", pytest.approx(10.0))
     # a GEMM is held to the matmul ceiling: intensity 50 < ridge 100 -> memory bound
-    assert report.classify(5 * 10**8, 10**7, 10**6, ROOF, is_gemm=True) == ("memory", pytest.approx(1.0))
-    assert report.classify(2 * 10**10, 10**7, 10**6, ROOF, is_gemm=True) == ("compute", pytest.approx(20.0))
+    assert (report.classify(5 * 10**8, 10**7, 10**6, ROOF, is_gemm=True)
+            == ("memory", pytest.approx(1.0)))
+    assert (report.classify(2 * 10**10, 10**7, 10**6, ROOF, is_gemm=True)
+            == ("compute", pytest.approx(20.0)))
     # no bytes at all: infinitely intense
     assert report.classify(10**9, 0, 10**6, ROOF)[0] == "compute"
     # unknown work or roofline
@@ -151,7 +157,8 @@ def test_kernel_table_rows():
                                "layernorm_forward_kernel", "1000.00", "1G", "10M", "1000.0", "10.0",
                                "100.00", "compute", "10.0%"]
     assert cells(table, 1)[-2:] == ["compute", "20.0%"]
-    assert cells(table, "total") == ["total", "2", "launches", "2000.00", "21G", "20M", "10500.0", "10.0"]
+    assert cells(table, "total") == ["total", "2", "launches", "2000.00", "21G", "20M",
+                                     "10500.0", "10.0"]
     assert "  2  " not in table             # step 2 left out
 
 
@@ -180,27 +187,30 @@ def test_select_step():
 def test_layer_and_op_tables():
     records = [rec(0, dur=1000, flops=10**6, nbytes=10**6),
                rec(1, direction="bprop", op="layernorm_backward", dur=3000),
-               rec(2, layer=1, dur=2000), rec(3, layer=None, op="adamw", module="optimizer", direction="update",
-                                                 dur=4000, flops=10, nbytes=100)]
+               rec(2, layer=1, dur=2000), rec(3, layer=None, op="adamw", module="optimizer",
+                                              direction="update", dur=4000, flops=10, nbytes=100)]
     layers = report.layer_table(records)
     assert cells(layers, "-") == ["-", "0.00", "0.00", "4.00", "4.00", "40.0", "1"]
     assert cells(layers, "0") == ["0", "1.00", "3.00", "0.00", "4.00", "40.0", "2"]
     assert cells(layers, "1") == ["1", "2.00", "0.00", "0.00", "2.00", "20.0", "1"]
     ops = report.op_table(records, ROOF)
     rows = [line.split()[:2] for line in ops.splitlines()[3:]]
-    assert rows == [["adamw", "update"], ["layernorm_forward", "fprop"], ["layernorm_backward", "bprop"]]
+    assert rows == [["adamw", "update"], ["layernorm_forward", "fprop"],
+                    ["layernorm_backward", "bprop"]]
     # layernorm_forward: 2 launches, 3 us, 1e6 FLOP and 1e6 bytes in 3000 ns
-    assert cells(ops, "layernorm_forward") == ["layernorm_forward", "fprop", "2", "3.00", "30.0", "1.50",
-                                               "333.3", "333.3", "memory", "33.3%"]
+    assert cells(ops, "layernorm_forward") == ["layernorm_forward", "fprop", "2", "3.00", "30.0",
+                                               "1.50", "333.3", "333.3", "memory", "33.3%"]
 
 
 def test_nsys_style_summaries():
-    ranges = [("Layer 0", 0, 100), ("Layer 0", 1000, 1200), ("Layer 0", 5000, 5600), ("gpt2_forward", 0, 2100)]
+    ranges = [("Layer 0", 0, 100), ("Layer 0", 1000, 1200), ("Layer 0", 5000, 5600),
+              ("gpt2_forward", 0, 2100)]
     table = report.range_table(ranges)
     assert table.splitlines()[1].split()[:3] == ["Time", "(%)", "Total"]
     # gpt2_forward first (2100 ns of 3000 = 70%), then Layer 0: 100, 200, 600 ns
-    assert table.splitlines()[3].split() == ["70.0", "2,100", "1", "2,100.0", "2,100.0", "2,100", "2,100", "0.0",
-                                             "gpt2_forward"]                   # nsys's thousands separators
+    assert table.splitlines()[3].split() == ["70.0", "2,100", "1", "2,100.0", "2,100.0", "2,100",
+                                             # nsys's thousands separators
+                                             "2,100", "0.0", "gpt2_forward"]
     assert cells(table, "30.0") == ["30.0", "900", "3", "300.0", "200.0", "100", "600",
                                     f"{math.sqrt(70000):.1f}", "Layer", "0"]
     kernels = report.kernel_summary_table([rec(0, kernel="a", dur=10), rec(1, kernel="b", dur=40),
@@ -213,10 +223,14 @@ def test_ranges_from_records():
     S, F = "Train step 1", "gpt2_forward"
     records = [
         rec(0, start=0, dur=10, stack=(S, F, "encoder_forward"), module="wte"),
-        rec(1, start=20, dur=10, stack=(S, F, "Layer 0", "matmul_forward"), module="h.0.attn.c_attn"),
-        rec(2, start=40, dur=10, stack=(S, F, "Layer 0", "matmul_forward"), module="h.0.attn.c_attn"),
-        rec(3, start=60, dur=10, stack=(S, F, "Layer 0", "matmul_forward"), module="h.0.attn.c_proj"),
-        rec(4, start=80, dur=10, stack=(S, F, "Layer 1", "matmul_forward"), module="h.1.attn.c_attn"),
+        rec(1, start=20, dur=10,
+            stack=(S, F, "Layer 0", "matmul_forward"), module="h.0.attn.c_attn"),
+        rec(2, start=40, dur=10, stack=(S, F, "Layer 0", "matmul_forward"),
+            module="h.0.attn.c_attn"),
+        rec(3, start=60, dur=10, stack=(S, F, "Layer 0", "matmul_forward"),
+            module="h.0.attn.c_proj"),
+        rec(4, start=80, dur=10, stack=(S, F, "Layer 1", "matmul_forward"),
+            module="h.1.attn.c_attn"),
         rec(5, start=100, dur=10, stack=(S, "gpt2_update", "adamw"), module="optimizer"),
         rec(6, start=200, dur=10, stack=(), module=""),
         rec(7, start=300, dur=10, stack=("Train step 2",), module="optimizer"),
@@ -225,8 +239,8 @@ def test_ranges_from_records():
         (S, 0, 110), (F, 0, 90), ("encoder_forward", 0, 10), ("Layer 0", 20, 70),
         ("matmul_forward", 20, 50),          # two launches of one call (same module)
         ("matmul_forward", 60, 70),          # the next call, back to back: a new instance
-        ("Layer 1", 80, 90), ("matmul_forward", 80, 90), ("gpt2_update", 100, 110), ("adamw", 100, 110),
-        ("Train step 2", 300, 310)]
+        ("Layer 1", 80, 90), ("matmul_forward", 80, 90), ("gpt2_update", 100, 110),
+        ("adamw", 100, 110), ("Train step 2", 300, 310)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,14 +250,16 @@ def test_module_tree_structure_and_sums():
     records = [rec(0, op="encoder_forward", module="wte", layer=None, dur=100),
                rec(1, module="h.1.ln_1", layer=1, dur=200),
                rec(2, op="attention_forward", module="h.1.attn", layer=1, dur=300),
-               rec(3, op="attention_backward", module="transformer.h.1.attn", layer=1, direction="bprop", dur=600),
+               rec(3, op="attention_backward", module="transformer.h.1.attn", layer=1,
+                   direction="bprop", dur=600),
                rec(4, op="matmul_forward", module="h.1.mlp.c_fc", layer=1, dur=50),
                rec(5, op="adamw", module="optimizer", layer=None, direction="update", dur=70),
                rec(6, op="mystery", module="", layer=None, direction="other", dur=5),
                rec(7, op="matmul_forward", module="lm_head", layer=None, dur=40)]
     root = report.module_tree(records, num_layers=3)
     by_path = {node.path: node for _, node in root.walk()}
-    assert [c.name for c in root.children] == ["wte", "wpe", "h", "ln_f", "lm_head", "optimizer", "other"]
+    assert [c.name for c in root.children] == ["wte", "wpe", "h", "ln_f", "lm_head", "optimizer",
+                                               "other"]
     assert [c.name for c in by_path["h"].children] == ["h.0", "h.1", "h.2"]
     assert [c.name for c in by_path["h.1"].children] == ["ln_1", "attn", "ln_2", "mlp", "residual"]
     assert [c.name for c in by_path["h.1.attn"].children] == ["c_attn", "core", "c_proj"]
@@ -259,8 +275,9 @@ def test_module_tree_structure_and_sums():
 
 
 def test_module_tree_infers_layers_and_renders():
-    records = [rec(0, module="h.0.ln_1", dur=1000), rec(1, module="h.1.mlp.gelu", op="gelu_backward",
-                                                         direction="bprop", dur=3000, layer=1)]
+    records = [rec(0, module="h.0.ln_1", dur=1000),
+               rec(1, module="h.1.mlp.gelu", op="gelu_backward", direction="bprop", dur=3000,
+                   layer=1)]
     text = report.module_tree_table(records)
     lines = text.splitlines()
     assert lines[0] == "Time per GPT-2 module of step 1"
@@ -273,7 +290,8 @@ def test_module_tree_infers_layers_and_renders():
 
 
 def test_render_has_every_section():
-    text = report.render([rec(0, stack=("Train step 1", "gpt2_forward")), rec(1, stack=("Train step 1",))], ROOF)
+    text = report.render([rec(0, stack=("Train step 1", "gpt2_forward")),
+                          rec(1, stack=("Train step 1",))], ROOF)
     for heading in ("Kernels of step 1", "Time per GPT-2 module", "Time per layer", "Time per op",
                     "Top kernels", "NVTX ranges"):
         assert heading in text
@@ -283,8 +301,10 @@ def test_render_has_every_section():
 # files
 
 def sample_records():
-    return [rec(0, flops=10**9, nbytes=10**7, dur=10**6, stack=("Train step 1", "gpt2_forward", "Layer 0")),
-            rec(1, op="adamw", module="optimizer", layer=None, direction="update", kernel="adamw_kernel",
+    return [rec(0, flops=10**9, nbytes=10**7, dur=10**6,
+                stack=("Train step 1", "gpt2_forward", "Layer 0")),
+            rec(1, op="adamw", module="optimizer", layer=None, direction="update",
+                kernel="adamw_kernel",
                 stack=("Train step 1", "gpt2_update"))]
 
 
@@ -296,7 +316,8 @@ def test_csv(tmp_path):
     assert list(rows[0]) == report.CSV_FIELDS
     assert rows[0]["range_stack"] == "Train step 1 > gpt2_forward > Layer 0"
     assert rows[0]["params"] == "B=4,T=64,C=768" and rows[0]["bound"] == "compute"
-    assert float(rows[0]["pct_peak"]) == pytest.approx(10.0) and float(rows[0]["gflops_per_s"]) == 1000.0
+    assert (float(rows[0]["pct_peak"]) == pytest.approx(10.0)
+            and float(rows[0]["gflops_per_s"]) == 1000.0)
     assert rows[1]["layer"] == "" and rows[1]["gflops_per_s"] == "" and rows[1]["bound"] == ""
     assert os.listdir(tmp_path) == ["k.csv"]          # no temp file left behind
 
@@ -308,10 +329,12 @@ def test_json_round_trip(tmp_path):
     back, roof, meta = report.read_json(path)
     assert back == records and roof == ROOF and meta == {"B": 4}
     doc = json.loads(open(path).read())
-    assert doc["records"][0]["bound"] == "compute" and doc["records"][0]["range_stack"][0] == "Train step 1"
+    assert (doc["records"][0]["bound"] == "compute"
+            and doc["records"][0]["range_stack"][0] == "Train step 1")
 
 
-@pytest.mark.parametrize("content, problem", [(None, "no such file"), ("{not json", "not a JSON records file"),
+@pytest.mark.parametrize("content, problem", [(None, "no such file"),
+                                              ("{not json", "not a JSON records file"),
                                               ('{"rows": []}', "no 'records' list"),
                                               ('{"records": [{"idx": 1}]}', "lacks a field")])
 def test_read_json_errors(tmp_path, content, problem, capsys):
@@ -335,44 +358,57 @@ def damaged(tmp_path, change):
     return path
 
 
-@pytest.mark.parametrize("name, value", [("peak_flops", 0), ("matmul_peak_flops", 0), ("peak_bw", -1e12),
+@pytest.mark.parametrize("name, value", [("peak_flops", 0),
+                                         ("matmul_peak_flops", 0), ("peak_bw", -1e12),
                                          ("peak_flops", "fast"), ("peak_bw", math.inf)])
 def test_a_roofline_ceiling_that_is_not_a_number_above_0_is_an_error_naming_the_file_and_field(
         tmp_path, capsys, name, value):
-    # a ceiling divides the achieved rate (% of peak): 0 was a ZeroDivisionError traceback, < 0 a negative percent
+    # a ceiling divides the achieved rate (% of peak): 0 was a ZeroDivisionError traceback, <
+    # 0 a negative percent
     path = damaged(tmp_path, lambda doc: doc["roofline"].update({name: value}))
-    with pytest.raises(report.ReportError, match=f"roofline field '{name}' must be a finite number > 0 or null"):
+    with pytest.raises(report.ReportError,
+                       match=f"roofline field '{name}' must be a finite number > 0 or null"):
         report.read_json(str(path))
     assert report_cli.main([str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(path) in err and f"'{name}'" in err
-    assert report_cli.main([str(damaged(tmp_path, lambda doc: doc["roofline"].update({name: None})))]) == 0  # unknown
+    # unknown
+    assert report_cli.main([str(damaged(tmp_path,
+                                        lambda doc: doc["roofline"].update({name: None})))]) == 0
 
 
 @pytest.mark.parametrize("name", ["duration_ns", "flops", "bytes"])
 def test_a_negative_time_or_amount_is_an_error_naming_the_file(tmp_path, capsys, name):
     path = damaged(tmp_path, lambda doc: doc["records"][1].update({name: -5000}))
-    assert report_cli.main([str(path)]) == 2                  # was rendered: negative times, rates and percentages
+    # was rendered: negative times, rates and percentages
+    assert report_cli.main([str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and str(path) in err and f"record 1: field '{name}' must be an integer >= 0" in err
+    assert (err.count("\n") == 1 and str(path) in err
+            and f"record 1: field '{name}' must be an integer >= 0" in err)
 
 
 @pytest.mark.parametrize("meta, expected", [
-    ([1, 2], "'meta': expected an object of fields, got [1, 2]"),                     # was an AttributeError traceback
+    # was an AttributeError traceback
+    ([1, 2], "'meta': expected an object of fields, got [1, 2]"),
     ("d12", "'meta': expected an object of fields"),
-    ({"module_params": [1, 2]}, "field 'module_params' must be an object of integers >= 0 or null"),   # traceback
-    ({"module_params": {"wte": "big"}}, "field 'module_params' must be an object of integers >= 0 or null, got "
-                                        "\"big\" for 'wte'"),                     # was a TypeError naming no file
-    ({"num_layers": "six"}, "field 'num_layers' must be an integer >= 0 or null, got \"six\""),   # the same
+    # traceback
+    ({"module_params": [1, 2]}, "field 'module_params' must be an object of integers >= 0 or null"),
+    ({"module_params": {"wte": "big"}},
+     # was a TypeError naming no file
+     "field 'module_params' must be an object of integers >= 0 or null, got \"big\" for 'wte'"),
+    # the same
+    ({"num_layers": "six"}, "field 'num_layers' must be an integer >= 0 or null, got \"six\""),
     ({"num_layers": -2}, "field 'num_layers' must be an integer >= 0 or null"),      # was rendered
-    ({"emulated": "no"}, "field 'emulated' must be true/false or null"),           # was labelled as emulated
+    # was labelled as emulated
+    ({"emulated": "no"}, "field 'emulated' must be true/false or null"),
     ({"backend": 3}, "field 'backend' must be text or null"),
     ({"precision": ["tf32"]}, "field 'precision' must be text or null"),
     ({"timing": {}}, "field 'timing' must be text or null"),
     ({"cpu_math": 1}, "field 'cpu_math' must be text or null"),
     ({"runtime": False}, "field 'runtime' must be text or null"),
 ])
-def test_meta_of_the_wrong_type_is_an_error_naming_the_file_and_field(tmp_path, capsys, meta, expected):
+def test_meta_of_the_wrong_type_is_an_error_naming_the_file_and_field(tmp_path, capsys, meta,
+                                                                      expected):
     path = damaged(tmp_path, lambda doc: doc.update(meta=meta))
     with pytest.raises(report.ReportError, match="'meta': "):
         report.read_json(str(path))
@@ -384,7 +420,8 @@ def test_meta_of_the_wrong_type_is_an_error_naming_the_file_and_field(tmp_path, 
 
 def test_meta_fields_may_be_null_or_absent(tmp_path, capsys):
     unknown = dict.fromkeys(report.META_FIELDS)            # null: unknown, as if absent
-    for meta in (unknown, None, {}, {"num_layers": 1, "module_params": {"h.0.ln_1": 4}, "emulated": True,
+    for meta in (unknown, None, {}, {"num_layers": 1,
+                                     "module_params": {"h.0.ln_1": 4}, "emulated": True,
                                      "backend": "cuda", "precision": "tf32", "source": 3}):
         path = damaged(tmp_path, lambda doc, meta=meta: doc.update(meta=meta))
         for views in ([], ["--views", "all"]):
@@ -404,16 +441,19 @@ def test_report_cli(tmp_path, capsys):
 
 def test_chrome_trace(tmp_path):
     records = [rec(0, start=5_000, dur=2_000, stack=("Train step 1", "gpt2_forward")),
-               rec(1, start=9_000, dur=1_000, stack=("Train step 1", "gpt2_update"), module="optimizer")]
+               rec(1, start=9_000, dur=1_000, stack=("Train step 1", "gpt2_update"),
+                   module="optimizer")]
     path = tmp_path / "trace.json"
     report.write_chrome_trace(records, str(path))
     events = json.loads(path.read_text())["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     ranges = [e for e in events if e.get("cat") == "range"]
-    assert [(e["ts"], e["dur"], e["ph"], e["tid"]) for e in kernels] == [(0.0, 2.0, "X", 1), (4.0, 1.0, "X", 1)]
+    assert ([(e["ts"], e["dur"], e["ph"], e["tid"]) for e in kernels]
+            == [(0.0, 2.0, "X", 1), (4.0, 1.0, "X", 1)])
     assert kernels[0]["args"]["layer"] == 0 and kernels[0]["args"]["params"] == "B=4,T=64,C=768"
     assert kernels[0]["args"]["range_stack"] == ["Train step 1", "gpt2_forward"]
-    assert [(e["name"], e["ts"], e["dur"]) for e in ranges] == [("Train step 1", 0.0, 5.0), ("gpt2_forward", 0.0, 2.0),
+    assert [(e["name"], e["ts"], e["dur"]) for e in ranges] == [("Train step 1", 0.0, 5.0),
+                                                                ("gpt2_forward", 0.0, 2.0),
                                                                 ("gpt2_update", 4.0, 1.0)]
     assert {e["tid"] for e in ranges} == {2}
     # ranges from two threads get a track each
@@ -468,18 +508,22 @@ def test_a_folder_for_the_records_is_called_a_folder(tmp_path, capsys):
 def test_writers_make_missing_folders_and_name_the_path_on_failure(tmp_path):
     path = tmp_path / "new" / "deeper" / "k.json"
     report.write_json(sample_records(), str(path), ROOF)
-    assert report.read_json(str(path))[0] == sample_records() and os.listdir(path.parent) == ["k.json"]
+    assert (report.read_json(str(path))[0] == sample_records()
+            and os.listdir(path.parent) == ["k.json"])
     (tmp_path / "afile").write_text("x")
     with pytest.raises(OSError) as failed:
         report.write_csv(sample_records(), str(tmp_path / "afile" / "k.csv"))
-    assert str(tmp_path / "afile" / "k.csv") in str(failed.value) and ".tmp" not in str(failed.value)
+    assert (str(tmp_path / "afile" / "k.csv") in str(failed.value)
+            and ".tmp" not in str(failed.value))
 
 
 @pytest.mark.parametrize("folder", [False, True])
 def test_check_output_names_the_flag(tmp_path, folder):
     (tmp_path / "afile").write_text("x")
-    report.check_output("--x", str(tmp_path / "missing" / "y"), folder=folder)       # made when written
+    # made when written
+    report.check_output("--x", str(tmp_path / "missing" / "y"), folder=folder)
     with pytest.raises(report.BadInput, match="--x .*afile is a file, not a folder"):
         report.check_output("--x", str(tmp_path / "afile" / "y" / "z"), folder=folder)
-    with pytest.raises(report.BadInput, match="is a file; expected a folder" if folder else "is a folder"):
+    with pytest.raises(report.BadInput,
+                       match="is a file; expected a folder" if folder else "is a folder"):
         report.check_output("--x", str(tmp_path / ("afile" if folder else "")), folder=folder)

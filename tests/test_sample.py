@@ -1,6 +1,7 @@
-"""Sampling with a cache of keys and values: every position's logits equal the full forward pass's (<= 1e-5),
-generation with and without the cache gives the same tokens, the cache restarts from the last half when full,
-and `gpt2np sample` tokenizes, generates and prints (bad flags: one line, exit 2)."""
+"""Sampling with a cache of keys and values: every position's logits equal the full forward pass's
+(<= 1e-5), generation with and without the cache gives the same tokens, the cache restarts from the
+last half when full, and `gpt2np sample` tokenizes, generates and prints (bad flags:
+one line, exit 2)."""
 import numpy as np
 import pytest
 
@@ -18,8 +19,10 @@ TOL = 1e-5
 def tiny_model(maxT=16, V=100, L=2, NH=2, C=16, seed=3, B=1, T=None):
     cfg = GPT2Config(maxT, V, pad_vocab(V), L, NH, C)
     model = GPT2(cfg, get_backend("numpy"), B, T or maxT, seed=seed)
-    rng = np.random.default_rng(seed)              # weights larger than init's, so errors would show
-    model.load_params(model.params_host() + rng.standard_normal(model.num_parameters).astype(np.float32) * 0.3)
+    # weights larger than init's, so errors would show
+    rng = np.random.default_rng(seed)
+    model.load_params(model.params_host()
+                      + rng.standard_normal(model.num_parameters).astype(np.float32) * 0.3)
     return model
 
 
@@ -66,8 +69,8 @@ def test_generate_with_and_without_cache_agree(temperature, top_k):
 
 
 def test_full_cache_restarts_from_the_last_half():
-    """Past max_seq_len the cache restarts with the last maxT/2 tokens: the next logits are the full forward's
-    over exactly those tokens."""
+    """Past max_seq_len the cache restarts with the last maxT/2 tokens: the next logits are the full
+    forward's over exactly those tokens."""
     model = tiny_model(maxT=8)
     seen = []
     original = KVCache.decode
@@ -84,8 +87,8 @@ def test_full_cache_restarts_from_the_last_half():
     assert len(out) == 15
     restarts = [s for s in seen if len(s) > 1][1:]                 # after the prompt's
     assert restarts and all(len(s) == 4 for s in restarts)
-    # 3 prompt tokens + 5 new fill the 8 positions; token 8 is sampled from them, then the cache restarts with
-    # tokens 5..8, whose full forward (greedy) gives token 9
+    # 3 prompt tokens + 5 new fill the 8 positions; token 8 is sampled from them, then the cache
+    # restarts with tokens 5..8, whose full forward (greedy) gives token 9
     context = out[5:9]
     assert restarts[0] == context
     assert out[9] == int(np.argmax(full_logits(model, context)[-1]))
@@ -102,8 +105,8 @@ def model_file(tmp_path):
 
 
 def test_sample_command_prints_prompt_and_continuation(model_file, data_dir, capsys):
-    argv = ["-e", str(model_file), "--prompt", "ROMEO:", "-g", "12", "--temperature", "0", "--bpe-dir",
-            str(data_dir)]
+    argv = ["-e", str(model_file), "--prompt", "ROMEO:", "-g", "12", "--temperature", "0",
+            "--bpe-dir", str(data_dir)]
     assert sample.main(argv) == 0
     cached = capsys.readouterr()
     assert cached.out.startswith("ROMEO:") and len(cached.out) > len("ROMEO:\n")
@@ -114,10 +117,11 @@ def test_sample_command_prints_prompt_and_continuation(model_file, data_dir, cap
 
 
 def test_sample_no_cache_takes_the_cpu_math(model_file, data_dir, capsys):
-    """--cpu-math picks the full forward's math (named on the model line); greedy, both give the KV cache's
-    tokens (plain NumPy, an independent path); without --no-cache or off the CPU the flag is one line, exit 2."""
-    argv = ["-e", str(model_file), "--prompt", "ROMEO:", "-g", "8", "--temperature", "0", "--bpe-dir",
-            str(data_dir), "--device", "cpu"]
+    """--cpu-math picks the full forward's math (named on the model line); greedy, both give the KV
+    cache's tokens (plain NumPy, an independent path); without --no-cache or off the CPU the flag is
+    one line, exit 2."""
+    argv = ["-e", str(model_file), "--prompt", "ROMEO:", "-g", "8", "--temperature", "0",
+            "--bpe-dir", str(data_dir), "--device", "cpu"]
     assert sample.main(argv) == 0
     cached = capsys.readouterr()
     assert "KV cache (plain NumPy)" in cached.err
@@ -126,14 +130,16 @@ def test_sample_no_cache_takes_the_cpu_math(model_file, data_dir, capsys):
         plain = capsys.readouterr()
         assert f"on numpy ({math_} CPU math); full forward" in plain.err and plain.out == cached.out
     for extra, words in ((["--cpu-math", "exact"], "only with --no-cache"),
-                         (["--no-cache", "--cpu-math", "fast", "--device", "emu"], "not --device emu")):
+                         (["--no-cache", "--cpu-math", "fast", "--device", "emu"],
+                          "not --device emu")):
         assert sample.main(argv + extra) == 2
         lines = capsys.readouterr().err.splitlines()
         assert len(lines) == 1 and words in lines[0], lines
 
 
 def test_sample_with_empty_prompt_and_several_samples(model_file, data_dir, capsys):
-    assert sample.main(["-e", str(model_file), "-g", "4", "--num-samples", "2", "--bpe-dir", str(data_dir)]) == 0
+    assert sample.main(["-e", str(model_file), "-g", "4", "--num-samples", "2", "--bpe-dir",
+                        str(data_dir)]) == 0
     out = capsys.readouterr().out
     assert out.count("--- sample") == 2
 
@@ -161,14 +167,16 @@ def test_prompt_outside_the_models_vocabulary(tmp_path, data_dir, capsys):
     cfg = GPT2Config(16, 300, 384, 1, 2, 16)
     path = tmp_path / "small_vocab.bin"
     save_model(path, cfg, GPT2(cfg, get_backend("numpy"), 1, 1, seed=1).params_host())
-    assert sample.main(["-e", str(path), "--prompt", "Hello world", "--bpe-dir", str(data_dir)]) == 2
-    assert "--prompt: token 15496 is outside the model's vocabulary of 300" in capsys.readouterr().err
+    assert sample.main(["-e", str(path), "--prompt", "Hello world", "--bpe-dir",
+                        str(data_dir)]) == 2
+    assert ("--prompt: token 15496 is outside the model's vocabulary of 300"
+            in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("prompt", [[], ["--prompt", ""]])
 def test_no_prompt_with_a_vocabulary_without_endoftext(prompt, tmp_path, data_dir, capsys):
-    """No --prompt starts from <|endoftext|> (50256): a smaller vocabulary lacks it, and the one line says so
-    rather than blaming a --prompt that was not given."""
+    """No --prompt starts from <|endoftext|> (50256): a smaller vocabulary lacks it, and the one
+    line says so rather than blaming a --prompt that was not given."""
     cfg = GPT2Config(16, 1000, 1024, 1, 2, 16)
     path = tmp_path / "small_vocab.bin"
     save_model(path, cfg, GPT2(cfg, get_backend("numpy"), 1, 1, seed=1).params_host())
@@ -180,27 +188,30 @@ def test_no_prompt_with_a_vocabulary_without_endoftext(prompt, tmp_path, data_di
 
 
 def test_the_default_llmc_model_is_fetched_like_train_does(monkeypatch, tmp_path, capsys):
-    """-e gpt2_124M.bin not in checkpoints/: fetched as train's -e is; offline, one line says what failed."""
+    """-e gpt2_124M.bin not in checkpoints/: fetched as train's -e is; offline, one line
+    says what failed."""
     from gpt2np.datasets import fetch, starter
     from gpt2np.formats import hf
     asked = []
 
     def offline(filename, dest_dir, **kwargs):
         asked.append(filename)
-        raise fetch.FetchError(f"could not download {filename}: Name or service not known (offline?)")
+        raise fetch.FetchError(f"could not download {filename}: Name or service not "
+                               "known (offline?)")
 
     monkeypatch.setattr(starter, "ensure", offline)
     monkeypatch.setattr(starter, "CHECKPOINTS", tmp_path)
     monkeypatch.chdir(tmp_path)
     assert sample.main(["-e", "gpt2_124M.bin"]) == 2
     assert asked == ["gpt2_124M.bin"]
-    assert capsys.readouterr().err == ("error: could not download gpt2_124M.bin: Name or service not known "
-                                       "(offline?)\n")
+    assert capsys.readouterr().err == ("error: could not download gpt2_124M.bin: Name or service "
+                                       "not known (offline?)\n")
     assert hf.is_hub_id("gpt2") and hf.is_hub_id("openai-community/gpt2-xl")
-    assert not hf.is_hub_id("model.bin") and not hf.is_hub_id("../x") and not hf.is_hub_id("/abs/dir")
+    assert (not hf.is_hub_id("model.bin") and not hf.is_hub_id("../x")
+            and not hf.is_hub_id("/abs/dir"))
 
 
-# ---- llm.c's sampler: its coins and its inverse-CDF rule -------------------------------------------------------
+# ---- llm.c's sampler: its coins and its inverse-CDF rule -----------------------------------------
 def xorshift_coins(state, count):
     """llm.c's random_f32 (llmc/sampler.h) in NumPy's wrapping uint64 arithmetic."""
     s, out = np.array([state], np.uint64), []
@@ -231,7 +242,8 @@ def test_sample_next_picks_the_first_id_whose_cumulative_probability_exceeds_the
 
 
 def test_a_zero_state_takes_llmcs_1337():
-    """xorshift keeps a state of 0 at 0 (every coin 0.0); --seed 0 samples as llm.c's 1337 instead."""
+    """xorshift keeps a state of 0 at 0 (every coin 0.0); --seed 0 samples as
+    llm.c's 1337 instead."""
     zero, llmc = LlmcCoins(0), LlmcCoins(1337)
     assert [zero.random() for _ in range(5)] == [llmc.random() for _ in range(5)]
 

@@ -1,5 +1,6 @@
-"""The lr schedules against llm.c's (llmc/schedulers.h), computed here independently: every step of a grid of run
-lengths, warmups and final fractions, in llm.c's float32 arithmetic with NumPy, whole schedules at once."""
+"""The lr schedules against llm.c's (llmc/schedulers.h), computed here independently: every step of
+a grid of run lengths, warmups and final fractions, in llm.c's float32 arithmetic with NumPy, whole
+schedules at once."""
 import numpy as np
 import pytest
 
@@ -36,19 +37,25 @@ def llmc_schedule(kind, total, warmup, final_frac):
 def test_schedule_is_llmc_at_every_step(kind, total, warmup, final_frac):
     ours = [learning_rate(s, float(LR), total, warmup, final_frac, kind) for s in range(total)]
     # atol: a few float32 ulps of lr, where llm.c's float32 decay nears 0
-    np.testing.assert_allclose(ours, llmc_schedule(kind, total, warmup, final_frac), rtol=2e-6, atol=1e-10)
+    np.testing.assert_allclose(ours, llmc_schedule(kind, total, warmup, final_frac), rtol=2e-6,
+                               atol=1e-10)
 
 
 def test_hand_computed_points():
-    # constant ignores -u; wsd's last 20% follow 1 - sqrt(ratio); cosine and linear reach lr*final_frac at the end
+    # constant ignores -u; wsd's last 20% follow 1 - sqrt(ratio); cosine and linear reach
+    # lr*final_frac at the end
     assert learning_rate(0, 6e-4, 10, warmup=3, kind="constant") == 6e-4
-    assert learning_rate(9, 3e-4, 10, final_frac=0.0, kind="wsd") == pytest.approx(3e-4 * (1 - 0.5 ** 0.5))
-    assert learning_rate(7, 3e-4, 10, final_frac=0.0, kind="wsd") == 3e-4           # decay point int(0.8 * 10) = 8
-    assert learning_rate(8, 3e-4, 10, final_frac=0.0, kind="wsd") == 3e-4           # ratio 0 at the decay point
+    assert (learning_rate(9, 3e-4, 10, final_frac=0.0, kind="wsd")
+            == pytest.approx(3e-4 * (1 - 0.5 ** 0.5)))
+    # decay point int(0.8 * 10) = 8
+    assert learning_rate(7, 3e-4, 10, final_frac=0.0, kind="wsd") == 3e-4
+    # ratio 0 at the decay point
+    assert learning_rate(8, 3e-4, 10, final_frac=0.0, kind="wsd") == 3e-4
     assert learning_rate(0, 6e-4, 5, warmup=2, final_frac=0.1) == pytest.approx(3e-4)
     cosine = 6e-5 + 0.5 * (1 + np.cos(np.pi * 0.75)) * 5.4e-4              # ratio (5 - 2) / (6 - 2)
     assert learning_rate(5, 6e-4, 6, warmup=2, final_frac=0.1) == pytest.approx(cosine)
-    assert learning_rate(5, 6e-4, 6, warmup=2, final_frac=0.1, kind="linear") == pytest.approx(6e-4 - 0.75 * 5.4e-4)
+    assert (learning_rate(5, 6e-4, 6, warmup=2, final_frac=0.1, kind="linear")
+            == pytest.approx(6e-4 - 0.75 * 5.4e-4))
 
 
 def test_past_the_end_keeps_the_last_decay_value():
@@ -62,6 +69,6 @@ def test_unknown_schedule():
 
 
 def test_wsd_decay_point_is_llmcs_float32():
-    # N = 5,242,881: llm.c's (int)(0.8f * N) is 4,194,305 in float32 (double: 4,194,304), so step 4,194,305 is the
-    # decay point itself, still at the full lr
+    # N = 5,242,881: llm.c's (int)(0.8f * N) is 4,194,305 in float32 (double: 4,194,304), so step
+    # 4,194,305 is the decay point itself, still at the full lr
     assert learning_rate(4_194_305, 1.0, 5_242_881, final_frac=0.0, kind="wsd") == 1.0

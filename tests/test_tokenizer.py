@@ -1,4 +1,5 @@
-"""GPT-2 tokenizer: known ids, locating files, llm.c's gpt2_tokenizer.bin round trip and bad files."""
+"""GPT-2 tokenizer: known ids, locating files, llm.c's gpt2_tokenizer.bin round
+trip and bad files."""
 import json
 
 import numpy as np
@@ -27,20 +28,23 @@ def one_line_error(excinfo, *needles):
 
 @pytest.fixture(scope="module")
 def gpt2(data_dir):
-    if not (data_dir / "gpt2_vocab.bpe").is_file() or not (data_dir / "gpt2_encoder.json").is_file():
+    if (not (data_dir / "gpt2_vocab.bpe").is_file()
+        or not (data_dir / "gpt2_encoder.json").is_file()):
         pytest.skip(f"gpt2_vocab.bpe / gpt2_encoder.json not in {data_dir}")
     return get_encoding(data_dir)
 
 
 def write_tiny_bpe(folder, merges=(("a", "b"), ("ab", "c"))):
-    """OpenAI-format BPE files for a toy vocabulary: the 256 bytes, the given merges, <|endoftext|>."""
+    """OpenAI-format BPE files for a toy vocabulary: the 256 bytes, the given
+    merges, <|endoftext|>."""
     byte_to_char = {b: c for c, b in tk._gpt2_char_to_byte().items()}
     encoder = {byte_to_char[b]: b for b in range(256)}
     for i, (first, second) in enumerate(merges):
         encoder[first + second] = 256 + i
     encoder[tk.EOT_TEXT] = 256 + len(merges)
     (folder / "gpt2_encoder.json").write_text(json.dumps(encoder))
-    (folder / "gpt2_vocab.bpe").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    (folder / "gpt2_vocab.bpe").write_text("#version: 0.2\n"
+                                           + "".join(f"{a} {b}\n" for a, b in merges))
 
 
 @pytest.fixture
@@ -64,7 +68,8 @@ def test_known_gpt2_ids(gpt2):
 def test_bpe_parsing_agrees_with_tiktokens_loader(gpt2, data_dir, monkeypatch):
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")   # tiktoken would otherwise cache local files in /tmp
+    # tiktoken would otherwise cache local files in /tmp
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
     expected = data_gym_to_mergeable_bpe_ranks(str(data_dir / "gpt2_vocab.bpe"),
                                                str(data_dir / "gpt2_encoder.json"))
     ranks, eot = tk.load_bpe_ranks(data_dir / "gpt2_vocab.bpe", data_dir / "gpt2_encoder.json")
@@ -101,7 +106,8 @@ def test_gpt2_tokenizer_bin_round_trip(gpt2, tmp_path):
 
 
 def test_an_empty_token_is_refused_as_llmcs_reader_does(tmp_path):
-    """llm.c's tokenizer_init asserts every token has 1-255 bytes: a file with an empty one is damaged."""
+    """llm.c's tokenizer_init asserts every token has 1-255 bytes: a file with an
+    empty one is damaged."""
     header = np.array([20240328, 2, 3, 2] + [0] * 252, "<u4").tobytes()
     path = tmp_path / "t.bin"
     path.write_bytes(header + b"\x01a" + b"\x00" + b"\x01c")
@@ -141,12 +147,14 @@ def test_search_order_and_not_found_message(tmp_path, monkeypatch):
     data.mkdir()
     write_tiny_bpe(data)
     monkeypatch.setenv("GPT2NP_DATA_DIR", str(data))
-    assert tk.find_tokenizer_files() == ("bpe", (data / "gpt2_vocab.bpe", data / "gpt2_encoder.json"))
+    assert tk.find_tokenizer_files() == ("bpe",
+                                         (data / "gpt2_vocab.bpe", data / "gpt2_encoder.json"))
     assert get_encoding().n_vocab == 259
 
     bpe = tmp_path / "bpe"
     bpe.mkdir()
-    monkeypatch.setenv("GPT2NP_BPE_DIR", str(bpe))   # an explicit folder wins, and must hold the files
+    # an explicit folder wins, and must hold the files
+    monkeypatch.setenv("GPT2NP_BPE_DIR", str(bpe))
     with pytest.raises(TokenizerNotFoundError):
         get_encoding()
     write_tiny_bpe(bpe, merges=[("a", "b")])
@@ -185,7 +193,8 @@ def test_tokenizer_bin_round_trip_and_byte_correct_decode(tiny, tmp_path):
     snowman = "☃".encode()   # 3 bytes, 3 tokens: each alone is invalid utf-8
     ids = list(snowman) + [256]
     assert table.decode(ids) == "☃ab"
-    assert table.decode(ids[:2]) == "\ufffd"   # an incomplete character is replaced, not an exception
+    # an incomplete character is replaced, not an exception
+    assert table.decode(ids[:2]) == "\ufffd"
     assert table.decode_bytes(ids[:2]) == snowman[:2]
     with pytest.raises(ValueError):
         table.decode([259])

@@ -1,5 +1,6 @@
-"""TrainConfig is the one place for training settings: train.py's flags come from it, and the README's flag
-tables (Training; Multi-GPU) must list exactly its flags with its defaults, on the CPU and on a GPU."""
+"""TrainConfig is the one place for training settings: train.py's flags come from it, and the
+README's flag tables (Training; Multi-GPU) must list exactly its flags with its defaults, on the
+CPU and on a GPU."""
 import re
 from dataclasses import fields, replace
 from pathlib import Path
@@ -35,13 +36,15 @@ def flags_in(cell):
 
 
 def default_values(text, count):
-    """'3e-4, 0 (all)' -> ['3e-4', '0']: one value per flag, remarks in parentheses and code quotes dropped."""
+    """'3e-4, 0 (all)' -> ['3e-4', '0']: one value per flag, remarks in parentheses and
+    code quotes dropped."""
     text = re.sub(r"\s*\([^)]*\)", "", text).replace("`", "")
     return [value.strip() for value in re.split(r"[/,]", text)] if text.strip() else []
 
 
 def matches(f, text, value):
-    """Whether the README's word for a default (a number, on/off, a name or the described default) is value."""
+    """Whether the README's word for a default (a number, on/off, a name or the described
+    default) is value."""
     if f.metadata["default_text"]:
         return text == f.metadata["default_text"]
     kind = value_type(f)
@@ -60,11 +63,14 @@ def device_defaults(f):
 def training_table_problems(readme):
     """What is wrong with the Training section's flag table (empty: it agrees with TrainConfig)."""
     problems, seen = [], []
-    for flag_cell, _, default_cell in table(readme, "## Training", "| flag | meaning (llm.c's) | default |"):
+    for flag_cell, _, default_cell in table(readme, "## Training",
+                                            "| flag | meaning (llm.c's) | default |"):
         flags = flags_in(flag_cell)
         unknown = [flag for flag in flags if flag not in FIELDS_BY_FLAG]
         if not flags or unknown:
-            problems.append(f"{flag_cell}: {'no flag' if not flags else 'not TrainConfig flags: ' + str(unknown)}")
+            problems.append(
+                f"{flag_cell}: "
+                f"{'no flag' if not flags else 'not TrainConfig flags: ' + str(unknown)}")
             continue
         seen += flags
         form = next((m for m in (form.fullmatch(default_cell) for form in DEVICE_FORMS) if m), None)
@@ -77,12 +83,15 @@ def training_table_problems(readme):
             for flag, value in zip(flags, values, strict=True):
                 f = FIELDS_BY_FLAG[flag]
                 if not matches(f, value, device_defaults(f)[column]):
-                    problems.append(f"{flag} ({f.name}): README says {value!r} on the {device}, TrainConfig has "
+                    problems.append(f"{flag} ({f.name}): README says {value!r} on the "
+                                    f"{device}, TrainConfig has "
                                     f"{f.metadata['default_text'] or device_defaults(f)[column]!r}")
     if sorted(seen) != sorted(set(seen)):
-        problems.append(f"flags listed twice: {sorted({flag for flag in seen if seen.count(flag) > 1})}")
+        problems.append("flags listed twice: "
+                        f"{sorted({flag for flag in seen if seen.count(flag) > 1})}")
     if set(FIELDS_BY_FLAG) - set(seen):
-        problems.append(f"TrainConfig flags missing from the table: {sorted(set(FIELDS_BY_FLAG) - set(seen))}")
+        problems.append("TrainConfig flags missing from the table: "
+                        f"{sorted(set(FIELDS_BY_FLAG) - set(seen))}")
     return problems
 
 
@@ -116,7 +125,8 @@ def test_readme_multi_gpu_table_flags_and_defaults():
         (flag,) = flags_in(flag_cell)
         assert flag in FIELDS_BY_FLAG, f"{flag_cell} is not a TrainConfig flag"
         f = FIELDS_BY_FLAG[flag]
-        if "(default)" in meaning:                      # `-z 0` | ... (default): the value shown is the default
+        # `-z 0` | ... (default): the value shown is the default
+        if "(default)" in meaning:
             assert matches(f, flag_cell.strip("`").split()[1], f.default), flag_cell
         elif stated := re.search(r"\(default ([^;)]+)", meaning):
             assert matches(f, stated[1], f.default), flag_cell
@@ -160,14 +170,17 @@ def test_bad_flag_values_are_argparse_errors():
 def test_device_defaults():
     cpu = TrainConfig().with_device_defaults(device_traits("numpy"))
     gpu = TrainConfig().with_device_defaults(device_traits("cuda"))
-    names = ("batch_size", "seq_len", "max_steps", "val_every", "val_max_batches", "sample_every", "attention",
-             "fuse")
-    assert [getattr(cpu, name) for name in names] == [4, 64, 40, 10, 5, 20, "naive", 0]   # --fuse: gpt2np's
+    names = ("batch_size", "seq_len", "max_steps", "val_every", "val_max_batches", "sample_every",
+             "attention", "fuse")
+    # --fuse: gpt2np's
+    assert [getattr(cpu, name) for name in names] == [4, 64, 40, 10, 5, 20, "naive", 0]
     assert [getattr(gpu, name) for name in names] == [4, 1024, -1, 20, 20, 20, "flash", 1]
-    emu = TrainConfig().with_device_defaults(device_traits("emu"))           # the GPU's kernel path at the CPU's sizes
+    # the GPU's kernel path at the CPU's sizes
+    emu = TrainConfig().with_device_defaults(device_traits("emu"))
     assert [getattr(emu, name) for name in names] == [4, 64, 40, 10, 5, 20, "flash", 1]
     assert all(getattr(TrainConfig(), name) is None for name in names)
     assert {f.name for f in fields(TrainConfig) if f.metadata["cpu_gpu"]} == set(names)
     given = TrainConfig(seq_len=32, max_steps=0).with_device_defaults(device_traits("cuda"))
     assert (given.seq_len, given.max_steps, given.batch_size) == (32, 0, 4)
-    assert gpu.with_device_defaults(device_traits("numpy")) == gpu              # filled once, never overwritten
+    # filled once, never overwritten
+    assert gpu.with_device_defaults(device_traits("numpy")) == gpu

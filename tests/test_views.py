@@ -1,5 +1,6 @@
-"""The profiler's views (nvprof, nsys stats, PyProf, PyTorch profiler, model summary) on the numpy backend and the
-CUDA backend on the emulator: what each row says is checked against the records and the model's buffers."""
+"""The profiler's views (nvprof, nsys stats, PyProf, PyTorch profiler, model summary) on the numpy
+backend and the CUDA backend on the emulator: what each row says is checked against the records and
+the model's buffers."""
 import json
 from collections import Counter
 
@@ -29,7 +30,8 @@ def batches():
 
 @pytest.fixture(scope="module")
 def emu():
-    model = GPT2(CFG, get_backend("emu"), B, T, seed=0, fuse=False)      # one kernel per op: the counts below
+    # one kernel per op: the counts below
+    model = GPT2(CFG, get_backend("emu"), B, T, seed=0, fuse=False)
     prof = profile_steps(model, batches(), steps=1)
     return model, prof, prof.profile()
 
@@ -64,7 +66,8 @@ def test_every_view_of_an_emulated_run_says_so_on_its_title_line(emu, cpu):
     numpy_titles = title_lines(V.render_views(cpu[2], None, V.VIEWS))
     note = f"{report.NUMPY_NOTE}; {cpu[0].backend.math} CPU math"      # and which --cpu-math ran
     assert all(line.endswith(f"[{note}]") for line in numpy_titles), numpy_titles
-    # the JSON file and the per-view CSVs carry it too, and report.render (train.py --profile) as well
+    # the JSON file and the per-view CSVs carry it too, and report.render
+    # (train.py --profile) as well
     legacy = report.render(emu[1].records, note=emu[2].note, num_layers=CFG.num_layers)
     assert all(line.endswith(f"[{report.EMULATED_NOTE}]") for line in title_lines(legacy))
 
@@ -85,11 +88,15 @@ def test_module_tree_gives_parameters_per_module_and_time_to_wpe(emu):
 
 
 def test_module_tree_says_what_it_leaves_out(emu, cpu):
-    """The tree holds kernels only: its title counts the copies and memsets (in gpu_activities and phases)."""
+    """The tree holds kernels only: its title counts the copies and memsets (in
+    gpu_activities and phases)."""
     _, _, profile = emu
     (t,) = V.modules(profile)
     others = [r for r in profile.records if r.kind != "kernel"]
-    assert others and f"{len(others)} copies and memsets, {sum(r.duration_ns for r in others) / 1e3:,.1f} us" in t.title
+    assert (
+        others
+        and f"{len(others)} copies and memsets, {sum(r.duration_ns for r in others) / 1e3:,.1f} us"
+        in t.title)
     (t,) = V.modules(cpu[2])                     # the numpy backend has none: nothing said
     assert "copies" not in t.title
 
@@ -129,8 +136,9 @@ def test_gpu_activities_have_copy_and_memset_rows_with_their_bytes(emu):
     _, prof, profile = emu
     step = [r for r in prof.records if r.step == 1]
     copies = [r for r in step if r.kind == "memcpy"]
-    # the device step uploads the inputs with their token groups (encoder_backward's), the targets and the step's
-    # AdamW scalars before its passes; the only copy back is the asynchronous one of its statistics, at the end
+    # the device step uploads the inputs with their token groups (encoder_backward's), the targets
+    # and the step's AdamW scalars before its passes; the only copy back is the asynchronous one of
+    # its statistics, at the end
     htod = [r for r in copies if r.kernel == "[CUDA memcpy HtoD]"]
     assert [r.bytes for r in htod] == [B * T * 4, (3 * B * T + 2) * 4, B * T * 4, 4 * STEP_SCALARS]
     assert all(r.direction == "other" for r in htod)
@@ -144,7 +152,8 @@ def test_gpu_activities_have_copy_and_memset_rows_with_their_bytes(emu):
     assert sum(float(p.rstrip("%")) for p in column(t, "Time(%)")) == pytest.approx(100, abs=0.1)
     size = table(profile, "cuda_gpu_mem_size_sum")
     total = dict(zip(column(size, "Operation"), column(size, "Total (MB)")))
-    assert float(total["[CUDA memcpy Host-to-Device]"]) == pytest.approx(sum(r.bytes for r in htod) / 1e6, abs=1e-3)
+    assert (float(total["[CUDA memcpy Host-to-Device]"])
+            == pytest.approx(sum(r.bytes for r in htod) / 1e6, abs=1e-3))
     counts = dict(zip(column(table(profile, "cuda_gpu_mem_time_sum"), "Operation"),
                       column(table(profile, "cuda_gpu_mem_time_sum"), "Count")))
     assert counts["[CUDA memcpy Host-to-Device]"] == str(len(htod))
@@ -159,25 +168,30 @@ def test_api_calls_one_per_launch_and_copy(emu):
     assert api["cublasSgemm_v2"] + api["cublasSgemmStridedBatched"] + api["cublasLtMatmul"] == sum(
         r.kernel.startswith("cublas") for r in kernels)
     batched = sum(r.kernel.startswith("cublas") and "gemm_attention" in r.kernel for r in kernels)
-    assert api["cublasSgemmStridedBatched"] == batched > 0     # the naive attention's per-head GEMMs
-    assert api["cudaStreamSynchronize"] == 0                   # the device step never waits for the device
+    # the naive attention's per-head GEMMs
+    assert api["cublasSgemmStridedBatched"] == batched > 0
+    # the device step never waits for the device
+    assert api["cudaStreamSynchronize"] == 0
     by_idx = {r.idx: r for r in step.records}
     for a in step.api:
         if a.name == "cuLaunchKernel":
             assert by_idx[a.record].kind == "kernel" and by_idx[a.record].grid.startswith("(")
     t = table(profile, "api_calls")
-    assert dict(zip(column(t, "Name"), column(t, "Calls")))["cuLaunchKernel"] == api["cuLaunchKernel"]
+    assert (dict(zip(column(t, "Name"), column(t, "Calls")))["cuLaunchKernel"]
+            == api["cuLaunchKernel"])
     nsys = table(profile, "cuda_api_sum")
-    assert dict(zip(column(nsys, "Name"), column(nsys, "Num Calls")))["cuLaunchKernel"] == str(api["cuLaunchKernel"])
+    assert (dict(zip(column(nsys, "Name"), column(nsys, "Num Calls")))["cuLaunchKernel"]
+            == str(api["cuLaunchKernel"]))
 
 
 def test_gemms_with_an_epilogue_are_cublaslt_calls():
-    """--fuse 1: the matmuls with a bias, GELU, dGELU or bias-gradient epilogue are cublasLtMatmul API rows."""
+    """--fuse 1: the matmuls with a bias, GELU, dGELU or bias-gradient epilogue are
+    cublasLtMatmul API rows."""
     prof = profile_steps(GPT2(CFG, get_backend("emu"), B, T, seed=0, fuse=True), batches(), steps=1)
     step = V.select(prof.profile(), "last")
     api = Counter(a.name for a in step.api)
-    # per layer: the 4 forward GEMMs (bias; c_fc's bias + GELU), mlp.c_proj's dinp (dGELU), the 4 dweights (bias
-    # gradient); lm_head has no bias: plain cuBLAS
+    # per layer: the 4 forward GEMMs (bias; c_fc's bias + GELU), mlp.c_proj's dinp (dGELU), the 4
+    # dweights (bias gradient); lm_head has no bias: plain cuBLAS
     assert api["cublasLtMatmul"] == CFG.num_layers * (4 + 1 + 4)
 
 
@@ -190,13 +204,16 @@ def test_nvtx_kern_sum_groups_activities_by_the_ranges_that_launched_them(emu):
     assert {k for (rng, k) in rows if rng == "gpt2_forward"} == set(fwd)
     for kernel, n in fwd.items():
         assert rows[("gpt2_forward", kernel)][3] == n                       # Kern Inst
-        assert rows[("gpt2_forward", kernel)][2] == 1                       # one gpt2_forward instance
+        # one gpt2_forward instance
+        assert rows[("gpt2_forward", kernel)][2] == 1
     ln = rows[("Layer 0", "layernorm_forward")]
-    assert ln[2] == 1 and ln[3] == 2                                         # ln_1 and ln_2 of layer 0
+    # ln_1 and ln_2 of layer 0
+    assert ln[2] == 1 and ln[3] == 2
     matmul = rows[("Layer 0", "cublasSgemm (gemm_matmul_forward)")]
     assert matmul[3] == 4
     total = sum(r.duration_ns for r in step if "gpt2_backward" in r.range_stack)
-    assert sum(int(row[4].replace(",", "")) for (rng, _), row in rows.items() if rng == "gpt2_backward") == total
+    assert sum(int(row[4].replace(",", "")) for (rng, _), row in rows.items()
+               if rng == "gpt2_backward") == total
 
 
 def test_phases_split_device_time_into_forward_backward_optimizer(emu):
@@ -222,7 +239,8 @@ def test_user_ranges_in_the_pytorch_layout(emu):
     assert rows["train_step-1"][4] == V.nvprof_time(top.duration_ns)                     # CPU total
     assert rows["train_step-1"][2] == V.nvprof_time(top.duration_ns - children)          # Self CPU
     fwd = sum(r.duration_ns for r in step.records if r.direction == "fprop")
-    assert rows["forward"][8] == V.nvprof_time(fwd)                                      # CUDA total
+    # CUDA total
+    assert rows["forward"][8] == V.nvprof_time(fwd)
     assert rows["cuLaunchKernel"][-1] == sum(a.name == "cuLaunchKernel" for a in step.api)
     assert [c for c, _ in t.columns][:3] == ["Name", "Self CPU %", "Self CPU"]
 
@@ -247,7 +265,8 @@ def test_files_round_trip_and_trace_tracks(emu, tmp_path):
     doc = json.load(open(paths["views.json"]))
     assert doc["note"] == report.EMULATED_NOTE
     assert doc["views"]["gpu_activities"][0]["columns"][:3] == ["Time(%)", "Time", "Calls"]
-    assert (tmp_path / "views" / "nvtx_kern_sum.csv").read_text().startswith("NVTX Range,Style,NVTX Inst")
+    assert (tmp_path / "views"
+            / "nvtx_kern_sum.csv").read_text().startswith("NVTX Range,Style,NVTX Inst")
     trace = json.load(open(paths["trace.json"]))["traceEvents"]
     tracks = {e["args"]["name"]: e["tid"] for e in trace if e.get("name") == "thread_name"}
     assert {"kernels", "copies and memsets", "CUDA API"} <= set(tracks)
@@ -267,7 +286,8 @@ def test_views_flag_names_unknown_views(capsys):
 
 
 class FourRanks:
-    """An MPI communicator stand-in: rank 0 of 4 identical ranks (sums are 4x, 1 ms per collective)."""
+    """An MPI communicator stand-in: rank 0 of 4 identical ranks (sums are 4x, 1
+    ms per collective)."""
 
     def Get_rank(self):
         return 0
@@ -304,7 +324,8 @@ def test_communication_rows_with_bus_bandwidth(zero):
     assert row[0] == "all_reduce" and row[3] == f"{model.num_parameters * 4:,}"
     assert float(row[6]) == pytest.approx(grads[0].algbw / 1e9, rel=1e-3)
     assert float(row[7]) == pytest.approx(grads[0].busbw / 1e9, rel=1e-3)
-    phases = dict(zip(column(table(prof.profile(), "phases"), "phase"), column(table(prof.profile(), "phases"), "%")))
+    phases = dict(zip(column(table(prof.profile(), "phases"), "phase"),
+                      column(table(prof.profile(), "phases"), "%")))
     assert "communication" in phases
     users = {r[0] for r in table(prof.profile(), "user_ranges").rows}
     assert "mpi:all_reduce" in users
@@ -321,16 +342,17 @@ def test_report_tool_re_renders_a_saved_profile(emu, tmp_path, capsys, monkeypat
     assert report_cli.main([paths["json"]]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].endswith(f"[{report.EMULATED_NOTE}]") and "params" in out
-    assert loads == [paths["json"]] * 2            # the file parsed once a run (a GPU step's profile is megabytes)
+    # the file parsed once a run (a GPU step's profile is megabytes)
+    assert loads == [paths["json"]] * 2
 
 
-COMM = {"idx": 0, "step": 1, "name": "allreduce_grads", "collective": "all_reduce", "bytes": 4096, "ranks": 4,
-        "start_ns": 100, "duration_ns": 5000}
+COMM = {"idx": 0, "step": 1, "name": "allreduce_grads", "collective": "all_reduce", "bytes": 4096,
+        "ranks": 4, "start_ns": 100, "duration_ns": 5000}
 
 
 def saved(emu, tmp_path, change):
-    """The emulated run's profile.json (ranges, API calls, memory, and COMM as its one collective) with change(doc)
-    applied."""
+    """The emulated run's profile.json (ranges, API calls, memory, and COMM as its one collective)
+    with change(doc) applied."""
     profile = emu[2]
     path = tmp_path / "profile.json"
     report.write_json(profile.records, str(path), None, profile.meta, V.profile_doc(profile))
@@ -360,19 +382,27 @@ def end_before_start(doc):
     (lambda doc: doc["ranges"][3].update(start_ns="12"),
      "'ranges' row 3: field 'start_ns' must be an integer, got \"12\""),
     (end_before_start, "'ranges' row 2: field 'end_ns' ("),
-    (lambda doc: doc["ranges"][0].update(name=7), "'ranges' row 0: field 'name' must be text, got 7"),
-    (lambda doc: doc["ranges"][0].update(parent="1"), "'ranges' row 0: field 'parent' must be an integer or null"),
+    (lambda doc: doc["ranges"][0].update(name=7),
+     "'ranges' row 0: field 'name' must be text, got 7"),
+    (lambda doc: doc["ranges"][0].update(parent="1"),
+     "'ranges' row 0: field 'parent' must be an integer or null"),
     (lambda doc: doc["ranges"][1].pop("end_ns"), "'ranges' row 1: lacks the field 'end_ns'"),
     (lambda doc: doc["ranges"][1].update(bogus=1), "'ranges' row 1: has an unknown field 'bogus'"),
     (lambda doc: doc.update(ranges={"a": 1}), "'ranges' must be a list of objects, got {\"a\": 1}"),
     (lambda doc: doc["api"][1].update(duration_ns=-7),
      "'api' row 1: field 'duration_ns' must be an integer >= 0, got -7"),
-    (lambda doc: doc["api"][0].update(start_ns=1.5), "'api' row 0: field 'start_ns' must be an integer, got 1.5"),
-    (lambda doc: doc["api"][0].update(record="0"), "'api' row 0: field 'record' must be an integer or null"),
-    (lambda doc: doc["api"].__setitem__(0, [1]), "'api' row 0: expected an object of fields, got [1]"),
-    (lambda doc: doc["comms"][0].update(bytes="4k"), "'comms' row 0: field 'bytes' must be an integer >= 0"),
-    (lambda doc: doc["comms"][0].update(duration_ns=-1), "'comms' row 0: field 'duration_ns' must be an integer >= 0"),
-    (lambda doc: doc["comms"][0].update(collective=None), "'comms' row 0: field 'collective' must be text"),
+    (lambda doc: doc["api"][0].update(start_ns=1.5),
+     "'api' row 0: field 'start_ns' must be an integer, got 1.5"),
+    (lambda doc: doc["api"][0].update(record="0"),
+     "'api' row 0: field 'record' must be an integer or null"),
+    (lambda doc: doc["api"].__setitem__(0, [1]),
+     "'api' row 0: expected an object of fields, got [1]"),
+    (lambda doc: doc["comms"][0].update(bytes="4k"),
+     "'comms' row 0: field 'bytes' must be an integer >= 0"),
+    (lambda doc: doc["comms"][0].update(duration_ns=-1),
+     "'comms' row 0: field 'duration_ns' must be an integer >= 0"),
+    (lambda doc: doc["comms"][0].update(collective=None),
+     "'comms' row 0: field 'collective' must be text"),
     (lambda doc: doc.update(memory=[1]), "'memory': must be an object or null, got [1]"),
     (lambda doc: doc["memory"].pop("total"), "'memory': lacks the field 'total'"),
     (lambda doc: doc["memory"]["buffers"][0].update(bytes="many"),
@@ -395,21 +425,25 @@ def test_ranges_api_calls_collectives_and_memory_of_the_wrong_shape_are_errors_n
 def test_pyprof_view_gives_grid_block_tensor_cores_floor_and_percent_of_roofline():
     from gpt2np.profiling.gpu_specs import roofline
     roof = roofline("H100", "fp32", matmul_precision="tf32")
-    gemm = report.KernelRecord(0, 1, "fprop", 0, "matmul_forward", "h.0.attn.c_attn", "M=256,N=192,K=64",
-                               "cublasSgemm (gemm_matmul_forward)", 0, 20_000, flops=2 * 10**9, bytes=10**6)
-    ln = report.KernelRecord(1, 1, "fprop", 0, "layernorm_forward", "h.0.ln_1", "B=4,T=64,C=64", "layernorm_forward",
-                             20_000, 5_000, flops=10**5, bytes=3 * 10**6, grid="(256,1,1)", block="(128,1,1)")
-    sm80 = report.KernelRecord(2, 1, "bprop", 0, "matmul_backward", "h.0.mlp.c_fc", "", "ampere_s16816gemm_tn",
-                               25_000, 1_000)
+    gemm = report.KernelRecord(0, 1, "fprop", 0, "matmul_forward", "h.0.attn.c_attn",
+                               "M=256,N=192,K=64", "cublasSgemm (gemm_matmul_forward)", 0, 20_000,
+                               flops=2 * 10**9, bytes=10**6)
+    ln = report.KernelRecord(1, 1, "fprop", 0, "layernorm_forward", "h.0.ln_1", "B=4,T=64,C=64",
+                             "layernorm_forward", 20_000, 5_000, flops=10**5, bytes=3 * 10**6,
+                             grid="(256,1,1)", block="(128,1,1)")
+    sm80 = report.KernelRecord(2, 1, "bprop", 0, "matmul_backward", "h.0.mlp.c_fc", "",
+                               "ampere_s16816gemm_tn", 25_000, 1_000)
     for precision, tc in (("tf32", "yes"), ("fp32", "no")):
         t = V.tables(V.Profile([gemm, ln, sm80], meta={"precision": precision}), "pyprof", roof)[0]
         rows = {row[0]: dict(zip([c for c, _ in t.columns], row)) for row in t.rows}
         assert rows[0]["TC"] == tc and rows[1]["TC"] == "no" and rows[2]["TC"] == "yes"
     floor_gemm = max(gemm.flops / roof.flops_ceiling(True), gemm.bytes / roof.peak_bw) * 1e9
     floor_ln = max(ln.flops / roof.flops_ceiling(False), ln.bytes / roof.peak_bw) * 1e9
-    assert rows[0]["Floor (us)"] == f"{floor_gemm / 1e3:.2f}" and rows[1]["Floor (us)"] == f"{floor_ln / 1e3:.2f}"
+    assert (rows[0]["Floor (us)"] == f"{floor_gemm / 1e3:.2f}"
+            and rows[1]["Floor (us)"] == f"{floor_ln / 1e3:.2f}")
     assert rows[0]["% of roofline"] == f"{100 * floor_gemm / gemm.duration_ns:.1f}%"
-    assert rows[1]["% of roofline"] == f"{100 * floor_ln / ln.duration_ns:.1f}%" and rows[1]["Bound"] == "memory"
+    assert (rows[1]["% of roofline"] == f"{100 * floor_ln / ln.duration_ns:.1f}%"
+            and rows[1]["Bound"] == "memory")
     assert (rows[1]["Grid"], rows[1]["Block"], rows[0]["Grid"]) == ("(256,1,1)", "(128,1,1)", "-")
     assert rows[2]["Floor (us)"] == "-" and "H100" in t.title
     assert "no floor" in V.tables(V.Profile([gemm]), "pyprof", None)[0].title
@@ -421,7 +455,8 @@ def test_every_view_is_in_the_json_and_csv_files(cpu, tmp_path):
     doc = json.load(open(tmp_path / "views.json"))
     assert set(doc["views"]) == set(V.VIEWS)
     ops = (tmp_path / "views" / "ops.csv").read_text().splitlines()
-    assert ops[0].startswith("op,dir,launches,total (us)") and any(line.startswith("matmul_backward,bprop")
+    assert ops[0].startswith("op,dir,launches,total (us)") and any(line.startswith(
+        "matmul_backward,bprop")
                                                                    for line in ops)
     for name in ("kernels", "layers", "top_kernels"):
         assert (tmp_path / "views" / f"{name}.csv").is_file()
@@ -429,7 +464,8 @@ def test_every_view_is_in_the_json_and_csv_files(cpu, tmp_path):
 
 
 def test_train_profile_on_the_emulated_cuda_path_labels_every_view(tmp_path, capsys):
-    """train.py --device emu --profile: the CUDA backend over the emulator, every view labelled as emulated."""
+    """train.py --device emu --profile: the CUDA backend over the emulator, every view
+    labelled as emulated."""
     import train
     from gpt2np.datasets.data import write_shard
     from gpt2np.formats.checkpoint import save_model
@@ -438,23 +474,27 @@ def test_train_profile_on_the_emulated_cuda_path_labels_every_view(tmp_path, cap
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, 2000).astype(np.uint16)
     write_shard(tmp_path / "val.bin", tokens[:500])
     write_shard(tmp_path / "train.bin", tokens[500:])
-    args = ["-e", model_path, "-i", tmp_path / "train.bin", "-j", tmp_path / "val.bin", "-b", B, "-t", T,
+    args = ["-e", model_path, "-i", tmp_path / "train.bin", "-j",
+            tmp_path / "val.bin", "-b", B, "-t", T,
             "-x", 3, "-v", 0, "-s", 0, "--profile", 1, "-o", tmp_path / "run", "--device", "emu"]
     assert train.main([str(a) for a in args]) == 0
     out = capsys.readouterr().out
-    titles = [line for line in out.splitlines() if line.startswith(("Model summary", "GPT-2 modules", "Phases",
-                                                                    "GPU activities", "API calls", "User ranges"))]
+    titles = [line for line in out.splitlines()
+              if line.startswith(("Model summary", "GPT-2 modules", "Phases", "GPU activities",
+                                  "API calls", "User ranges"))]
     assert len(titles) == 6 and all(t.endswith(f"[{report.EMULATED_NOTE}]") for t in titles), titles
     saved = str(tmp_path / "run" / "profile" / "profile.json")
     assert report_cli.main([saved, "--views", "all"]) == 0
     every = title_lines(capsys.readouterr().out)
-    assert len(every) >= len(V.VIEWS) and all(t.endswith(f"[{report.EMULATED_NOTE}]") for t in every), every
+    assert len(every) >= len(V.VIEWS) and all(t.endswith(f"[{report.EMULATED_NOTE}]")
+                                              for t in every), every
 
 
 def test_the_kernel_reports_ranges_are_the_recorded_ones(cpu, tmp_path, capsys):
-    """`report` without --views shows the range instances the run recorded (one adamw per tensor, as the nvtx_sum
-    view counts them), not ones rebuilt from the launches' stacks (which merged back-to-back adamw calls into one);
-    a profile.json without ranges still gets the rebuilt ones, titled so."""
+    """`report` without --views shows the range instances the run recorded (one adamw per tensor, as
+    the nvtx_sum view counts them), not ones rebuilt from the launches' stacks (which merged
+    back-to-back adamw calls into one); a profile.json without ranges still gets the
+    rebuilt ones, titled so."""
     profile = cpu[2]
     path = tmp_path / "profile.json"
     report.write_json(profile.records, str(path), None, profile.meta, V.profile_doc(profile))
@@ -475,12 +515,13 @@ def test_the_kernel_reports_ranges_are_the_recorded_ones(cpu, tmp_path, capsys):
 
 
 def test_pyprof_marks_no_tensor_cores_on_the_cpu_in_bf16(cpu):
-    """The numpy backend's bf16 run computes its matmuls in fp32 on the CPU: TC no; the same records labelled a
-    CUDA bf16 run mark their GEMMs yes."""
+    """The numpy backend's bf16 run computes its matmuls in fp32 on the CPU: TC no; the same records
+    labelled a CUDA bf16 run mark their GEMMs yes."""
     profile = cpu[2]
 
     def tc_column(meta):
-        labelled = V.Profile(profile.records, profile.ranges, profile.api, profile.comms, profile.memory, meta)
+        labelled = V.Profile(profile.records, profile.ranges, profile.api, profile.comms,
+                             profile.memory, meta)
         (pyprof,) = V.pyprof(V.select(labelled, "last"))
         at = [c for c, _ in pyprof.columns].index("TC")
         return {(row[3], row[at]) for row in pyprof.rows}

@@ -1,8 +1,10 @@
-"""Disk full and other write errors: one line naming the file and the errno, no partial or temporary file left,
-the state in memory intact (a later write gives exactly the expected bytes), and a run stops with that one line.
+"""Disk full and other write errors: one line naming the file and the errno, no partial or temporary
+file left, the state in memory intact (a later write gives exactly the expected bytes), and a run
+stops with that one line.
 
-ENOSPC is injected (at fsync, at the file's write, at os.write) so these tests run anywhere; where this process
-may mount a tmpfs (root outside a locked-down container), a really full disk is tested too, through train.py.
+ENOSPC is injected (at fsync, at the file's write, at os.write) so these tests run anywhere; where
+this process may mount a tmpfs (root outside a locked-down container), a really full disk is tested
+too, through train.py.
 """
 import errno
 import os
@@ -25,7 +27,8 @@ from gpt2np.formats.checkpoint import model_path, save_model
 from gpt2np.model import GPT2
 
 # 34,208 parameters: its checkpoint (137 kB) does not fit the 96 kB tmpfs below
-TINY = GPT2Config(max_seq_len=17, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=2, channels=32)
+TINY = GPT2Config(max_seq_len=17, vocab_size=200, padded_vocab_size=256, num_layers=2, num_heads=2,
+                  channels=32)
 T = 16
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -64,14 +67,16 @@ def test_checkpoint_on_full_disk(tmp_path, monkeypatch, model):
     params_before = model.params_host().copy()
     out = tmp_path / "log"
     path = Path(model_path(out, 10))
-    fail_once(monkeypatch, os, "fsync")               # where NFS and ext4 report a full disk at the latest
+    # where NFS and ext4 report a full disk at the latest
+    fail_once(monkeypatch, os, "fsync")
     with pytest.raises(OSError) as e:
         save_model(path, TINY, model.params_host())
     assert isinstance(e.value, WriteError) and e.value.errno == errno.ENOSPC
     assert str(e.value) == disk_full_line(path)
     assert leftovers(out) == []                        # neither the checkpoint nor its temp file
     assert np.array_equal(model.params_host(), params_before)
-    save_model(path, TINY, model.params_host())       # room again: the same bytes as if nothing had happened
+    # room again: the same bytes as if nothing had happened
+    save_model(path, TINY, model.params_host())
     assert path.read_bytes() == expected.read_bytes() and leftovers(out) == [path.name]
 
 
@@ -86,7 +91,8 @@ def test_failed_checkpoint_keeps_the_old_file(tmp_path, monkeypatch, model):
 
 
 class FullAfter:
-    """A file whose writes fail with ENOSPC once `room` bytes are in it (the bytes that fit are written)."""
+    """A file whose writes fail with ENOSPC once `room` bytes are in it (the bytes that
+    fit are written)."""
 
     def __init__(self, file, room):
         self.file, self.room = file, room
@@ -122,11 +128,13 @@ def test_shard_on_full_disk(tmp_path, monkeypatch):
 
 
 def test_a_write_error_without_errno_is_probed(tmp_path, monkeypatch):
-    """numpy's tofile says only 'N requested and M written'; one more write to the doomed temp file says why."""
+    """numpy's tofile says only 'N requested and M written'; one more write to the doomed
+    temp file says why."""
     short = OSError("1000 requested and 24 written")
     with pytest.raises(WriteError) as e:
         with atomic_write(tmp_path / "a.bin"):
-            raise short                                # the disk has room again: the probe finds nothing
+            # the disk has room again: the probe finds nothing
+            raise short
     assert str(e.value) == f"writing {tmp_path / 'a.bin'}: 1000 requested and 24 written"
     fail_once(monkeypatch, os, "write")
     with pytest.raises(WriteError) as e:
@@ -137,9 +145,11 @@ def test_a_write_error_without_errno_is_probed(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("error", [TimeoutError("timed out"), ConnectionResetError(104, "reset"),
-                                   FileNotFoundError(2, "No such file or directory", "input.txt"), ValueError("x")])
+                                   FileNotFoundError(2, "No such file or directory", "input.txt"),
+                                   ValueError("x")])
 def test_other_errors_in_the_body_pass_through(tmp_path, error):
-    """A download timing out while it feeds the file, a missing input...: not errors of writing the file."""
+    """A download timing out while it feeds the file, a missing input...: not errors of
+    writing the file."""
     with pytest.raises(type(error)) as e:
         with atomic_write(tmp_path / "a.bin") as f:
             f.write(b"partial")
@@ -148,19 +158,23 @@ def test_other_errors_in_the_body_pass_through(tmp_path, error):
 
 
 def test_atomic_write_refuses_what_it_would_replace_wrongly(tmp_path):
-    """A folder, a pipe or a device at the path (as root, /dev/full was replaced by a regular file) and a file in
-    the way of the path's folders are refused before anything is written, each naming the path and why."""
+    """A folder, a pipe or a device at the path (as root, /dev/full was replaced by a regular file)
+    and a file in the way of the path's folders are refused before anything is written, each naming
+    the path and why."""
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "folder").mkdir()
     (tmp_path / "afile").write_text("x")
-    for target, says in ((tmp_path / "fifo", "not a regular file"), (tmp_path / "folder", "it is a folder"),
+    for target, says in ((tmp_path / "fifo", "not a regular file"),
+                         (tmp_path / "folder", "it is a folder"),
                          (tmp_path / "afile" / "out.bin", f"{tmp_path / 'afile'} is a file")):
         with pytest.raises(WriteError) as caught:
             with atomic_write(target) as f:
                 f.write(b"data")
         assert str(caught.value).startswith(f"writing {target}: ") and says in str(caught.value)
-    assert stat.S_ISFIFO(os.stat(tmp_path / "fifo").st_mode) and (tmp_path / "afile").read_text() == "x"
-    assert os.listdir(tmp_path / "folder") == [] and sorted(os.listdir(tmp_path)) == ["afile", "fifo", "folder"]
+    assert (stat.S_ISFIFO(os.stat(tmp_path / "fifo").st_mode)
+            and (tmp_path / "afile").read_text() == "x")
+    assert (os.listdir(tmp_path / "folder") == []
+            and sorted(os.listdir(tmp_path)) == ["afile", "fifo", "folder"])
 
 
 def test_log_on_full_disk_keeps_whole_lines(tmp_path, monkeypatch):
@@ -176,7 +190,8 @@ def test_log_on_full_disk_keeps_whole_lines(tmp_path, monkeypatch):
     with pytest.raises(WriteError) as e:
         append_line(log, "s:1 trl:5.381507 lr:0.003 norm:1.5092")
     assert str(e.value) == disk_full_line(log)
-    assert log.read_text() == "s:0 trl:5.342460 lr:0.0015 norm:1.6188\n"     # the half line is undone
+    # the half line is undone
+    assert log.read_text() == "s:0 trl:5.342460 lr:0.0015 norm:1.6188\n"
     monkeypatch.setattr(os, "write", real_write)
     append_line(log, "s:1 trl:5.381507 lr:0.003 norm:1.5092")
     assert log.read_text().splitlines()[-1] == "s:1 trl:5.381507 lr:0.003 norm:1.5092"
@@ -193,16 +208,17 @@ def inputs(tmp_path_factory):
 
 
 def train_args(inputs, out):
-    return [str(a) for a in ["-e", inputs / "tiny.bin", "-i", inputs / "train.bin", "-j", inputs / "val.bin",
-                             "-b", 2, "-t", T, "-x", 4, "-v", 2, "-m", 1, "-s", 0, "-n", 2, "--device", "cpu",
-                             "-o", out]]
+    return [str(a) for a in ["-e", inputs / "tiny.bin", "-i", inputs / "train.bin", "-j",
+                             inputs / "val.bin", "-b", 2, "-t", T, "-x", 4, "-v", 2, "-m", 1, "-s",
+                             0, "-n", 2, "--device", "cpu", "-o", out]]
 
 
 def error_lines(err):
     return [line for line in err.splitlines() if line.startswith("error:")]
 
 
-def test_run_stops_with_one_line_when_main_log_cannot_be_written(inputs, tmp_path, monkeypatch, capsys):
+def test_run_stops_with_one_line_when_main_log_cannot_be_written(inputs, tmp_path, monkeypatch,
+                                                                 capsys):
     out = tmp_path / "out"
     real_open, real_write = os.open, os.write
     log_fd, lines_tried = [None], [0]
@@ -236,8 +252,8 @@ def full_disk(tmp_path):
     disk.mkdir()
     if shutil.which("mount") is None or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root and mount(8)")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(disk)], capture_output=True,
-                             text=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     yield disk
@@ -245,7 +261,8 @@ def full_disk(tmp_path):
 
 
 def test_checkpoint_on_a_really_full_disk(inputs, full_disk, capsys):
-    """End to end on a full tmpfs: numpy's tofile fails without an errno; the message still says ENOSPC."""
+    """End to end on a full tmpfs: numpy's tofile fails without an errno; the message
+    still says ENOSPC."""
     out = full_disk / "log"
     code = train.main(train_args(inputs, out))
     err = capsys.readouterr().err
@@ -259,9 +276,10 @@ def test_checkpoint_on_a_really_full_disk(inputs, full_disk, capsys):
 
 
 def test_atomic_write_syncs_the_folder_after_the_rename(tmp_path, monkeypatch):
-    """The rename reaches the disk too: the folder is fsynced after os.replace (else a power loss can bring back
-    the old file, or none, under a DONE marker written after it). File systems that cannot sync a folder
-    (EINVAL) are passed over; a real failure there (EIO) is one WriteError naming the file."""
+    """The rename reaches the disk too: the folder is fsynced after os.replace (else a power loss
+    can bring back the old file, or none, under a DONE marker written after it). File systems that
+    cannot sync a folder (EINVAL) are passed over; a real failure there (EIO) is one
+    WriteError naming the file."""
     synced = []
     real_fsync, real_replace = os.fsync, os.replace
     failure = {}
@@ -283,7 +301,8 @@ def test_atomic_write_syncs_the_folder_after_the_rename(tmp_path, monkeypatch):
     path = tmp_path / "sub" / "model.bin"
     with atomic_write(path) as f:
         f.write(b"one")
-    assert synced == ["file", "rename", ("folder", path.parent.stat().st_ino)] and path.read_bytes() == b"one"
+    assert (synced == ["file", "rename", ("folder", path.parent.stat().st_ino)]
+            and path.read_bytes() == b"one")
     failure["errno"] = errno.EINVAL
     with atomic_write(path) as f:
         f.write(b"two")

@@ -23,8 +23,8 @@ stream and its gradient rounded to bf16 after every add (TorchGPT2(bf16_residual
 on each tensor, and when every step of a 10-step loss curve stays within the band it sets:
 |gpt2np - fp32| <= BF16_RATIO * max over the steps of |ac+bf16 res - fp32|. Plain autocast (an
 fp32 residual stream) is printed beside as information.
-Exit code: 0 when every check is within tolerance, 1 when one is not (or the run failed: a device or a
-kernel compiler), 2 on bad input (one line).
+Exit code: 0 when every check is within tolerance, 1 when one is not (or the run failed: a device or
+a kernel compiler), 2 on bad input (one line).
 """
 import argparse
 import sys
@@ -49,10 +49,11 @@ LOSS_ABS_TOL = 1e-4
 # Per-tensor relative tolerances that differ from REL_TOL, each with the reason it is needed.
 # None so far: in fp32 every tensor of d12 agrees to ~1e-6 of its scale.
 REL_TOL_OVERRIDES = {}
-# --precision tf32 (the GEMM inputs rounded to a 10-bit mantissa, fp32 accumulation) against the fp32 reference:
-# each rounded input moves by up to 2^-11 of itself, and the errors of the 2L+2 matmuls compound through the
-# layernorms; on the emulator's TF32 (rounded as the tensor cores do) a 4-layer model (C=64) stays under ~8e-4 of a
-# tensor's scale and 2e-5 on the loss, so 1e-2 and 2e-3 leave room for deeper models and the GPU's summation order.
+# --precision tf32 (the GEMM inputs rounded to a 10-bit mantissa, fp32 accumulation) against the
+# fp32 reference: each rounded input moves by up to 2^-11 of itself, and the errors of the 2L+2
+# matmuls compound through the layernorms; on the emulator's TF32 (rounded as the tensor cores do) a
+# 4-layer model (C=64) stays under ~8e-4 of a tensor's scale and 2e-5 on the loss, so 1e-2 and 2e-3
+# leave room for deeper models and the GPU's summation order.
 TF32_REL_TOL = 1e-2
 TF32_LOSS_ABS_TOL = 2e-3
 # --precision bf16: gpt2np's error against fp32 may be at most this many times that of PyTorch
@@ -67,7 +68,8 @@ FEW_TOKENS = 64
 # inputs
 
 def make_batch(cfg: GPT2Config, B: int, T: int, seed: int = 0, data=None):
-    """(x, y) int32 (B,T) from B*T+1 consecutive tokens: a shard's first ones, or random from seed."""
+    """(x, y) int32 (B,T) from B*T+1 consecutive tokens: a shard's first ones, or
+    random from seed."""
     n = B * T + 1
     if data is not None:
         shard = read_shard(data)
@@ -75,7 +77,8 @@ def make_batch(cfg: GPT2Config, B: int, T: int, seed: int = 0, data=None):
             raise ValueError(f"{data}: token shard has {shard.size} tokens, the batch needs {n}")
         tokens = np.asarray(shard[:n], dtype=np.int32)
         if tokens.max() >= cfg.vocab_size:
-            raise ValueError(f"{data}: token id {tokens.max()} >= the model's vocab_size {cfg.vocab_size}")
+            raise ValueError(f"{data}: token id {tokens.max()} >= the model's vocab_size "
+                             f"{cfg.vocab_size}")
     else:
         tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=n, dtype=np.int32)
     return tokens[:-1].reshape(B, T).copy(), tokens[1:].reshape(B, T).copy()
@@ -84,13 +87,15 @@ def make_batch(cfg: GPT2Config, B: int, T: int, seed: int = 0, data=None):
 # ----------------------------------------------------------------------------------------------
 # the gpt2np side
 
-def build_model(cfg: GPT2Config, backend_name: str, B: int, T: int, params_flat, precision="fp32", attention="naive",
-                recompute=None, cpu_math=None):
-    """gpt2np's GPT2 on the named backend at a precision and attention, loaded with the model file's parameters.
-    recompute: train.py's -r (None: its default, 0); cpu_math: train.py's --cpu-math (None: its default, fast)."""
+def build_model(cfg: GPT2Config, backend_name: str, B: int, T: int, params_flat, precision="fp32",
+                attention="naive", recompute=None, cpu_math=None):
+    """gpt2np's GPT2 on the named backend at a precision and attention, loaded with the model file's
+    parameters. recompute: train.py's -r (None: its default, 0); cpu_math: train.py's --cpu-math
+    (None: its default, fast)."""
     backend = get_backend(backend_name, precision, **({"math": cpu_math} if cpu_math else {}))
     recompute = 0 if recompute is None else recompute
-    model = GPT2(cfg, backend, B, T, attention=attention, recompute=recompute)   # load_params follows
+    # load_params follows
+    model = GPT2(cfg, backend, B, T, attention=attention, recompute=recompute)
     model.load_params(params_flat)
     return model
 
@@ -102,7 +107,8 @@ def math_text(model) -> str:
 
 
 def model_state(model, x, y, vocab_size: int) -> DebugState:
-    """One forward + backward of the gpt2np model: logits (B,T,V), loss, grads {name: llm.c shape}."""
+    """One forward + backward of the gpt2np model: logits (B,T,V), loss, grads
+    {name: llm.c shape}."""
     loss = model.forward(x, y)
     logits = np.asarray(model.logits_host())[:, :, :vocab_size]
     model.backward(accumulate=False, from_logits=True)       # overwrites: no zero_grad() needed
@@ -117,7 +123,8 @@ def describe_adamw(lr: float, adamw: AdamW) -> str:
 
 
 def model_step(model, x, y, step: int, lr: float, adamw: AdamW):
-    """One gpt2np training step (train_step) on (x, y); step counts from 1 (AdamW's t) -> (loss, grad norm)."""
+    """One gpt2np training step (train_step) on (x, y); step counts from 1 (AdamW's t) ->
+    (loss, grad norm)."""
     loss, norm = train_step(model, lambda: (x, y), step=step - 1, lr=lr, adamw=adamw)
     return loss, norm
 
@@ -127,7 +134,8 @@ def model_step(model, x, y, step: int, lr: float, adamw: AdamW):
 
 @dataclass
 class Check:
-    """One compared quantity; `kind` says whether `tol` bounds the relative or the absolute error."""
+    """One compared quantity; `kind` says whether `tol` bounds the relative or
+    the absolute error."""
     name: str
     shape: tuple
     max_abs: float
@@ -185,10 +193,10 @@ def format_checks(checks) -> str:
         status = "ok" if c.ok else "FAIL"
         if c.note:
             status += f" ({c.note})"
-        lines.append(f"{c.name:<10} {str(tuple(c.shape)):<18} {c.max_abs:>12.3e} {c.max_rel:>12.3e} "
-                     f"{tol:>13}  {status}")
-    lines.append("max rel err = max|gpt2np - ref| / max|ref| over the whole tensor (error relative to "
-                 "the tensor's scale); the loss tolerance is absolute.")
+        lines.append(f"{c.name:<10} {str(tuple(c.shape)):<18} {c.max_abs:>12.3e} "
+                     f"{c.max_rel:>12.3e} {tol:>13}  {status}")
+    lines.append("max rel err = max|gpt2np - ref| / max|ref| over the whole tensor (error relative "
+                 "to the tensor's scale); the loss tolerance is absolute.")
     return "\n".join(lines)
 
 
@@ -229,10 +237,13 @@ def parse_args(argv=None):
     src.add_argument("--write-debug-state", metavar="FILE",
                      help="also save the reference's debug state for this batch to FILE")
     p.add_argument("--backend", default="numpy",
-                   help="gpt2np backend: numpy, cuda, emu (CUDA kernels on the CPU emulator) or auto")
-    p.add_argument("--steps", type=int, default=10, help="AdamW steps for the loss curves (0: none)")
+                   help="gpt2np backend: numpy, cuda, emu (CUDA kernels on the CPU "
+                        "emulator) or auto")
+    p.add_argument("--steps", type=int, default=10,
+                   help="AdamW steps for the loss curves (0: none)")
     p.add_argument("-b", "--batch-size", type=int, default=None, help="B (default 4)")
-    p.add_argument("-t", "--seq-len", type=int, default=None, help="T (default 64, or max_seq_len if less)")
+    p.add_argument("-t", "--seq-len", type=int, default=None,
+                   help="T (default 64, or max_seq_len if less)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random batch")
     p.add_argument("--data", help="llm.c token shard: take the batch from its first B*T+1 tokens")
     p.add_argument("-l", "--lr", type=float, default=1e-4)
@@ -244,35 +255,40 @@ def parse_args(argv=None):
     p.add_argument("--ref-dtype", choices=("float32", "float64"), default="float32",
                    help="precision of the PyTorch reference")
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="fp32",
-                   help="gpt2np's matmuls: fp32, or tf32 (TF32 tensor cores; cuda and emu backends) against the "
-                        "same fp32 reference with the tf32 tolerances; bf16 (every backend): gpt2np's bf16 and "
-                        "PyTorch autocast bf16, each against PyTorch fp32, gpt2np's error at most "
-                        f"{BF16_RATIO:g}x autocast's (default fp32)")
+                   help="gpt2np's matmuls: fp32, or tf32 (TF32 tensor cores; cuda and emu "
+                   "backends) against the same fp32 reference with the tf32 tolerances; bf16 "
+                   "(every backend): gpt2np's bf16 and PyTorch autocast bf16, each against PyTorch "
+                   f"fp32, gpt2np's error at most {BF16_RATIO:g}x autocast's (default fp32)")
     p.add_argument("--attention", choices=("naive", "flash"), default="naive",
-                   help="gpt2np's attention: naive, or flash (on cuda and emu: TF32 tensor cores at fp32 and tf32, so "
-                        "checked with the tf32 tolerances; bf16 WMMA at bf16; head size 64) (default naive)")
+                   help="gpt2np's attention: naive, or flash (on cuda and emu: TF32 tensor cores "
+                        "at fp32 and tf32, so checked with the tf32 tolerances; bf16 WMMA at bf16; "
+                        "head size 64) (default naive)")
     p.add_argument("-r", "--recompute", type=int, choices=(0, 1, 2), default=None,
-                   help="gpt2np's recompute, train.py's -r: 0 keep every activation, 1 recompute the GELU in "
-                        "backward, 2 also the LayerNorms (default: train.py's, 0)")
+                   help="gpt2np's recompute, train.py's -r: 0 keep every activation, 1 recompute "
+                        "the GELU in backward, 2 also the LayerNorms (default: train.py's, 0)")
     p.add_argument("--cpu-math", choices=("fast", "exact"), default=None,
-                   help="the numpy backend's math, train.py's --cpu-math: fast (the default) or exact (bitwise the "
-                        "NumPy reference code)")
+                   help="the numpy backend's math, train.py's --cpu-math: fast (the default) or "
+                        "exact (bitwise the NumPy reference code)")
     p.add_argument("--rel-tol", type=float, default=None,
-                   help=f"relative tolerance, logits and grads (default {REL_TOL:g}; tf32: {TF32_REL_TOL:g})")
+                   help=f"relative tolerance, logits and grads (default {REL_TOL:g}; tf32: "
+                        f"{TF32_REL_TOL:g})")
     p.add_argument("--loss-tol", type=float, default=None,
-                   help=f"absolute tolerance, losses (default {LOSS_ABS_TOL:g}; tf32: {TF32_LOSS_ABS_TOL:g})")
+                   help=f"absolute tolerance, losses (default {LOSS_ABS_TOL:g}; tf32: "
+                        f"{TF32_LOSS_ABS_TOL:g})")
     p.add_argument("--tol", type=parse_tolerance, action="append", default=[], metavar="TENSOR=REL",
                    help="relative tolerance for one tensor (repeatable)")
     args = p.parse_args(argv)
-    # the flash kernels multiply on TF32 tensor cores at either precision (the NumPy backend's flash is fp32)
+    # the flash kernels multiply on TF32 tensor cores at either precision (the NumPy
+    # backend's flash is fp32)
     kernels = args.attention == "flash" and device_traits(args.backend).launches_kernels
     tf32 = args.precision == "tf32" or kernels
     if args.rel_tol is None:
         args.rel_tol = TF32_REL_TOL if tf32 else REL_TOL
     if args.loss_tol is None:
         args.loss_tol = TF32_LOSS_ABS_TOL if tf32 else LOSS_ABS_TOL
-    for flag, value, allowed in (("--steps", args.steps, integer(0)), ("--seed", args.seed, integer(0)),
-                                 ("-l", args.lr, number(0)), ("--beta1", args.beta1, number(0, 1, high_open=True)),
+    for flag, value, allowed in (("--steps", args.steps, integer(0)),
+                                 ("--seed", args.seed, integer(0)), ("-l", args.lr, number(0)),
+                                 ("--beta1", args.beta1, number(0, 1, high_open=True)),
                                  ("--beta2", args.beta2, number(0, 1, high_open=True)),
                                  ("--eps", args.eps, number(0, low_open=True)),
                                  ("--weight-decay", args.weight_decay, number(0)),
@@ -300,13 +316,15 @@ def run(args) -> int:
         ref = read_debug_state(args.debug_state, cfg)
         for flag, asked, have in (("-b", args.batch_size, ref.B), ("-t", args.seq_len, ref.T)):
             if asked is not None and asked != have:
-                raise ValueError(f"{flag} {asked} disagrees with debug state {args.debug_state} ({have})")
+                raise ValueError(f"{flag} {asked} disagrees with debug state "
+                                 f"{args.debug_state} ({have})")
         x, y, source = ref.x, ref.y, f"debug state {args.debug_state}"
     else:
         B = 4 if args.batch_size is None else args.batch_size
         T = min(64, cfg.max_seq_len) if args.seq_len is None else args.seq_len
         if B <= 0 or not 0 < T <= cfg.max_seq_len:
-            raise ValueError(f"need B > 0 and 0 < T <= max_seq_len {cfg.max_seq_len}, got B={B} T={T}")
+            raise ValueError("need B > 0 and 0 < T <= max_seq_len "
+                             f"{cfg.max_seq_len}, got B={B} T={T}")
         x, y = make_batch(cfg, B, T, args.seed, args.data)
         ref_model = TorchGPT2(cfg, params, args.ref_dtype)
         out = ref_model.forward_backward(x, y)
@@ -319,12 +337,12 @@ def run(args) -> int:
     if args.debug_state:
         batch = "from the debug state"
 
-    model = build_model(cfg, args.backend, B, T, params, args.precision, args.attention, args.recompute,
-                        args.cpu_math)
+    model = build_model(cfg, args.backend, B, T, params, args.precision, args.attention,
+                        args.recompute, args.cpu_math)
     print(f"model {args.model}: L={cfg.num_layers} NH={cfg.num_heads} C={cfg.channels} "
           f"V={cfg.vocab_size} Vp={cfg.padded_vocab_size} maxT={cfg.max_seq_len}")
-    print(f"batch B={B} T={T} ({batch}); gpt2np backend {args.backend} ({args.precision}, {args.attention} "
-          f"attention{math_text(model)}) vs {source}")
+    print(f"batch B={B} T={T} ({batch}); gpt2np backend {args.backend} ({args.precision}, "
+          f"{args.attention} attention{math_text(model)}) vs {source}")
     ours = model_state(model, x, y, cfg.vocab_size)
     checks = compare_states(ours, ref, args.rel_tol, args.loss_tol, dict(args.tol))
     print()
@@ -341,12 +359,14 @@ def run(args) -> int:
         for step in range(1, args.steps + 1):
             ours_curve.append(model_step(model, x, y, step, args.lr, adamw))
             ref_curve.append(ref_model.step(x, y, args.lr, adamw.beta1, adamw.beta2, adamw.eps,
-                                            adamw.weight_decay, DECAYED_BY_DEFAULT, adamw.grad_clip))
+                                            adamw.weight_decay, DECAYED_BY_DEFAULT,
+                                            adamw.grad_clip))
         print(f"\n{args.steps} AdamW steps on this batch ({describe_adamw(args.lr, adamw)}); "
               f"reference: PyTorch ({args.ref_dtype})")
         print(format_curves(ours_curve, ref_curve, args.loss_tol))
         failed += [f"loss at step {i}" for i, ((la, _), (lb, _)) in
-                   enumerate(zip(ours_curve, ref_curve), start=1) if not abs(la - lb) <= args.loss_tol]
+                   enumerate(zip(ours_curve, ref_curve),
+                             start=1) if not abs(la - lb) <= args.loss_tol]
 
     total = len(checks) + args.steps
     if failed:
@@ -515,7 +535,8 @@ def run_bf16(args, cfg, params) -> int:
 
 @tool
 def main(argv=None) -> int:
-    """The comparison from the flags: 0 all within tolerance, 1 a check failed, 2 bad input (one line)."""
+    """The comparison from the flags: 0 all within tolerance, 1 a check failed, 2 bad
+    input (one line)."""
     return run(parse_args(argv))
 
 

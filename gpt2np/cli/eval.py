@@ -3,24 +3,30 @@
     gpt2np eval -e model.bin -j 'data/val*.bin'            # every batch of the shards, a progress bar
     gpt2np eval -e gpt2 -j val.bin -b 8 -t 1024 -m 100    # a Hugging Face model, the first 100 batches
 
-The loss is the one training logs as `tel` (val loss): the mean over batches of each batch's mean next-token
-cross-entropy, batches of -b x -t tokens read in order from the shards (llm.c's DataLoader). The
-precision is training's default on the device; a run trained with --precision bf16 (or tf32)
-logged its val loss in that precision, and `--precision bf16` gives it again.
+The loss is the one training logs as `tel` (val loss): the mean over batches of each batch's mean
+next-token cross-entropy, batches of -b x -t tokens read in order from the shards (llm.c's
+DataLoader). The precision is training's default on the device; a run trained with --precision bf16
+(or tf32) logged its val loss in that precision, and `--precision bf16` gives it again.
 
     gpt2np eval hellaswag -e model.bin                  # HellaSwag acc and acc_norm (gpt2np/datasets/hellaswag.py)
     gpt2np eval hellaswag -e model.bin -j my.jsonl -m 100 -b 16
 
 For hellaswag, -j is a HellaSwag jsonl (default: hellaswag_val.jsonl, downloaded into the cache, see
-gpt2np/datasets/cache.py), -m the max examples, -b the rows (4 per example) per forward and -t the longest row
-(default: the longest in the data, at most the model's max_seq_len).
+gpt2np/datasets/cache.py), -m the max examples, -b the rows (4 per example) per forward and -t the
+longest row (default: the longest in the data, at most the model's max_seq_len).
 """
 import math
 import sys
 import time
 from pathlib import Path
 
-from gpt2np.backends import device_traits, get_backend, resolve_attention, resolve_name, resolve_precision
+from gpt2np.backends import (
+    device_traits,
+    get_backend,
+    resolve_attention,
+    resolve_name,
+    resolve_precision,
+)
 from gpt2np.datasets import hellaswag
 from gpt2np.datasets.cache import checked_cache_dir
 from gpt2np.datasets.data import DataLoader
@@ -43,23 +49,28 @@ MODEL_HELP = ("the model: an llm.c model file (.bin, as train writes; gpt2_124M.
 def parse_args(argv):
     """The flags of `gpt2np eval`, each checked (BadInput names the first that is not allowed)."""
     p = ArgumentParser(prog="python -m gpt2np.cli.eval", description=__doc__.split("\n")[0],
-                       epilog="eval hellaswag: -j a HellaSwag jsonl (default hellaswag_val.jsonl, fetched into "
-                              "the cache), -m max examples, -b rows per forward (4 per example).")
+                       epilog="eval hellaswag: -j a HellaSwag jsonl (default hellaswag_val.jsonl, "
+                              "fetched into the cache), -m max examples, -b rows per forward "
+                              "(4 per example).")
     p.add_argument("task", nargs="?", default="loss", choices=TASKS,
                    help="loss (default): mean loss on -j; hellaswag: acc and acc_norm on HellaSwag")
     p.add_argument("-e", "--model", required=True, help=MODEL_HELP)
     p.add_argument("-j", "--val-data", metavar="PATTERN",
-                   help="token shards (glob; default: the tinyshakespeare val split, prepared on first use); "
-                        "hellaswag: a jsonl file (default: hellaswag_val.jsonl in the cache)")
+                   help="token shards (glob; default: the tinyshakespeare val split, prepared on "
+                        "first use); hellaswag: a jsonl file (default: "
+                        "hellaswag_val.jsonl in the cache)")
     p.add_argument("-b", "--batch-size", type=int, default=4, help="batch size B (default 4)")
-    p.add_argument("-t", "--seq-len", type=int, help="sequence length T (default 64 on the CPU, 1024 on a GPU; "
-                   "at most the model's max_seq_len)")
-    p.add_argument("-m", "--val-max-batches", type=int, default=-1, help="this many batches, as train.py's -m (more "
-                   "than there are wrap around; hellaswag: at most this many examples), -1 = all (default -1)")
-    p.add_argument("--dir", help="hellaswag: the download cache (default: $GPT2NP_CACHE, else the user cache dir)")
+    p.add_argument("-t", "--seq-len", type=int, help="sequence length T (default 64 on the CPU, "
+                   "1024 on a GPU; at most the model's max_seq_len)")
+    p.add_argument("-m", "--val-max-batches", type=int, default=-1,
+                   help="this many batches, as train.py's -m (more than there are wrap around; "
+                        "hellaswag: at most this many examples), -1 = all (default -1)")
+    p.add_argument("--dir", help="hellaswag: the download cache (default: $GPT2NP_CACHE, else "
+                                 "the user cache dir)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "numpy", "cuda", "emu"),
-                   help="auto = cuda if there is a GPU, else cpu; emu = the CUDA kernels on the CPU emulator (default "
-                        "auto); training's precision and attention defaults for the device")
+                   help="auto = cuda if there is a GPU, else cpu; emu = the CUDA kernels on the "
+                        "CPU emulator (default auto); training's precision and attention "
+                        "defaults for the device")
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"),
                    help="the model's math, as train.py's --precision: fp32, tf32 (TF32 tensor "
                         "cores; a GPU or the emulator) or bf16 (bf16 storage, fp32 math: as a "
@@ -67,8 +78,9 @@ def parse_args(argv):
                         "training's on the device: tf32 on a GPU with tensor cores, fp32 "
                         "elsewhere)")
     p.add_argument("--cpu-math", choices=("fast", "exact"),
-                   help="the numpy backend's math, as train.py's --cpu-math: fast (the default) or exact (bitwise the "
-                        "NumPy reference, as a run trained with --cpu-math exact logged its val loss)")
+                   help="the numpy backend's math, as train.py's --cpu-math: fast (the default) or "
+                        "exact (bitwise the NumPy reference, as a run trained with --cpu-math "
+                        "exact logged its val loss)")
     args = p.parse_args(argv)
     integer(1).check("-b", args.batch_size, "the batch size B")
     if args.seq_len is not None:
@@ -86,7 +98,8 @@ def main(argv=None):
     if args.task == "hellaswag":
         return eval_hellaswag(args)
     if args.dir:
-        raise BadInput(f"--dir {args.dir}: only for eval hellaswag (the download cache of hellaswag_val.jsonl)")
+        raise BadInput(f"--dir {args.dir}: only for eval hellaswag (the download cache of "
+                       "hellaswag_val.jsonl)")
     cfg, params, desc = load_any_model(args.model)
     backend, attention = device_backend(args, cfg)
     T = args.seq_len or min(1024 if backend.launches_kernels else 64, cfg.max_seq_len)
@@ -102,9 +115,9 @@ def main(argv=None):
     tokens = batches * args.batch_size * T
     print(f"model {desc} on {backend_words(backend)}")
     print(f"data {val_pattern}: {len(loader.files)} shard(s), {loader.num_tokens:,} tokens")
-    print(f"val loss {loss:.6f} (perplexity {math.exp(min(loss, 700)):.2f}) over {batches} batches of "
-          f"B={args.batch_size} x T={T} = {tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} "
-          f"tok/s)")
+    print(f"val loss {loss:.6f} (perplexity {math.exp(min(loss, 700)):.2f}) over {batches} batches "
+          f"of B={args.batch_size} x T={T} = {tokens:,} tokens in {seconds:.1f} s "
+          f"({tokens / max(seconds, 1e-9):,.0f} tok/s)")
     return 0
 
 
@@ -121,9 +134,11 @@ def device_backend(args, cfg):
 
 
 def check_cpu_math(args):
-    """--cpu-math only where the model runs on the numpy backend: else one line (BadInput), before any loading."""
+    """--cpu-math only where the model runs on the numpy backend: else one line (BadInput),
+    before any loading."""
     if args.cpu_math and not device_traits(args.device).has_cpu_math:
-        raise BadInput(f"--cpu-math {args.cpu_math}: only for the CPU (numpy backend), not --device {args.device}")
+        raise BadInput(f"--cpu-math {args.cpu_math}: only for the CPU (numpy backend), not "
+                       f"--device {args.device}")
 
 
 def backend_words(backend):
@@ -139,19 +154,22 @@ def eval_hellaswag(args):
     """gpt2np eval hellaswag: acc and acc_norm of -e on the examples of -j."""
     # the files and folders first, before a model is loaded or anything downloaded
     if args.val_data and args.dir:
-        raise BadInput(f"--dir {args.dir}: the download cache of hellaswag_val.jsonl, not used with -j "
-                       f"{args.val_data}; give one or the other")
+        raise BadInput(f"--dir {args.dir}: the download cache of hellaswag_val.jsonl, not used "
+                       f"with -j {args.val_data}; give one or the other")
     if args.val_data and Path(args.val_data).is_dir():
-        raise BadInput(f"-j {args.val_data}: is a folder; eval hellaswag reads a HellaSwag jsonl file")
+        raise BadInput(f"-j {args.val_data}: is a folder; eval hellaswag reads a "
+                       "HellaSwag jsonl file")
     if args.val_data and not Path(args.val_data).is_file():
-        raise BadInput(f"-j {args.val_data}: no such file; eval hellaswag reads a HellaSwag jsonl file")
+        raise BadInput(f"-j {args.val_data}: no such file; eval hellaswag reads a "
+                       "HellaSwag jsonl file")
     cache = None if args.val_data else checked_cache_dir(args.dir)
     cfg, params, desc = load_any_model(args.model)
     if cfg.vocab_size < 50257:
-        raise BadInput(f"-e {args.model}: vocab_size {cfg.vocab_size}; HellaSwag is tokenized with GPT-2's "
-                       f"50257 tokens")
+        raise BadInput(f"-e {args.model}: vocab_size {cfg.vocab_size}; HellaSwag is tokenized with "
+                       "GPT-2's 50257 tokens")
     try:
-        with removing_new_folders(cache):          # a failed download leaves no empty cache folder behind
+        # a failed download leaves no empty cache folder behind
+        with removing_new_folders(cache):
             path, examples = hellaswag.load(args.val_data, max_examples=args.val_max_batches,
                                             cache=cache, local_flag="-j")
     except hellaswag.BadExamples as e:
@@ -166,9 +184,10 @@ def eval_hellaswag(args):
     result = hellaswag.evaluate(model, examples)
     seconds = time.perf_counter() - started
     print(f"model {desc} on {backend_words(backend)}")
-    print(f"data {path}: {result.n:,} examples, rows of up to {T + 1} tokens, B={args.batch_size} rows a forward")
-    print(f"hellaswag acc {result.correct}/{result.n} = {result.acc:.4f} | acc_norm {result.correct_norm}/{result.n} "
-          f"= {result.acc_norm:.4f} in {seconds:.1f} s")
+    print(f"data {path}: {result.n:,} examples, rows of up to {T + 1} tokens, "
+          f"B={args.batch_size} rows a forward")
+    print(f"hellaswag acc {result.correct}/{result.n} = {result.acc:.4f} | acc_norm "
+          f"{result.correct_norm}/{result.n} = {result.acc_norm:.4f} in {seconds:.1f} s")
     return 0
 
 

@@ -26,16 +26,18 @@ GROUPS = {
     "bpe": ["gpt2_vocab.bpe", "gpt2_encoder.json"],
 }
 GROUPS["all"] = [f for files in GROUPS.values() for f in files]
-CACHED = {"hellaswag"}          # groups that go to the download cache (gpt2np/datasets/cache.py), not checkpoints/
+# groups that go to the download cache (gpt2np/datasets/cache.py), not checkpoints/
+CACHED = {"hellaswag"}
 
 
 @tool
 def main(argv=None):
-    """Download the named groups; bad flags: one line, exit 2; a failed download: one line each, exit 1."""
+    """Download the named groups; bad flags: one line, exit 2; a failed download: one
+    line each, exit 1."""
     parser = ArgumentParser(prog="gpt2np fetch", description=__doc__.split("\n")[0])
     parser.add_argument("what", nargs="*", metavar="WHAT",
-                        help=f"any of {', '.join(sorted(set(GROUPS) | CACHED))} (default: tinyshakespeare "
-                             "tokenizer model)")
+                        help=f"any of {', '.join(sorted(set(GROUPS) | CACHED))} (default: "
+                             "tinyshakespeare tokenizer model)")
     parser.add_argument("--dir", help=f"destination folder (default: {CHECKPOINTS_DIR} in the "
                         f"current folder; hellaswag: the download cache, $GPT2NP_CACHE or the user "
                         f"cache dir)")
@@ -47,8 +49,8 @@ def main(argv=None):
         parser.error(f"unknown WHAT {unknown[0]!r}; choose from {', '.join(names)}")
     number(0, low_open=True).check("--timeout", args.timeout, "the socket timeout in seconds")
     groups = args.what or ["tinyshakespeare", "tokenizer", "model"]
-    # the folders first: a file in the way is bad input (one line, exit 2) before any download, not a failed
-    # download per file
+    # the folders first: a file in the way is bad input (one line, exit 2) before any download, not
+    # a failed download per file
     folder = check_folder("--dir", args.dir) if args.dir else CHECKPOINTS_DIR
     made = missing_folders(folder)
     if CACHED & set(groups):
@@ -71,12 +73,14 @@ def main(argv=None):
                     print(f"error: {e}", file=sys.stderr)
                     failed += 1
     finally:
-        remove_empty(made)          # folders this command made and nothing came into (offline): not left behind
+        # folders this command made and nothing came into (offline): not left behind
+        remove_empty(made)
     return 1 if failed else 0
 
 
 def fetch_cached(group, directory, timeout) -> int:
-    """Fetch a cached group (hellaswag) into the download cache; 0, or 1 after printing the failure."""
+    """Fetch a cached group (hellaswag) into the download cache; 0, or 1 after
+    printing the failure."""
     path = cache_dir(directory) / VAL_FILE.name
     if is_done(path):
         print(f"{path}: already present", file=sys.stderr)

@@ -24,7 +24,8 @@ DESCRIPTION = ("Plan one training step on a GPU, without one: every launch with 
                "and roofline floor, sums per op and direction, the memory the run needs and the "
                "host syncs. No kernel runs unless --measure. Files: plan.csv, plan_ops.csv and "
                "plan.json in --out.")
-CPU_DEFAULTS = TrainConfig().with_device_defaults(device_traits("numpy"))      # profile's -b and -t: train.py's
+# profile's -b and -t: train.py's
+CPU_DEFAULTS = TrainConfig().with_device_defaults(device_traits("numpy"))
 
 
 def recompute_help(plan: bool) -> str:

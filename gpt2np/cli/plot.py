@@ -3,10 +3,11 @@
     gpt2np plot log_d12                          # log_d12/main.log -> plot.png and plot.svg
     gpt2np plot log_a log_b -o cmp --baseline 124M    # two runs on one figure, GPT-2 124M reference lines
 
-main.log holds llm.c's lines `s:STEP trl:LOSS [lr:.. norm:..]` (train loss), `s:STEP tel:LOSS` (val loss) and
-`s:STEP eval:ACC` (HellaSwag accuracy). A step logged twice (a run resumed from an earlier checkpoint) keeps its
-last value, as vislog does. Left panel: train and val loss of every run (log scale); right panel, when any run
-logged one: HellaSwag accuracy. --baseline draws OpenAI's GPT-2 (and GPT-3) checkpoint values as dashed lines.
+main.log holds llm.c's lines `s:STEP trl:LOSS [lr:.. norm:..]` (train loss), `s:STEP tel:LOSS` (val
+loss) and `s:STEP eval:ACC` (HellaSwag accuracy). A step logged twice (a run resumed from an earlier
+checkpoint) keeps its last value, as vislog does. Left panel: train and val loss of every run (log
+scale); right panel, when any run logged one: HellaSwag accuracy. --baseline draws OpenAI's GPT-2
+(and GPT-3) checkpoint values as dashed lines.
 Needs matplotlib: pip install 'gpt2np[plot]'.
 """
 import math
@@ -16,8 +17,8 @@ from pathlib import Path
 from gpt2np.errors import ArgumentParser, BadInput, number, tool
 from gpt2np.fileio import atomic_write, file_in_the_way
 
-# llm.c vislog's reference values: OpenAI's GPT-2 checkpoints' val loss (FineWeb val) and HellaSwag accuracy;
-# GPT-3's HellaSwag (the GPT-3 paper, as build-nanogpt plots it)
+# llm.c vislog's reference values: OpenAI's GPT-2 checkpoints' val loss (FineWeb val) and HellaSwag
+# accuracy; GPT-3's HellaSwag (the GPT-3 paper, as build-nanogpt plots it)
 LOSS_BASELINE = {"124M": 3.424958, "350M": 3.083089, "774M": 3.000580, "1558M": 2.831273}
 HELLA2_BASELINE = {"124M": 0.294463, "350M": 0.375224, "774M": 0.431986, "1558M": 0.488946}
 HELLA3_BASELINE = {"124M": 0.337, "350M": 0.436, "774M": 0.510, "1558M": 0.547}
@@ -25,8 +26,8 @@ STREAMS = {"trl": "train loss", "tel": "val loss", "eval": "HellaSwag"}
 
 
 def parse_log(path, skipped=None) -> dict:
-    """{stream: ([steps], [values])} of a main.log, steps sorted, the last value of a step kept. skipped: a list to
-    append the numbers (from 1) of the `s:` lines that could not be read to."""
+    """{stream: ([steps], [values])} of a main.log, steps sorted, the last value of a step kept.
+    skipped: a list to append the numbers (from 1) of the `s:` lines that could not be read to."""
     streams = {}
     try:
         lines = Path(path).read_text(errors="replace").splitlines()
@@ -40,18 +41,21 @@ def parse_log(path, skipped=None) -> dict:
             step = int(parts[0][2:])
             pairs = [part.split(":", 1) for part in parts[1:]]
             values = {key: float(value) for key, value in pairs}
-        except ValueError:                  # a line cut short (a killed run) or another format: skip it
+        except ValueError:
+            # a line cut short (a killed run) or another format: skip it
             if skipped is not None:
                 skipped.append(line_number)
             continue
         for key, value in values.items():
             streams.setdefault(key, {})[step] = value
-    return {key: tuple(map(list, zip(*sorted(by_step.items())))) for key, by_step in streams.items()}
+    return {key: tuple(map(list, zip(*sorted(by_step.items()))))
+            for key, by_step in streams.items()}
 
 
 def undrawn(streams, log_axis) -> list:
-    """[(step, why)] of the values the figure leaves out, in step order: NaN and infinities (matplotlib draws no point
-    for them), and losses <= 0 when the loss axis is logarithmic (HellaSwag's axis is linear)."""
+    """[(step, why)] of the values the figure leaves out, in step order: NaN and infinities
+    (matplotlib draws no point for them), and losses <= 0 when the loss axis is logarithmic
+    (HellaSwag's axis is linear)."""
     out = []
     for key, (steps, values) in streams.items():
         for step, v in zip(steps, values):
@@ -68,7 +72,8 @@ def find_log(run) -> Path:
     if path.is_dir():
         path = path / "main.log"
         if not path.is_file():
-            raise FileNotFoundError(f"{run}: no main.log in this folder (train with -o {run} writes one)")
+            raise FileNotFoundError(f"{run}: no main.log in this folder (train with -o "
+                                    f"{run} writes one)")
     elif not path.is_file():
         raise FileNotFoundError(f"{run}: no such run folder or log file")
     return path
@@ -76,7 +81,8 @@ def find_log(run) -> Path:
 
 def summary(label, streams) -> str:
     """One line per run: its last step and the best values, as vislog prints them."""
-    def best(key, pick):                 # over the finite values (min/max would keep a NaN that comes first)
+    # over the finite values (min/max would keep a NaN that comes first)
+    def best(key, pick):
         finite = [v for v in streams[key][1] if math.isfinite(v)]
         return pick(finite) if finite else float("nan")
 
@@ -125,8 +131,8 @@ def draw_runs(runs, baseline=None, yscale="log", ylim_top=None, title=None):
         if "trl" in streams:
             ax.plot(*streams["trl"], color=color, alpha=0.8, label=f"{label} train loss")
         if "tel" in streams:
-            ax.plot(*streams["tel"], color=color, linestyle="-", marker="o", markersize=3, linewidth=2,
-                    label=f"{label} val loss")
+            ax.plot(*streams["tel"], color=color, linestyle="-", marker="o", markersize=3,
+                    linewidth=2, label=f"{label} val loss")
     if baseline:
         ax.axhline(y=LOSS_BASELINE[baseline], color="r", linestyle="--",
                    label=f"OpenAI GPT-2 ({baseline}) checkpoint val loss")
@@ -174,22 +180,29 @@ def plot_runs(runs, output, baseline=None, yscale="log", ylim_top=None, title=No
 def main(argv=None):
     """Plot runs; a missing or empty log, a bad flag: one line, exit 2."""
     p = ArgumentParser(prog="python -m gpt2np.cli.plot", description=__doc__.split("\n")[0])
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folder (-o of train) or a main.log file")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="run folder (-o of train) or a main.log file")
     p.add_argument("-o", "--output", default="plot",
-                   help="output path without extension: writes OUTPUT.png and OUTPUT.svg (default ./plot)")
-    p.add_argument("--labels", help="comma-separated legend names, one per run (default: the folder names)")
+                   help="output path without extension: writes OUTPUT.png and OUTPUT.svg "
+                        "(default ./plot)")
+    p.add_argument("--labels",
+                   help="comma-separated legend names, one per run (default: the folder names)")
     p.add_argument("--baseline", choices=sorted(LOSS_BASELINE, key=lambda s: float(s[:-1])),
-                   help="draw OpenAI's GPT-2/GPT-3 values for this size (val loss on FineWeb, HellaSwag)")
-    p.add_argument("--yscale", default="log", choices=("log", "linear"), help="loss axis (default log, as vislog)")
+                   help="draw OpenAI's GPT-2/GPT-3 values for this size (val loss on "
+                        "FineWeb, HellaSwag)")
+    p.add_argument("--yscale", default="log", choices=("log", "linear"),
+                   help="loss axis (default log, as vislog)")
     p.add_argument("--ylim-top", type=float, help="upper limit of the loss axis (vislog: 4.0)")
     p.add_argument("--title", help="figure title")
     args = p.parse_args(argv)
-    if args.ylim_top is not None:         # losses are > 0, and a log axis has no place for 0 or below
+    # losses are > 0, and a log axis has no place for 0 or below
+    if args.ylim_top is not None:
         axis = "log-scaled loss axis" if args.yscale == "log" else "loss axis (losses are > 0)"
         number(0, low_open=True).check("--ylim-top", args.ylim_top, f"the top of the {axis}")
     logs = [find_log(run) for run in args.runs]
     labels = args.labels.split(",") if args.labels else [
-        (path.parent.name or str(path.parent)) if path.name == "main.log" else path.stem for path in logs]
+        (path.parent.name or str(path.parent)) if path.name == "main.log" else path.stem
+        for path in logs]
     if len(labels) != len(logs):
         raise BadInput(f"--labels {args.labels}: {len(labels)} names for {len(logs)} runs")
     runs, notes = [], []
@@ -197,29 +210,33 @@ def main(argv=None):
         skipped = []
         streams = {k: v for k, v in parse_log(path, skipped).items() if k in STREAMS}
         if not streams:
-            raise ValueError(f"{path}: no `s:STEP trl:LOSS`, `tel:` or `eval:` lines: not a main.log of a run")
+            raise ValueError(f"{path}: no `s:STEP trl:LOSS`, `tel:` or `eval:` lines: not a "
+                             "main.log of a run")
         if skipped:
             lines = ", ".join(map(str, skipped[:3])) + (", ..." if len(skipped) > 3 else "")
-            notes.append(f"note: {path}: {len(skipped)} unreadable `s:` line(s) skipped (line {lines}; a run killed "
-                         f"while writing, or another format)")
+            notes.append(f"note: {path}: {len(skipped)} unreadable `s:` line(s) skipped (line "
+                         f"{lines}; a run killed while writing, or another format)")
         missing = undrawn(streams, args.yscale == "log")
         if missing:
-            steps = ", ".join(str(step) for step, _ in missing[:3]) + (", ..." if len(missing) > 3 else "")
+            steps = ", ".join(str(step) for step, _ in missing[:3]) + (", ..." if len(missing) > 3
+                                                                       else "")
             why = "; ".join(dict.fromkeys(why for _, why in missing))
             notes.append(f"note: {path}: {len(missing)} value(s) not drawn (step {steps}: {why})")
         runs.append((label, streams))
     out = Path(args.output)
     if out.is_dir():
         out = out / "plot"
-    blocking = file_in_the_way(out)       # a file in the way of OUTPUT's folder: said before anything is drawn
+    # a file in the way of OUTPUT's folder: said before anything is drawn
+    blocking = file_in_the_way(out)
     if blocking is not None:
-        raise BadInput(f"-o {args.output}: {blocking} is a file; expected a folder (made if missing) for "
-                       f"{out.name}.png and {out.name}.svg")
+        raise BadInput(f"-o {args.output}: {blocking} is a file; expected a folder (made if "
+                       f"missing) for {out.name}.png and {out.name}.svg")
     for path in plot_runs(runs, out, args.baseline, args.yscale, args.ylim_top, args.title):
         print(f"wrote {path}")
     for label, streams in runs:
         print(summary(label, streams))
-    for note in notes:                    # after the figure is written: an error above stays the one line
+    # after the figure is written: an error above stays the one line
+    for note in notes:
         print(note, file=sys.stderr)
     return 0
 

@@ -5,11 +5,11 @@
     checked_cache_dir()            the same, refused in one line (naming --dir) when a file is in the way
     cached(name, url, dir=None)    the path of a verified copy of url in the cache, downloading it first if needed
 
-A file counts as done only when its size and SHA-256 match: the ones given (CachedFile.size/.sha256, when
-known), and the ones recorded in `<name>.done.json` next to it after a complete download. A partial download
-never lands at the file's name (fetch.download writes a temporary file and renames it only when complete, and
-a read shorter than Content-Length fails), and a file without its record, or one that no longer matches it,
-is downloaded again.
+A file counts as done only when its size and SHA-256 match: the ones given (CachedFile.size/.sha256,
+when known), and the ones recorded in `<name>.done.json` next to it after a complete download. A
+partial download never lands at the file's name (fetch.download writes a temporary file and renames
+it only when complete, and a read shorter than Content-Length fails), and a file without its record,
+or one that no longer matches it, is downloaded again.
 """
 import hashlib
 import json
@@ -38,15 +38,17 @@ def cache_dir(override=None) -> Path:
 
 
 def checked_cache_dir(override=None) -> Path:
-    """cache_dir(override), refused in one line (BadInput naming --dir, or $GPT2NP_CACHE) when it or a parent
-    of it is a file: checked before anything is downloaded or read."""
-    flag = "--dir" if override else f"${CACHE_ENV}" if os.environ.get(CACHE_ENV) else "the cache folder"
+    """cache_dir(override), refused in one line (BadInput naming --dir, or $GPT2NP_CACHE) when it or
+    a parent of it is a file: checked before anything is downloaded or read."""
+    flag = ("--dir" if override else f"${CACHE_ENV}" if os.environ.get(CACHE_ENV)
+            else "the cache folder")
     return check_folder(flag, cache_dir(override))
 
 
 @dataclass(frozen=True)
 class CachedFile:
-    """A file the cache can hold: its name in the cache, its URL, and (when known) its size and SHA-256."""
+    """A file the cache can hold: its name in the cache, its URL, and (when known) its
+    size and SHA-256."""
     name: str
     url: str
     size: int | None = None
@@ -67,8 +69,8 @@ def record_path(path) -> Path:
 
 
 def is_done(path, size=None, sha256=None) -> bool:
-    """Whether `path` is a complete download: present, with a record of its size and hash that it matches,
-    and matching the expected size/sha256 where given."""
+    """Whether `path` is a complete download: present, with a record of its size and hash that it
+    matches, and matching the expected size/sha256 where given."""
     path = Path(path)
     try:
         record = json.loads(record_path(path).read_text())
@@ -84,7 +86,8 @@ def is_done(path, size=None, sha256=None) -> bool:
 
 
 def mark_done(path) -> dict:
-    """Write the record that makes `path` count as done (after a complete download or a local copy)."""
+    """Write the record that makes `path` count as done (after a complete download
+    or a local copy)."""
     path = Path(path)
     record = {"size": path.stat().st_size, "sha256": sha256_of(path)}
     with atomic_write(record_path(path), "w") as f:
@@ -93,12 +96,14 @@ def mark_done(path) -> dict:
 
 
 def cached(entry: CachedFile, directory=None, timeout=10, progress=True, opener=None) -> Path:
-    """The path of a verified copy of entry in the cache (cache_dir(directory)), downloading it if it is missing,
-    partial or does not match. A download that does not match entry.size/.sha256 is removed: FetchError."""
+    """The path of a verified copy of entry in the cache (cache_dir(directory)), downloading it if
+    it is missing, partial or does not match. A download that does not match entry.size/.sha256 is
+    removed: FetchError."""
     path = checked_cache_dir(directory) / entry.name
     if is_done(path, entry.size, entry.sha256):
         return path
-    record_path(path).unlink(missing_ok=True)       # from here on the file is not done until it is re-recorded
+    # from here on the file is not done until it is re-recorded
+    record_path(path).unlink(missing_ok=True)
     fetch.download(entry.url, path, timeout=timeout, progress=progress, opener=opener)
     size = path.stat().st_size
     if entry.size is not None and size != entry.size:

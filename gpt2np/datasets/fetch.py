@@ -1,5 +1,5 @@
-"""Downloading the files gpt2np can use: tinyshakespeare, llm.c's starter pack, GPT-2's BPE files (the command:
-gpt2np.cli.fetch).
+"""Downloading the files gpt2np can use: tinyshakespeare, llm.c's starter pack, GPT-2's BPE files
+(the command: gpt2np.cli.fetch).
 
 download() never hangs: every connect and read has a socket timeout; any failure (offline, timeout,
 HTTP error, short read) raises FetchError with one line. Files are written to a temporary file
@@ -41,22 +41,26 @@ class FetchError(OSError):
 def download(url, dest, timeout=10, progress=True, opener=None):
     """Download `url` to the file `dest` (atomically), with a progress bar on stderr.
 
-    timeout: seconds allowed for the connection and for each read. opener(request, timeout=) -> response
-    replaces urllib.request.urlopen (tests). Returns dest as a Path.
+    timeout: seconds allowed for the connection and for each read. opener(request, timeout=) ->
+    response replaces urllib.request.urlopen (tests). Returns dest as a Path.
     """
     dest = Path(dest)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:                               # a local folder problem, not a failed download
-        raise FetchError(f"{dest.parent}: cannot make the folder for {dest.name} ({e.strerror or e})") from None
+    except OSError as e:
+        # a local folder problem, not a failed download
+        raise FetchError(f"{dest.parent}: cannot make the folder for {dest.name} "
+                         f"({e.strerror or e})") from None
     try:
         request = urllib.request.Request(url, headers={"User-Agent": "gpt2np"})
-        with (opener or urllib.request.urlopen)(request, timeout=timeout) as response, atomic_write(dest) as out:
+        with (opener or urllib.request.urlopen)(request, timeout=timeout) as response, atomic_write(
+                dest) as out:
             length = response.headers.get("Content-Length")
             total = int(length) if length and length.isdigit() else None
             done = 0
             # a bar redrawn in place on a terminal; in logs a line every 10 s and the last one
-            with show_progress(total=total, desc=dest.name, unit="B", unit_scale=True, quiet=not progress) as bar:
+            with show_progress(total=total, desc=dest.name, unit="B", unit_scale=True,
+                               quiet=not progress) as bar:
                 while True:
                     chunk = response.read(CHUNK_BYTES)
                     if not chunk:
@@ -65,7 +69,8 @@ def download(url, dest, timeout=10, progress=True, opener=None):
                     done += len(chunk)
                     bar.update(len(chunk))
             if total is not None and done != total:
-                raise FetchError(f"could not download {url}: connection closed after {done} of {total} bytes")
+                raise FetchError(f"could not download {url}: connection closed after {done} "
+                                 f"of {total} bytes")
     except FetchError:
         raise
     except urllib.error.HTTPError as e:

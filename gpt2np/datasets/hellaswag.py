@@ -1,16 +1,19 @@
-"""HellaSwag: pick the ending of a context the model finds most likely, as llm.c (dev/data/hellaswag.py) does.
+"""HellaSwag: pick the ending of a context the model finds most likely, as llm.c
+(dev/data/hellaswag.py) does.
 
     gpt2np eval hellaswag -e model.bin                  # hellaswag_val.jsonl (10,042 examples), fetched into the cache
     gpt2np eval hellaswag -e gpt2 -j my.jsonl -m 100    # a local jsonl, the first 100 examples
 
-Each jsonl line has `ctx` (the context), `endings` (4 strings) and `label` (the index of the right ending).
-Each ending is scored as llm.c does: the tokens are ctx's tokens + the tokens of " " + ending, and only the
-ending's tokens are scored (the cross-entropy of predicting each of them from what comes before). acc picks the
-ending with the lowest summed loss (`pred = sum_loss.argmin()`), acc_norm the lowest mean loss per ending token
-(`pred_norm = avg_loss.argmin()`), the number llm.c's trainer logs as `s:STEP eval:ACC`.
+Each jsonl line has `ctx` (the context), `endings` (4 strings) and `label` (the index
+of the right ending).
+Each ending is scored as llm.c does: the tokens are ctx's tokens + the tokens of " " + ending, and
+only the ending's tokens are scored (the cross-entropy of predicting each of them from what comes
+before). acc picks the ending with the lowest summed loss (`pred = sum_loss.argmin()`), acc_norm the
+lowest mean loss per ending token (`pred_norm = avg_loss.argmin()`), the number llm.c's trainer logs
+as `s:STEP eval:ACC`.
 
-llm.c's own eval file (the starter pack's hellaswag_val.bin, written by its dev/data/hellaswag.py) is read too:
-it holds the same tokens, rendered already (read_llmc_evalfile).
+llm.c's own eval file (the starter pack's hellaswag_val.bin, written by its dev/data/hellaswag.py)
+is read too: it holds the same tokens, rendered already (read_llmc_evalfile).
 
 Batched on any backend: the 4 rows of an example (and of several examples, B rows a batch) are
 padded to the longest row of the batch. A row longer than the model's T + 1 tokens keeps its last
@@ -36,7 +39,8 @@ VAL_FILE = CachedFile("hellaswag_val.jsonl", VAL_URL)
 
 @dataclass
 class Example:
-    """One rendered example: 4 token rows, each with how many of its last tokens are the ending, and the label."""
+    """One rendered example: 4 token rows, each with how many of its last tokens are the
+    ending, and the label."""
     rows: list
     ending_lens: list
     label: int
@@ -70,15 +74,18 @@ class Result:
         return self.correct_norm / max(self.n, 1)
 
 
-LLMC_EVAL_MAGIC = (20240522).to_bytes(4, "little")      # llm.c's eval file header (data_common.py write_evalfile)
+# llm.c's eval file header (data_common.py write_evalfile)
+LLMC_EVAL_MAGIC = (20240522).to_bytes(4, "little")
 
 
 class BadExamples(ValueError):
-    """A HellaSwag file that is not one (not UTF-8 text, a bad line, no examples); the message names the file."""
+    """A HellaSwag file that is not one (not UTF-8 text, a bad line, no examples); the
+    message names the file."""
 
 
 def read_examples(path, max_examples=-1):
-    """The examples of a HellaSwag jsonl file ({ctx, endings, label} a line); BadExamples names the bad line."""
+    """The examples of a HellaSwag jsonl file ({ctx, endings, label} a line); BadExamples
+    names the bad line."""
     path = Path(path)
     if path.is_dir():
         raise BadExamples(f"{path}: is a folder; expected a HellaSwag jsonl file")
@@ -90,23 +97,26 @@ def read_examples(path, max_examples=-1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise BadExamples(f"{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start}): not a HellaSwag "
-                                  f"jsonl file") from None
+                raise BadExamples(f"{path}:{number}: not UTF-8 text ({e.reason} at byte "
+                                  f"{e.start}): not a HellaSwag jsonl file") from None
             if not line.strip():
                 continue
             try:
                 item = json.loads(line)
                 ctx, endings, label = item["ctx"], item["endings"], item["label"]
-                # "3" as the Hub's copy writes it is the index 3; int() would also make 1.5 or true an index: not so
+                # "3" as the Hub's copy writes it is the index 3; int() would also make 1.5 or
+                # true an index: not so
                 label = int(label) if isinstance(label, str) else label
             except (ValueError, KeyError, TypeError) as e:
-                raise BadExamples(f"{path}:{number}: not a HellaSwag line with ctx, endings, label ({e})") from None
+                raise BadExamples(f"{path}:{number}: not a HellaSwag line with ctx, "
+                                  f"endings, label ({e})") from None
             if (not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4
                     or not all(isinstance(e, str) for e in endings)):
-                raise BadExamples(f"{path}:{number}: expected a string ctx, 4 string endings and a label 0..3")
+                raise BadExamples(f"{path}:{number}: expected a string ctx, 4 string endings "
+                                  "and a label 0..3")
             if not is_int(label) or not 0 <= label < 4:
-                raise BadExamples(f"{path}:{number}: label {json.dumps(item['label'])}: expected an integer 0..3 "
-                                  f"(the index of the right ending)")
+                raise BadExamples(f"{path}:{number}: label {json.dumps(item['label'])}: expected "
+                                  "an integer 0..3 (the index of the right ending)")
             examples.append({"ctx": ctx, "endings": endings, "label": label})
     if not examples:
         raise BadExamples(f"{path}: no HellaSwag examples")
@@ -114,16 +124,18 @@ def read_examples(path, max_examples=-1):
 
 
 def is_llmc_evalfile(path) -> bool:
-    """Whether `path` starts as llm.c's eval file does (dev/data/data_common.py write_evalfile: magic 20240522)."""
+    """Whether `path` starts as llm.c's eval file does (dev/data/data_common.py
+    write_evalfile: magic 20240522)."""
     with open(path, "rb") as f:
         return f.read(4) == LLMC_EVAL_MAGIC
 
 
 def read_llmc_evalfile(path, max_examples=-1) -> list:
-    """The examples of llm.c's HellaSwag eval file (the starter pack's hellaswag_val.bin, dev/data/hellaswag.py's
-    output), already rendered: a 256-int32 header (magic, version 1, examples, longest example), then per example
-    uint16s: 65535, its size in bytes, its index, the label, the number of endings, the context's token count and
-    tokens, then each ending's token count and tokens. The same Examples render() makes of the jsonl."""
+    """The examples of llm.c's HellaSwag eval file (the starter pack's hellaswag_val.bin,
+    dev/data/hellaswag.py's output), already rendered: a 256-int32 header (magic, version 1,
+    examples, longest example), then per example uint16s: 65535, its size in bytes, its index, the
+    label, the number of endings, the context's token count and tokens, then each ending's token
+    count and tokens. The same Examples render() makes of the jsonl."""
     raw = Path(path).read_bytes()
     if len(raw) < 1024:
         raise BadExamples(f"{path}: llm.c eval file cut short inside its 1024-byte header")
@@ -136,12 +148,13 @@ def read_llmc_evalfile(path, max_examples=-1) -> list:
         if pos + 6 > len(stream) or pos + int(stream[pos + 1]) // 2 > len(stream):
             raise BadExamples(f"{path}: example {number} of {count} is cut short: truncated file")
         if stream[pos] != 0xFFFF:
-            raise BadExamples(f"{path}: example {number}: no start marker at byte {1024 + 2 * pos}: not llm.c's "
-                              f"eval layout, or damaged")
+            raise BadExamples(f"{path}: example {number}: no start marker at byte "
+                              f"{1024 + 2 * pos}: not llm.c's eval layout, or damaged")
         size, label, endings, n_ctx = (int(x) for x in stream[[pos + 1, pos + 3, pos + 4, pos + 5]])
-        if endings != 4 or not 0 <= label < 4:           # llm.c's evalloader asserts both; we score 4 endings
-            raise BadExamples(f"{path}: example {number}: {endings} endings, label {label} (HellaSwag has 4 "
-                              f"endings, label 0-3): damaged")
+        # llm.c's evalloader asserts both; we score 4 endings
+        if endings != 4 or not 0 <= label < 4:
+            raise BadExamples(f"{path}: example {number}: {endings} endings, label {label} "
+                              "(HellaSwag has 4 endings, label 0-3): damaged")
         example = stream[pos:pos + size // 2]
         try:
             at = 6 + n_ctx
@@ -160,11 +173,14 @@ def read_llmc_evalfile(path, max_examples=-1) -> list:
         except IndexError:
             at = -1
         if at != size // 2 or size % 2:
-            raise BadExamples(f"{path}: example {number}: its token counts do not fit its {size} bytes: damaged")
-        # GPT-2's tokens, as the jsonl renders; checked here, or the model's forward fails naming no file
+            raise BadExamples(f"{path}: example {number}: its token counts do not fit its "
+                              f"{size} bytes: damaged")
+        # GPT-2's tokens, as the jsonl renders; checked here, or the model's forward
+        # fails naming no file
         top = max(max(row, default=0) for row in rows)
         if top >= tokenizer.GPT2_VOCAB_SIZE:
-            raise BadExamples(f"{path}: example {number}: token id {top} outside GPT-2's vocabulary [0, "
+            raise BadExamples(f"{path}: example {number}: token id {top} outside "
+                              "GPT-2's vocabulary [0, "
                               f"{tokenizer.GPT2_VOCAB_SIZE}): damaged, or not GPT-2's tokens")
         examples.append(Example(rows, lens, label))
         pos += size // 2
@@ -204,7 +220,8 @@ def score(model, examples, on_batch=None) -> Result:
     counts = np.zeros((len(examples), 4))
     for lo in range(0, len(rows), model.B):
         batch = rows[lo:lo + model.B]
-        t = max(max(len(r) for _, _, r, _ in batch) - 1, 1)      # at least one position (one-token rows)
+        # at least one position (one-token rows)
+        t = max(max(len(r) for _, _, r, _ in batch) - 1, 1)
         x = np.zeros((len(batch), t), dtype=np.int32)
         y = np.zeros((len(batch), t), dtype=np.int32)
         mask = np.zeros((len(batch), t), dtype=bool)
@@ -213,7 +230,8 @@ def score(model, examples, on_batch=None) -> Result:
             x[k, :n], y[k, :n] = r[:-1], r[1:]
             mask[k, max(n - n_end, 0):n] = True      # the targets that are the ending's tokens
         model.forward(x, y)
-        losses = model.backend.to_host(model.act["losses"]).reshape(len(batch), t).astype(np.float64)
+        losses = model.backend.to_host(model.act["losses"]).reshape(len(batch),
+                                                                    t).astype(np.float64)
         for k, (i, j, _, _) in enumerate(batch):
             sums[i, j] = losses[k][mask[k]].sum()
             counts[i, j] = mask[k].sum()
@@ -247,7 +265,8 @@ def load(path=None, encoding=None, max_examples=-1, cache=None, timeout=10, loca
             raise fetch.FetchError(f"{e}; a local copy can be given with {local_flag} FILE "
                                    f"(hellaswag_val.jsonl, or llm.c's hellaswag_val.bin)") from None
     path = Path(path)
-    if path.is_file() and is_llmc_evalfile(path):               # llm.c's hellaswag_val.bin: tokens already
+    # llm.c's hellaswag_val.bin: tokens already
+    if path.is_file() and is_llmc_evalfile(path):
         return path, read_llmc_evalfile(path, max_examples)
     encoding = encoding or tokenizer.get_encoding()
     return path, [render(e, encoding) for e in read_examples(path, max_examples)]

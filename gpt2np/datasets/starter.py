@@ -1,9 +1,10 @@
-"""What the main job trains on when the user names nothing: model, data and decoder, with offline fallbacks.
+"""What the main job trains on when the user names nothing: model, data and decoder,
+with offline fallbacks.
 
-Online, `python train.py` fetches llm.c's gpt2_124M.bin and tinyshakespeare (with timeouts). Offline it
-says in one line what it could not fetch and still trains: d12 from random init, on tinyshakespeare if a
-local copy exists, else on a corpus every machine with Python has (the standard library's own source),
-tokenized with GPT-2 BPE when the BPE files are found, else byte by byte.
+Online, `python train.py` fetches llm.c's gpt2_124M.bin and tinyshakespeare (with timeouts). Offline
+it says in one line what it could not fetch and still trains: d12 from random init, on
+tinyshakespeare if a local copy exists, else on a corpus every machine with Python has (the standard
+library's own source), tokenized with GPT-2 BPE when the BPE files are found, else byte by byte.
 """
 import os
 import re
@@ -31,7 +32,8 @@ from gpt2np.paths import CHECKPOINTS_DIR, DATA_DIR
 
 CHECKPOINTS = CHECKPOINTS_DIR
 DEFAULT_MODEL = "gpt2_124M.bin"
-STARTER_MODELS = (DEFAULT_MODEL, "gpt2_124M_bf16.bin")       # llm.c's starter pack's model files (fetched for -e)
+# llm.c's starter pack's model files (fetched for -e)
+STARTER_MODELS = (DEFAULT_MODEL, "gpt2_124M_bf16.bin")
 FALLBACK_PRESET = "d12"
 STDLIB_NAME = "python_stdlib"
 STDLIB_BYTES = 1_200_000          # about tinyshakespeare's size
@@ -43,17 +45,19 @@ def note(msg):
 
 
 def resolve_model(spec, timeout=10, keep_bf16=False):
-    """(cfg, params or None, description) for -e: a preset name (random init), an llm.c file, the default, or
-    a transformers GPT-2 folder or Hugging Face Hub id (gpt2np.formats.hf; the hf extra).
+    """(cfg, params or None, description) for -e: a preset name (random init), an llm.c file, the
+    default, or a transformers GPT-2 folder or Hugging Face Hub id
+    (gpt2np.formats.hf; the hf extra).
 
-    A missing starter-pack model (gpt2_124M.bin, gpt2_124M_bf16.bin) is fetched; if that fails for the default
-    (gpt2_124M.bin), d12 from random init is used with one line saying why. Any other missing file is an error.
-    keep_bf16: a bf16 (v5) file's parameters as stored (ml_dtypes bfloat16; a bf16 run loads them without an fp32
-    round trip).
+    A missing starter-pack model (gpt2_124M.bin, gpt2_124M_bf16.bin) is fetched; if that fails for
+    the default (gpt2_124M.bin), d12 from random init is used with one line saying why. Any other
+    missing file is an error. keep_bf16: a bf16 (v5) file's parameters as stored (ml_dtypes
+    bfloat16; a bf16 run loads them without an fp32 round trip).
     """
     path = Path(spec)
     try:
-        cfg = None if path.is_file() else descriptor(spec)  # llm.c's d12, gpt2:d24, gpt3:c768 (random init)
+        # llm.c's d12, gpt2:d24, gpt3:c768 (random init)
+        cfg = None if path.is_file() else descriptor(spec)
     except ValueError as e:
         raise ValueError(f"-e {e}") from None
     if cfg is not None:
@@ -67,25 +71,30 @@ def resolve_model(spec, timeout=10, keep_bf16=False):
             if spec != DEFAULT_MODEL:            # asked for by name: no stand-in
                 raise
             note(f"note: {e}; training {FALLBACK_PRESET} from random init instead")
-            return preset(FALLBACK_PRESET), None, f"{FALLBACK_PRESET} (random init; {spec} unavailable)"
+            return (preset(FALLBACK_PRESET), None,
+                    f"{FALLBACK_PRESET} (random init; {spec} unavailable)")
     if not path.is_file():
-        if path.is_dir() or is_hub_id(spec):     # a transformers GPT-2 folder, or a Hugging Face Hub id (gpt2, ...)
+        # a transformers GPT-2 folder, or a Hugging Face Hub id (gpt2, ...)
+        if path.is_dir() or is_hub_id(spec):
             cfg, params, _ = load_hf_model(spec)
             return cfg, params, f"{spec} (Hugging Face)"
-        raise FileNotFoundError(f"{spec}: no such model file (give an llm.c model file, or llm.c's model "
-                                f"descriptor for random init: {DESCRIPTORS})")
+        raise FileNotFoundError(f"{spec}: no such model file (give an llm.c model file, or llm.c's "
+                                f"model descriptor for random init: {DESCRIPTORS})")
     cfg, params = load_model(path, keep_bf16=keep_bf16)
     return cfg, params, str(path)
 
 
 def resolve_data(train_pattern, val_pattern, timeout=10):
-    """(train_pattern, val_pattern) to read; None for both means "the default dataset", prepared here."""
+    """(train_pattern, val_pattern) to read; None for both means "the default
+    dataset", prepared here."""
     if train_pattern:
         return train_pattern, val_pattern
-    val, train = DATA_DIR / f"{TINYSHAKESPEARE_NAME}_val.bin", DATA_DIR / f"{TINYSHAKESPEARE_NAME}_train.bin"
+    val, train = (DATA_DIR / f"{TINYSHAKESPEARE_NAME}_val.bin",
+                  DATA_DIR / f"{TINYSHAKESPEARE_NAME}_train.bin")
     if not (val.is_file() and train.is_file()):
         try:
-            shards = prepare_tinyshakespeare(DATA_DIR, encoding=_encoding_or_fetch(timeout), timeout=timeout)
+            shards = prepare_tinyshakespeare(DATA_DIR, encoding=_encoding_or_fetch(timeout),
+                                             timeout=timeout)
             val, train = shards.val, shards.train
         except (FetchError, TokenizerNotFoundError) as e:
             note(f"note: {e}; training on the Python standard library's source instead")
@@ -104,7 +113,8 @@ def _encoding_or_fetch(timeout):
 
 
 def stdlib_text(limit=STDLIB_BYTES):
-    """Deterministic text from the running Python's standard library sources (present wherever Python is)."""
+    """Deterministic text from the running Python's standard library sources (present
+    wherever Python is)."""
     root = Path(os.__file__).parent
     parts, size = [], 0
     for path in sorted(root.glob("*.py")):
@@ -117,7 +127,8 @@ def stdlib_text(limit=STDLIB_BYTES):
 
 
 def prepare_stdlib_corpus(timeout=10):
-    """(val, train) shards of the stdlib corpus: GPT-2 BPE if available, else bytes (ids 0..255, eot 256)."""
+    """(val, train) shards of the stdlib corpus: GPT-2 BPE if available, else bytes (ids
+    0..255, eot 256)."""
     val, train = DATA_DIR / f"{STDLIB_NAME}_val.bin", DATA_DIR / f"{STDLIB_NAME}_train.bin"
     if val.is_file() and train.is_file():
         return val, train
@@ -128,7 +139,8 @@ def prepare_stdlib_corpus(timeout=10):
         shards = prepare_text(text_path, DATA_DIR, STDLIB_NAME, encoding=get_encoding())
         return shards.val, shards.train
     except TokenizerNotFoundError:
-        note("note: GPT-2 BPE files not found; tokenizing the fallback corpus byte by byte (ids 0..255)")
+        note("note: GPT-2 BPE files not found; tokenizing the fallback corpus byte by "
+             "byte (ids 0..255)")
     tokens = np.frombuffer(text_path.read_bytes(), np.uint8).astype(np.uint16)
     tokens = np.concatenate([[BYTE_EOT], tokens]).astype(np.uint16)
     write_shard(val, tokens[:32768])
@@ -147,7 +159,8 @@ def write_byte_tokenizer(path):
 
 
 class Decoder:
-    """Token ids -> text for samples: llm.c's tokenizer file beside the data, else GPT-2 BPE, else ids."""
+    """Token ids -> text for samples: llm.c's tokenizer file beside the data, else
+    GPT-2 BPE, else ids."""
 
     def __init__(self, train_pattern):
         self.table, self.encoding = None, None
@@ -182,39 +195,44 @@ class Decoder:
         return " ".join(str(i) for i in ids)
 
 
-# ---- -e: any model a command can read ------------------------------------------------------------------------
+# ---- -e: any model a command can read ------------------------------------------------------------
 def load_hf_model(spec) -> tuple:
-    """load_hf for a -e: a Hub id that reads as a mistyped llm.c descriptor (d6x, d12b) also says what the
-    descriptors are."""
+    """load_hf for a -e: a Hub id that reads as a mistyped llm.c descriptor (d6x, d12b) also says
+    what the descriptors are."""
     try:
         return load_hf(spec)
     except HubError as e:
         if re.match(r"d\d", spec):
-            raise HubError(f"{e}; as llm.c's model descriptor it is none of {DESCRIPTORS}") from None
+            raise HubError(f"{e}; as llm.c's model descriptor it is none "
+                           f"of {DESCRIPTORS}") from None
         raise
 
 
 def load_any_model(spec) -> tuple:
-    """(GPT2Config, params, description) for a command's -e: an llm.c model file (also a name in checkpoints/;
-    gpt2_124M.bin is fetched there when missing),
-    llm.c's model descriptors d6..d84, gpt2:dL, gpt3:cC (llm.c's random init, bit for bit: gpt2np.init), a
-    transformers GPT-2 folder, or a
+    """(GPT2Config, params, description) for a command's -e: an llm.c model file (also a name in
+    checkpoints/; gpt2_124M.bin is fetched there when missing),
+    llm.c's model descriptors d6..d84, gpt2:dL, gpt3:cC (llm.c's random init, bit for bit:
+    gpt2np.init), a transformers GPT-2 folder, or a
     Hugging Face Hub id (downloaded when online)."""
     path = Path(spec)
     if not path.exists() and path.name == spec and (CHECKPOINTS / spec).is_file():
         path = CHECKPOINTS / spec                   # as train's -e: gpt2_124M.bin in checkpoints/
     elif not path.exists() and path.name == spec and spec.endswith(".bin") and spec in KNOWN_FILES:
-        path = ensure(spec, CHECKPOINTS)    # as train's -e: gpt2_124M.bin is fetched (offline: 1 line)
+        # as train's -e: gpt2_124M.bin is fetched (offline: 1 line)
+        path = ensure(spec, CHECKPOINTS)
     if path.is_file() and path.suffix not in (".safetensors", ".json") and path.name != PYTORCH_BIN:
         cfg, params = load_model(path)
         return cfg, params, str(path)
     try:
-        cfg = None if path.is_file() else descriptor(spec)   # as train's -e: llm.c's descriptors, random init
+        # as train's -e: llm.c's descriptors, random init
+        cfg = None if path.is_file() else descriptor(spec)
     except ValueError as e:
         raise ValueError(f"-e {e}") from None
     if cfg is not None:
         return cfg, llmc_init(cfg), f"{spec} (random init)"
     if path.is_dir() or path.is_file() or is_hub_id(spec):
         cfg, params, folder = load_hf_model(spec)
-        return cfg, params, f"{spec} (Hugging Face, {folder})" if str(folder) != spec else f"{spec} (Hugging Face)"
-    raise FileNotFoundError(f"{spec}: no such model file (an llm.c .bin, a transformers folder or a Hub id)")
+        return (cfg, params, f"{spec} (Hugging Face, {folder})" if str(folder) != spec
+                else f"{spec} (Hugging Face)")
+    raise FileNotFoundError(f"{spec}: no such model file (an llm.c .bin, a transformers "
+                            "folder or a Hub id)")

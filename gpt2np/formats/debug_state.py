@@ -75,7 +75,8 @@ def read_debug_state(path, cfg: GPT2Config) -> DebugState:
             raise DebugStateError(f"debug state {path}: bad magic {magic}, expected {MAGIC} "
                                   f"(not an llm.c debug state file)")
         if version not in (1, 2):
-            raise DebugStateError(f"debug state {path}: unsupported version {version}, expected 2 (or 1)")
+            raise DebugStateError(f"debug state {path}: unsupported version {version}, "
+                                  "expected 2 (or 1)")
         if B <= 0 or T <= 0:
             raise DebugStateError(f"debug state {path}: bad batch shape B={B}, T={T} in the header")
         if T > cfg.max_seq_len:
@@ -86,8 +87,8 @@ def read_debug_state(path, cfg: GPT2Config) -> DebugState:
             kind = "truncated" if size < want else "too long"
             raise DebugStateError(
                 f"debug state {path}: {kind}, {size} bytes but B={B}, T={T} with the model's "
-                f"V={cfg.vocab_size}, {layout_size(_grad_shapes(cfg, version))} gradients need {want} "
-                f"(truncated file, or written for a different model)")
+                f"V={cfg.vocab_size}, {layout_size(_grad_shapes(cfg, version))} gradients need "
+                f"{want} (truncated file, or written for a different model)")
         x = np.fromfile(f, dtype="<i4", count=B * T).astype(np.int32).reshape(B, T)
         y = np.fromfile(f, dtype="<i4", count=B * T).astype(np.int32).reshape(B, T)
         logits = np.fromfile(f, dtype="<f4", count=B * T * cfg.vocab_size).astype(np.float32)
@@ -115,7 +116,8 @@ def write_debug_state(path, state: DebugState, cfg: GPT2Config):
     checks = [(state.y.shape == (B, T), f"y has shape {state.y.shape}, x has {(B, T)}"),
               (state.logits.shape == (B, T, cfg.vocab_size),
                f"logits have shape {state.logits.shape}, expected {(B, T, cfg.vocab_size)}"),
-              (set(state.grads) == set(PARAM_NAMES), "grads must hold exactly the 16 llm.c tensors")]
+              (set(state.grads) == set(PARAM_NAMES),
+               "grads must hold exactly the 16 llm.c tensors")]
     checks += [(tuple(np.shape(state.grads[n])) == shapes[n],
                 f"grad {n} has shape {np.shape(state.grads[n])}, expected {shapes[n]}")
                for n in PARAM_NAMES if n in state.grads]

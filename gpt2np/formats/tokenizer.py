@@ -1,4 +1,5 @@
-"""GPT-2's byte-level BPE tokenizer, offline: tiktoken built from local files, and llm.c's gpt2_tokenizer.bin.
+"""GPT-2's byte-level BPE tokenizer, offline: tiktoken built from local files, and
+llm.c's gpt2_tokenizer.bin.
 
 Where the tokenizer comes from (in each folder the BPE pair is tried before the .bin):
   1. the `bpe_dir` argument (a folder, or a gpt2_tokenizer.bin file), else
@@ -7,9 +8,9 @@ Where the tokenizer comes from (in each folder the BPE pair is tried before the 
   4. checkpoints/ and checkpoints/data in the current folder (where `gpt2np fetch` and `prepare`
      write).
 An explicit place (1 or 2) is the only one looked in: it does not fall through to 3-4.
-A folder may hold OpenAI's BPE pair (gpt2_vocab.bpe + gpt2_encoder.json, or vocab.bpe + encoder.json)
-or llm.c's gpt2_tokenizer.bin: for GPT-2 a token's id is also its BPE merge rank, so the table of
-token bytes in id order is all tiktoken needs.
+A folder may hold OpenAI's BPE pair (gpt2_vocab.bpe + gpt2_encoder.json, or vocab.bpe +
+encoder.json) or llm.c's gpt2_tokenizer.bin: for GPT-2 a token's id is also its BPE merge rank, so
+the table of token bytes in id order is all tiktoken needs.
 
 gpt2_tokenizer.bin (llm.c): a header of 256 uint32 -- [0] = 20240328 (magic), [1] = version,
 [2] = vocab_size, [3] = id of <|endoftext|> (version 2; version 1 files mean 50256) -- then for
@@ -36,7 +37,8 @@ TOKENIZER_BIN = "gpt2_tokenizer.bin"
 BPE_FILE_PAIRS = (("gpt2_vocab.bpe", "gpt2_encoder.json"), ("vocab.bpe", "encoder.json"))
 
 # GPT-2's pre-tokenizer regex (tiktoken's r50k/gpt2 pat_str).
-GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+GPT2_PAT_STR = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s""")
 
 
 class TokenizerError(ValueError):
@@ -54,7 +56,8 @@ class TokenizerNotFoundError(FileNotFoundError):
 # locating the files
 
 def search_dirs(bpe_dir=None):
-    """[(folder, why_we_look_there, explicit)] in search order. Explicit folders do not fall through."""
+    """[(folder, why_we_look_there, explicit)] in search order. Explicit folders do
+    not fall through."""
     if bpe_dir is not None:
         return [(Path(bpe_dir), "bpe_dir argument", True)]
     if os.environ.get("GPT2NP_BPE_DIR"):
@@ -63,7 +66,8 @@ def search_dirs(bpe_dir=None):
 
 
 def find_tokenizer_files(bpe_dir=None):
-    """("bpe", (vocab_bpe, encoder_json)) or ("bin", tokenizer_bin) for the first folder that has one."""
+    """("bpe", (vocab_bpe, encoder_json)) or ("bin", tokenizer_bin) for the first
+    folder that has one."""
     if bpe_dir is not None and Path(bpe_dir).is_file():
         return "bin", Path(bpe_dir)
     looked = []
@@ -75,9 +79,9 @@ def find_tokenizer_files(bpe_dir=None):
         if (folder / TOKENIZER_BIN).is_file():
             return "bin", folder / TOKENIZER_BIN
     raise TokenizerNotFoundError(
-        f"GPT-2 tokenizer not found: looked for gpt2_vocab.bpe + gpt2_encoder.json or {TOKENIZER_BIN} in "
-        f"{', '.join(looked)}; put them in one of these folders, pass --bpe-dir DIR or set GPT2NP_BPE_DIR, "
-        f"or download {TOKENIZER_BIN} with `gpt2np fetch tokenizer`")
+        "GPT-2 tokenizer not found: looked for gpt2_vocab.bpe + gpt2_encoder.json or "
+        f"{TOKENIZER_BIN} in {', '.join(looked)}; put them in one of these folders, pass --bpe-dir "
+        f"DIR or set GPT2NP_BPE_DIR, or download {TOKENIZER_BIN} with `gpt2np fetch tokenizer`")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,7 +89,8 @@ def find_tokenizer_files(bpe_dir=None):
 
 def _gpt2_char_to_byte():
     """OpenAI's encoder.json/vocab.bpe spell each byte as one printable character: bytes that are
-    printable (and not space) as themselves, the other 68 as chr(256), chr(257), ... in byte order."""
+    printable (and not space) as themselves, the other 68 as chr(256), chr(257),
+    ... in byte order."""
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
     char_to_byte = {chr(b): b for b in printable}
     others = [b for b in range(256) if b not in char_to_byte.values()]
@@ -105,7 +110,8 @@ def load_bpe_ranks(vocab_bpe, encoder_json):
         try:
             return bytes(char_to_byte[c] for c in spelled)
         except KeyError as e:
-            raise TokenizerError(f"{where}: character {e.args[0]!r} is not part of GPT-2's byte alphabet") from None
+            raise TokenizerError(f"{where}: character {e.args[0]!r} is not part of "
+                                 "GPT-2's byte alphabet") from None
 
     try:
         encoder = json.loads(Path(encoder_json).read_text(encoding="utf-8"))
@@ -118,11 +124,12 @@ def load_bpe_ranks(vocab_bpe, encoder_json):
     ranks = {to_bytes(k, encoder_json): v for k, v in encoder.items()}
     for b in range(256):
         if ranks.get(bytes([b]), 256) >= 256:
-            raise TokenizerError(f"{encoder_json}: byte {b} lacks a single-byte token with id < 256")
+            raise TokenizerError(f"{encoder_json}: byte {b} lacks a single-byte "
+                                 "token with id < 256")
     merges = [line for line in merge_lines[1:] if line]   # line 0 is "#version: 0.2"
     if len(merges) + 256 != len(ranks):
-        raise TokenizerError(f"{vocab_bpe}: {len(merges)} merges + 256 bytes != {len(ranks)} tokens "
-                             f"in {encoder_json}")
+        raise TokenizerError(f"{vocab_bpe}: {len(merges)} merges + 256 bytes != {len(ranks)} "
+                             f"tokens in {encoder_json}")
     for i, line in enumerate(merges):
         parts = line.split(" ")
         if len(parts) != 2:
@@ -157,25 +164,29 @@ def encoding_from_tokenizer_bin(path) -> tiktoken.Encoding:
         ranks[tok] = i
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
-        raise TokenizerError(f"{path}: not a byte-level BPE vocabulary (no token for byte {missing[0]})")
+        raise TokenizerError(f"{path}: not a byte-level BPE vocabulary (no token for "
+                             f"byte {missing[0]})")
     return _encoding("gpt2", ranks, table.eot_token, table.vocab_size)
 
 
 @functools.lru_cache(maxsize=4)
 def _load_encoding(kind, paths, mtimes):
     del mtimes  # part of the cache key only: edited files are read again
-    return encoding_from_bpe_files(*paths) if kind == "bpe" else encoding_from_tokenizer_bin(paths[0])
+    return (encoding_from_bpe_files(*paths) if kind == "bpe"
+            else encoding_from_tokenizer_bin(paths[0]))
 
 
 def get_encoding(bpe_dir=None) -> tiktoken.Encoding:
-    """GPT-2's tiktoken Encoding from local files (see the module docstring for the search order)."""
+    """GPT-2's tiktoken Encoding from local files (see the module docstring for
+    the search order)."""
     kind, found = find_tokenizer_files(bpe_dir)
     paths = tuple(str(p) for p in (found if kind == "bpe" else (found,)))
     return _load_encoding(kind, paths, tuple(os.stat(p).st_mtime_ns for p in paths))
 
 
 def encode(text, encoding=None):
-    """Token ids of `text`; "<|endoftext|>" inside text is treated as plain text, not the eot token."""
+    """Token ids of `text`; "<|endoftext|>" inside text is treated as plain text,
+    not the eot token."""
     return (encoding or get_encoding()).encode_ordinary(text)
 
 
@@ -215,12 +226,14 @@ def write_tokenizer_bin(path, encoding):
     """Write llm.c's gpt2_tokenizer.bin (version 2) for a tiktoken Encoding, atomically."""
     vocab_size = encoding.n_vocab
     header = np.zeros(HEADER_INTS, dtype="<u4")
-    header[0], header[1], header[2], header[3] = TOKENIZER_MAGIC, TOKENIZER_VERSION, vocab_size, encoding.eot_token
+    header[0], header[1], header[2], header[3] = (TOKENIZER_MAGIC, TOKENIZER_VERSION, vocab_size,
+                                                  encoding.eot_token)
     body = bytearray()
     for i in range(vocab_size):
         tok = encoding.decode_single_token_bytes(i)
         if not 0 < len(tok) < 256:
-            raise TokenizerError(f"{path}: token {i} has {len(tok)} bytes; the format allows 1..255")
+            raise TokenizerError(f"{path}: token {i} has {len(tok)} bytes; the "
+                                 "format allows 1..255")
         body.append(len(tok))
         body += tok
     with atomic_write(path) as f:
@@ -242,22 +255,27 @@ def load_tokenizer_bin(path) -> TokenTable:
                              f"shorter than the {4 * HEADER_INTS}-byte header")
     header = np.frombuffer(raw, dtype="<u4", count=HEADER_INTS)
     if header[0] != TOKENIZER_MAGIC:
-        raise TokenizerError(f"{path}: not an llm.c tokenizer file (magic {header[0]}, expected {TOKENIZER_MAGIC})")
+        raise TokenizerError(f"{path}: not an llm.c tokenizer file (magic {header[0]}, expected "
+                             f"{TOKENIZER_MAGIC})")
     version, vocab_size = int(header[1]), int(header[2])
     if version not in (1, 2):
-        raise TokenizerError(f"{path}: unsupported tokenizer file version {version} (expected 1 or 2)")
+        raise TokenizerError(f"{path}: unsupported tokenizer file version {version} "
+                             "(expected 1 or 2)")
     eot = GPT2_EOT_TOKEN if version == 1 else int(header[3])
     if vocab_size == 0 or eot >= vocab_size:
         raise TokenizerError(f"{path}: bad header: vocab_size {vocab_size}, eot token {eot}")
     tokens, pos = [], 4 * HEADER_INTS
     for i in range(vocab_size):
         if pos >= len(raw) or pos + 1 + raw[pos] > len(raw):
-            raise TokenizerError(f"{path}: truncated tokenizer file: ends inside token {i} of {vocab_size}")
+            raise TokenizerError(f"{path}: truncated tokenizer file: ends inside token "
+                                 f"{i} of {vocab_size}")
         n = raw[pos]
         if n == 0:                       # llm.c's tokenizer_init asserts every token has a byte
-            raise TokenizerError(f"{path}: token {i} is empty (llm.c's tokenizer files give every token 1-255 bytes)")
+            raise TokenizerError(f"{path}: token {i} is empty (llm.c's tokenizer files give every "
+                                 "token 1-255 bytes)")
         tokens.append(raw[pos + 1:pos + 1 + n])
         pos += 1 + n
     if pos != len(raw):
-        raise TokenizerError(f"{path}: {len(raw) - pos} unexpected bytes after the {vocab_size} tokens")
+        raise TokenizerError(f"{path}: {len(raw) - pos} unexpected bytes after the "
+                             f"{vocab_size} tokens")
     return TokenTable(tokens, eot)

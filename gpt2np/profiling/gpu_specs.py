@@ -7,8 +7,8 @@ datasheets' tensor-core numbers "with sparsity" are halved here). Units: TFLOP/s
     tf32: TF32 tensor-core matmul (cuBLAS with CUBLAS_TF32_TENSOR_OP_MATH).
     bf16, fp16: tensor-core matmul with FP32 accumulation.
 None means the device has no such unit. The "cpu" entry knows no peaks (they depend on the
-machine), so a report asked for `--device cpu` shows achieved GFLOP/s and GB/s without a % of peak; the
-profiler on the CPU measures a roofline where it runs instead (cpu_roof.measure).
+machine), so a report asked for `--device cpu` shows achieved GFLOP/s and GB/s without a % of peak;
+the profiler on the CPU measures a roofline where it runs instead (cpu_roof.measure).
 
     lookup("NVIDIA H100 80GB HBM3")  -> DeviceSpec for the H100 SXM
     peak_flops("A100-SXM4-80GB", "tf32") -> 156e12
@@ -34,7 +34,8 @@ class DeviceSpec:
 
     def tflops(self, precision: str) -> Optional[float]:
         if precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+            raise ValueError(f"unknown precision {precision!r}: expected one of "
+                             f"{', '.join(PRECISIONS)}")
         return getattr(self, precision)
 
 
@@ -113,7 +114,8 @@ def require(device_name: Union[str, DeviceSpec]) -> DeviceSpec:
     spec = lookup(device_name)
     if spec is None:
         known = ", ".join(DEVICES)
-        raise UnknownDeviceError(f"unknown device {device_name!r}: no peak numbers for it (known: {known})")
+        raise UnknownDeviceError(f"unknown device {device_name!r}: no peak numbers for it "
+                                 f"(known: {known})")
     return spec
 
 

@@ -1,25 +1,28 @@
-"""Attribute every kernel of an Nsight Compute result to layer, op and direction, with what ncu measured.
+"""Attribute every kernel of an Nsight Compute result to layer, op and direction,
+with what ncu measured.
 
     bench/ncu.sh                                     # one training step under ncu, NVTX-filtered, then this
     gpt2np ncu step.csv [--records builtin/profile.json] [--device NAME] [--csv OUT] [--json OUT]
     gpt2np ncu step.ncu-rep ...  # through the ncu-report package (pip install ncu-report)
 
 Inputs:
-  * `ncu --csv` exports, both layouts ncu writes: the details page (one row per kernel and metric: "ID",
-    ..., "Kernel Name", ..., "Block Size", "Grid Size", ..., "Metric Name", "Metric Unit", "Metric Value")
-    and the raw page (`--page raw`: one row per kernel, one column per metric, a row of units under the
-    header). Lines ncu prints before the table (==PROF== ...) are skipped; numbers may carry thousands
-    separators; "n/a" is unknown.
-  * `.ncu-rep` reports, read with NVIDIA's ncu_report module: metrics by name, and each kernel's NVTX
-    push/pop stack (IAction.nvtx_state()).
+  * `ncu --csv` exports, both layouts ncu writes: the details page (one row per kernel and metric:
+    "ID", ..., "Kernel Name", ..., "Block Size", "Grid Size", ..., "Metric Name", "Metric Unit",
+    "Metric Value") and the raw page (`--page raw`: one row per kernel, one column per metric, a row
+    of units under the header). Lines ncu prints before the table (==PROF== ...) are skipped;
+    numbers may carry thousands separators; "n/a" is unknown.
+  * `.ncu-rep` reports, read with NVIDIA's ncu_report module: metrics by name, and each kernel's
+    NVTX push/pop stack (IAction.nvtx_state()).
 
 Attribution, first that applies per kernel:
-  1. `--records profile.json` (gpt2np's own profile of the same configuration and step): ncu's kernels in
-     launch order are matched to the profile's kernel records in order (GEMM to GEMM, every other kernel
-     by name); a matched kernel takes the record's step, direction, layer, op, module and FLOPs/bytes of
-     the op's cost, and the report compares the two times (the built-in times against ncu's).
-  2. the NVTX stack (the .ncu-rep's; a CSV column whose name contains "NVTX", ranges separated by " > ",
-     as a best effort: ncu's CSV pages do not document one) -> nsys.parse_stack's rules (ours and llm.c's).
+  1. `--records profile.json` (gpt2np's own profile of the same configuration and step): ncu's
+     kernels in launch order are matched to the profile's kernel records in order (GEMM to GEMM,
+     every other kernel by name); a matched kernel takes the record's step, direction, layer, op,
+     module and FLOPs/bytes of the op's cost, and the report compares the two times (the built-in
+     times against ncu's).
+  2. the NVTX stack (the .ncu-rep's; a CSV column whose name contains "NVTX", ranges separated by "
+     > ", as a best effort: ncu's CSV pages do not document one) -> nsys.parse_stack's
+     rules (ours and llm.c's).
   3. the kernel's name (llm.c's kernels, NCCL: nsys.kernel_op); else "other".
 
 Per kernel it reports time (gpu__time_duration), achieved FLOP/s (fp32 FLOPs from the SASS counters
@@ -44,21 +47,25 @@ from gpt2np.profiling.render.views import floor_ns
 TIME = "gpu__time_duration.sum"
 DRAM = "dram__bytes.sum"
 DRAM_PARTS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
-FADD, FMUL, FFMA = (f"sm__sass_thread_inst_executed_op_{op}_pred_on.sum" for op in ("fadd", "fmul", "ffma"))
+FADD, FMUL, FFMA = (f"sm__sass_thread_inst_executed_op_{op}_pred_on.sum"
+                    for op in ("fadd", "fmul", "ffma"))
 OCCUPANCY = "sm__warps_active.avg.pct_of_peak_sustained_active"
 SM_PCT = "sm__throughput.avg.pct_of_peak_sustained_elapsed"
 MEM_PCT = "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed"
 GRID, BLOCK = "launch__grid_size", "launch__block_size"
 
 # unit -> factor to the base unit (ns for time, bytes for sizes, 1 for the rest)
-TIME_UNITS = {"nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9, "s": 1e9}
-BYTE_UNITS = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12, "kib": 1024, "mib": 1024 ** 2,
-              "gib": 1024 ** 3}
+TIME_UNITS = {"nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6,
+              "second": 1e9, "s": 1e9}
+BYTE_UNITS = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12, "kib": 1024,
+              "mib": 1024 ** 2, "gib": 1024 ** 3}
 UNITS = {**TIME_UNITS, **BYTE_UNITS}
-# the metrics the report computes with: a value must be a finite number >= 0 in a unit of its kind ("" = base unit)
+# the metrics the report computes with: a value must be a finite number >= 0 in a unit of its
+# kind ("" = base unit)
 CHECKED = {TIME: ("a time", TIME_UNITS), DRAM: ("a size", BYTE_UNITS),
            **dict.fromkeys(DRAM_PARTS, ("a size", BYTE_UNITS)),
-           **dict.fromkeys((FADD, FMUL, FFMA, GRID, BLOCK, OCCUPANCY, SM_PCT, MEM_PCT), ("a count", None))}
+           **dict.fromkeys((FADD, FMUL, FFMA, GRID, BLOCK, OCCUPANCY, SM_PCT, MEM_PCT),
+                           ("a count", None))}
 HEADER_START = '"ID"'
 
 
@@ -68,8 +75,8 @@ class NcuReportError(ValueError):
 
 @dataclass
 class NcuKernel:
-    """One profiled kernel: ncu's id, name, grid and block as ncu prints them, its metrics in base units
-    (ns, bytes, %) and its NVTX stack (names, outermost first; empty when unknown)."""
+    """One profiled kernel: ncu's id, name, grid and block as ncu prints them, its metrics in base
+    units (ns, bytes, %) and its NVTX stack (names, outermost first; empty when unknown)."""
     id: int
     name: str
     grid: str
@@ -117,9 +124,10 @@ def number(text, unit: str = "") -> Optional[float]:
 
 
 def checked(where: str, name: str, value, unit: str = "") -> Optional[float]:
-    """A metric's value in its base unit (None: unknown). For the metrics the report uses (CHECKED) a value that
-    is not a number, negative, infinite or in a unit of the wrong kind (a time in 'parsecs') raises NcuReportError
-    naming `where` (file and line) and the metric; other metrics are read as best they can be."""
+    """A metric's value in its base unit (None: unknown). For the metrics the report uses (CHECKED)
+    a value that is not a number, negative, infinite or in a unit of the wrong kind (a time in
+    'parsecs') raises NcuReportError naming `where` (file and line) and the metric; other metrics
+    are read as best they can be."""
     if value is None:
         return None
     text = value if isinstance(value, (int, float)) else str(value).strip().replace(",", "")
@@ -139,18 +147,20 @@ def checked(where: str, name: str, value, unit: str = "") -> Optional[float]:
     key = str(unit or "").strip().lower()
     if units is not None:
         if key and key not in units:
-            raise NcuReportError(f"{where}: metric {name}: unit {str(unit).strip()!r} is not {kind} unit "
-                                 f"(expected one of {', '.join(sorted(units))})")
+            raise NcuReportError(f"{where}: metric {name}: unit {str(unit).strip()!r} is not "
+                                 f"{kind} unit (expected one of {', '.join(sorted(units))})")
         return x * units.get(key, 1)
     return x * UNITS.get(key, 1)
 
 
 def _require_times(path: str, kernels: List["NcuKernel"], what: str) -> None:
-    """NcuReportError unless there are kernels and some of them have a time (else every time would show 0)."""
+    """NcuReportError unless there are kernels and some of them have a time (else every
+    time would show 0)."""
     if not kernels:
         raise NcuReportError(f"{path}: no profiled kernels ({what})")
     if all(k.time_ns is None for k in kernels):
-        raise NcuReportError(f"{path}: no {TIME} values (the kernels' times); profile with `ncu --metrics {TIME}` "
+        raise NcuReportError(f"{path}: no {TIME} values (the kernels' times); profile with `ncu "
+                             f"--metrics {TIME}` "
                              f"or a section that collects it (--section SpeedOfLight)")
 
 
@@ -176,10 +186,12 @@ def read_csv(path: str) -> List[NcuKernel]:
         raise NcuReportError(f"{path}: cannot read ({e.strerror or e})") from None
     start = next((i for i, line in enumerate(lines) if line.startswith(HEADER_START)), None)
     if start is None:
-        raise NcuReportError(f"{path}: no ncu CSV table (no header line starting with \"ID\"); export with "
+        raise NcuReportError(f"{path}: no ncu CSV table (no header line starting with "
+                             "\"ID\"); export with "
                              f"`ncu --import REPORT --csv --page raw` or profile with `ncu --csv`")
     reader = csv.reader(io.StringIO("\n".join(lines[start:])))
-    numbered = [(start + reader.line_num, row) for row in reader]        # (1-based line in the file, row)
+    # (1-based line in the file, row)
+    numbered = [(start + reader.line_num, row) for row in reader]
     header, rows = numbered[0][1], [(n, r) for n, r in numbered[1:] if r]
     col = {name: i for i, name in enumerate(header)}
     for need in ("Kernel Name", "ID"):
@@ -199,33 +211,36 @@ def read_csv(path: str) -> List[NcuKernel]:
                 continue
             k = kernels.get(int(kid))
             if k is None:
-                k = kernels[int(kid)] = NcuKernel(int(kid), cell(row, "Kernel Name"), _dims(cell(row, "Grid Size")),
-                                                  _dims(cell(row, "Block Size")), cell(row, "Device"),
-                                                  nvtx=next((_stack(cell(row, c)) for c in nvtx_cols
-                                                             if cell(row, c)), ()))
+                k = kernels[int(kid)] = NcuKernel(
+                    int(kid), cell(row, "Kernel Name"), _dims(cell(row, "Grid Size")),
+                    _dims(cell(row, "Block Size")), cell(row, "Device"),
+                    nvtx=next((_stack(cell(row, c)) for c in nvtx_cols if cell(row, c)), ()))
             name = cell(row, "Metric Name")
-            k.metrics[name] = checked(f"{path}: line {line} (kernel {int(kid)})", name, cell(row, "Metric Value"),
-                                      cell(row, "Metric Unit"))
+            k.metrics[name] = checked(f"{path}: line {line} (kernel {int(kid)})", name,
+                                      cell(row, "Metric Value"), cell(row, "Metric Unit"))
     else:                                                          # raw page: one column per metric
         units = {}
         if rows and not cell(rows[0][1], "ID").strip():            # the units row
             units = {name: rows[0][1][i] for name, i in col.items() if i < len(rows[0][1])}
             rows = rows[1:]
-        fixed = {"ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
-                 "Grid Size", "Device", "CC"} | set(nvtx_cols)
+        fixed = {"ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context",
+                 "Stream", "Block Size", "Grid Size", "Device", "CC"} | set(nvtx_cols)
         if TIME not in col:
-            raise NcuReportError(f"{path}: the CSV has no {TIME!r} column (the kernels' times); profile with "
-                                 f"`ncu --metrics {TIME}` or a section that collects it (--section SpeedOfLight)")
+            raise NcuReportError(f"{path}: the CSV has no {TIME!r} column (the kernels' times); "
+                                 f"profile with `ncu --metrics {TIME}` or a section that collects "
+                                 "it (--section SpeedOfLight)")
         for line, row in rows:
             kid = number(cell(row, "ID"))
             if kid is None:
                 continue
             where = f"{path}: line {line} (kernel {int(kid)})"
-            metrics = {name: checked(where, name, cell(row, name), units.get(name, "")) for name in header
+            metrics = {name: checked(where, name, cell(row, name), units.get(name, ""))
+                       for name in header
                        if name not in fixed}
-            kernels[int(kid)] = NcuKernel(int(kid), cell(row, "Kernel Name"), _dims(cell(row, "Grid Size")),
-                                          _dims(cell(row, "Block Size")), cell(row, "Device"), metrics,
-                                          next((_stack(cell(row, c)) for c in nvtx_cols if cell(row, c)), ()))
+            kernels[int(kid)] = NcuKernel(
+                int(kid), cell(row, "Kernel Name"), _dims(cell(row, "Grid Size")),
+                _dims(cell(row, "Block Size")), cell(row, "Device"), metrics,
+                next((_stack(cell(row, c)) for c in nvtx_cols if cell(row, c)), ()))
     if not kernels:
         raise NcuReportError(f"{path}: the ncu table has no kernel rows")
     out = [kernels[i] for i in sorted(kernels)]
@@ -234,13 +249,15 @@ def read_csv(path: str) -> List[NcuKernel]:
 
 
 def read_rep(path: str, ncu_report=None) -> List[NcuKernel]:
-    """Kernels of an .ncu-rep through NVIDIA's ncu_report module (ncu_report: the module, for tests)."""
+    """Kernels of an .ncu-rep through NVIDIA's ncu_report module (ncu_report: the
+    module, for tests)."""
     if ncu_report is None:
         try:
             import ncu_report
         except ImportError:
-            raise NcuReportError(f"{path}: reading .ncu-rep needs NVIDIA's ncu_report module (pip install "
-                                 f"ncu-report), or export a CSV: ncu --import {path} --csv --page raw") from None
+            raise NcuReportError(f"{path}: reading .ncu-rep needs NVIDIA's ncu_report module (pip "
+                                 f"install ncu-report), or export a CSV: ncu --import {path} "
+                                 "--csv --page raw") from None
     try:
         ctx = ncu_report.load_report(path)
     except (FileNotFoundError, OSError, RuntimeError) as e:
@@ -256,10 +273,12 @@ def read_rep(path: str, ncu_report=None) -> List[NcuKernel]:
                 m = action.metric_by_name(name)
                 value = m.value() if m is not None and m.has_value() else None
                 if name in CHECKED:
-                    metrics[name] = checked(where, name, value, "" if value is None else str(m.unit()))
+                    metrics[name] = checked(where, name, value,
+                                            "" if value is None else str(m.unit()))
                 else:
-                    metrics[name] = value * UNITS.get(str(m.unit()).lower(), 1) \
-                        if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+                    metrics[name] = (value * UNITS.get(str(m.unit()).lower(), 1)
+                                     if isinstance(value, (int, float))
+                                     and not isinstance(value, bool) else value)
             stack = ()
             state = action.nvtx_state()
             if state is not None:
@@ -269,15 +288,18 @@ def read_rep(path: str, ncu_report=None) -> List[NcuKernel]:
                         stack = names
                         break
             grid, block = metrics.get(GRID), metrics.get(BLOCK)
-            kernels.append(NcuKernel(len(kernels), action.name(), "" if grid is None else f"({int(grid)})",
-                                     "" if block is None else f"({int(block)})", "", metrics, stack))
+            kernels.append(NcuKernel(len(kernels), action.name(),
+                                     "" if grid is None else f"({int(grid)})",
+                                     "" if block is None else f"({int(block)})", "",
+                                     metrics, stack))
     _require_times(path, kernels, "not an Nsight Compute report, or one that profiled nothing")
     return kernels
 
 
 def read(path: str) -> List[NcuKernel]:
     if os.path.isdir(path):
-        raise NcuReportError(f"{path}: is a folder; expected an `ncu --csv` export or an .ncu-rep report")
+        raise NcuReportError(f"{path}: is a folder; expected an `ncu --csv` export or "
+                             "an .ncu-rep report")
     if not os.path.isfile(path):
         raise NcuReportError(f"{path}: no such file")
     return read_rep(path) if path.endswith((".ncu-rep", ".ncu-repz")) else read_csv(path)
@@ -287,8 +309,9 @@ def read(path: str) -> List[NcuKernel]:
 # attribution
 
 def align(kernels: List[NcuKernel], records: List[KernelRecord]) -> Dict[int, KernelRecord]:
-    """{ncu kernel position: gpt2np record}: both in launch order, a GEMM matches a GEMM, any other kernel
-    a record of the same name; on a mismatch the walk skips ncu's kernel (a library's extra kernel)."""
+    """{ncu kernel position: gpt2np record}: both in launch order, a GEMM matches a GEMM, any other
+    kernel a record of the same name; on a mismatch the walk skips ncu's kernel (a
+    library's extra kernel)."""
     recs = [r for r in sorted(records, key=lambda r: r.idx) if r.kind == "kernel"]
     out, j = {}, 0
     for i, k in enumerate(kernels):
@@ -318,23 +341,25 @@ def attribute(kernels: List[NcuKernel], records: Optional[List[KernelRecord]] = 
         flops = k.fp32_flops
         dram = k.dram_bytes
         if r is not None:
-            src = dict(step=r.step, direction=r.direction, layer=r.layer, op=r.op, module=r.module, params=r.params,
-                       range_stack=r.range_stack)
+            src = dict(step=r.step, direction=r.direction, layer=r.layer, op=r.op, module=r.module,
+                       params=r.params, range_stack=r.range_stack)
             if flops is None or (r.is_gemm and r.flops):
-                flops = r.flops                   # tensor-core GEMMs do not count in the fp32 SASS counters
+                # tensor-core GEMMs do not count in the fp32 SASS counters
+                flops = r.flops
             if dram is None:
                 dram = r.bytes
         else:
             src = dict(step=guess.step, direction=guess.direction, layer=guess.layer, op=guess.op,
                        module=guess.module, params="", range_stack=guess.range_stack)
-        out.append(KernelRecord(idx=i, kernel=k.name, start_ns=0, duration_ns=int(time or 0), flops=int(flops or 0),
+        out.append(KernelRecord(idx=i, kernel=k.name, start_ns=0, duration_ns=int(time or 0),
+                                flops=int(flops or 0),
                                 bytes=int(dram or 0), grid=k.grid, block=k.block, **src))
     return out, matched
 
 
 def _number_instances(kernels) -> None:
-    """Give the NVTX ranges of consecutive kernels that share a stack prefix one instance id (ncu reports
-    names, not instances): what nsys.to_records counts positions with."""
+    """Give the NVTX ranges of consecutive kernels that share a stack prefix one instance id (ncu
+    reports names, not instances): what nsys.to_records counts positions with."""
     current: List = []
     counter = 0
     for k in kernels:
@@ -376,40 +401,45 @@ def kernel_rows(kernels, records, matched, roof):
     return rows
 
 
-COLUMNS = [("idx", "r"), ("dir", "l"), ("layer", "r"), ("op", "l"), ("module", "l"), ("kernel", "l"), ("grid", "l"),
-           ("block", "l"), ("time (us)", "r"), ("GFLOP/s", "r"), ("GB/s", "r"), ("occupancy %", "r"), ("SM %", "r"),
+COLUMNS = [("idx", "r"), ("dir", "l"), ("layer", "r"), ("op", "l"), ("module", "l"),
+           ("kernel", "l"), ("grid", "l"), ("block", "l"), ("time (us)", "r"), ("GFLOP/s", "r"),
+           ("GB/s", "r"), ("occupancy %", "r"), ("SM %", "r"),
            ("mem %", "r"), ("% roofline", "r"), ("built-in/ncu", "r")]
 
 
 def agreement(kernels, matched) -> Optional[dict]:
-    """How the built-in profile's kernel times compare with ncu's: median ratio and the share within 10%."""
+    """How the built-in profile's kernel times compare with ncu's: median ratio and the
+    share within 10%."""
     ratios = [matched[i].duration_ns / k.time_ns for i, k in enumerate(kernels)
               if i in matched and k.time_ns and matched[i].duration_ns > 0]
     if not ratios:
         return None
     within = sum(abs(x - 1) <= 0.10 for x in ratios) / len(ratios)
-    total = sum(matched[i].duration_ns for i in matched) / (sum(kernels[i].time_ns or 0 for i in matched) or 1)
-    return {"kernels": len(ratios), "median_ratio": statistics.median(ratios), "within_10pct": within,
-            "total_ratio": total}
+    total = (sum(matched[i].duration_ns for i in matched)
+             / (sum(kernels[i].time_ns or 0 for i in matched) or 1))
+    return {"kernels": len(ratios), "median_ratio": statistics.median(ratios),
+            "within_10pct": within, "total_ratio": total}
 
 
 def render(path, kernels, records, matched, roof, records_path: Optional[str] = None) -> str:
-    """The kernel table, per-op totals and how the kernels were attributed: the agreement with the --records
-    profile (records_path), or a note when nothing matched it."""
+    """The kernel table, per-op totals and how the kernels were attributed: the agreement with the
+    --records profile (records_path), or a note when nothing matched it."""
     parts = [format_table(COLUMNS, kernel_rows(kernels, records, matched, roof),
                           f"Nsight Compute: {len(kernels)} kernels of {os.path.basename(path)}"
                           + (f" against {roof.device}" if roof else "")),
              report.op_table(records, roof)]
     agree = agreement(kernels, matched)
     if agree:
-        parts.append(f"built-in vs ncu kernel times: {agree['kernels']} kernels matched, median ratio "
-                     f"{agree['median_ratio']:.3f}, {100 * agree['within_10pct']:.0f}% within 10%, step total ratio "
-                     f"{agree['total_ratio']:.3f}")
+        parts.append(f"built-in vs ncu kernel times: {agree['kernels']} kernels matched, median "
+                     f"ratio {agree['median_ratio']:.3f}, {100 * agree['within_10pct']:.0f}% "
+                     f"within 10%, step total ratio {agree['total_ratio']:.3f}")
     elif not matched:
-        # a profile of another configuration, step or device matches nothing: said, as align skips any mismatch
+        # a profile of another configuration, step or device matches nothing: said, as
+        # align skips any mismatch
         how = "their NVTX stacks" if any(k.nvtx for k in kernels) else "name only"
         if records_path:
-            parts.append(f"--records {records_path}: matched none of the {len(kernels)} kernels (a profile of "
+            parts.append(f"--records {records_path}: matched none of the {len(kernels)} "
+                         "kernels (a profile of "
                          f"another configuration or device?): kernels attributed by {how}")
         elif how == "name only":
             parts.append("no NVTX stacks and no --records profile: kernels attributed by name only")

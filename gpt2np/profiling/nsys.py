@@ -1,5 +1,6 @@
-"""Attribute every kernel, copy and memset of an Nsight Systems profile to its NVTX range stack, and show the
-profiler's views of it (gpt2np.profiling.render.views: the same renderers as the built-in profiler's).
+"""Attribute every kernel, copy and memset of an Nsight Systems profile to its NVTX range stack, and
+show the profiler's views of it (gpt2np.profiling.render.views: the same renderers as the
+built-in profiler's).
 
     nsys profile -t cuda,nvtx -o prof python train.py ...
     nsys export -t sqlite prof.nsys-rep            (or: nsys stats prof.nsys-rep, which also writes it)
@@ -23,13 +24,13 @@ How a kernel finds its ranges (the rule of `nsys stats --report nvtx_kern_sum`):
 From the stack: step ("Train step N"), direction (gpt2_forward -> fprop, gpt2_backward -> bprop,
 gpt2_update -> update), layer ("Layer l"), op (innermost other range, e.g. "matmul_forward")
 and the GPT-2 module (an explicit module-path range such as "h.3.attn.c_attn", else inferred
-from the op and the op ranges before it in the same "Layer l" range: NVTX carries op names only). gpt2np's
-own op orders, for every fuse / GELU fusion / attention / recompute setting, are read off gpt2np.model itself
-(model_op_modules), so a fused run's matmul_gelu_forward is mlp.c_fc and the matmul_forward after it mlp.c_proj,
-and the fused residual + LayerNorm that ends "Layer l" is h.{l+1}.ln_1 (ln_f after the last layer; its layer
-is that module's, as the built-in profiler counts it). Any other order (llm.c's) goes by how many ranges of the
-op came before it in the layer: the 1st..4th matmul_forward of a layer are c_attn, attn.c_proj, mlp.c_fc,
-mlp.c_proj (LAYER_MODULES).
+from the op and the op ranges before it in the same "Layer l" range: NVTX carries op names only).
+gpt2np's own op orders, for every fuse / GELU fusion / attention / recompute setting, are read off
+gpt2np.model itself (model_op_modules), so a fused run's matmul_gelu_forward is mlp.c_fc and the
+matmul_forward after it mlp.c_proj, and the fused residual + LayerNorm that ends "Layer l" is
+h.{l+1}.ln_1 (ln_f after the last layer; its layer is that module's, as the built-in profiler counts
+it). Any other order (llm.c's) goes by how many ranges of the op came before it in the layer: the
+1st..4th matmul_forward of a layer are c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj (LAYER_MODULES).
 Nsight records no FLOPs or bytes of kernels, so those columns stay empty (0).
 """
 import functools
@@ -64,43 +65,46 @@ RANGE_EVENT_TYPES = (NVTX_PUSHPOP, NVTX_STARTEND, NVTXT_PUSHPOP, NVTXT_STARTEND)
 DIRECTION_RANGES = {"gpt2_forward": "fprop", "gpt2_backward": "bprop", "gpt2_update": "update",
                     "gpt2_calculate_grad_norm": "update",
                     "gpt2_backward_and_reduce": "bprop"}          # llm.c's train_gpt2cu
-# ranges that group work but are no op (llm.c: classifier_and_loss spans the rest of the backward pass)
+# ranges that group work but are no op (llm.c: classifier_and_loss spans the rest
+# of the backward pass)
 STRUCTURAL_RANGES = ("classifier_and_loss", "validation", "evaluation", "generation", "InitOpt")
 GENERATION_STEP_RE = re.compile(r"generation step\s*\d+", re.IGNORECASE)
 STEP_RE = re.compile(r"\bstep\s*(\d+)", re.IGNORECASE)
 LAYER_RE = re.compile(r"layer\s*(\d+)", re.IGNORECASE)
-MODULE_RE = re.compile(r"(?:transformer\.)?(wte|wpe|ln_f|lm_head|optimizer|h\.(\d+)(?:\.[A-Za-z_0-9]+)*)")
+MODULE_RE = re.compile(
+    r"(?:transformer\.)?(wte|wpe|ln_f|lm_head|optimizer|h\.(\d+)(?:\.[A-Za-z_0-9]+)*)")
 
 # llm.c op names (longest first, so 'matmul_forward_cublaslt' canonicalises to 'matmul_forward')
-KNOWN_OPS = sorted(("encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward",
+KNOWN_OPS = sorted(("encoder_forward", "encoder_backward", "layernorm_forward",
+                    "layernorm_backward",
                     "matmul_forward", "matmul_backward", "attention_forward", "attention_backward",
                     "gelu_forward", "gelu_backward", "residual_forward", "residual_backward",
                     "fused_residual_forward", "fused_classifier", "crossentropy_forward",
                     "softmax_forward", "adamw", "global_norm"), key=len, reverse=True)
 
-# llm.c's generic GEMM range: which linear layer it is comes from the enclosing op range (attention_*,
-# matmul_backward) or, at the top of a layer, from its position there (qkv, attn proj, fc, mlp proj)
+# llm.c's generic GEMM range: which linear layer it is comes from the enclosing op range
+# (attention_*, matmul_backward) or, at the top of a layer, from its position there (qkv,
+# attn proj, fc, mlp proj)
 GENERIC_OPS = {"matmul_cublaslt": "matmul"}
 
-# kernels that run outside any op range (or inside a generic one), by name: llm.c's own kernels, cuBLAS,
-# cuDNN, NCCL -> (op, module of the op outside the layers or None, module override or None)
+# kernels that run outside any op range (or inside a generic one), by name: llm.c's own kernels,
+# cuBLAS, cuDNN, NCCL -> (op, module of the op outside the layers or None, module override or None)
 KERNEL_OPS = [(re.compile(p), op, module) for p, op, module in (
     (r"^encoder_forward", "encoder_forward", None),
     (r"wte_backward", "encoder_backward", "wte"),
-    (r"wpe_backward|encoder_backward_wpe", "encoder_backward", "wpe"),            # llm.c's, gpt2np's
+    # llm.c's, gpt2np's
+    (r"wpe_backward|encoder_backward_wpe", "encoder_backward", "wpe"),
     (r"fused_residual_forward", "fused_residual_forward", None),
     (r"^residual_forward", "residual_forward", None),
-    (r"^layernorm_forward", "layernorm_forward", None), (r"^layernorm_backward", "layernorm_backward", None),
+    (r"^layernorm_forward", "layernorm_forward", None),
+    (r"^layernorm_backward", "layernorm_backward", None),
     (r"^gelu_forward", "gelu_forward", None), (r"^gelu_backward", "gelu_backward", None),
-    (r"softmax_autoregressive_backward|permute_kernel_backward|unpermute_kernel_backward", "attention_backward",
-     None),
+    (r"softmax_autoregressive_backward|permute_kernel_backward|unpermute_kernel_backward",
+     "attention_backward", None),
     (r"softmax_forward|^permute_kernel|^unpermute_kernel", "attention_forward", None),
     (r"matmul_backward_bias|reduce_add_sum", "matmul_backward", None),
-    (r"fused_classifier", "fused_classifier", None),
-    (r"adamw|copy_and_cast", "adamw", None),
-    (r"global_norm|global_sum", "global_norm", None),
-    (r"nccl", "nccl", "comm"),
-)]
+    (r"fused_classifier", "fused_classifier", None), (r"adamw|copy_and_cast", "adamw", None),
+    (r"global_norm|global_sum", "global_norm", None), (r"nccl", "nccl", "comm"),)]
 
 
 def kernel_op(kernel_name: str):
@@ -111,8 +115,8 @@ def kernel_op(kernel_name: str):
             return op, module
     return None, None
 
-# the n-th range of an op inside one layer -> the module it computes (llm.c's call order; gpt2np's own orders come
-# from gpt2np.model: model_op_modules)
+# the n-th range of an op inside one layer -> the module it computes (llm.c's call order; gpt2np's
+# own orders come from gpt2np.model: model_op_modules)
 LAYER_MODULES = {
     "fprop": {"layernorm_forward": ("ln_1", "ln_2"),
               "matmul_forward": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
@@ -124,15 +128,18 @@ LAYER_MODULES = {
               "attention_backward": ("attn",), "residual_backward": ("residual", "residual")},
 }
 OUTSIDE_MODULES = {"encoder_forward": "wte", "encoder_backward": "wte", "layernorm_forward": "ln_f",
-                   "layernorm_backward": "ln_f", "matmul_forward": "lm_head", "matmul_backward": "lm_head",
+                   "layernorm_backward": "ln_f", "matmul_forward": "lm_head",
+                   "matmul_backward": "lm_head",
                    "fused_classifier": "lm_head", "crossentropy_forward": "lm_head",
                    "softmax_forward": "lm_head", "adamw": "optimizer", "global_norm": "optimizer",
                    "fused_residual_forward": "ln_f"}
 
 REQUIRED_TABLES = {
     "StringIds": "no StringIds table (not an Nsight Systems SQLite export?)",
-    "CUPTI_ACTIVITY_KIND_KERNEL": "no CUDA kernel data (table CUPTI_ACTIVITY_KIND_KERNEL; profile with -t cuda)",
-    "CUPTI_ACTIVITY_KIND_RUNTIME": "no CUDA API data (table CUPTI_ACTIVITY_KIND_RUNTIME; profile with -t cuda)",
+    "CUPTI_ACTIVITY_KIND_KERNEL": "no CUDA kernel data (table CUPTI_ACTIVITY_KIND_KERNEL; "
+                                  "profile with -t cuda)",
+    "CUPTI_ACTIVITY_KIND_RUNTIME": "no CUDA API data (table CUPTI_ACTIVITY_KIND_RUNTIME; "
+                                   "profile with -t cuda)",
     "NVTX_EVENTS": "no NVTX data (table NVTX_EVENTS; profile with -t cuda,nvtx)",
 }
 
@@ -168,7 +175,8 @@ class Kernel:
     launch_end: Optional[int]
     tid: Optional[int]
     stack: Tuple[NvtxRange, ...] = ()
-    kind: str = "kernel"            # or "memcpy", "memset" (named like nvprof's rows: "[CUDA memcpy HtoD]")
+    # or "memcpy", "memset" (named like nvprof's rows: "[CUDA memcpy HtoD]")
+    kind: str = "kernel"
     bytes: int = 0                  # bytes copied or set
     grid: str = ""
     block: str = ""
@@ -176,7 +184,8 @@ class Kernel:
 
 @dataclass
 class ApiRow:
-    """One CUDA runtime/driver API call (CUPTI_ACTIVITY_KIND_RUNTIME): name without nsys's version suffix."""
+    """One CUDA runtime/driver API call (CUPTI_ACTIVITY_KIND_RUNTIME): name without
+    nsys's version suffix."""
     name: str
     start: int
     end: int
@@ -186,8 +195,8 @@ class ApiRow:
 
 @dataclass
 class Profile:
-    """Everything read from one export: kernels, copies and memsets (activities of kind memcpy/memset, in
-    GPU start order), NVTX ranges, API calls."""
+    """Everything read from one export: kernels, copies and memsets (activities of kind
+    memcpy/memset, in GPU start order), NVTX ranges, API calls."""
     path: str
     kernels: List[Kernel]
     ranges: List[NvtxRange]
@@ -205,13 +214,14 @@ class Profile:
 
 def _connect(path: str) -> sqlite3.Connection:
     if os.path.isdir(path):
-        raise NsysReportError(f"{path}: is a folder; expected an Nsight Systems SQLite export (nsys export -t "
-                              f"sqlite)")
+        raise NsysReportError(f"{path}: is a folder; expected an Nsight Systems SQLite export "
+                              "(nsys export -t sqlite)")
     if not os.path.isfile(path):
         raise NsysReportMissing(f"{path}: no such file")
     try:
         con = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True)
-        tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        tables = {row[0]
+                  for row in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     except sqlite3.DatabaseError as e:
         raise NsysReportError(f"{path}: not an SQLite file ({e}); export the report with "
                               "`nsys export -t sqlite`") from None
@@ -227,17 +237,17 @@ def _columns(con: sqlite3.Connection, table: str) -> set:
 
 
 def _integer(table: str, row: int, column: str, value, what: str = "an integer") -> None:
-    """NsysReportError (load names the file) unless a cell is an integer: nsys declares its times and sizes INTEGER
-    NOT NULL, and a NULL or text one (a damaged export, another tool's) would fail deep in the sorting and
-    arithmetic, with no file named."""
+    """NsysReportError (load names the file) unless a cell is an integer: nsys declares its times
+    and sizes INTEGER NOT NULL, and a NULL or text one (a damaged export, another tool's) would fail
+    deep in the sorting and arithmetic, with no file named."""
     if not is_int(value):
         raise NsysReportError(f"{table} row {row}: column {column!r} must be {what}, got "
                               f"{'NULL' if value is None else repr(value)}")
 
 
 def _times(table: str, row: int, start, end, open_end: bool = False) -> None:
-    """_integer for a row's start and end (ns; open_end: end may be NULL, an unclosed NVTX range), and end >= start:
-    a reversed pair would be a negative duration."""
+    """_integer for a row's start and end (ns; open_end: end may be NULL, an unclosed NVTX range),
+    and end >= start: a reversed pair would be a negative duration."""
     _integer(table, row, "start", start, "an integer timestamp (ns)")
     if end is None and open_end:
         return
@@ -261,14 +271,18 @@ def read_ranges(con, strings: Dict[int, str]) -> List[NvtxRange]:
             f"SELECT {domain}, coalesce(text, ''), {text_id} FROM NVTX_EVENTS WHERE eventType = ?",
             (NVTX_DOMAIN_CREATE,)):
         domains.setdefault(dom_id, strings.get(tid, text) if tid is not None else text)
-    # integer cells only: SQL sorts text after every number, and a row that is no range (a domain) is not checked
-    last = con.execute("SELECT max(coalesce(max(CASE WHEN typeof(start) = 'integer' THEN start END), 0), "
-                       "coalesce(max(CASE WHEN typeof(end) = 'integer' THEN end END), 0)) FROM NVTX_EVENTS"
+    # integer cells only: SQL sorts text after every number, and a row that is no range (a
+    # domain) is not checked
+    last = con.execute("SELECT max(coalesce(max(CASE WHEN typeof(start) = 'integer' THEN start "
+                       "END), 0), coalesce(max(CASE WHEN typeof(end) = 'integer' THEN end END), "
+                       "0)) FROM NVTX_EVENTS"
                        ).fetchone()[0]
     ranges = []
-    query = (f"SELECT rowid, start, end, eventType, text, {text_id}, globalTid, {domain}, {end_tid} "
-             f"FROM NVTX_EVENTS WHERE eventType IN ({','.join('?' * len(RANGE_EVENT_TYPES))}) ORDER BY start, rowid")
-    for row, start, end, etype, text, tid_text, tid, dom, end_tid_value in con.execute(query, RANGE_EVENT_TYPES):
+    query = (f"SELECT rowid, start, end, eventType, text, {text_id}, globalTid, {domain}, "
+             f"{end_tid} FROM NVTX_EVENTS WHERE eventType IN "
+             f"({','.join('?' * len(RANGE_EVENT_TYPES))}) ORDER BY start, rowid")
+    for row, start, end, etype, text, tid_text, tid, dom, end_tid_value in con.execute(
+            query, RANGE_EVENT_TYPES):
         _times("NVTX_EVENTS", row, start, end, open_end=True)
         name = strings.get(tid_text) if tid_text is not None else None
         if name is None:
@@ -283,8 +297,8 @@ def read_ranges(con, strings: Dict[int, str]) -> List[NvtxRange]:
 
 
 def _launch_join(con, table: str):
-    """(FROM ... LEFT JOIN clause, thread expression) joining an activity table (alias a) to the launch calls
-    (alias r) of the same correlationId and process."""
+    """(FROM ... LEFT JOIN clause, thread expression) joining an activity table (alias a) to the
+    launch calls (alias r) of the same correlationId and process."""
     acols, rcols = _columns(con, table), _columns(con, "CUPTI_ACTIVITY_KIND_RUNTIME")
     same_process = ("AND a.globalPid = ((r.globalTid >> 24) << 24)"
                     if "globalPid" in acols and "globalTid" in rcols else "")
@@ -300,13 +314,16 @@ def read_kernels(con, strings: Dict[int, str], name_column: str = "demangledName
     name_expr = f"coalesce({', '.join('a.' + c for c in names)})" if names else "NULL"
     if len(names) == 1:
         name_expr = f"a.{names[0]}"
-    dims = [f"a.{c}" if c in kcols else "1" for c in ("gridX", "gridY", "gridZ", "blockX", "blockY", "blockZ")]
+    dims = [f"a.{c}" if c in kcols else "1"
+            for c in ("gridX", "gridY", "gridZ", "blockX", "blockY", "blockZ")]
     join, tid = _launch_join(con, "CUPTI_ACTIVITY_KIND_KERNEL")
-    query = (f"SELECT a.rowid, a.start, a.end, a.correlationId, {name_expr}, {', '.join(dims)}, r.start, r.end, "
-             f"{tid} {join} ORDER BY a.start, a.correlationId")
+    query = (f"SELECT a.rowid, a.start, a.end, a.correlationId, {name_expr}, {', '.join(dims)}, "
+             f"r.start, r.end, {tid} {join} ORDER BY a.start, a.correlationId")
     kernels = []
-    for row, start, end, corr, name_id, gx, gy, gz, bx, by, bz, rs, re_, thread in con.execute(query):
-        _times("CUPTI_ACTIVITY_KIND_KERNEL", row, start, end)       # the launch's r.start, r.end: read_api checks
+    for row, start, end, corr, name_id, gx, gy, gz, bx, by, bz, rs, re_, thread in (
+            con.execute(query)):
+        # the launch's r.start, r.end: read_api checks
+        _times("CUPTI_ACTIVITY_KIND_KERNEL", row, start, end)
         name = strings.get(name_id, f"kernel#{corr}") if name_id is not None else f"kernel#{corr}"
         grid, block = f"({gx},{gy},{gz})", f"({bx},{by},{bz})"
         kernels.append(Kernel(start, end, corr, name, f"grid={grid} block={block}", rs, re_, thread,
@@ -326,34 +343,40 @@ def copy_kind_name(symbol: str) -> str:
 
 
 def _copy_kinds(con, tables) -> Dict[int, str]:
-    """copyKind -> HtoD, DtoH, ...: the export's own ENUM_CUDA_MEMCPY_OPER, else CUPTI's numbering."""
+    """copyKind -> HtoD, DtoH, ...: the export's own ENUM_CUDA_MEMCPY_OPER, else
+    CUPTI's numbering."""
     if "ENUM_CUDA_MEMCPY_OPER" in tables:
-        return {i: copy_kind_name(name or "") for i, name in con.execute("SELECT id, name FROM ENUM_CUDA_MEMCPY_OPER")}
+        return {i: copy_kind_name(name or "")
+                for i, name in con.execute("SELECT id, name FROM ENUM_CUDA_MEMCPY_OPER")}
     return dict(MEMCPY_KINDS)
 
 
 def read_copies(con) -> List[Kernel]:
-    """Copies and memsets (CUPTI_ACTIVITY_KIND_MEMCPY / _MEMSET, when the export has them) as activities named
-    like nvprof's rows, "[CUDA memcpy HtoD]", "[CUDA memset]", with their bytes and launch calls."""
+    """Copies and memsets (CUPTI_ACTIVITY_KIND_MEMCPY / _MEMSET, when the export has them) as
+    activities named like nvprof's rows, "[CUDA memcpy HtoD]", "[CUDA memset]", with their bytes
+    and launch calls."""
     tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     out = []
     if "CUPTI_ACTIVITY_KIND_MEMCPY" in tables:
         kinds = _copy_kinds(con, tables)
         join, tid = _launch_join(con, "CUPTI_ACTIVITY_KIND_MEMCPY")
         for row, start, end, corr, nbytes, kind, rs, re_, thread in con.execute(
-                f"SELECT a.rowid, a.start, a.end, a.correlationId, a.bytes, a.copyKind, r.start, r.end, {tid} {join}"):
+                "SELECT a.rowid, a.start, a.end, a.correlationId, a.bytes, a.copyKind, r.start, "
+                f"r.end, {tid} {join}"):
             _times("CUPTI_ACTIVITY_KIND_MEMCPY", row, start, end)
             _integer("CUPTI_ACTIVITY_KIND_MEMCPY", row, "bytes", nbytes)
-            out.append(Kernel(start, end, corr, f"[CUDA memcpy {kinds.get(kind, kind)}]", f"bytes={nbytes}", rs, re_,
+            out.append(Kernel(start, end, corr, f"[CUDA memcpy {kinds.get(kind, kind)}]",
+                              f"bytes={nbytes}", rs, re_,
                               thread, kind="memcpy", bytes=int(nbytes or 0)))
     if "CUPTI_ACTIVITY_KIND_MEMSET" in tables:
         join, tid = _launch_join(con, "CUPTI_ACTIVITY_KIND_MEMSET")
         for row, start, end, corr, nbytes, rs, re_, thread in con.execute(
-                f"SELECT a.rowid, a.start, a.end, a.correlationId, a.bytes, r.start, r.end, {tid} {join}"):
+                "SELECT a.rowid, a.start, a.end, a.correlationId, a.bytes, r.start, "
+                f"r.end, {tid} {join}"):
             _times("CUPTI_ACTIVITY_KIND_MEMSET", row, start, end)
             _integer("CUPTI_ACTIVITY_KIND_MEMSET", row, "bytes", nbytes)
-            out.append(Kernel(start, end, corr, "[CUDA memset]", f"bytes={nbytes}", rs, re_, thread, kind="memset",
-                              bytes=int(nbytes or 0)))
+            out.append(Kernel(start, end, corr, "[CUDA memset]", f"bytes={nbytes}", rs, re_, thread,
+                              kind="memset", bytes=int(nbytes or 0)))
     return sorted(out, key=lambda k: (k.start, k.correlation_id))
 
 
@@ -361,16 +384,18 @@ API_VERSION_RE = re.compile(r"_v\d+$")
 
 
 def read_api(con, strings: Dict[int, str]) -> List[ApiRow]:
-    """Every runtime/driver call, in host start order; "cudaLaunchKernel_v7000" -> "cudaLaunchKernel" (as
-    nsys stats and nvprof name them)."""
+    """Every runtime/driver call, in host start order; "cudaLaunchKernel_v7000" ->
+    "cudaLaunchKernel" (as nsys stats and nvprof name them)."""
     rcols = _columns(con, "CUPTI_ACTIVITY_KIND_RUNTIME")
     tid = "globalTid" if "globalTid" in rcols else "NULL"
-    rows = con.execute(f"SELECT rowid, start, end, {tid}, correlationId, nameId FROM CUPTI_ACTIVITY_KIND_RUNTIME "
-                       f"ORDER BY start, correlationId")
+    rows = con.execute(f"SELECT rowid, start, end, {tid}, correlationId, nameId FROM "
+                       "CUPTI_ACTIVITY_KIND_RUNTIME ORDER BY start, correlationId")
     api = []
     for row, start, end, thread, corr, name_id in rows:
-        _times("CUPTI_ACTIVITY_KIND_RUNTIME", row, start, end)     # also the launch times read_kernels joined
-        api.append(ApiRow(API_VERSION_RE.sub("", strings.get(name_id, f"api#{name_id}")), start, end, thread, corr))
+        # also the launch times read_kernels joined
+        _times("CUPTI_ACTIVITY_KIND_RUNTIME", row, start, end)
+        api.append(ApiRow(API_VERSION_RE.sub("", strings.get(name_id, f"api#{name_id}")), start,
+                          end, thread, corr))
     return api
 
 
@@ -435,8 +460,8 @@ def assign_stacks(kernels: Sequence[Kernel], ranges: Sequence[NvtxRange]) -> Non
 # from range stacks to records
 
 def canonical_op(name: str, direction: Optional[str] = None) -> str:
-    """'matmul_forward_cublaslt' -> 'matmul_forward'; llm.c's generic 'matmul_cublaslt' -> matmul_forward
-    (matmul_backward in the backward pass); unknown names are kept as they are."""
+    """'matmul_forward_cublaslt' -> 'matmul_forward'; llm.c's generic 'matmul_cublaslt' ->
+    matmul_forward (matmul_backward in the backward pass); unknown names are kept as they are."""
     if name in GENERIC_OPS:
         return "matmul_backward" if direction == "bprop" else "matmul_forward"
     for op in KNOWN_OPS:
@@ -466,7 +491,8 @@ def parse_stack(names: Sequence[str]):
     candidates = []
     for i, full in enumerate(names):
         name = full.rpartition(":")[2] if ":" in full and not MODULE_RE.fullmatch(full) else full
-        m_step, m_layer, m_module = STEP_RE.search(name), LAYER_RE.fullmatch(name), MODULE_RE.fullmatch(name)
+        m_step, m_layer, m_module = (STEP_RE.search(name), LAYER_RE.fullmatch(name),
+                                     MODULE_RE.fullmatch(name))
         if name in STRUCTURAL_RANGES or GENERATION_STEP_RE.fullmatch(name):
             pass
         elif m_step:
@@ -483,8 +509,8 @@ def parse_stack(names: Sequence[str]):
             candidates.append(i)
             continue
         candidates = []
-    # the innermost op range, unless it is llm.c's generic GEMM range inside a named op (attention_forward,
-    # matmul_backward): then the named op it serves
+    # the innermost op range, unless it is llm.c's generic GEMM range inside a named op
+    # (attention_forward, matmul_backward): then the named op it serves
     if candidates:
         op_at = candidates[-1]
         bare = [names[i].rpartition(":")[2] for i in candidates]
@@ -498,16 +524,19 @@ def parse_stack(names: Sequence[str]):
 def to_records(kernels: Sequence[Kernel]) -> List[KernelRecord]:
     """KernelRecords in GPU order (copies and memsets among `kernels` become records of their kind).
 
-    Without an explicit module range, the module of an op inside a layer is told by the op ranges before it
-    within the same "Layer l" range instance (so gradient accumulation's repeated forward/backward passes each
-    count from the start): infer_module.
+    Without an explicit module range, the module of an op inside a layer is told by the op ranges
+    before it within the same "Layer l" range instance (so gradient accumulation's repeated
+    forward/backward passes each count from the start): infer_module.
     """
-    order = sorted(kernels, key=lambda k: (k.launch_start if k.launch_start is not None else k.start,
+    order = sorted(kernels, key=lambda k: (k.launch_start
+                                           if k.launch_start is not None else k.start,
                                            k.correlation_id))
     stacks = {id(k): parse_stack([r.name for r in k.stack]) for k in order}
-    # the layers of the profiled model, as far as the export shows them (what is past the last one: ln_f)
+    # the layers of the profiled model, as far as the export shows them (what is
+    # past the last one: ln_f)
     num_layers = 1 + max((s[2] for s in stacks.values() if s[2] is not None), default=-1)
-    # "Layer l" range instance -> {op instance: (op, the ops before it there, how many of them are this op)}
+    # "Layer l" range instance -> {op instance: (op, the ops before it there, how many
+    # of them are this op)}
     in_layer: Dict[int, Dict[object, tuple]] = {}
     attributed = {}
     for k in order:
@@ -518,7 +547,8 @@ def to_records(kernels: Sequence[Kernel]) -> List[KernelRecord]:
         by_name, override = kernel_op(k.name)
         instance = k.stack[op_at].row if op_at is not None else None
         if by_name and (not op or op in GENERIC_OPS and by_name not in ("matmul_backward",)):
-            op = canon = by_name                      # no op range (llm.c's fused residual, adamw): the name
+            # no op range (llm.c's fused residual, adamw): the name
+            op = canon = by_name
             instance = ("kernel", k.correlation_id)
         if direction is None:
             direction = _direction_of(canon) if op else "other"
@@ -540,20 +570,23 @@ def to_records(kernels: Sequence[Kernel]) -> List[KernelRecord]:
         records.append(KernelRecord(idx=idx, step=step, direction=direction, layer=layer, op=op,
                                     module=module, params=k.params, kernel=k.name, start_ns=k.start,
                                     duration_ns=k.end - k.start, flops=0, bytes=k.bytes,
-                                    range_stack=tuple(r.name for r in k.stack), kind=k.kind, grid=k.grid,
+                                    range_stack=tuple(r.name for r in k.stack),
+                                    kind=k.kind, grid=k.grid,
                                     block=k.block, range_ids=tuple(r.row for r in k.stack)))
     return records
 
 
-def infer_module(op: str, direction: str, layer: Optional[int], nth: int, before: Tuple[str, ...] = (),
+def infer_module(op: str, direction: str, layer: Optional[int], nth: int,
+                 before: Tuple[str, ...] = (),
                  num_layers: Optional[int] = None) -> Tuple[str, Optional[int]]:
-    """(module, layer) of canonical op `op` inside "Layer l" (layer), after the op ranges `before` there, the nth
-    range of that op in it; or of an op outside the layers (layer None).
+    """(module, layer) of canonical op `op` inside "Layer l" (layer), after the op ranges `before`
+    there, the nth range of that op in it; or of an op outside the layers (layer None).
 
-    gpt2np's own op orders (model_op_modules) first: a module of the next layer (the fused residual + LayerNorm
-    that ends a layer computes h.{l+1}.ln_1) belongs to that layer, and past the last of the num_layers it is
-    ln_f, outside them (the built-in profiler's attribution); where some of the layer's ops left no kernel in the
-    export, the one place those orders agree on. Else llm.c's order by position (LAYER_MODULES).
+    gpt2np's own op orders (model_op_modules) first: a module of the next layer (the fused residual
+    + LayerNorm that ends a layer computes h.{l+1}.ln_1) belongs to that layer, and past the last of
+    the num_layers it is ln_f, outside them (the built-in profiler's attribution); where some of the
+    layer's ops left no kernel in the export, the one place those orders agree on. Else llm.c's
+    order by position (LAYER_MODULES).
     """
     layers, outside = model_op_modules()
     if layer is None:
@@ -579,17 +612,20 @@ def _is_subsequence(part: tuple, whole: tuple) -> bool:
 
 @functools.cache
 def _place_with_ops_missing(direction: str, before: tuple, op: str, nth: int):
-    """(layer offset, module) of the nth `op` after the ops `before` where some of the layer's ops left no kernel in
-    the export (filtered out of the capture, by name or kind): the one place of gpt2np's op orders whose ops before
-    it hold `before` in order, with `op` nth times among them; None where no order or more than one place fits."""
+    """(layer offset, module) of the nth `op` after the ops `before` where some of the layer's ops
+    left no kernel in the export (filtered out of the capture, by name or kind): the one place of
+    gpt2np's op orders whose ops before it hold `before` in order, with `op` nth times among them;
+    None where no order or more than one place fits."""
     layers, _ = model_op_modules()
     places = {place for (d, ops, o), place in layers.items()
-              if d == direction and o == op and ops.count(op) == nth and _is_subsequence(before, ops)}
+              if d == direction and o == op and ops.count(op) == nth and _is_subsequence(before,
+                                                                                         ops)}
     return places.pop() if len(places) == 1 else None
 
 
 class _NullBackend:
-    """A backend that runs nothing: enough for gpt2np.model to walk its passes and open its op ranges."""
+    """A backend that runs nothing: enough for gpt2np.model to walk its passes and
+    open its op ranges."""
     launches_kernels, on_gpu, has_cpu_math = True, False, False
     dtype = np.float32
 
@@ -601,13 +637,15 @@ class _NullBackend:
 
 
 class _OpLog:
-    """A ranges listener: (range stack with the op innermost, module) of each op the model opens on this thread."""
+    """A ranges listener: (range stack with the op innermost, module) of each op the model
+    opens on this thread."""
 
     def __init__(self):
         self.ops, self.thread, self.stack = [], threading.get_ident(), current_stack
 
     def on_push(self, name, detail):
-        if isinstance(detail, tuple) and threading.get_ident() == self.thread:     # an op: (module, args, keywords)
+        # an op: (module, args, keywords)
+        if isinstance(detail, tuple) and threading.get_ident() == self.thread:
             self.ops.append((self.stack(), detail[0]))
 
     def on_pop(self, name):
@@ -616,26 +654,29 @@ class _OpLog:
 
 @functools.cache
 def model_op_modules():
-    """gpt2np.model's op orders, read off the model itself: one micro-step (forward, backward) of a 3-layer model
-    (a first, a middle and a last layer) on a backend that runs nothing, for every fuse / gelu_fusion / attention /
-    recompute setting, with the module the model names for each op range.
+    """gpt2np.model's op orders, read off the model itself: one micro-step (forward, backward) of a
+    3-layer model (a first, a middle and a last layer) on a backend that runs nothing, for every
+    fuse / gelu_fusion / attention / recompute setting, with the module the model
+    names for each op range.
 
-    Returns (layers, outside). layers: {(direction, the ops before it in its "Layer l" range, op): (layer offset,
-    module in that layer)}, e.g. ("fprop", ("matmul_forward", "flash_attention_forward", "matmul_forward",
-    "fused_residual_layernorm_forward", "matmul_gelu_forward"), "matmul_forward") -> (0, "mlp.c_proj"); the
-    fused residual + LayerNorm ending a layer -> (1, "ln_1"), ln_f after the last layer included (it stands where
-    the next layer's ln_1 would). outside: {op: module} of the ops outside the layers (loss_mean -> lm_head).
+    Returns (layers, outside). layers: {(direction, the ops before it in its "Layer l" range, op):
+    (layer offset, module in that layer)}, e.g. ("fprop", ("matmul_forward",
+    "flash_attention_forward", "matmul_forward", "fused_residual_layernorm_forward",
+    "matmul_gelu_forward"), "matmul_forward") -> (0, "mlp.c_proj"); the fused residual + LayerNorm
+    ending a layer -> (1, "ln_1"), ln_f after the last layer included (it stands where the next
+    layer's ln_1 would). outside: {op: module} of the ops outside the layers (loss_mean -> lm_head).
     An order that does not tell one module is a RuntimeError."""
-    cfg = GPT2Config(max_seq_len=2, vocab_size=2, padded_vocab_size=2, num_layers=3, num_heads=1, channels=1)
+    cfg = GPT2Config(max_seq_len=2, vocab_size=2, padded_vocab_size=2, num_layers=3, num_heads=1,
+                     channels=1)
     tokens = np.zeros((1, 2), np.int32)
     layers: Dict[tuple, Tuple[int, str]] = {}
     outside: Dict[str, str] = {}
-    for fuse, gelu_fusion, attention, recompute in itertools.product((False, True), (0, 1, 2), ATTENTIONS,
-                                                                     RECOMPUTE_LEVELS):
+    for fuse, gelu_fusion, attention, recompute in itertools.product((False, True), (0, 1, 2),
+                                                                     ATTENTIONS, RECOMPUTE_LEVELS):
         if gelu_fusion and not fuse:
             continue                                    # the GELU epilogues are fused ops
-        model = GPT2(cfg, _NullBackend(), 1, 2, attention=attention, fuse=fuse, gelu_fusion=gelu_fusion,
-                     recompute=recompute)
+        model = GPT2(cfg, _NullBackend(), 1, 2, attention=attention, fuse=fuse,
+                     gelu_fusion=gelu_fusion, recompute=recompute)
         log = _OpLog()
         add_listener(log)
         try:                                            # train_step's device step: loss_mean too
@@ -657,12 +698,13 @@ def model_op_modules():
             elif m and m.group(2) is not None:
                 place = (int(m.group(2)) - layer, module.split(".", 2)[2])
             else:
-                raise RuntimeError(f"gpt2np.model: op {op} in Layer {layer} names module {module!r}")
+                raise RuntimeError(f"gpt2np.model: op {op} in Layer {layer} names "
+                                   f"module {module!r}")
             ops = before.setdefault((direction, layer), [])
             key = (direction, tuple(ops), op)
             if layers.setdefault(key, place) != place:
-                raise RuntimeError(f"gpt2np.model's op orders do not tell the module of {key}: {layers[key]} or "
-                                   f"{place}")
+                raise RuntimeError(f"gpt2np.model's op orders do not tell the module of {key}: "
+                                   f"{layers[key]} or {place}")
             ops.append(op)
     return layers, outside
 
@@ -675,18 +717,20 @@ def gpu_projection(kernels: Sequence[Kernel]) -> List[Tuple[str, int, int]]:
         for rng in k.stack:
             span = spans.setdefault(rng.row, [rng.name, k.start, k.end, rng.start])
             span[1], span[2] = min(span[1], k.start), max(span[2], k.end)
-    return [(name, start, end) for name, start, end, _ in sorted(spans.values(), key=lambda s: (s[1], s[3]))]
+    return [(name, start, end)
+            for name, start, end, _ in sorted(spans.values(), key=lambda s: (s[1], s[3]))]
 
 
 def read_report(path: str, name_column: str = "demangledName"):
     """(records, ranges as (name, start, end, thread), device name or None, profile) of an export.
 
-    records: kernels, copies and memsets in GPU start order (record idx = position in profile.activities);
-    thread: the Linux thread id (low 24 bits of globalTid), None for a start/end range that
-    ended on another thread.
+    records: kernels, copies and memsets in GPU start order (record idx = position in
+    profile.activities); thread: the Linux thread id (low 24 bits of globalTid), None for a
+    start/end range that ended on another thread.
     """
     profile = load(path, name_column)
-    ranges = [(r.name, r.start, r.end, None if r.tid is None else r.tid & 0xFFFFFF) for r in profile.ranges]
+    ranges = [(r.name, r.start, r.end, None if r.tid is None else r.tid & 0xFFFFFF)
+              for r in profile.ranges]
     return to_records(profile.activities), ranges, profile.device, profile
 
 
@@ -705,9 +749,9 @@ def _step_of_name(name: str) -> Optional[int]:
 
 
 def range_instances(ranges: Sequence[NvtxRange]) -> List[V.RangeInstance]:
-    """Every NVTX range as a views.RangeInstance: id = its NVTX_EVENTS row (what records' range_ids hold),
-    parent = the innermost range of the same thread that contains it, step = its own "Train step N" or its
-    parent's. A start/end range that ended on another thread has no parent."""
+    """Every NVTX range as a views.RangeInstance: id = its NVTX_EVENTS row (what records' range_ids
+    hold), parent = the innermost range of the same thread that contains it, step = its own "Train
+    step N" or its parent's. A start/end range that ended on another thread has no parent."""
     out = []
     by_thread: Dict[Optional[int], List[NvtxRange]] = {}
     for r in sorted(ranges, key=lambda r: (r.start, -r.end, r.row)):
@@ -721,8 +765,8 @@ def range_instances(ranges: Sequence[NvtxRange]) -> List[V.RangeInstance]:
             step = _step_of_name(r.name)
             if step is None and parent is not None:
                 step = parent.step
-            instance = V.RangeInstance(r.row, r.name, None if parent is None else parent.id, len(open_), r.start,
-                                       r.end, step, r.style)
+            instance = V.RangeInstance(r.row, r.name, None if parent is None else parent.id,
+                                       len(open_), r.start, r.end, step, r.style)
             out.append(instance)
             open_.append((r, instance))
     return sorted(out, key=lambda i: (i.start_ns, i.depth, i.id))
@@ -730,24 +774,26 @@ def range_instances(ranges: Sequence[NvtxRange]) -> List[V.RangeInstance]:
 
 def views_profile(profile: Profile, records: Sequence[KernelRecord], precision: str = "fp32",
                   module_params: Optional[Dict[str, int]] = None) -> V.Profile:
-    """The export as a views.Profile: its activities (records), NVTX ranges with parents and steps, and API
-    calls tied to the activity they issued (same correlationId and thread). No memory or collectives: an
-    export does not know the model's buffers."""
-    owner = {(k.correlation_id, k.tid): i for i, k in enumerate(profile.activities) if k.tid is not None}
+    """The export as a views.Profile: its activities (records), NVTX ranges with parents and steps,
+    and API calls tied to the activity they issued (same correlationId and thread). No memory or
+    collectives: an export does not know the model's buffers."""
+    owner = {(k.correlation_id, k.tid): i for i, k in enumerate(profile.activities)
+             if k.tid is not None}
     api = [V.ApiCall(a.name, a.start, a.end - a.start, owner.get((a.correlation_id, a.tid)),
                      None if a.tid is None else a.tid & 0xFFFFFF) for a in profile.api]
-    meta = {"device": profile.device, "backend": "cuda", "runtime": "nsys", "timing": TIMING, "emulated": False,
-            "precision": precision, "source": os.path.abspath(profile.path)}
+    meta = {"device": profile.device, "backend": "cuda", "runtime": "nsys", "timing": TIMING,
+            "emulated": False, "precision": precision, "source": os.path.abspath(profile.path)}
     if module_params:
         meta["module_params"] = dict(module_params)
-        meta["num_layers"] = 1 + max((int(p.split(".")[1]) for p in module_params if p.startswith("h.")),
+        meta["num_layers"] = 1 + max((int(p.split(".")[1]) for p in module_params
+                                      if p.startswith("h.")),
                                      default=-1)
     return V.Profile(list(records), range_instances(profile.ranges), api, [], None, meta)
 
 
 def preset_parameters(name: str) -> Dict[str, int]:
-    """Parameters per module of llm.c's model descriptor (d12, gpt2:d24, gpt3:c768, ...) for the module tree;
-    BadInput naming --model."""
+    """Parameters per module of llm.c's model descriptor (d12, gpt2:d24, gpt3:c768, ...) for the
+    module tree; BadInput naming --model."""
     try:
         cfg = descriptor(name)
     except ValueError as e:
@@ -763,7 +809,7 @@ def summary_line(profile: Profile) -> str:
     n = len(profile.kernels)
     no_launch = sum(1 for k in profile.kernels if k.launch_start is None)
     inside = sum(1 for k in profile.kernels if k.stack)
-    return (f"{profile.path}: {n} kernels on {profile.device or 'an unknown device'}: {inside} launched "
-            f"inside NVTX ranges, {n - inside - no_launch} outside any range, "
+    return (f"{profile.path}: {n} kernels on {profile.device or 'an unknown device'}: {inside} "
+            f"launched inside NVTX ranges, {n - inside - no_launch} outside any range, "
             f"{no_launch} without a launch record; {len(profile.copies)} copies and memsets; "
             f"{len(profile.api)} CUDA API calls; {len(profile.ranges)} NVTX ranges")

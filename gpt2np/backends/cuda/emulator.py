@@ -1,11 +1,11 @@
 """CPU emulator for gpt2np's hand-written CUDA kernels, so every kernel runs in CI without a GPU.
 
 g++ compiles the SAME kernels/*.cu source that NVRTC compiles for the GPU, with a shim header
-(gpt2np/backends/cuda/emu/cuda_emu.h, force-included) that provides the CUDA built-ins, and a fiber runtime
-(gpt2np/backends/cuda/emu/emu_runtime.h) that runs every CUDA thread of a block as a fiber (user-level
-context switch, 64 KiB stack each). The API mirrors cupy.RawModule / cupy.RawKernel, so the CUDA
-backend can take either runtime; NumPy arrays (guarded ones from device_array) stand in for device
-memory:
+(gpt2np/backends/cuda/emu/cuda_emu.h, force-included) that provides the CUDA built-ins, and a fiber
+runtime (gpt2np/backends/cuda/emu/emu_runtime.h) that runs every CUDA thread of a block as a fiber
+(user-level context switch, 64 KiB stack each). The API mirrors cupy.RawModule / cupy.RawKernel, so
+the CUDA backend can take either runtime; NumPy arrays (guarded ones from device_array) stand in for
+device memory:
 
     mod = EmuModule(code, options=("-I/path/to/kernels",), schedule="forward")
     fn = mod.get_function("layernorm_forward")
@@ -30,7 +30,8 @@ Supported CUDA subset (details at the top of emu/cuda_emu.h):
     permutation; GPT2NP_EMU_WMMA_LAYOUT), so comparing two layouts catches a kernel that
     depends on the layout, which CUDA leaves unspecified.
   * <cuda_bf16.h>: __nv_bfloat16 as storage with its two conversions (emu/include/cuda_bf16.h).
-  * Not emulated: half, bf16 arithmetic operators, textures, grid-wide sync, memcpy_async, inline PTX.
+  * Not emulated: half, bf16 arithmetic operators, textures, grid-wide sync,
+    memcpy_async, inline PTX.
 
 Semantics and checks:
   * Blocks run one after another; a block's threads run round-robin and switch only at barriers
@@ -60,9 +61,9 @@ Semantics and checks:
     pages (and the alignment pad) hold canary bytes, checked after each launch for the launch's
     buffers: a write there is reported (without block and thread), a read is not.
   * Dynamic shared memory is limited to 48 KiB unless fn.max_dynamic_shared_size_bytes is raised
-    (at most 227 KiB), as on the GPU. It ends on a PROT_NONE page at the launch's shared_mem rounded up
-    to 128 bytes, so a kernel that uses more than its launch gave faults (the error says so); a write
-    into the rounding is found after the block by the canary bytes there.
+    (at most 227 KiB), as on the GPU. It ends on a PROT_NONE page at the launch's shared_mem rounded
+    up to 128 bytes, so a kernel that uses more than its launch gave faults (the error says so); a
+    write into the rounding is found after the block by the canary bytes there.
 
 Compilation: `g++ -E` with the shim (extern "C" kernels found, __shared__/__global__ rewritten),
 then `g++ -O2 -std=c++20 -fPIC -shared` into a .so cached under GPT2NP_EMU_CACHE (default
@@ -317,7 +318,8 @@ def _stubs(kernels: dict) -> str:
     for name in kernels:
         out.append(f"{export} int gpt2np_emu_launch_{name}(const __emu::LaunchConfig* c, void** a) "
                    f"{{ return __emu::launch(&{name}, \"{name}\", c, a); }}")
-        out.append(f"{export} const char* gpt2np_emu_sig_{name}() {{ return __emu::signature(&{name}); }}")
+        out.append(f"{export} const char* gpt2np_emu_sig_{name}() {{ return "
+                   f"__emu::signature(&{name}); }}")
     info = json.dumps({k: [list(p) for p in v] for k, v in kernels.items()})
     out.append(f"{export} const char* gpt2np_emu_module_info() {{ return {_c_string(info)}; }}")
     return "\n".join(out) + "\n"
@@ -384,8 +386,8 @@ def _load(so_path: Path) -> ctypes.CDLL:
 
 
 def resolve_wmma_layout(value=None) -> int:
-    """The WMMA fragment element layout: `value`, else $GPT2NP_EMU_WMMA_LAYOUT, else 0 (the natural one);
-    any other integer in [0, 2^32) seeds a permutation (see emu/include/mma.h)."""
+    """The WMMA fragment element layout: `value`, else $GPT2NP_EMU_WMMA_LAYOUT, else 0 (the natural
+    one); any other integer in [0, 2^32) seeds a permutation (see emu/include/mma.h)."""
     if value is None:
         value = os.environ.get("GPT2NP_EMU_WMMA_LAYOUT") or 0
     try:
@@ -393,8 +395,8 @@ def resolve_wmma_layout(value=None) -> int:
     except (TypeError, ValueError):
         layout = -1
     if not 0 <= layout < 2 ** 32 or isinstance(value, bool):
-        raise ValueError(f"CUDA emulator: WMMA layout must be an integer in [0, 2^32), got {value!r} "
-                         f"(GPT2NP_EMU_WMMA_LAYOUT or wmma_layout=...)")
+        raise ValueError("CUDA emulator: WMMA layout must be an integer in [0, 2^32), got "
+                         f"{value!r} (GPT2NP_EMU_WMMA_LAYOUT or wmma_layout=...)")
     return layout
 
 
@@ -426,7 +428,8 @@ _PAGE = mmap.PAGESIZE
 _CANARY = 0xA5
 _ACCESS = {1: "read", 2: "write", 3: "access"}
 _BUFFER_NUMBERS = itertools.count(1)
-_LIVE_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()   # number -> DeviceBuffer
+# number -> DeviceBuffer
+_LIVE_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def guard_mode(value: str | None = None) -> str:
@@ -517,7 +520,8 @@ def device_array(shape, dtype, guard: str = "after") -> np.ndarray:
     for lo, hi in buf.guards:
         if _mprotect()(lo, hi - lo, 0) != 0:            # PROT_NONE
             err = ctypes.get_errno()
-            raise OSError(err, f"CUDA emulator: mprotect of a guard page failed: {os.strerror(err)}")
+            raise OSError(err,
+                          f"CUDA emulator: mprotect of a guard page failed: {os.strerror(err)}")
     _LIVE_BUFFERS[buf.number] = buf
     return np.frombuffer(buf, dtype, count=nbytes // dtype.itemsize, offset=offset).reshape(shape)
 
@@ -570,24 +574,25 @@ def _explain_fault(kernel: str, message: str, access: int, addr: int,
             break
     if owner is not None and owner.number in given:
         buf, params = given[owner.number]
-        return (f"{prefix}: out-of-bounds {what} {_where(buf, addr, params)}; address {addr:#x} is on "
-                f"the guard page {side} the buffer (GPT2NP_EMU_GUARD={buf.guard})")
+        return (f"{prefix}: out-of-bounds {what} {_where(buf, addr, params)}; address {addr:#x} is "
+                f"on the guard page {side} the buffer (GPT2NP_EMU_GUARD={buf.guard})")
     if given and addr >= 1 << 16:
         def distance(b):
             return b.data - addr if addr < b.data else max(0, addr - b.end + 1)
         buf, params = min(given.values(), key=lambda bp: distance(bp[0]))
         note = (f"; the address is on the guard page {side} {owner.describe()}, which this launch "
                 f"was not given" if owner is not None else "")
-        return (f"{prefix}: out-of-bounds {what} at address {addr:#x}, nearest buffer of the launch: "
-                f"{_where(buf, addr, params)}{note}")
+        return (f"{prefix}: out-of-bounds {what} at address {addr:#x}, nearest buffer of the "
+                f"launch: {_where(buf, addr, params)}{note}")
     if owner is not None:
-        return (f"{message}; the address is on the guard page {side} {owner.describe()}, which this "
-                f"launch was not given")
+        return (f"{message}; the address is on the guard page {side} {owner.describe()}, which "
+                "this launch was not given")
     return message
 
 
 def _pad_error(kernel: str, args: list[tuple[str, DeviceBuffer]]) -> str | None:
-    """Checks (and restores) the canary pads of the launch's buffers; a message if one was written."""
+    """Checks (and restores) the canary pads of the launch's buffers; a message
+    if one was written."""
     problems, seen = [], set()
     for _, buf in args:
         if buf.number in seen:
@@ -604,8 +609,8 @@ def _pad_error(kernel: str, args: list[tuple[str, DeviceBuffer]]) -> str | None:
             pad = buf.pads[side == "after"]
             what = ("alignment pad between it and its guard page" if side == buf.guard
                     else f"pad {side} it, the rest of its page")
-            problems.append(f"out-of-bounds write {rel} {_named(buf, params)}: {elems} (byte offsets "
-                            f"{first}..{last}) in the {pad[1] - pad[0]}-byte {what}")
+            problems.append(f"out-of-bounds write {rel} {_named(buf, params)}: {elems} (byte "
+                            f"offsets {first}..{last}) in the {pad[1] - pad[0]}-byte {what}")
         if damaged:
             buf.restore_pads()
     if not problems:
@@ -646,7 +651,8 @@ class EmuModule:
             _build(code, Path(name).name, includes, macros, self.path)
         self._lib = _load(self.path)
         self.kernels: dict[str, list[tuple[str, str]]] = {
-            k: [tuple(p) for p in v] for k, v in json.loads(self._lib.gpt2np_emu_module_info()).items()}
+            k: [tuple(p)
+                for p in v] for k, v in json.loads(self._lib.gpt2np_emu_module_info()).items()}
         self._functions: dict[str, EmuFunction] = {}
 
     @property
@@ -676,8 +682,8 @@ class EmuModule:
 
 def _dims(value, what: str, kernel: str) -> tuple[int, int, int]:
     dims = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
-    if not 1 <= len(dims) <= 3 or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool)
-                                          for d in dims):
+    if not 1 <= len(dims) <= 3 or not all(isinstance(d, (int, np.integer))
+                                          and not isinstance(d, bool) for d in dims):
         raise ValueError(f"kernel '{kernel}': {what} must be an int or a tuple of 1-3 ints, "
                          f"got {value!r}")
     dims = tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
@@ -695,7 +701,8 @@ def _describe(arg) -> str:
 
 
 class EmuFunction:
-    """One kernel of an EmuModule, called like cupy.RawKernel: fn(grid, block, args, shared_mem=0)."""
+    """One kernel of an EmuModule, called like cupy.RawKernel: fn(grid, block,
+    args, shared_mem=0)."""
 
     def __init__(self, module: EmuModule, name: str):
         self.module, self.name = module, name
@@ -724,7 +731,8 @@ class EmuFunction:
 
     def _pack(self, args) -> tuple[ctypes.Array, list, list[tuple[str, DeviceBuffer]]]:
         if not isinstance(args, (tuple, list)):
-            raise TypeError(f"kernel '{self.name}': args must be a tuple, got {type(args).__name__}")
+            raise TypeError(f"kernel '{self.name}': args must be a tuple, got "
+                            f"{type(args).__name__}")
         if len(args) != len(self.codes):
             names = ", ".join(n for n, _ in self.params)
             raise TypeError(f"kernel '{self.name}' takes {len(self.codes)} arguments ({names}), "
@@ -743,7 +751,8 @@ class EmuFunction:
                 raw = self._scalar(k, elem, arg)
                 storage[_SLOT * k:_SLOT * k + len(raw)] = raw
         base = ctypes.addressof(storage)
-        pointers = (ctypes.c_void_p * max(1, len(args)))(*[base + _SLOT * k for k in range(len(args))])
+        pointers = (ctypes.c_void_p * max(1, len(args)))(*[base + _SLOT * k
+                                                           for k in range(len(args))])
         return pointers, [storage, args], buffers
 
     def _pointer(self, k: int, const: bool, elem: str, arg) -> int:
@@ -753,7 +762,8 @@ class EmuFunction:
         if isinstance(arg, (int, np.integer)) and not isinstance(arg, bool) and int(arg) == 0:
             return 0
         if not isinstance(arg, np.ndarray):
-            raise self._arg_error(k, f"expected a NumPy array (device memory), got {_describe(arg)}")
+            raise self._arg_error(k,
+                                  f"expected a NumPy array (device memory), got {_describe(arg)}")
         if not arg.flags.c_contiguous:
             raise self._arg_error(k, "array is not C-contiguous (kernels index flat memory)")
         if not const and not arg.flags.writeable and arg.size:
@@ -767,7 +777,8 @@ class EmuFunction:
             want, n = _CODE_DTYPES[base_code], int(n)
             align = want.itemsize * (1 if n in (1, 3) else min(n, 16 // want.itemsize))
             if arg.dtype != want:
-                raise self._arg_error(k, f"expected a {want} array (vector of {n}), got {arg.dtype}")
+                raise self._arg_error(k,
+                                      f"expected a {want} array (vector of {n}), got {arg.dtype}")
             if arg.nbytes % (want.itemsize * n):
                 raise self._arg_error(k, f"array of {arg.size} elements is not a whole number of "
                                          f"{n}-vectors")
@@ -797,7 +808,8 @@ class EmuFunction:
                  wmma_layout: int | None = None):
         grid = _dims(grid, "grid", self.name)
         block = _dims(block, "block", self.name)
-        if block[0] > 1024 or block[1] > 1024 or block[2] > 64 or block[0] * block[1] * block[2] > 1024:
+        if (block[0] > 1024 or block[1] > 1024 or block[2] > 64
+            or block[0] * block[1] * block[2] > 1024):
             raise ValueError(f"kernel '{self.name}': block {block} exceeds CUDA's limits "
                              f"(x, y <= 1024, z <= 64, at most 1024 threads)")
         if grid[0] > 2**31 - 1 or grid[1] > 65535 or grid[2] > 65535:
@@ -811,7 +823,8 @@ class EmuFunction:
                              f"{MAX_DYNAMIC_SHARED})")
         sched = _check_schedule(schedule) if schedule is not None else self.module.schedule
         pointers, keep, buffers = self._pack(args)
-        layout = self.module.wmma_layout if wmma_layout is None else resolve_wmma_layout(wmma_layout)
+        layout = (self.module.wmma_layout if wmma_layout is None
+                  else resolve_wmma_layout(wmma_layout))
         cfg = _Launcher((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
                         SCHEDULES[sched], layout, int(self.module.wmma_tf32))
         lib = self.module._lib

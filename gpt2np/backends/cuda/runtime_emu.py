@@ -1,29 +1,32 @@
 """The emulator runtime: CudaBackend's kernels on the CPU, for tests without a GPU.
 
-Memory is NumPy arrays, each device allocation in its own mapping against a PROT_NONE guard page (after its
-last byte or before its first: `guard`, see emulator.device_array), so out-of-bounds kernels fault; kernels
-are compiled and run by gpt2np.backends.cuda.emulator.EmuModule (every CUDA thread a fiber, `schedule`
-"forward" or "reverse" picks the order threads are run in, which shakes out races); GEMMs are np.matmul
-over strided views with cuBLAS's semantics; timing is
+Memory is NumPy arrays, each device allocation in its own mapping against a PROT_NONE guard page
+(after its last byte or before its first: `guard`, see emulator.device_array), so out-of-bounds
+kernels fault; kernels are compiled and run by gpt2np.backends.cuda.emulator.EmuModule (every CUDA
+thread a fiber, `schedule` "forward" or "reverse" picks the order threads are run in, which shakes
+out races); GEMMs are np.matmul over strided views with cuBLAS's semantics; timing is
 time.perf_counter. Same interface as runtime_cupy.CupyRuntime (see gpt2np.backends.cuda.backend).
 
-TF32 (EmuRuntime(tf32=True)): the GEMM inputs A and B are rounded to TF32 (10-bit mantissa, round to nearest
-with ties away from zero: round_to_tf32) and multiplied with fp32 accumulation, as TF32 tensor cores do; C
-(the accumulator, beta != 0) and alpha/beta stay fp32. Why this rounding: cuBLAS is closed source, but CUTLASS,
-whose tensor-op kernels cuBLAS's derive from, converts fp32 to tf32 with PreferredRoundingMode<tfloat32_t,
-float> = round_half_ulp_truncate (add half a TF32 ulp, drop the 13 low bits), the same as PTX's
-cvt.rna.tf32.f32. A kernel that fed raw fp32 bits (truncation) would differ by at most one TF32 ulp per input
-(2^-10 relative instead of 2^-11); tests/test_tf32.py bounds the error so that either passes.
+TF32 (EmuRuntime(tf32=True)): the GEMM inputs A and B are rounded to TF32 (10-bit mantissa, round to
+nearest with ties away from zero: round_to_tf32) and multiplied with fp32 accumulation, as TF32
+tensor cores do; C (the accumulator, beta != 0) and alpha/beta stay fp32. Why this rounding: cuBLAS
+is closed source, but CUTLASS, whose tensor-op kernels cuBLAS's derive from, converts fp32 to tf32
+with PreferredRoundingMode<tfloat32_t, float> = round_half_ulp_truncate (add half a TF32 ulp, drop
+the 13 low bits), the same as PTX's cvt.rna.tf32.f32. A kernel that fed raw fp32 bits (truncation)
+would differ by at most one TF32 ulp per input (2^-10 relative instead of 2^-11); tests/test_tf32.py
+bounds the error so that either passes.
 
-Epilogues (runtime.EPILOGUES): applied in NumPy float32 to the fp32 product, after the TF32 rounding of the
-inputs (the epilogue's own math is fp32 on the GPU too); GELU and its derivative are written as
-numpy_backend's gelu_forward / gelu_backward compute them. The bias gradient ("bgrad") sums the fp32 values of
-op(A) (cuBLASLt's order of that sum is not documented; a kernel's order differs in the last bits).
+Epilogues (runtime.EPILOGUES): applied in NumPy float32 to the fp32 product, after the TF32 rounding
+of the inputs (the epilogue's own math is fp32 on the GPU too); GELU and its derivative are written
+as numpy_backend's gelu_forward / gelu_backward compute them. The bias gradient ("bgrad") sums the
+fp32 values of op(A) (cuBLASLt's order of that sum is not documented; a kernel's order
+differs in the last bits).
 
-bf16 operands (the bf16 build, CUBLAS_COMPUTE_32F with CUDA_R_16BF matrices): A, B and C are upcast (exactly),
-the product and the epilogue computed in fp32 as above, and each bf16 output (C, the aux matrix) rounded once
-to nearest even; the bias vector is bf16 or fp32 (a bias gradient is written in its own dtype). GELU's output
-is computed from the fp32 pre-activation, before aux is rounded, as cuBLASLt's fused epilogue does.
+bf16 operands (the bf16 build, CUBLAS_COMPUTE_32F with CUDA_R_16BF matrices): A, B and C are upcast
+(exactly), the product and the epilogue computed in fp32 as above, and each bf16 output (C, the aux
+matrix) rounded once to nearest even; the bias vector is bf16 or fp32 (a bias gradient is written in
+its own dtype). GELU's output is computed from the fp32 pre-activation, before aux is rounded, as
+cuBLASLt's fused epilogue does.
 """
 import time
 from pathlib import Path
@@ -50,8 +53,8 @@ class EmuEvent:
 
 
 class EmuReadback:
-    """A read-back: the copy is taken when queued (the emulator runs everything at once); result() is still a
-    host wait on a GPU, so it is listed in the runtime's syncs."""
+    """A read-back: the copy is taken when queued (the emulator runs everything at once); result()
+    is still a host wait on a GPU, so it is listed in the runtime's syncs."""
 
     def __init__(self, runtime, value):
         self.runtime, self.value = runtime, value
@@ -65,8 +68,9 @@ class EmuReadback:
 
 
 class EmuGraph:
-    """The launches, GEMMs, copies and fills recorded between begin_capture and end_capture, replayed in order
-    with the same arguments (the same arrays: every buffer a step uses is preallocated)."""
+    """The launches, GEMMs, copies and fills recorded between begin_capture and end_capture,
+    replayed in order with the same arguments (the same arrays: every buffer a step uses
+    is preallocated)."""
 
     def __init__(self, runtime, work):
         self.runtime, self.work = runtime, tuple(work)
@@ -83,9 +87,10 @@ class EmuGraph:
 
 
 def round_to_tf32(x):
-    """float32 array -> a float32 copy rounded to TF32 (1 sign, 8 exponent, 10 mantissa bits): round to nearest,
-    ties away from zero (add half a TF32 ulp, 0x1000, to the bits, clear the 13 low bits). Inf and NaN are
-    kept as they are; a value within half a TF32 ulp of FLT_MAX rounds to inf, as the hardware conversion does."""
+    """float32 array -> a float32 copy rounded to TF32 (1 sign, 8 exponent, 10 mantissa bits): round
+    to nearest, ties away from zero (add half a TF32 ulp, 0x1000, to the bits, clear the 13 low
+    bits). Inf and NaN are kept as they are; a value within half a TF32 ulp of FLT_MAX rounds to
+    inf, as the hardware conversion does."""
     x = np.asarray(x, np.float32)
     bits = x.view(np.uint32)
     rounded = ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
@@ -97,34 +102,42 @@ class EmuRuntime:
 
     name = "emulator"
     on_gpu = False
-    epilogues = True        # bias, GELU, dGELU and bias-gradient epilogues, in NumPy after the product
-    tf32 = False            # GEMMs in exact fp32 NumPy; EmuRuntime(tf32=True) rounds their inputs to TF32
+    # bias, GELU, dGELU and bias-gradient epilogues, in NumPy after the product
+    epilogues = True
+    # GEMMs in exact fp32 NumPy; EmuRuntime(tf32=True) rounds their inputs to TF32
+    tf32 = False
 
     def __init__(self, schedule=None, guard=None, tf32=False, wmma_layout=None, wmma_tf32=True):
-        """schedule: "forward", "reverse", or None for the emulator's default ($GPT2NP_EMU_SCHEDULE or forward).
-        guard: where each device allocation's PROT_NONE guard page goes: "after" (the last byte touches it, so
-        an overrun faults), "before" (the first byte follows it: underruns fault) or "off" (plain NumPy arrays);
-        None for $GPT2NP_EMU_GUARD or "after". See emulator.device_array.
+        """schedule: "forward", "reverse", or None for the emulator's default
+        ($GPT2NP_EMU_SCHEDULE or forward).
+        guard: where each device allocation's PROT_NONE guard page goes: "after" (the last byte
+        touches it, so an overrun faults), "before" (the first byte follows it: underruns fault) or
+        "off" (plain NumPy arrays); None for $GPT2NP_EMU_GUARD or "after". See
+        emulator.device_array.
         tf32: round the GEMM inputs to TF32 as tensor cores do (see the module docstring).
-        wmma_layout: the element layout of WMMA fragments in kernels (0 natural, any other integer a seeded
-        permutation; None for $GPT2NP_EMU_WMMA_LAYOUT or 0): results must not depend on it.
-        wmma_tf32: kernels' WMMA (tensor core) inputs are TF32, as on every GPU; False computes them in fp32, a test
-        aid that checks a kernel's algorithm to fp32 rounding (emu/include/mma.h)."""
+        wmma_layout: the element layout of WMMA fragments in kernels (0 natural, any other integer a
+        seeded permutation; None for $GPT2NP_EMU_WMMA_LAYOUT or 0): results must not depend on it.
+        wmma_tf32: kernels' WMMA (tensor core) inputs are TF32, as on every GPU; False computes them
+        in fp32, a test aid that checks a kernel's algorithm to fp32 rounding
+        (emu/include/mma.h)."""
         if schedule not in (None, "forward", "reverse"):
-            raise ValueError(f"EmuRuntime: schedule must be 'forward' or 'reverse', got {schedule!r}")
+            raise ValueError("EmuRuntime: schedule must be 'forward' or 'reverse', "
+                             f"got {schedule!r}")
         self.schedule = schedule
         self.wmma_layout = resolve_wmma_layout(wmma_layout)
         self.wmma_tf32 = bool(wmma_tf32)
         self.tf32 = bool(tf32)
         self.guard = guard_mode(guard)
-        self.syncs = []                # host syncs: {"kind", "bytes"} (to_host, synchronize, elapsed, event_wait)
+        # host syncs: {"kind", "bytes"} (to_host, synchronize, elapsed, event_wait)
+        self.syncs = []
         self.graph_launches = 0
         self._capture = None           # the work recorded while capturing (a list), else None
 
     def _sync(self, kind, array=None):
         if self._capture is not None:
             raise RuntimeError(f"EmuRuntime: a host sync ({kind}) while capturing a graph")
-        self.syncs.append({"kind": kind, "bytes": 0 if array is None else int(np.asarray(array).nbytes)})
+        self.syncs.append({"kind": kind,
+                           "bytes": 0 if array is None else int(np.asarray(array).nbytes)})
 
     def _queue(self, run):
         """Run now, or record for the graph being captured."""
@@ -150,10 +163,11 @@ class EmuRuntime:
 
     # ---- kernels --------------------------------------------------------------------------
     def compile(self, path: Path, options=()):
-        """Compile kernels/<file>.cu (its directory is the include path; options: -D/-U/-I as NVRTC's) -> module."""
+        """Compile kernels/<file>.cu (its directory is the include path; options: -D/-U/-I as
+        NVRTC's) -> module."""
         path = Path(path)
-        return EmuModule(path.read_text(), tuple(options), include_dirs=(str(path.parent),), schedule=self.schedule,
-                         name=path.name,
+        return EmuModule(path.read_text(), tuple(options), include_dirs=(str(path.parent),),
+                         schedule=self.schedule, name=path.name,
                          wmma_layout=self.wmma_layout, wmma_tf32=self.wmma_tf32)
 
     def launch(self, function, grid, block, args, shared_mem=0):
@@ -161,19 +175,20 @@ class EmuRuntime:
         self._queue(lambda: function(grid, block, args, shared_mem=shared_mem))
 
     # ---- GEMM -----------------------------------------------------------------------------
-    def gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
-             batch=1, epilogue="none", bias=None, aux=None, ld_aux=0):
+    def gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc,
+             stride_c, batch=1, epilogue="none", bias=None, aux=None, ld_aux=0):
         """Row-major, batched: C[i] (m,n) = alpha op(A[i]) @ op(B[i]) + beta C[i], i < batch.
 
         op(A) is (m,k): A[i] is stored (m,k) with row stride lda, or (k,m) when transa. Likewise
         op(B) (k,n) from B[i] stored (k,n), or (n,k) when transb. Matrix i starts stride_* elements
         after matrix i-1 of the same operand.
         """
-        self._queue(lambda: self._gemm(transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c,
+        self._queue(lambda: self._gemm(transa, transb, m, n, k, alpha, a, lda, stride_a, b,
+                                       ldb, stride_b, beta, c,
                                        ldc, stride_c, batch, epilogue, bias, aux, ld_aux))
 
-    def _gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
-              batch, epilogue="none", bias=None, aux=None, ld_aux=0):
+    def _gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c,
+              ldc, stride_c, batch, epilogue="none", bias=None, aux=None, ld_aux=0):
         if len({a.dtype, b.dtype, c.dtype}) != 1:
             raise ValueError(f"gemm operands of mixed dtypes ({a.dtype}, {b.dtype}, {c.dtype})")
         A = _matrices(a, batch, (k, m) if transa else (m, k), lda, stride_a, "A")
@@ -183,7 +198,8 @@ class EmuRuntime:
             A = A.transpose(0, 2, 1)
         if transb:
             B = B.transpose(0, 2, 1)
-        if c.dtype != np.float32:                          # bf16: fp32 math on exact upcasts, C rounded once
+        # bf16: fp32 math on exact upcasts, C rounded once
+        if c.dtype != np.float32:
             A, B = A.astype(np.float32), B.astype(np.float32)
             C32 = Cm.astype(np.float32)
             self._gemm_fp32(A, B, A, alpha, beta, C32, m, n, batch, epilogue, bias, aux, ld_aux)
@@ -195,11 +211,12 @@ class EmuRuntime:
         self._gemm_fp32(A, B, exact_a, alpha, beta, Cm, m, n, batch, epilogue, bias, aux, ld_aux)
 
     def _gemm_fp32(self, A, B, exact_a, alpha, beta, Cm, m, n, batch, epilogue, bias, aux, ld_aux):
-        """Cm (batch,m,n) fp32 = alpha A @ B + beta Cm, or the epilogue's result (exact_a: A before TF32 rounding,
-        what a bias gradient sums)."""
+        """Cm (batch,m,n) fp32 = alpha A @ B + beta Cm, or the epilogue's result (exact_a: A before
+        TF32 rounding, what a bias gradient sums)."""
         prod = np.matmul(A, B)
         if epilogue != "none":
-            self._epilogue(epilogue, prod[0], exact_a[0], beta, Cm[0], m, n, alpha, batch, bias, aux, ld_aux)
+            self._epilogue(epilogue, prod[0], exact_a[0], beta, Cm[0], m, n, alpha, batch, bias,
+                           aux, ld_aux)
             return
         if alpha != 1.0:
             prod *= np.float32(alpha)
@@ -221,7 +238,8 @@ class EmuRuntime:
         elif epilogue == "gelu_bias":
             aux_view = _matrices(aux, 1, (m, n), ld_aux, 0, "aux")[0]
             pre = prod + bias.astype(np.float32, copy=False)
-            np.copyto(aux_view, pre, casting="unsafe")       # bf16 aux: rounded once; gelu reads the fp32 pre
+            # bf16 aux: rounded once; gelu reads the fp32 pre
+            np.copyto(aux_view, pre, casting="unsafe")
             C[...] = gelu(pre)
         elif epilogue == "dgelu":
             pre = _matrices(aux, 1, (m, n), ld_aux, 0, "aux")[0].astype(np.float32, copy=False)
@@ -234,7 +252,8 @@ class EmuRuntime:
     def zeros(self, shape, dtype):
         if self.guard == "off":
             return np.zeros(shape, dtype)
-        return device_array(shape, dtype, self.guard)      # guarded (fresh mappings are zero-filled)
+        # guarded (fresh mappings are zero-filled)
+        return device_array(shape, dtype, self.guard)
 
     def empty(self, shape, dtype):
         if self.guard == "off":
@@ -255,7 +274,8 @@ class EmuRuntime:
 
     def upload(self, dst, array):
         if self._capture is not None:
-            raise RuntimeError("EmuRuntime.upload while capturing: uploads go before the graph's launch")
+            raise RuntimeError("EmuRuntime.upload while capturing: uploads go before "
+                               "the graph's launch")
         np.copyto(dst, array)
 
     def read_async(self, array):
@@ -295,19 +315,21 @@ def gelu_grad(x):
     """gelu'(x) in float32, the reference gelu_backward's operations."""
     x2 = np.multiply(x, x)
     th = np.tanh(GELU_SCALE * ((x2 * np.float32(GELU_CUBE) + 1.0) * x))
-    slope = (x2 * np.float32(3.0 * GELU_CUBE) + 1.0) * np.float32(GELU_SCALE * 0.5) * x * (1.0 - th * th)
+    slope = ((x2 * np.float32(3.0 * GELU_CUBE) + 1.0) * np.float32(GELU_SCALE * 0.5) * x
+             * (1.0 - th * th))
     return (slope + (th + 1.0) * 0.5).astype(np.float32, copy=False)
 
 
 def _matrices(array, batch, shape, ld, stride, what):
-    """(batch, rows, cols) strided view of the float32 (or bfloat16) memory starting at array's first element."""
+    """(batch, rows, cols) strided view of the float32 (or bfloat16) memory starting at
+    array's first element."""
     if array.dtype not in BIAS_DTYPES or not array.flags.c_contiguous:
         raise ValueError(f"gemm operand {what} must be a contiguous float32 or bfloat16 array")
     rows, cols = shape
     extent = (batch - 1) * stride + (rows - 1) * ld + cols if batch and rows and cols else 0
     if extent > array.size or ld < cols:
-        raise ValueError(f"gemm operand {what}: {batch}x({rows},{cols}) with ld={ld}, stride={stride} "
-                         f"needs {extent} elements, the array has {array.size}")
+        raise ValueError(f"gemm operand {what}: {batch}x({rows},{cols}) with ld={ld}, "
+                         f"stride={stride} needs {extent} elements, the array has {array.size}")
     flat = array.reshape(-1)
     item = flat.itemsize
     return as_strided(flat, shape=(batch, rows, cols), strides=(stride * item, ld * item, item))

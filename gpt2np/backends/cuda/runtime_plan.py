@@ -1,5 +1,6 @@
-"""The planning runtime: the Runtime Protocol with nothing behind it, so CudaBackend, GPT2 and train_step run
-their real code (every check, every launch, every GEMM) without a GPU and without doing any work.
+"""The planning runtime: the Runtime Protocol with nothing behind it, so CudaBackend, GPT2 and
+train_step run their real code (every check, every launch, every GEMM) without a GPU and
+without doing any work.
 
     rt = PlanRuntime("H100 SXM", tf32=True)
     be = CudaBackend(rt)                 # GPT2(cfg, be, B, T) + train_step(...): the launches of a real step
@@ -32,28 +33,32 @@ from gpt2np.backends.cuda.backend import KERNELS
 from gpt2np.backends.cuda.runtime import BIAS_DTYPES, check_epilogue
 
 ALLOCATION_ALIGNMENT = 256         # cudaMalloc returns 256-byte aligned addresses
-BASE_ADDRESS = 0x7F0000000000      # where the planned allocations start (any aligned, non-zero value)
+# where the planned allocations start (any aligned, non-zero value)
+BASE_ADDRESS = 0x7F0000000000
 MAX_BLOCK_THREADS = 1024
 GRID_X_LIMIT = 2 ** 31 - 1
 GRID_YZ_LIMIT = 65535
 
 
 class PlanFlags:
-    """The flags of a PlanArray: planned arrays are always C-contiguous (views cut whole leading rows)."""
+    """The flags of a PlanArray: planned arrays are always C-contiguous (views cut
+    whole leading rows)."""
     c_contiguous = True
     f_contiguous = False
 
 
 class PlanArray:
-    """A device array that is never allocated: shape, dtype and address only. Supports what the model and the
-    backend do with device arrays: size, ndim, nbytes, reshape, leading-axis integer and slice indexing (views
-    sharing the address range), flags.c_contiguous. Anything that needs contents (np.asarray) raises."""
+    """A device array that is never allocated: shape, dtype and address only. Supports what the
+    model and the backend do with device arrays: size, ndim, nbytes, reshape, leading-axis integer
+    and slice indexing (views sharing the address range), flags.c_contiguous. Anything that needs
+    contents (np.asarray) raises."""
 
     __slots__ = ("shape", "dtype", "address")
     flags = PlanFlags()
 
     def __init__(self, shape, dtype, address):
-        self.shape = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        self.shape = tuple(int(d)
+                           for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         if any(d < 0 for d in self.shape):
             raise ValueError(f"negative dimension in shape {self.shape}")
         self.dtype = np.dtype(dtype)
@@ -95,11 +100,13 @@ class PlanArray:
                 if d != -1:
                     known *= d
             if known == 0 or self.size % known:
-                raise ValueError(f"cannot reshape a planned array of size {self.size} into shape {tuple(shape)}")
+                raise ValueError(f"cannot reshape a planned array of size {self.size} into "
+                                 f"shape {tuple(shape)}")
             shape[shape.index(-1)] = self.size // known
         new = PlanArray(shape, self.dtype, self.address)
         if new.size != self.size:
-            raise ValueError(f"cannot reshape a planned array of size {self.size} into shape {tuple(shape)}")
+            raise ValueError(f"cannot reshape a planned array of size {self.size} into "
+                             f"shape {tuple(shape)}")
         return new
 
     def __getitem__(self, key):
@@ -115,10 +122,12 @@ class PlanArray:
         if isinstance(key, slice):
             start, stop, stride = key.indices(rows)
             if stride != 1:
-                raise TypeError("planned arrays take slices with step 1 only (views stay contiguous)")
+                raise TypeError("planned arrays take slices with step 1 only (views "
+                                "stay contiguous)")
             n = max(0, stop - start)
             return PlanArray((n,) + self.shape[1:], self.dtype, self.address + start * step)
-        raise TypeError(f"planned arrays take an integer or a slice on their first axis, not {key!r}")
+        raise TypeError("planned arrays take an integer or a slice on their first "
+                        f"axis, not {key!r}")
 
     def __array__(self, *args, **kwargs):
         raise TypeError("a planned array has no contents (the planning runtime allocates nothing)")
@@ -138,7 +147,8 @@ class PlanFunction:
 
 
 class PlanModule:
-    """kernels/<stem>.cu as the registry reads it: every extern "C" __global__ function defined there."""
+    """kernels/<stem>.cu as the registry reads it: every extern "C" __global__
+    function defined there."""
 
     def __init__(self, stem, kernels):
         self.stem = stem
@@ -189,8 +199,8 @@ def _is_planned(array) -> bool:
 
 
 class PlanRuntime:
-    """The Runtime Protocol doing no work (see the module docstring). device: the GPU's name the plan is
-    for; tf32: GEMMs on TF32 tensor cores (CudaBackend.precision reads it)."""
+    """The Runtime Protocol doing no work (see the module docstring). device: the GPU's name the
+    plan is for; tf32: GEMMs on TF32 tensor cores (CudaBackend.precision reads it)."""
 
     name = "plan"
     on_gpu = False            # plans for a GPU, runs nothing
@@ -209,8 +219,10 @@ class PlanRuntime:
 
     def _sync(self, kind, array=None):
         nbytes = 0 if array is None else int(array.size) * int(array.dtype.itemsize)
-        self.syncs.append({"kind": kind, "bytes": nbytes, "shape": () if array is None else tuple(array.shape),
-                           "dtype": "" if array is None else str(array.dtype), "where": self.where()})
+        self.syncs.append({"kind": kind, "bytes": nbytes,
+                           "shape": () if array is None else tuple(array.shape),
+                           "dtype": "" if array is None else str(array.dtype),
+                           "where": self.where()})
 
     # ---- CUDA graphs ----------------------------------------------------------------------
     def begin_capture(self):
@@ -234,8 +246,10 @@ class PlanRuntime:
         threads = 1
         for b in block:
             threads *= b
-        if not (1 <= len(block) <= 3 and all(b >= 1 for b in block) and threads <= MAX_BLOCK_THREADS):
-            raise ValueError(f"kernel {function.name}: block {block} is not 1..{MAX_BLOCK_THREADS} threads")
+        if not (1 <= len(block) <= 3 and all(b >= 1 for b in block)
+                and threads <= MAX_BLOCK_THREADS):
+            raise ValueError(f"kernel {function.name}: block {block} is not "
+                             f"1..{MAX_BLOCK_THREADS} threads")
         limits = (GRID_X_LIMIT, GRID_YZ_LIMIT, GRID_YZ_LIMIT)
         if not (1 <= len(grid) <= 3 and all(1 <= g <= lim for g, lim in zip(grid, limits))):
             raise ValueError(f"kernel {function.name}: grid {grid} is outside CUDA's limits "
@@ -243,8 +257,8 @@ class PlanRuntime:
         if self._capturing is not None:
             self._capturing += 1
 
-    def gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
-             batch=1, epilogue="none", bias=None, aux=None, ld_aux=0):
+    def gemm(self, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc,
+             stride_c, batch=1, epilogue="none", bias=None, aux=None, ld_aux=0):
         if len({a.dtype, b.dtype, c.dtype}) != 1:
             raise ValueError(f"gemm operands of mixed dtypes ({a.dtype}, {b.dtype}, {c.dtype})")
         _check_operand(a, batch, (k, m) if transa else (m, k), lda, stride_a, "A")
@@ -257,7 +271,8 @@ class PlanRuntime:
     # ---- memory ---------------------------------------------------------------------------
     def _allocate(self, shape, dtype):
         dtype = np.dtype(dtype)
-        if dtype.kind in "iu":                       # token ids and groups: small, and the host reads them
+        # token ids and groups: small, and the host reads them
+        if dtype.kind in "iu":
             return np.zeros(shape, dtype)
         array = PlanArray(shape, dtype, self._next)
         self.allocated += array.nbytes
@@ -320,12 +335,13 @@ class PlanRuntime:
 
 
 def _check_operand(array, batch, shape, ld, stride, what):
-    """The emulator's GEMM operand check on sizes: `batch` (rows, cols) matrices with row stride ld and
-    batch stride `stride` must fit in the array."""
+    """The emulator's GEMM operand check on sizes: `batch` (rows, cols) matrices with row stride ld
+    and batch stride `stride` must fit in the array."""
     if array.dtype not in BIAS_DTYPES:
-        raise ValueError(f"gemm operand {what} must be a float32 or bfloat16 array, got {array.dtype}")
+        raise ValueError(f"gemm operand {what} must be a float32 or bfloat16 array, "
+                         f"got {array.dtype}")
     rows, cols = shape
     extent = (batch - 1) * stride + (rows - 1) * ld + cols if batch and rows and cols else 0
     if extent > array.size or ld < cols:
-        raise ValueError(f"gemm operand {what}: {batch}x({rows},{cols}) with ld={ld}, stride={stride} "
-                         f"needs {extent} elements, the array has {array.size}")
+        raise ValueError(f"gemm operand {what}: {batch}x({rows},{cols}) with ld={ld}, "
+                         f"stride={stride} needs {extent} elements, the array has {array.size}")

@@ -1,7 +1,8 @@
-"""Profiling reports from per-launch kernel records: tables, a GPT-2 module tree, range summaries, files.
+"""Profiling reports from per-launch kernel records: tables, a GPT-2 module tree,
+range summaries, files.
 
-One KernelRecord per kernel launch (the model's profiler or gpt2np.profiling.nsys produce them). From a
-list of records and a Roofline (gpt2np.profiling.gpu_specs) this module renders:
+One KernelRecord per kernel launch (the model's profiler or gpt2np.profiling.nsys produce them).
+From a list of records and a Roofline (gpt2np.profiling.gpu_specs) this module renders:
     kernel_table      every launch of a step: time, FLOPs, bytes, GFLOP/s, GB/s, bound, % of peak
     module_tree       wte, wpe, h.0..h.{L-1} (ln_1, attn (c_attn, core, c_proj), ln_2, mlp (c_fc,
                       gelu, c_proj), residual), ln_f, lm_head, optimizer: forward/backward time, calls
@@ -29,8 +30,10 @@ from gpt2np.profiling.gpu_specs import Roofline
 
 DIRECTIONS = ("fprop", "bprop", "update", "other")
 GEMM_MARKERS = ("gemm", "cublas", "cutlass", "xmma", "numpy.matmul", "numpy.dot")
-# our own kernels whose products run on tensor cores (WMMA): measured against the matmul ceiling, as GEMMs are
-TENSOR_CORE_KERNELS = ("flash_attention_forward", "flash_attention_backward_dkv", "flash_attention_backward_dq")
+# our own kernels whose products run on tensor cores (WMMA): measured against the matmul
+# ceiling, as GEMMs are
+TENSOR_CORE_KERNELS = ("flash_attention_forward", "flash_attention_backward_dkv",
+                       "flash_attention_backward_dq")
 
 
 class ReportError(ValueError):
@@ -86,8 +89,8 @@ class KernelRecord:
 
     @property
     def matmul_ceiling(self) -> bool:
-        """Whether the launch's FLOPs are held against the matmul (tensor-core) peak: a GEMM, or one of our WMMA
-        kernels (flash attention)."""
+        """Whether the launch's FLOPs are held against the matmul (tensor-core) peak: a GEMM, or one
+        of our WMMA kernels (flash attention)."""
         return self.is_gemm or self.kernel in TENSOR_CORE_KERNELS
 
     @property
@@ -114,7 +117,8 @@ def _rate(flops, nbytes, amount, duration_ns) -> Optional[float]:
 def classify(flops: int, nbytes: int, duration_ns: int, roof: Optional[Roofline],
              is_gemm: bool = False) -> Tuple[str, Optional[float]]:
     """(bound, percent of peak): 'compute' when FLOP/byte exceeds the ridge point, else 'memory';
-    the percent is of the bound resource's ceiling. ('-', None) when the roofline or the work is unknown.
+    the percent is of the bound resource's ceiling. ('-', None) when the roofline or
+    the work is unknown.
     """
     if roof is None or (flops == 0 and nbytes == 0):
         return "-", None
@@ -126,7 +130,8 @@ def classify(flops: int, nbytes: int, duration_ns: int, roof: Optional[Roofline]
     # the rate first, then its share of the ceiling: a ceiling set to a record's own rate
     # (cpu_roof.covering) gives that record exactly 100%
     if intensity > ridge:
-        return "compute", (100.0 * (flops / seconds / roof.flops_ceiling(is_gemm)) if seconds > 0 else None)
+        return "compute", (100.0 * (flops / seconds / roof.flops_ceiling(is_gemm)) if seconds > 0
+                           else None)
     return "memory", (100.0 * (nbytes / seconds / roof.peak_bw) if seconds > 0 else None)
 
 
@@ -160,7 +165,8 @@ def clip(text: str, width: Optional[int]) -> str:
     return text[: width - 2] + ".."
 
 
-def format_table(columns: Sequence[Tuple[str, str]], rows: Iterable[Sequence], title: str = "") -> str:
+def format_table(columns: Sequence[Tuple[str, str]], rows: Iterable[Sequence],
+                 title: str = "") -> str:
     """Aligned text columns. columns: (header, 'l' or 'r'); rows: sequences of cells (str())."""
     rows = [[str(cell) for cell in row] for row in rows]
     widths = [len(header) for header, _ in columns]
@@ -211,11 +217,11 @@ def kernel_rows(records: Sequence[KernelRecord], roof: Optional[Roofline] = None
     """
     recs = sorted(select_step(records, step), key=lambda r: r.idx)
     with_work = any(r.flops or r.bytes for r in recs)
-    columns = [("idx", "r"), ("dir", "l"), ("layer", "r"), ("op", "l"), ("module", "l"), ("params", "l"),
-               ("kernel", "l"), ("time (us)", "r")]
+    columns = [("idx", "r"), ("dir", "l"), ("layer", "r"), ("op", "l"), ("module", "l"),
+               ("params", "l"), ("kernel", "l"), ("time (us)", "r")]
     if with_work:
-        columns += [("FLOPs", "r"), ("bytes", "r"), ("GFLOP/s", "r"), ("GB/s", "r"), ("FLOP/B", "r"),
-                    ("bound", "l"), ("%peak", "r")]
+        columns += [("FLOPs", "r"), ("bytes", "r"), ("GFLOP/s", "r"), ("GB/s", "r"),
+                    ("FLOP/B", "r"), ("bound", "l"), ("%peak", "r")]
     rows = []
     for r in recs:
         row = [r.idx, r.direction, or_dash(r.layer_index, "{}"), r.op or "-", r.module or "-",
@@ -288,8 +294,8 @@ def op_table(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, s
 
 
 def op_rows(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, step=None):
-    """(title, columns, rows): totals per (op, direction), most time first: launches, time, %, avg, GFLOP/s,
-    GB/s, bound.
+    """(title, columns, rows): totals per (op, direction), most time first: launches, time, %, avg,
+    GFLOP/s, GB/s, bound.
 
     The bound of a group is judged on its summed FLOPs and bytes, against the matmul ceiling when
     any of its kernels is a GEMM.
@@ -299,7 +305,8 @@ def op_rows(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, st
     with_work = any(r.flops or r.bytes for r in recs)
     groups = _group(recs, lambda r: (r.op or "-", r.direction))
     rows = []
-    for (op, direction), g in sorted(groups.items(), key=lambda kv: -sum(r.duration_ns for r in kv[1])):
+    for (op, direction), g in sorted(groups.items(),
+                                     key=lambda kv: -sum(r.duration_ns for r in kv[1])):
         t = sum(r.duration_ns for r in g)
         row = [op, direction, len(g), us(t), f"{100.0 * t / total:.1f}", us(t / len(g))]
         if with_work:
@@ -308,7 +315,8 @@ def op_rows(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, st
             row += [or_dash(_rate(flops, nbytes, flops, t)),
                     or_dash(_rate(flops, nbytes, nbytes, t)), bound, or_dash(pct, "{:.1f}%")]
         rows.append(row)
-    columns = [("op", "l"), ("dir", "l"), ("launches", "r"), ("total (us)", "r"), ("%", "r"), ("avg (us)", "r")]
+    columns = [("op", "l"), ("dir", "l"), ("launches", "r"), ("total (us)", "r"), ("%", "r"),
+               ("avg (us)", "r")]
     if with_work:
         columns += [("GFLOP/s", "r"), ("GB/s", "r"), ("bound", "l"), ("%peak", "r")]
     return _title("Time per op", recs, roof), columns, rows
@@ -323,17 +331,19 @@ def duration_stats(durations: Sequence[float]) -> Dict[str, float]:
 
 
 def summary_rows(groups: Dict, extra=()):
-    """nsys stats rows (Time (%), Total, count, Avg, Med, Min, Max, StdDev in ns, as nsys prints them, with
-    thousands separators) sorted by total time, largest first: the one renderer of nsys's summary layout
-    (range_table, the top kernels, and views' nvtx_sum, cuda_gpu_kern_sum, cuda_gpu_mem_time_sum, cuda_api_sum).
-    groups: key -> durations; the last cell is the key (a tuple key: its last element); extra: functions of
-    the key giving cells before it."""
+    """nsys stats rows (Time (%), Total, count, Avg, Med, Min, Max, StdDev in ns, as nsys prints
+    them, with thousands separators) sorted by total time, largest first: the one renderer of nsys's
+    summary layout (range_table, the top kernels, and views' nvtx_sum, cuda_gpu_kern_sum,
+    cuda_gpu_mem_time_sum, cuda_api_sum).
+    groups: key -> durations; the last cell is the key (a tuple key: its last element); extra:
+    functions of the key giving cells before it."""
     stats = {key: duration_stats(d) for key, d in groups.items() if d}
     grand = sum(s["total"] for s in stats.values()) or 1
     ordered = sorted(stats.items(), key=lambda kv: (-kv[1]["total"], str(kv[0])))
     return [[f"{100.0 * s['total'] / grand:.1f}", f"{s['total']:,.0f}", f"{s['instances']:,}",
              f"{s['avg']:,.1f}", f"{s['med']:,.1f}", f"{s['min']:,.0f}", f"{s['max']:,.0f}",
-             f"{s['stddev']:,.1f}"] + [cell(key) for cell in extra] + [key[-1] if isinstance(key, tuple) else key]
+             f"{s['stddev']:,.1f}"] + [cell(key) for cell in extra]
+            + [key[-1] if isinstance(key, tuple) else key]
             for key, s in ordered]
 
 
@@ -351,8 +361,8 @@ def kernel_summary_table(records: Sequence[KernelRecord], step=None, top: Option
 
 def kernel_summary_rows(records: Sequence[KernelRecord], step=None, top: Optional[int] = None,
                         title: Optional[str] = None):
-    """(title, columns, rows) per kernel name, like `nsys stats --report cuda_gpu_kern_sum` (top: keep the N
-    biggest)."""
+    """(title, columns, rows) per kernel name, like `nsys stats --report cuda_gpu_kern_sum` (top:
+    keep the N biggest)."""
     recs = select_step(records, step)
     rows = summary_rows(_group_durations((r.kernel, r.duration_ns) for r in recs))
     if top is not None:
@@ -370,7 +380,8 @@ def _group_durations(pairs) -> Dict[str, List[float]]:
 # ---------------------------------------------------------------------------------------------
 # (c) ranges
 
-Range = Tuple   # (name, start_ns, end_ns) or (name, start_ns, end_ns, thread): the thread picks the trace track
+# (name, start_ns, end_ns) or (name, start_ns, end_ns, thread): the thread picks the trace track
+Range = Tuple
 
 
 def ranges_from_records(records: Sequence[KernelRecord]) -> List[Range]:
@@ -399,14 +410,16 @@ def ranges_from_records(records: Sequence[KernelRecord]) -> List[Range]:
             out.append((node["prefix"][-1], node["start"], node["end"], len(node["prefix"])))
         del open_[depth:]
         for d in range(depth, len(stack)):
-            open_.append({"prefix": stack[: d + 1], "leaf": None, "start": r.start_ns, "end": r.end_ns})
+            open_.append({"prefix": stack[: d + 1], "leaf": None, "start": r.start_ns,
+                          "end": r.end_ns})
         for node in open_:
             node["start"], node["end"] = min(node["start"], r.start_ns), max(node["end"], r.end_ns)
         if open_:
             open_[-1]["leaf"] = r.module
     for node in reversed(open_):
         out.append((node["prefix"][-1], node["start"], node["end"], len(node["prefix"])))
-    return [(name, start, end) for name, start, end, _ in sorted(out, key=lambda x: (x[1], -x[2], x[3]))]
+    return [(name, start, end)
+            for name, start, end, _ in sorted(out, key=lambda x: (x[1], -x[2], x[3]))]
 
 
 def range_table(ranges: Sequence[Range], title: str = "NVTX ranges") -> str:
@@ -458,13 +471,15 @@ def normalise_module(module: str, layer: Optional[int] = None, op: str = "") -> 
     return path
 
 
-def module_tree(records: Sequence[KernelRecord], num_layers: Optional[int] = None, step=None) -> ModuleNode:
+def module_tree(records: Sequence[KernelRecord], num_layers: Optional[int] = None,
+                step=None) -> ModuleNode:
     """gpt2 > wte, wpe, h > h.0..h.{L-1} > ln_1, attn > (c_attn, core, c_proj), ln_2,
     mlp > (c_fc, gelu, c_proj), residual; ln_f, lm_head, optimizer (and 'other' for the rest)."""
     recs = select_step(records, step)
     if num_layers is None:
         layers = [r.layer_index for r in recs if r.layer_index is not None]
-        layers += [int(m.group(1)) for r in recs for m in [re.match(r"(?:transformer\.)?h\.(\d+)", r.module)] if m]
+        layers += [int(m.group(1)) for r in recs
+                   for m in [re.match(r"(?:transformer\.)?h\.(\d+)", r.module)] if m]
         num_layers = max(layers) + 1 if layers else 0
     root = ModuleNode("", "gpt2")
     nodes = {"": root}
@@ -499,16 +514,19 @@ def module_tree(records: Sequence[KernelRecord], num_layers: Optional[int] = Non
         node.own[direction] += r.duration_ns
         node.own_calls += 1
     # keep a fixed order at the top: embeddings, blocks, final norm, head, optimizer, other
-    order = {name: i for i, name in enumerate(("wte", "wpe", "h", "ln_f", "lm_head", "optimizer", "other"))}
+    order = {name: i
+             for i, name in enumerate(("wte", "wpe", "h", "ln_f", "lm_head", "optimizer", "other"))}
     root.children.sort(key=lambda n: order.get(n.name, len(order)))
     return root
 
 
 def module_tree_rows(records: Sequence[KernelRecord], num_layers: Optional[int] = None, step=None,
                      max_depth: Optional[int] = None, params: Optional[Dict[str, int]] = None):
-    """(columns, rows) of the module tree, one row per module, indented: parameters (when `params` gives them
-    per leaf module, as memory.module_parameters does), fwd, bwd, update+other time, total, % and launches.
-    The one renderer of the tree: module_tree_table and the profiler's `modules` view both use it."""
+    """(columns, rows) of the module tree, one row per module, indented: parameters (when `params`
+    gives them per leaf module, as memory.module_parameters does), fwd, bwd, update+other time,
+    total, % and launches.
+    The one renderer of the tree: module_tree_table and the profiler's `modules`
+    view both use it."""
     root = module_tree(records, num_layers, step)
     total = root.time() or 1
     rows = []
@@ -518,23 +536,26 @@ def module_tree_rows(records: Sequence[KernelRecord], num_layers: Optional[int] 
         t = node.time()
         row = ["  " * depth + node.name]
         if params is not None:
-            count = sum(n for path, n in params.items() if path == node.path or path.startswith(node.path + ".")
-                        or node.path == "")
-            row.append(f"{count:,}")            # 0 for modules without weights (gelu, core attention)
+            count = sum(n for path, n in params.items()
+                        if path == node.path or path.startswith(node.path + ".") or node.path == "")
+            # 0 for modules without weights (gelu, core attention)
+            row.append(f"{count:,}")
         rows.append(row + [us(node.time("fprop")), us(node.time("bprop")),
                            us(node.time("update") + node.time("other")), us(t),
                            f"{100.0 * t / total:.1f}", node.calls])
     columns = [("module", "l")] + ([("params", "r")] if params is not None else [])
-    columns += [("fwd (us)", "r"), ("bwd (us)", "r"), ("upd+other (us)", "r"), ("total (us)", "r"), ("%", "r"),
-                ("calls", "r")]
+    columns += [("fwd (us)", "r"), ("bwd (us)", "r"), ("upd+other (us)", "r"), ("total (us)", "r"),
+                ("%", "r"), ("calls", "r")]
     return columns, rows
 
 
 def module_tree_table(records: Sequence[KernelRecord], num_layers: Optional[int] = None, step=None,
-                      max_depth: Optional[int] = None, params: Optional[Dict[str, int]] = None) -> str:
+                      max_depth: Optional[int] = None,
+                      params: Optional[Dict[str, int]] = None) -> str:
     """The module tree as indented text (module_tree_rows)."""
     columns, rows = module_tree_rows(records, num_layers, step, max_depth, params)
-    return format_table(columns, rows, _title("Time per GPT-2 module", select_step(records, step), None))
+    return format_table(columns, rows,
+                        _title("Time per GPT-2 module", select_step(records, step), None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -545,9 +566,9 @@ NUMPY_NOTE = "numpy backend: CPU times, no GPU"
 
 
 def profile_note(meta: Dict) -> Optional[str]:
-    """The note every title line of a profile carries: EMULATED_NOTE for the emulator, NUMPY_NOTE for the numpy
-    backend (and its --cpu-math, where the profile recorded it), none for GPU times (a GPU run, an nsys or CUPTI
-    import)."""
+    """The note every title line of a profile carries: EMULATED_NOTE for the emulator, NUMPY_NOTE
+    for the numpy backend (and its --cpu-math, where the profile recorded it), none for GPU times (a
+    GPU run, an nsys or CUPTI import)."""
     if meta.get("emulated"):
         return EMULATED_NOTE
     if meta.get("backend") != "numpy":
@@ -570,16 +591,18 @@ def kernels_only(records: Sequence[KernelRecord]) -> List[KernelRecord]:
 
 def render(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, step="last",
            ranges: Optional[Sequence[Range]] = None, num_layers: Optional[int] = None,
-           top_kernels: int = 15, note: Optional[str] = None, params: Optional[Dict[str, int]] = None) -> str:
+           top_kernels: int = 15, note: Optional[str] = None,
+           params: Optional[Dict[str, int]] = None) -> str:
     """Kernel table, module tree, per-layer and per-op totals, top kernels and range summary
     for one step (default: the last one), separated by blank lines; `note` goes on every title line
     (EMULATED_NOTE for a run on the emulator)."""
     recs = kernels_only(select_step(records, step))
     title = "NVTX ranges"
     if ranges is None:      # none recorded (an ncu records file): rebuilt from the launches' stacks
-        ranges, title = ranges_from_records(recs), "NVTX ranges (rebuilt from the launches' range stacks)"
-    parts = [kernel_table(recs, roof), module_tree_table(recs, num_layers, params=params), layer_table(recs),
-             op_table(recs, roof), kernel_summary_table(recs, top=top_kernels)]
+        ranges, title = (ranges_from_records(recs),
+                         "NVTX ranges (rebuilt from the launches' range stacks)")
+    parts = [kernel_table(recs, roof), module_tree_table(recs, num_layers, params=params),
+             layer_table(recs), op_table(recs, roof), kernel_summary_table(recs, top=top_kernels)]
     if ranges:
         parts.append(range_table(ranges, title))
     return "\n\n".join(label(part, note) for part in parts) + "\n"
@@ -589,8 +612,9 @@ def render(records: Sequence[KernelRecord], roof: Optional[Roofline] = None, ste
 # files
 
 def write_file(path: str, data) -> None:
-    """Write data (str/bytes, or a callable taking the open binary file) atomically: fileio.atomic_write, which
-    makes missing parent folders and raises a failed write as WriteError naming `path` (never its temp file)."""
+    """Write data (str/bytes, or a callable taking the open binary file) atomically:
+    fileio.atomic_write, which makes missing parent folders and raises a failed write as WriteError
+    naming `path` (never its temp file)."""
     with atomic_write(path, "wb") as f:
         if callable(data):
             data(f)
@@ -599,9 +623,10 @@ def write_file(path: str, data) -> None:
 
 
 def check_output(flag: str, path: str, folder: bool = False) -> None:
-    """BadInput naming `flag` unless `path` can be made as a file (folder=True: as a folder), checked before any
-    work so a bad output path does not fail after the tables are printed: a folder given for a file, a file for
-    a folder, or a path that runs through a file. Missing folders are fine: the writers make them."""
+    """BadInput naming `flag` unless `path` can be made as a file (folder=True: as a folder),
+    checked before any work so a bad output path does not fail after the tables are printed: a
+    folder given for a file, a file for a folder, or a path that runs through a file. Missing
+    folders are fine: the writers make them."""
     if not folder and os.path.isdir(path):
         raise BadInput(f"{flag} {path}: is a folder; expected a file name")
     if folder and os.path.exists(path) and not os.path.isdir(path):
@@ -613,13 +638,15 @@ def check_output(flag: str, path: str, folder: bool = False) -> None:
 
 @contextmanager
 def writing(flag: str, path: str):
-    """Inside: a failed write of the output `flag` names (disk full, no permission) is one line naming the flag
-    and the path the user gave: `--json out/x.json: cannot write it ([Errno 28] No space left on device)`; a run
-    failure (exit 1, as every command's failed write), the path itself having been checked (check_output)."""
+    """Inside: a failed write of the output `flag` names (disk full, no permission) is one line
+    naming the flag and the path the user gave: `--json out/x.json: cannot write it ([Errno 28] No
+    space left on device)`; a run failure (exit 1, as every command's failed write), the path itself
+    having been checked (check_output)."""
     try:
         yield
     except OSError as e:
-        reason = f"[Errno {e.errno}] {e.strerror}" if e.errno is not None else (e.strerror or str(e))
+        reason = (f"[Errno {e.errno}] {e.strerror}" if e.errno is not None
+                  else (e.strerror or str(e)))
         raise RuntimeError(f"{flag} {path}: cannot write it ({reason})") from e
 
 
@@ -653,19 +680,20 @@ def write_csv(records: Sequence[KernelRecord], path: str, roof: Optional[Rooflin
 
 def write_json(records: Sequence[KernelRecord], path: str, roof: Optional[Roofline] = None,
                meta: Optional[Dict] = None, extra: Optional[Dict] = None) -> None:
-    """{"meta": {...}, "roofline": {...} or null, "records": [record_row...], **extra} (extra: the range
-    instances, API calls, communication and memory of a profile, see views.profile_doc)."""
+    """{"meta": {...}, "roofline": {...} or null, "records": [record_row...], **extra} (extra: the
+    range instances, API calls, communication and memory of a profile, see views.profile_doc)."""
     doc = {"meta": dict(meta or {}),
-           "roofline": None if roof is None else {"device": roof.device, "peak_flops": roof.peak_flops,
-                                                  "peak_bw": roof.peak_bw,
-                                                  "matmul_peak_flops": roof.matmul_peak_flops},
+           "roofline": None if roof is None
+           else {"device": roof.device, "peak_flops": roof.peak_flops, "peak_bw": roof.peak_bw,
+                 "matmul_peak_flops": roof.matmul_peak_flops},
            "records": [record_row(r, roof) for r in records]}
     doc.update(extra or {})
     write_file(path, json.dumps(doc, indent=1) + "\n")
 
 
 def load_json_doc(path: str):
-    """The parsed JSON of a records file; ReportError naming the file when it cannot be read or parsed."""
+    """The parsed JSON of a records file; ReportError naming the file when it cannot
+    be read or parsed."""
     if os.path.isdir(path):
         raise ReportError(f"{path}: is a folder; expected a JSON records file")
     try:
@@ -678,11 +706,13 @@ def load_json_doc(path: str):
 
 
 def read_json(path: str, doc=None) -> Tuple[List[KernelRecord], Optional[Roofline], Dict]:
-    """Records, roofline and meta from a file written by write_json (doc: its parsed JSON, when read already)."""
+    """Records, roofline and meta from a file written by write_json (doc: its parsed JSON,
+    when read already)."""
     if doc is None:
         doc = load_json_doc(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("records"), list):
-        raise ReportError(f"{path}: no 'records' list (expected a profile.json written by gpt2np profile)")
+        raise ReportError(f"{path}: no 'records' list (expected a profile.json written "
+                          "by gpt2np profile)")
     names = [f.name for f in fields(KernelRecord)]
     for i, row in enumerate(doc["records"]):
         problem = _record_problem(row)
@@ -697,14 +727,16 @@ def read_json(path: str, doc=None) -> Tuple[List[KernelRecord], Optional[Rooflin
         raise ReportError(f"{path}: a record lacks a field ({e})") from None
     roof = doc.get("roofline")
     if roof is not None and not (isinstance(roof, dict) and isinstance(roof.get("device"), str)):
-        raise ReportError(f"{path}: 'roofline' must be null or {{device: text, peak_flops, peak_bw, "
+        raise ReportError(f"{path}: 'roofline' must be null or {{device: text, "
+                          "peak_flops, peak_bw, "
                           f"matmul_peak_flops: numbers or null}}, got {json.dumps(roof)[:80]}")
     for name in ("peak_flops", "peak_bw", "matmul_peak_flops") if roof else ():
-        # a ceiling divides the achieved rate (% of peak): 0 would divide by zero, < 0 give negative percentages
+        # a ceiling divides the achieved rate (% of peak): 0 would divide by zero, < 0 give
+        # negative percentages
         value = roof.get(name)
         if value is not None and not (_is_number(value) and value > 0):
-            raise ReportError(f"{path}: roofline field {name!r} must be a finite number > 0 or null (unknown), "
-                              f"got {json.dumps(value)[:40]}")
+            raise ReportError(f"{path}: roofline field {name!r} must be a finite number > 0 or "
+                              f"null (unknown), got {json.dumps(value)[:40]}")
     roof = Roofline(roof["device"], roof.get("peak_flops"), roof.get("peak_bw"),
                     roof.get("matmul_peak_flops")) if roof else None
     meta = doc.get("meta")
@@ -722,33 +754,42 @@ def _is_number(value) -> bool:
     return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
-# a record's time and amounts: negative ones would print as negative times, rates and percentages of peak
+# a record's time and amounts: negative ones would print as negative times, rates
+# and percentages of peak
 NON_NEGATIVE = ("duration_ns", "flops", "bytes")
 
-# what a field of a profile's JSON must be: kind -> (test, words); "kind?" also allows null (unknown)
+# what a field of a profile's JSON must be: kind -> (test, words); "kind?" also
+# allows null (unknown)
 KINDS = {"text": (lambda v: isinstance(v, str), "text"),
          "integer": (_is_int, "an integer"),
          "count": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
          "flag": (lambda v: isinstance(v, bool), "true/false"),
-         "counts": (lambda v: isinstance(v, dict) and all(_is_int(n) and n >= 0 for n in v.values()),
+         "counts": (lambda v: isinstance(v, dict) and all(_is_int(n) and n >= 0
+                                                          for n in v.values()),
                     "an object of integers >= 0"),
-         "shape": (lambda v: isinstance(v, list) and all(_is_int(n) and n >= 0 for n in v), "a list of integers >= 0"),
+         "shape": (lambda v: isinstance(v, list) and all(_is_int(n) and n >= 0 for n in v),
+                   "a list of integers >= 0"),
          "list": (lambda v: isinstance(v, list), "a list"),
          "object": (lambda v: isinstance(v, dict), "an object")}
-# the meta fields the renderers read (profile_note, the module tree, the views' titles and footers, PyProf's precision)
-META_FIELDS = {"emulated": "flag?", "backend": "text?", "runtime": "text?", "timing": "text?", "precision": "text?",
-               "cpu_math": "text?", "num_layers": "count?", "module_params": "counts?", "incomplete_records": "count?"}
+# the meta fields the renderers read (profile_note, the module tree, the views' titles and
+# footers, PyProf's precision)
+META_FIELDS = {"emulated": "flag?", "backend": "text?", "runtime": "text?", "timing": "text?",
+               "precision": "text?", "cpu_math": "text?", "num_layers": "count?",
+               "module_params": "counts?", "incomplete_records": "count?"}
 
 
-def fields_problem(row, kinds: Dict[str, str], required: Iterable[str] = (), others: bool = True) -> Optional[str]:
-    """What is wrong with a JSON object's fields (None: nothing): kinds maps a field to its kind (KINDS); an absent
-    field is fine unless `required` names it; a field kinds lacks is ignored, or (others=False) a problem."""
+def fields_problem(row, kinds: Dict[str, str], required: Iterable[str] = (),
+                   others: bool = True) -> Optional[str]:
+    """What is wrong with a JSON object's fields (None: nothing): kinds maps a field to its kind
+    (KINDS); an absent field is fine unless `required` names it; a field kinds lacks is ignored, or
+    (others=False) a problem."""
     if not isinstance(row, dict):
         return f"expected an object of fields, got {json.dumps(row)[:40]}"
     missing = [name for name in required if name not in row]
     unknown = [] if others else [name for name in row if name not in kinds]
     if missing or unknown:
-        return f"{'lacks the field' if missing else 'has an unknown field'} {(missing or unknown)[0]!r}"
+        return (f"{'lacks the field' if missing else 'has an unknown field'} "
+                f"{(missing or unknown)[0]!r}")
     for name, kind in kinds.items():
         test, words = KINDS[kind.rstrip("?")]
         value = row.get(name)
@@ -757,21 +798,25 @@ def fields_problem(row, kinds: Dict[str, str], required: Iterable[str] = (), oth
             if kind.rstrip("?") == "counts" and isinstance(value, dict):        # name the entry
                 key = next(k for k, n in value.items() if not KINDS["count"][0](n))
                 shown = f"{json.dumps(value[key])[:40]} for {key!r}"
-            return f"field {name!r} must be {words}{' or null' if kind.endswith('?') else ''}, got {shown}"
+            return (f"field {name!r} must be "
+                    f"{words}{' or null' if kind.endswith('?') else ''}, got {shown}")
     return None
 
 
 def _record_problem(row) -> Optional[str]:
-    """What is wrong with the types of a JSON record row (None: nothing): the renderers do arithmetic on
-    its counts and times and format its names, so a string for a number would fail deep inside them."""
+    """What is wrong with the types of a JSON record row (None: nothing): the renderers do
+    arithmetic on its counts and times and format its names, so a string for a number would fail
+    deep inside them."""
     if not isinstance(row, dict):
         return f"expected an object of fields, got {json.dumps(row)[:40]}"
     for f in fields(KernelRecord):
         if f.name not in row:
-            continue                                  # missing fields: KernelRecord's own TypeError says which
+            # missing fields: KernelRecord's own TypeError says which
+            continue
         value = row[f.name]
         if f.name == "range_stack":
-            ok = value is None or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+            ok = value is None or (isinstance(value, list)
+                                   and all(isinstance(v, str) for v in value))
             wanted = "a list of range names"
         elif f.name == "range_ids":
             ok = value is None or (isinstance(value, list) and all(_is_int(v) for v in value))
@@ -799,8 +844,9 @@ def chrome_trace(records: Sequence[KernelRecord], ranges: Optional[Sequence[Rang
     Kernels go on track (tid) 1 of process 1, copies and memsets on their own track (TRACK_COPIES),
     ranges on track 2 (one more track per further thread when ranges carry a 4th element, their
     thread); kernel args carry step, direction, layer, op, module, params, FLOPs, bytes, grid, block
-    and the range stack. extra_events: more events (API calls, collectives: views.trace_extra_events),
-    with their start in "ts_ns" (ns, the records' clock) or metadata ('M') events.
+    and the range stack. extra_events: more events (API calls, collectives:
+    views.trace_extra_events), with their start in "ts_ns" (ns, the records' clock) or
+    metadata ('M') events.
     """
     if ranges is None:
         ranges = ranges_from_records(kernels_only(records))
@@ -810,14 +856,16 @@ def chrome_trace(records: Sequence[KernelRecord], ranges: Optional[Sequence[Rang
     threads = {}
     for rng in ranges:
         threads.setdefault(rng[3] if len(rng) > 3 else None, 2 + len(threads))
-    events = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": process_name}},
+    events = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0,
+               "args": {"name": process_name}},
               {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "kernels"}}]
     if any(r.kind != "kernel" for r in records):
         events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": TRACK_COPIES,
                        "args": {"name": "copies and memsets"}})
     for thread, track in threads.items():
         label = "ranges" if thread is None else f"ranges (thread {thread})"
-        events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": track, "args": {"name": label}})
+        events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": track,
+                       "args": {"name": label}})
     timed = []
     for rng in ranges:
         name, start, end = rng[0], rng[1], rng[2]
@@ -826,10 +874,12 @@ def chrome_trace(records: Sequence[KernelRecord], ranges: Optional[Sequence[Rang
                       "dur": (end - start) / 1e3, "pid": 1, "tid": track, "args": {}})
     for r in records:
         timed.append({"name": r.kernel, "cat": r.kind, "ph": "X", "ts": (r.start_ns - t0) / 1e3,
-                      "dur": r.duration_ns / 1e3, "pid": 1, "tid": 1 if r.kind == "kernel" else TRACK_COPIES,
+                      "dur": r.duration_ns / 1e3, "pid": 1,
+                      "tid": 1 if r.kind == "kernel" else TRACK_COPIES,
                       "args": {"idx": r.idx, "step": r.step, "direction": r.direction,
                                "layer": r.layer_index, "op": r.op, "module": r.module,
-                               "params": r.params, "flops": r.flops, "bytes": r.bytes, "grid": r.grid,
+                               "params": r.params, "flops": r.flops,
+                               "bytes": r.bytes, "grid": r.grid,
                                "block": r.block, "range_stack": list(r.range_stack)}})
     for e in extra_events:
         if "ts_ns" in e:
@@ -884,20 +934,24 @@ def write_png(records: Sequence[KernelRecord], path: str, title: str = "Time by 
 
 
 def require_records(records: Sequence[KernelRecord], source: str) -> None:
-    """ReportError naming the file when it holds no records: a profile of nothing has no report to render."""
+    """ReportError naming the file when it holds no records: a profile of nothing has no
+    report to render."""
     if not records:
-        raise ReportError(f"{source}: no records (an empty 'records' list); expected a profile.json with the "
-                          f"launches of at least one step")
+        raise ReportError(f"{source}: no records (an empty 'records' list); expected a "
+                          "profile.json with the launches of at least one step")
 
 
 def check_step(records: Sequence[KernelRecord], step, source: str) -> None:
-    """ReportError unless --step (a number) names a step the records have; the message lists the ones they do."""
+    """ReportError unless --step (a number) names a step the records have; the message lists
+    the ones they do."""
     if not isinstance(step, int):
         return
     steps = sorted({r.step for r in records if r.step is not None})
     if step not in steps:
-        have = f"its steps are {', '.join(map(str, steps))}" if steps else "its records carry no step numbers"
-        raise ReportError(f"--step {step}: {source} has no step {step}; {have} (or use 'last' or 'all')")
+        have = (f"its steps are {', '.join(map(str, steps))}" if steps
+                else "its records carry no step numbers")
+        raise ReportError(f"--step {step}: {source} has no step {step}; {have} (or use "
+                          "'last' or 'all')")
 
 
 def parse_step(text: str):

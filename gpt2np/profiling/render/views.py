@@ -1,9 +1,9 @@
 """The views of a profile that users know from nvprof, nsys stats, PyProf and the PyTorch profiler.
 
-A Profile is everything the built-in profiler recorded: activity records (report.KernelRecord: kernels,
-copies, memsets), range instances (with their parent and host times), API calls, collectives and the
-model's memory. Each view turns it into one or more Tables (title, columns, rows), printed as text and
-written as CSV and JSON:
+A Profile is everything the built-in profiler recorded: activity records (report.KernelRecord:
+kernels, copies, memsets), range instances (with their parent and host times), API calls,
+collectives and the model's memory. Each view turns it into one or more Tables (title, columns,
+rows), printed as text and written as CSV and JSON:
 
     model                 parameters by tensor, memory by buffer (MiB), the largest activations, the peak
     modules               GPT-2 module tree: parameters and time per module (fwd, bwd, update)
@@ -18,8 +18,8 @@ written as CSV and JSON:
     comm                  collectives of multi-rank runs: bytes, time, algorithm and bus bandwidth
     kernels, layers, ops, top_kernels     report.py's kernel table, per-layer / per-op totals, top kernels
 
-Every title line of an emulated run says that it was emulated on the CPU (report.EMULATED_NOTE), every title
-line of a numpy-backend run that its times are CPU times (report.NUMPY_NOTE).
+Every title line of an emulated run says that it was emulated on the CPU (report.EMULATED_NOTE),
+every title line of a numpy-backend run that its times are CPU times (report.NUMPY_NOTE).
 """
 import bisect
 import csv
@@ -59,9 +59,9 @@ MiB = 1024 * 1024
 
 @dataclass
 class RangeInstance:
-    """One range as it ran: id (unique in the profile), name, parent id (None at the top), depth, host
-    start/end (ns), the training step in effect when it closed, and NVTX's style: PushPop (nested, ours) or
-    StartEnd (an nsys import's start/end ranges)."""
+    """One range as it ran: id (unique in the profile), name, parent id (None at the top), depth,
+    host start/end (ns), the training step in effect when it closed, and NVTX's style: PushPop
+    (nested, ours) or StartEnd (an nsys import's start/end ranges)."""
     id: int
     name: str
     parent: Optional[int]
@@ -78,8 +78,8 @@ class RangeInstance:
 
 @dataclass
 class ApiCall:
-    """One runtime/driver API call: name, host start and duration, the record (idx) of the activity it
-    issued (None for calls that issue none), the calling thread."""
+    """One runtime/driver API call: name, host start and duration, the record (idx) of the activity
+    it issued (None for calls that issue none), the calling thread."""
     name: str
     start_ns: int
     duration_ns: int
@@ -89,8 +89,9 @@ class ApiCall:
 
 @dataclass
 class CommRecord:
-    """One collective: the range around it (allreduce_grads...), the collective, bytes of the buffer, the
-    ranks, host start and duration (the call returns when the collective has finished)."""
+    """One collective: the range around it (allreduce_grads...), the collective, bytes of the
+    buffer, the ranks, host start and duration (the call returns when the
+    collective has finished)."""
     idx: int
     step: Optional[int]
     name: str
@@ -107,8 +108,8 @@ class CommRecord:
 
     @property
     def busbw(self) -> Optional[float]:
-        """Bus bandwidth in bytes/s, nccl-tests' factor: all-reduce 2(n-1)/n, reduce-scatter and all-gather
-        (n-1)/n, broadcast 1."""
+        """Bus bandwidth in bytes/s, nccl-tests' factor: all-reduce 2(n-1)/n, reduce-scatter and
+        all-gather (n-1)/n, broadcast 1."""
         alg = self.algbw
         if alg is None:
             return None
@@ -144,7 +145,8 @@ class Table:
     footer: str = ""
 
     def text(self, note=None) -> str:
-        body = format_table(self.columns, self.rows, self.title) if self.rows else f"{self.title}\n  (none)"
+        body = (format_table(self.columns, self.rows, self.title) if self.rows
+                else f"{self.title}\n  (none)")
         return label(body, note) + (f"\n{self.footer}" if self.footer else "")
 
 
@@ -171,9 +173,11 @@ def select(profile: Profile, step) -> Profile:
     keep = {r.idx for r in recs}
     span = [(r.start_ns, r.end_ns) for r in rngs if r.name == f"Train step {n}"]
     api = [a for a in profile.api if (a.record in keep) if a.record is not None]
-    api += [a for a in profile.api if a.record is None and any(s <= a.start_ns <= e for s, e in span)]
+    api += [a for a in profile.api
+            if a.record is None and any(s <= a.start_ns <= e for s, e in span)]
     comms = [c for c in profile.comms if c.step == n]
-    return Profile(recs, rngs, sorted(api, key=lambda a: a.start_ns), comms, profile.memory, profile.meta)
+    return Profile(recs, rngs, sorted(api, key=lambda a: a.start_ns), comms, profile.memory,
+                   profile.meta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,15 +207,17 @@ def _device_word(profile: Profile) -> str:
 
 
 def _precision(profile: Profile) -> str:
-    """A title's ', precision tf32': the precision the profiled run computed in ('' where the profile does not know
-    it: an nsys export's precision is the one its roofline assumes)."""
+    """A title's ', precision tf32': the precision the profiled run computed in ('' where the
+    profile does not know it: an nsys export's precision is the one its roofline assumes)."""
     precision = profile.meta.get("precision")
     return f", precision {precision}" if precision and profile.meta.get("runtime") != "nsys" else ""
 
 
 def incomplete_note(count: int) -> str:
-    """The line saying that `count` CUPTI records came back without device times and are not in the views."""
-    return (f"{count} CUPTI activity record{'s' if count != 1 else ''} came back incomplete (unfinished at the flush, "
+    """The line saying that `count` CUPTI records came back without device times and are
+    not in the views."""
+    return (f"{count} CUPTI activity record{'s' if count != 1 else ''} came back incomplete "
+            "(unfinished at the flush, "
             f"no device times) and {'are' if count != 1 else 'is'} left out")
 
 
@@ -226,19 +232,21 @@ def _incomplete_footer(profile: Profile) -> str:
 def _nvprof_table(title: str, groups: Dict[str, List[float]]) -> Table:
     stats = {name: duration_stats(d) for name, d in groups.items() if d}
     grand = sum(s["total"] for s in stats.values()) or 1
-    rows = [[f"{100.0 * s['total'] / grand:.2f}%", nvprof_time(s["total"]), s["instances"], nvprof_time(s["avg"]),
-             nvprof_time(s["min"]), nvprof_time(s["max"]), name]
+    rows = [[f"{100.0 * s['total'] / grand:.2f}%", nvprof_time(s["total"]), s["instances"],
+             nvprof_time(s["avg"]), nvprof_time(s["min"]), nvprof_time(s["max"]), name]
             for name, s in sorted(stats.items(), key=lambda kv: (-kv[1]["total"], kv[0]))]
-    columns = [("Time(%)", "r"), ("Time", "r"), ("Calls", "r"), ("Avg", "r"), ("Min", "r"), ("Max", "r"),
-               ("Name", "l")]
+    columns = [("Time(%)", "r"), ("Time", "r"), ("Calls", "r"), ("Avg", "r"), ("Min", "r"),
+               ("Max", "r"), ("Name", "l")]
     return Table(title, columns, rows)
 
 
 def gpu_activities(profile: Profile, roof=None) -> List[Table]:
-    """nvprof's GPU activities: every kernel name, [CUDA memcpy HtoD/DtoH/DtoD] and [CUDA memset]."""
+    """nvprof's GPU activities: every kernel name, [CUDA memcpy HtoD/DtoH/DtoD]
+    and [CUDA memset]."""
     title = ("GPU activities (kernels, copies, memsets)" if profile.on_device
              else "CPU activities (NumPy ops; no device, so no copies)")
-    table = _nvprof_table(f"{title}{_precision(profile)}; timing: {profile.meta.get('timing', '?')}",
+    table = _nvprof_table(f"{title}{_precision(profile)}; timing: "
+                          f"{profile.meta.get('timing', '?')}",
                           _grouped((r.kernel, r.duration_ns) for r in profile.records))
     table.footer = _incomplete_footer(profile)
     return [table]
@@ -248,14 +256,16 @@ def api_calls(profile: Profile, roof=None) -> List[Table]:
     """nvprof's API calls: the runtime/driver calls, host time."""
     if not profile.on_device:
         return [Table("API calls: none (the numpy backend makes no CUDA calls)", [], [])]
-    return [_nvprof_table("API calls (host time)", _grouped((a.name, a.duration_ns) for a in profile.api))]
+    return [_nvprof_table("API calls (host time)",
+                          _grouped((a.name, a.duration_ns) for a in profile.api))]
 
 
 # ---------------------------------------------------------------------------------------------
 # nsys stats
 
 def _nsys_table(title, groups, count="Instances", extra=(), name="Name") -> Table:
-    """An nsys stats summary (report.summary_rows); extra: (header, cell of the key) columns before the name."""
+    """An nsys stats summary (report.summary_rows); extra: (header, cell of the key)
+    columns before the name."""
     columns = [(h, a) if h != "Instances" else (count, a) for h, a in SUMMARY_COLUMNS]
     columns += [(h, "l") for h, _ in extra] + [(name, "l")]
     return Table(title, columns, summary_rows(groups, [cell for _, cell in extra]))
@@ -263,8 +273,8 @@ def _nsys_table(title, groups, count="Instances", extra=(), name="Name") -> Tabl
 
 def nvtx_sum(profile: Profile, roof=None) -> List[Table]:
     """nsys nvtx_sum: every range name, its instances' host times (PushPop: ranges are nested)."""
-    return [_nsys_table("nvtx_sum: NVTX ranges (host time)", _grouped(((r.style, r.name), r.duration_ns)
-                                                                       for r in profile.ranges),
+    return [_nsys_table("nvtx_sum: NVTX ranges (host time)",
+                        _grouped(((r.style, r.name), r.duration_ns) for r in profile.ranges),
                         extra=[("Style", lambda k: k[0])], name="Range")]
 
 
@@ -280,8 +290,8 @@ _MEM_ENDS = {"H": "Host", "D": "Device", "A": "Array", "P": "Peer"}
 
 
 def nsys_mem_name(name: str) -> str:
-    """nvprof's row name -> nsys's: "[CUDA memcpy HtoD]" -> "[CUDA memcpy Host-to-Device]" (also Unified
-    HtoD, DtoD, PtoP ...); other names unchanged."""
+    """nvprof's row name -> nsys's: "[CUDA memcpy HtoD]" -> "[CUDA memcpy Host-to-Device]" (also
+    Unified HtoD, DtoD, PtoP ...); other names unchanged."""
     m = re.fullmatch(r"\[CUDA memcpy (Unified )?([HDAP])to([HDAP])\]", name)
     if not m:
         return name
@@ -303,10 +313,10 @@ def cuda_gpu_mem_size_sum(profile: Profile, roof=None) -> List[Table]:
     rows = []
     for op, sizes in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
         s = duration_stats(sizes)
-        rows.append([f"{s['total']:,.3f}", s["instances"], f"{s['avg']:,.3f}", f"{s['med']:,.3f}", f"{s['min']:,.3f}",
-                     f"{s['max']:,.3f}", f"{s['stddev']:,.3f}", op])
-    columns = [("Total (MB)", "r"), ("Count", "r"), ("Avg (MB)", "r"), ("Med (MB)", "r"), ("Min (MB)", "r"),
-               ("Max (MB)", "r"), ("StdDev (MB)", "r"), ("Operation", "l")]
+        rows.append([f"{s['total']:,.3f}", s["instances"], f"{s['avg']:,.3f}", f"{s['med']:,.3f}",
+                     f"{s['min']:,.3f}", f"{s['max']:,.3f}", f"{s['stddev']:,.3f}", op])
+    columns = [("Total (MB)", "r"), ("Count", "r"), ("Avg (MB)", "r"), ("Med (MB)", "r"),
+               ("Min (MB)", "r"), ("Max (MB)", "r"), ("StdDev (MB)", "r"), ("Operation", "l")]
     return [Table("cuda_gpu_mem_size_sum: copies and memsets by size", columns, rows)]
 
 
@@ -318,13 +328,14 @@ def cuda_api_sum(profile: Profile, roof=None) -> List[Table]:
 
 
 def nvtx_kern_sum(profile: Profile, roof=None) -> List[Table]:
-    """nsys nvtx_kern_sum: device activities grouped by each NVTX range that launched them (a launch counts
-    for every range around it), with how many instances of the range and of the kernel."""
+    """nsys nvtx_kern_sum: device activities grouped by each NVTX range that launched them (a launch
+    counts for every range around it), with how many instances of the range and of the kernel."""
     groups: Dict[Tuple[str, str], List[float]] = {}
     instances: Dict[Tuple[str, str], set] = {}
     order: Dict[str, int] = {}
     for r in profile.records:
-        ids = r.range_ids if len(r.range_ids) == len(r.range_stack) else (None,) * len(r.range_stack)
+        ids = (r.range_ids if len(r.range_ids) == len(r.range_stack)
+               else (None,) * len(r.range_stack))
         seen = set()
         for name, rid in zip(r.range_stack, ids):
             if name in seen:
@@ -338,12 +349,13 @@ def nvtx_kern_sum(profile: Profile, roof=None) -> List[Table]:
     for (rng, kernel), d in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], -sum(kv[1]))):
         s = duration_stats(d)
         nvtx_inst = len(instances[(rng, kernel)] - {None, -1}) or "-"
-        rows.append([rng, "PushPop", nvtx_inst, s["instances"], f"{s['total']:,.0f}", _n(s["avg"]), _n(s["med"]),
-                     f"{s['min']:,.0f}", f"{s['max']:,.0f}", _n(s["stddev"]), kernel])
+        rows.append([rng, "PushPop", nvtx_inst, s["instances"], f"{s['total']:,.0f}", _n(s["avg"]),
+                     _n(s["med"]), f"{s['min']:,.0f}", f"{s['max']:,.0f}", _n(s["stddev"]), kernel])
     columns = [("NVTX Range", "l"), ("Style", "l"), ("NVTX Inst", "r"), ("Kern Inst", "r"),
                ("Total Time (ns)", "r"), ("Avg (ns)", "r"), ("Med (ns)", "r"), ("Min (ns)", "r"),
                ("Max (ns)", "r"), ("StdDev (ns)", "r"), ("Kernel Name", "l")]
-    return [Table(f"nvtx_kern_sum: {_device_word(profile)} activities by the NVTX range that launched them",
+    return [Table(f"nvtx_kern_sum: {_device_word(profile)} activities by the NVTX range "
+                  "that launched them",
                   columns, rows)]
 
 
@@ -351,13 +363,16 @@ def nvtx_kern_sum(profile: Profile, roof=None) -> List[Table]:
 # the split into forward / backward / optimizer / communication
 
 # (phase, direction, the host ranges of the phase: ours, and llm.c's gpt2_backward_and_reduce)
-PHASES = (("forward", "fprop", ("gpt2_forward",)), ("backward", "bprop", ("gpt2_backward", "gpt2_backward_and_reduce")),
-          ("optimizer", "update", ("gpt2_update", "gpt2_calculate_grad_norm")), ("other", "other", ()))
+PHASES = (("forward", "fprop", ("gpt2_forward",)),
+          ("backward", "bprop", ("gpt2_backward", "gpt2_backward_and_reduce")),
+          ("optimizer", "update", ("gpt2_update", "gpt2_calculate_grad_norm")),
+          ("other", "other", ()))
 
 
 def phases(profile: Profile, roof=None) -> List[Table]:
     """Device time, launches, copies and host time per phase; communication from the collectives."""
-    total = sum(r.duration_ns for r in profile.records) + sum(c.duration_ns for c in profile.comms) or 1
+    total = sum(r.duration_ns for r in profile.records) + sum(c.duration_ns
+                                                              for c in profile.comms) or 1
     rows = []
     for label_, direction, rng in PHASES:
         recs = [r for r in profile.records if r.direction == direction]
@@ -370,8 +385,8 @@ def phases(profile: Profile, roof=None) -> List[Table]:
         t = sum(c.duration_ns for c in profile.comms)
         rows.append(["communication", us(t), f"{100.0 * t / total:.1f}", len(profile.comms), 0,
                      us(t)])
-    columns = [("phase", "l"), (f"{_device_word(profile)} time (us)", "r"), ("%", "r"), ("launches", "r"),
-               ("copies+memsets", "r"), ("host range time (us)", "r")]
+    columns = [("phase", "l"), (f"{_device_word(profile)} time (us)", "r"), ("%", "r"),
+               ("launches", "r"), ("copies+memsets", "r"), ("host range time (us)", "r")]
     return [Table("Phases: forward / backward / optimizer / communication", columns, rows)]
 
 
@@ -383,7 +398,8 @@ TORCH_NAMES = {"gpt2_forward": "forward", "gpt2_backward": "backward", "gpt2_upd
 
 
 def torch_name(name: str) -> str:
-    """Our range names in the PyTorch profiler's spelling: train_step-N, forward, backward, optimizer."""
+    """Our range names in the PyTorch profiler's spelling: train_step-N, forward,
+    backward, optimizer."""
     if name.startswith("Train step "):
         return "train_step-" + name[len("Train step "):]
     return TORCH_NAMES.get(name, name)
@@ -413,8 +429,9 @@ def host_time(profile: Profile) -> int:
 
 
 def user_ranges(profile: Profile, roof=None, row_limit: int = 30) -> List[Table]:
-    """Name, Self CPU %, Self CPU, CPU total %, CPU total, CPU time avg, Self CUDA, Self CUDA %, CUDA total,
-    CUDA time avg, # of Calls: ranges (self = minus child ranges), API calls and collectives."""
+    """Name, Self CPU %, Self CPU, CPU total %, CPU total, CPU time avg, Self CUDA, Self CUDA %,
+    CUDA total, CUDA time avg, # of Calls: ranges (self = minus child ranges), API
+    calls and collectives."""
     children: Dict[int, int] = {}
     for r in profile.ranges:
         if r.parent is not None:
@@ -428,7 +445,8 @@ def user_ranges(profile: Profile, roof=None, row_limit: int = 30) -> List[Table]
             dev_total[i] = dev_total.get(i, 0) + rec.duration_ns
         if ids:
             dev_self[ids[-1]] = dev_self.get(ids[-1], 0) + rec.duration_ns
-    rows: Dict[str, list] = {}              # name -> [self cpu, cpu total, self dev, dev total, calls]
+    # name -> [self cpu, cpu total, self dev, dev total, calls]
+    rows: Dict[str, list] = {}
 
     def add(name, self_cpu, cpu, self_dev, dev):
         row = rows.setdefault(name, [0, 0, 0, 0, 0])
@@ -436,46 +454,52 @@ def user_ranges(profile: Profile, roof=None, row_limit: int = 30) -> List[Table]
             row[i] += v
 
     for r in profile.ranges:
-        add(torch_name(r.name), r.duration_ns - children.get(r.id, 0), r.duration_ns, dev_self.get(r.id, 0),
-            dev_total.get(r.id, 0))
+        add(torch_name(r.name), r.duration_ns - children.get(r.id, 0), r.duration_ns,
+            dev_self.get(r.id, 0), dev_total.get(r.id, 0))
     for a in profile.api:
         add(a.name, a.duration_ns, a.duration_ns, 0, 0)
     for c in profile.comms:
-        add(f"nccl:{c.collective}" if profile.on_device else f"mpi:{c.collective}", 0, c.duration_ns, 0, 0)
+        add(f"nccl:{c.collective}" if profile.on_device else f"mpi:{c.collective}", 0,
+            c.duration_ns, 0, 0)
     # at least the largest row: a range nested in one of its own name counts twice in its row
     cpu_all = max([host_time(profile)] + [row[1] for row in rows.values()]) or 1
     dev_all = sum(r.duration_ns for r in profile.records) or 1
     dev = "CUDA" if profile.on_device else "op"
     out = []
-    for name, (self_cpu, cpu, self_dev, dev_t, calls) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:row_limit]:
-        out.append([name, f"{100.0 * self_cpu / cpu_all:.2f}%", nvprof_time(self_cpu), f"{100.0 * cpu / cpu_all:.2f}%",
+    for name, (self_cpu, cpu, self_dev, dev_t,
+               calls) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:row_limit]:
+        out.append([name, f"{100.0 * self_cpu / cpu_all:.2f}%", nvprof_time(self_cpu),
+                    f"{100.0 * cpu / cpu_all:.2f}%",
                     nvprof_time(cpu), nvprof_time(cpu / calls), nvprof_time(self_dev),
-                    f"{100.0 * self_dev / dev_all:.2f}%", nvprof_time(dev_t), nvprof_time(dev_t / calls), calls])
-    columns = [("Name", "l"), ("Self CPU %", "r"), ("Self CPU", "r"), ("CPU total %", "r"), ("CPU total", "r"),
-               ("CPU time avg", "r"), (f"Self {dev}", "r"), (f"Self {dev} %", "r"), (f"{dev} total", "r"),
+                    f"{100.0 * self_dev / dev_all:.2f}%", nvprof_time(dev_t),
+                    nvprof_time(dev_t / calls), calls])
+    columns = [("Name", "l"), ("Self CPU %", "r"), ("Self CPU", "r"), ("CPU total %", "r"),
+               ("CPU total", "r"), ("CPU time avg", "r"), (f"Self {dev}", "r"),
+               (f"Self {dev} %", "r"), (f"{dev} total", "r"),
                (f"{dev} time avg", "r"), ("# of Calls", "r")]
     shown = f"top {row_limit} by CPU total" if len(rows) > row_limit else "all"
-    return [Table(f"User ranges, PyTorch profiler layout ({shown}; {dev} = {_device_word(profile)} activity "
-                  f"inside the range)", columns, out)]
+    return [Table(f"User ranges, PyTorch profiler layout ({shown}; {dev} = {_device_word(profile)} "
+                  "activity inside the range)", columns, out)]
 
 
 # ---------------------------------------------------------------------------------------------
 # PyProf's kernel table with the roofline
 
-TENSOR_CORE_MARKERS = ("s1688", "s16816", "h1688", "h16816", "884", "hmma", "tf32", "bf16", "xmma", "gmma",
-                       "wgmma", "tensorop")
+TENSOR_CORE_MARKERS = ("s1688", "s16816", "h1688", "h16816", "884", "hmma", "tf32", "bf16", "xmma",
+                       "gmma", "wgmma", "tensorop")
 
 
 def tensor_cores(record: KernelRecord, precision: str) -> bool:
-    """Whether a launch runs on tensor cores: a GEMM at tf32/bf16/fp16 precision, or a kernel whose (CUPTI)
-    name says so."""
+    """Whether a launch runs on tensor cores: a GEMM at tf32/bf16/fp16 precision, or a kernel whose
+    (CUPTI) name says so."""
     name = record.kernel.lower()
     return ((record.matmul_ceiling and precision in ("tf32", "bf16", "fp16"))
             or any(m in name for m in TENSOR_CORE_MARKERS))
 
 
 def floor_ns(record: KernelRecord, roof) -> Optional[float]:
-    """The roofline's lower bound on the launch's time: max(FLOPs / compute ceiling, bytes / bandwidth)."""
+    """The roofline's lower bound on the launch's time: max(FLOPs / compute ceiling,
+    bytes / bandwidth)."""
     if roof is None or not (record.flops or record.bytes):
         return None
     ceiling = roof.flops_ceiling(record.matmul_ceiling)
@@ -486,23 +510,25 @@ def floor_ns(record: KernelRecord, roof) -> Optional[float]:
 
 def pyprof(profile: Profile, roof=None) -> List[Table]:
     # the CPU has no tensor cores: its bf16 run computes in fp32 (its matmuls are NumPy's)
-    precision = "fp32" if profile.meta.get("backend") == "numpy" else profile.meta.get("precision", "fp32")
+    precision = ("fp32" if profile.meta.get("backend") == "numpy"
+                 else profile.meta.get("precision", "fp32"))
     rows = []
     for r in sorted(profile.records, key=lambda r: r.idx):
         floor = floor_ns(r, roof)
         pct = 100.0 * floor / r.duration_ns if floor is not None and r.duration_ns > 0 else None
         bound, _ = classify(r.flops, r.bytes, r.duration_ns, roof, r.matmul_ceiling)
-        rows.append([r.idx, r.direction, "-" if r.layer_index is None else r.layer_index, r.op or "-",
-                     r.module or "-", r.params or "-", r.kernel, r.grid or "-", r.block or "-",
-                     "yes" if tensor_cores(r, precision) else "no", us(r.duration_ns),
-                     "-" if floor is None else us(floor), "-" if pct is None else f"{pct:.1f}%",
-                     bound])
-    columns = [("Idx", "r"), ("Direction", "l"), ("Layer", "r"), ("Op", "l"), ("Module", "l"), ("Params", "l"),
-               ("Kernel", "l"), ("Grid", "l"), ("Block", "l"), ("TC", "l"), ("Time (us)", "r"), ("Floor (us)", "r"),
-               ("% of roofline", "r"), ("Bound", "l")]
+        rows.append([r.idx, r.direction, "-" if r.layer_index is None else r.layer_index,
+                     r.op or "-", r.module or "-", r.params or "-", r.kernel, r.grid or "-",
+                     r.block or "-", "yes" if tensor_cores(r, precision) else "no",
+                     us(r.duration_ns), "-" if floor is None else us(floor),
+                     "-" if pct is None else f"{pct:.1f}%", bound])
+    columns = [("Idx", "r"), ("Direction", "l"), ("Layer", "r"), ("Op", "l"), ("Module", "l"),
+               ("Params", "l"), ("Kernel", "l"), ("Grid", "l"), ("Block", "l"), ("TC", "l"),
+               ("Time (us)", "r"), ("Floor (us)", "r"), ("% of roofline", "r"), ("Bound", "l")]
     where = (f"against {roof.device}" if roof is not None and roof.peak_bw
              else "no roofline for this device, so no floor")
-    return [Table(f"Kernels, PyProf layout ({where}; floor = max(FLOPs/peak, bytes/bandwidth))", columns, rows)]
+    return [Table(f"Kernels, PyProf layout ({where}; floor = max(FLOPs/peak, bytes/bandwidth))",
+                  columns, rows)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,13 +537,16 @@ def pyprof(profile: Profile, roof=None) -> List[Table]:
 def model_summary(profile: Profile, roof=None) -> List[Table]:
     mem = profile.memory
     if not mem:
-        return [Table("Model summary: not recorded (the profile was made without the model)", [], [])]
+        return [Table("Model summary: not recorded (the profile was made without the model)",
+                      [], [])]
     total = mem["total"] or 1
-    rows = [[b["buffer"], f"{b['bytes'] / MiB:,.2f}", f"{100.0 * b['bytes'] / total:.1f}", b["what"]]
+    rows = [[b["buffer"], f"{b['bytes'] / MiB:,.2f}",
+             f"{100.0 * b['bytes'] / total:.1f}", b["what"]]
             for b in mem["buffers"]]
     rows.append(["total", f"{mem['total'] / MiB:,.2f}", "100.0", "the model's buffers"])
     peak = mem.get("peak") or {}
-    footer = (f"measured peak: {peak['bytes'] / MiB:,.2f} MiB ({peak['what']})" if peak.get("bytes") is not None
+    footer = (f"measured peak: {peak['bytes'] / MiB:,.2f} MiB ({peak['what']})"
+              if peak.get("bytes") is not None
               else f"measured peak: unknown ({peak.get('what', 'not measured')})")
     columns = [("buffer", "l"), ("MiB", "r"), ("%", "r"), ("what", "l")]
     params = profile.meta.get("module_params") or {}
@@ -529,7 +558,8 @@ def model_summary(profile: Profile, roof=None) -> List[Table]:
         act_rows = [[a["buffer"], "x".join(map(str, a["shape"])), f"{a['bytes'] / MiB:,.2f}",
                      f"{100.0 * a['bytes'] / act_total:.1f}"] for a in acts[:8]]
         tables.append(Table("Largest activations (kept for the backward pass)",
-                            [("activation", "l"), ("shape", "l"), ("MiB", "r"), ("%", "r")], act_rows))
+                            [("activation", "l"), ("shape", "l"), ("MiB", "r"), ("%", "r")],
+                            act_rows))
     return tables
 
 
@@ -539,10 +569,12 @@ def modules(profile: Profile, roof=None) -> List[Table]:
     columns, rows = module_tree_rows(kernels_only(profile.records), profile.meta.get("num_layers"),
                                      params=params or None)
     where = "" if params else " (parameters unknown: the profile was made without the model)"
-    # copies and memsets belong to no module: said, so that the tree's total is not taken for the phases' one
+    # copies and memsets belong to no module: said, so that the tree's total is not
+    # taken for the phases' one
     left_out = [r for r in profile.records if r.kind != "kernel"]
     if left_out:
-        where += (f" (kernels; {len(left_out)} copies and memsets, {sum(r.duration_ns for r in left_out) / 1e3:,.1f} "
+        where += (f" (kernels; {len(left_out)} copies and memsets, "
+                  f"{sum(r.duration_ns for r in left_out) / 1e3:,.1f} "
                   f"us, are in gpu_activities and phases)")
     return [Table(f"GPT-2 modules: parameters and time{where}", columns, rows)]
 
@@ -553,14 +585,15 @@ def modules(profile: Profile, roof=None) -> List[Table]:
 def comm(profile: Profile, roof=None) -> List[Table]:
     if not profile.comms:
         if profile.meta.get("runtime") == "nsys":
-            return [Table("Communication: not in an nsys export's NVTX and CUDA tables (NCCL kernels are op nccl, "
-                          "module comm, in the kernel views)", [], [])]
+            return [Table("Communication: not in an nsys export's NVTX and CUDA tables (NCCL "
+                          "kernels are op nccl, module comm, in the kernel views)", [], [])]
         return [Table("Communication: none (one process)", [], [])]
     groups: Dict[Tuple[str, str, int, int], List[CommRecord]] = {}
     for c in profile.comms:
         groups.setdefault((c.name, c.collective, c.bytes, c.ranks), []).append(c)
     rows = []
-    for (name, coll, nbytes, ranks), cs in sorted(groups.items(), key=lambda kv: -sum(c.duration_ns for c in kv[1])):
+    for (name, coll, nbytes,
+         ranks), cs in sorted(groups.items(), key=lambda kv: -sum(c.duration_ns for c in kv[1])):
         t = sum(c.duration_ns for c in cs) / len(cs)
         avg = CommRecord(0, None, name, coll, nbytes, ranks, 0, int(round(t)))
         alg, bus = avg.algbw, avg.busbw
@@ -569,15 +602,16 @@ def comm(profile: Profile, roof=None) -> List[Table]:
                      "-" if bus is None else f"{bus / 1e9:.4g}"])
     columns = [("collective", "l"), ("range", "l"), ("ranks", "r"), ("bytes", "r"), ("calls", "r"),
                ("avg time (us)", "r"), ("algbw (GB/s)", "r"), ("busbw (GB/s)", "r")]
-    return [Table("Communication (bus bandwidth as nccl-tests: all-reduce algbw*2(n-1)/n, reduce-scatter and "
-                  "all-gather algbw*(n-1)/n)", columns, rows)]
+    return [Table("Communication (bus bandwidth as nccl-tests: all-reduce algbw*2(n-1)/n, "
+                  "reduce-scatter and all-gather algbw*(n-1)/n)", columns, rows)]
 
 
 # ---------------------------------------------------------------------------------------------
 # report.py's tables as views (the same rows as its text report)
 
 def _report_view(rows_of, per_launch=False):
-    """per_launch: the table of every launch, whose title says the precision and whose footer the launches left out."""
+    """per_launch: the table of every launch, whose title says the precision and whose footer the
+    launches left out."""
     def view(profile: Profile, roof=None):
         title, columns, rows = rows_of(kernels_only(profile.records), roof)
         if not per_launch:
@@ -589,15 +623,16 @@ def _report_view(rows_of, per_launch=False):
 VIEWS = {
     "model": model_summary, "modules": modules, "phases": phases,
     "gpu_activities": gpu_activities, "api_calls": api_calls,
-    "nvtx_sum": nvtx_sum, "cuda_gpu_kern_sum": cuda_gpu_kern_sum, "cuda_gpu_mem_time_sum": cuda_gpu_mem_time_sum,
-    "cuda_gpu_mem_size_sum": cuda_gpu_mem_size_sum, "cuda_api_sum": cuda_api_sum, "nvtx_kern_sum": nvtx_kern_sum,
+    "nvtx_sum": nvtx_sum, "cuda_gpu_kern_sum": cuda_gpu_kern_sum,
+    "cuda_gpu_mem_time_sum": cuda_gpu_mem_time_sum, "cuda_gpu_mem_size_sum": cuda_gpu_mem_size_sum,
+    "cuda_api_sum": cuda_api_sum, "nvtx_kern_sum": nvtx_kern_sum,
     "user_ranges": user_ranges, "pyprof": pyprof, "comm": comm,
     "kernels": _report_view(lambda recs, roof: kernel_rows(recs, roof), per_launch=True),
     "layers": _report_view(lambda recs, roof: layer_rows(recs)),
     "ops": _report_view(lambda recs, roof: op_rows(recs, roof)),
-    "top_kernels": _report_view(lambda recs, roof: kernel_summary_rows(recs, top=15)),
-}
-DEFAULT_VIEWS = ("model", "modules", "phases", "gpu_activities", "api_calls", "ops", "user_ranges", "comm")
+    "top_kernels": _report_view(lambda recs, roof: kernel_summary_rows(recs, top=15)),}
+DEFAULT_VIEWS = ("model", "modules", "phases", "gpu_activities", "api_calls", "ops",
+                 "user_ranges", "comm")
 
 
 def parse_views(text: str) -> Tuple[str, ...]:
@@ -628,7 +663,8 @@ def render_views(profile: Profile, roof=None, names=DEFAULT_VIEWS, step="last") 
 
 
 def write_view_files(profile: Profile, roof, out_dir: str, step="last") -> Dict[str, str]:
-    """views.json (every Table view: title, columns, rows) and one CSV per Table (views/<name>.csv)."""
+    """views.json (every Table view: title, columns, rows) and one CSV per Table
+    (views/<name>.csv)."""
     part = select(profile, step)
     doc, paths = {}, {}
     folder = os.path.join(out_dir, "views")
@@ -636,8 +672,8 @@ def write_view_files(profile: Profile, roof, out_dir: str, step="last") -> Dict[
     note = profile.note
     for name in VIEWS:
         result = tables(part, name, roof)
-        doc[name] = [{"title": label(t.title, note), "columns": [c for c, _ in t.columns], "rows": t.rows,
-                      "footer": t.footer} for t in result]
+        doc[name] = [{"title": label(t.title, note), "columns": [c for c, _ in t.columns],
+                      "rows": t.rows, "footer": t.footer} for t in result]
         for i, t in enumerate(result):
             if not t.columns:
                 continue
@@ -662,15 +698,19 @@ def profile_doc(profile: Profile) -> dict:
             "comms": [asdict(c) for c in profile.comms], "memory": profile.memory}
 
 
-# the rows of profile.json besides the records: part -> (row class, field -> kind (report.KINDS)); times in ns,
-# durations, sizes and counts >= 0 (the views sum and divide them: text would fail deep inside, negative ones print)
-PARTS = {"ranges": (RangeInstance, {"id": "integer", "name": "text", "parent": "integer?", "depth": "count",
-                                    "start_ns": "integer", "end_ns": "integer", "step": "integer?", "style": "text"}),
-         "api": (ApiCall, {"name": "text", "start_ns": "integer", "duration_ns": "count", "record": "integer?",
-                           "thread": "integer?"}),
-         "comms": (CommRecord, {"idx": "integer", "step": "integer?", "name": "text", "collective": "text",
-                                "bytes": "count", "ranks": "count", "start_ns": "integer", "duration_ns": "count"})}
-# the memory model_summary reads: its fields, and the fields of the rows of its lists and of its peak
+# the rows of profile.json besides the records: part -> (row class, field -> kind (report.KINDS));
+# times in ns, durations, sizes and counts >= 0 (the views sum and divide them: text would fail deep
+# inside, negative ones print)
+PARTS = {"ranges": (RangeInstance, {"id": "integer", "name": "text", "parent": "integer?",
+                                    "depth": "count", "start_ns": "integer",
+                                    "end_ns": "integer", "step": "integer?", "style": "text"}),
+         "api": (ApiCall, {"name": "text", "start_ns": "integer", "duration_ns": "count",
+                           "record": "integer?", "thread": "integer?"}),
+         "comms": (CommRecord, {"idx": "integer", "step": "integer?", "name": "text",
+                                "collective": "text", "bytes": "count", "ranks": "count",
+                                "start_ns": "integer", "duration_ns": "count"})}
+# the memory model_summary reads: its fields, and the fields of the rows of its
+# lists and of its peak
 MEMORY = {"total": "count", "buffers": "list", "activations": "list?", "peak": "object?"}
 MEMORY_ROWS = {"buffers": {"buffer": "text", "bytes": "count", "what": "text"},
                "activations": {"buffer": "text", "shape": "shape", "bytes": "count"}}
@@ -714,7 +754,8 @@ def read_profile(path: str) -> Tuple[Profile, object]:
     for part, (cls, _) in PARTS.items():
         rows = [] if doc.get(part) is None else doc[part]
         if not isinstance(rows, list):
-            raise ReportError(f"{path}: {part!r} must be a list of objects, got {json.dumps(rows)[:40]}")
+            raise ReportError(f"{path}: {part!r} must be a list of objects, got "
+                              f"{json.dumps(rows)[:40]}")
         for i, row in enumerate(rows):
             problem = _row_problem(part, row)
             if problem:
@@ -723,11 +764,13 @@ def read_profile(path: str) -> Tuple[Profile, object]:
     problem = None if doc.get("memory") is None else _memory_problem(doc["memory"])
     if problem:
         raise ReportError(f"{path}: 'memory': {problem}")
-    return Profile(records, parts["ranges"], parts["api"], parts["comms"], doc.get("memory"), meta), roof
+    return Profile(records, parts["ranges"], parts["api"], parts["comms"], doc.get("memory"),
+                   meta), roof
 
 
 def trace_ranges(profile: Profile):
-    return [(r.name, r.start_ns, r.end_ns) for r in sorted(profile.ranges, key=lambda r: (r.start_ns, -r.end_ns))]
+    return [(r.name, r.start_ns, r.end_ns)
+            for r in sorted(profile.ranges, key=lambda r: (r.start_ns, -r.end_ns))]
 
 
 TRACK_API, TRACK_COMM = 101, 102
@@ -737,16 +780,18 @@ def trace_extra_events(profile: Profile) -> List[dict]:
     """API calls and collectives for report.chrome_trace, each kind on its own track."""
     events = []
     if profile.api:
-        events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": TRACK_API, "args": {"name": "CUDA API"}})
+        events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": TRACK_API,
+                       "args": {"name": "CUDA API"}})
     if profile.comms:
         events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": TRACK_COMM,
                        "args": {"name": "communication"}})
     for a in profile.api:
-        events.append({"name": a.name, "cat": "api", "ph": "X", "ts_ns": a.start_ns, "dur": a.duration_ns / 1e3,
+        events.append({"name": a.name, "cat": "api", "ph": "X", "ts_ns": a.start_ns,
+                       "dur": a.duration_ns / 1e3,
                        "pid": 1, "tid": TRACK_API, "args": {"record": a.record}})
     for c in profile.comms:
-        events.append({"name": f"{c.collective} ({c.name})", "cat": "comm", "ph": "X", "ts_ns": c.start_ns,
-                       "dur": c.duration_ns / 1e3, "pid": 1, "tid": TRACK_COMM,
+        events.append({"name": f"{c.collective} ({c.name})", "cat": "comm", "ph": "X",
+                       "ts_ns": c.start_ns, "dur": c.duration_ns / 1e3, "pid": 1, "tid": TRACK_COMM,
                        "args": {"bytes": c.bytes, "ranks": c.ranks}})
     return events
 
@@ -754,10 +799,11 @@ def trace_extra_events(profile: Profile) -> List[dict]:
 # ---------------------------------------------------------------------------------------------
 # plots
 
-def write_plots(profile: Profile, roof, out_dir: str, title: str = "", log=print, step="last") -> Dict[str, str]:
+def write_plots(profile: Profile, roof, out_dir: str, title: str = "", log=print,
+                step="last") -> Dict[str, str]:
     """profile.png (time by op and direction), profile_layers.png (time per layer and op) and
-    profile_roofline.png (achieved FLOP/s against arithmetic intensity, with the device's ceilings). Needs
-    matplotlib (the plot extra); without it one notice and no files."""
+    profile_roofline.png (achieved FLOP/s against arithmetic intensity, with the device's ceilings).
+    Needs matplotlib (the plot extra); without it one notice and no files."""
     part = select(profile, step)
     kernels = kernels_only(part.records)
     note = f" [{profile.note}]" if profile.note else ""
@@ -816,8 +862,8 @@ def write_plots(profile: Profile, roof, out_dir: str, title: str = "", log=print
             peak = roof.flops_ceiling(gemm)
             if peak:
                 xs = [lo, peak / roof.peak_bw, hi]
-                ax.plot(xs, [min(peak, x * roof.peak_bw) / 1e9 for x in xs], "k" + style, linewidth=1,
-                        label=f"{roof.device} {'matmul ' if gemm else ''}roof")
+                ax.plot(xs, [min(peak, x * roof.peak_bw) / 1e9 for x in xs], "k" + style,
+                        linewidth=1, label=f"{roof.device} {'matmul ' if gemm else ''}roof")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
