@@ -147,8 +147,10 @@ class TrainConfig:
                                     help="val token shards (glob); -i without -j: no validation",
                                     metavar="PATTERN", default_text="tinyshakespeare val split")
     model: str = _setting("-e", "gpt2_124M.bin",
-                          "llm.c model file (fetched if missing), or llm.c's model "
-                          "descriptor for random init: d6..d84, gpt2:dL, gpt3:cC", metavar="MODEL")
+                          "llm.c model file (fetched if missing), llm.c's model descriptor for "
+                          "random init (d6..d84, gpt2:dL, gpt3:cC), a Hugging Face GPT-2 folder "
+                          "(config.json + model.safetensors) or a Hub id (gpt2, "
+                          "openai-community/gpt2-medium)", metavar="MODEL")
     output_dir: str | None = _setting("-o", help="output dir for main.log and checkpoints",
                                       metavar="DIR", default_text="none")
     batch_size: int | None = _setting("-b", help="micro batch size B", cpu_gpu=(4, 4),

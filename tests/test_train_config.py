@@ -184,3 +184,12 @@ def test_device_defaults():
     assert (given.seq_len, given.max_steps, given.batch_size) == (32, 0, 4)
     # filled once, never overwritten
     assert gpu.with_device_defaults(device_traits("numpy")) == gpu
+
+
+def test_e_help_says_it_takes_a_hugging_face_folder_or_id():
+    """train's -e takes what eval's and sample's take; its help says so (issue 37)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True)
+    text = " ".join(done.stdout.split())
+    assert done.returncode == 0 and "Hugging Face GPT-2 folder" in text and "Hub id" in text, text[-500:]
