@@ -11,7 +11,7 @@ on the CPU emulator.
 * the up-front memory check: what a run needs vs free device memory, one line naming the
   largest B that fits;
 * the packaging: nvtx pinned where its API exists, cuda and test extras that give a working GPU
-  install, the README's GPU commands as written.
+  install, the GPU commands of docs/gpu.md as written.
 """
 import re
 import subprocess
@@ -547,7 +547,7 @@ def test_an_out_of_memory_error_during_the_run_is_one_line(monkeypatch, data_dir
                                  "smaller -b (or -t) and -d to keep the tokens per step"]
 
 
-# ---- packaging and the README's GPU commands -----------------------------------------------------
+# ---- packaging and docs/gpu.md's GPU commands ----------------------------------------------------
 
 def pyproject():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
@@ -585,14 +585,14 @@ def test_test_extra_runs_the_gpu_tests():
 
 
 def gpu_section_commands():
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Training on a GPU"):]
+    page = (REPO / "docs" / "gpu.md").read_text()
+    section = page[page.index("## Install and run"):]
     section = section[:section.index("\n## ", 3)]
     block = re.search(r"```bash\n(.*?)```", section, re.S)[1]
     return [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
 
 
-def test_readme_gpu_commands_work_as_written():
+def test_gpu_page_commands_work_as_written():
     commands = gpu_section_commands()
     install = next(c for c in commands if c.startswith("pip install"))
     extras = re.search(r'"\.\[([\w,]+)\]"', install)[1].split(",")

@@ -3,7 +3,7 @@ or "always").
 
 The model's flat buffers (params, grads, m, v: 496 MB each at d12) are streamed whole by AdamW and
 the gradient norm; on 4 KiB pages such a stream misses the TLB every 4 KiB, and in a VM each miss is
-a two-level page walk; on 2 MiB pages the stream runs faster (docs/cpu_benchmarks.md has the
+a two-level page walk; on 2 MiB pages the stream runs faster (docs/benchmarks.md has the
 figures). The bandwidth the profiler and bench/cpu_step.py measure (cpu_roof.add_bandwidth) uses
 the same memory, so their ceilings rise with it.
 """
