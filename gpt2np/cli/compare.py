@@ -9,7 +9,7 @@ steps on that batch in both and compares the two loss curves step by step.
                                                                      # (llm.c's file; needs no torch)
 Error measure, per tensor: max|gpt2np - ref| / max|ref| (the error relative to the tensor's scale).
 
-    python -m gpt2np.cli.compare -e gpt2_124M.bin --precision bf16   # against autocast bf16
+    gpt2np compare -e gpt2_124M.bin --precision bf16   # against autocast bf16
 
 --precision bf16 measures gpt2np's bf16 against PyTorch fp32, next to PyTorch's own bf16 mixed
 precision (CPU autocast, TorchGPT2(autocast=True)) against the same fp32. All start from the same
@@ -257,8 +257,9 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="fp32",
                    help="gpt2np's matmuls: fp32, or tf32 (TF32 tensor cores; cuda and emu "
                    "backends) against the same fp32 reference with the tf32 tolerances; bf16 "
-                   "(every backend): gpt2np's bf16 and PyTorch autocast bf16, each against PyTorch "
-                   f"fp32, gpt2np's error at most {BF16_RATIO:g}x autocast's (default fp32)")
+                   "(every backend): gpt2np's bf16 against PyTorch fp32, its error at most "
+                   f"{BF16_RATIO:g}x that of PyTorch autocast bf16 with llm.c's bf16 residual stream "
+                   "(default fp32)")
     p.add_argument("--attention", choices=("naive", "flash"), default="naive",
                    help="gpt2np's attention: naive, or flash (on cuda and emu: TF32 tensor cores "
                         "at fp32 and tf32, so checked with the tf32 tolerances; bf16 WMMA at bf16; "
