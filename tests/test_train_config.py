@@ -1,6 +1,6 @@
-"""TrainConfig is the one place for training settings: train.py's flags come from it, and the
-README's flag tables (Training; Multi-GPU) must list exactly its flags with its defaults, on the
-CPU and on a GPU."""
+"""TrainConfig is the one place for training settings: train.py's flags come from it, and the flag
+tables of docs/training.md and docs/multi-gpu.md must list exactly its flags with its defaults, on
+the CPU and on a GPU."""
 import re
 from dataclasses import fields, replace
 from pathlib import Path
@@ -12,15 +12,16 @@ from gpt2np.backends import device_traits
 from gpt2np.config import TrainConfig, value_type
 
 REPO = Path(__file__).resolve().parent.parent
+TRAINING_PAGE, MULTI_GPU_PAGE = REPO / "docs" / "training.md", REPO / "docs" / "multi-gpu.md"
 FIELDS_BY_FLAG = {f.metadata["flag"]: f for f in fields(TrainConfig)}
-# the README writes llm.c's device-dependent defaults either way
+# the pages write llm.c's device-dependent defaults either way
 DEVICE_FORMS = [re.compile(r"(?P<cpu>.+) on the CPU, (?P<gpu>.+) on a GPU"),
                 re.compile(r"(?P<cpu>.+) \(CPU\), (?P<gpu>.+) \(GPU\)")]
 
 
-def table(readme, section, header):
+def table(page, section, header):
     """The cells of each row of the first table with this header line under the section heading."""
-    lines = readme.splitlines()
+    lines = page.splitlines()
     start = next(i for i in range(lines.index(section), len(lines)) if lines[i].strip() == header)
     rows = []
     for line in lines[start + 2:]:                     # + 2: the header and the |---| line
@@ -43,7 +44,7 @@ def default_values(text, count):
 
 
 def matches(f, text, value):
-    """Whether the README's word for a default (a number, on/off, a name or the described
+    """Whether the page's word for a default (a number, on/off, a name or the described
     default) is value."""
     if f.metadata["default_text"]:
         return text == f.metadata["default_text"]
@@ -60,10 +61,10 @@ def device_defaults(f):
     return f.metadata["cpu_gpu"] or (f.default, f.default)
 
 
-def training_table_problems(readme):
-    """What is wrong with the Training section's flag table (empty: it agrees with TrainConfig)."""
+def training_table_problems(page):
+    """What is wrong with docs/training.md's flag table (empty: it agrees with TrainConfig)."""
     problems, seen = [], []
-    for flag_cell, _, default_cell in table(readme, "## Training",
+    for flag_cell, _, default_cell in table(page, "## Every flag",
                                             "| flag | meaning (llm.c's) | default |"):
         flags = flags_in(flag_cell)
         unknown = [flag for flag in flags if flag not in FIELDS_BY_FLAG]
@@ -83,7 +84,7 @@ def training_table_problems(readme):
             for flag, value in zip(flags, values, strict=True):
                 f = FIELDS_BY_FLAG[flag]
                 if not matches(f, value, device_defaults(f)[column]):
-                    problems.append(f"{flag} ({f.name}): README says {value!r} on the "
+                    problems.append(f"{flag} ({f.name}): the page says {value!r} on the "
                                     f"{device}, TrainConfig has "
                                     f"{f.metadata['default_text'] or device_defaults(f)[column]!r}")
     if sorted(seen) != sorted(set(seen)):
@@ -95,8 +96,8 @@ def training_table_problems(readme):
     return problems
 
 
-def test_readme_training_table_is_train_config():
-    assert training_table_problems((REPO / "README.md").read_text()) == []
+def test_training_page_table_is_train_config():
+    assert training_table_problems(TRAINING_PAGE.read_text()) == []
 
 
 @pytest.mark.parametrize("good, bad", [
@@ -111,15 +112,15 @@ def test_readme_training_table_is_train_config():
     ("| `-n` / `-y` |", "| `-n` / `-n` |"),                              # listed twice
     ("| `B*T*processes` |", "| B*T |"),                                  # a described default
 ])
-def test_readme_training_table_check_is_strict(good, bad):
-    readme = (REPO / "README.md").read_text()
-    assert readme.count(good) == 1
-    assert training_table_problems(readme.replace(good, bad))
+def test_training_page_table_check_is_strict(good, bad):
+    page = TRAINING_PAGE.read_text()
+    assert page.count(good) == 1
+    assert training_table_problems(page.replace(good, bad))
 
 
-def test_readme_multi_gpu_table_flags_and_defaults():
-    readme = (REPO / "README.md").read_text()
-    rows = table(readme, "## Multi-GPU and multi-node training", "| flag | meaning |")
+def test_multi_gpu_page_table_flags_and_defaults():
+    page = MULTI_GPU_PAGE.read_text()
+    rows = table(page, "## Flags", "| flag | meaning |")
     assert rows
     for flag_cell, meaning in rows:
         (flag,) = flags_in(flag_cell)
@@ -190,6 +191,8 @@ def test_e_help_says_it_takes_a_hugging_face_folder_or_id():
     """train's -e takes what eval's and sample's take; its help says so (issue 37)."""
     import subprocess
     import sys
-    done = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True,
+                          text=True)
     text = " ".join(done.stdout.split())
-    assert done.returncode == 0 and "Hugging Face GPT-2 folder" in text and "Hub id" in text, text[-500:]
+    assert (done.returncode == 0 and "Hugging Face GPT-2 folder" in text
+            and "Hub id" in text), text[-500:]
