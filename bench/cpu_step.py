@@ -1,35 +1,40 @@
-"""Median ms per training step on the CPU: gpt2np against PyTorch's fastest CPU step, and against the floor.
+"""Median ms per training step on the CPU: gpt2np against PyTorch's fastest CPU step and the floor.
 
-A step = forward + backward + global-norm clipping (1.0) + AdamW (weight decay 0.1) on d12 (124M) at B=4,
-T=64 by default, the same thread count everywhere. In one run, each in its own process, one after another:
+A step = forward + backward + global-norm clipping (1.0) + AdamW (weight decay 0.1) on d12 (124M)
+at B=4, T=64 by default, the same thread count everywhere. In one run, each in its own process:
 
-  gpt2np                  gpt2np.train_step.train_step on the numpy backend (the project's one step)
-  pytorch eager           the same model math in PyTorch fp32, AdamW(fused=True), clip_grad_norm_(foreach)
-  pytorch compile         the same, forward + backward through torch.compile (inductor, C++ on the CPU)
-  floor                   the step's matmul FLOPs (the op contract's GEMM terms of a recorded gpt2np step) at
-                          the GEMM rate measured now on exactly those shapes (best of NumPy's BLAS and
-                          PyTorch's), plus the bytes AdamW must move (the contract's adamw term: params, grads,
-                          m, v read, params, m, v written) at the memory bandwidth measured now (best of a
-                          threaded in-place add in NumPy and in PyTorch)
-  floor, cold operands    the same FLOPs timed as the step meets them: every GEMM of the step on operands of its
-                          own (each layer's weights are distinct memory, not in cache when their GEMM starts),
-                          run one after another in the step's order of shapes, best of the rounds (NumPy's BLAS);
-                          what the BLAS gives a step that streams 124M weights through the caches
+  gpt2np           gpt2np.train_step.train_step on the numpy backend (the project's one step)
+  pytorch eager    the same model math in PyTorch fp32, AdamW(fused=True), clip_grad_norm_(foreach)
+  pytorch compile  the same, forward + backward through torch.compile (inductor, C++ on the CPU)
+  floor            the step's matmul FLOPs (the op contract's GEMM terms of a recorded gpt2np
+                   step) at the GEMM rate measured now on exactly those shapes (best of NumPy's
+                   BLAS and PyTorch's), plus the bytes AdamW must move (the contract's adamw term:
+                   params, grads, m, v read; params, m, v written) at the memory bandwidth
+                   measured now (best of a threaded in-place add in NumPy and in PyTorch)
+  floor, cold      the same FLOPs timed as the step meets them: every GEMM of the step on
+  operands         operands of its own (each layer's weights are distinct memory, not in cache
+                   when their GEMM starts), one after another in the step's order of shapes, best
+                   of the rounds (NumPy's BLAS): what the BLAS gives a step that streams 124M
+                   weights through the caches
 
-It prints each median (and the range of the steps), gpt2np's ratio to the fastest PyTorch and to the floor,
-gpt2np's second step op by op, its peak memory (VmHWM) against params + grads + m + v + activations, and how
-busy the machine was otherwise (other processes' CPU from /proc/stat, hypervisor steal, the load average).
---rounds N runs every part N times, interleaved, so that a slow spell of the machine hits all of them; the
-floor keeps the best of everything it measured (a strict floor), the steps their median; a "round by round" line
-adds each round's gpt2np median over the floor measured in that round (how much of the ratio is drift), and a
-"paired" line: after its timed steps the gpt2np process runs --steps more pairs of steps, each pair followed by the
-floor measured again in the same process (NumPy's BLAS, one warm-up and one timed call per shape), and takes the
-second step of each pair over the floor right after it (--no-paired skips them): on a machine whose speed moves by
-tens of percent from minute to minute, the ratio at the same moment. (A step that follows the floor's measurement
-meets caches and TLBs filled with the floor's operands: it is neither paired nor among the timed steps.)
+It prints each median (and the range of the steps), gpt2np's ratio to the fastest PyTorch and to
+the floor, gpt2np's second step op by op, its peak memory (VmHWM) against params + grads + m + v +
+activations, and how busy the machine was otherwise (other processes' CPU from /proc/stat,
+hypervisor steal, the load average).
 
-    python bench/cpu_step.py [--rounds 1] [--steps 8] [--warmup 2] [-b 4] [-t 64] [--model d12] [--threads N]
-                             [--no-torch] [--no-compile] [--no-floor] [--no-paired] [--json FILE]
+--rounds N runs every part N times, interleaved, so that a slow spell of the machine hits all of
+them; the floor keeps the best of everything it measured (a strict floor), the steps their median.
+A "round by round" line adds each round's gpt2np median over the floor measured in that round (how
+much of the ratio is drift). A "paired" line: after its timed steps the gpt2np process runs --steps
+more pairs of steps, each pair followed by the floor measured again in the same process (NumPy's
+BLAS, one warm-up and one timed call per shape), and takes the second step of each pair over the
+floor right after it (--no-paired skips them): the ratio at the same moment, on a machine whose
+speed moves by tens of percent from minute to minute. (A step that follows the floor's measurement
+meets caches and TLBs filled with the floor's operands: it is neither paired nor timed.)
+
+    python bench/cpu_step.py [--rounds 1] [--steps 8] [--warmup 2] [-b 4] [-t 64] [--model d12]
+                             [--threads N] [--no-torch] [--no-compile] [--no-floor] [--no-paired]
+                             [--json FILE]
 """
 import argparse
 import functools

@@ -1,10 +1,10 @@
-"""Helpers of bench/gpu_acceptance.sh (the shell script runs the stages; this file does the Python parts).
+"""Helpers of bench/gpu_acceptance.sh: it runs the stages, this file does the Python parts.
 
-    python bench/gpu_acceptance.py setup DIR [--full]        # synthetic token shards and model files in DIR
-    python bench/gpu_acceptance.py preflight --device cuda    # what is there, as shell assignments (eval'd)
+    python bench/gpu_acceptance.py setup DIR [--full]      # synthetic shards and model files in DIR
+    python bench/gpu_acceptance.py preflight --device cuda  # what is there, as shell assignments
     python bench/gpu_acceptance.py loss-falls DIR/main.log [--min-drop 0.5]
     python bench/gpu_acceptance.py ncu-agrees DIR/ncu.log [--tolerance 0.10]
-    python bench/gpu_acceptance.py summary DIR                # DIR/stages.tsv -> DIR/summary.txt, summary.json
+    python bench/gpu_acceptance.py summary DIR  # DIR/stages.tsv -> DIR/summary.txt, summary.json
 
 Everything the stages read is written here, so that the acceptance needs no data file and no
 network: train and val shards of a repeating random sequence over 100 token ids (any GPT-2 learns

@@ -1,4 +1,4 @@
-"""GPU training-step benchmark: ms/step, tokens/s, MFU and per-kernel times for gpt2np's CUDA backend.
+"""GPU training-step benchmark: ms/step, tokens/s, MFU and per-kernel times of the CUDA backend.
 
 A step = forward (with dlogits) + backward + global-norm clipping + AdamW (gpt2np's train_step, the
 trainer's), on random tokens, d12 (124M) at B=4, T=1024 by default, on the fast path by default:
@@ -20,10 +20,10 @@ under torch.compile; it prints ms/step for each and gpt2np's ratio to the fastes
 emu the PyTorch side runs eager on the CPU (says so; its time is not comparable) and
 torch.compile is skipped.
 
-    python bench/gpu_step.py [--model d12] [-b 4] [-t 1024] [--steps 10] [--warmup 3] [--precision tf32|fp32|bf16]
-                             [--attention flash|naive] [--fuse 1|0] [-ge 0|1|2] [-r 0|1|2] [--cuda-graphs 1|0]
-                             [--top 25]
-    python bench/gpu_step.py --runtime emu --model tiny -t 16 --steps 1 --warmup 0   # dry run, no GPU
+    python bench/gpu_step.py [--model d12] [-b 4] [-t 1024] [--steps 10] [--warmup 3]
+                             [--precision tf32|fp32|bf16] [--attention flash|naive] [--fuse 1|0]
+                             [-ge 0|1|2] [-r 0|1|2] [--cuda-graphs 1|0] [--top 25]
+    python bench/gpu_step.py --runtime emu --model tiny -t 16 --steps 1 --warmup 0  # dry run
 """
 import argparse
 import sys

@@ -5,8 +5,10 @@ layers (c_proj, c_fc, attn c_proj, c_attn: the model's backward order) the dinp 
 GEMM, the dweights written into one flat gradient buffer. Two ways to get the sum of squares of
 those 85M gradients:
 
-  after     the step's way: the GEMMs, then one pass over the flat buffer (NumpyBackend.global_norm_squared)
-  in cache  each dweight's sum of squares right after the GEMM that wrote it (the same C loop), summed at the end
+  after     the step's way: the GEMMs, then one pass over the flat buffer
+            (NumpyBackend.global_norm_squared)
+  in cache  each dweight's sum of squares right after the GEMM that wrote it (the same C loop),
+            summed at the end
 
 Each round runs both, in turn; the medians over the rounds are printed with the norm's share of each
 (time of the whole minus the GEMMs alone, measured in the same round). The two sums are the same
@@ -19,7 +21,8 @@ import math
 import statistics
 import time
 
-import gpt2np  # noqa: F401  (before NumPy: it sets OpenBLAS's thread timeout, read when NumPy loads OpenBLAS)
+# before NumPy: gpt2np sets OpenBLAS's thread timeout, which OpenBLAS reads when NumPy loads it
+import gpt2np  # noqa: F401
 
 # isort: split
 import numpy as np

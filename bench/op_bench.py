@@ -1,5 +1,6 @@
-"""One op's kernels timed alone on the GPU, for every combination of the launch settings given: the dev/cuda way of
-trying a kernel's tuning (one kernel per idea, timed against the last).
+"""One op's kernels timed alone on the GPU, for every combination of the launch settings given.
+
+The dev/cuda way of trying a kernel's tuning: one kernel per idea, timed against the last.
 
 For each combination the op runs once eagerly (which allocates its scratch buffers), then --reps
 calls are captured as one CUDA graph and timed by two CUDA events around its launch (after one
@@ -9,7 +10,7 @@ the bandwidth the op contract's minimum bytes give at that time.
 
     python bench/op_bench.py layernorm_backward -b 64 -t 1024 --precision bf16 \\
         --set layernorm_max_blocks=512,1000000 --set layernorm_finish_threads=1,8,32
-    python bench/op_bench.py layernorm_backward --runtime emu -b 2 -t 16 -c 64 --reps 2   # dry run, no GPU
+    python bench/op_bench.py layernorm_backward --runtime emu -b 2 -t 16 -c 64 --reps 2  # dry run
 
 Ops: layernorm_backward (--fuse 1: the one-pass kernel, as training runs it; 0: dinp, then column
 sums), layernorm_forward, fused_residual_layernorm_forward, fused_classifier (softmax, loss and

@@ -2,10 +2,11 @@
 
 Everything on the page comes from the code, so it cannot drift. The roofline planner
 (gpt2np.profiling.plan.plan_step) runs the real GPT2 and train_step for d12 at B=4, T=1024 on the
-CUDA backend over a runtime that does no work. That gives the ops in the order a GPU runs them, their
-shapes, their kernels, and the op contract's FLOPs and minimum bytes (gpt2np/ops/contract.py). The
-floor of a launch on the H100 is max(FLOPs / peak, bytes / bandwidth). The measured H100 figures come
-from step_h100.json beside this script. tests/test_docs.py fails when docs/step.md differs from this
+CUDA backend over a runtime that does no work. That gives the ops in the order a GPU runs them,
+their shapes, their kernels, and the op contract's FLOPs and minimum bytes
+(gpt2np/ops/contract.py). The floor of a launch on the H100 is max(FLOPs / peak, bytes /
+bandwidth). The measured H100 figures come from step_h100.json beside this script.
+tests/test_docs.py fails when docs/step.md differs from this
 script's output. Runs on the CPU in about a second; no GPU needed.
 """
 import importlib
@@ -26,7 +27,8 @@ MODEL, B, T, GPU = "d12", 4, 1024, "H100"
 PRECISIONS = ("tf32", "bf16")
 DOCS = Path(__file__).resolve().parent
 MEASURED = DOCS / "step_h100.json"
-SECTIONS = (("fprop", "Forward"), ("bprop", "Backward"), ("update", "Optimizer: grad norm and AdamW"))
+SECTIONS = (("fprop", "Forward"), ("bprop", "Backward"),
+            ("update", "Optimizer: grad norm and AdamW"))
 
 # One line per op: what it computes. Shapes: B batch, T time, C channels, OC output channels,
 # NH heads, HS = C / NH, V vocabulary, Vp padded vocabulary. An op the model runs without a line
@@ -46,7 +48,8 @@ EQUATIONS = {
                         "dlogits = (softmax - onehot(y)) / (B T), in place",
     "loss_mean": "stats[0] = mean(loss): the step's loss stays on the device",
     "matmul_backward": "dinp = dout @ W; dW += dout^T @ inp; dbias += sum(dout)",
-    "gelu_matmul_backward": "dinp = (dout @ W) * gelu'(pre); dW += dout^T @ inp; dbias += sum(dout)",
+    "gelu_matmul_backward": "dinp = (dout @ W) * gelu'(pre); dW += dout^T @ inp; "
+                            "dbias += sum(dout)",
     "layernorm_backward": "g = w dout; dinp += rstd (g - mean(g) - xhat mean(g xhat)); "
                           "dw += sum(dout xhat); db += sum(dout)",
     "attention_backward": "datt = dout v^T; ds = att (datt - rowsum(datt att)); "
@@ -72,7 +75,8 @@ REFERENCE_SEQUENCES = {
 
 @dataclass
 class Row:
-    """The calls of one op on one module pattern (h.*.attn.c_attn) in one direction, in step order."""
+    """The calls of one op on one module pattern (h.*.attn.c_attn) in one direction, in step
+    order."""
     direction: str
     module: str
     op: str
@@ -301,7 +305,8 @@ def measured_table(planned, rows, measured):
     unknown = set(recorded) - {(row.direction, row.op) for row in rows}
     if unknown:
         raise KeyError(f"{MEASURED.name} names ops the step does not run: {sorted(unknown)}")
-    lines = ["| op | direction | calls | floor tf32 | H100 tf32 | floor bf16 | H100 bf16 | recorded |",
+    lines = ["| op | direction | calls | floor tf32 | H100 tf32 | floor bf16 | H100 bf16 "
+             "| recorded |",
              "|---|---|--:|--:|--:|--:|--:|---|"]
     for (direction, op), (calls, floors) in op_floors(rows).items():
         m = recorded.get((direction, op), {})
@@ -315,11 +320,13 @@ def measured_table(planned, rows, measured):
                 x.floor_ns or 0.0 for x in plan.launches
                 if x.record.op in group.get("ops", ())
                 or x.record.kernel.startswith(group.get("kernels", "\0")))
-        lines.append(f"| {group['name']} | | | {floors['tf32'] / 1e6:.3f} | {ms(group['tf32_ms'])} | "
-                     f"{floors['bf16'] / 1e6:.3f} | {ms(group['bf16_ms'])} | {group['note']} |")
+        lines.append(f"| {group['name']} | | | {floors['tf32'] / 1e6:.3f} | "
+                     f"{ms(group['tf32_ms'])} | {floors['bf16'] / 1e6:.3f} | "
+                     f"{ms(group['bf16_ms'])} | {group['note']} |")
     step = measured["step"]
-    lines.append(f"| **the step** | | | {planned['tf32'].floor_ns / 1e6:.3f} | {ms(step['tf32_ms'])} | "
-                 f"{planned['bf16'].floor_ns / 1e6:.3f} | {ms(step['bf16_ms'])} | {step['note']} |")
+    lines.append(f"| **the step** | | | {planned['tf32'].floor_ns / 1e6:.3f} | "
+                 f"{ms(step['tf32_ms'])} | {planned['bf16'].floor_ns / 1e6:.3f} | "
+                 f"{ms(step['bf16_ms'])} | {step['note']} |")
     return lines
 
 
@@ -349,7 +356,8 @@ Each op has its equation, its shapes, its work and its time on an H100.
 
 `python docs/make_step.py > docs/step.md` writes this page; do not edit it by hand.
 The script runs the roofline planner on the CPU; no GPU is needed.
-The planner runs the real model and `train_step` on the CUDA backend, over a runtime that does no work.
+The planner runs the real model and `train_step` on the CUDA backend,
+over a runtime that does no work.
 So the ops, their order, shapes and kernels are those of a real step.
 `tests/test_docs.py` fails when this page differs from the script's output.
 
@@ -358,7 +366,8 @@ So the ops, their order, shapes and kernels are those of a real step.
 - **equation**: what the op computes, in one line. Shape names follow
   [the op contract](../gpt2np/ops/contract.py): B batch, T time, C channels, OC output channels.
 
-- `+=` adds into a gradient. The first micro-batch of a step overwrites it, so no `zero_grad` pass runs.
+- `+=` adds into a gradient.
+  The first micro-batch of a step overwrites it, so no `zero_grad` pass runs.
 
 - **NumPy reference**: the plain NumPy function that defines the op on the CPU.
   A fused op equals the functions it joins, in order.
@@ -427,7 +436,8 @@ def render():
     lines += ["", "## Copies and memsets", "",
               "The step also moves a few bytes between host and device, and clears one buffer.", ""]
     lines += copies_table(copies)
-    lines += [""] + MEASURED_TEXT.format(gpu=measured["gpu"], commit=measured["commit"]).splitlines()
+    measured_text = MEASURED_TEXT.format(gpu=measured["gpu"], commit=measured["commit"])
+    lines += [""] + measured_text.splitlines()
     lines += [""] + measured_table(planned, rows, measured)
     lines += [""] + LIMITS.splitlines()
     return "\n".join(lines) + "\n"
