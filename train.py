@@ -3,7 +3,8 @@
 import sys
 
 try:
-    from gpt2np.cli.train import build_parser, main, parse_config  # noqa: F401  (tests and scripts use these)
+    # build_parser and parse_config: for tests and scripts
+    from gpt2np.cli.train import build_parser, main, parse_config  # noqa: F401
 except KeyboardInterrupt:
     # Ctrl-C while importing, before the run's own handling: one line too
     print("error: interrupted", file=sys.stderr)

@@ -159,7 +159,7 @@ class _Range:
         return False
 
 
-def range(name: str, detail=None):  # noqa: A001 - read as ranges.range(...), like torch.cuda.nvtx.range
+def range(name: str, detail=None):  # noqa: A001 (read as ranges.range, like torch.cuda.nvtx)
     """Context manager: a range called `name` around the body (one boolean check when off). `detail`
     goes to the listeners only (NVTX gets the name)."""
     if not _active:

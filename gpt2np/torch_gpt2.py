@@ -5,11 +5,11 @@ their gradients, concatenated in llm.c's order, are llm.c's flat gradient buffer
 Vp; the padding rows get zero gradient because lm_head only reads wte[:V] and token ids are < V).
 Forward and backward use autograd; AdamW is written out by hand with llm.c's update rule.
 
-    ref = TorchGPT2(cfg, params_flat)           # params_flat: (num_parameters(cfg),) from an llm.c file
-    out = ref.forward_backward(x, y)            # x, y: (B,T) ints
+    ref = TorchGPT2(cfg, params_flat)        # params_flat: (num_parameters(cfg),), an llm.c file's
+    out = ref.forward_backward(x, y)         # x, y: (B,T) ints
     out.logits (B,T,V), out.loss (float), out.grads {name: array in tensors.param_shapes(cfg)}
-    losses = ref.take_steps(x, y, 10, lr=1e-4)  # the loss before each update, like llm.c's loop
-    ac = TorchGPT2(cfg, params_flat, autocast=True)   # PyTorch's bf16 mixed precision, for compare --precision bf16
+    losses = ref.take_steps(x, y, 10, lr=1e-4)   # the loss before each update, as llm.c's loop
+    ac = TorchGPT2(cfg, params_flat, autocast=True)   # PyTorch's bf16 mixed precision (compare)
 
 autocast=True runs the forward pass under torch.autocast("cpu", dtype=torch.bfloat16), as a PyTorch
 user trains in bf16: fp32 parameters, gradients and AdamW; matmuls on bf16 inputs; LayerNorm and
@@ -237,7 +237,8 @@ class TorchGPT2:
         """llm.c's AdamW on the flat buffer, with g = grad * grad_scale and t += 1 first:
 
         m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  mhat = m / (1-b1^t);  vhat = v / (1-b2^t)
-        p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p)   with wd = weight_decay on decay_tensors, else 0
+        p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p)
+        with wd = weight_decay on decay_tensors, else 0
         """
         torch = self.torch
         unknown = set(decay_tensors) - set(PARAM_NAMES)

@@ -3,7 +3,8 @@ import os
 import signal
 from pathlib import Path
 
-import gpt2np  # noqa: F401  (before NumPy, as train.py: OpenBLAS's thread timeout; else the numpy backend warns)
+# before NumPy, as train.py: OpenBLAS's thread timeout (else the numpy backend warns)
+import gpt2np  # noqa: F401
 
 # isort: split
 import pytest

@@ -294,9 +294,9 @@ class FakeCupy:
             def free_bytes():
                 return fake.pool_free
 
+        device = types.SimpleNamespace(get_cublas_handle=self._shared_handle)
         self.cuda = types.SimpleNamespace(runtime=Runtime, Device=Device, nvrtc=Nvrtc,
-                                          get_current_stream=lambda: fake.stream,
-                                          device=types.SimpleNamespace(get_cublas_handle=self._shared_handle))
+                                          get_current_stream=lambda: fake.stream, device=device)
         self.get_default_memory_pool = Pool
         self._next_address = 0x7000_0000
 

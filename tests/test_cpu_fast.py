@@ -4,12 +4,14 @@ float64 by the NumPy reference code (NumpyBackend(np.float64), an independent im
 same formulas), beside the exact float32 path:
 
   e^x                     within 1.02 ulp of the float64 value (NumPy's float32 exp: about 2.5 here)
-  GELU forward            |error| <= 2^-22 |x| (x normal);  backward |error| <= 2^-21 |dout| (the exact path's is
-                          ~1.3e-6)
+  GELU forward            |error| <= 2^-22 |x| (x normal);  backward |error| <= 2^-21 |dout| (the
+                          exact path's is ~1.3e-6)
   LayerNorm fwd / bwd     |error| <= 2^-20 of the largest |value| of the output (dinp: of dinp)
-  attention fwd / bwd     probabilities and outputs |error| <= 2^-19 of the largest |value| (the exact float32
-                          path's own error reaches 1.7 x 2^-20 with heads of 64); masked entries exactly 0
-  classifier              losses within 2^-21 relative; dlogits |error| <= 2^-20 of dloss; padding exactly 0
+  attention fwd / bwd     probabilities and outputs |error| <= 2^-19 of the largest |value| (the
+                          exact float32 path's own error reaches 1.7 x 2^-20 with heads of 64);
+                          masked entries exactly 0
+  classifier              losses within 2^-21 relative; dlogits |error| <= 2^-20 of dloss; padding
+                          exactly 0
   gradient norm           within 2^-20 relative
 
 and as a whole: training steps track the exact path's (the golden run's fast twin, in

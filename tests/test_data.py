@@ -336,7 +336,8 @@ loader = DataLoader(path, 4, 16, vocab_size=50257)
 loader.next_batch()
 os.truncate(path, HEADER_BYTES + 2 * 100)      # in place, as a crashed copy or `truncate -s` would
 try:
-    for _ in range(loader.num_batches):        # on into pages past the new end, where a memory map faults
+    # on into pages past the new end, where a memory map faults
+    for _ in range(loader.num_batches):
         loader.next_batch()
 except DataError as e:
     print(e)

@@ -32,7 +32,9 @@ import numpy as np
 import pytest
 from fake_gpu import FakeNccl, Group, ThreadComm
 from noise_params import key_bias_mask
-from test_dist import REPO, clean_env, mpiexec  # noqa: F401 (the fixture: mpiexec, probed with 2 ranks)
+
+# the fixture mpiexec, probed with 2 ranks
+from test_dist import REPO, clean_env, mpiexec  # noqa: F401
 from test_dist_fake_nccl import batches as fake_nccl_batches
 from test_dist_fake_nccl import train
 

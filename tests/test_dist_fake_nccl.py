@@ -127,7 +127,8 @@ def test_data_parallel_steps_replay_as_cuda_graphs_bitwise_the_eager_steps(ranks
     ones of ranks sharing a GPU. One rank (mpiexec -n 1) too: before, its collectives were captured
     inside the one graph, and their wait failed there."""
     if staged:
-        collectives = lambda comm: (lambda backend, buf: StagedCollectives(comm, backend.rt))   # noqa: E731
+        def collectives(comm):
+            return lambda backend, buf: StagedCollectives(comm, backend.rt)
     else:
         collectives = nccl_factory(FakeNccl())
     eager = thread_ranks(ranks, zero, collectives, steps=4)

@@ -1,11 +1,11 @@
 """The docs stay true to the code and within issue 36's limits.
 
-docs/step.md is exactly what docs/make_step.py prints. Every relative link in README.md and docs/*.md
-resolves, and an anchor into a page names one of its headings. Every `gpt2np ...`, `python -m gpt2np ...`
-and `python train.py ...` command of a ```bash block parses with that command's own parser (nothing runs:
-the parse stops the command). The README is at most 250 lines; docs/ has at least 5 pages of at most 500
-lines; no date stamp outside CHANGELOG.md and docs/benchmarks*.md; the median prose sentence is at most
-25 words.
+docs/step.md is exactly what docs/make_step.py prints. Every relative link in README.md and
+docs/*.md resolves, and an anchor into a page names one of its headings. Every `gpt2np ...`, `python
+-m gpt2np ...` and `python train.py ...` command of a ```bash block parses with that command's own
+parser (nothing runs: the parse stops the command). The README is at most 250 lines; docs/ has at
+least 5 pages of at most 500 lines; no date stamp outside CHANGELOG.md and docs/benchmarks*.md; the
+median prose sentence is at most 25 words.
 """
 import argparse
 import contextlib
@@ -58,7 +58,8 @@ def test_step_page_is_what_its_generator_prints():
     got = (DOCS / "step.md").read_text()
     diff = "".join(list(difflib.unified_diff(got.splitlines(True), want.splitlines(True),
                                              "docs/step.md", "python docs/make_step.py"))[:40])
-    assert got == want, f"docs/step.md is stale; run: python docs/make_step.py > docs/step.md\n{diff}"
+    assert got == want, ("docs/step.md is stale; run: python docs/make_step.py > "
+                         f"docs/step.md\n{diff}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +82,8 @@ def heading_anchors(page):
 def relative_links():
     """(page, target path or '', anchor or '') of every relative link of every page."""
     for page in pages():
-        for target in re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", without_code(page.read_text())):
+        for target in re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)",
+                                 without_code(page.read_text())):
             if re.match(r"[a-z][a-z0-9+.-]*:", target):          # https:, mailto:
                 continue
             path, _, anchor = target.partition("#")
@@ -98,7 +100,8 @@ def test_every_anchor_names_a_heading():
     broken = []
     for page, path, anchor in relative_links():
         target = (page.parent / path) if path else page
-        if anchor and target.suffix == ".md" and target.exists() and anchor not in heading_anchors(target):
+        if (anchor and target.suffix == ".md" and target.exists()
+            and anchor not in heading_anchors(target)):
             broken.append(f"{name(page)}: {path}#{anchor}")
     assert not broken, "anchors that name no heading of their page:\n" + "\n".join(broken)
 
@@ -117,8 +120,9 @@ def command_argv(words):
 
 
 def shown_commands():
-    """(page, argv after the command name) of every gpt2np / python -m gpt2np / python train.py command
-    in a ```bash block: continuation lines joined, comments dropped, cut at shell operators."""
+    """(page, argv after the command name) of every gpt2np / python -m gpt2np / python train.py
+    command in a ```bash block: continuation lines joined, comments dropped, cut
+    at shell operators."""
     for page in pages():
         for block in re.findall(r"^```bash\n(.*?)^```", page.read_text(), flags=re.M | re.S):
             for line in block.replace("\\\n", " ").splitlines():
@@ -140,7 +144,8 @@ def shown_commands():
 
 
 class Parsed(BaseException):
-    """Raised by the patched parser once a command's flags parsed: the command stops before it runs."""
+    """Raised by the patched parser once a command's flags parsed: the command
+    stops before it runs."""
 
 
 @pytest.fixture
@@ -169,7 +174,8 @@ def parse_only(monkeypatch):
         return base(self, *args, **kwargs)
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", ours_only)
-    monkeypatch.setattr(ArgumentParser, "parse_known_args", stopping(ArgumentParser.parse_known_args))
+    monkeypatch.setattr(ArgumentParser, "parse_known_args",
+                        stopping(ArgumentParser.parse_known_args))
     monkeypatch.setattr(ArgumentParser, "parse_args", stopping(argparse.ArgumentParser.parse_args))
 
 
@@ -197,25 +203,28 @@ def test_every_shown_command_parses(parse_only):
 
 def test_readme_is_at_most_250_lines():
     n = len(README.read_text().splitlines())
-    assert n <= README_LINES, f"README.md has {n} lines (at most {README_LINES}): move a section to docs/"
+    assert n <= README_LINES, (f"README.md has {n} lines (at most {README_LINES}): move a "
+                               "section to docs/")
 
 
 def test_docs_has_at_least_5_pages_of_at_most_500_lines():
     docs = sorted(DOCS.rglob("*.md"))
     assert len(docs) >= MIN_PAGES, f"docs/ has {len(docs)} pages (at least {MIN_PAGES})"
-    long = [f"{name(p)}: {n} lines" for p in docs if (n := len(p.read_text().splitlines())) > PAGE_LINES]
+    long = [f"{name(p)}: {n} lines" for p in docs
+            if (n := len(p.read_text().splitlines())) > PAGE_LINES]
     assert not long, f"pages over {PAGE_LINES} lines:\n" + "\n".join(long)
 
 
 def test_dates_only_in_the_changelog_and_benchmarks():
     dated = [f"{name(p)}: {', '.join(DATE.findall(p.read_text()))}" for p in pages()
              if not name(p).startswith("docs/benchmarks") and DATE.search(p.read_text())]
-    assert not dated, "date stamps belong in CHANGELOG.md or docs/benchmarks*.md:\n" + "\n".join(dated)
+    assert not dated, ("date stamps belong in CHANGELOG.md or docs/benchmarks*.md:\n"
+                       + "\n".join(dated))
 
 
 def sentence_lengths(text):
-    """Words per prose sentence of a page: code blocks, tables, headings and indented lines left out,
-    list markers dropped, inline code counted as one word; sentences split after . ! ? before a
+    """Words per prose sentence of a page: code blocks, tables, headings and indented lines left
+    out, list markers dropped, inline code counted as one word; sentences split after . ! ? before a
     capital, a parenthesis or inline code; fragments under 3 words not counted."""
     prose, in_code = [], False
     for line in text.splitlines():
@@ -238,6 +247,7 @@ def sentence_lengths(text):
 def test_median_sentence_is_at_most_25_words():
     lengths = [n for p in pages() for n in sentence_lengths(p.read_text())]
     median = statistics.median(lengths)
-    by_page = ", ".join(f"{name(p)} {statistics.median(s):.0f}" for p in pages() if (s := sentence_lengths(
-        p.read_text())))
-    assert median <= MEDIAN_WORDS, f"median sentence {median:.0f} words (at most {MEDIAN_WORDS}): {by_page}"
+    by_page = ", ".join(f"{name(p)} {statistics.median(s):.0f}" for p in pages()
+                        if (s := sentence_lengths(p.read_text())))
+    assert median <= MEDIAN_WORDS, (f"median sentence {median:.0f} words (at most "
+                                    f"{MEDIAN_WORDS}): {by_page}")

@@ -26,7 +26,8 @@ def details_csv(rows):
              "==PROF== Profiling \"layernorm_forward\" - 0: 0%....50%....100% - 9 passes",
              HEAD + ',"Section Name","Metric Name","Metric Unit","Metric Value"']
     for kid, name, grid, block, metric, unit, value in rows:
-        lines.append(f'"{kid}","4242","python3.11","127.0.0.1","{name}","1","7","{block}","{grid}","0","9.0",'
+        lines.append(f'"{kid}","4242","python3.11","127.0.0.1","{name}","1","7","{block}",'
+                     f'"{grid}","0","9.0",'
                      f'"Command line profiler metrics","{metric}","{unit}","{value}"')
     return "\n".join(lines) + "\n"
 

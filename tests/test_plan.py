@@ -228,7 +228,7 @@ def test_every_launch_is_printed_when_asked(tmp_path, capsys):
     assert "encoder_backward_wte_grouped" in out and "dweight" in out
 
 
-def test_measure_on_the_emulator_puts_measured_times_beside_the_floors(tiny_model, tmp_path,  # noqa: F811
+def test_measure_on_the_emulator_puts_measured_times_beside_the_floors(tiny_model, tmp_path,
                                                                        capsys):
     assert main(["--plan", "--measure", "--device", "emu", "--plan-launches", "-e", str(tiny_model),
                  "-b", "1", "-t", "8", "--out", str(tmp_path)]) == 0

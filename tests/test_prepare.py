@@ -123,7 +123,8 @@ def test_ensure_uses_existing_file_and_knows_urls(tmp_path):
     with pytest.raises(FetchError):
         fetch.ensure("unknown.bin", tmp_path)
     assert fetch.KNOWN_FILES["gpt2_124M.bin"].startswith(fetch.STARTER_PACK_URL)
-    assert fetch.STARTER_PACK_URL == "https://huggingface.co/datasets/karpathy/llmc-starter-pack/resolve/main/"
+    assert fetch.STARTER_PACK_URL == ("https://huggingface.co/datasets/karpathy/llmc-starter-pack/"
+                                      "resolve/main/")
 
 
 def test_fetch_a_file_in_the_way_of_dir_is_one_line_before_any_download(tmp_path, capsys,
@@ -225,8 +226,9 @@ def test_an_empty_or_too_short_text_is_refused_before_tokenizing(tmp_path, bytes
         assert (err.count("\n") == 1 and "tokenizing" not in err
                 and all(w in err for w in words)), err
     assert not (tmp_path / "out").exists()
-    assert prepare_cli.main(["--input", str(tmp_path / "short.txt"), "--output-dir", str(tmp_path / "out"),
-                         "--val-tokens", "200"]) == 0       # 204 tokens: a training split is left
+    # 204 tokens: a training split is left
+    assert prepare_cli.main(["--input", str(tmp_path / "short.txt"),
+                             "--output-dir", str(tmp_path / "out"), "--val-tokens", "200"]) == 0
 
 
 def test_a_small_text_gets_a_smaller_val_split_with_a_note(tmp_path, bytes_encoding, capsys,

@@ -8,7 +8,7 @@ from gpt2np.profiling.render import report
 from gpt2np.profiling.render import views as V
 
 
-def test_train_profile_prints_the_views_and_writes_the_files(tiny_model, tiny_shards, tmp_path,  # noqa: F811
+def test_train_profile_prints_the_views_and_writes_the_files(tiny_model, tiny_shards, tmp_path,
                                                              capsys):
     device = "cpu"
     code, out, err = run(base_args(tiny_model, tiny_shards) + ["-x", 3, "-v", 0,
@@ -33,7 +33,7 @@ def test_train_profile_prints_the_views_and_writes_the_files(tiny_model, tiny_sh
     assert set(V.VIEWS) - {"kernels", "layers", "ops", "top_kernels"} <= set(doc["views"])
 
 
-def test_profiler_tool_on_the_emulator_prints_every_view_labelled(tiny_model, tmp_path, capsys):  # noqa: F811
+def test_profiler_tool_on_the_emulator_prints_every_view_labelled(tiny_model, tmp_path, capsys):
     from gpt2np.cli.profile import main
     assert main(["-e", str(tiny_model), "-b", "1", "-t", "8", "--device", "emu", "--views", "all",
                  "--out", str(tmp_path)]) == 0
@@ -45,7 +45,7 @@ def test_profiler_tool_on_the_emulator_prints_every_view_labelled(tiny_model, tm
     assert "[CUDA memcpy HtoD]" in out and "cuLaunchKernel" in out and "nvtx_kern_sum" in out
 
 
-def test_train_profile_profiles_at_the_runs_own_precision(tiny_model, tiny_shards, tmp_path,  # noqa: F811
+def test_train_profile_profiles_at_the_runs_own_precision(tiny_model, tiny_shards, tmp_path,
                                                           capsys):
     """--profile profiles the backend the run trains on, so at its precision; the views'
     titles say which."""

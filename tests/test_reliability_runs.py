@@ -636,7 +636,8 @@ def test_kill_9_at_random_moments_then_resume_is_bit_identical(files, tmp_path, 
     resume with -y 1 until it finishes: the final model, optimizer state and main.log equal an
     uninterrupted run's."""
     steps, kills = 16, 6
-    run_args = lambda out: args(files, out, "-x", steps, "-n", 1, "-v", 4, "-m", 1, "-y", 1)  # noqa: E731
+    def run_args(out):
+        return args(files, out, "-x", steps, "-n", 1, "-v", 4, "-m", 1, "-y", 1)
     reference, out = tmp_path / "reference", tmp_path / "out"
     code, _, err = run(run_args(reference), capsys)
     assert code == 0, err
@@ -847,10 +848,11 @@ def test_signal_tests_pass_when_pytest_starts_with_signals_ignored():
     """pytest started with SIGINT and SIGTERM ignored (nohup, `cmd &` in a script, some CI runners):
     the signal tests, in this process and in child trainers, still pass (conftest gives the tests
     the default dispositions)."""
+    rotation = "tests/test_checkpoint_rotation.py::"
     selected = ["tests/test_reliability_runs.py::test_signal_checkpoints_and_exits",
-                "tests/test_checkpoint_rotation.py::test_x0_stops_at_the_first_signal",
-                "tests/test_checkpoint_rotation.py::test_two_quick_signals_during_one_c_call_count_as_two",
-                "tests/test_checkpoint_rotation.py::test_nk_counts_checkpoints_that_exist_and_keeps_the_major_ones"]
+                rotation + "test_x0_stops_at_the_first_signal",
+                rotation + "test_two_quick_signals_during_one_c_call_count_as_two",
+                rotation + "test_nk_counts_checkpoints_that_exist_and_keeps_the_major_ones"]
 
     def ignore_signals():
         signal.signal(signal.SIGINT, signal.SIG_IGN)

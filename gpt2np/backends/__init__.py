@@ -121,7 +121,7 @@ def cuda_status(cupy=None, import_module=importlib.import_module):
     try:
         # through the package: its __getattr__ preloads the wheel's libcublas (the module alone has
         # no RPATH)
-        import_module("cupy_backends.cuda.libs").cublas  # noqa: B018 (the attribute access loads it)
+        import_module("cupy_backends.cuda.libs").cublas  # noqa: B018 (the access loads it)
     except Exception as e:
         return (f"cuBLAS for CUDA {CUDA_MAJOR} not found ({_short(e)}): pip install "
                 f"'nvidia-cublas>=13,<14' (or {INSTALL})"), True

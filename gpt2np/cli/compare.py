@@ -3,10 +3,10 @@
 For one batch it compares the logits, the loss and all 16 parameter gradients, then runs N AdamW
 steps on that batch in both and compares the two loss curves step by step.
 
-    python -m gpt2np.cli.compare -e gpt2_124M.bin                       # batch from --seed, torch reference
-    python -m gpt2np.cli.compare -e gpt2_124M.bin --data shard.bin -b 4 -t 64 --backend cuda
-    python -m gpt2np.cli.compare -e gpt2_124M.bin --debug-state gpt2_124M_debug_state.bin --steps 0
-                                                                     # (llm.c's file; needs no torch)
+    gpt2np compare -e gpt2_124M.bin                       # a batch from --seed, the torch reference
+    gpt2np compare -e gpt2_124M.bin --data shard.bin -b 4 -t 64 --backend cuda
+    gpt2np compare -e gpt2_124M.bin --debug-state gpt2_124M_debug_state.bin --steps 0
+                                                         # (llm.c's file; needs no torch)
 Error measure, per tensor: max|gpt2np - ref| / max|ref| (the error relative to the tensor's scale).
 
     gpt2np compare -e gpt2_124M.bin --precision bf16   # against autocast bf16
@@ -258,8 +258,8 @@ def parse_args(argv=None):
                    help="gpt2np's matmuls: fp32, or tf32 (TF32 tensor cores; cuda and emu "
                    "backends) against the same fp32 reference with the tf32 tolerances; bf16 "
                    "(every backend): gpt2np's bf16 against PyTorch fp32, its error at most "
-                   f"{BF16_RATIO:g}x that of PyTorch autocast bf16 with llm.c's bf16 residual stream "
-                   "(default fp32)")
+                   f"{BF16_RATIO:g}x that of PyTorch autocast bf16 with llm.c's bf16 residual "
+                   "stream (default fp32)")
     p.add_argument("--attention", choices=("naive", "flash"), default="naive",
                    help="gpt2np's attention: naive, or flash (on cuda and emu: TF32 tensor cores "
                         "at fp32 and tf32, so checked with the tf32 tolerances; bf16 WMMA at bf16; "

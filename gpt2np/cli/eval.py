@@ -1,14 +1,14 @@
 """Evaluate a model: `gpt2np eval [loss] -e MODEL -j PATTERN`, the mean loss over token shards.
 
-    gpt2np eval -e model.bin -j 'data/val*.bin'            # every batch of the shards, a progress bar
-    gpt2np eval -e gpt2 -j val.bin -b 8 -t 1024 -m 100    # a Hugging Face model, the first 100 batches
+    gpt2np eval -e model.bin -j 'data/val*.bin'          # every batch of the shards, with progress
+    gpt2np eval -e gpt2 -j val.bin -b 8 -t 1024 -m 100  # a Hugging Face model, 100 batches
 
 The loss is the one training logs as `tel` (val loss): the mean over batches of each batch's mean
 next-token cross-entropy, batches of -b x -t tokens read in order from the shards (llm.c's
 DataLoader). The precision is training's default on the device; a run trained with --precision bf16
 (or tf32) logged its val loss in that precision, and `--precision bf16` gives it again.
 
-    gpt2np eval hellaswag -e model.bin                  # HellaSwag acc and acc_norm (gpt2np/datasets/hellaswag.py)
+    gpt2np eval hellaswag -e model.bin                     # HellaSwag acc and acc_norm
     gpt2np eval hellaswag -e model.bin -j my.jsonl -m 100 -b 16
 
 For hellaswag, -j is a HellaSwag jsonl (default: hellaswag_val.jsonl, downloaded into the cache, see

@@ -1,7 +1,8 @@
 """`gpt2np fetch`: download tinyshakespeare, llm.c's starter pack, GPT-2's BPE files, HellaSwag.
 
-    gpt2np fetch [tinyshakespeare|model|model-bf16|tokenizer|debug-state|bpe|all ...] [--dir checkpoints]
-    gpt2np fetch hellaswag [--dir DIR]     # hellaswag_val.jsonl into the download cache (gpt2np/datasets/cache.py)
+    gpt2np fetch [tinyshakespeare|model|model-bf16|tokenizer|debug-state|bpe|all ...]
+                 [--dir checkpoints]
+    gpt2np fetch hellaswag [--dir DIR]     # hellaswag_val.jsonl into the download cache
 
 The files go to checkpoints/ in the current folder (--dir), where `gpt2np train` and `prepare` run
 from the same folder look for them; each downloaded file's path is printed as it works from there.

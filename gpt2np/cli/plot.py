@@ -1,7 +1,7 @@
-"""Plot training runs from their main.log files, as llm.c's dev/vislog.ipynb does: `gpt2np plot RUN_DIR...`.
+"""Plot training runs from their main.log files, as llm.c's dev/vislog.ipynb does.
 
     gpt2np plot log_d12                          # log_d12/main.log -> plot.png and plot.svg
-    gpt2np plot log_a log_b -o cmp --baseline 124M    # two runs on one figure, GPT-2 124M reference lines
+    gpt2np plot log_a log_b -o cmp --baseline 124M    # two runs on one figure, GPT-2 124M lines
 
 main.log holds llm.c's lines `s:STEP trl:LOSS [lr:.. norm:..]` (train loss), `s:STEP tel:LOSS` (val
 loss) and `s:STEP eval:ACC` (HellaSwag accuracy). A step logged twice (a run resumed from an earlier

@@ -1,10 +1,10 @@
-"""Train GPT-2 with gpt2np: llm.c's train_gpt2 flags, on the CPU (NumPy) or a GPU (CUDA kernels + cuBLAS).
+"""Train GPT-2 with gpt2np: llm.c's train_gpt2 flags, on the CPU (NumPy) or a GPU (CUDA + cuBLAS).
 
-    gpt2np train                         # gpt2_124M.bin (fetched; offline: d12 random init) on tinyshakespeare
+    gpt2np train                               # gpt2_124M.bin (offline: d12) on tinyshakespeare
     gpt2np train -e d12 -b 4 -t 64 -x 20 -o log124M
-    gpt2np train -e log124M/model_00000020.bin ...         # any llm.c model file
-    gpt2np train -o log124M -y 1                           # resume the run in -o (its model; the same data, flags)
-    mpiexec -n 8 gpt2np train -e d12 -z 1                  # data parallel: 8 ranks (one GPU each), ZeRO-1
+    gpt2np train -e log124M/model_00000020.bin ...   # any llm.c model file
+    gpt2np train -o log124M -y 1               # resume the run in -o (its model, data and flags)
+    mpiexec -n 8 gpt2np train -e d12 -z 1      # data parallel: 8 ranks (a GPU each), ZeRO-1
 
 `python train.py` is the same command (llm.c's entry point, kept as a shim over this module).
 """

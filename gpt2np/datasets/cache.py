@@ -1,9 +1,12 @@
 """The download cache: where downloaded datasets go, and when a cached file counts as done.
 
-    cache_dir()                    --dir if given, else $GPT2NP_CACHE, else the user cache dir (platformdirs:
-                                   ~/.cache/gpt2np on Linux; ~/.cache/gpt2np without platformdirs)
-    checked_cache_dir()            the same, refused in one line (naming --dir) when a file is in the way
-    cached(name, url, dir=None)    the path of a verified copy of url in the cache, downloading it first if needed
+    cache_dir()                    --dir if given, else $GPT2NP_CACHE, else the user cache dir
+                                   (platformdirs: ~/.cache/gpt2np on Linux; ~/.cache/gpt2np without
+                                   platformdirs)
+    checked_cache_dir()            the same, refused in one line (naming --dir) when a file is in
+                                   the way
+    cached(name, url, dir=None)    the path of a verified copy of url in the cache, downloading it
+                                   first if needed
 
 A file counts as done only when its size and SHA-256 match: the ones given (CachedFile.size/.sha256,
 when known), and the ones recorded in `<name>.done.json` next to it after a complete download. A

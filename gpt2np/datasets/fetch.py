@@ -14,7 +14,8 @@ from pathlib import Path
 from gpt2np.fileio import atomic_write
 from gpt2np.progress import progress as show_progress
 
-TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+TINYSHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+                       "tinyshakespeare/input.txt")
 STARTER_PACK_URL = "https://huggingface.co/datasets/karpathy/llmc-starter-pack/resolve/main/"
 GPT2_BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
 

@@ -1,7 +1,7 @@
 """HellaSwag: pick the ending of a context the model finds most likely, as llm.c
 (dev/data/hellaswag.py) does.
 
-    gpt2np eval hellaswag -e model.bin                  # hellaswag_val.jsonl (10,042 examples), fetched into the cache
+    gpt2np eval hellaswag -e model.bin           # hellaswag_val.jsonl, fetched into the cache
     gpt2np eval hellaswag -e gpt2 -j my.jsonl -m 100    # a local jsonl, the first 100 examples
 
 Each jsonl line has `ctx` (the context), `endings` (4 strings) and `label` (the index

@@ -1,7 +1,7 @@
 """Hugging Face GPT-2 weights <-> llm.c model files.
 
-    gpt2np hf import DIR_OR_ID -o model.bin    # a GPT2LMHeadModel folder or a Hub id (gpt2, gpt2-medium, ...)
-    gpt2np hf export model.bin -o DIR          # config.json + model.safetensors for GPT2LMHeadModel.from_pretrained
+    gpt2np hf import DIR_OR_ID -o model.bin    # a GPT2LMHeadModel folder or a Hub id (gpt2, ...)
+    gpt2np hf export model.bin -o DIR          # config.json + model.safetensors for transformers
 
 A GPT2LMHeadModel folder holds config.json and model.safetensors (or sharded safetensors with their
 index, or pytorch_model.bin, read only when PyTorch is installed). transformers' Conv1D stores a

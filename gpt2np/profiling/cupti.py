@@ -10,8 +10,9 @@ activity, with its device start/end timestamps, finds the op, layer and NVTX ran
 without any event around the launch (which is what the fallback does, and says so).
 
     source = CuptiSource()        # raises CuptiUnavailable without cupti-python or a GPU
-    source.start(); ...; source.push(7); launch(); source.pop(); ...; synchronize(); activities = source.stop()
-    parsed = parse(activities)    # {"kernels", "memcpy", "memset", "api", "external"} of plain dicts
+    source.start(); ...; source.push(7); launch(); source.pop(); ...; synchronize()
+    activities = source.stop()
+    parsed = parse(activities)    # {"kernels", "memcpy", "memset", "api", "external"}: plain dicts
 
 stop() flushes by force, and a forced flush hands over the records of work the device has not
 finished with start = end = 0: the caller synchronizes the device first (the profiler does), and

@@ -12,7 +12,7 @@ the profiler on the CPU measures a roofline where it runs instead (cpu_roof.meas
 
     lookup("NVIDIA H100 80GB HBM3")  -> DeviceSpec for the H100 SXM
     peak_flops("A100-SXM4-80GB", "tf32") -> 156e12
-    roofline("NVIDIA L4", "fp32", matmul_precision="tf32") -> Roofline used by gpt2np.profiling.render.report
+    roofline("NVIDIA L4", "fp32", matmul_precision="tf32") -> Roofline (profiling.render.report)
 """
 import re
 from dataclasses import dataclass

@@ -1,8 +1,10 @@
 """Parameters per GPT-2 module and the model's memory by buffer, for the module tree
 and the model summary.
 
-    module_parameters(cfg) -> {"wte": Vp*C, "wpe": maxT*C, "h.0.ln_1": 2C, "h.0.attn.c_attn": 3C*C + 3C, ...}
-    memory_summary(model)  -> {"buffers": [{"buffer", "bytes", "what"}...], "total": ..., "peak": ..., ...}
+    module_parameters(cfg) -> {"wte": Vp*C, "wpe": maxT*C, "h.0.ln_1": 2C,
+                               "h.0.attn.c_attn": 3C*C + 3C, ...}
+    memory_summary(model)  -> {"buffers": [{"buffer", "bytes", "what"}...], "total": ...,
+                               "peak": ..., ...}
 
 The numbers come from the model's own buffers (llm.c's discipline: a few flat buffers allocated up
 front): parameters, gradients, AdamW m and v, the fp32 master weights of a bf16 run, activations

@@ -1,7 +1,7 @@
 """Attribute every kernel of an Nsight Compute result to layer, op and direction,
 with what ncu measured.
 
-    bench/ncu.sh                                     # one training step under ncu, NVTX-filtered, then this
+    bench/ncu.sh  # one training step under ncu, NVTX-filtered, then this
     gpt2np ncu step.csv [--records builtin/profile.json] [--device NAME] [--csv OUT] [--json OUT]
     gpt2np ncu step.ncu-rep ...  # through the ncu-report package (pip install ncu-report)
 

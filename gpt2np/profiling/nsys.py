@@ -3,14 +3,16 @@ show the profiler's views of it (gpt2np.profiling.render.views: the same rendere
 built-in profiler's).
 
     nsys profile -t cuda,nvtx -o prof python train.py ...
-    nsys export -t sqlite prof.nsys-rep            (or: nsys stats prof.nsys-rep, which also writes it)
+    nsys export -t sqlite prof.nsys-rep            (or: nsys stats prof.nsys-rep, which also writes
+                                                   it)
     gpt2np nsys prof.sqlite [--views all|NAME,...] [--step N|last|all]    (gpt2np/cli/nsys.py)
 
 What the views read (the export's schema, nsys 2023-2025):
     CUPTI_ACTIVITY_KIND_KERNEL / _MEMCPY (bytes, copyKind -> ENUM_CUDA_MEMCPY_OPER.name, e.g.
-    CUDA_MEMCPY_KIND_HTOD -> "[CUDA memcpy HtoD]") / _MEMSET (bytes): device start/end -> GPU activities,
-    cuda_gpu_kern_sum, cuda_gpu_mem_time_sum, cuda_gpu_mem_size_sum, nvtx_kern_sum;
-    CUPTI_ACTIVITY_KIND_RUNTIME (nameId -> StringIds, "_v7000" suffix dropped): API calls, cuda_api_sum;
+    CUDA_MEMCPY_KIND_HTOD -> "[CUDA memcpy HtoD]") / _MEMSET (bytes): device start/end -> GPU
+    activities, cuda_gpu_kern_sum, cuda_gpu_mem_time_sum, cuda_gpu_mem_size_sum, nvtx_kern_sum;
+    CUPTI_ACTIVITY_KIND_RUNTIME (nameId -> StringIds, "_v7000" suffix dropped): API calls,
+    cuda_api_sum;
     NVTX_EVENTS: nvtx_sum and, nested per thread, the PyTorch-profiler-style user ranges.
 
 How a kernel finds its ranges (the rule of `nsys stats --report nvtx_kern_sum`):

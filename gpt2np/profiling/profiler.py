@@ -11,10 +11,11 @@ model's memory by buffer.
 Timing, by backend:
   numpy      the CPU clock around each op.
   emulator   the host clock around each emulated launch: CPU times, and every view says so.
-  GPU        CUPTI activity records (cupti-python installed): device start/end of every kernel, copy and
-             memset, and the API calls, correlated to the launching op by external correlation ids.
-             Without CUPTI: CUDA events around each launch (a fallback that perturbs what it measures, and
-             the views say so); device start times come from the events' offsets to a reference event.
+  GPU        CUPTI activity records (cupti-python installed): device start/end of every kernel, copy
+             and memset, and the API calls, correlated to the launching op by external correlation
+             ids. Without CUPTI: CUDA events around each launch (a fallback that perturbs what it
+             measures, and the views say so); device start times come from the events' offsets to a
+             reference event.
 
     gpt2np profile -e d12 -b 4 -t 64 --steps 2 [--device cpu|cuda|emu] [--out DIR]
                    [--precision tf32|fp32|bf16] [--views all|NAME,NAME...]

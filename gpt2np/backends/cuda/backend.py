@@ -180,9 +180,11 @@ class CudaBackend:
       norm_threads, norm_max_blocks: the global norm's first stage
       encoder_token_blocks: most block rows (gridDim.y) of encoder_backward_wte_grouped; each row
         loops over every gridDim.y-th unique token (at most GRID_Y_LIMIT)
-      layernorm_rows_per_block, layernorm_max_blocks: rows each block of layernorm_backward_fused owns (its partial
-        sums' row chunk), raised where the rows would need more blocks than the most (then ceil(N / most))
-      layernorm_finish_threads: threads per column of layernorm_backward_params_finish (each adds every Y-th chunk)
+      layernorm_rows_per_block, layernorm_max_blocks: rows each block of layernorm_backward_fused
+        owns (its partial sums' row chunk), raised where the rows would need more blocks than the
+        most (then ceil(N / most))
+      layernorm_finish_threads: threads per column of layernorm_backward_params_finish (each adds
+        every Y-th chunk)
 
     Fusion (the ops' `fused` flag and the fused ops): bias, bias + GELU, dGELU and bias-gradient
     GEMM epilogues where the runtime has them (runtime.epilogues: the emulator, the planner,

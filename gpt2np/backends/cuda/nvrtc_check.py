@@ -1,4 +1,4 @@
-"""Compile every kernels/*.cu for several GPU architectures without a GPU, and check for register spills.
+"""Compile every kernels/*.cu for several GPU architectures without a GPU; report register spills.
 
 Two independent compiles per file, architecture and build (BUILDS: fp32, and bf16
 with -DGPT2NP_BF16):

@@ -3,25 +3,28 @@ train_step run their real code (every check, every launch, every GEMM) without a
 without doing any work.
 
     rt = PlanRuntime("H100 SXM", tf32=True)
-    be = CudaBackend(rt)                 # GPT2(cfg, be, B, T) + train_step(...): the launches of a real step
+    be = CudaBackend(rt)  # GPT2(cfg, be, B, T) + train_step(...): the launches of a real step
 
 What each call does here:
-  zeros/empty     float buffers are PlanArrays: shape, dtype and a device address from a bump allocator, no
-                  contents (d12 at B=4, T=1024 needs ~10 GB of activations, none of which is allocated);
-                  integer buffers (token ids, encoder_backward's token groups) are small real NumPy arrays, so
-                  what the host reads of them (the token grouping) is what a real step reads
-  from_host       a PlanArray of the host array's shape (integers: a real copy); counted as an upload
-  to_host         a host sync: counted in `syncs` (with `where()`, which the planner points at the range
-                  stack), returns the integer buffer's contents or zeros of the right shape; so are
-                  synchronize and a read_async's result() (an event wait)
+  zeros/empty     float buffers are PlanArrays: shape, dtype and a device address from a bump
+                  allocator, no contents (d12 at B=4, T=1024 needs ~10 GB of activations, none of
+                  which is allocated); integer buffers (token ids, encoder_backward's token groups)
+                  are small real NumPy arrays, so what the host reads of them (the token grouping)
+                  is what a real step reads
+  from_host       a PlanArray of the host array's shape (integers: a real copy); counted as an
+                  upload
+  to_host         a host sync: counted in `syncs` (with `where()`, which the planner points at the
+                  range stack), returns the integer buffer's contents or zeros of the right shape;
+                  so are synchronize and a read_async's result() (an event wait)
   upload          counted as an upload (integers: a real copy), no sync
   begin/end_capture  a PlanGraph; its launch() counts one graph launch (graph_launches)
   copy, fill      nothing (real for two integer arrays)
   compile         a module with every kernel the registry finds in that .cu file
-  launch, gemm    nothing but the limits a real launch has: block and grid sizes, GEMM operands large
-                  enough for their leading dimensions and batch strides (the emulator's check, on sizes)
-  pointer         the PlanArray's address (256-byte aligned allocations, as cudaMalloc's), so alignment
-                  checks see what a GPU would
+  launch, gemm    nothing but the limits a real launch has: block and grid sizes, GEMM operands
+                  large enough for their leading dimensions and batch strides (the emulator's check,
+                  on sizes)
+  pointer         the PlanArray's address (256-byte aligned allocations, as cudaMalloc's), so
+                  alignment checks see what a GPU would
   event, elapsed  no time: 0 ms
 Nothing here records launches: the profiler's on_launch hook does (gpt2np.profiling.plan).
 """

@@ -4,8 +4,9 @@ range summaries, files.
 One KernelRecord per kernel launch (the model's profiler or gpt2np.profiling.nsys produce them).
 From a list of records and a Roofline (gpt2np.profiling.gpu_specs) this module renders:
     kernel_table      every launch of a step: time, FLOPs, bytes, GFLOP/s, GB/s, bound, % of peak
-    module_tree       wte, wpe, h.0..h.{L-1} (ln_1, attn (c_attn, core, c_proj), ln_2, mlp (c_fc,
-                      gelu, c_proj), residual), ln_f, lm_head, optimizer: forward/backward time, calls
+    module_tree       wte, wpe, h.0..h.{L-1} (ln_1, attn (c_attn, core, c_proj), ln_2, mlp
+                      (c_fc, gelu, c_proj), residual), ln_f, lm_head, optimizer: forward and
+                      backward time, calls
     layer_table, op_table     totals per layer and per (op, direction)
     range_table       like `nsys stats --report nvtx_sum`, from (name, start_ns, end_ns) ranges
     kernel_summary_table      like `nsys stats --report cuda_gpu_kern_sum`

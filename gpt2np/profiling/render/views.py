@@ -5,18 +5,22 @@ kernels, copies, memsets), range instances (with their parent and host times), A
 collectives and the model's memory. Each view turns it into one or more Tables (title, columns,
 rows), printed as text and written as CSV and JSON:
 
-    model                 parameters by tensor, memory by buffer (MiB), the largest activations, the peak
+    model                 parameters by tensor, memory by buffer (MiB), the largest activations, the
+                          peak
     modules               GPT-2 module tree: parameters and time per module (fwd, bwd, update)
     phases                the split into forward / backward / optimizer / communication
-    gpu_activities        nvprof's "GPU activities": Time(%), Time, Calls, Avg, Min, Max, Name, copies included
+    gpu_activities        nvprof's "GPU activities": Time(%), Time, Calls, Avg, Min, Max, Name,
+                          copies included
     api_calls             nvprof's "API calls"
-    nvtx_sum, cuda_gpu_kern_sum, cuda_gpu_mem_time_sum, cuda_gpu_mem_size_sum, cuda_api_sum, nvtx_kern_sum
-                          the `nsys stats` reports of the same names
-    user_ranges           the PyTorch profiler's table of user ranges (train_step-N, forward, backward,
-                          optimizer): Self/Total CPU and CUDA, calls
-    pyprof                PyProf's kernel table plus grid, block, tensor cores, roofline floor, % of roofline
+    nvtx_sum, cuda_gpu_kern_sum, cuda_gpu_mem_time_sum, cuda_gpu_mem_size_sum, cuda_api_sum,
+    nvtx_kern_sum         the `nsys stats` reports of the same names
+    user_ranges           the PyTorch profiler's table of user ranges (train_step-N, forward,
+                          backward, optimizer): Self/Total CPU and CUDA, calls
+    pyprof                PyProf's kernel table plus grid, block, tensor cores, roofline floor, % of
+                          roofline
     comm                  collectives of multi-rank runs: bytes, time, algorithm and bus bandwidth
-    kernels, layers, ops, top_kernels     report.py's kernel table, per-layer / per-op totals, top kernels
+    kernels, layers, ops, top_kernels     report.py's kernel table, per-layer / per-op totals, top
+                                          kernels
 
 Every title line of an emulated run says that it was emulated on the CPU (report.EMULATED_NOTE),
 every title line of a numpy-backend run that its times are CPU times (report.NUMPY_NOTE).
