@@ -68,9 +68,12 @@ def atomic_write(path, mode="wb"):
         raise WriteError(path, e) from e
     try:
         f = os.fdopen(fd, mode)
-    except BaseException:        # a bad mode: nothing was written
-        os.close(fd)
-        os.unlink(tmp)
+    except BaseException:        # a bad mode, or Ctrl-C: nothing was written
+        # fdopen may already own the descriptor (and have closed it) when an interrupt arrives
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
     finishing = False            # past the body: every OSError from here on is ours
     try:

@@ -157,6 +157,23 @@ def test_other_errors_in_the_body_pass_through(tmp_path, error):
     assert e.value is error and leftovers(tmp_path) == []
 
 
+def test_ctrl_c_while_the_file_opens_stays_an_interrupt(tmp_path, monkeypatch):
+    """Ctrl-C inside os.fdopen, after the file object took the descriptor (and closed it on its way
+    out): the interrupt passes through, not an EBADF from closing the descriptor again, and no
+    temporary file stays."""
+    real_fdopen = os.fdopen
+
+    def interrupted_fdopen(fd, mode):
+        real_fdopen(fd, mode).close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fdopen", interrupted_fdopen)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_write(tmp_path / "a.bin"):
+            pass
+    assert leftovers(tmp_path) == []
+
+
 def test_atomic_write_refuses_what_it_would_replace_wrongly(tmp_path):
     """A folder, a pipe or a device at the path (as root, /dev/full was replaced by a regular file)
     and a file in the way of the path's folders are refused before anything is written, each naming
