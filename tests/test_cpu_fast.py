@@ -75,6 +75,7 @@ def test_exp_is_within_1_02_ulp_and_keeps_inf_nan_and_zero():
     np.testing.assert_array_equal(out[1:], [np.inf, 0.0, 1.0, 1.0, np.inf, 0.0, 0.0, np.inf])
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")    # x**3 of |x| = 1e15 overflows float32
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, 100_003])
 def test_gelu_forward_and_backward_within_tolerance(n):
     rng = np.random.default_rng(n)
