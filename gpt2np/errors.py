@@ -164,8 +164,8 @@ _program_names = []
 @contextmanager
 def program_name(name: str):
     """Inside: the first parser a tool makes is called `name` in its usage and errors (`gpt2np
-    prepare` runs prepare's main, whose parser says `python -m gpt2np.datasets.prepare`); its
-    subcommands' parsers follow."""
+    train` runs the parser that `python train.py` calls train.py); its subcommands' parsers
+    follow."""
     _program_names.append([name, None])
     try:
         yield

@@ -230,7 +230,7 @@ def parse_tolerance(text):
 
 def parse_args(argv=None):
     """The flags, each checked against what it allows (BadInput names the first that is not)."""
-    p = ArgumentParser(prog="python -m gpt2np.cli.compare", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="gpt2np compare", description=__doc__.split("\n")[0])
     p.add_argument("-e", "--model", required=True, help="llm.c model file (.bin, version 3 or 5)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--debug-state", help="llm.c debug state to check against (instead of torch)")

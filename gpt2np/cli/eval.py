@@ -48,7 +48,7 @@ MODEL_HELP = ("the model: an llm.c model file (.bin, as train writes; gpt2_124M.
 
 def parse_args(argv):
     """The flags of `gpt2np eval`, each checked (BadInput names the first that is not allowed)."""
-    p = ArgumentParser(prog="python -m gpt2np.cli.eval", description=__doc__.split("\n")[0],
+    p = ArgumentParser(prog="gpt2np eval", description=__doc__.split("\n")[0],
                        epilog="eval hellaswag: -j a HellaSwag jsonl (default hellaswag_val.jsonl, "
                               "fetched into the cache), -m max examples, -b rows per forward "
                               "(4 per example).")

@@ -16,7 +16,7 @@ from gpt2np.profiling.render import report
 
 def parser() -> ArgumentParser:
     """The flags of `gpt2np ncu`."""
-    p = ArgumentParser(prog="python -m gpt2np.cli.ncu",
+    p = ArgumentParser(prog="gpt2np ncu",
                        description="Attribute Nsight Compute results to layer, op and direction.")
     p.add_argument("report", help="`ncu --csv` export (details or raw page) or .ncu-rep report")
     p.add_argument("--records",

@@ -24,7 +24,7 @@ def parser() -> ArgumentParser:
     description = ("Attribute the kernels, copies and memsets of an nsys SQLite export to NVTX "
                    "ranges (step, direction, layer, op, GPT-2 module) and show the profiler's "
                    "views of it.")
-    p = ArgumentParser(prog="python -m gpt2np.cli.nsys", description=description)
+    p = ArgumentParser(prog="gpt2np nsys", description=description)
     p.add_argument("report",
                    help="SQLite export of an Nsight Systems report (nsys export -t sqlite)")
     p.add_argument("--step", default="last",

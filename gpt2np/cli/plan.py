@@ -90,7 +90,7 @@ def add_plan_flags(ap) -> None:
 def parser() -> ArgumentParser:
     """The flags of `gpt2np plan`; profile's other flags are taken too, unlisted, as profile --plan
     takes them."""
-    ap = ArgumentParser(prog="python -m gpt2np.cli.plan", description=DESCRIPTION)
+    ap = ArgumentParser(prog="gpt2np plan", description=DESCRIPTION)
     add_model_flags(ap, plan=True)
     add_plan_flags(ap)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "numpy", "cuda", "emu"],

@@ -179,7 +179,7 @@ def plot_runs(runs, output, baseline=None, yscale="log", ylim_top=None, title=No
 @tool
 def main(argv=None):
     """Plot runs; a missing or empty log, a bad flag: one line, exit 2."""
-    p = ArgumentParser(prog="python -m gpt2np.cli.plot", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="gpt2np plot", description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", metavar="RUN_DIR",
                    help="run folder (-o of train) or a main.log file")
     p.add_argument("-o", "--output", default="plot",

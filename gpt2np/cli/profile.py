@@ -28,7 +28,7 @@ DESCRIPTION = ("Profile a few training steps: every op (NumPy) or kernel, copy a
 
 def parser() -> ArgumentParser:
     """The flags of `gpt2np profile`, --plan's among them."""
-    ap = ArgumentParser(prog="python -m gpt2np.cli.profile", description=DESCRIPTION)
+    ap = ArgumentParser(prog="gpt2np profile", description=DESCRIPTION)
     plan_cli.add_model_flags(ap, plan=False)
     ap.add_argument("--steps", type=int, default=1,
                     help="training steps to profile, after one unprofiled warm-up step (default 1)")

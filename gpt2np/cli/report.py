@@ -18,7 +18,7 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 def parser() -> ArgumentParser:
     """The flags of `gpt2np report`."""
-    p = ArgumentParser(prog="python -m gpt2np.cli.report",
+    p = ArgumentParser(prog="gpt2np report",
                        description="Render the profiling report of a JSON records file.")
     p.add_argument("records",
                    help="JSON file written by gpt2np.profiling.render.report.write_json")

@@ -42,7 +42,7 @@ class TextStream:
 @tool
 def main(argv=None):
     """Sample from a model; bad flags, a missing model or tokenizer: one line, exit 2."""
-    p = ArgumentParser(prog="python -m gpt2np.cli.sample",
+    p = ArgumentParser(prog="gpt2np sample",
                        description="Generate text from a GPT-2 model: tokenize the prompt, sample "
                        "-g tokens (KV cache: each new token costs one position), print them.")
     p.add_argument("-e", "--model", required=True, help=MODEL_HELP)
