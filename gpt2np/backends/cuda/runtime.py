@@ -48,14 +48,14 @@ class Module(Protocol):
 # (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), gelu' its derivative. Single GEMMs
 # only (batch 1), alpha 1.
 #   "none"       C = alpha op(A) op(B) + beta C
-#   "bias"       C = op(A) op(B) + beta C + bias[None, :]           bias (n,): one value per column
-#                of C
-#   "gelu_bias"  aux = op(A) op(B) + beta C + bias[None, :];  C = gelu(aux)     aux (m,n), row
-#                                                                               stride ld_aux
-#   "dgelu"      C = (op(A) op(B) + beta C) * gelu'(aux)           aux (m,n) read: the saved
-#                pre-activation
-#   "bgrad"      C = op(A) op(B) + beta C;  bias[i] = sum_k op(A)[i, k]   bias (m,) written (never
-#                added to)
+#   "bias"       C = op(A) op(B) + beta C + bias[None, :]
+#                bias (n,): one value per column of C
+#   "gelu_bias"  aux = op(A) op(B) + beta C + bias[None, :];  C = gelu(aux)
+#                aux (m,n) written, row stride ld_aux
+#   "dgelu"      C = (op(A) op(B) + beta C) * gelu'(aux)
+#                aux (m,n) read: the saved pre-activation
+#   "bgrad"      C = op(A) op(B) + beta C;  bias[i] = sum_k op(A)[i, k]
+#                bias (m,) written (never added to)
 EPILOGUES = ("none", "bias", "gelu_bias", "dgelu", "bgrad")
 # GEMM operands and epilogue vectors: fp32, or bf16 (the bf16 build)
 BIAS_DTYPES = (np.dtype(np.float32), BF16)
